@@ -1,0 +1,216 @@
+// bindings.cpp — the pybind11 module pyzero._C; the only file that includes
+// pybind11. Python hands over (data_ptr, count, dtype code, ...) already
+// validated; C++ never sees a torch tensor.
+//
+// Threading: each group has one Worker for collectives (in call order) and
+// one per peer and direction for send/recv, so a pipeline stage can post a
+// send and a receive at once. Every wait releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "errors.h"
+#include "shm_transport.h"
+#include "work.h"
+
+#ifdef PYZERO_WITH_CUDA
+#include "cuda_api.h"
+#endif
+
+namespace py = pybind11;
+using namespace pz;
+
+namespace {
+
+// A Python-visible handle for in-flight work.
+struct Work {
+  std::shared_ptr<Task> task;
+  void wait() {
+    py::gil_scoped_release nogil;
+    task->wait();
+  }
+  bool is_completed() { return task->completed(); }
+};
+
+class ShmComm {
+ public:
+  ShmComm(const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
+          size_t oneshot_bytes, double timeout_s)
+      : t_(std::make_unique<ShmTransport>(prefix, rank, size,
+                                          ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s})),
+        coll_(std::make_unique<Worker>()) {}
+
+  ShmTransport& t() { return *t_; }
+
+  // Runs fn on the collective worker (async) or inline/in order (sync).
+  py::object run(bool async_op, std::function<void()> fn) { return dispatch(*coll_, async_op, std::move(fn)); }
+
+  py::object run_p2p(bool is_send, int peer, bool async_op, std::function<void()> fn) {
+    Worker* w;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& slot = (is_send ? send_w_ : recv_w_)[peer];
+      if (!slot) slot = std::make_unique<Worker>();
+      w = slot.get();
+    }
+    return dispatch(*w, async_op, std::move(fn));
+  }
+
+  // Joins the worker threads (after their queued work) then frees the segments.
+  void close() {
+    py::gil_scoped_release nogil;
+    coll_.reset();
+    std::lock_guard<std::mutex> g(mu_);
+    send_w_.clear();
+    recv_w_.clear();
+  }
+
+ private:
+  static py::object dispatch(Worker& w, bool async_op, std::function<void()> fn) {
+    if (async_op) return py::cast(Work{w.submit(std::move(fn))});
+    {
+      py::gil_scoped_release nogil;
+      w.run_sync(std::move(fn));
+    }
+    return py::none();
+  }
+
+  std::unique_ptr<ShmTransport> t_;  // first: destroyed after the workers using it
+  std::unique_ptr<Worker> coll_;
+  std::mutex mu_;
+  std::map<int, std::unique_ptr<Worker>> send_w_, recv_w_;
+};
+
+void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+py::dict build_info() {
+  py::dict d;
+#ifdef PYZERO_WITH_CUDA
+  d["cuda"] = true;
+  d["nccl_version"] = pz::cuda::nccl_version();
+  d["cuda_runtime_version"] = pz::cuda::runtime_version();
+  py::list archs;
+  std::string a = PYZERO_CUDA_ARCHS;
+  for (size_t pos = 0; pos <= a.size();) {
+    size_t end = a.find(',', pos);
+    if (end == std::string::npos) end = a.size();
+    if (end > pos) archs.append(a.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  d["cuda_archs"] = archs;
+#else
+  d["cuda"] = false;
+  d["nccl_version"] = py::none();
+  d["cuda_runtime_version"] = py::none();
+  d["cuda_archs"] = py::list();
+#endif
+#if defined(__clang__)
+  d["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  d["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  d["compiler"] = std::string("unknown");
+#endif
+  d["backends"] = py::make_tuple("shm");
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyzero core: ring collectives over shared memory (and CUDA kernels when built with nvcc)";
+
+  static py::exception<CollectiveError> coll_err(m, "CollectiveError", PyExc_RuntimeError);
+  static py::exception<CollectiveTimeout> coll_timeout(m, "CollectiveTimeout", coll_err.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CollectiveTimeout& e) {
+      py::set_error(coll_timeout, e.what());
+    } catch (const CollectiveError& e) {
+      py::set_error(coll_err, e.what());
+    }
+  });
+
+  m.def("build_info", &build_info, "How this extension was built: cuda, nccl_version, cuda_archs, compiler");
+
+  py::class_<Work>(m, "Work")
+      .def("wait", &Work::wait, "Block until the operation finished; raises its error, if any")
+      .def("is_completed", &Work::is_completed);
+
+  py::class_<OpStats>(m, "OpStats")
+      .def_readonly("calls", &OpStats::calls)
+      .def_readonly("elements", &OpStats::elements)
+      .def_readonly("sent_bytes", &OpStats::sent_bytes);
+
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init<const std::string&, int, int, size_t, int, size_t, double>(), py::arg("prefix"),
+           py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
+           py::arg("oneshot_bytes"), py::arg("timeout_s"))
+      .def("attach", [](ShmComm& c) { c.t().attach(); })
+      .def("unlink", [](ShmComm& c) { c.t().unlink(); })
+      .def("close", &ShmComm::close)
+      .def("set_timeout", [](ShmComm& c, double s) { c.t().set_timeout(s); })
+      .def_property_readonly("rank", [](ShmComm& c) { return c.t().rank(); })
+      .def_property_readonly("size", [](ShmComm& c) { return c.t().size(); })
+      .def("choose_algo",
+           [](ShmComm& c, int coll, size_t bytes) { return int(c.t().choose_algo(Coll(coll), bytes)); })
+      .def("stats", [](ShmComm& c, bool reset) { return c.t().stats(reset); }, py::arg("reset") = false)
+      .def("all_reduce",
+           [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int op, int algo, bool async_op) {
+             auto& t = c.t();
+             return c.run(async_op, [&t, buf, n, dt, op, algo] {
+               t.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo));
+             });
+           })
+      .def("reduce_scatter",
+           [](ShmComm& c, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt, int op, int algo,
+              bool async_op) {
+             auto& t = c.t();
+             return c.run(async_op, [&t, out, in, counts, dt, op, algo] {
+               t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo));
+             });
+           })
+      .def("all_gather",
+           [](ShmComm& c, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt, int algo,
+              bool async_op) {
+             auto& t = c.t();
+             return c.run(async_op, [&t, out, in, counts, dt, algo] {
+               t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo));
+             });
+           })
+      .def("broadcast",
+           [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int root, int algo, bool async_op) {
+             auto& t = c.t();
+             return c.run(async_op, [&t, buf, n, dt, root, algo] {
+               t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo));
+             });
+           })
+      .def("barrier",
+           [](ShmComm& c, bool async_op) {
+             auto& t = c.t();
+             return c.run(async_op, [&t] { t.barrier(); });
+           })
+      .def("send",
+           [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int peer, bool async_op) {
+             auto& t = c.t();
+             return c.run_p2p(true, peer, async_op, [&t, buf, n, dt, peer] { t.send(as_ptr(buf), n, DType(dt), peer); });
+           })
+      .def("recv", [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int peer, bool async_op) {
+        auto& t = c.t();
+        return c.run_p2p(false, peer, async_op, [&t, buf, n, dt, peer] { t.recv(as_ptr(buf), n, DType(dt), peer); });
+      });
+
+#ifdef PYZERO_WITH_CUDA
+  m.def(
+      "cuda_reduce2",
+      [](uintptr_t a, uintptr_t b, uintptr_t out, int64_t n, int dt, int op, int nranks, uintptr_t stream) {
+        pz::cuda::launch_reduce2(as_ptr(a), as_ptr(b), as_ptr(out), n, DType(dt), RedOp(op), nranks, stream);
+      },
+      "out = a (+) b elementwise on the GPU (raw device pointers, dtype/op codes, cudaStream_t)");
+  m.def("cuda_device_count", &pz::cuda::device_count);
+#endif
+}

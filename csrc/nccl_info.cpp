@@ -1,0 +1,14 @@
+// nccl_info.cpp — NCCL facts for build_info(); the NCCL transport lands here.
+#include <nccl.h>
+
+#include "cuda_api.h"
+
+namespace pz::cuda {
+
+int nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return 0;
+  return v;
+}
+
+}  // namespace pz::cuda

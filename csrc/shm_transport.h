@@ -1,0 +1,181 @@
+// shm_transport.h — the "shm" transport: CPU processes of one host talking
+// through POSIX shared memory.
+//
+// Each rank creates one segment and maps every peer's. Python owns the user
+// buffers; C++ borrows them for the duration of a call. A segment holds:
+//
+//   RankCtrl          arrival sequence, one-shot read progress, call
+//                     descriptors, abort flag, pid
+//   ChanCtrl[n + 1]   one channel per peer for send/recv, and one (index n)
+//                     to the ring successor, all *outgoing* from this rank
+//   one-shot areas    two (indexed by seq % 2) of `oneshot_bytes` each
+//   slots             (n + 1) channels x depth x slice_bytes
+//
+// Segments are unlinked as soon as every rank has mapped them, so a killed
+// rank leaves nothing behind in /dev/shm.
+//
+// [Note: shared-memory flag protocol]
+// Every counter is monotonic over the life of the group and written by one
+// side only, so nothing is ever reset:
+//  * arrived (writer: owner) — the sequence number of the collective the owner
+//    entered. Before the store-release of `arrived = s` the owner has written
+//    desc[s % 2] and, for one-shot, its data into area[s % 2]. A rank proceeds
+//    with collective s once every peer's arrived >= s. Peers can then be at
+//    most one collective ahead (s + 1 needs everyone's arrival), so two
+//    descriptor/area copies suffice.
+//    A peer that has arrived at s - 1 has finished collective s - 2 and with
+//    it every read of area[s % 2]; so once arrival at s - 1 has passed, a rank
+//    may overwrite area[s % 2]: one sync per small collective, no read counters.
+//  * chan.sent (writer: sender) / chan.consumed (writer: receiver) — a ring
+//    buffer of `depth` slots; the sender waits for sent - consumed < depth,
+//    writes slot sent % depth and store-releases sent + 1; the receiver waits
+//    for sent > consumed, reads, and store-releases consumed + 1.
+//  * aborted (writer: owner) — set when the owner failed mid-collective, so
+//    peers waiting on it fail fast instead of waiting for the timeout.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "reduce_math.h"
+#include "ring.h"
+
+namespace pz {
+
+enum class Coll : int32_t { all_reduce = 0, reduce_scatter, all_gather, broadcast, barrier, send, recv };
+constexpr int kNumColls = 7;
+const char* coll_name(Coll c);
+
+enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2 };
+const char* algo_name(Algo a);
+
+// What every rank must agree on for one call; compared across ranks.
+struct alignas(64) CallDesc {
+  uint64_t seq;
+  int32_t coll, op, dtype, root, algo, pad;
+  int64_t count;        // total elements (full buffer for reduce_scatter/all_gather)
+  uint64_t counts_hash; // hash of the per-rank counts
+};
+static_assert(sizeof(CallDesc) == 64, "CallDesc lives in shared memory");
+
+struct alignas(64) RankCtrl {
+  alignas(64) std::atomic<uint64_t> arrived;
+  alignas(64) std::atomic<uint32_t> aborted;
+  int32_t pid;
+  CallDesc desc[2];
+};
+static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc), "RankCtrl lives in shared memory");
+
+struct alignas(64) ChanCtrl {
+  alignas(64) std::atomic<uint64_t> sent;
+  alignas(64) std::atomic<uint64_t> consumed;
+};
+static_assert(sizeof(ChanCtrl) == 128, "ChanCtrl: one cache line per writer");
+
+// Header of a send/recv message, carried in the message's first slot.
+struct alignas(16) P2PHeader {
+  int64_t count;
+  int32_t dtype;
+  int32_t pad;
+};
+
+struct ShmConfig {
+  size_t slice_bytes = 256 << 10;
+  int depth = 8;
+  size_t oneshot_bytes = 256 << 10;  // largest per-rank input the one-shot path takes
+  double timeout_s = 300.0;
+};
+
+// Per-op traffic counters of this rank (what left this rank on the transport).
+struct OpStats {
+  uint64_t calls = 0, elements = 0, sent_bytes = 0;
+};
+
+class ShmTransport {
+ public:
+  ShmTransport(std::string prefix, int rank, int size, ShmConfig cfg);
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Set-up in three steps separated by store barriers in Python:
+  // construct (creates own segment) -> attach() (maps peers) -> unlink().
+  void attach();
+  void unlink();
+
+  int rank() const { return rank_; }
+  int size() const { return n_; }
+  const ShmConfig& config() const { return cfg_; }
+  void set_timeout(double s) { cfg_.timeout_s = s; }
+
+  // Collectives; buffers already validated by the caller.
+  void all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo algo);
+  void reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts, DType dt,
+                      RedOp op, Algo algo);
+  void all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, Algo algo);
+  void broadcast(void* buf, int64_t count, DType dt, int root, Algo algo);
+  void barrier();
+  void send(const void* buf, int64_t count, DType dt, int dst);
+  void recv(void* buf, int64_t count, DType dt, int src);
+
+  // The algorithm `auto` picks for a call of `bytes` (per-rank input bytes).
+  Algo choose_algo(Coll c, size_t bytes) const;
+  // `algo` as given, or auto's choice; rejects one-shot for too large inputs.
+  Algo resolve(Coll c, size_t bytes, Algo algo) const;
+  std::map<std::string, OpStats> stats(bool reset);
+
+  // ---- used by the ring primitives ----
+  struct Chan {
+    ChanCtrl* ctrl;
+    char* slots;
+    int peer;          // the rank on the other end
+    uint64_t local;    // this side's own counter (sent or consumed)
+    const char* what;  // the operation using it, for errors
+  };
+  void* send_acquire(Chan& c);
+  void send_post(Chan& c, size_t bytes);
+  const void* recv_acquire(Chan& c);
+  void recv_release(Chan& c);
+
+ private:
+  char* seg(int r) const { return maps_[r]; }
+  RankCtrl* ctrl(int r) const { return reinterpret_cast<RankCtrl*>(maps_[r]); }
+  ChanCtrl* chan_ctrl(int owner, int idx) const;
+  char* chan_slots(int owner, int idx) const;
+  char* area(int r, uint64_t seq) const;
+
+  // Enter collective `d`: publish the descriptor (and one-shot data already
+  // written), wait for every peer, compare descriptors.
+  void arrive(const CallDesc& d, const char* what);
+  template <typename Pred> void wait_for(Pred ready, int peer, const char* what);
+  [[noreturn]] void fail_timeout(int peer, const char* what);
+  void check_usable(const char* what);
+  std::string where(const char* what) const;
+  std::string describe(const CallDesc& d) const;
+  bool peer_alive(int r) const;
+  void tally(Coll c, uint64_t elements, uint64_t bytes);
+  uint64_t begin(const char* what);  // checks the group, returns the new seq
+
+  template <typename T> void ring_all_reduce_t(T* buf, int64_t count, RedOp op);
+  template <typename T> void ring_reduce_scatter_t(T* out, const T* in, const ChunkLayout& L, RedOp op);
+  template <typename T> void ring_all_gather_t(T* out, const ChunkLayout& L);
+  template <typename T> void ring_broadcast_t(T* buf, int64_t count, int root);
+
+  std::string prefix_;
+  int rank_, n_;
+  ShmConfig cfg_;
+  size_t seg_bytes_ = 0, ctrl_bytes_ = 0, area_bytes_ = 0;
+  std::vector<char*> maps_;
+  bool unlinked_ = false;
+  std::atomic<bool> broken_{false};
+  std::string broken_why_;
+  uint64_t seq_ = 0;                  // collectives entered by this rank
+  std::vector<uint64_t> send_local_, recv_local_;  // p2p counters (n) + ring (index n)
+  std::atomic<uint64_t> stats_[kNumColls][3];
+};
+
+}  // namespace pz

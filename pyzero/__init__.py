@@ -1,0 +1,29 @@
+"""pyzero: ring collectives, DDP-style data parallel, ZeRO and tensor parallelism
+for PyTorch, over a torch-free C++/CUDA core (``pyzero._C``)."""
+from . import _C
+from .comm import (
+    CollectiveError,
+    CollectiveTimeout,
+    Group,
+    Work,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    comm_stats,
+    destroy,
+    get_backend,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    new_group,
+    recv,
+    reduce_scatter,
+    send,
+)
+
+build_info = _C.build_info
+
+__version__ = "0.1.0"

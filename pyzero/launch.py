@@ -1,0 +1,132 @@
+"""Run a function on N local ranks, torchrun-style, with a hard timeout.
+
+Used by the tests, ``pyzero-bench --nproc`` and the demo. Each rank is a
+forked process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set,
+its stdout/stderr captured to a file. If any rank fails, or the deadline
+passes, every rank still running is killed and RankFailure shows each rank's
+exit status and the tail of its output.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int | None  # None: killed by us at the deadline; negative: killed by that signal
+    value: object
+    output: str
+
+
+class RankFailure(RuntimeError):
+    def __init__(self, message: str, results: list[RankResult]):
+        self.results = results
+        parts = [message]
+        for r in results:
+            tail = r.output[-4000:]
+            parts.append(f"--- rank {r.rank} (exit {r.exitcode}) ---\n{tail}")
+        super().__init__("\n".join(parts))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, out_path: str, res_path: str) -> None:
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(env or {})
+    code = 0
+    try:
+        value = fn(*args, **kwargs)
+        with open(res_path, "wb") as f:
+            pickle.dump(value, f)
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            from . import comm  # noqa: PLC0415
+
+            comm.destroy()
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+            code = code or 1
+        import sys  # noqa: PLC0415
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never run the parent's atexit handlers (pytest's) in a fork
+
+
+def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=None,
+              check: bool = True) -> list[RankResult]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked ranks; return their results in rank order.
+
+    With ``check`` (default) raise RankFailure unless every rank exits 0 in
+    time; without, return whatever happened (exit codes, outputs).
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs: expected >= 1, got {nprocs}")
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")
+    pids = {}
+    for r in range(nprocs):
+        pid = os.fork()
+        if pid == 0:
+            _child(fn, r, nprocs, port, args, kwargs or {}, env,
+                   os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
+        pids[pid] = r
+    codes: dict[int, int | None] = {}
+    deadline = time.monotonic() + timeout
+    failed = False
+    while len(codes) < nprocs:
+        for pid, r in pids.items():
+            if r in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[r] = os.waitstatus_to_exitcode(status)
+                failed = failed or codes[r] != 0
+        if len(codes) == nprocs or time.monotonic() > deadline or (failed and check):
+            break
+        time.sleep(0.005)
+    timed_out = len(codes) < nprocs and not failed
+    for pid, r in pids.items():  # kill and reap whatever is left
+        if r not in codes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            codes[r] = None
+    results = []
+    for r in range(nprocs):
+        out_path, res_path = os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl")
+        with open(out_path, errors="replace") as f:
+            output = f.read()
+        value = None
+        if os.path.exists(res_path):
+            with open(res_path, "rb") as f:
+                value = pickle.load(f)
+            os.unlink(res_path)
+        os.unlink(out_path)
+        results.append(RankResult(r, codes[r], value, output))
+    os.rmdir(tmp)
+    if check and any(res.exitcode != 0 for res in results):
+        why = f"ranks did not finish within {timeout} s" if timed_out else "a rank failed"
+        raise RankFailure(f"run_ranks({getattr(fn, '__name__', fn)}, nprocs={nprocs}): {why}", results)
+    return results

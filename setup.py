@@ -1,6 +1,7 @@
 """Build pyzero._C with CMake + ninja (see CMakeLists.txt for the options)."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,16 @@ def nccl_root():
 
 
 class CMakeBuild(build_ext):
+    def copy_extensions_to_source(self):
+        """In-place builds replace the module atomically: running processes keep the old mapping."""
+        for ext in self.extensions:
+            built = Path(self.get_ext_fullpath(ext.name))
+            dest = ROOT / Path(*ext.name.split(".")[:-1]) / built.name
+            tmp = dest.with_suffix(".tmp")
+            shutil.copyfile(built, tmp)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, dest)
+
     def build_extension(self, ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"

@@ -35,6 +35,11 @@ struct ChunkLayout {
     for (size_t i = 0; i < counts.size(); ++i) offsets[i + 1] = offsets[i] + counts[i];
   }
   int64_t total() const { return offsets.back(); }
+  int64_t longest() const {
+    int64_t m = 0;
+    for (int64_t c : counts) m = c > m ? c : m;
+    return m;
+  }
 };
 
 inline int ring_mod(int a, int n) { return ((a % n) + n) % n; }
@@ -56,9 +61,7 @@ struct Round {
 
 template <typename F>
 void for_rounds(const ChunkLayout& L, int64_t round_elems, F f) {
-  int64_t longest = 0;
-  for (int64_t c : L.counts) longest = c > longest ? c : longest;
-  for (int64_t b = 0; b < longest; b += round_elems) f(Round{L, b, round_elems});
+  for (int64_t b = 0, longest = L.longest(); b < longest; b += round_elems) f(Round{L, b, round_elems});
 }
 
 // Reduce-scatter one round of `src` (full layout) into `dst` (this rank's

@@ -423,16 +423,29 @@ struct ShmRingPrims {
 
 namespace {
 
+// Slice length for a call whose longest chunk has `longest` elements: one
+// round of depth/2 slices covers the chunk, so even mid-sized messages are
+// pipelined across ranks; at least 8 KiB to amortise the flag handshake, at
+// most a slot.
+template <typename W>
+int64_t slice_elems(const ShmConfig& cfg, int64_t longest) {
+  int64_t per_round = std::max(1, cfg.depth / 2);
+  int64_t want = (longest + per_round - 1) / per_round;
+  want = (want + 15) / 16 * 16;
+  int64_t lo = int64_t(8192 / sizeof(W)), hi = int64_t(cfg.slice_bytes / sizeof(W));
+  return std::min(hi, std::max(lo, want));
+}
+
 template <typename T, RedOp OP, typename F>
 uint64_t with_ring_prims(ShmTransport& t, const char* what, const ShmConfig& cfg, int rank, int n,
-                         std::vector<uint64_t>& send_local, std::vector<uint64_t>& recv_local,
+                         int64_t longest, std::vector<uint64_t>& send_local, std::vector<uint64_t>& recv_local,
                          ChanCtrl* out_ctrl, char* out_slots, ChanCtrl* in_ctrl, char* in_slots, F body) {
   using W = WireT<T>;
   int next = (rank + 1) % n, prev = (rank + n - 1) % n;
   ShmRingPrims<T, OP> p{t,
                         {out_ctrl, out_slots, next, send_local[n], what},
                         {in_ctrl, in_slots, prev, recv_local[n], what},
-                        int64_t(cfg.slice_bytes / sizeof(W)),
+                        slice_elems<W>(cfg, longest),
                         n,
                         cfg.depth};
   struct Save {  // keep the channel counters even when the body throws
@@ -448,8 +461,9 @@ uint64_t with_ring_prims(ShmTransport& t, const char* what, const ShmConfig& cfg
 
 }  // namespace
 
-#define PZ_RING_PRIMS(T, OP, body)                                                                 \
-  with_ring_prims<T, OP>(*this, what, cfg_, rank_, n_, send_local_, recv_local_, chan_ctrl(rank_, n_),   \
+#define PZ_RING_PRIMS(T, OP, longest, body)                                                         \
+  with_ring_prims<T, OP>(*this, what, cfg_, rank_, n_, longest, send_local_, recv_local_,               \
+                         chan_ctrl(rank_, n_),                                                             \
                          chan_slots(rank_, n_), chan_ctrl((rank_ + n_ - 1) % n_, n_),               \
                          chan_slots((rank_ + n_ - 1) % n_, n_), body)
 
@@ -480,7 +494,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     for (int r = 0; r < n_; ++r) counts[r] = count / n_ + (r < count % n_ ? 1 : 0);
     ChunkLayout L(counts);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      sent = PZ_RING_PRIMS(T, OP, [&](ShmRingPrims<T, OP>& p) {
+      sent = PZ_RING_PRIMS(T, OP, L.longest(), [&](ShmRingPrims<T, OP>& p) {
         ring_all_reduce<T>(p, static_cast<T*>(buf), L, rank_, n_, p.round_elems());
       });
     }));
@@ -512,7 +526,7 @@ void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<i
   } else {
     arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      sent = PZ_RING_PRIMS(T, OP, [&](ShmRingPrims<T, OP>& p) {
+      sent = PZ_RING_PRIMS(T, OP, L.longest(), [&](ShmRingPrims<T, OP>& p) {
         ring_reduce_scatter<T>(p, static_cast<const T*>(in), static_cast<T*>(out), L, rank_, n_,
                                p.round_elems());
       });
@@ -546,7 +560,7 @@ void ShmTransport::all_gather(void* out, const void* in, const std::vector<int64
   } else {
     arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, {
-      sent = PZ_RING_PRIMS(T, RedOp::sum, [&](ShmRingPrims<T, RedOp::sum>& p) {
+      sent = PZ_RING_PRIMS(T, RedOp::sum, L.longest(), [&](ShmRingPrims<T, RedOp::sum>& p) {
         ring_all_gather<T>(p, static_cast<T*>(out), L, rank_, n_, p.round_elems());
       });
     });
@@ -571,7 +585,7 @@ void ShmTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo 
   } else {
     arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, {
-      sent = PZ_RING_PRIMS(T, RedOp::sum, [&](ShmRingPrims<T, RedOp::sum>& p) {
+      sent = PZ_RING_PRIMS(T, RedOp::sum, count, [&](ShmRingPrims<T, RedOp::sum>& p) {
         ring_broadcast<T>(p, static_cast<T*>(buf), count, root, rank_, n_);
       });
     });

@@ -42,7 +42,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, out_path: str, res_path: str) -> None:
+def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, out_path: str,
+           res_path: str) -> None:
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -51,6 +52,10 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, out_path: s
     os.environ.update(env or {})
     code = 0
     try:
+        if threads:
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(threads)
         value = fn(*args, **kwargs)
         with open(res_path, "wb") as f:
             pickle.dump(value, f)
@@ -73,9 +78,12 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, out_path: s
 
 
 def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=None,
-              check: bool = True) -> list[RankResult]:
+              check: bool = True, threads: int | None = 1) -> list[RankResult]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked ranks; return their results in rank order.
 
+    ``fn`` returns a picklable value. ``threads`` sets torch's intra-op threads
+    in each rank (None leaves torch's default), so N ranks do not oversubscribe
+    the cores.
     With ``check`` (default) raise RankFailure unless every rank exits 0 in
     time; without, return whatever happened (exit codes, outputs).
     """
@@ -87,7 +95,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     for r in range(nprocs):
         pid = os.fork()
         if pid == 0:
-            _child(fn, r, nprocs, port, args, kwargs or {}, env,
+            _child(fn, r, nprocs, port, args, kwargs or {}, env, threads,
                    os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
         pids[pid] = r
     codes: dict[int, int | None] = {}

@@ -1,0 +1,1 @@
+"""Benchmarks behind the ``pyzero-bench`` command (``python -m pyzero.bench``)."""

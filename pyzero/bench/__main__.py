@@ -1,0 +1,38 @@
+"""pyzero-bench: collectives | train | tp | pipeline.
+
+Each subcommand lives in pyzero/bench/<name>.py and provides
+``add_arguments(parser)`` and ``main(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "collectives": "nccl-tests style table for all_reduce / reduce_scatter / all_gather / broadcast",
+    "train": "training step time, tokens/s and memory: torch DDP vs pyzero",
+    "tp": "tensor-parallel all-gather+matmul and matmul+reduce-scatter, overlapped vs not",
+    "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pyzero-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, help_text in SUBCOMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(f"pyzero.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"pyzero.bench.{name}":
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(modules[args.command].main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

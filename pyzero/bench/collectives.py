@@ -1,0 +1,324 @@
+"""pyzero-bench collectives: an nccl-tests style table, pyzero beside torch.distributed.
+
+Every size runs out-of-place and in-place. Inputs are small integers, so every
+reduction is exact in every dtype and #wrong is a real count against an
+expected value computed independently (closed form in int64). Bus bandwidth
+uses the nccl-tests factors: all_reduce 2(n-1)/n, reduce_scatter and
+all_gather (n-1)/n, broadcast 1. all_reduce has no out-of-place form in
+either library; its out-of-place column is copy-then-reduce, as a user would
+write it. The time reported is the slowest rank's mean.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+
+from .common import parse_size, size_steps, write_json
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+NCCL_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "float64": "double",
+             "int32": "int32", "int64": "int64"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--op", default="all_reduce", choices=OPS + ("all",))
+    p.add_argument("--min", default="8", help="smallest size in bytes (K/M/G suffixes)")
+    p.add_argument("--max", default="128M", help="largest size in bytes")
+    p.add_argument("--factor", type=float, default=2.0)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (else: run under torchrun)")
+    p.add_argument("--backends", default="pyzero,torch", help="comma list of pyzero, torch")
+    p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+
+
+# ---------------------------------------------------------------------------
+# Exactly checkable data
+
+
+def pattern(count: int, rank: int, dtype) -> torch.Tensor:
+    """Rank r's input: small integers in [-2, 2], so sums over <= 60 ranks are exact even in fp16/bf16."""
+    i = torch.arange(count, dtype=torch.int64)
+    return ((i * 7 + rank * 3) % 5 - 2).to(dtype)
+
+
+def expected(op: str, count: int, n: int, rank: int, root: int, dtype) -> torch.Tensor:
+    """The result this rank must hold, from the closed form, not from any collective."""
+    if op == "broadcast":
+        return pattern(count, root, dtype)
+    if op == "all_gather":
+        per = count // n
+        return torch.cat([pattern(per, r, torch.int64) for r in range(n)]).to(dtype)
+    total = sum(pattern(count, r, torch.int64) for r in range(n))
+    if op == "reduce_scatter":
+        per = count // n
+        return total[rank * per:(rank + 1) * per].to(dtype)
+    return total.to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# One backend's calls
+
+
+class Runner:
+    """Binds an op/backend to prepared buffers; call() runs one collective."""
+
+    def __init__(self, backend: str, op: str, count: int, dtype, inplace: bool, algo: str):
+        import pyzero as pz  # noqa: PLC0415
+
+        self.n = pz.get_world_size()
+        self.rank = pz.get_rank()
+        per = count // self.n
+        algo = None if algo == "auto" else algo
+        if op == "all_reduce":
+            self.inp, self.out = pattern(count, self.rank, dtype), torch.empty(count, dtype=dtype)
+        elif op == "reduce_scatter":
+            self.inp = pattern(count, self.rank, dtype)
+            self.out = self.inp[self.rank * per:(self.rank + 1) * per] if inplace else torch.empty(per, dtype=dtype)
+        elif op == "all_gather":
+            self.out = torch.empty(count, dtype=dtype)
+            self.inp = self.out[self.rank * per:(self.rank + 1) * per] if inplace else torch.empty(per, dtype=dtype)
+            self.inp.copy_(pattern(per, self.rank, dtype))
+        else:
+            self.inp = pattern(count, self.rank, dtype)
+            self.out = self.inp if inplace else torch.empty(count, dtype=dtype)
+        self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
+        if backend == "pyzero":
+            self.call = self._pyzero(op, inplace, algo)
+        else:
+            self.call = self._torch(op, inplace)
+
+    def _pyzero(self, op, inplace, algo):
+        import pyzero as pz  # noqa: PLC0415
+
+        inp, out = self.inp, self.out
+        if op == "all_reduce":
+            if inplace:
+                return lambda: pz.all_reduce(inp, algo=algo)
+            return lambda: (out.copy_(inp), pz.all_reduce(out, algo=algo))
+        if op == "reduce_scatter":
+            return lambda: pz.reduce_scatter(out, inp, algo=algo)
+        if op == "all_gather":
+            return lambda: pz.all_gather(out, inp, algo=algo)
+        if inplace:
+            return lambda: pz.broadcast(inp, src=0, algo=algo)
+        return lambda: (out.copy_(inp) if self.rank == 0 else None, pz.broadcast(out, src=0, algo=algo))
+
+    def _torch(self, op, inplace):
+        import torch.distributed as dist  # noqa: PLC0415
+
+        inp, out = self.inp, self.out
+        if op == "all_reduce":
+            if inplace:
+                return lambda: dist.all_reduce(inp)
+            return lambda: (out.copy_(inp), dist.all_reduce(out))
+        if op == "reduce_scatter":
+            src = inp.clone() if inplace else inp  # gloo has no aliasing form
+            return lambda: (src.copy_(inp) if inplace else None, dist.reduce_scatter_tensor(out, src))
+        if op == "all_gather":
+            return lambda: dist.all_gather_into_tensor(out, inp.clone() if inplace else inp)
+        if inplace:
+            return lambda: dist.broadcast(inp, src=0)
+        return lambda: (out.copy_(inp) if self.rank == 0 else None, dist.broadcast(out, src=0))
+
+
+def _barrier(backend):
+    import pyzero as pz  # noqa: PLC0415
+
+    if backend == "torch":
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.barrier()
+    else:
+        pz.barrier()
+
+
+def _max_over_ranks(x: float) -> float:
+    import pyzero as pz  # noqa: PLC0415
+
+    t = torch.tensor([x], dtype=torch.float64)
+    pz.all_reduce(t, op="max")
+    return float(t)
+
+
+def _sum_over_ranks(x: int) -> int:
+    import pyzero as pz  # noqa: PLC0415
+
+    t = torch.tensor([x], dtype=torch.int64)
+    pz.all_reduce(t, op="sum")
+    return int(t)
+
+
+def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
+    """(time_us, wrong) for one configuration; every rank returns the same numbers."""
+    import pyzero as pz  # noqa: PLC0415
+
+    n, rank = pz.get_world_size(), pz.get_rank()
+    r = Runner(backend, op, count, dtype, inplace, algo)
+    r.call()
+    wrong = int((r.result != expected(op, count, n, rank, 0, dtype)).sum())
+    for _ in range(warmup):
+        r.call()
+    _barrier(backend)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        r.call()
+    elapsed = (time.perf_counter() - t0) / iters
+    return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong)
+
+
+def memcpy_gbps(nbytes: int, iters: int) -> float:
+    a = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    return nbytes / ((time.perf_counter() - t0) / iters) / 1e9
+
+
+# ---------------------------------------------------------------------------
+# Per-rank driver and table
+
+
+HEADER = ("#\n#{:>61}{:>32}\n".format("out-of-place", "in-place") +
+          "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7} {:>6}\n".format(
+              "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
+              "busbw", "#wrong") +
+          "#{:>11} {:>12} {:>8} {:>6} {:>6} {:>8} {:>7} {:>7} {:>6} {:>8} {:>7} {:>7} {:>6}".format(
+              "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""))
+
+
+def rank_main(args) -> list[dict]:
+    import pyzero as pz  # noqa: PLC0415
+
+    pz.init(backend="shm", timeout=args.timeout)
+    n, rank = pz.get_world_size(), pz.get_rank()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ("pyzero", "torch"):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero or torch")
+    if "torch" in backends:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    dtype = DTYPES[args.dtype]
+    esize = torch.empty(0, dtype=dtype).element_size()
+    ops = OPS if args.op == "all" else (args.op,)
+    results = []
+    for backend in backends:
+        for op in ops:
+            if rank == 0:
+                algo = f", algo {args.algo}" if backend == "pyzero" else ""
+                print(f"# {op}, backend {backend}{' (gloo)' if backend == 'torch' else algo}, "
+                      f"{n} ranks, dtype {args.dtype}\n{HEADER}", flush=True)
+            busbws = []
+            for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
+                count = max(size // esize // n * n if op in ("reduce_scatter", "all_gather") else size // esize, 1)
+                if op in ("reduce_scatter", "all_gather"):
+                    count = max(count, n)
+                nbytes = count * esize
+                row = []
+                for inplace in (False, True):
+                    t_us, wrong = measure(backend, op, count, dtype, inplace, args.algo, args.iters, args.warmup)
+                    algbw = nbytes / t_us / 1e3
+                    busbw = algbw * BUS_FACTOR[op](n)
+                    row += [t_us, algbw, busbw, wrong]
+                    results.append({"backend": backend, "op": op, "dtype": args.dtype, "bytes": nbytes,
+                                    "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
+                                    "algbw": algbw, "busbw": busbw, "wrong": wrong,
+                                    "algo": args.algo if backend == "pyzero" else "gloo"})
+                busbws.append(row[6])
+                if rank == 0:
+                    redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
+                    root = 0 if op == "broadcast" else -1
+                    print(" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
+                          "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row),
+                          flush=True)
+            if rank == 0:
+                wrong_total = sum(r["wrong"] for r in results if r["backend"] == backend and r["op"] == op)
+                print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
+                      f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
+    if rank == 0:
+        for size in sorted({r["bytes"] for r in results}):
+            results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,
+                            "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
+    return results
+
+
+def print_ratios(results: list) -> None:
+    """pyzero vs torch, in-place, per op and size: speed-up of time (= busbw ratio)."""
+    key = {(r["backend"], r["op"], r["bytes"]): r for r in results if r.get("inplace") and "time_us" in r}
+    rows = [(op, b, key[("torch", op, b)]["time_us"] / key[("pyzero", op, b)]["time_us"])
+            for (be, op, b) in sorted(key, key=lambda k: (k[1], k[2])) if be == "pyzero" and ("torch", op, b) in key]
+    if not rows:
+        return
+    print("# pyzero vs torch (gloo), in-place: time(torch) / time(pyzero) = busbw ratio")
+    print("#{:>15} {:>12} {:>10}".format("op", "size (B)", "ratio"))
+    for op, b, ratio in rows:
+        print(" {:>15} {:>12} {:>10.2f}".format(op, b, ratio))
+
+
+def plot(results: list, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ops = sorted({r["op"] for r in results if r["op"] != "memcpy"})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.2), squeeze=False)
+    mem = sorted((r["bytes"], r["busbw"]) for r in results if r["backend"] == "memcpy")
+    for ax, op in zip(axes[0], ops):
+        for backend in sorted({r["backend"] for r in results if r["op"] == op}):
+            pts = sorted((r["bytes"], r["busbw"]) for r in results
+                         if r["op"] == op and r["backend"] == backend and r["inplace"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label=f"{backend}" + (" (gloo)" if backend == "torch" else ""))
+        if mem:
+            ax.plot([m[0] for m in mem], [m[1] for m in mem], "k--", lw=1, label="host memcpy (1 core)")
+        n = next(r["world_size"] for r in results if r["op"] == op)
+        ax.set(xscale="log", xlabel="size (bytes)", ylabel="bus bandwidth (GB/s)", title=f"{op}, {n} ranks, in-place")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    from ..launch import run_ranks  # noqa: PLC0415
+
+    if args.nproc:
+        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
+        print(res[0].output, end="")
+        results = res[0].value
+    else:
+        import pyzero as pz  # noqa: PLC0415
+
+        results = rank_main(args)
+        pz.destroy()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    print_ratios(results)
+    if args.json:
+        write_json(args.json, results, {"command": "collectives", "args": vars(args)})
+    if args.plot:
+        plot(results, args.plot)
+    wrong = sum(r.get("wrong", 0) for r in results)
+    return 1 if wrong else 0

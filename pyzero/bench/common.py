@@ -1,0 +1,75 @@
+"""Shared bench helpers: machine/version record, size parsing, JSON output."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    info = {"node": platform.node(), "system": platform.platform(), "cpu": cpu, "cpus": os.cpu_count()}
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def versions() -> dict:
+    import torch  # noqa: PLC0415
+
+    from .. import _C, __version__  # noqa: PLC0415
+
+    v = {"python": sys.version.split()[0], "torch": torch.__version__, "pyzero": __version__}
+    v.update({f"pyzero_{k}": val for k, val in _C.build_info().items()})
+    return v
+
+
+def record(results: list, extra: dict | None = None) -> dict:
+    out = {"machine": machine_info(), "versions": versions(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    out.update(extra or {})
+    out["results"] = results
+    return out
+
+
+def write_json(path: str, results: list, extra: dict | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump(record(results, extra), f, indent=1, default=str)
+
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '128M', '1G' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
+    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+
+
+def size_steps(lo: int, hi: int, factor: float) -> list[int]:
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--min/--max: expected 1 <= min <= max, got {lo}, {hi}")
+    if factor <= 1:
+        raise ValueError(f"--factor: expected > 1, got {factor}")
+    out, s = [], lo
+    while s <= hi:
+        out.append(int(s))
+        s = s * factor
+    return out

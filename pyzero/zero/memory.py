@@ -1,0 +1,67 @@
+"""Model-state memory per rank, from the ZeRO paper (Rajbhandari et al., 2020, section 5).
+
+With Ψ parameters, N ranks and K bytes of optimizer state per parameter
+(K = 12 for mixed-precision Adam: fp32 master weights, momentum, variance):
+
+    baseline (DDP)  (2 + 2 + K) Ψ
+    stage 1         2Ψ + 2Ψ + KΨ/N
+    stage 2         2Ψ + (2 + K)Ψ/N
+    stage 3         (2 + 2 + K)Ψ/N
+
+Without mixed precision parameters and gradients take 4 bytes each (and K is
+then usually 8 for Adam: momentum and variance only).
+"""
+from __future__ import annotations
+
+import argparse
+
+GIB = 1 << 30
+
+
+def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_state_bytes_per_param: float = 12,
+                    mixed_precision: bool = True, activation_bytes: float = 0) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state (+ activations if given).
+
+    stage 0 means plain data parallel (nothing sharded).
+    """
+    if not num_params or num_params < 0:
+        raise ValueError(f"num_params: expected a positive count, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: expected 0 (no sharding), 1, 2 or 3, got {stage!r}")
+    if optimizer_state_bytes_per_param < 0:
+        raise ValueError("optimizer_state_bytes_per_param: expected >= 0")
+    psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
+    width = 2 if mixed_precision else 4
+    params = width * psi / (n if stage >= 3 else 1)
+    grads = width * psi / (n if stage >= 2 else 1)
+    optimizer = k * psi / (n if stage >= 1 else 1)
+    out = {"params": params, "grads": grads, "optimizer": optimizer}
+    out["activations"] = float(activation_bytes)
+    out["total"] = params + grads + optimizer + out["activations"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pyzero-estimate",
+                                 description="Model-state memory per rank for DDP and ZeRO stages 1-3")
+    ap.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 1.5e9")
+    ap.add_argument("--world", type=int, required=True, help="data-parallel ranks")
+    ap.add_argument("--k", type=float, default=12, help="optimizer state bytes per parameter (12: mixed-precision Adam)")
+    ap.add_argument("--fp32", action="store_true", help="parameters and gradients in fp32 (4 bytes each)")
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, to say which stage fits")
+    args = ap.parse_args(argv)
+    print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
+          f"{'fp32' if args.fp32 else 'mixed precision'}")
+    print(f"{'stage':>10} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}  fits {args.gpu_gib:g} GiB")
+    for stage, label in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
+        m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32)
+        fits = "yes" if m["total"] <= args.gpu_gib * GIB else "no"
+        print(f"{label:>10} {m['params'] / GIB:>11.2f} {m['grads'] / GIB:>10.2f} {m['optimizer'] / GIB:>10.2f} "
+              f"{m['total'] / GIB:>10.2f}  {fits}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""pz.ZeroOptimizer: the part every ZeRO stage shares.
+
+Each stage (stages.py, stage3.py) decides where full parameters and
+gradients live and when they are communicated; this base class owns what is
+common: argument checks, the fp32 master shard and the inner torch optimizer
+that runs on it, clipping over all shards, no_sync, and the per-rank state
+dict. The inner optimizer sees one tensor per *piece* (the part of one model
+parameter inside this rank's shard, see partition.Piece), so per-parameter
+groups (lr, weight_decay) carry over exactly and elementwise optimizers
+(Adam, AdamW, SGD, Adagrad, ...) compute what they would on the full model.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from .. import comm
+from .partition import FlatLayout, Piece
+
+_PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Drop-in sharded optimizer: ``pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)``.
+
+    stage 1 shards optimizer state, 2 also gradients, 3 also parameters.
+    ``param_groups`` (optional) is a list of dicts like torch's, with the
+    model's parameters under "params"; ``optimizer_kwargs`` are the defaults.
+    """
+
+    def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
+        if cls is ZeroOptimizer:
+            from .stage3 import ZeroStage3  # noqa: PLC0415
+            from .stages import ZeroStage1, ZeroStage2  # noqa: PLC0415
+
+            classes = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+            if stage not in classes or isinstance(stage, bool):
+                raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
+            cls = classes[stage]
+        return object.__new__(cls)
+
+    def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
+                 comm_dtype=None, group=None, param_groups=None, **optimizer_kwargs):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
+                            f"got {optimizer_class!r}")
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
+        if param_dtype not in _PARAM_DTYPES:
+            raise ValueError(f"param_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {param_dtype!r}")
+        if comm_dtype not in _PARAM_DTYPES:
+            raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {comm_dtype!r}")
+        self.model, self.stage, self.overlap = model, stage, bool(overlap)
+        self.group = comm._group(group)
+        self.group.comm()  # raises unless this rank is a member
+        self.world, self.rank = self.group.size, self.group.rank
+        self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
+        self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
+        self.params, self.names = self._trainable(model)
+        self._check_devices()
+        self._group_of = self._assign_groups(param_groups)
+        self._sync = True
+        self._grads_ready = False
+        # Every rank starts from the group's first rank's weights and buffers, as DDP does.
+        for t in [p.data for p in self.params] + list(model.buffers()):
+            comm.broadcast(t, src=self.group.ranks[0], group=self.group)
+        self._setup()
+        self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
+
+    # ---- set-up -------------------------------------------------------------
+
+    @staticmethod
+    def _trainable(model):
+        seen, params, names = set(), [], []
+        for name, p in model.named_parameters():  # tied parameters appear once, under their first name
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                names.append(name)
+        if not params:
+            raise ValueError("model: has no trainable parameters")
+        return params, names
+
+    def _check_devices(self):
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"model: parameters are on different devices {sorted(map(str, devices))}; "
+                             "expected all on one device")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"model: trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; "
+                             "keep the model in fp32 and use param_dtype= for mixed precision")
+        if next(iter(devices)).type != "cpu":
+            raise ValueError(f"model: the shm backend trains CPU models, got parameters on {next(iter(devices))}")
+
+    def _assign_groups(self, param_groups):
+        if param_groups is None:
+            return {id(p): 0 for p in self.params}
+        if not isinstance(param_groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g
+                                                                  for g in param_groups):
+            raise TypeError("param_groups: expected a list of dicts with a 'params' entry, like torch optimizers")
+        out = {}
+        for i, g in enumerate(param_groups):
+            for p in g["params"]:
+                if id(p) in out:
+                    raise ValueError("param_groups: a parameter appears in more than one group")
+                out[id(p)] = i
+        missing = [n for n, p in zip(self.names, self.params) if id(p) not in out]
+        if missing:
+            raise ValueError(f"param_groups: trainable parameters missing from every group: {missing[:5]}")
+        return out
+
+    def _build_inner(self, optimizer_class, param_groups, kwargs):
+        """One leaf tensor per piece, sharing memory with the fp32 master shard."""
+        ngroups = 1 if param_groups is None else len(param_groups)
+        groups = [dict(g, params=[]) for g in (param_groups or [{"params": []}])]
+        self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
+        for layout, master, grad in self.shards():
+            shard_off = layout.shard(self.rank).offset
+            for pc in layout.pieces(self.rank):
+                lo = pc.offset - shard_off
+                leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
+                leaf.grad = grad[lo:lo + pc.numel]
+                self.pieces.append((pc, leaf, leaf.grad))
+                groups[self._group_of[id(layout.params[pc.index])]]["params"].append(leaf)
+        # Ranks whose shard holds only padding still need a tensor per group for torch's checks.
+        for g in groups[:ngroups]:
+            if not g["params"]:
+                g["params"].append(nn.Parameter(torch.zeros(0), requires_grad=True))
+        self.inner = optimizer_class(groups, **kwargs)
+        self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # ---- what a stage provides ----------------------------------------------
+
+    def _setup(self):
+        raise NotImplementedError
+
+    def shards(self) -> list[tuple[FlatLayout, torch.Tensor, torch.Tensor]]:
+        """(layout, fp32 master shard, fp32 gradient shard) per flat buffer of this rank."""
+        raise NotImplementedError
+
+    def _reduce_gradients(self):
+        """Make the gradient shards hold the group-averaged gradients."""
+        raise NotImplementedError
+
+    def _publish_parameters(self):
+        """After the shard update: make the model's parameters hold the new values."""
+        raise NotImplementedError
+
+    # ---- the optimizer API ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the backward passes inside."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _require_grads(self, what):
+        if not self._grads_ready:
+            raise RuntimeError(f"{what}: no gradients since the last step; run loss.backward() first "
+                               "(the weights were not touched)")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model (all shards); returns the total norm, like torch's."""
+        self._require_grads("clip_grad_norm_")
+        self._reduce_gradients()
+        norm_type = float(norm_type)
+        grads = [g for _, _, g in self.shards()]
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() if g.numel() else torch.zeros(()) for g in grads]).max()
+            total = local.to(torch.float64).reshape(1)
+            comm.all_reduce(total, op="max", group=self.group)
+            total = total[0]
+        else:
+            local = sum(g.to(torch.float64).abs().pow(norm_type).sum() for g in grads)
+            total = torch.as_tensor(local, dtype=torch.float64).reshape(1)
+            comm.all_reduce(total, op="sum", group=self.group)
+            total = total[0] ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total.to(torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step())")
+        self._require_grads("step")
+        self._reduce_gradients()
+        self.inner.step()
+        self._publish_parameters()
+        self._grads_ready = False
+
+    def zero_grad(self, set_to_none: bool = True):
+        for _, _, g in self.shards():
+            g.zero_()
+        self._zero_model_grads(set_to_none)
+        self._grads_ready = False
+
+    def _zero_model_grads(self, set_to_none):
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer: inner state plus what each piece is."""
+        return {"stage": self.stage, "world": self.world, "rank": self.rank,
+                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
+                "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        mine = [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]
+        if sd.get("pieces") != mine:
+            raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model); "
+                             "use pz.checkpoint.load to reshard")
+        with torch.no_grad():
+            for (_, leaf, _), t in zip(self.pieces, sd["master"]):
+                leaf.copy_(t)
+        self.inner.load_state_dict(sd["inner"])
+        self._publish_parameters()
+
+    def __repr__(self):
+        return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
+                f"params={sum(p.numel() for p in self.params)})")

@@ -1,0 +1,88 @@
+"""Flat layouts and shard descriptors shared by the ZeRO stages and checkpoints.
+
+A FlatLayout lays a list of parameters end to end (in the order given),
+pads the total to a multiple of the world size and cuts it into equal
+shards. Rank r owns [r * shard_size, (r + 1) * shard_size). A Piece is the
+part of one parameter that falls into one rank's shard: the unit that
+optimizer state, clipping and checkpoints work on, so a rank never needs the
+other ranks' layout to know what its numbers mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class ShardInfo(NamedTuple):
+    offset: int  # first element of the shard in the flat buffer
+    size: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of parameter `name` (flattened), stored at flat[offset:offset + end - start]."""
+
+    name: str
+    index: int  # position of the parameter in the layout
+    start: int
+    end: int
+    offset: int  # in the flat buffer
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class FlatLayout:
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], world: int):
+        if len(params) != len(names):
+            raise ValueError("FlatLayout: one name per parameter")
+        self.params, self.names, self.world = params, names, world
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.shard_size = -(-total // world) if total else 0
+        self.padded = self.shard_size * world
+
+    def shard(self, rank: int) -> ShardInfo:
+        return ShardInfo(rank * self.shard_size, self.shard_size)
+
+    def counts(self, begin: int, end: int) -> list[int]:
+        """Elements of [begin, end) that fall into each rank's shard (reduce-scatter counts)."""
+        out = []
+        for r in range(self.world):
+            lo, hi = r * self.shard_size, (r + 1) * self.shard_size
+            out.append(max(0, min(end, hi) - max(begin, lo)))
+        return out
+
+    def pieces(self, rank: int) -> list[Piece]:
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        out = []
+        for i, (name, p, off) in enumerate(zip(self.names, self.params, self.offsets)):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                out.append(Piece(name, i, a - off, b - off, a))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's shape as a view into `flat` (the full, padded buffer)."""
+        return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+
+
+def buckets(layout: FlatLayout, bucket_elems: int) -> list[tuple[int, int, list[int]]]:
+    """Cut the layout into contiguous [begin, end) ranges of about bucket_elems, on parameter
+    boundaries, as (begin, end, parameter indices). The padding joins the last bucket."""
+    out, begin, members = [], 0, []
+    for i, (p, off) in enumerate(zip(layout.params, layout.offsets)):
+        members.append(i)
+        end = off + p.numel()
+        if end - begin >= bucket_elems:
+            out.append((begin, end, members))
+            begin, members = end, []
+    if members or begin < layout.padded:
+        out.append((begin, layout.padded, members))
+    return out

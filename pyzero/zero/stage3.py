@@ -1,0 +1,228 @@
+"""ZeRO stage 3: parameters sharded too, gathered module by module.
+
+A *unit* is a module that owns trainable parameters directly. Each unit has
+its own flat layout, padded to the world size; a rank keeps only its shard.
+The unit's full buffer is allocated just in time and its storage released
+after use (``untyped_storage().resize_(0)``, as FSDP does), so the model's
+parameters, and whatever autograd saved of them, stay valid views.
+
+  forward:  pre-hook  gather unit i (usually already prefetched), prefetch unit i+1
+            post-hook free unit i; hook its outputs so backward re-gathers it
+  backward: output-grad hook  gather unit i, prefetch the unit that ran before it
+            all its gradients accumulated  -> reduce-scatter them (async), free unit i
+  end of backward: units with unused parameters reduce-scatter zeros, in order
+
+Every rank issues the same gathers and reduce-scatters in the same order as
+long as the model runs the same code path everywhere; a rank that does not
+usually calls a collective of another size and gets pz.CollectiveError.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .optimizer import ZeroOptimizer
+from .partition import FlatLayout
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class _Unit:
+    """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
+
+    def __init__(self, idx, params, names, world, rank, model_dtype):
+        self.idx = idx
+        self.layout = FlatLayout(params, names, world)
+        off, n = self.layout.shard(rank)
+        fp32 = torch.zeros(self.layout.padded, dtype=torch.float32)
+        for v, p in zip(self.layout.views(fp32), params):
+            v.copy_(p.detach())
+        self.master = fp32[off:off + n].clone()
+        self.shard = self.master if model_dtype == torch.float32 else self.master.to(model_dtype)
+        self.full = torch.empty(self.layout.padded, dtype=model_dtype)
+        for v, p in zip(self.layout.views(self.full), params):
+            p.data = v
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.grad_shard = torch.zeros(n, dtype=torch.float32)
+        self.gather_work = None
+        self.gathered = True  # full holds the initial values until the first free
+        self.pending = len(params)
+
+    def free(self):
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self, group, wait=True):
+        if not self.gathered:
+            self.full.untyped_storage().resize_(self.nbytes)
+            self.gather_work = comm.all_gather(self.full, self.shard, group=group, async_op=True)
+            self.gathered = True
+        if wait and self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+
+class ZeroStage3(ZeroOptimizer):
+    """Parameters, gradients and optimizer state all sharded."""
+
+    def _setup(self):
+        model_dtype = self.param_dtype or self.params[0].dtype
+        owner = {}
+        self.units: list[_Unit] = []
+        names = dict(zip(map(id, self.params), self.names))
+        for m in self.model.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) in names and id(p) not in owner]
+            if own:
+                u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype)
+                for p in own:
+                    owner[id(p)] = u
+                self.units.append(u)
+        self._unit_of = owner
+        for m in self.model.modules():
+            needs = sorted({owner[id(p)].idx for p in m.parameters(recurse=False) if id(p) in owner})
+            if needs:
+                m.register_forward_pre_hook(self._make_pre_forward(needs))
+                m.register_forward_hook(self._make_post_forward(needs))
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self._order: list[int] = []  # units in the order the last forward used them
+        self._inflight = []
+        self._start_backward()
+        for u in self.units:
+            u.free()
+
+    def shards(self):
+        return [(u.layout, u.master, u.grad_shard) for u in self.units]
+
+    # ---- forward --------------------------------------------------------------
+
+    def _make_pre_forward(self, needs):
+        def pre_forward(module, args):
+            if torch.is_grad_enabled() and not self._order_open:
+                self._order_open, self._order = True, []
+            for i in needs:
+                self.units[i].gather(self.group)
+                if self._order_open and (not self._order or self._order[-1] != i):
+                    self._order.append(i)
+            nxt = self._next_unit(needs[-1], +1)
+            if nxt is not None:
+                self.units[nxt].gather(self.group, wait=False)  # prefetch
+        return pre_forward
+
+    def _make_post_forward(self, needs):
+        def post_forward(module, args, output):
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(needs))
+            for i in needs:
+                self.units[i].free()
+        return post_forward
+
+    def _next_unit(self, i, step):
+        """The unit used after (step=+1) or before (-1) unit i in the last recorded forward."""
+        try:
+            k = self._order.index(i) + step
+        except ValueError:
+            return None
+        return self._order[k] if 0 <= k < len(self._order) else None
+
+    # ---- backward -------------------------------------------------------------
+
+    def _make_pre_backward(self, needs):
+        def pre_backward(grad):
+            self._order_open = False
+            if not self._in_backward:
+                self._in_backward = True
+                _queue_callback(self._end_backward)
+            for i in needs:
+                if self.units[i].pending > 0:
+                    self.units[i].gather(self.group)
+            prev = self._next_unit(needs[0], -1)
+            if prev is not None and self.units[prev].pending > 0:
+                self.units[prev].gather(self.group, wait=False)
+        return pre_backward
+
+    def _on_grad(self, p):
+        self._grads_ready = True
+        u = self._unit_of[id(p)]
+        u.pending -= 1
+        if u.pending == 0 and self._sync:
+            self._reduce_unit(u)
+
+    def _reduce_unit(self, u):
+        staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype)
+        for v, p in zip(u.layout.views(staging), u.layout.params):
+            if p.grad is not None:
+                v.copy_(p.grad)
+                p.grad = None
+        out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype)
+        work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
+        self._inflight.append((u, work, out))
+        u.free()
+        if not self.overlap or len(self._inflight) > 2:
+            self._retire(len(self._inflight) - (0 if not self.overlap else 2))
+
+    def _retire(self, k):
+        for u, work, out in self._inflight[:k]:
+            work.wait()
+            u.grad_shard.add_(out)
+        del self._inflight[:k]
+
+    def _start_backward(self):
+        self._in_backward = False
+        self._order_open = False
+        for u in self.units:
+            u.pending = len(u.layout.params)
+
+    def _end_backward(self):
+        if self._sync:
+            for u in self.units:  # unused parameters: reduce what there is (zeros), in unit order
+                if u.pending > 0:
+                    self._reduce_unit(u)
+        for u in self.units:
+            u.free()
+        self._start_backward()
+
+    def _reduce_gradients(self):
+        self._retire(len(self._inflight))
+
+    def _publish_parameters(self):
+        for u in self.units:
+            if u.shard.data_ptr() != u.master.data_ptr():
+                u.shard.copy_(u.master)
+
+    # ---- full state -----------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict | None:
+        """The full fp32 model state on the group's first rank (None elsewhere), one unit at a time."""
+        out = {}
+        first = self.group.rank == 0
+        for u in self.units:
+            full = torch.empty(u.layout.padded, dtype=torch.float32)
+            comm.all_gather(full, u.master, group=self.group)
+            if first:
+                for name, v in zip(u.layout.names, u.layout.views(full)):
+                    out[name] = v.clone()
+        if not first:
+            return None
+        for name, b in self.model.named_buffers():
+            out[name] = b.detach().clone()
+        return out
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+

@@ -1,0 +1,175 @@
+"""ZeRO stages 1 and 2: full parameters on every rank, sharded optimizer state.
+
+Both lay the trainable parameters end to end in *reverse* registration order
+(the order backward produces their gradients), so a bucket is a contiguous
+range of the flat buffer and its reduce-scatter counts are just its overlap
+with each rank's shard (partition.FlatLayout.counts).
+
+Stage 1 keeps full gradients as views into one flat buffer (like DDP's
+gradient_as_bucket_view) and reduce-scatters them, bucket by bucket, in place
+at step time. Stage 2 keeps only the gradient shard: a post-accumulate hook
+copies each gradient into its bucket's staging buffer and drops it; a full
+bucket is reduce-scattered asynchronously while backward goes on.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .optimizer import ZeroOptimizer
+from .partition import FlatLayout, buckets
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class _FlatParams(ZeroOptimizer):
+    """Stages 1-2: one flat buffer holds every full parameter (model dtype)."""
+
+    def _setup_flat(self):
+        self.layout = FlatLayout(self.params[::-1], self.names[::-1], self.world)
+        L, (shard_off, shard_n) = self.layout, self.layout.shard(self.rank)
+        self._shard = slice(shard_off, shard_off + shard_n)
+        model_dtype = self.param_dtype or self.params[0].dtype
+        fp32 = torch.zeros(L.padded, dtype=torch.float32)
+        for v, p in zip(L.views(fp32), L.params):
+            v.copy_(p.detach())
+        self.flat_param = fp32 if model_dtype == torch.float32 else fp32.to(model_dtype)
+        # The master shard aliases the model's own shard when both are fp32.
+        self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
+        for v, p in zip(L.views(self.flat_param), L.params):
+            p.data = v
+        self.buckets = buckets(L, self.bucket_elems)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _my_part(self, begin, end):
+        """This rank's part of the flat range [begin, end), relative to its shard start."""
+        lo, hi = max(begin, self._shard.start), min(end, self._shard.stop)
+        return lo - self._shard.start, max(lo, hi) - self._shard.start
+
+    def _publish_parameters(self):
+        if self.master.data_ptr() != self.flat_param[self._shard].data_ptr():
+            self.flat_param[self._shard].copy_(self.master)
+        comm.all_gather(self.flat_param, self.flat_param[self._shard], group=self.group)
+
+    def shards(self):
+        return [(self.layout, self.master, self.grad_shard)]
+
+
+class ZeroStage1(_FlatParams):
+    """Optimizer state sharded; full gradients reduce-scattered in place at step time."""
+
+    def _setup(self):
+        self._setup_flat()
+        self.flat_grad = torch.zeros_like(self.flat_param)
+        self._attach_grads()
+        own = self.flat_grad[self._shard]
+        self.grad_shard = own if own.dtype == torch.float32 else torch.zeros(own.numel(), dtype=torch.float32)
+        self._reduced = False
+
+    def _attach_grads(self):
+        for v, p in zip(self.layout.views(self.flat_grad), self.layout.params):
+            p.grad = v
+
+    def _on_grad(self, p):
+        self._grads_ready, self._reduced = True, False
+
+    def _reduce_gradients(self):
+        if self._reduced:
+            return
+        works = []
+        for begin, end, _ in self.buckets:
+            counts = self.layout.counts(begin, end)
+            lo, hi = self._my_part(begin, end)
+            out = self.flat_grad[self._shard][lo:hi]
+            works.append(comm.reduce_scatter(out, self.flat_grad[begin:end], op="avg", counts=counts,
+                                             group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+        if self.grad_shard.data_ptr() != self.flat_grad[self._shard].data_ptr():
+            self.grad_shard.copy_(self.flat_grad[self._shard])
+        self._reduced = True
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zeroes the flat gradient buffer; the parameters keep their gradient views."""
+        self.flat_grad.zero_()
+        self.grad_shard.zero_()
+        self._attach_grads()
+        self._grads_ready = self._reduced = False
+
+    def step(self, closure=None):
+        super().step(closure)
+        self.zero_grad()  # the flat buffer now mixes reduced and local values: never reuse it
+
+
+class ZeroStage2(_FlatParams):
+    """Gradients sharded too: bucketed reduce-scatter during backward."""
+
+    def _setup(self):
+        self._setup_flat()
+        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=torch.float32)
+        self._bucket_of = {}
+        for b, (_, _, members) in enumerate(self.buckets):
+            for i in members:
+                self._bucket_of[id(self.layout.params[i])] = b
+        self._index = {id(p): i for i, p in enumerate(self.layout.params)}
+        self._inflight = []  # (bucket, Work, output) in launch order
+        self._start_backward()
+
+    def _start_backward(self):
+        self._staging = [None] * len(self.buckets)
+        self._pending = [len(m) for _, _, m in self.buckets]
+        self._next = 0  # buckets launch in index order on every rank
+        self._in_backward = False
+
+    def _stage(self, b):
+        if self._staging[b] is None:
+            begin, end, _ = self.buckets[b]
+            self._staging[b] = torch.zeros(end - begin, dtype=self.comm_dtype)
+        return self._staging[b]
+
+    def _on_grad(self, p):
+        self._grads_ready = True
+        if not self._sync:
+            return  # no_sync: p.grad keeps accumulating locally
+        if not self._in_backward:
+            self._in_backward = True
+            _queue_callback(self._end_backward)
+        b, i = self._bucket_of[id(p)], self._index[id(p)]
+        begin = self.buckets[b][0]
+        off = self.layout.offsets[i] - begin
+        self._stage(b)[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+        self._pending[b] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, b):
+        begin, end, _ = self.buckets[b]
+        counts = self.layout.counts(begin, end)
+        out = torch.empty(counts[self.rank], dtype=self.comm_dtype)
+        work = comm.reduce_scatter(out, self._stage(b), op="avg", counts=counts, group=self.group,
+                                   async_op=True)
+        self._staging[b] = None  # the Work keeps it alive until it is waited on
+        self._inflight.append((b, work, out))
+        self._next = b + 1
+        if not self.overlap:
+            self._retire(len(self._inflight))
+        elif len(self._inflight) > 2:  # bound the staging memory held by in-flight buckets
+            self._retire(len(self._inflight) - 2)
+
+    def _retire(self, k):
+        for b, work, out in self._inflight[:k]:
+            work.wait()
+            lo, hi = self._my_part(*self.buckets[b][:2])
+            self.grad_shard[lo:hi].add_(out)
+        del self._inflight[:k]
+
+    def _end_backward(self):
+        """Buckets holding unused parameters launch now, with zeros for the missing gradients."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        self._start_backward()
+
+    def _reduce_gradients(self):
+        self._retire(len(self._inflight))

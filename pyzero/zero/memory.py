@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-GIB = 1 << 30
+GB = 1e9
 
 
 def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_state_bytes_per_param: float = 12,
@@ -50,16 +50,16 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, required=True, help="data-parallel ranks")
     ap.add_argument("--k", type=float, default=12, help="optimizer state bytes per parameter (12: mixed-precision Adam)")
     ap.add_argument("--fp32", action="store_true", help="parameters and gradients in fp32 (4 bytes each)")
-    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, to say which stage fits")
+    ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU, to say which stage fits")
     args = ap.parse_args(argv)
     print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
           f"{'fp32' if args.fp32 else 'mixed precision'}")
-    print(f"{'stage':>10} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}  fits {args.gpu_gib:g} GiB")
+    print(f"{'stage':>10} {'params GB':>11} {'grads GB':>10} {'optim GB':>10} {'total GB':>10}  fits {args.gpu_gb:g} GB")
     for stage, label in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
         m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32)
-        fits = "yes" if m["total"] <= args.gpu_gib * GIB else "no"
-        print(f"{label:>10} {m['params'] / GIB:>11.2f} {m['grads'] / GIB:>10.2f} {m['optimizer'] / GIB:>10.2f} "
-              f"{m['total'] / GIB:>10.2f}  {fits}")
+        fits = "yes" if m["total"] <= args.gpu_gb * GB else "no"
+        print(f"{label:>10} {m['params'] / GB:>11.2f} {m['grads'] / GB:>10.2f} {m['optimizer'] / GB:>10.2f} "
+              f"{m['total'] / GB:>10.2f}  {fits}")
     return 0
 
 

@@ -1,0 +1,64 @@
+"""GPU reduce-kernel bandwidth: pyzero's out = a (+) b next to torch's device-to-device copy.
+
+Bytes moved are counted explicitly: the reduce reads two buffers and writes
+one (3 x size); the copy reads one and writes one (2 x size). The issue's bar
+is reduce bandwidth >= 90% of copy bandwidth at >= 64 MiB for every dtype.
+Run on a GPU machine: ``python -m pyzero.bench.kernels`` (scripts/gpu_check.sh does).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import _C
+from ..comm import _DTYPES
+from .common import write_json
+
+OPS = {"sum": 0, "max": 2}
+
+
+def _time_ms(fn, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pyzero.bench.kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mb", default="64,256")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not hasattr(_C, "cuda_reduce2"):
+        raise SystemExit("needs a CUDA GPU and pyzero built with CUDA")
+    stream = torch.cuda.current_stream().cuda_stream
+    results = []
+    print(f"# {torch.cuda.get_device_name(0)}: reduce (3 x size bytes) vs copy (2 x size bytes)")
+    print(f"#{'dtype':>9} {'op':>4} {'size MiB':>9} {'reduce GB/s':>12} {'copy GB/s':>10} {'ratio':>6}")
+    for name, dt in ((str(d).replace("torch.", ""), d) for d in _DTYPES):
+        for op, opc in OPS.items():
+            for mb in (int(s) for s in args.sizes_mb.split(",")):
+                n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
+                a = torch.ones(n, dtype=dt, device="cuda")
+                b, out = torch.ones_like(a), torch.empty_like(a)
+                ms_red = _time_ms(lambda: _C.cuda_reduce2(a.data_ptr(), b.data_ptr(), out.data_ptr(), n,
+                                                          _DTYPES[dt], opc, 1, stream), args.iters)
+                ms_cpy = _time_ms(lambda: out.copy_(a), args.iters)
+                red, cpy = 3 * (mb << 20) / ms_red / 1e6, 2 * (mb << 20) / ms_cpy / 1e6
+                results.append({"dtype": name, "op": op, "bytes": mb << 20, "reduce_gbps": red, "copy_gbps": cpy,
+                                "ratio": red / cpy})
+                print(f" {name:>9} {op:>4} {mb:>9} {red:>12.1f} {cpy:>10.1f} {red / cpy:>6.2f}")
+    if args.json:
+        write_json(args.json, results, {"command": "kernels"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,8 +46,8 @@ class CMakeBuild(build_ext):
     def copy_extensions_to_source(self):
         """In-place builds replace the module atomically: running processes keep the old mapping."""
         for ext in self.extensions:
-            built = Path(self.get_ext_fullpath(ext.name))
-            dest = ROOT / Path(*ext.name.split(".")[:-1]) / built.name
+            rel = self.get_ext_filename(ext.name)
+            built, dest = Path(self.build_lib) / rel, ROOT / rel
             tmp = dest.with_suffix(".tmp")
             shutil.copyfile(built, tmp)
             os.chmod(tmp, 0o755)

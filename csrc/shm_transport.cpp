@@ -211,12 +211,7 @@ void ShmTransport::wait_for(Pred ready, int peer, const char* what) {
       if (now - last_check > std::chrono::milliseconds(2)) {
         last_check = now;
         if (ready()) return;
-        if (ctrl(peer)->aborted.load(std::memory_order_acquire)) {
-          broken_why_ = "rank " + std::to_string(peer) + " failed and aborted the group";
-          broken_.store(true);
-          ctrl(rank_)->aborted.store(1, std::memory_order_release);
-          throw CollectiveError(where(what) + ": " + broken_why_);
-        }
+        if (ctrl(peer)->aborted.load(std::memory_order_acquire)) fail_aborted(peer, what);
         if (!peer_alive(peer)) fail_timeout(peer, what);
       }
       if (std::chrono::duration<double>(now - t0).count() > cfg_.timeout_s) fail_timeout(peer, what);
@@ -246,10 +241,30 @@ void ShmTransport::fail_timeout(int peer, const char* what) {
     for (size_t i = 0; i < dead.size(); ++i) os << (i ? ", " : "") << dead[i];
     os << "])";
   }
-  broken_why_ = os.str();
-  broken_.store(true);
-  ctrl(rank_)->aborted.store(1, std::memory_order_release);
+  mark_broken(os.str(), true);
   throw CollectiveTimeout(broken_why_);
+}
+
+// Record why this rank gives up, then tell the peers (see the flag protocol).
+void ShmTransport::mark_broken(const std::string& why, bool timeout) {
+  broken_why_ = why;
+  broken_.store(true);
+  RankCtrl* me = ctrl(rank_);
+  std::snprintf(me->abort_reason, sizeof(me->abort_reason), "%s", why.c_str());
+  me->aborted.store(timeout ? 2 : 1, std::memory_order_release);
+}
+
+// A peer gave up: fail with its cause (and its exception type), not a generic message.
+void ShmTransport::fail_aborted(int peer, const char* what) {
+  RankCtrl* c = ctrl(peer);
+  uint32_t kind = c->aborted.load(std::memory_order_acquire);
+  char reason[sizeof(c->abort_reason)];
+  std::memcpy(reason, c->abort_reason, sizeof(reason));
+  reason[sizeof(reason) - 1] = 0;
+  std::string why = where(what) + ": rank " + std::to_string(peer) + " gave up on the group: " + reason;
+  mark_broken(why, kind == 2);
+  if (kind == 2) throw CollectiveTimeout(why);
+  throw CollectiveError(why);
 }
 
 std::string ShmTransport::describe(const CallDesc& d) const {
@@ -277,13 +292,16 @@ void ShmTransport::arrive(const CallDesc& d, const char* what) {
     RankCtrl* c = ctrl(p);
     wait_for([&] { return c->arrived.load(std::memory_order_acquire) >= d.seq; }, p, what);
   }
+  for (int p = 0; p < n_; ++p)
+    if (p != rank_ && ctrl(p)->aborted.load(std::memory_order_acquire)) fail_aborted(p, what);
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
     const CallDesc& o = ctrl(p)->desc[d.seq % 2];
     if (o.coll != d.coll || o.op != d.op || o.dtype != d.dtype || o.root != d.root ||
         o.algo != d.algo || o.count != d.count || o.counts_hash != d.counts_hash) {
+      std::string note = describe(d) == describe(o) ? " (their per-rank counts differ)" : "";
       throw CollectiveError(where(what) + ": mismatched collective: this rank called " + describe(d) +
-                            ", rank " + std::to_string(p) + " called " + describe(o));
+                            ", rank " + std::to_string(p) + " called " + describe(o) + note);
     }
   }
 }
@@ -542,7 +560,8 @@ void ShmTransport::all_gather(void* out, const void* in, const std::vector<int64
   size_t es = dtype_size(dt);
   size_t my_bytes = size_t(counts[rank_]) * es;
   char* own_out = static_cast<char*>(out) + size_t(L.offsets[rank_]) * es;
-  algo = resolve(Coll::all_gather, my_bytes, algo);
+  // Every rank must choose alike: decide on the largest chunk, which all know.
+  algo = resolve(Coll::all_gather, size_t(L.longest()) * es, algo);
   uint64_t seq = begin(what);
   CallDesc d{seq, int32_t(Coll::all_gather), 0, int32_t(dt), 0, int32_t(algo), 0, L.total(),
              hash_counts(counts)};

@@ -30,8 +30,10 @@
 //    buffer of `depth` slots; the sender waits for sent - consumed < depth,
 //    writes slot sent % depth and store-releases sent + 1; the receiver waits
 //    for sent > consumed, reads, and store-releases consumed + 1.
-//  * aborted (writer: owner) — set when the owner failed mid-collective, so
-//    peers waiting on it fail fast instead of waiting for the timeout.
+//  * aborted (writer: owner) — set, after abort_reason, when the owner failed
+//    mid-collective, so peers waiting on it fail fast with the same cause
+//    instead of waiting for the timeout, and a late rank never completes a
+//    collective its peers gave up on (checked after arrival).
 #pragma once
 
 #include <atomic>
@@ -64,11 +66,12 @@ static_assert(sizeof(CallDesc) == 64, "CallDesc lives in shared memory");
 
 struct alignas(64) RankCtrl {
   alignas(64) std::atomic<uint64_t> arrived;
-  alignas(64) std::atomic<uint32_t> aborted;
+  alignas(64) std::atomic<uint32_t> aborted;  // 1: failed (error), 2: failed (timeout / dead peer)
   int32_t pid;
   CallDesc desc[2];
+  char abort_reason[384];  // written before `aborted`, so peers can pass the cause on
 };
-static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc), "RankCtrl lives in shared memory");
+static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
@@ -153,6 +156,8 @@ class ShmTransport {
   void arrive(const CallDesc& d, const char* what);
   template <typename Pred> void wait_for(Pred ready, int peer, const char* what);
   [[noreturn]] void fail_timeout(int peer, const char* what);
+  [[noreturn]] void fail_aborted(int peer, const char* what);
+  void mark_broken(const std::string& why, bool timeout);
   void check_usable(const char* what);
   std::string where(const char* what) const;
   std::string describe(const CallDesc& d) const;

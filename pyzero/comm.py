@@ -50,6 +50,9 @@ class Group:
     rank: int  # this process's index in `ranks`, -1 when not a member
     gid: int
     _comm: object = field(default=None, repr=False)
+    # Async work not yet known to be complete: keeps its tensors alive even if
+    # the caller drops the handle (the C++ thread reads and writes them).
+    _pending: list = field(default_factory=list, repr=False)
 
     @property
     def size(self) -> int:
@@ -314,8 +317,13 @@ def _check_alias(big: torch.Tensor, small: torch.Tensor, offset: int, big_arg: s
                          f"form, {small_arg} to be exactly this rank's chunk of {big_arg}")
 
 
-def _finish(result, keep):
-    return Work(result, keep) if result is not None else None
+def _finish(g: Group, result, keep):
+    if result is None:
+        return None
+    work = Work(result, keep)
+    g._pending = [w for w in g._pending if w._keep is not None and not w._work.is_completed()]
+    g._pending.append(work)
+    return work
 
 
 # ---------------------------------------------------------------------------
@@ -328,7 +336,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None, async_op: bool = Fa
     code = _check_tensor(t, "tensor")
     opc = _check_op(op, code, t.dtype)
     res = g.comm().all_reduce(t.data_ptr(), t.numel(), code, opc, _check_algo(algo), bool(async_op))
-    return _finish(res, (t,))
+    return _finish(g, res, (t,))
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", counts=None, group=None,
@@ -352,7 +360,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", counts
     _check_alias(inp, out, sum(counts[:me]), "inp", "out")
     res = comm.reduce_scatter(out.data_ptr(), inp.data_ptr(), counts, code, opc, _check_algo(algo),
                                   bool(async_op))
-    return _finish(res, (out, inp))
+    return _finish(g, res, (out, inp))
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, counts=None, group=None, async_op: bool = False,
@@ -374,7 +382,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counts=None, group=None, as
             raise ValueError(f"inp: expected counts[{me}]={counts[me]} elements for this rank, got {inp.numel()}")
     _check_alias(out, inp, sum(counts[:me]), "out", "inp")
     res = comm.all_gather(out.data_ptr(), inp.data_ptr(), counts, code, _check_algo(algo), bool(async_op))
-    return _finish(res, (out, inp))
+    return _finish(g, res, (out, inp))
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False, algo=None):
@@ -383,13 +391,13 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
     code = _check_tensor(t, "tensor")
     root = g.group_rank(src, "src")
     res = g.comm().broadcast(t.data_ptr(), t.numel(), code, root, _check_algo(algo), bool(async_op))
-    return _finish(res, (t,))
+    return _finish(g, res, (t,))
 
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
     g = _group(group)
-    return _finish(g.comm().barrier(bool(async_op)), ())
+    return _finish(g, g.comm().barrier(bool(async_op)), ())
 
 
 def send(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
@@ -399,7 +407,7 @@ def send(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
     peer = g.group_rank(dst, "dst")
     if peer == g.rank:
         raise ValueError(f"dst={dst}: cannot send to this rank itself")
-    return _finish(g.comm().send(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
+    return _finish(g, g.comm().send(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
 
 
 def recv(t: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -409,7 +417,7 @@ def recv(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     peer = g.group_rank(src, "src")
     if peer == g.rank:
         raise ValueError(f"src={src}: cannot receive from this rank itself")
-    return _finish(g.comm().recv(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
+    return _finish(g, g.comm().recv(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:

@@ -47,6 +47,11 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # Whatever replaced sys.stdout/stderr in the parent (pytest's capture) must not swallow rank output.
+    import sys  # noqa: PLC0415
+
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update(env or {})
@@ -70,8 +75,6 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
             code = code or 1
-        import sys  # noqa: PLC0415
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # never run the parent's atexit handlers (pytest's) in a fork

@@ -1,0 +1,684 @@
+"""Correctness of the shm collectives against torch references.
+
+Every multi-rank test runs many cases inside one ``run_ranks`` call (forking
+ranks costs ~0.1-0.5 s): the rank function loops over dtypes/ops/sizes/algos,
+checks its own result against a reference it computes independently from all
+ranks' (seeded, reproducible) inputs, and returns a list of failures, which
+the parent asserts is empty.
+
+Inputs are chosen so the expected result is exact: multiples of 1/64 for
+sums (exact in fp32 accumulation, so the only rounding is the final one to
+fp16/bf16), values in {1, 2, 0.5, -1} for prod. The reference accumulates
+fp16/bf16 in fp32 and rounds once, which is what the implementation promises,
+so results are compared for exact equality.
+"""
+import time
+
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero import comm as pzcomm
+from pyzero.launch import run_ranks
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+INTS = [torch.int32, torch.int64]
+DTYPES = FLOATS + INTS
+OPS = ["sum", "avg", "max", "min", "prod"]
+ALGOS = ["ring", "oneshot", "auto"]
+WORLDS = [1, 2, 3, 4]
+BIG = 1_048_583  # a prime > 2**20: several ring rounds per chunk, uneven chunks
+SIZES = [0, 1, 2, 3, 5, 13, 127, 1031, 8191, 65537]  # 0, 1 and primes (8191, 65537 are Mersenne/Fermat)
+MAX_FAILURES = 20
+AG_AUTO_ONESHOT_BYTES = 64 << 10  # auto's one-shot limit for all_gather (csrc/shm_transport.cpp)
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the rank functions (they run in the forked ranks)
+
+
+def ops_for(dtype):
+    return OPS if dtype.is_floating_point else [o for o in OPS if o != "avg"]
+
+
+def make_input(op, dtype, size, rank, seed):
+    """A reproducible pattern of (seed, rank, index), exact under the reduction `op`."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 17)
+    if op == "prod":
+        vals = (torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=torch.float64) if dtype.is_floating_point
+                else torch.tensor([1, 2, -1, 3], dtype=torch.int64))
+        return vals[torch.randint(0, 4, (size,), generator=g)].to(dtype)
+    if dtype.is_floating_point:
+        # multiples of 1/64 up to 4 in magnitude: exact in every float dtype and
+        # in fp32 sums; bf16 sums (8-bit significand) do need the final rounding
+        return (torch.randint(-256, 257, (size,), generator=g, dtype=torch.int64).to(torch.float64) / 64).to(dtype)
+    return torch.randint(-1000, 1001, (size,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def reference(inputs, op, dtype):
+    """torch reduction over the stacked per-rank inputs, accumulated in fp32/fp64, rounded once."""
+    acc = acc_dtype(dtype)
+    x = torch.stack([t.to(acc) for t in inputs])
+    n = len(inputs)
+    if op == "sum":
+        r = x.sum(0, dtype=acc)
+    elif op == "avg":
+        r = x.sum(0, dtype=acc) / torch.full(x.shape[1:], n, dtype=acc)  # a true division, not * (1/n)
+    elif op == "max":
+        r = x.amax(0)
+    elif op == "min":
+        r = x.amin(0)
+    else:
+        r = x.prod(0, dtype=acc)
+    return r.to(dtype)
+
+
+def mismatch(got, want):
+    """None when `got` equals `want` exactly (dtype, shape, values), else a short description."""
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype} != {want.dtype}"
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if torch.equal(got, want):
+        return None
+    bad = (got != want).nonzero().flatten()
+    i = int(bad[0])
+    return (f"{bad.numel()} of {got.numel()} elements differ; first at [{i}]: got {got[i].item()!r}, "
+            f"want {want[i].item()!r}")
+
+
+class Checker:
+    def __init__(self):
+        self.failures = []
+        self.cases = 0
+
+    def check(self, what, got, want):
+        self.cases += 1
+        why = mismatch(got, want)
+        if why is not None and len(self.failures) < MAX_FAILURES:
+            self.failures.append(f"rank {pz.get_rank()}: {what}: {why}")
+
+    def fail(self, what):
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append(f"rank {pz.get_rank()}: {what}")
+
+    def result(self):
+        return {"failures": self.failures, "cases": self.cases}
+
+
+def oneshot_ok(nbytes):
+    return nbytes <= pzcomm.SHM_ONESHOT_BYTES
+
+
+def even_split(total, n):
+    return [total // n + (1 if r < total % n else 0) for r in range(n)]
+
+
+def assert_ranks_ok(results, min_cases=1):
+    failures = [f for r in results for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    for r in results:
+        assert r.value["cases"] >= min_cases, f"rank {r.rank} checked only {r.value['cases']} cases"
+
+
+# ---------------------------------------------------------------------------
+# all_reduce: every op x dtype x size x algo
+
+
+def _rank_all_reduce_matrix():
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    seed = 0
+    for algo in ALGOS:
+        for dtype in DTYPES:
+            for op in ops_for(dtype):
+                for size in SIZES:
+                    seed += 1
+                    esize = torch.tensor([], dtype=dtype).element_size()
+                    if algo == "oneshot" and not oneshot_ok(size * esize):
+                        continue
+                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                    t = inputs[me].clone()
+                    pz.all_reduce(t, op=op, algo=algo)
+                    ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={size}, algo={algo})", t,
+                             reference(inputs, op, dtype))
+
+    # A second full-world group with tiny slices and a shallow ring buffer:
+    # many ring rounds and slot wrap-arounds at small sizes.
+    pzcomm.SHM_SLICE_BYTES, pzcomm.SHM_DEPTH = 4096, 2
+    small = pz.new_group(range(n))
+    for dtype in DTYPES:
+        for op in ["sum", "max", "prod"]:
+            for size in [3, 4099, 40009]:
+                seed += 1
+                inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                t = inputs[me].clone()
+                pz.all_reduce(t, op=op, group=small, algo="ring")
+                ck.check(f"all_reduce(n={n}, small slices, {dtype}, op={op}, size={size})", t,
+                         reference(inputs, op, dtype))
+
+    # > 1M elements: several ring rounds per chunk at the default slice size.
+    for dtype, op, algo in [(torch.float32, "sum", "ring"), (torch.bfloat16, "avg", "auto")]:
+        seed += 1
+        inputs = [make_input(op, dtype, BIG, r, seed) for r in range(n)]
+        t = inputs[me].clone()
+        pz.all_reduce(t, op=op, algo=algo)
+        ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={BIG}, algo={algo})", t, reference(inputs, op, dtype))
+    return ck.result()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_matrix(world):
+    results = run_ranks(_rank_all_reduce_matrix, world, timeout=120)
+    assert_ranks_ok(results, min_cases=3 * 28 * 5)
+
+
+# ---------------------------------------------------------------------------
+# fp32 accumulation of fp16/bf16 sums
+
+
+def _rank_low_precision_accumulation():
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    # bf16: 256 + 3 x 0.75 = 258.25 -> 258 (ulp 2); adding in bf16 would stay at 256.
+    # fp16: 2048 + 3 x 0.75 = 2050.25 -> 2050 (ulp 2); adding in fp16 would stay at 2048.
+    cases = [(torch.bfloat16, 256.0, 258.0), (torch.float16, 2048.0, 2050.0)]
+    for dtype, big, want in cases:
+        for algo in ALGOS:
+            for size in [1, 5, 70001]:
+                if algo == "oneshot" and not oneshot_ok(size * 2):
+                    continue
+                # the big value sits on a different rank per element, so every
+                # ring position sees it first, last and in between
+                idx = torch.arange(size)
+                t = torch.where(idx % n == me, torch.tensor(big), torch.tensor(0.75)).to(dtype)
+                pz.all_reduce(t, op="sum", algo=algo)
+                ck.check(f"{dtype} sum of {big} + {n - 1} x 0.75, size={size}, algo={algo}", t,
+                         torch.full((size,), want, dtype=dtype))
+            # the same through reduce_scatter
+            t = torch.where(torch.arange(4 * n) % n == me, torch.tensor(big), torch.tensor(0.75)).to(dtype)
+            out = torch.empty(4, dtype=dtype)
+            pz.reduce_scatter(out, t, op="sum", algo=algo)
+            ck.check(f"{dtype} reduce_scatter sum, algo={algo}", out, torch.full((4,), want, dtype=dtype))
+    return ck.result()
+
+
+def test_low_precision_sums_accumulate_in_fp32():
+    # sanity of the premise: pairwise bf16 adds lose the 0.75s
+    x = torch.tensor(256.0, dtype=torch.bfloat16)
+    for _ in range(3):
+        x = x + torch.tensor(0.75, dtype=torch.bfloat16)
+    assert x.item() == 256.0
+    results = run_ranks(_rank_low_precision_accumulation, 4, timeout=60)
+    assert_ranks_ok(results)
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter, all_gather, broadcast, barrier, send/recv
+
+
+def uneven_counts(n):
+    """Per-rank counts with zeros, for a group of n."""
+    if n == 1:
+        return [[0], [7]]
+    if n == 2:
+        return [[0, 5], [3, 0], [0, 0], [7, 1031], [70001, 3]]
+    if n == 3:
+        return [[0, 4, 1], [5, 0, 0], [0, 0, 0], [2, 3, 1031], [0, 70001, 17]]
+    return [[0, 3, 0, 5], [1, 0, 2, 0], [0, 0, 0, 0], [1031, 0, 7, 4099], [70001, 0, 3, 140003]]
+
+
+def _rank_other_collectives():
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    seed = 10_000
+
+    # reduce_scatter, even counts (out-of-place and the in-place chunk form)
+    for algo in ALGOS:
+        for dtype in DTYPES:
+            esize = torch.tensor([], dtype=dtype).element_size()
+            for op in ops_for(dtype):
+                for k in [0, 1, 3, 17, 1031]:
+                    if algo == "oneshot" and not oneshot_ok(n * k * esize):
+                        continue
+                    seed += 1
+                    inputs = [make_input(op, dtype, n * k, r, seed) for r in range(n)]
+                    want = reference(inputs, op, dtype)[me * k:(me + 1) * k]
+                    out = torch.full((k,), 99, dtype=dtype)
+                    inp = inputs[me].clone()
+                    pz.reduce_scatter(out, inp, op=op, algo=algo)
+                    what = f"reduce_scatter(n={n}, {dtype}, op={op}, k={k}, algo={algo})"
+                    ck.check(what, out, want)
+                    ck.check(what + " left inp alone", inp, inputs[me])
+                    if k == 17:  # in place: out is this rank's chunk of inp
+                        buf = inputs[me].clone()
+                        pz.reduce_scatter(buf[me * k:(me + 1) * k], buf, op=op, algo=algo)
+                        ck.check(what + " in place", buf[me * k:(me + 1) * k], want)
+
+    # reduce_scatter and all_gather with uneven counts (zeros included)
+    for ci, counts in enumerate(uneven_counts(n)):
+        total, off = sum(counts), sum(counts[:me])
+        for algo in ALGOS:
+            for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+                esize = torch.tensor([], dtype=dtype).element_size()
+                seed += 1
+                if not (algo == "oneshot" and not oneshot_ok(total * esize)):
+                    inputs = [make_input("sum", dtype, total, r, seed) for r in range(n)]
+                    out = torch.full((counts[me],), 99, dtype=dtype)
+                    pz.reduce_scatter(out, inputs[me].clone(), op="sum", counts=counts, algo=algo)
+                    ck.check(f"reduce_scatter(n={n}, {dtype}, counts={counts}, algo={algo})", out,
+                             reference(inputs, "sum", dtype)[off:off + counts[me]])
+                # auto with chunks on both sides of the one-shot threshold: see
+                # test_all_gather_uneven_counts_ranks_agree_on_algo
+                straddles = max(counts) * esize > AG_AUTO_ONESHOT_BYTES >= min(counts) * esize
+                if not (algo == "oneshot" and not oneshot_ok(max(counts) * esize)) and not (
+                        algo == "auto" and straddles):
+                    chunks = [make_input("max", dtype, counts[r], r, seed) for r in range(n)]
+                    want = torch.cat(chunks)
+                    out = torch.full((total,), 99, dtype=dtype)
+                    pz.all_gather(out, chunks[me].clone(), counts=counts, algo=algo)
+                    ck.check(f"all_gather(n={n}, {dtype}, counts={counts}, algo={algo})", out, want)
+                    out = torch.full((total,), 99, dtype=dtype)
+                    out[off:off + counts[me]] = chunks[me]
+                    pz.all_gather(out, out[off:off + counts[me]], counts=counts, algo=algo)
+                    ck.check(f"all_gather in place(n={n}, {dtype}, counts={counts}, algo={algo})", out, want)
+
+    # all_gather, even counts, out-of-place and in place
+    for algo in ALGOS:
+        for dtype in DTYPES:
+            esize = torch.tensor([], dtype=dtype).element_size()
+            for k in [0, 1, 13, 1031, 70001]:
+                if algo == "oneshot" and not oneshot_ok(k * esize):
+                    continue
+                seed += 1
+                chunks = [make_input("max", dtype, k, r, seed) for r in range(n)]
+                want = torch.cat(chunks)
+                out = torch.full((n * k,), 99, dtype=dtype)
+                inp = chunks[me].clone()
+                pz.all_gather(out, inp, algo=algo)
+                ck.check(f"all_gather(n={n}, {dtype}, k={k}, algo={algo})", out, want)
+                out = torch.full((n * k,), 99, dtype=dtype)
+                out[me * k:(me + 1) * k] = chunks[me]
+                pz.all_gather(out, out[me * k:(me + 1) * k], algo=algo)
+                ck.check(f"all_gather in place(n={n}, {dtype}, k={k}, algo={algo})", out, want)
+
+    # broadcast from every source
+    for algo in ALGOS:
+        for dtype in DTYPES:
+            esize = torch.tensor([], dtype=dtype).element_size()
+            for size in [0, 1, 1031, 70001]:
+                if algo == "oneshot" and not oneshot_ok(size * esize):
+                    continue
+                for src in range(n):
+                    seed += 1
+                    data = make_input("max", dtype, size, src, seed)
+                    t = data.clone() if me == src else torch.full((size,), 99, dtype=dtype)
+                    pz.broadcast(t, src=src, algo=algo)
+                    ck.check(f"broadcast(n={n}, {dtype}, size={size}, src={src}, algo={algo})", t, data)
+    # a large ring broadcast (pipelined chain, many slices)
+    data = make_input("max", torch.float32, BIG, n - 1, 1)
+    t = data.clone() if me == n - 1 else torch.zeros(BIG)
+    pz.broadcast(t, src=n - 1)
+    ck.check(f"broadcast(n={n}, float32, size={BIG}, src={n - 1})", t, data)
+
+    # barrier: nobody leaves before everybody entered
+    times = []
+    for i in range(3):
+        time.sleep(0.02 * ((me + i) % n))
+        entered = time.monotonic()
+        pz.barrier()
+        times.append((entered, time.monotonic()))
+    w = pz.barrier(async_op=True)
+    w.wait()
+    ck.cases += 1
+
+    # send/recv around the ring (async sends: a large sync send waits for its receiver)
+    if n > 1:
+        nxt, prv = (me + 1) % n, (me - 1) % n
+        for dtype in DTYPES:
+            for size in [0, 1, 1031, 300007]:
+                seed += 1
+                data = make_input("max", dtype, size, me, seed)
+                w = pz.send(data, dst=nxt, async_op=True)
+                got = torch.full((size,), 99, dtype=dtype)
+                pz.recv(got, src=prv)
+                w.wait()
+                ck.check(f"recv(n={n}, {dtype}, size={size}) from {prv}", got, make_input("max", dtype, size, prv, seed))
+        # several messages to one peer arrive in order; sync sends of small messages
+        if me == 0:
+            for i in range(5):
+                pz.send(torch.full((i + 1,), float(i)), dst=n - 1)
+        elif me == n - 1:
+            for i in range(5):
+                got = torch.empty(i + 1)
+                pz.recv(got, src=0)
+                ck.check(f"message {i} from rank 0", got, torch.full((i + 1,), float(i)))
+        # every rank exchanges with every other rank at once
+        works, recvd = [], {}
+        for p in range(n):
+            if p != me:
+                works.append(pz.send(torch.full((257,), float(me * 10 + p)), dst=p, async_op=True))
+                recvd[p] = torch.empty(257)
+                works.append(pz.recv(recvd[p], src=p, async_op=True))
+        for w in works:
+            assert w.wait() is True
+        for p, got in recvd.items():
+            ck.check(f"all-to-all message from {p}", got, torch.full((257,), float(p * 10 + me)))
+
+    # several async collectives in flight, then a sync one queued behind them
+    ts = [make_input("sum", torch.float32, 100_003, me, 500 + i) for i in range(3)]
+    wants = [reference([make_input("sum", torch.float32, 100_003, r, 500 + i) for r in range(n)], "sum",
+                       torch.float32) for i in range(3)]
+    works = [pz.all_reduce(t, async_op=True) for t in ts]
+    small = torch.full((3,), float(me))
+    pz.all_reduce(small, op="max")
+    for w in works:
+        w.wait()
+    for i, (t, want) in enumerate(zip(ts, wants)):
+        ck.check(f"async all_reduce #{i}", t, want)
+    ck.check("sync all_reduce behind async ones", small, torch.full((3,), float(n - 1)))
+    res = ck.result()
+    res["barrier_times"] = times
+    return res
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_other_collectives(world):
+    results = run_ranks(_rank_other_collectives, world, timeout=120)
+    assert_ranks_ok(results, min_cases=100)
+    for i in range(3):
+        last_entry = max(r.value["barrier_times"][i][0] for r in results)
+        first_exit = min(r.value["barrier_times"][i][1] for r in results)
+        assert first_exit >= last_entry, f"barrier {i}: a rank left before every rank entered"
+
+
+# ---------------------------------------------------------------------------
+# Subgroups
+
+
+def _rank_subgroups():
+    pz.init(timeout=60)
+    me = pz.get_rank()
+    ck = Checker()
+    g13 = pz.new_group([1, 3])
+    g02 = pz.new_group([0, 2])
+    g20 = pz.new_group([2, 0])
+    g012 = pz.new_group([0, 1, 2])
+    for g, ranks in [(g13, (1, 3)), (g02, (0, 2)), (g20, (2, 0)), (g012, (0, 1, 2))]:
+        if g.ranks != ranks or g.size != len(ranks) or g.rank != (ranks.index(me) if me in ranks else -1):
+            ck.fail(f"group {ranks}: ranks={g.ranks} size={g.size} rank={g.rank}")
+
+    def data(r, size=1031, seed=0):
+        return make_input("sum", torch.float32, size, r, seed)
+
+    # the pairs work concurrently on disjoint ranks
+    for g, ranks in [(g13, [1, 3]), (g02, [0, 2])]:
+        if me not in ranks:
+            continue
+        for algo in ALGOS:
+            for op in ["sum", "max", "avg"]:
+                t = data(me)
+                pz.all_reduce(t, op=op, group=g, algo=algo)
+                ck.check(f"all_reduce in {ranks}, op={op}, algo={algo}", t,
+                         reference([data(r) for r in ranks], op, torch.float32))
+            t = torch.zeros(100_000) if me != ranks[-1] else data(me, 100_000)
+            pz.broadcast(t, src=ranks[-1], group=g, algo=algo if algo != "oneshot" else "auto")
+            ck.check(f"broadcast in {ranks} from global rank {ranks[-1]}", t, data(ranks[-1], 100_000))
+        if me == ranks[0]:
+            pz.send(data(me, 77, 5), dst=ranks[1], group=g)
+        else:
+            got = torch.empty(77)
+            pz.recv(got, src=ranks[0], group=g)
+            ck.check(f"recv in {ranks} from global rank {ranks[0]}", got, data(ranks[0], 77, 5))
+
+    # group order [2, 0]: group rank 0 is global rank 2, so its chunk comes first
+    if me in (2, 0):
+        for algo in ALGOS:
+            out = torch.empty(2 * 13)
+            pz.all_gather(out, data(me, 13), group=g20, algo=algo)
+            ck.check(f"all_gather in [2, 0], algo={algo}", out, torch.cat([data(2, 13), data(0, 13)]))
+            counts = [3, 10]  # group rank 0 (global 2) gets 3
+            mine = counts[g20.rank]
+            out = torch.empty(mine)
+            pz.reduce_scatter(out, data(me, 13, 1), counts=counts, group=g20, algo=algo)
+            full = reference([data(2, 13, 1), data(0, 13, 1)], "sum", torch.float32)
+            ck.check(f"reduce_scatter in [2, 0], algo={algo}", out, full[:3] if me == 2 else full[3:])
+        t = data(0, 50) if me == 0 else torch.zeros(50)
+        pz.broadcast(t, src=0, group=g20)
+        ck.check("broadcast in [2, 0] from global rank 0", t, data(0, 50))
+
+    # three of four ranks; rank 3 does nothing meanwhile
+    if me in (0, 1, 2):
+        for algo in ALGOS:
+            for size in [1, 1031, 200_003]:
+                if algo == "oneshot" and not oneshot_ok(size * 4):
+                    continue
+                t = data(me, size, 2)
+                pz.all_reduce(t, group=g012, algo=algo)
+                ck.check(f"all_reduce in [0, 1, 2], size={size}, algo={algo}", t,
+                         reference([data(r, size, 2) for r in (0, 1, 2)], "sum", torch.float32))
+        pz.barrier(group=g012)
+
+    # the world is unaffected
+    t = data(me, 1031, 3)
+    pz.all_reduce(t)
+    ck.check("world all_reduce after the subgroups", t, reference([data(r, 1031, 3) for r in range(4)], "sum",
+                                                                   torch.float32))
+    return ck.result()
+
+
+def test_subgroups():
+    results = run_ranks(_rank_subgroups, 4, timeout=90)
+    assert_ranks_ok(results)
+
+
+# ---------------------------------------------------------------------------
+# Async overlap
+
+
+OVERLAP_N = 32 << 20  # 32M floats
+
+
+def _rank_async_overlap():
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    x = torch.full((OVERLAP_N,), float(me + 1))
+    pz.barrier()
+    t0 = time.perf_counter()
+    work = pz.all_reduce(x, async_op=True)
+    launch_s = time.perf_counter() - t0
+    # pure-Python work (holding the GIL) and a torch op, interleaved with polls
+    chunks_done_while_pending = 0
+    chunks = 0
+    y = torch.arange(1000, dtype=torch.float64)
+    while True:
+        s = 0
+        for i in range(2000):
+            s += i * i
+        y = (y * 1.0001).sqrt()
+        chunks += 1
+        if work.is_completed():
+            break
+        chunks_done_while_pending += 1
+        if time.perf_counter() - t0 > 30:
+            break
+    assert s == sum(i * i for i in range(2000))
+    assert work.wait() is True
+    total_s = time.perf_counter() - t0
+    assert work.is_completed()
+    want = float(n * (n + 1) // 2)
+    ok = bool((x == want).all())
+    return {"launch_s": launch_s, "total_s": total_s, "pending_chunks": chunks_done_while_pending,
+            "chunks": chunks, "ok": ok}
+
+
+def test_async_overlap():
+    results = run_ranks(_rank_async_overlap, 2, timeout=90)
+    for r in results:
+        v = r.value
+        assert v["ok"], f"rank {r.rank}: wrong all_reduce result"
+        # Python work finished (several times) while the collective was still running
+        assert v["pending_chunks"] >= 1, f"rank {r.rank}: no Python work completed before the all_reduce: {v}"
+        # the call itself returns at once; loose bound (the all_reduce of 128 MB takes far longer)
+        assert v["launch_s"] < 0.5 * v["total_s"] + 0.05, f"rank {r.rank}: async launch blocked: {v}"
+
+
+# ---------------------------------------------------------------------------
+# comm_stats
+
+
+def _rank_comm_stats():
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    pz.comm_stats(reset=True)
+    out = {}
+    N = 1200 * 7  # divisible by 1..4
+    pz.all_reduce(torch.ones(N), algo="ring")
+    out["ring_even"] = pz.comm_stats(reset=True)
+    M = 1000 * 7 + 1  # not divisible by 2, 3, 4
+    pz.all_reduce(torch.ones(M), algo="ring")
+    out["ring_uneven"] = pz.comm_stats(reset=True)
+    k = 1500
+    pz.all_gather(torch.empty(n * k), torch.ones(k), algo="ring")
+    out["ag_ring"] = pz.comm_stats(reset=True)
+    pz.all_reduce(torch.ones(100), algo="oneshot")
+    pz.all_reduce(torch.ones(100), algo="oneshot")
+    pz.barrier()
+    out["oneshot"] = pz.comm_stats(reset=False)
+    out["again"] = pz.comm_stats(reset=True)
+    out["after_reset"] = pz.comm_stats()
+    pz.reduce_scatter(torch.empty(k), torch.ones(n * k), algo="ring")
+    pz.broadcast(torch.ones(k), src=0, algo="ring")
+    out["rs_bc"] = pz.comm_stats(reset=True)
+    if n > 1:
+        if me == 0:
+            pz.send(torch.ones(10), dst=1)
+        elif me == 1:
+            pz.recv(torch.empty(10), src=0)
+        out["p2p"] = pz.comm_stats(reset=True)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_stats(world):
+    n = world
+    results = run_ranks(_rank_comm_stats, n, timeout=60)
+    for res in results:
+        r, s = res.rank, res.value
+        N = 1200 * 7
+        ar = s["ring_even"]["all_reduce"]
+        assert ar["calls"] == 1 and ar["elements"] == N
+        assert ar["sent_bytes"] == 2 * (n - 1) * N // n * 4, (r, ar)
+        # uneven chunks: exactly 2N - c[r] - c[r+1] elements (the chunks this rank does not send twice)
+        M = 1000 * 7 + 1
+        c = even_split(M, n)
+        ar = s["ring_uneven"]["all_reduce"]
+        want = 0 if n == 1 else (2 * M - c[r] - c[(r + 1) % n]) * 4
+        assert ar["sent_bytes"] == want, (r, ar, want)
+        assert abs(ar["sent_bytes"] - 2 * (n - 1) / n * M * 4) <= 2 * 4, (r, ar)
+        k = 1500
+        ag = s["ag_ring"]["all_gather"]
+        assert ag == {"calls": 1, "elements": n * k, "sent_bytes": (n - 1) * k * 4}, (r, ag)
+        assert s["ag_ring"]["all_reduce"] == {"calls": 0, "elements": 0, "sent_bytes": 0}
+        one = s["oneshot"]
+        assert one["all_reduce"] == {"calls": 2, "elements": 200, "sent_bytes": 2 * 100 * 4 * (n - 1)}, (r, one)
+        assert one["barrier"]["calls"] == 1
+        assert s["again"] == one  # reset=False left the counters alone
+        assert all(v == {"calls": 0, "elements": 0, "sent_bytes": 0} for v in s["after_reset"].values())
+        rs, bc = s["rs_bc"]["reduce_scatter"], s["rs_bc"]["broadcast"]
+        assert rs == {"calls": 1, "elements": n * k, "sent_bytes": (n - 1) * k * 4}, (r, rs)
+        # chain broadcast: every rank but the last in the chain sends the buffer once
+        assert bc["calls"] == 1 and bc["elements"] == k
+        assert bc["sent_bytes"] == (k * 4 if r != n - 1 else 0), (r, bc)
+        if n > 1:
+            p2p = s["p2p"]
+            if r == 0:
+                assert p2p["send"] == {"calls": 1, "elements": 10, "sent_bytes": 40}
+            if r == 1:
+                assert p2p["recv"]["calls"] == 1 and p2p["recv"]["elements"] == 10
+
+
+# ---------------------------------------------------------------------------
+# all_gather with uneven counts: every rank must pick the same algorithm
+
+
+def _rank_all_gather_uneven_algo():
+    pz.init(timeout=10)
+    n, me = pz.get_world_size(), pz.get_rank()
+    # rank 0's chunk (280 KB) is above auto's one-shot limit and above the
+    # one-shot cap (256 KiB); the other ranks' chunks are tiny
+    counts = [70001] + [3] * (n - 1)
+    chunks = [make_input("max", torch.float32, c, r, 3) for r, c in enumerate(counts)]
+    out = {}
+    for algo in [None, "auto"]:
+        buf = torch.zeros(sum(counts))
+        try:
+            pz.all_gather(buf, chunks[me].clone(), counts=counts, algo=algo)
+            out[algo] = "ok" if torch.equal(buf, torch.cat(chunks)) else "wrong result"
+        except Exception as e:  # noqa: BLE001
+            out[algo] = f"{type(e).__name__}: {e}"
+    # forced one-shot is too large for rank 0: every rank must refuse it (none may wait for the others)
+    t0 = time.monotonic()
+    try:
+        pz.all_gather(torch.zeros(sum(counts)), chunks[me].clone(), counts=counts, algo="oneshot")
+        out["oneshot"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["oneshot"] = f"{type(e).__name__}: {e}"
+    out["oneshot_s"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_uneven_counts_ranks_agree_on_algo(world):
+    """all_gather(counts=...) where only some ranks' chunks exceed the one-shot limits.
+
+    auto must choose one algorithm for the whole group (from all counts, which
+    every rank knows), not from this rank's own chunk; algo='oneshot' must be
+    rejected with ValueError on every rank, not just on the rank with the big chunk.
+    """
+    results = run_ranks(_rank_all_gather_uneven_algo, world, timeout=60)
+    problems = []
+    for r in results:
+        v = r.value
+        for algo in [None, "auto"]:
+            if v[algo] != "ok":
+                problems.append(f"rank {r.rank}, algo={algo!r}: {v[algo]}")
+        if not (v["oneshot"].startswith("ValueError") and "oneshot" in v["oneshot"]):
+            problems.append(f"rank {r.rank}, algo='oneshot': expected ValueError, got {v['oneshot']} "
+                            f"after {v['oneshot_s']:.2f} s")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------
+# An async handle that is dropped must not free the tensors in flight
+
+
+def _rank_dropped_handle():
+    import gc  # noqa: PLC0415
+
+    pz.init(timeout=30)
+    n, me = pz.get_world_size(), pz.get_rank()
+    k = 8 << 20
+    out = torch.zeros(n * k)
+    # the input is a temporary and the Work handle is dropped at once: only the
+    # library can keep the input alive until the all_gather has finished
+    pz.all_gather(out, torch.full((k,), float(me + 1)), async_op=True)
+    gc.collect()
+    junk = [torch.full((k,), -1.0) for _ in range(4)]  # reuse the freed memory
+    pz.barrier()  # queued behind the all_gather: it has finished
+    want = torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(k)
+    return {"ok": bool(torch.equal(out, want)), "junk": len(junk)}
+
+
+def test_dropped_async_handle_keeps_tensors_alive():
+    results = run_ranks(_rank_dropped_handle, 2, timeout=60, check=False)
+    for r in results:
+        assert r.exitcode == 0, f"rank {r.rank} exited with {r.exitcode}:\n{r.output[-2000:]}"
+        assert r.value["ok"], f"rank {r.rank}: wrong all_gather result"

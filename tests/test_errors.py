@@ -1,0 +1,416 @@
+"""Errors: bad arguments, mismatched collectives, dead and missing ranks.
+
+Everything that needs pz.init runs inside run_ranks (pz.init in the pytest
+process would leave state behind). Rank functions catch what each case
+raises and return (exception type, message) pairs; the parent asserts.
+"""
+import glob
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+
+def _outcome(fn):
+    """(exception type name, message), or ("ok", None) when fn raised nothing."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "ok", None
+
+
+def _check_outcomes(results, expected):
+    """expected: {case: (exception type name, [substrings of the message])}."""
+    problems = []
+    for r in results:
+        got = r.value["outcomes"]
+        for case, (etype, words) in expected.items():
+            if case not in got:
+                continue  # not run on this rank
+            gtype, msg = got[case]
+            if gtype != etype:
+                problems.append(f"rank {r.rank}, {case}: expected {etype}, got {gtype}: {msg}")
+                continue
+            for w in words:
+                if w not in (msg or ""):
+                    problems.append(f"rank {r.rank}, {case}: message does not mention {w!r}: {msg}")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------
+# Bad arguments: each raises on the calling rank, naming the argument, and
+# leaves the group usable (nothing was sent, the sequence did not advance)
+
+BAD_ARGS = {
+    # case: (exception, words the message must contain)
+    "before_init_all_reduce": ("RuntimeError", ["pz.init"]),
+    "before_init_barrier": ("RuntimeError", ["pz.init"]),
+    "before_init_new_group": ("RuntimeError", ["pz.init"]),
+    "before_init_comm_stats": ("RuntimeError", ["pz.init"]),
+    "init_bad_timeout": ("ValueError", ["timeout"]),
+    "init_bad_backend": ("ValueError", ["backend"]),
+    "init_twice": ("RuntimeError", ["already"]),
+    "non_tensor": ("TypeError", ["tensor"]),
+    "non_tensor_out": ("TypeError", ["out"]),
+    "non_tensor_inp": ("TypeError", ["inp"]),
+    "non_contiguous": ("ValueError", ["tensor", "contiguous"]),
+    "non_contiguous_inp": ("ValueError", ["inp", "contiguous"]),
+    "non_contiguous_out": ("ValueError", ["out", "contiguous"]),
+    "dtype_uint8": ("TypeError", ["tensor", "uint8"]),
+    "dtype_complex": ("TypeError", ["tensor", "complex64"]),
+    "dtype_bool_broadcast": ("TypeError", ["tensor", "bool"]),
+    "dtype_int8_out": ("TypeError", ["out", "int8"]),
+    "meta_device": ("ValueError", ["tensor", "CPU"]),
+    "rs_dtype_mismatch": ("TypeError", ["inp", "float64", "float32"]),
+    "ag_dtype_mismatch": ("TypeError", ["inp", "int32", "float32"]),
+    "rs_size_mismatch": ("ValueError", ["inp"]),
+    "ag_size_mismatch": ("ValueError", ["out"]),
+    "bad_op": ("ValueError", ["op", "mean"]),
+    "bad_op_type": ("ValueError", ["op"]),
+    "bad_op_reduce_scatter": ("ValueError", ["op", "MAX"]),
+    "avg_int32": ("ValueError", ["avg", "int32"]),
+    "avg_int64_reduce_scatter": ("ValueError", ["avg", "int64"]),
+    "src_out_of_range": ("ValueError", ["src"]),
+    "src_negative": ("ValueError", ["src"]),
+    "src_not_int": ("TypeError", ["src"]),
+    "counts_wrong_length": ("ValueError", ["counts"]),
+    "counts_negative": ("ValueError", ["counts"]),
+    "counts_wrong_sum": ("ValueError", ["counts", "sum"]),
+    "counts_not_ints": ("TypeError", ["counts"]),
+    "ag_counts_wrong_sum": ("ValueError", ["counts"]),
+    "ag_counts_wrong_length": ("ValueError", ["counts"]),
+    "rs_counts_mine_wrong": ("ValueError", ["out", "counts"]),
+    "ag_counts_mine_wrong": ("ValueError", ["inp", "counts"]),
+    "ag_overlap": ("ValueError", ["inp", "overlaps", "out"]),
+    "rs_overlap": ("ValueError", ["out", "overlaps", "inp"]),
+    "ag_overlap_other_chunk": ("ValueError", ["inp", "overlaps"]),
+    "oneshot_too_big_all_reduce": ("ValueError", ["oneshot"]),
+    "oneshot_too_big_reduce_scatter": ("ValueError", ["oneshot"]),
+    "oneshot_too_big_broadcast": ("ValueError", ["oneshot"]),
+    "oneshot_too_big_async": ("ValueError", ["oneshot"]),
+    "algo_bogus": ("ValueError", ["algo", "bogus"]),
+    "algo_bogus_all_gather": ("ValueError", ["algo", "bogus"]),
+    "algo_bogus_broadcast": ("ValueError", ["algo", "bogus"]),
+    "group_not_a_group": ("TypeError", ["group"]),
+    "new_group_bad_ranks": ("ValueError", ["ranks"]),
+    "new_group_duplicates": ("ValueError", ["ranks"]),
+    "new_group_empty": ("ValueError", ["ranks"]),
+    "send_to_self": ("ValueError", ["dst"]),
+    "recv_from_self": ("ValueError", ["src"]),
+    "send_dst_out_of_range": ("ValueError", ["dst"]),
+    # world >= 2 only
+    "non_member_all_reduce": ("ValueError", ["group", "not a member"]),
+    "non_member_barrier": ("ValueError", ["group", "not a member"]),
+    "src_not_in_group": ("ValueError", ["src"]),
+    # the exact in-place forms are accepted
+    "ag_in_place_ok": ("ok", []),
+    "rs_in_place_ok": ("ok", []),
+    "after_errors_all_reduce": ("ok", []),
+    "after_destroy": ("RuntimeError", ["pz.init"]),
+}
+
+
+MULTI_RANK_ONLY = {"non_member_all_reduce", "non_member_barrier", "src_not_in_group", "rs_counts_mine_wrong",
+                   "ag_counts_mine_wrong", "ag_overlap_other_chunk"}
+
+
+def _rank_bad_args():
+    o = {}
+    t = torch.ones(4)
+    o["before_init_all_reduce"] = _outcome(lambda: pz.all_reduce(t))
+    o["before_init_barrier"] = _outcome(lambda: pz.barrier())
+    o["before_init_new_group"] = _outcome(lambda: pz.new_group([0]))
+    o["before_init_comm_stats"] = _outcome(lambda: pz.comm_stats())
+    o["init_bad_timeout"] = _outcome(lambda: pz.init(timeout=-1))
+    o["init_bad_backend"] = _outcome(lambda: pz.init(backend="gloo"))
+    assert not pz.is_initialized()
+    pz.init(timeout=30)
+    o["init_twice"] = _outcome(lambda: pz.init(timeout=30))
+    n, me = pz.get_world_size(), pz.get_rank()
+    g0 = pz.new_group([0])  # every rank calls new_group; only rank 0 is a member
+
+    k = 4
+    out, inp = torch.zeros(k), torch.ones(n * k)
+    o["non_tensor"] = _outcome(lambda: pz.all_reduce([1.0, 2.0]))
+    o["non_tensor_out"] = _outcome(lambda: pz.all_gather(None, torch.ones(k)))
+    o["non_tensor_inp"] = _outcome(lambda: pz.reduce_scatter(out, inp.tolist()))
+    o["non_contiguous"] = _outcome(lambda: pz.all_reduce(torch.ones(4, 4).t()))
+    o["non_contiguous_inp"] = _outcome(lambda: pz.reduce_scatter(out, torch.ones(2 * n * k)[::2]))
+    o["non_contiguous_out"] = _outcome(lambda: pz.all_gather(torch.ones(2 * n * k)[::2], torch.ones(k)))
+    o["dtype_uint8"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.uint8)))
+    o["dtype_complex"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.complex64)))
+    o["dtype_bool_broadcast"] = _outcome(lambda: pz.broadcast(torch.ones(4, dtype=torch.bool), src=0))
+    o["dtype_int8_out"] = _outcome(lambda: pz.all_gather(torch.ones(n * k, dtype=torch.int8), torch.ones(k)))
+    o["meta_device"] = _outcome(lambda: pz.all_reduce(torch.empty(4, device="meta")))
+    o["rs_dtype_mismatch"] = _outcome(lambda: pz.reduce_scatter(out, inp.double()))
+    o["ag_dtype_mismatch"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k, dtype=torch.int32)))
+    o["rs_size_mismatch"] = _outcome(lambda: pz.reduce_scatter(out, torch.ones(n * k + 1)))
+    o["ag_size_mismatch"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k + 1), torch.ones(k)))
+    o["bad_op"] = _outcome(lambda: pz.all_reduce(t, op="mean"))
+    o["bad_op_type"] = _outcome(lambda: pz.all_reduce(t, op=0))
+    o["bad_op_reduce_scatter"] = _outcome(lambda: pz.reduce_scatter(out, inp, op="MAX"))
+    o["avg_int32"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"))
+    o["avg_int64_reduce_scatter"] = _outcome(
+        lambda: pz.reduce_scatter(torch.zeros(k, dtype=torch.int64), torch.ones(n * k, dtype=torch.int64), op="avg"))
+    o["src_out_of_range"] = _outcome(lambda: pz.broadcast(t, src=n))
+    o["src_negative"] = _outcome(lambda: pz.broadcast(t, src=-1))
+    o["src_not_int"] = _outcome(lambda: pz.broadcast(t, src="0"))
+    o["counts_wrong_length"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n + 1)))
+    o["counts_negative"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[2 * k] + [k] * (n - 2) + [-k]
+                                                              if n > 1 else [-k]))
+    o["counts_wrong_sum"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n - 1) + [k + 1]))
+    o["counts_not_ints"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=["a"] * n))
+    o["ag_counts_wrong_sum"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k),
+                                                             counts=[k] * (n - 1) + [k - 1]))
+    o["ag_counts_wrong_length"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[n * k]
+                                                                if n > 1 else [k, 0]))
+    uneven = [0] * n
+    uneven[(me + 1) % n] = n * k  # this rank's count is 0 (when n > 1), but out/inp has k elements
+    if n > 1:
+        o["rs_counts_mine_wrong"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=uneven))
+        o["ag_counts_mine_wrong"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=uneven))
+    # overlapping out/inp that are not this rank's exact chunk
+    big = torch.zeros(n * k + 1)
+    o["ag_overlap"] = _outcome(lambda: pz.all_gather(big[:n * k], big[me * k + 1:me * k + 1 + k]))
+    o["rs_overlap"] = _outcome(lambda: pz.reduce_scatter(big[me * k + 1:me * k + 1 + k], big[:n * k]))
+    if n > 1 and me != 0:  # inp is rank 0's chunk of out, not this rank's
+        whole = torch.zeros(n * k)
+        o["ag_overlap_other_chunk"] = _outcome(lambda: pz.all_gather(whole, whole[:k]))
+    # the exact in-place chunk is fine (every rank calls these: they are real collectives)
+    buf = torch.zeros(n * k)
+    buf[me * k:(me + 1) * k] = me + 1
+    o["ag_in_place_ok"] = _outcome(lambda: pz.all_gather(buf, buf[me * k:(me + 1) * k]))
+    assert torch.equal(buf, torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(k)), buf
+    rbuf = torch.ones(n * k)
+    o["rs_in_place_ok"] = _outcome(lambda: pz.reduce_scatter(rbuf[me * k:(me + 1) * k], rbuf))
+    assert torch.equal(rbuf[me * k:(me + 1) * k], torch.full((k,), float(n)))
+    # one-shot takes at most 256 KiB of input per rank
+    too_big = (256 << 10) // 4 + 1
+    o["oneshot_too_big_all_reduce"] = _outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot"))
+    o["oneshot_too_big_reduce_scatter"] = _outcome(
+        lambda: pz.reduce_scatter(torch.zeros(too_big), torch.ones(n * too_big), algo="oneshot"))
+    o["oneshot_too_big_broadcast"] = _outcome(lambda: pz.broadcast(torch.ones(too_big), src=0, algo="oneshot"))
+    o["oneshot_too_big_async"] = _outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot",
+                                                                async_op=True).wait())  # at the call or at wait()
+    o["algo_bogus"] = _outcome(lambda: pz.all_reduce(t, algo="bogus"))
+    o["algo_bogus_all_gather"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), algo="bogus"))
+    o["algo_bogus_broadcast"] = _outcome(lambda: pz.broadcast(t, src=0, algo="bogus"))
+    o["group_not_a_group"] = _outcome(lambda: pz.all_reduce(t, group=[0, 1]))
+    o["new_group_bad_ranks"] = _outcome(lambda: pz.new_group([0, n]))
+    o["new_group_duplicates"] = _outcome(lambda: pz.new_group([0, 0]))
+    o["new_group_empty"] = _outcome(lambda: pz.new_group([]))
+    o["send_to_self"] = _outcome(lambda: pz.send(t, dst=me))
+    o["recv_from_self"] = _outcome(lambda: pz.recv(t, src=me))
+    o["send_dst_out_of_range"] = _outcome(lambda: pz.send(t, dst=n + 3))
+    if n > 1:
+        if me != 0:
+            o["non_member_all_reduce"] = _outcome(lambda: pz.all_reduce(t, group=g0))
+            o["non_member_barrier"] = _outcome(lambda: pz.barrier(group=g0))
+        else:
+            pz.all_reduce(t, group=g0)  # a group of one: fine
+        o["src_not_in_group"] = _outcome(lambda: pz.broadcast(t, src=1, group=g0))
+    # nothing above desynchronised the ranks: a correct collective still works
+    x = torch.full((1031,), float(me + 1))
+    o["after_errors_all_reduce"] = _outcome(lambda: pz.all_reduce(x))
+    assert torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2)))
+    pz.destroy()
+    o["after_destroy"] = _outcome(lambda: pz.all_reduce(t))
+    return {"outcomes": o}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_arguments(world):
+    results = run_ranks(_rank_bad_args, world, timeout=60)
+    _check_outcomes(results, BAD_ARGS)
+    # the last rank runs every case of its world size
+    ran = set(results[-1].value["outcomes"])
+    want = set(BAD_ARGS) if world > 1 else set(BAD_ARGS) - MULTI_RANK_ONLY
+    assert ran == want, (sorted(want - ran), sorted(ran - want))
+
+
+# ---------------------------------------------------------------------------
+# Mismatched collectives: CollectiveError on every rank, group still usable
+
+
+def _mismatch_cases(n):
+    """case -> (call for the ranks that agree, call for the odd rank (the last one), words)."""
+    k = 8
+    return {
+        "op": (lambda: pz.all_reduce(torch.ones(k), op="sum"), lambda: pz.all_reduce(torch.ones(k), op="max"),
+               ["all_reduce", "op=sum", "op=max"]),
+        "dtype": (lambda: pz.all_reduce(torch.ones(k)), lambda: pz.all_reduce(torch.ones(k, dtype=torch.float64)),
+                  ["float32", "float64"]),
+        "count": (lambda: pz.all_reduce(torch.ones(k)), lambda: pz.all_reduce(torch.ones(k + 1)),
+                  [f"count={k}", f"count={k + 1}"]),
+        "coll_broadcast": (lambda: pz.all_reduce(torch.ones(k)), lambda: pz.broadcast(torch.ones(k), src=0),
+                           ["all_reduce", "broadcast"]),
+        "coll_barrier": (lambda: pz.barrier(), lambda: pz.all_reduce(torch.ones(k)), ["barrier", "all_reduce"]),
+        "coll_rs_ag": (lambda: pz.reduce_scatter(torch.zeros(k), torch.ones(n * k)),
+                       lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k)), ["reduce_scatter", "all_gather"]),
+        "algo": (lambda: pz.all_reduce(torch.ones(k), algo="ring"), lambda: pz.all_reduce(torch.ones(k), algo="oneshot"),
+                 ["algo=ring", "algo=oneshot"]),
+        "algo_large": (lambda: pz.all_reduce(torch.ones(20000), algo="ring"),
+                       lambda: pz.all_reduce(torch.ones(20000), algo="oneshot"), ["algo=ring", "algo=oneshot"]),
+        "src": (lambda: pz.broadcast(torch.ones(k), src=0), lambda: pz.broadcast(torch.ones(k), src=n - 1),
+                ["src=0", f"src={n - 1}"]),
+        # same total, different split (the odd rank's own chunk is empty)
+        "counts": (lambda: pz.reduce_scatter(torch.zeros(k), torch.ones(n * k), counts=[k] * n),
+                   lambda: pz.reduce_scatter(torch.zeros(0), torch.ones(n * k), counts=[2 * k] + [k] * (n - 2) + [0]),
+                   ["reduce_scatter"]),
+        "async_op": (lambda: pz.all_reduce(torch.ones(k), op="min", async_op=True).wait(),
+                     lambda: pz.all_reduce(torch.ones(k), op="prod", async_op=True).wait(), ["op=min", "op=prod"]),
+    }
+
+
+def _rank_mismatch():
+    pz.init(timeout=30)
+    n, me = pz.get_world_size(), pz.get_rank()
+    odd = n - 1
+    o = {}
+    for case, (same, other, _) in _mismatch_cases(n).items():
+        t0 = time.monotonic()
+        o[case] = _outcome(other if me == odd else same)
+        o[case + "/seconds"] = ("ok", time.monotonic() - t0)
+        # the group is still usable: a correct all_reduce (both algorithms)
+        for algo in ["ring", "oneshot"]:
+            x = torch.full((1031,), float(me + 1))
+            o[case + "/after/" + algo] = _outcome(lambda: pz.all_reduce(x, algo=algo))
+            if not torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2))):
+                o[case + "/after/" + algo] = ("wrong result", str(x[:4]))
+    # send/recv size mismatch: the receiver raises, the channel stays usable
+    if me in (0, 1):
+        if me == 0:
+            pz.send(torch.ones(5), dst=1)
+            pz.send(torch.full((6,), 2.0), dst=1)
+        else:
+            o["p2p"] = _outcome(lambda: pz.recv(torch.empty(6), src=0))
+            got = torch.empty(6)
+            o["p2p/after"] = _outcome(lambda: pz.recv(got, src=0))
+            if not torch.equal(got, torch.full((6,), 2.0)):
+                o["p2p/after"] = ("wrong result", str(got))
+    return {"outcomes": o}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_collectives(world):
+    results = run_ranks(_rank_mismatch, world, timeout=60)
+    expected = {}
+    for case, (_, _, words) in _mismatch_cases(world).items():
+        expected[case] = ("CollectiveError", ["mismatched", "seq", "rank"] + words)
+        expected[case + "/after/ring"] = ("ok", [])
+        expected[case + "/after/oneshot"] = ("ok", [])
+    expected["p2p"] = ("CollectiveError", ["mismatched send/recv", "rank 0", "5", "6"])
+    expected["p2p/after"] = ("ok", [])
+    _check_outcomes(results, expected)
+    for r in results:
+        for case in _mismatch_cases(world):
+            assert case in r.value["outcomes"], (r.rank, case)
+            assert r.value["outcomes"][case + "/seconds"][1] < 10, (r.rank, case, "mismatch detection was slow")
+        # every rank names a peer that called something else
+        _, msg = r.value["outcomes"]["op"]
+        odd = world - 1
+        assert f"rank {odd}" in msg if r.rank != odd else "rank 0" in msg, msg
+    assert "p2p" in results[1].value["outcomes"]
+
+
+# ---------------------------------------------------------------------------
+# Dead and missing ranks
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/pz*"))
+
+
+def _rank_dies(how, long_timeout):
+    pz.init(timeout=60 if long_timeout else 3)
+    n, me = pz.get_world_size(), pz.get_rank()
+    victim = n - 1
+    x = torch.ones(1031)
+    pz.all_reduce(x)  # everybody is up
+    if me == victim:
+        if how == "exit":
+            os._exit(3)
+        if how in ("sigkill", "sigkill_recv"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "sigkill_mid":  # die while a large all_reduce is in flight
+            w = pz.all_reduce(torch.ones(16 << 20), async_op=True)
+            time.sleep(0.03)  # the ring is running (a 64 MB all_reduce takes far longer)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "sleep":  # arrive long after the others gave up
+            time.sleep(4.5)
+            t0 = time.monotonic()
+            late = _outcome(lambda: pz.all_reduce(torch.ones(10)))
+            return {"late": late, "late_s": time.monotonic() - t0}
+        raise AssertionError(how)
+    t0 = time.monotonic()
+    if how == "sigkill_mid":
+        def both():
+            pz.all_reduce(torch.ones(16 << 20))
+            pz.all_reduce(torch.ones(10))
+        first = _outcome(both)
+    elif how == "sigkill_recv":  # the survivor waits in a recv from the dead rank
+        first = _outcome(lambda: pz.recv(torch.empty(10), src=victim))
+    else:
+        first = _outcome(lambda: pz.all_reduce(torch.ones(1031)))
+    seconds = time.monotonic() - t0
+    again = _outcome(lambda: pz.all_reduce(torch.ones(10)))  # the group stays broken, fails at once
+    return {"first": first, "seconds": seconds, "again": again}
+
+
+@pytest.mark.parametrize("how,world", [("exit", 2), ("sigkill", 2), ("exit", 3), ("sigkill", 4),
+                                       ("sigkill_recv", 2), ("sigkill_mid", 2), ("sigkill_mid", 4)])
+def test_dead_rank_detected_fast(how, world):
+    """The last rank exits or is SIGKILLed; every survivor raises CollectiveTimeout naming it, within
+    seconds although pz.init(timeout=60), and the group then refuses further collectives.
+
+    sigkill_mid: the rank dies while a ring all_reduce is running, so in a world of 4 one survivor
+    (rank 1) waits on a live peer (rank 0) rather than on the dead rank: it too must name rank 3.
+    """
+    before = _segments()
+    t0 = time.monotonic()
+    results = run_ranks(_rank_dies, world, args=(how, True), timeout=60, check=False)
+    elapsed = time.monotonic() - t0
+    victim = world - 1
+    want_exit = 3 if how == "exit" else -int(signal.SIGKILL)
+    assert results[victim].exitcode == want_exit, results[victim]
+    for r in results[:victim]:
+        assert r.exitcode == 0, r.output
+        v = r.value
+        etype, msg = v["first"]
+        assert etype == "CollectiveTimeout", (r.rank, v)
+        assert f"rank {victim}" in msg and "exited" in msg, msg
+        # listed among the ranks that never arrived (survivors that already failed and
+        # exited may be listed too)
+        m = re.search(r"never arrived: \[([0-9, ]*)\]", msg)
+        assert m and victim in [int(x) for x in m.group(1).split(",")], msg
+        # a 60 s timeout, yet the dead rank is noticed within seconds
+        assert v["seconds"] < 5, (r.rank, v)
+        assert v["again"][0] == "CollectiveError" and "unusable" in v["again"][1], (r.rank, v)
+    assert elapsed < 30
+    assert isinstance(pz.CollectiveTimeout("x"), pz.CollectiveError)
+    left = _segments() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def test_missing_rank_times_out():
+    before = _segments()
+    results = run_ranks(_rank_dies, 2, args=("sleep", False), timeout=60, check=False)
+    assert [r.exitcode for r in results] == [0, 0], [r.output for r in results]
+    v = results[0].value
+    etype, msg = v["first"]
+    assert etype == "CollectiveTimeout", v
+    assert "timed out" in msg and "rank 1" in msg and "never arrived: [1]" in msg, msg
+    assert "all_reduce" in msg and "seq" in msg, msg
+    assert 2.5 < v["seconds"] < 10, v  # pz.init(timeout=3)
+    # the late rank finds the group aborted (or its peer gone) at once, not after another timeout
+    late = results[1].value
+    assert late["late"][0] in ("CollectiveError", "CollectiveTimeout"), late
+    assert late["late_s"] < 2.5, late
+    assert not _segments() - before

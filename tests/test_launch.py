@@ -1,0 +1,66 @@
+"""pyzero.launch.run_ranks: the forked-rank harness every multi-rank test relies on."""
+import os
+import time
+
+import pytest
+
+from pyzero.launch import RankFailure, run_ranks
+
+
+def _env_and_value(offset):
+    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                       "PZ_TEST_FLAG")} | {"value": int(os.environ["RANK"]) + offset}
+
+
+def test_results_in_rank_order_with_env():
+    results = run_ranks(_env_and_value, 3, args=(10,), env={"PZ_TEST_FLAG": "yes"}, timeout=30)
+    assert [r.rank for r in results] == [0, 1, 2]
+    ports = {r.value["MASTER_PORT"] for r in results}
+    assert len(ports) == 1
+    for r in results:
+        assert r.exitcode == 0
+        assert r.value["value"] == r.rank + 10
+        assert r.value["RANK"] == r.value["LOCAL_RANK"] == str(r.rank)
+        assert r.value["WORLD_SIZE"] == "3" and r.value["PZ_TEST_FLAG"] == "yes"
+        assert r.value["MASTER_ADDR"] == "127.0.0.1"
+    assert "PZ_TEST_FLAG" not in os.environ  # the parent's environment is untouched
+
+
+def _fail_on_rank_one():
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is unhappy")
+    return "fine"
+
+
+def test_failure_reports_output_and_traceback():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_fail_on_rank_one, 2, timeout=30)
+    text = str(info.value)
+    assert "a rank failed" in text and "rank one is unhappy" in text and "hello from rank 1" in text
+    by_rank = {r.rank: r for r in info.value.results}
+    assert by_rank[1].exitcode == 1
+    # without check the results come back instead
+    results = run_ranks(_fail_on_rank_one, 2, timeout=30, check=False)
+    assert [r.exitcode for r in results] == [0, 1]
+    assert results[0].value == "fine" and results[1].value is None
+
+
+def _hang_on_rank_zero():
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+    return "done"
+
+
+def test_deadline_kills_hung_ranks():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="did not finish within"):
+        run_ranks(_hang_on_rank_zero, 2, timeout=1.0)
+    assert time.monotonic() - t0 < 10
+    results = run_ranks(_hang_on_rank_zero, 2, timeout=1.0, check=False)
+    assert results[0].exitcode is None and results[1].exitcode == 0 and results[1].value == "done"
+
+
+def test_bad_nprocs():
+    with pytest.raises(ValueError, match="nprocs"):
+        run_ranks(_hang_on_rank_zero, 0)

@@ -24,6 +24,11 @@ from .comm import (
     send,
 )
 
+from . import checkpoint, zero
+from .zero import ZeroOptimizer
+
 build_info = _C.build_info
 
 __version__ = "0.1.0"
+from . import tp
+from .mesh import mesh

@@ -1,0 +1,236 @@
+"""pyzero-bench tp: all-gather+matmul and matmul+reduce-scatter, ring-overlapped vs not.
+
+For each width, every rank times four things (median over --iters, then the
+slowest rank): the collective alone, the matmul alone, the two one after the
+other ("serial": pz.all_gather then one matmul, or one matmul then
+pz.reduce_scatter) and the ring-overlapped op (pz.tp.all_gather_matmul /
+pz.tp.matmul_reduce_scatter). speedup = serial / overlapped; balance =
+comm / matmul, and overlap can only pay where balance is near 1.
+
+Shapes, n ranks, M = --rows rows per rank, H = --hidden:
+    all_gather_matmul:      x_shard (M, H) gathered to (n*M, H), weight (width, H)
+    matmul_reduce_scatter:  x (n*M, width), weight (H, width), output (M, H)
+The communicated feature dim is H; --widths sweeps the other one, which sets
+the matmul's cost per communicated byte. On CPU each rank's matmul uses one
+thread (run_ranks threads=1) and the copies run on pyzero's comm threads.
+
+The shm copies need CPU time of their own: where every core already runs a
+rank's matmul (2 ranks on 2 cores) they take it from the matmul and the ring
+cannot beat the serial pair. ``--compute sleep`` swaps the matmul for a sleep
+of its measured time, which shows the schedule's gain when compute leaves the
+CPU free (a GPU, or a machine with spare cores per rank).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from .common import write_json
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+COMPUTES = ("matmul", "sleep")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--rows", type=int, default=1024, help="rows (tokens) per rank, M")
+    p.add_argument("--hidden", type=int, default=1024, help="communicated feature dim, H")
+    p.add_argument("--widths", default="4,8,16,32,64",
+                   help="comma list of the non-communicated dim (weight rows for all-gather+matmul, "
+                        "weight columns for matmul+reduce-scatter)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
+    p.add_argument("--compute", default="matmul,sleep",
+                   help="comma list: matmul (the real op), sleep (the matmul's time as a sleep: the schedule's "
+                        "gain when compute leaves the CPU free, as on a GPU)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+
+
+def _median_us(fn, iters: int, warmup: int) -> float:
+    import pyzero as pz  # noqa: PLC0415
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        pz.barrier()  # every rank starts each timed call together
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times) * 1e6], dtype=torch.float64)
+    pz.all_reduce(t, op="max")
+    return float(t)
+
+
+def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float | None):
+    """(comm, compute, serial, overlapped, check) closures over preallocated buffers.
+
+    With `sleep_s`, compute is a sleep of that long (split over the n blocks in
+    the ring), standing in for compute that does not need the CPU (a GPU)."""
+    import pyzero as pz  # noqa: PLC0415
+    from ..tp.overlap import ring_all_gather, ring_reduce_scatter  # noqa: PLC0415
+
+    grp = pz.comm._group(None)
+    g = torch.Generator().manual_seed(pz.get_rank())
+    ag = op == "all_gather_matmul"
+    # Both sides allocate what they return and reuse their intermediates (the ring
+    # keeps scratch buffers per group), so page faults weigh the same on both.
+    if ag:
+        x = torch.randn(rows, hidden, generator=g)
+        w = torch.randn(width, hidden, generator=g)
+        x_all = torch.empty(n * rows, hidden)
+
+        def comm():
+            pz.all_gather(x_all, x)
+
+        def mm():
+            return torch.matmul(x_all, w.t())  # (n*M, H) @ (H, width) -> (n*M, width)
+
+        def overlapped():
+            if sleep_s is None:
+                return pz.tp.all_gather_matmul(x, w)
+            return ring_all_gather(x, grp, lambda c, block: time.sleep(sleep_s / n), out=x_all)
+    else:
+        x = torch.randn(n * rows, width, generator=g)
+        w = torch.randn(hidden, width, generator=g)
+        p = torch.empty(n * rows, hidden)
+
+        def comm():
+            y = torch.empty(rows, hidden)
+            pz.reduce_scatter(y, p)
+            return y
+
+        def mm():
+            torch.matmul(x, w.t(), out=p)  # (n*M, width) @ (width, H) -> (n*M, H)
+
+        def overlapped():
+            if sleep_s is None:
+                return pz.tp.matmul_reduce_scatter(x, w)
+            return ring_reduce_scatter(lambda c, out: time.sleep(sleep_s / n), rows, hidden, x, grp)
+
+    compute = mm if sleep_s is None else (lambda: time.sleep(sleep_s))
+
+    def serial():
+        if ag:
+            comm()
+            return compute()
+        compute()
+        return comm()
+
+    def check() -> float:
+        if sleep_s is not None:
+            return 0.0  # nothing computed
+        y = serial()
+        return float((overlapped() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+
+    return comm, compute, serial, overlapped, check
+
+
+def rank_main(args) -> list[dict]:
+    import pyzero as pz  # noqa: PLC0415
+
+    pz.init(backend="shm", timeout=args.timeout)
+    n, rank = pz.get_world_size(), pz.get_rank()
+    ops = _choices(args.ops, OPS, "--ops")
+    computes = _choices(args.compute, COMPUTES, "--compute")
+    widths = [int(w) for w in args.widths.split(",")]
+    results = []
+    if rank == 0:
+        print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank")
+        print("#{:>22} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>9}".format(
+            "op", "compute", "width", "comm us", "compute us", "serial us", "overlap us", "balance", "speedup",
+            "rel err"))
+    with torch.no_grad():
+        for op in ops:
+            for width in widths:
+                for compute_kind in computes:
+                    sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width) / 1e6
+                    comm, compute, serial, overlapped, check = _cases(op, n, args.rows, args.hidden, width, sleep_s)
+                    err = check()
+                    t = {name: _median_us(fn, args.iters, args.warmup)
+                         for name, fn in (("comm", comm), ("compute", compute), ("serial", serial),
+                                          ("overlap", overlapped))}
+                    row = {"op": op, "compute": compute_kind, "world_size": n, "rows": args.rows,
+                           "hidden": args.hidden, "width": width, "comm_us": t["comm"], "compute_us": t["compute"],
+                           "serial_us": t["serial"], "overlap_us": t["overlap"], "balance": t["comm"] / t["compute"],
+                           "speedup": t["serial"] / t["overlap"], "rel_err": err}
+                    results.append(row)
+                    if rank == 0:
+                        print(" {:>22} {:>7} {:>6} {:>10.0f} {:>10.0f} {:>10.0f} {:>10.0f} {:>8.2f} {:>8.2f} "
+                              "{:>9.1e}".format(op, compute_kind, width, row["comm_us"], row["compute_us"],
+                                                row["serial_us"], row["overlap_us"], row["balance"], row["speedup"],
+                                                err), flush=True)
+    return results
+
+
+def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
+    out = [o.strip() for o in text.split(",") if o.strip()]
+    for o in out:
+        if o not in allowed:
+            raise ValueError(f"{arg}: unknown value {o!r}; expected some of {allowed}")
+    return out
+
+
+def _matmul_us(op: str, n: int, args, width: int) -> float:
+    """The measured matmul time of this shape, which the sleep stand-in reproduces."""
+    _, mm, _, _, _ = _cases(op, n, args.rows, args.hidden, width, None)
+    return _median_us(mm, args.iters, args.warmup)
+
+
+def plot(results: list, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ops = [o for o in OPS if any(r["op"] == o for r in results)]
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for kind in COMPUTES:
+            rows = sorted((r for r in results if r["op"] == op and r["compute"] == kind), key=lambda r: r["width"])
+            if not rows:
+                continue
+            ax.plot([r["width"] for r in rows], [r["speedup"] for r in rows], marker="o", ms=3,
+                    label=f"compute = {kind}")
+            for r in rows:
+                ax.annotate(f"comm/compute {r['balance']:.2f}", (r["width"], r["speedup"]), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.2, color="k", lw=0.8, ls=":")
+        r0 = next(r for r in results if r["op"] == op)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="width (non-communicated dim)", ylabel="speedup: serial / ring-overlapped",
+               title=f"{op}, {r0['world_size']} ranks, M={r0['rows']}, H={r0['hidden']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    from ..launch import run_ranks  # noqa: PLC0415
+
+    if args.nproc < 2:
+        raise ValueError(f"--nproc: expected >= 2 (the ops communicate), got {args.nproc}")
+    res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
+    print(res[0].output, end="")
+    results = res[0].value
+    for op in OPS:
+        for kind in COMPUTES:
+            rows = [r for r in results if r["op"] == op and r["compute"] == kind]
+            if rows:  # the width where comm and compute are closest is where overlap can pay most
+                r = min(rows, key=lambda r: abs(math.log(r["balance"])))
+                print(f"# {op}, compute={kind}: speedup {r['speedup']:.2f}x at width {r['width']} "
+                      f"(comm/compute {r['balance']:.2f}); best {max(x['speedup'] for x in rows):.2f}x")
+    if args.json:
+        write_json(args.json, results, {"command": "tp", "args": vars(args)})
+    if args.plot:
+        plot(results, args.plot)
+    bad = [r for r in results if not r["rel_err"] < 1e-4]
+    return 1 if bad else 0

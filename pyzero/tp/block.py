@@ -1,0 +1,86 @@
+"""A GPT-style transformer block and its tensor-parallel version.
+
+`TransformerBlock` is the plain single-process model; `ParallelTransformerBlock.from_block`
+shards one across a TP group: attention heads and MLP hidden units are split
+(qkv and fc1 column-parallel, proj and fc2 row-parallel), LayerNorms are
+replicated. Activations are (seq, batch, hidden); with sequence parallelism
+each rank holds (seq/n, batch, hidden) outside the TP regions.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import communications as C
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+
+def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """qkv (s, b, heads*3*d), laid out per head as [q | k | v] -> (s, b, heads*d).
+
+    The per-head layout is what lets a column-parallel split of the qkv weight
+    rows hand each rank whole heads."""
+    s, b, _ = qkv.shape
+    q, k, v = qkv.view(s, b, heads, 3, -1).permute(3, 1, 2, 0, 4).unbind(0)  # 3 x (b, heads, s, d)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, d)
+    return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # (s, b, heads*d)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln1(x)), then + mlp(ln2(.))."""
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, mlp_ratio * hidden)
+        self.fc2 = nn.Linear(mlp_ratio * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(causal_attention(self.qkv(self.ln1(x)), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ParallelTransformerBlock(nn.Module):
+    """This rank's part of a TransformerBlock: heads/n attention heads and
+    mlp_hidden/n MLP units. Input and output are replicated (seq, b, hidden),
+    or with ``sequence_parallel`` this rank's (seq/n, b, hidden) slice."""
+
+    @classmethod
+    def from_block(cls, block: TransformerBlock, group=None, sequence_parallel: bool = False,
+                   overlap: bool = True) -> "ParallelTransformerBlock":
+        if not isinstance(block, TransformerBlock):
+            raise TypeError(f"block: expected a pz.tp.TransformerBlock, got {type(block).__name__}")
+        return cls(block, group, sequence_parallel, overlap)
+
+    def __init__(self, block: TransformerBlock, group, sequence_parallel: bool, overlap: bool):
+        super().__init__()
+        g = C.tp_group(group)
+        self.heads = C.check_divisible(block.heads, g.size, "heads")
+        self.group, self.sequence_parallel = g, bool(sequence_parallel)
+        opts = dict(group=g, sequence_parallel=sequence_parallel, overlap=overlap)
+        self.ln1 = copy.deepcopy(block.ln1)
+        self.qkv = ColumnParallelLinear.from_linear(block.qkv, **opts)
+        self.proj = RowParallelLinear.from_linear(block.proj, **opts)
+        self.ln2 = copy.deepcopy(block.ln2)
+        self.fc1 = ColumnParallelLinear.from_linear(block.fc1, **opts)
+        self.fc2 = RowParallelLinear.from_linear(block.fc2, **opts)
+
+    def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return ln(x)  # replicated input: every rank's LayerNorm gradient is already the whole one
+        # Each rank normalises only its tokens: f sums the weight/bias gradients over the group.
+        w, b = C.copy_to_tp(ln.weight, self.group), C.copy_to_tp(ln.bias, self.group)
+        return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(causal_attention(self.qkv(self._norm(self.ln1, x)), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self._norm(self.ln2, x))))

@@ -1,0 +1,165 @@
+"""Column- and row-parallel linear layers (Megatron-LM semantics).
+
+A pair `ColumnParallelLinear -> (elementwise) -> RowParallelLinear` is one
+tensor-parallel region: the column layer splits the output features (rows of
+the weight), the row layer splits the input features (its columns), and the
+only communication is at the two edges:
+
+    no SP:  x (replicated) -f-> col -> act -> row -g-> y (replicated)
+    SP:     x (seq/n, ...) -all-gather-> col -> act -> row -reduce-scatter-> y (seq/n, ...)
+
+f/g are the conjugate ops of communications.py. With ``overlap=True`` the
+edges run as the ring decompositions of overlap.py, whose backward overlaps the
+weight-gradient matmul with the input-gradient communication.
+
+Both layers initialise exactly like one ``nn.Linear(in_f, out_f)`` under the
+same seed: every rank draws the full weight, then keeps its shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import communications as C
+from . import overlap as O
+
+
+def _positive_int(value, arg: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{arg}: expected a positive int, got {value}")
+    return value
+
+
+class _ParallelLinear(nn.Module):
+    """Shared set-up of the two layers; `_split` names the weight dim that is sharded."""
+
+    _split: int  # 0: output features (column), 1: input features (row)
+
+    def _configure(self, in_f, out_f, sequence_parallel, overlap, group) -> None:
+        self.in_features = _positive_int(in_f, "in_features")
+        self.out_features = _positive_int(out_f, "out_features")
+        self.group = C.tp_group(group)
+        self.tp_size = self.group.size
+        self.sequence_parallel = bool(sequence_parallel)
+        self.overlap = bool(overlap)
+        size, what = (out_f, "out_features") if self._split == 0 else (in_f, "in_features")
+        self.shard = C.check_divisible(size, self.tp_size, what)
+
+    def _take_shard(self, linear: nn.Linear) -> None:
+        r, k = self.group.rank, self.shard
+        with torch.no_grad():
+            w = linear.weight.detach()
+            w = w[r * k:(r + 1) * k] if self._split == 0 else w[:, r * k:(r + 1) * k]
+            self.weight = nn.Parameter(w.clone().contiguous())
+            b = linear.bias
+            if b is None:
+                self.bias = None
+            else:
+                b = b.detach()[r * k:(r + 1) * k] if self._split == 0 else b.detach()
+                self.bias = nn.Parameter(b.clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **options):
+        """This rank's shard of an existing ``nn.Linear`` (its values copied).
+        ``options`` are the layer's other keyword arguments."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(linear.in_features, linear.out_features, group=group, **options)
+        self._take_shard(linear)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Splits the output features: this rank's weight is rows
+    ``[rank * out_f/n, (rank+1) * out_f/n)`` and its output is that slice of
+    the features (the whole of them with ``gather_output``). Input: replicated
+    ``(..., in_f)``, or with ``sequence_parallel`` this rank's sequence slice
+    ``(seq/n, ..., in_f)``, gathered along dim 0 before the matmul."""
+
+    _split = 0
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, overlap: bool = True, group=None):
+        super().__init__()
+        self._setup(in_f, out_f, gather_output=gather_output, sequence_parallel=sequence_parallel,
+                    overlap=overlap, group=group)
+        self._take_shard(nn.Linear(in_f, out_f, bias=bias))  # the same RNG draws as one nn.Linear
+
+    def _setup(self, in_f, out_f, gather_output=False, sequence_parallel=False, overlap=True, group=None):
+        self._configure(in_f, out_f, sequence_parallel, overlap, group)
+        if gather_output and self.sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True: the output of a sequence-parallel "
+                             "column layer feeds a row layer; expected gather_output=False")
+        self.gather_output = bool(gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"input: expected shape (..., {self.in_features}), got {shape}")
+        g = self.group
+        if self.sequence_parallel:
+            if self.overlap:
+                y = O.all_gather_matmul(x, self.weight, g)
+            else:
+                y = F.linear(C.gather_from_sp(x, g, reduce_grad=True), self.weight)
+        elif self.overlap:
+            y = O.linear_async_all_reduce(x, self.weight, g)
+        else:
+            y = F.linear(C.copy_to_tp(x, g), self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return C.gather_from_tp(y, g) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Splits the input features: this rank's weight is columns
+    ``[rank * in_f/n, (rank+1) * in_f/n)``; the partial products are summed
+    (all-reduce), or with ``sequence_parallel`` summed and split along dim 0
+    (reduce-scatter). The bias is replicated and added once, after the sum."""
+
+    _split = 1
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, overlap: bool = True, group=None):
+        super().__init__()
+        self._setup(in_f, out_f, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                    overlap=overlap, group=group)
+        self._take_shard(nn.Linear(in_f, out_f, bias=bias))  # the same RNG draws as one nn.Linear
+
+    def _setup(self, in_f, out_f, input_is_parallel=True, sequence_parallel=False, overlap=True, group=None):
+        self._configure(in_f, out_f, sequence_parallel, overlap, group)
+        if not input_is_parallel and self.sequence_parallel:
+            raise ValueError("input_is_parallel=False with sequence_parallel=True: a sequence-parallel row layer "
+                             "takes the feature-split output of a column layer; expected input_is_parallel=True")
+        self.input_is_parallel = bool(input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        width = self.shard if self.input_is_parallel else self.in_features
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != width:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"input: expected shape (..., {width}) (in_features={self.in_features}"
+                             f"{' split over ' + str(self.tp_size) + ' ranks' if self.input_is_parallel else ''}), "
+                             f"got {shape}")
+        if not self.input_is_parallel:
+            x = C.scatter_to_tp(x, g)
+        if not self.sequence_parallel:
+            y = C.reduce_from_tp(F.linear(x, self.weight), g)
+            return y + self.bias if self.bias is not None else y
+        if self.overlap:
+            y = O.matmul_reduce_scatter(x, self.weight, g)
+        else:
+            y = C.reduce_scatter_to_sp(F.linear(x, self.weight), g)
+        if self.bias is not None:
+            # Each rank adds the bias to its own tokens only: f sums the bias gradient over the group.
+            y = y + C.copy_to_tp(self.bias, g)
+        return y

@@ -1,0 +1,371 @@
+"""Tensor parallelism (issue 7): TP layers, sequence parallelism, ring overlap, DP x TP meshes.
+
+Every multi-rank result is compared with a single-process plain-torch model
+built under the same seed; TP shards are compared with ``chunk`` of the
+reference tensors, which is independent of the library's sharding code.
+"""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+from pyzero.tp.block import TransformerBlock
+from pyzero.tp.overlap import ring_all_gather
+
+SEQ, BATCH, HIDDEN, HEADS = 8, 2, 16, 4
+TOL = dict(rtol=1e-5, atol=1e-5)
+CONFIGS = [(overlap, sp) for overlap in (True, False) for sp in (True, False)]  # (overlap, sequence_parallel)
+
+# How each parameter is split: "col" along dim 0 (output features), "row" along dim 1
+# (input features); everything else (row biases, LayerNorms) is replicated.
+SPLITS = {"fc1.weight": "col", "fc1.bias": "col", "qkv.weight": "col", "qkv.bias": "col",
+          "fc2.weight": "row", "proj.weight": "row"}
+
+
+def shard_of(name, full, rank, n):
+    kind = SPLITS.get(name)
+    if kind == "col":
+        return full.chunk(n, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(n, dim=1)[rank]
+    return full
+
+
+class MLP(nn.Module):
+    """fc1 -> GELU -> fc2: with nn.Linear layers the reference, with TP layers the model under test."""
+
+    def __init__(self, fc1, fc2):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, h):
+        return self.fc2(F.gelu(self.fc1(h)))
+
+
+def make_mlp():
+    torch.manual_seed(0)
+    return MLP(nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN))
+
+
+def make_block():
+    torch.manual_seed(0)
+    return TransformerBlock(HIDDEN, HEADS)
+
+
+def make_data(batch=BATCH):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(SEQ, batch, HIDDEN, generator=g), torch.randn(SEQ, batch, HIDDEN, generator=g)
+
+
+def forward_backward(model, x, t, sp=False):
+    """Output, input gradient and parameter gradients of the loss sum(model(x) * t)."""
+    x = x.clone().requires_grad_()
+    h = pz.tp.scatter_to_sp(x) if sp else x
+    y = model(h)
+    y = pz.tp.gather_from_sp(y, reduce_grad=False) if sp else y  # the loss below is replicated
+    (y * t).sum().backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_against(results, ref):
+    """results: per rank, {config: forward_backward(...)}; ref: forward_backward of the reference."""
+    y_ref, dx_ref, grads_ref = ref
+    for res in results:
+        for config, (y, dx, grads) in res.value.items():
+            where = f"rank {res.rank}, config {config}"
+            torch.testing.assert_close(y, y_ref, **TOL, msg=lambda m: f"{where} output: {m}")
+            torch.testing.assert_close(dx, dx_ref, **TOL, msg=lambda m: f"{where} input grad: {m}")
+            assert sorted(grads) == sorted(grads_ref), where
+            for name, g_ref in grads_ref.items():
+                torch.testing.assert_close(grads[name], shard_of(name, g_ref, res.rank, len(results)), **TOL,
+                                           msg=lambda m: f"{where} grad {name}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# Layers and blocks vs the single-process model
+
+
+def rank_models(which):
+    pz.init()
+    x, t = make_data()
+    out = {}
+    for overlap, sp in CONFIGS:
+        opts = dict(sequence_parallel=sp, overlap=overlap)
+        if which == "mlp":
+            ref = make_mlp()
+            model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
+                        pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+        else:
+            model = pz.tp.ParallelTransformerBlock.from_block(make_block(), **opts)
+        out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
+    if which == "mlp":  # the replicated-edge variants: gathered column output into an unsplit row input
+        ref = make_mlp()
+        model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, gather_output=True),
+                    pz.tp.RowParallelLinear.from_linear(ref.fc2, input_is_parallel=False))
+        out["gather_output,input_is_parallel=False"] = forward_backward(model, x, t, False)
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_mlp_matches_single_process(nprocs):
+    results = run_ranks(rank_models, nprocs, args=("mlp",))
+    check_against(results, forward_backward(make_mlp(), *make_data()))
+    assert len(results[0].value) == len(CONFIGS) + 1
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_block_matches_single_process(nprocs):
+    check_against(run_ranks(rank_models, nprocs, args=("block",)), forward_backward(make_block(), *make_data()))
+
+
+def rank_init():
+    pz.init()
+    torch.manual_seed(0)
+    col = pz.tp.ColumnParallelLinear(6, 8)
+    torch.manual_seed(0)
+    row = pz.tp.RowParallelLinear(6, 8, bias=False)
+    return {n: p.detach() for n, p in [*col.named_parameters("col"), *row.named_parameters("row")]}
+
+
+def test_init_matches_one_nn_linear():
+    results = run_ranks(rank_init, 2)
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 8)
+    for res in results:
+        r = res.rank
+        assert set(res.value) == {"col.weight", "col.bias", "row.weight"}
+        torch.testing.assert_close(res.value["col.weight"], ref.weight.detach()[4 * r:4 * r + 4], rtol=0, atol=0)
+        torch.testing.assert_close(res.value["col.bias"], ref.bias.detach()[4 * r:4 * r + 4], rtol=0, atol=0)
+        torch.testing.assert_close(res.value["row.weight"], ref.weight.detach()[:, 3 * r:3 * r + 3], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# Overlapped ops vs their unoverlapped versions and closed-form references
+
+
+def seeded(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rank_overlap_ops():
+    pz.init()
+    n, r = pz.get_world_size(), pz.get_rank()
+    m, b, k, o = 3, 2, 5, 4
+    out = {}
+    # all_gather_matmul: rank q holds rows block q of x; weights and output grads differ per rank.
+    x_full = seeded(100, n * m, b, k)
+    ws, ts = [seeded(200 + q, o, k) for q in range(n)], [seeded(300 + q, n * m, b, o) for q in range(n)]
+    x = x_full[r * m:(r + 1) * m].clone().requires_grad_()
+    w = ws[r].clone().requires_grad_()
+    pz.comm_stats(reset=True)
+    y = pz.tp.all_gather_matmul(x, w)
+    stats = pz.comm_stats()
+    (y * ts[r]).sum().backward()
+    dx_ref = sum(ts[q] @ ws[q] for q in range(n))[r * m:(r + 1) * m]  # every rank's output depends on x
+    out["ag"] = (y.detach(), x_full @ ws[r].t(), x.grad, dx_ref, w.grad,
+                 torch.einsum("sbo,sbk->ok", ts[r], x_full))
+    out["ag_sent"] = (stats["send"]["elements"], stats["all_gather"]["calls"], (n - 1) * x.numel())
+    plain = torch.empty(n * m, b, k)
+    pz.all_gather(plain, x.detach().contiguous())
+    out["ag_vs_unoverlapped"] = (y.detach(), plain @ w.detach().t())
+
+    # matmul_reduce_scatter: rank q holds the whole sequence with its own features.
+    xs, ws = [seeded(400 + q, n * m, b, k) for q in range(n)], [seeded(500 + q, o, k) for q in range(n)]
+    t_full = seeded(600, n * m, b, o)
+    x = xs[r].clone().requires_grad_()
+    w = ws[r].clone().requires_grad_()
+    y = pz.tp.matmul_reduce_scatter(x, w)
+    (y * t_full[r * m:(r + 1) * m]).sum().backward()
+    y_ref = sum(xs[q] @ ws[q].t() for q in range(n))[r * m:(r + 1) * m]
+    out["rs"] = (y.detach(), y_ref, x.grad, t_full @ ws[r], w.grad, torch.einsum("sbo,sbk->ok", t_full, xs[r]))
+    plain = torch.empty(m, b, o)
+    pz.reduce_scatter(plain, (x.detach() @ w.detach().t()).contiguous())
+    out["rs_vs_unoverlapped"] = (y.detach(), plain)
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_overlapped_ops_match_unoverlapped(nprocs):
+    for res in run_ranks(rank_overlap_ops, nprocs):
+        v = res.value
+        for op in ("ag", "rs"):
+            y, y_ref, dx, dx_ref, dw, dw_ref = v[op]
+            torch.testing.assert_close(y, y_ref, **TOL)
+            torch.testing.assert_close(dx, dx_ref, **TOL)
+            torch.testing.assert_close(dw, dw_ref, **TOL)
+            torch.testing.assert_close(*v[f"{op}_vs_unoverlapped"], **TOL)
+        sent, all_gathers, expected = v["ag_sent"]
+        assert (sent, all_gathers) == (expected, 0), "forward must move n-1 blocks over the ring, no all_gather"
+
+
+def rank_ring_in_flight():
+    """While rank r computes on its own block (step 0), block r-1 must arrive."""
+    pz.init()
+    n, r = pz.get_world_size(), pz.get_rank()
+    x = torch.full((4, 3), float(r))
+    out = torch.zeros(n * 4, 3)
+    seen = []
+
+    def compute(c, block):
+        if c == r:
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and not bool((out[((r - 1) % n) * 4] == (r - 1) % n).all()):
+                time.sleep(0.001)
+            seen.append(bool((out[((r - 1) % n) * 4] == (r - 1) % n).all()))
+        seen.append(c)
+
+    ring_all_gather(x, pz.comm._group(None), compute, out=out)
+    return seen, out
+
+
+def test_ring_transfer_runs_during_compute():
+    n = 2
+    for res in run_ranks(rank_ring_in_flight, n):
+        seen, out = res.value
+        assert seen == [True, res.rank, (res.rank - 1) % n]
+        torch.testing.assert_close(out, torch.arange(n).float().repeat_interleave(4)[:, None].expand(-1, 3))
+
+
+# ---------------------------------------------------------------------------
+# Bad input: a clear error on every rank, and the group still works afterwards
+
+
+def rank_errors():
+    pz.init()
+    r = pz.get_rank()
+    col_sp = pz.tp.ColumnParallelLinear(8, 8, sequence_parallel=True)
+    row_sp = pz.tp.RowParallelLinear(8, 8, sequence_parallel=True)
+    V, T = ValueError, TypeError
+    cases = [
+        (lambda: pz.tp.ColumnParallelLinear(8, 7), V, "out_features=7 is not divisible by the tensor-parallel"),
+        (lambda: pz.tp.RowParallelLinear(7, 8), V, "in_features=7 is not divisible"),
+        (lambda: pz.tp.ParallelTransformerBlock.from_block(TransformerBlock(6, 3)), V, "heads=3 is not divisible"),
+        (lambda: row_sp(torch.randn(3, 1, 4)), V, "dim 0 (sequence length) 3 is not divisible"),
+        (lambda: pz.tp.scatter_to_sp(torch.randn(5, 2)), V, "input.shape[0] (sequence length)=5 is not divisible"),
+        (lambda: pz.tp.matmul_reduce_scatter(torch.randn(3, 4), torch.randn(2, 4)), V, "dim 0 (sequence length) 3"),
+        (lambda: pz.tp.all_gather_matmul(torch.randn(2, 5), torch.randn(2, 4)), V, "x_shard: expected shape"),
+        (lambda: col_sp(torch.randn(2, 1, 5)), V, "input: expected shape (..., 8)"),
+        (lambda: pz.tp.ColumnParallelLinear(8, 8, gather_output=True, sequence_parallel=True), V,
+         "gather_output=True with sequence_parallel=True"),
+        (lambda: pz.tp.RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel=True), V,
+         "input_is_parallel=False with sequence_parallel=True"),
+        (lambda: pz.mesh(dp=3, tp=1), V, "dp * tp = 3 must equal the world size 2"),
+        (lambda: pz.mesh(dp=2.0, tp=1), T, "dp: expected an int"),
+        (lambda: pz.tp.ColumnParallelLinear(8, 8, group="tp"), T, "group: expected a pz group"),
+        (lambda: pz.tp.RowParallelLinear.from_linear(nn.Conv1d(2, 2, 1)), T, "linear: expected a torch.nn.Linear"),
+    ]
+    problems = []
+    for i, (fn, kind, text) in enumerate(cases):
+        try:
+            fn()
+            problems.append(f"case {i}: nothing raised")
+        except (TypeError, ValueError) as e:
+            if type(e) is not kind or text not in str(e):
+                problems.append(f"case {i}: {type(e).__name__}: {e}")
+    t = torch.ones(3)
+    pz.all_reduce(t)  # the group still works: no rank communicated before raising
+    # Sequence shards that differ between ranks cannot be checked locally; the transport reports them.
+    for overlap, text in ((False, "mismatched collective"), (True, "mismatched send/recv")):
+        try:
+            pz.tp.ColumnParallelLinear(4, 4, sequence_parallel=True, overlap=overlap)(torch.randn(2 + r, 1, 4))
+            problems.append(f"uneven shards, overlap={overlap}: nothing raised")
+        except pz.CollectiveError as e:
+            if text not in str(e):
+                problems.append(f"uneven shards, overlap={overlap}: {e}")
+    return problems, t
+
+
+def test_bad_input_raises_clear_errors_on_every_rank():
+    for res in run_ranks(rank_errors, 2):
+        problems, t = res.value
+        assert problems == [], f"rank {res.rank}"
+        torch.testing.assert_close(t, torch.full((3,), 2.0))
+
+
+# ---------------------------------------------------------------------------
+# DP x TP mesh and training
+
+
+# (name, optimizer, kwargs, sequence_parallel, overlap). The key bias has an exactly-zero gradient
+# (softmax ignores a per-query constant), so its computed gradient is rounding noise; Adam's default
+# eps=1e-8 would turn that noise into full-size steps.
+RUNS = [("sgd", torch.optim.SGD, dict(lr=0.1, momentum=0.9), False, False),
+        ("adamw", torch.optim.AdamW, dict(lr=1e-2, eps=1e-4), True, True)]
+
+
+def rank_mesh_training(steps):
+    pz.init()
+    dp_group, tp_group = pz.mesh(dp=2, tp=2)
+    checks = {"dp": dp_group.ranks, "tp": tp_group.ranks}
+    for axis, g in (("dp", dp_group), ("tp", tp_group)):
+        t = torch.tensor([float(pz.get_rank())])
+        pz.all_reduce(t, group=g)
+        checks[axis + "_sum"] = t.item()
+    x_all, t_all = make_data(batch=4)
+    i = dp_group.rank  # this replica's half of the batch (dim 1)
+    x, t = x_all[:, 2 * i:2 * i + 2], t_all[:, 2 * i:2 * i + 2]
+    runs = {}
+    for name, opt_cls, kwargs, sp, overlap in RUNS:
+        model = pz.tp.ParallelTransformerBlock.from_block(make_block(), group=tp_group, sequence_parallel=sp,
+                                                          overlap=overlap)
+        opt = opt_cls(model.parameters(), **kwargs)
+        for _ in range(steps):
+            opt.zero_grad()
+            h = pz.tp.scatter_to_sp(x, group=tp_group) if sp else x
+            y = model(h)
+            y = pz.tp.gather_from_sp(y, group=tp_group, reduce_grad=False) if sp else y
+            F.mse_loss(y, t).backward()
+            for p in model.parameters():
+                pz.all_reduce(p.grad, op="avg", group=dp_group)
+            opt.step()
+        runs[name] = {n: p.detach() for n, p in model.named_parameters()}
+    return checks, runs
+
+
+def test_dp_x_tp_training_matches_single_process():
+    steps = 3
+    results = run_ranks(rank_mesh_training, 4, args=(steps,))
+    x, t = make_data(batch=4)
+    for name, opt_cls, kwargs, _, _ in RUNS:
+        ref = make_block()
+        opt = opt_cls(ref.parameters(), **kwargs)
+        for _ in range(steps):
+            opt.zero_grad()
+            F.mse_loss(ref(x), t).backward()
+            opt.step()
+        assert any((p - q).abs().max() > 1e-3 for p, q in zip(ref.parameters(), make_block().parameters()))
+        for res in results:
+            tp_rank = res.rank % 2
+            params = res.value[1][name]
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(params[n], shard_of(n, p.detach(), tp_rank, 2), **TOL,
+                                           msg=lambda m: f"rank {res.rank} {name} {n}: {m}")
+    for res in results:
+        r = res.rank
+        checks = res.value[0]
+        assert checks["tp"] == (r // 2 * 2, r // 2 * 2 + 1) and checks["dp"] == (r % 2, r % 2 + 2)
+        assert checks["tp_sum"] == sum(checks["tp"]) and checks["dp_sum"] == sum(checks["dp"])
+
+
+def test_bench_tp_runs_end_to_end(tmp_path):
+    import argparse
+    import json
+
+    from pyzero.bench import tp as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "tp.json"
+    args = parser.parse_args(["--nproc", "2", "--rows", "16", "--hidden", "8", "--widths", "4,8", "--iters", "2",
+                              "--warmup", "1", "--json", str(out)])
+    assert bench.main(args) == 0  # non-zero when an overlapped result differs from the serial one
+    rec = json.loads(out.read_text())
+    assert {"machine", "versions", "date", "results"} <= set(rec)
+    rows = rec["results"]
+    assert {(r["op"], r["compute"], r["width"]) for r in rows} == {
+        (op, c, w) for op in bench.OPS for c in bench.COMPUTES for w in (4, 8)}
+    assert all(r["rel_err"] < 1e-5 and r["overlap_us"] > 0 and r["serial_us"] > 0 for r in rows)

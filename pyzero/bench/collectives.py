@@ -19,6 +19,7 @@ import torch
 from .common import parse_size, size_steps, write_json
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+MIN_TIMED_S = 0.05
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -40,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (else: run under torchrun)")
     p.add_argument("--backends", default="pyzero,torch", help="comma list of pyzero, torch")
     p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", default=None)
@@ -172,8 +173,14 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
     r = Runner(backend, op, count, dtype, inplace, algo)
     r.call()
     wrong = int((r.result != expected(op, count, n, rank, 0, dtype)).sum())
-    for _ in range(warmup):
+    _barrier(backend)
+    t0 = time.perf_counter()
+    for _ in range(max(warmup, 1)):
         r.call()
+    per_call = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1))
+    # Small messages: at least MIN_TIMED_S of timed calls, so one scheduler hiccup
+    # cannot dominate a 10 us measurement (every rank derives the same count).
+    iters = int(min(max(iters, MIN_TIMED_S / max(per_call, 1e-9)), 100 * iters))
     _barrier(backend)
     t0 = time.perf_counter()
     for _ in range(iters):

@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "errors.h"
+#include "multi_tensor.h"
 #include "shm_transport.h"
 #include "work.h"
 
@@ -203,6 +204,36 @@ PYBIND11_MODULE(_C, m) {
         auto& t = c.t();
         return c.run_p2p(false, peer, async_op, [&t, buf, n, dt, peer] { t.recv(as_ptr(buf), n, DType(dt), peer); });
       });
+
+  // ---- multi-tensor pack/unpack (issue 5: gradient bucketing) -------------------
+  // Tables come as parallel lists (pointer, numel, dtype code, offset in the flat buffer).
+  auto slots = [](const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& numels,
+                  const std::vector<int>& dtypes, const std::vector<int64_t>& offsets) {
+    if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size() || offsets.size() != ptrs.size())
+      throw std::invalid_argument("multi_tensor: ptrs, numels, dtypes and offsets must have the same length");
+    std::vector<TensorSlot> out(ptrs.size());
+    for (size_t i = 0; i < ptrs.size(); ++i) out[i] = TensorSlot{as_ptr(ptrs[i]), numels[i], DType(dtypes[i]), offsets[i]};
+    return out;
+  };
+  m.def(
+      "multi_tensor_pack",
+      [slots](std::vector<uintptr_t> ptrs, std::vector<int64_t> numels, std::vector<int> dtypes,
+              std::vector<int64_t> offsets, uintptr_t flat, int flat_dtype, int64_t flat_numel, double scale) {
+        auto table = slots(ptrs, numels, dtypes, offsets);
+        py::gil_scoped_release nogil;
+        multi_tensor_pack(table, as_ptr(flat), DType(flat_dtype), flat_numel, scale);
+      },
+      "flat[offset:offset+numel] = cast(scale * tensor) for every table row, in one pass (CPU pointers)");
+  m.def(
+      "multi_tensor_unpack",
+      [slots](uintptr_t flat, int flat_dtype, int64_t flat_numel, std::vector<uintptr_t> ptrs,
+              std::vector<int64_t> numels, std::vector<int> dtypes, std::vector<int64_t> offsets, double scale) {
+        auto table = slots(ptrs, numels, dtypes, offsets);
+        py::gil_scoped_release nogil;
+        multi_tensor_unpack(as_ptr(flat), DType(flat_dtype), flat_numel, table, scale);
+      },
+      "tensor = cast(scale * flat[offset:offset+numel]) for every table row, in one pass (CPU pointers)");
+  // ---- end multi-tensor ---------------------------------------------------------
 
 #ifdef PYZERO_WITH_CUDA
   m.def(

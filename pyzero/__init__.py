@@ -32,3 +32,4 @@ build_info = _C.build_info
 __version__ = "0.1.0"
 from . import tp
 from .mesh import mesh
+from .parallel import DataParallel

@@ -1,0 +1,219 @@
+"""pyzero-bench train: training step time, tokens/s, hidden communication and
+memory of data-parallel runs on a small GPT (bench/gpt.py).
+
+Each run spawns --nproc ranks (pyzero.launch.run_ranks). Every rank builds
+the same model (seed 0), trains on its own random batch, and times, as
+medians over --iters steps (each started together after a barrier; the
+slowest rank counts):
+    step     zero_grad + forward + backward + optimizer step
+    nocomm   the same step inside no_sync(): no gradient communication
+    comm     the run's bucketed collectives alone, without backward
+Then exposed = step - nocomm is the communication backward did not hide,
+and hidden = 1 - exposed / comm (clamped to [0, 1]). peak_mib is the rank's
+ru_maxrss, delta_mib its growth over the RSS before the model was built.
+
+Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
+and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
+torch runs use gloo on MASTER_PORT + 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import torch
+
+from .common import write_json
+from .gpt import PRESETS, make_gpt, random_batch
+
+
+class Runner(NamedTuple):
+    """What the timing loop needs from a run."""
+
+    model: torch.nn.Module  # called as model(inputs, targets) -> loss
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable | None  # context manager factory: a step without communication
+    comm_alone: Callable | None  # runs this run's collectives once, nothing else
+    close: Callable = lambda: None
+
+
+def _setup_dp(model, args) -> Runner:
+    import pyzero as pz  # noqa: PLC0415
+
+    comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
+    dp = pz.DataParallel(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
+                         comm_dtype=comm_dtype)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+    return Runner(dp, opt, dp.no_sync, dp.reducer.run_collectives)
+
+
+def _setup_torch_ddp(model, args) -> Runner:
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    from ..bucketing import assign_buckets  # noqa: PLC0415
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    # DDP's own best CPU set-up: gradients as bucket views, the same bucket caps
+    # (its first bucket is 1 MiB, like pz's default).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    flats = [torch.zeros(s.numel, dtype=s.dtype) for s in
+             assign_buckets(params, int(args.bucket_mb * 2**20), int(args.first_bucket_mb * 2**20))]
+
+    def comm_alone():
+        for w in [dist.all_reduce(f, async_op=True) for f in flats]:
+            w.wait()
+
+    return Runner(ddp, opt, ddp.no_sync, comm_alone, dist.destroy_process_group)
+
+
+RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp, "dp": _setup_dp}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="gpt-tiny", help=f"one of {list(PRESETS)}")
+    p.add_argument("--runs", default="torch-ddp,dp", help=f"comma list of {list(RUNS)}")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--iters", type=int, default=20, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=3)
+    # gpt-tiny's gradients are 14 MiB: DDP's 25 MiB default would make one bucket that
+    # can only start when backward ends. Both runs get the same caps.
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap, MiB (pz and torch DDP)")
+    p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket cap, MiB")
+    p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "float16"], help="pz runs only")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _median_s(fn, iters: int, warmup: int) -> float:
+    """Median seconds of fn() over iters calls, each started after a barrier; the slowest rank's."""
+    import pyzero as pz  # noqa: PLC0415
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        pz.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    pz.all_reduce(t, op="max")
+    return float(t)
+
+
+def _rank_main(run: str, args) -> dict:
+    import pyzero as pz  # noqa: PLC0415
+
+    pz.init()
+    rss0 = _rss_mib()
+    model = make_gpt(args.model)
+    runner = RUNS[run](model, args)
+    try:
+        x, y = random_batch(model.config, args.batch, args.seq, seed=1000 + pz.get_rank())
+        losses = []
+
+        def step(ctx=contextlib.nullcontext):
+            runner.optimizer.zero_grad(set_to_none=True)
+            with ctx():
+                loss = runner.model(x, y)
+                loss.backward()
+            runner.optimizer.step()
+            losses.append(loss.item())
+
+        out = {"run": run, "step_s": _median_s(step, args.iters, args.warmup)}
+        # Same seed, data and steps in every run: equal losses say the runs train alike.
+        last_loss = losses[-1]
+        out["nocomm_s"] = _median_s(lambda: step(runner.no_sync), args.iters, args.warmup) \
+            if runner.no_sync else None
+        out["comm_s"] = _median_s(runner.comm_alone, args.iters, args.warmup) if runner.comm_alone else None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
+        return out
+    finally:
+        runner.close()
+
+
+def _summarise(run: str, ranks: list[dict], args) -> dict:
+    r0 = ranks[0]
+    res = {"run": run, "model": args.model, "nproc": args.nproc, "batch": args.batch, "seq": args.seq,
+           "params": sum(p.numel() for p in make_gpt(args.model).parameters()),
+           "step_ms": r0["step_s"] * 1e3,
+           "tokens_per_s": args.nproc * args.batch * args.seq / r0["step_s"],
+           "loss": r0["loss"],
+           "peak_mib": [r["peak_mib"] for r in ranks], "delta_mib": [r["delta_mib"] for r in ranks]}
+    if r0["nocomm_s"] is not None and r0["comm_s"] is not None:
+        exposed = max(0.0, r0["step_s"] - r0["nocomm_s"])
+        res.update(nocomm_ms=r0["nocomm_s"] * 1e3, comm_ms=r0["comm_s"] * 1e3, exposed_ms=exposed * 1e3,
+                   hidden=min(1.0, max(0.0, 1.0 - exposed / r0["comm_s"])) if r0["comm_s"] > 0 else 1.0)
+    return res
+
+
+def _plot(path: str, results: list[dict]) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    names = [r["run"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(names, [r["tokens_per_s"] for r in results], color="tab:blue")
+    a.set_ylabel("tokens/s (all ranks)")
+    a.set_title(f"{results[0]['model']}, {results[0]['nproc']} ranks")
+    comm = [r.get("comm_ms", 0.0) for r in results]
+    exposed = [min(r.get("exposed_ms", 0.0), c) for r, c in zip(results, comm)]
+    b.bar(names, [c - e for c, e in zip(comm, exposed)], label="hidden behind backward", color="tab:green")
+    b.bar(names, exposed, bottom=[c - e for c, e in zip(comm, exposed)], label="exposed", color="tab:red")
+    b.set_ylabel("communication per step (ms)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    from ..launch import run_ranks  # noqa: PLC0415
+
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs:
+        raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+    if args.model not in PRESETS:
+        raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+    if args.nproc < 1 or args.iters < 1 or args.batch < 1:
+        raise SystemExit("--nproc, --iters and --batch must be >= 1")
+    print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
+          f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
+    print(f"{'run':>10} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'comm ms':>8} {'exposed ms':>10} "
+          f"{'hidden':>7} {'loss':>8} {'peak MiB':>9}")
+    results = []
+    for run in runs:
+        ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
+                                            threads=args.threads)]
+        res = _summarise(run, ranks, args)
+        results.append(res)
+        hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
+        print(f"{run:>10} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', float('nan')):10.2f} "
+              f"{res.get('comm_ms', float('nan')):8.2f} {res.get('exposed_ms', float('nan')):10.2f} {hid} "
+              f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}", flush=True)
+    if args.json:
+        write_json(args.json, results, {"bench": "train", "args": vars(args)})
+    if args.plot:
+        _plot(args.plot, results)
+    return 0

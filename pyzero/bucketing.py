@@ -1,0 +1,337 @@
+"""Gradient buckets: which parameters share a bucket, the bucket's flat
+storage, the fused pack/unpack loops, and the hook-driven reducer that
+launches one collective per bucket while backward is still running.
+
+Roles:
+    assign_buckets  parameters -> BucketSpec list (pure; unit-tested without ranks)
+    pack / unpack   one C++ call copies, scales and casts a whole table of tensors
+                    into / out of a flat buffer (csrc/multi_tensor.h)
+    Bucket          a bucket's flat gradient storage (gradients are views into it,
+                    like DDP's gradient_as_bucket_view) and its optional buffer in
+                    the communication dtype
+    BucketReducer   counts ready gradients (post-accumulate-grad hooks), launches a
+                    complete bucket's collective asynchronously, in bucket order on
+                    every rank, and waits for everything when backward ends
+
+BucketReducer is generic over the collective: subclasses give ``_reduce``
+(all-reduce avg for DataParallel; a ZeRO stage would reduce-scatter) and
+``_finalize`` (what to do with a reduced bucket).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _C, comm
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class BucketSpec(NamedTuple):
+    """Bucket `index` holds params[i] for i in `params` at flat offsets `offsets` (elements)."""
+
+    index: int
+    dtype: torch.dtype
+    device: torch.device
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+def assign_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[BucketSpec]:
+    """Cut `params` (registration order) into buckets, as DDP does.
+
+    Parameters are taken in *reverse* order, the order backward makes their
+    gradients ready. Each (dtype, device) has its own open bucket; a bucket is
+    closed once it holds at least its cap in bytes (so one big parameter makes
+    a bucket of its own). The first bucket of each (dtype, device) is capped
+    at `first_bucket_bytes`, so the first collective starts early in backward;
+    the rest at `bucket_bytes`. Buckets are ordered by their first parameter,
+    i.e. by when they should become ready.
+    """
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
+                         f"first_bucket_bytes={first_bucket_bytes}")
+    done: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int]] = {}  # key -> (members, bytes)
+    closed_count: dict[tuple, int] = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        members, size = open_.get(key, ([], 0))
+        members.append(i)
+        size += p.numel() * p.element_size()
+        cap = first_bucket_bytes if closed_count.get(key, 0) == 0 else bucket_bytes
+        if size >= cap:
+            done.append(members)
+            closed_count[key] = closed_count.get(key, 0) + 1
+            open_.pop(key, None)
+        else:
+            open_[key] = (members, size)
+    done.extend(members for members, _ in open_.values())
+    order = {i: pos for pos, i in enumerate(reversed(range(len(params))))}
+    done.sort(key=lambda m: order[m[0]])
+    specs = []
+    for b, members in enumerate(done):
+        offsets, total = [], 0
+        for i in members:
+            offsets.append(total)
+            total += params[i].numel()
+        p0 = params[members[0]]
+        specs.append(BucketSpec(b, p0.dtype, p0.device, tuple(members), tuple(offsets), total))
+    return specs
+
+
+# ---------------------------------------------------------------------------
+# Fused pack / unpack
+
+
+def _table(tensors, offsets, flat: torch.Tensor, arg: str):
+    """Validated (ptrs, numels, dtype codes, offsets), adjacent rows merged into one."""
+    if len(tensors) != len(offsets):
+        raise ValueError(f"offsets: expected one offset per tensor ({len(tensors)}), got {len(offsets)}")
+    ptrs, numels, codes, offs = [], [], [], []
+    for k, (t, o) in enumerate(zip(tensors, offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg}[{k}]: expected a torch.Tensor, got {type(t).__name__}")
+        code = comm._DTYPES.get(t.dtype)
+        if code is None:
+            raise TypeError(f"{arg}[{k}]: dtype {t.dtype} is not supported; expected one of "
+                            "float32, float16, bfloat16, float64, int32, int64")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{arg}[{k}]: expected a contiguous CPU tensor, got device {t.device}, "
+                             f"contiguous={t.is_contiguous()}")
+        o, n = int(o), t.numel()
+        if o < 0 or o + n > flat.numel():
+            raise ValueError(f"offsets[{k}]={o}: tensor of {n} elements does not fit the flat buffer "
+                             f"of {flat.numel()}")
+        ptr = t.data_ptr()
+        if ptrs and codes[-1] == code and offs[-1] + numels[-1] == o and \
+                ptrs[-1] + numels[-1] * t.element_size() == ptr:
+            numels[-1] += n  # contiguous in memory and in the flat buffer: one longer row
+            continue
+        ptrs.append(ptr)
+        numels.append(n)
+        codes.append(code)
+        offs.append(o)
+    return ptrs, numels, codes, offs
+
+
+def _flat_code(flat, scale) -> int:
+    code = comm._check_tensor(flat, "flat")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    return code
+
+
+def pack(tensors, flat: torch.Tensor, offsets, scale: float = 1.0) -> None:
+    """flat[o:o + t.numel()] = (scale * t) cast to flat.dtype, for every (t, o), in one C++ pass."""
+    code = _flat_code(flat, scale)
+    ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
+    _C.multi_tensor_pack(ptrs, numels, codes, offs, flat.data_ptr(), code, flat.numel(), float(scale))
+
+
+def unpack(flat: torch.Tensor, tensors, offsets, scale: float = 1.0) -> None:
+    """t[:] = (scale * flat[o:o + t.numel()]) cast to t.dtype, for every (t, o), in one C++ pass."""
+    code = _flat_code(flat, scale)
+    ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
+    _C.multi_tensor_unpack(flat.data_ptr(), code, flat.numel(), ptrs, numels, codes, offs, float(scale))
+
+
+# ---------------------------------------------------------------------------
+# Buckets
+
+
+class Bucket:
+    """One bucket's storage. Owns `flat` (gradient dtype; gradients are views of
+    flat[:numel]) plus `extra` trailing elements a reducer may use, and, when
+    the communication dtype differs, `comm` of the same length in that dtype."""
+
+    def __init__(self, spec: BucketSpec, params, comm_dtype=None, extra: int = 0):
+        self.spec = spec
+        self.params = [params[i] for i in spec.params]
+        self.numel = spec.numel
+        self.flat = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
+        self.views = [self.flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, spec.offsets)]
+        use_comm = comm_dtype is not None and comm_dtype != spec.dtype
+        self.comm = torch.empty(self.flat.numel(), dtype=comm_dtype) if use_comm else None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """What travels: the communication-dtype copy, or the gradient storage itself."""
+        return self.flat if self.comm is None else self.comm
+
+    def is_view(self, k: int) -> bool:
+        g = self.params[k].grad
+        return g is not None and g.data_ptr() == self.views[k].data_ptr()
+
+    def attach(self) -> list[bool]:
+        """Point every missing gradient at its (zeroed) slot; which ones were missing."""
+        missing = [p.grad is None for p in self.params]
+        whole = all(missing)  # the usual case after zero_grad(): one memset for the bucket
+        if whole:
+            self.flat[:self.numel].zero_()
+        for k, p in enumerate(self.params):
+            if missing[k]:
+                if not whole:
+                    self.views[k].zero_()
+                p.grad = self.views[k]
+        return missing
+
+    def stage(self) -> list[bool]:
+        """Make `buffer` hold every gradient: pack gradients that are not views
+        (replaced by autograd or the user), cast into `comm`, and re-point them.
+        Returns which gradients were missing (None: they contribute zeros)."""
+        missing = [p.grad is None for p in self.params]
+        if self.comm is None:
+            stray = [k for k in range(len(self.params)) if not self.is_view(k)]
+            if stray:
+                self._pack_into(self.flat, stray)
+        else:
+            self._pack_into(self.comm, range(len(self.params)))
+        for k, p in enumerate(self.params):
+            if not self.is_view(k):
+                p.grad = self.views[k]
+        return missing
+
+    def _pack_into(self, buf, ks) -> None:
+        srcs, offs = [], []
+        for k in ks:
+            g = self.params[k].grad
+            o = self.spec.offsets[k]
+            if g is None:  # no gradient and never attached: contributes zeros
+                buf[o:o + self.params[k].numel()].zero_()
+                continue
+            srcs.append(g.contiguous())
+            offs.append(o)
+        pack(srcs, buf, offs)
+
+    def unstage(self) -> None:
+        """Cast the reduced `comm` buffer back into the gradient storage."""
+        if self.comm is not None:
+            unpack(self.comm, [self.flat[:self.numel]], [0])
+
+
+# ---------------------------------------------------------------------------
+# The reducer
+
+
+class BucketReducer:
+    """Launches each bucket's collective the moment its last gradient is accumulated.
+
+    [Note: bucket launch order] Collectives of one group run in call order, so
+    every rank must launch the buckets in the same order whatever order its
+    hooks fire in. A bucket launches when all its gradients are ready *and*
+    every bucket before it has launched. When backward ends (an autograd
+    engine callback queued by the first hook) the buckets still waiting
+    launch, in order, with zeros for the gradients that never came, and all
+    in-flight work is waited on, so after ``loss.backward()`` returns every
+    gradient is reduced, as with DDP.
+
+    Subclasses give ``_reduce(bucket) -> Work`` and may override
+    ``_before_reduce(b)`` / ``_finalize(b)``; ``extra_elements(spec)`` reserves
+    trailing elements in each bucket for them.
+    """
+
+    def __init__(self, params, names, bucket_bytes: int, first_bucket_bytes: int, group, comm_dtype=None):
+        self.params, self.names, self.group = list(params), list(names), group
+        self.specs = assign_buckets(self.params, bucket_bytes, first_bucket_bytes)
+        self.buckets = [Bucket(s, self.params, comm_dtype, self.extra_elements(s)) for s in self.specs]
+        self._where = {id(self.params[i]): (s.index, k) for s in self.specs for k, i in enumerate(s.params)}
+        self.sync = True  # False inside no_sync(): hooks only record which parameters were used
+        self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
+        # used: got a gradient since the last reduction (no_sync steps included);
+        # missing: had no gradient before this rank attached a zeroed slot.
+        self.used = [[False] * len(b.params) for b in self.buckets]
+        self.missing = [[False] * len(b.params) for b in self.buckets]
+        self._inflight: list[tuple[int, object]] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._reset()
+
+    def extra_elements(self, spec: BucketSpec) -> int:
+        return 0
+
+    def _reduce(self, bucket: Bucket):
+        raise NotImplementedError
+
+    def _before_reduce(self, b: int) -> None:
+        pass
+
+    def _finalize(self, b: int) -> None:
+        pass
+
+    def _reset(self) -> None:
+        self._pending = [len(b.params) for b in self.buckets]
+        self._seen: set[int] = set()
+        self._next = 0
+        self._in_backward = False
+
+    def remove(self) -> None:
+        """Unregister the gradient hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def prepare(self) -> None:
+        """Before a forward whose backward will come: gradients become views of their buckets."""
+        if self._inflight or self._in_backward:  # a previous backward raised half-way
+            self._inflight = []
+            self._reset()
+        for b, bucket in enumerate(self.buckets):
+            for k, m in enumerate(bucket.attach()):
+                self.missing[b][k] |= m
+
+    def _on_grad(self, p) -> None:
+        b, k = self._where[id(p)]
+        self.used[b][k] = True
+        if not self.sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self.log = []
+            _queue_callback(self._end_backward)
+        if id(p) in self._seen:
+            raise RuntimeError(f"parameter {self.names[self.specs[b].params[k]]!r}: its gradient was accumulated "
+                               "twice in one backward after its bucket was reduced (reentrant checkpointing "
+                               "or a second backward through the same graph are not supported with sync on)")
+        self._seen.add(id(p))
+        self.log.append((b, "grad"))
+        self._pending[b] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        # see [Note: bucket launch order]
+        self._next = b + 1
+        for k, m in enumerate(self.buckets[b].stage()):
+            self.missing[b][k] |= m
+        self._before_reduce(b)
+        self._inflight.append((b, self._reduce(self.buckets[b])))
+        self.log.append((b, "launch"))
+
+    def _end_backward(self) -> None:
+        try:
+            while self._next < len(self.buckets):
+                self._launch(self._next)
+            self.wait()
+        finally:
+            self._inflight = []
+            self._reset()
+
+    def wait(self) -> None:
+        """Wait for every launched bucket and finalise it (unpack, unused gradients)."""
+        inflight, self._inflight = self._inflight, []
+        for b, work in inflight:
+            work.wait()
+            self.buckets[b].unstage()
+            self._finalize(b)
+            self.used[b] = [False] * len(self.buckets[b].params)
+            self.missing[b] = [False] * len(self.buckets[b].params)
+            self.log.append((b, "done"))
+
+    def run_collectives(self) -> None:
+        """Every bucket's collective back to back on its current contents, nothing else
+        (benchmarks time communication alone with it)."""
+        for w in [self._reduce(bucket) for bucket in self.buckets]:
+            w.wait()

@@ -1,0 +1,171 @@
+"""pz.DataParallel: torch DDP's behaviour over pyzero collectives.
+
+At wrap time every rank takes the parameters and buffers of the group's
+first rank. Each forward re-broadcasts the buffers (BatchNorm running stats)
+and points every gradient at its bucket (bucketing.Bucket); during backward
+a bucket is all-reduced (op="avg", so averaging costs no extra pass) as soon
+as its last gradient is accumulated, overlapping the backward of earlier
+layers; when backward returns every gradient holds the group average.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from . import comm
+from .bucketing import BucketReducer, BucketSpec, pack, unpack
+
+_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+# Buffers in dtypes the collectives do not carry travel widened, and are cast back.
+_WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
+
+
+class _AllReduceBuckets(BucketReducer):
+    """DataParallel's reducer: one async all-reduce (avg) per bucket.
+
+    Each bucket carries one "used" flag per parameter after its gradients, so
+    the same collective tells every rank which parameters got a gradient on
+    some rank. A gradient that no rank produced and that was None before the
+    step stays None (as in DDP, and as in one process, where optimizers then
+    skip it); otherwise an unused parameter contributes zeros.
+    """
+
+    def extra_elements(self, spec: BucketSpec) -> int:
+        return len(spec.params)
+
+    def _before_reduce(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.buffer[bucket.numel:].copy_(torch.tensor(self.used[b], dtype=bucket.buffer.dtype))
+
+    def _reduce(self, bucket):
+        return comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
+
+    def _finalize(self, b: int) -> None:
+        bucket = self.buckets[b]
+        flags = bucket.buffer[bucket.numel:].tolist()
+        for k, p in enumerate(bucket.params):
+            if flags[k] == 0 and self.missing[b][k]:
+                p.grad = None
+
+
+def broadcast_coalesced(tensors, src: int, group) -> None:
+    """Copy `tensors` of global rank `src` to every rank of `group`: one broadcast
+    per dtype, packed and unpacked by the fused C++ loops."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        t = torch.view_as_real(t) if t.is_complex() else t
+        by_dtype.setdefault(_WIDEN.get(t.dtype, t.dtype), []).append(t)
+    is_src = comm.get_rank() == src
+    for wire_dtype, ts in by_dtype.items():
+        # Tensors the loops cannot read or write directly go through a contiguous wire-dtype copy.
+        direct = [t.dtype == wire_dtype and t.is_contiguous() for t in ts]
+        work = [t if d else t.detach().contiguous().to(wire_dtype) for t, d in zip(ts, direct)]
+        offsets = [0]
+        for t in work[:-1]:
+            offsets.append(offsets[-1] + t.numel())
+        flat = torch.empty(offsets[-1] + work[-1].numel(), dtype=wire_dtype)
+        if is_src:
+            pack(work, flat, offsets)
+        comm.broadcast(flat, src=src, group=group)
+        if not is_src:
+            unpack(flat, work, offsets)
+            for t, w, d in zip(ts, work, direct):
+                if not d:
+                    t.copy_(w)
+
+
+def _positive(value, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{arg}: expected a positive number of MiB, got {value!r}")
+    return float(value)
+
+
+class DataParallel(nn.Module):
+    """``pz.DataParallel(module)``: data parallelism like torch DDP.
+
+    ``module`` is replicated (rank ``group.ranks[0]``'s weights win at wrap
+    time); ``bucket_mb`` / ``first_bucket_mb`` cap the gradient buckets (the
+    small first one starts communication early in backward); ``comm_dtype``
+    (e.g. torch.bfloat16) sends gradients in a lower precision, summed in
+    fp32; ``broadcast_buffers`` re-sends rank 0's buffers at every training
+    forward. Frozen parameters are skipped, shared ones reduced once.
+    """
+
+    def __init__(self, module, bucket_mb=25, first_bucket_mb=1, comm_dtype=None, group=None,
+                 broadcast_buffers=True):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        bucket_bytes = int(_positive(bucket_mb, "bucket_mb") * (1 << 20))
+        first_bytes = int(_positive(first_bucket_mb, "first_bucket_mb") * (1 << 20))
+        if comm_dtype not in _COMM_DTYPES:
+            raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {comm_dtype!r}")
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
+        g = comm._group(group)
+        g.comm()  # raises unless this rank is a member
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check(module, named)
+        self.module = module
+        self.group = g
+        self.broadcast_buffers = broadcast_buffers
+        self._buffer_list = list(module.buffers())
+        self._require_sync = True
+        broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffer_list, g.ranks[0], g)
+        self.reducer = _AllReduceBuckets([p for _, p in named], [n for n, _ in named], max(1, bucket_bytes),
+                                         max(1, first_bytes), g, comm_dtype)
+
+    @staticmethod
+    def _check(module, named) -> None:
+        tensors = list(module.named_parameters()) + list(module.named_buffers())
+        devices = {}
+        for name, t in tensors:
+            devices.setdefault(t.device, name)
+        if len(devices) > 1:
+            where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+            raise ValueError(f"module: parameters and buffers must all be on one device, found {where}")
+        if devices and next(iter(devices)).type != "cpu":
+            raise ValueError(f"module: DataParallel runs CPU modules over the shm backend, got tensors on "
+                             f"{next(iter(devices))}")
+        for name, p in named:
+            if p.dtype not in comm._DTYPES or not p.is_floating_point():
+                raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
+                                "float32, float16, bfloat16 or float64")
+        for name, b in module.named_buffers():
+            if b.dtype not in comm._DTYPES and b.dtype not in _WIDEN and not b.is_complex():
+                raise TypeError(f"module: buffer {name!r} has dtype {b.dtype}, which DataParallel cannot "
+                                "broadcast; expected a float, int, bool or complex dtype")
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.module.training and self._buffer_list:
+            broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
+        if torch.is_grad_enabled():
+            # Like DDP, whether this step's backward communicates is decided at forward.
+            self.reducer.sync = self._require_sync
+            self.reducer.prepare()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forwards (and their backwards) inside accumulate gradients locally; the first
+        synced backward after them reduces the sum."""
+        old, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    @property
+    def bucket_log(self) -> list[tuple[int, str]]:
+        """(bucket, event) of the last synced backward, in order: "grad" (a gradient of
+        that bucket was accumulated), "launch" (its collective started), "done"."""
+        return self.reducer.log
+
+    @property
+    def buckets(self):
+        """The gradient buckets, in launch order (bucketing.Bucket)."""
+        return self.reducer.buckets

@@ -1,0 +1,419 @@
+"""DataParallel and gradient bucketing (issue 5).
+
+Multi-rank runs are compared with one plain-torch process on the full batch
+(same seed, AdamW): with the loss a mean over equal shards, the average of
+the shard gradients is the full-batch gradient. Bucket assignment and the
+C++ pack/unpack loops are checked without ranks, against torch.cat / casts.
+"""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyzero as pz
+from pyzero.bucketing import assign_buckets, pack, unpack
+from pyzero.launch import RankFailure, run_ranks
+
+STEPS, BATCH, DIM, VOCAB = 4, 12, 16, 24
+FP32 = dict(rtol=1e-6, atol=1e-6)  # atol: AdamW entries that pass near 0 (values ~0.1)
+TINY_MB = 1e-4  # ~100 bytes: about one parameter per bucket
+
+
+# ---------------------------------------------------------------------------
+# Bucket assignment (no ranks)
+
+
+def _params(*specs):
+    return [nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in specs]
+
+
+def test_buckets_reverse_order_first_bucket_small_and_caps():
+    f32 = torch.float32
+    ps = _params((10, f32), (300, f32), (50, f32), (50, f32), (20, f32), (5, f32))  # bytes: 40,1200,200,200,80,20
+    specs = assign_buckets(ps, bucket_bytes=400, first_bucket_bytes=100)
+    # reverse: 5(20B) 4(80B) -> 100B >= first cap; 3+2 = 400B; 1 alone (1200B >= 400); 0 left over
+    assert [s.params for s in specs] == [(5, 4), (3, 2), (1,), (0,)]
+    assert [s.numel for s in specs] == [25, 100, 300, 10]
+    assert specs[0].offsets == (0, 5) and specs[1].offsets == (0, 50)
+    assert [s.index for s in specs] == [0, 1, 2, 3]
+
+
+def test_buckets_one_dtype_each_first_cap_per_dtype():
+    f32, f64 = torch.float32, torch.float64
+    ps = _params((8, f64), (4, f32), (8, f64), (4, f32), (8, f64), (4, f32))  # f64: 64 B each, f32: 16 B each
+    specs = assign_buckets(ps, bucket_bytes=128, first_bucket_bytes=32)
+    for s in specs:
+        assert {ps[i].dtype for i in s.params} == {s.dtype}
+    # reverse order 5,4,3,2,1,0; f32: first bucket closes at 32 B (5,3), then (1); f64: (4) alone >= 32 B, then (2,0)
+    assert [s.params for s in specs] == [(5, 3), (4,), (2, 0), (1,)]
+    assert sorted(i for s in specs for i in s.params) == list(range(6))
+
+
+def test_buckets_reject_non_positive_sizes():
+    with pytest.raises(ValueError, match="bucket sizes must be positive"):
+        assign_buckets(_params((4, torch.float32)), 0, 10)
+
+
+# ---------------------------------------------------------------------------
+# Fused pack / unpack (C++) against torch.cat and casts
+
+
+def _mixed_tensors():
+    g = torch.Generator().manual_seed(0)
+    dts = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float32)
+    return [torch.randn(n, generator=g).to(dt) for n, dt in zip((7, 33, 5, 12, 1), dts)]
+
+
+def _scaled(t, scale, dtype):
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return (t.to(acc) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.125, 3.7])
+def test_pack_matches_cat_and_casts(flat_dtype, scale):
+    ts = _mixed_tensors()
+    offsets = [0]
+    for t in ts[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    flat = torch.full((sum(t.numel() for t in ts) + 3,), 7.0, dtype=flat_dtype)
+    pack(ts, flat, offsets, scale=scale)
+    expect = torch.cat([_scaled(t, scale, flat_dtype) for t in ts])
+    assert torch.equal(flat[:expect.numel()], expect)
+    assert torch.equal(flat[expect.numel():], torch.full((3,), 7.0, dtype=flat_dtype))  # nothing past the table
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16])
+def test_unpack_matches_slices_and_casts(flat_dtype):
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(60, generator=g).to(flat_dtype)
+    dts = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    outs = [torch.empty(n, dtype=dt) for n, dt in zip((10, 20, 5, 8), dts)]
+    offsets = [50, 3, 23, 40]  # any order, gaps allowed
+    unpack(flat, outs, offsets, scale=0.5)
+    for t, o in zip(outs, offsets):
+        assert torch.equal(t, _scaled(flat[o:o + t.numel()], 0.5, t.dtype))
+
+
+def test_pack_merges_adjacent_views_and_copies_ints():
+    base = torch.arange(20, dtype=torch.int64)
+    views = [base[0:5], base[5:12], base[12:20]]  # adjacent in memory and in the flat: one row
+    flat = torch.zeros(20, dtype=torch.int32)
+    pack(views, flat, [0, 5, 12])
+    assert torch.equal(flat, base.to(torch.int32))
+
+
+def test_pack_rejects_bad_tables():
+    flat = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"offsets\[0\]=8: tensor of 4 elements does not fit"):
+        pack([torch.ones(4)], flat, [8])
+    with pytest.raises(ValueError, match=r"tensors\[0\]: expected a contiguous CPU tensor"):
+        pack([torch.ones(4, 4).t()], torch.zeros(16), [0])
+    with pytest.raises(TypeError, match=r"tensors\[1\]: dtype torch.complex64 is not supported"):
+        pack([torch.ones(2), torch.ones(2, dtype=torch.complex64)], flat, [0, 2])
+    with pytest.raises(ValueError, match="offsets: expected one offset per tensor"):
+        pack([torch.ones(2)], flat, [0, 2])
+    with pytest.raises(ValueError, match="scale != 1 needs floating-point"):
+        pack([torch.ones(2, dtype=torch.int32)], flat, [0], scale=2.0)
+
+
+# ---------------------------------------------------------------------------
+# Models and the single-process reference
+
+
+class Features(nn.Module):
+    """Tied embedding/head, a frozen layer, a layer only rank 1's shard uses,
+    a layer nobody uses, and a float64 layer (its own bucket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
+        self.body = nn.Linear(DIM, DIM)
+        self.extra = nn.Linear(DIM, DIM)
+        self.dead = nn.Linear(DIM, DIM)
+        self.side = nn.Linear(DIM, DIM).double()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, use_extra):
+        h = torch.tanh(self.body(self.frozen(self.emb(idx))))
+        if use_extra:
+            h = h + self.extra(h)
+        h = h + self.side(h.double()).float()
+        return self.head(h)
+
+
+def make_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def make_features():
+    torch.manual_seed(0)
+    return Features()
+
+
+MODELS = {"mlp": make_mlp, "features": make_features}
+
+
+def batch(model_name, step):
+    g = torch.Generator().manual_seed(100 + step)
+    if model_name == "mlp":
+        return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, 4, generator=g)
+    return torch.randint(0, VOCAB, (BATCH, 5), generator=g), torch.randint(0, VOCAB, (BATCH, 5), generator=g)
+
+
+def shard_loss(model, model_name, x, y, rank):
+    if model_name == "mlp":
+        return F.mse_loss(model(x), y)
+    return F.cross_entropy(model(x, use_extra=rank == 1).flatten(0, 1), y.flatten())
+
+
+def reference(model_name, n, steps=STEPS):
+    """One process, full batch: the loss is the mean of the n shard losses."""
+    model = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = batch(model_name, step)
+        opt.zero_grad()
+        loss = sum(shard_loss(model, model_name, xs, ys, r) for r, (xs, ys) in
+                   enumerate(zip(x.chunk(n), y.chunk(n)))) / n
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_rank(model_name, n, bucket_mb, micro=1, comm_dtype=None, zero_after_forward=False):
+    pz.init()
+    rank = pz.get_rank()
+    model = MODELS[model_name]()
+    if rank != 0:  # wrapping must replace these with rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    dp = pz.DataParallel(model, bucket_mb=bucket_mb, first_bucket_mb=bucket_mb, comm_dtype=comm_dtype)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    pz.comm_stats(reset=True)
+    for step in range(STEPS):
+        x, y = batch(model_name, step)
+        xs, ys = x.chunk(n)[rank].chunk(micro), y.chunk(n)[rank].chunk(micro)
+        opt.zero_grad()
+        for m in range(micro):
+            sync = dp.no_sync() if m < micro - 1 else torch.enable_grad()
+            with sync:
+                loss = shard_loss(dp, model_name, xs[m], ys[m], rank) / micro
+                if zero_after_forward:  # autograd then makes fresh gradients, packed at launch
+                    opt.zero_grad(set_to_none=True)
+                loss.backward()
+        opt.step()
+    grads_none = sorted(n_ for n_, p in model.named_parameters() if p.grad is None)
+    in_buckets = sum(len(b.params) for b in dp.buckets)
+    calls = pz.comm_stats().get("all_reduce", {}).get("calls", 0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, grads_none, in_buckets, \
+        len(dp.buckets), calls
+
+
+def check_state(got, want, tol):
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# Equivalence with one process
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("bucket_mb", [25, TINY_MB])
+def test_matches_single_process(n, bucket_mb):
+    want = reference("mlp", n)
+    for r in run_ranks(train_rank, n, args=("mlp", n, bucket_mb), timeout=60):
+        state, none, in_buckets, nbuckets, calls = r.value
+        check_state(state, want, FP32)
+        assert nbuckets == (1 if bucket_mb == 25 else 5) and calls == nbuckets * STEPS
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tied_frozen_unused_and_mixed_dtypes(n):
+    want = reference("features", n)
+    for r in run_ranks(train_rank, n, args=("features", n, TINY_MB), timeout=60):
+        state, none, in_buckets, _, _ = r.value
+        check_state(state, want, FP32)
+        # tied weight once; frozen skipped: emb, body(2), extra(2), dead(2), side(2)
+        assert in_buckets == 9
+        assert none == ["dead.bias", "dead.weight", "frozen.bias", "frozen.weight"]
+
+
+def test_gradients_replaced_after_forward_are_packed():
+    want = reference("mlp", 2)
+    for r in run_ranks(train_rank, 2, args=("mlp", 2, TINY_MB), kwargs={"zero_after_forward": True}):
+        check_state(r.value[0], want, FP32)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_sync_accumulation_equals_large_batch(n):
+    want = reference("mlp", n)
+    for r in run_ranks(train_rank, n, args=("mlp", n, TINY_MB), kwargs={"micro": 2}, timeout=60):
+        state, _, _, nbuckets, calls = r.value
+        check_state(state, want, FP32)
+        assert calls == nbuckets * STEPS  # the no_sync micro-batches sent nothing
+
+
+def bf16_reference(n):
+    """The algorithm in plain torch: each shard's gradient rounded to bf16, summed in
+    fp32, averaged and rounded once to bf16, then AdamW in fp32."""
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch("mlp", step)
+        sums = [torch.zeros_like(p) for p in model.parameters()]
+        for xs, ys in zip(x.chunk(n), y.chunk(n)):
+            model.zero_grad()
+            F.mse_loss(model(xs), ys).backward()
+            for s, p in zip(sums, model.parameters()):
+                s += p.grad.bfloat16().float()
+        for s, p in zip(sums, model.parameters()):
+            p.grad = (s / n).bfloat16().float()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bf16_communication(n):
+    exact, fp32 = bf16_reference(n), reference("mlp", n)
+    for r in run_ranks(train_rank, n, args=("mlp", n, TINY_MB), kwargs={"comm_dtype": torch.bfloat16}):
+        check_state(r.value[0], exact, dict(rtol=1e-5, atol=1e-6))
+        check_state(r.value[0], fp32, dict(rtol=0, atol=3e-2))
+
+
+# ---------------------------------------------------------------------------
+# Overlap: buckets go out while backward is still running
+
+
+def overlap_rank():
+    pz.init()
+    model = make_mlp()
+    dp = pz.DataParallel(model, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    seen = {}
+
+    def first_layer_hook(module, grad_output):
+        # The first layer's backward runs last. Bucket 0 (the last layer's weights)
+        # was launched long before; its all-reduce must finish while we wait here.
+        seen["launched"] = [b for b, e in dp.bucket_log if e == "launch"]
+        b0, work = dp.reducer._inflight[0]
+        deadline = time.monotonic() + 5.0
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen["bucket0_done_during_backward"] = (b0, work.is_completed())
+
+    model[0].register_full_backward_pre_hook(first_layer_hook)
+    x, y = batch("mlp", 0)
+    F.mse_loss(dp(x), y).backward()
+    return seen, list(dp.bucket_log)
+
+
+def test_first_bucket_reduced_while_backward_runs():
+    for r in run_ranks(overlap_rank, 2):
+        seen, log = r.value
+        assert seen["launched"][:1] == [0] and seen["bucket0_done_during_backward"] == (0, True)
+        last_grad = max(i for i, (_, e) in enumerate(log) if e == "grad")
+        assert log.index((0, "launch")) < last_grad
+        assert [b for b, e in log if e == "launch"] == list(range(5))  # in bucket order
+
+
+# ---------------------------------------------------------------------------
+# Buffers: rank 0's are broadcast before every training forward
+
+
+def make_bn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 8), nn.BatchNorm1d(8))
+
+
+def bn_rank(n, broadcast_buffers):
+    pz.init()
+    rank = pz.get_rank()
+    model = make_bn()
+    if rank != 0:
+        model[1].running_mean.fill_(5.0)  # wrapping replaces it with rank 0's
+    dp = pz.DataParallel(model, broadcast_buffers=broadcast_buffers)
+    for step in range(3):
+        dp(batch("mlp", step)[0].chunk(n)[rank])
+    return {k: v.clone() for k, v in model[1].state_dict().items()}
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_buffers_follow_rank0_each_forward(broadcast_buffers):
+    n = 2
+    for r in run_ranks(bn_rank, n, args=(n, broadcast_buffers)):
+        ref = make_bn()
+        for step in range(3):
+            # With broadcasting every forward starts from rank 0's stats, so only the
+            # last forward sees this rank's own shard.
+            src = r.rank if (not broadcast_buffers or step == 2) else 0
+            ref(batch("mlp", step)[0].chunk(n)[src])
+        check_state(r.value, ref[1].state_dict(), FP32)
+
+
+# ---------------------------------------------------------------------------
+# Bad input: the same clear error on every rank, and the group stays usable
+
+
+def bad_input_rank():
+    pz.init()
+
+    def meta_model():
+        m = make_mlp()
+        m[2].weight = nn.Parameter(torch.empty(32, 32, device="meta"))
+        return m
+
+    cases = [
+        lambda: pz.DataParallel("not a module"),
+        lambda: pz.DataParallel(make_mlp(), bucket_mb=0),
+        lambda: pz.DataParallel(make_mlp(), bucket_mb=-2.5),
+        lambda: pz.DataParallel(make_mlp(), first_bucket_mb=0),
+        lambda: pz.DataParallel(meta_model()),
+        lambda: pz.DataParallel(make_mlp(), comm_dtype=torch.int32),
+        lambda: pz.DataParallel(make_mlp(), group="world"),
+    ]
+    out = []
+    for case in cases:
+        try:
+            case()
+            out.append(None)
+        except (TypeError, ValueError) as e:
+            out.append((type(e).__name__, str(e)))
+    solo = pz.new_group([0])  # rank 1 is not a member
+    try:
+        pz.DataParallel(make_mlp(), group=solo)
+        out.append(None)
+    except ValueError as e:
+        out.append(("ValueError", str(e)))
+    t = torch.full((3,), float(pz.get_rank() + 1))
+    pz.all_reduce(t)
+    out.append(t.tolist())
+    return out
+
+
+def test_bad_input_raises_clear_errors_on_every_rank():
+    expected = [
+        ("TypeError", "module: expected a torch.nn.Module, got str"),
+        ("ValueError", "bucket_mb: expected a positive number of MiB, got 0"),
+        ("ValueError", "bucket_mb: expected a positive number of MiB, got -2.5"),
+        ("ValueError", "first_bucket_mb: expected a positive number of MiB, got 0"),
+        ("ValueError", "module: parameters and buffers must all be on one device, found '0.weight' on cpu, "
+                       "'2.weight' on meta"),
+        ("ValueError", "comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
+        ("TypeError", "group: expected a pz group (from pz.new_group) or None, got str"),
+    ]
+    for r in run_ranks(bad_input_rank, 2):
+        assert r.value[:len(expected)] == expected
+        solo, summed = r.value[len(expected):]
+        if r.rank == 0:
+            assert solo is None
+        else:
+            assert solo[0] == "ValueError" and "not a member of group (0,)" in solo[1]
+        assert summed == [3.0, 3.0, 3.0]

@@ -33,3 +33,4 @@ __version__ = "0.1.0"
 from . import tp
 from .mesh import mesh
 from .parallel import DataParallel
+from . import pipeline

@@ -1,0 +1,221 @@
+"""Pipeline: one stage of a pipeline-parallel model per rank of a group.
+
+Rank i of the group runs stage i. A train_step splits the batch into m
+micro-batches and runs this stage's schedule (see schedules.py): a forward
+receives micro-batch j's activation from stage i - 1 and sends its output to
+stage i + 1; a backward receives the gradient of that output from stage i + 1
+and sends the gradient of its input to stage i - 1.
+
+[Note: pipeline messages]
+On the link i -> i+1 travel activations, on i+1 -> i their gradients, each in
+micro-batch order, so plain FIFO send/recv matches them. Sends are async: the
+Work handle keeps the tensor alive and every send is waited before the step
+returns, so a stage never blocks on its successor and no buffer is reused
+while in flight (none is reused at all: a received activation is the input
+the backward needs, so it lives until then). Receives are posted one
+micro-batch ahead, so the next message is copied while this one computes.
+Shapes are not sent per message: a header (handshake.py) goes before the
+first activation of any step whose micro-batch shape changed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import comm
+from . import handshake
+from .schedules import FORWARD, SCHEDULES, bubble_fraction
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """This rank's record of its last train_step.
+
+    busy_s: time in this stage's forward, loss and backward compute; idle_s:
+    the rest of the step (waiting for peers, the step's handshake). bubble is
+    the measured idle share, next to the ideal (p - 1) / (m + p - 1).
+    """
+
+    stage: int
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    max_inflight: int  # micro-batches whose activations this stage held at once
+    step_s: float
+    busy_s: float
+    idle_s: float
+    bubble: float
+    bubble_formula: float
+
+
+class _Link:
+    """Receives from one peer, one message ahead (see [Note: pipeline messages])."""
+
+    def __init__(self, peer: int, group: comm.Group):
+        self.peer, self.group = peer, group
+        self.device = handshake.comm_device(group)
+        self.ahead = None  # (buffer, Work) of the next message
+
+    def post(self, shape, dtype) -> None:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self.ahead = (buf, comm.recv(buf, self.peer, group=self.group, async_op=True))
+
+    def take(self) -> torch.Tensor:
+        buf, work = self.ahead
+        self.ahead = None
+        work.wait()
+        return buf
+
+
+class Pipeline:
+    """Runs ``stage_module`` as stage ``group.rank`` of a pipeline over ``group``.
+
+    ``stage_module``: this rank's stage, e.g. ``split_sequential(seq, group.size)[group.rank]``.
+    ``num_microbatches``: m, the number of equal parts each batch is split into (dim 0).
+    ``schedule``: "1f1b" (activations of at most p micro-batches held) or "gpipe" (all m).
+    ``group``: the pipeline group (None: the world); with data parallelism, one
+    pipeline group per replica, and gradients averaged over the DP group after
+    train_step. Every rank of the group constructs its Pipeline together (a
+    collective check that the ranks agree).
+    """
+
+    def __init__(self, stage_module: nn.Module, num_microbatches: int, schedule: str = "1f1b", group=None):
+        if not isinstance(stage_module, nn.Module):
+            raise TypeError(f"stage_module: expected an nn.Module (one pipeline stage), got "
+                            f"{type(stage_module).__name__}")
+        g = comm._group(group)
+        if g.rank < 0:
+            raise ValueError(f"group: this process (global rank {comm.get_rank()}) is not a member of the pipeline "
+                             f"group {list(g.ranks)}")
+        handshake.check_config(stage_module, num_microbatches, schedule, g)
+        self.module, self.group = stage_module, g
+        self.num_microbatches, self.schedule = num_microbatches, schedule
+        self.stage, self.num_stages = g.rank, g.size
+        self._actions = SCHEDULES[schedule](self.stage, self.num_stages, num_microbatches)
+        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        self._from_prev = None if first else _Link(g.ranks[self.stage - 1], g)
+        self._from_next = None if last else _Link(g.ranks[self.stage + 1], g)
+        self._signature = None  # first stage: the micro-batch (shape, dtype) last announced downstream
+        self._in_meta = None    # other stages: (shape, dtype) of the activations received
+        self._out_meta = None   # stages but the last: (shape, dtype) announced to the next stage
+        self.stats: PipelineStats | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def train_step(self, inputs, targets, loss_fn):
+        """Forward and backward of one batch through the whole pipeline.
+
+        ``inputs``: the batch, needed on the first stage only (others may pass
+        None); ``targets``: on the last stage only; ``loss_fn(output, target)``
+        -> scalar loss of a micro-batch, on the last stage. Each micro-batch's
+        loss is scaled by 1/m, so with a mean loss the gradients accumulated
+        into ``.grad`` (as by ``loss.backward()``; zero them between steps)
+        equal those of one full-batch backward. Returns the mean micro-batch
+        loss as a float on the last stage, None elsewhere.
+
+        Bad arguments raise the same error on every rank before anything is
+        sent, and leave the pipeline usable. An error inside a stage's own
+        forward or backward ends the pipeline: its peers fail once it exits
+        (or at the group's timeout).
+        """
+        t_start = time.perf_counter()
+        m = self.num_microbatches
+        changed = handshake.agree_step(inputs, targets, loss_fn, m, self.is_first, self.is_last, self._signature,
+                                       self.group)
+        if self.is_first:
+            self._signature = handshake.signature_of(inputs, m)
+            xs = inputs.split(inputs.shape[0] // m)
+        if self.is_last:
+            ys = targets.split(targets.shape[0] // m)
+        held: dict[int, tuple] = {}  # micro-batch -> (input activation, output or scaled loss) until its backward
+        sends: list = []
+        busy, max_inflight, loss_sum = 0.0, 0, 0.0  # loss_sum becomes a tensor: no host sync per micro-batch
+        for op, j in self._actions:
+            if op == FORWARD:
+                x = xs[j] if self.is_first else self._recv_activation(j, changed)
+                t0 = time.perf_counter()
+                with torch.enable_grad():
+                    out = self.module(x)
+                    if self.is_last:
+                        loss = _check_loss(loss_fn(out, ys[j]))
+                        loss_sum = loss_sum + loss.detach()
+                        out = loss / m
+                busy += time.perf_counter() - t0
+                if not self.is_last:
+                    sends += self._send_activation(out, j, changed)
+                held[j] = (x, out)
+                max_inflight = max(max_inflight, len(held))
+            else:
+                x, out = held.pop(j)
+                grad = None if self.is_last else self._recv_grad(j)
+                t0 = time.perf_counter()
+                if out.requires_grad:  # False only for a stage without parameters fed by inputs
+                    torch.autograd.backward(out, grad)
+                busy += time.perf_counter() - t0
+                if not self.is_first and x.is_floating_point():
+                    dx = x.grad.contiguous() if x.grad is not None else torch.zeros_like(x)
+                    sends.append(comm.send(dx, self.group.ranks[self.stage - 1], group=self.group, async_op=True))
+        for work in sends:
+            work.wait()
+        step = time.perf_counter() - t_start
+        self.stats = PipelineStats(self.stage, self.num_stages, m, self.schedule, max_inflight, step, busy,
+                                   step - busy, (step - busy) / step, bubble_fraction(self.num_stages, m))
+        return float(loss_sum) / m if self.is_last else None
+
+    def _recv_activation(self, j: int, changed: bool) -> torch.Tensor:
+        link = self._from_prev
+        if j == 0:
+            if changed or self._in_meta is None:
+                header = torch.empty(handshake.HEADER_LEN, dtype=torch.int64, device=link.device)
+                comm.recv(header, link.peer, group=self.group)
+                self._in_meta = handshake.decode_header(header, self.stage - 1)
+            link.post(*self._in_meta)
+        x = link.take()
+        if j + 1 < self.num_microbatches:
+            link.post(*self._in_meta)
+        return x.requires_grad_() if x.is_floating_point() else x
+
+    def _send_activation(self, out, j: int, changed: bool) -> list:
+        """Post the header (first micro-batch of a changed step) and the activation; their Works."""
+        nxt, works = self.group.ranks[self.stage + 1], []
+        if j == 0 and (changed or self._out_meta is None):
+            header = handshake.encode_header(out, handshake.comm_device(self.group))
+            works.append(comm.send(header, nxt, group=self.group, async_op=True))
+            err = handshake.output_error(out, self.stage)
+            if err is not None:
+                raise err  # the header carries the error to the next stage
+            self._out_meta = (out.shape, out.dtype)
+        elif (out.shape, out.dtype) != self._out_meta:
+            raise ValueError(f"the output of pipeline stage {self.stage} for micro-batch {j} has shape "
+                             f"{tuple(out.shape)} and dtype {out.dtype}, but the next stage expects "
+                             f"{tuple(self._out_meta[0])} and {self._out_meta[1]} (the shape of the first "
+                             "micro-batch with this input shape): a stage must map equal input shapes to equal "
+                             "output shapes")
+        if j == 0 and out.is_floating_point():  # the gradient of micro-batch 0's output comes back first
+            self._from_next.post(*self._out_meta)
+        works.append(comm.send(out.detach().contiguous(), nxt, group=self.group, async_op=True))
+        return works
+
+    def _recv_grad(self, j: int) -> torch.Tensor | None:
+        if not self._out_meta[1].is_floating_point:
+            return None  # integer activations carry no gradient
+        grad = self._from_next.take()
+        if j + 1 < self.num_microbatches:
+            self._from_next.post(*self._out_meta)
+        return grad
+
+
+def _check_loss(loss):
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"loss_fn: expected a scalar tensor loss per micro-batch, got {shape}")
+    return loss.reshape(())

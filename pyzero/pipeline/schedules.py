@@ -1,0 +1,58 @@
+"""Pipeline schedules: the order of one stage's forward and backward passes.
+
+A schedule is a list of actions ``(FORWARD | BACKWARD, microbatch)`` for one
+stage. Every stage runs backwards in micro-batch order, so the messages on
+each link (activations down, gradients up) arrive in the order they are read.
+
+GPipe (all forward, all backward), 4 stages, 4 micro-batches (F/B: forward /
+backward of that micro-batch, time flows right)::
+
+    stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+    stage 1  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .
+    stage 2  .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .
+    stage 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .
+
+Every stage holds all m micro-batches' activations before its first backward.
+
+1F1B: stage i runs p - i - 1 warm-up forwards, then alternates one forward
+and one backward, then drains the remaining backwards (4 stages, 8
+micro-batches)::
+
+    stage 0  F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+    stage 1  .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+    stage 2  .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+    stage 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+
+A backward frees its micro-batch, so stage i holds at most p - i at once (p
+on stage 0): activation memory bounded by the depth, not by m. Both have the
+same bubble, (p - 1) / (m + p - 1) of each stage's time when forward and
+backward costs are equal on every stage.
+"""
+from __future__ import annotations
+
+FORWARD, BACKWARD = "F", "B"
+
+
+def gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """All forwards, then all backwards (AFAB)."""
+    m = num_microbatches
+    return [(FORWARD, j) for j in range(m)] + [(BACKWARD, j) for j in range(m)]
+
+
+def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
+    m = num_microbatches
+    warmup = min(num_stages - stage - 1, m)
+    actions = [(FORWARD, j) for j in range(warmup)]
+    for j in range(m - warmup):  # steady state: the forward of j + warmup, then the oldest backward
+        actions += [(FORWARD, j + warmup), (BACKWARD, j)]
+    actions += [(BACKWARD, j) for j in range(m - warmup, m)]
+    return actions
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """Idle share of each stage's time in an ideal pipeline: (p - 1) / (m + p - 1)."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)

@@ -14,6 +14,8 @@
 
 #include "errors.h"
 #include "multi_tensor.h"
+#include "nccl_transport.h"
+#include "p2p_ring.h"
 #include "shm_transport.h"
 #include "work.h"
 
@@ -87,6 +89,21 @@ class ShmComm {
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+#ifdef PYZERO_WITH_CUDA
+// Runs one NcclComm call without the GIL: None for a synchronous call, the
+// NcclWork for an async one.
+template <typename F>
+py::object nccl_call(F f) {
+  NcclTransport::WorkPtr w;
+  {
+    py::gil_scoped_release nogil;
+    w = f();
+  }
+  if (!w) return py::none();
+  return py::cast(w);
+}
+#endif
+
 py::dict build_info() {
   py::dict d;
 #ifdef PYZERO_WITH_CUDA
@@ -115,7 +132,11 @@ py::dict build_info() {
 #else
   d["compiler"] = std::string("unknown");
 #endif
+#ifdef PYZERO_WITH_CUDA
+  d["backends"] = py::make_tuple("shm", "nccl");
+#else
   d["backends"] = py::make_tuple("shm");
+#endif
   return d;
 }
 
@@ -243,5 +264,95 @@ PYBIND11_MODULE(_C, m) {
       },
       "out = a (+) b elementwise on the GPU (raw device pointers, dtype/op codes, cudaStream_t)");
   m.def("cuda_device_count", &pz::cuda::device_count);
+  m.def("cuda_pointer_device", &pz::cuda::pointer_device, "CUDA device of a pointer, -1 for host memory");
+  m.def("cuda_copy", [](uintptr_t src, uintptr_t dst, int64_t n, int dt, uintptr_t stream) {
+    pz::cuda::launch_copy(as_ptr(src), as_ptr(dst), n, DType(dt), stream);
+  });
+  m.def("cuda_pack_wire", [](uintptr_t src, uintptr_t dst, int64_t n, int dt, uintptr_t stream) {
+    pz::cuda::launch_pack_wire(as_ptr(src), as_ptr(dst), n, DType(dt), stream);
+  });
+  m.def("cuda_reduce_wire", [](uintptr_t in, uintptr_t own, uintptr_t out, int64_t n, int dt, int op,
+                               uintptr_t stream) {
+    pz::cuda::launch_reduce_wire(as_ptr(in), as_ptr(own), as_ptr(out), n, DType(dt), RedOp(op), stream);
+  });
+  m.def("cuda_reduce_wire_final", [](uintptr_t in, uintptr_t own, uintptr_t dst, int64_t n, int dt, int op, int nranks,
+                                     uintptr_t stream) {
+    pz::cuda::launch_reduce_wire_final(as_ptr(in), as_ptr(own), as_ptr(dst), n, DType(dt), RedOp(op), nranks, stream);
+  });
+  m.def("cuda_reduce_many", [](std::vector<uintptr_t> srcs, uintptr_t dst, int64_t n, int dt, int op, int nranks,
+                               uintptr_t stream) {
+    std::vector<const void*> p(srcs.size());
+    for (size_t i = 0; i < srcs.size(); ++i) p[i] = as_ptr(srcs[i]);
+    pz::cuda::launch_reduce_many(p.data(), int(p.size()), as_ptr(dst), n, DType(dt), RedOp(op), nranks, stream);
+  }, "dst = srcs[0] (+) srcs[1] (+) ... in order (one-shot all-reduce kernel)");
+  m.def("nccl_unique_id", [] { return py::bytes(NcclTransport::unique_id()); });
+
+  py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
+      .def("wait", [](NcclWork& w, uintptr_t stream) { py::gil_scoped_release nogil; w.wait(stream); },
+           py::arg("stream"), "Make `stream` wait for the operation (no host block); raises the group's failure")
+      .def("is_completed", [](NcclWork& w) { py::gil_scoped_release nogil; return w.completed(); })
+      .def("synchronize", [](NcclWork& w) { py::gil_scoped_release nogil; w.synchronize(); },
+           "Block the host until the operation finished");
+
+  py::class_<NcclTransport>(m, "NcclComm")
+      .def(py::init([](py::bytes uid, int rank, int size, int device, double timeout_s, size_t slice_bytes,
+                       size_t oneshot_bytes, bool blocking_wait) {
+             std::string id = uid;
+             py::gil_scoped_release nogil;
+             return std::make_unique<NcclTransport>(id, rank, size, device,
+                                                    NcclConfig{timeout_s, slice_bytes, oneshot_bytes, blocking_wait});
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s"),
+           py::arg("slice_bytes"), py::arg("oneshot_bytes"), py::arg("blocking_wait"))
+      .def_property_readonly("rank", &NcclTransport::rank)
+      .def_property_readonly("size", &NcclTransport::size)
+      .def_property_readonly("device", &NcclTransport::device)
+      .def_property_readonly("stream", &NcclTransport::stream)
+      .def("set_timeout", &NcclTransport::set_timeout)
+      .def("close", &NcclTransport::close, py::call_guard<py::gil_scoped_release>())
+      .def("stats", &NcclTransport::stats, py::arg("reset") = false)
+      .def("all_reduce", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int op, int algo, uintptr_t stream,
+                            bool async_op) {
+        return nccl_call(
+            [&] { return t.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo), stream, async_op); });
+      })
+      .def("reduce_scatter", [](NcclTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
+                                int op, int algo, uintptr_t stream, bool async_op) {
+        return nccl_call([&] {
+          return t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo), stream, async_op);
+        });
+      })
+      .def("all_gather", [](NcclTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
+                            int algo, uintptr_t stream, bool async_op) {
+        return nccl_call(
+            [&] { return t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo), stream, async_op); });
+      })
+      .def("broadcast", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int root, int algo, uintptr_t stream,
+                           bool async_op) {
+        return nccl_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
+      })
+      .def("barrier", [](NcclTransport& t, uintptr_t stream, bool async_op) {
+        return nccl_call([&] { return t.barrier(stream, async_op); });
+      })
+      .def("send", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
+        return nccl_call([&] { return t.send(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+      })
+      .def("recv", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
+        return nccl_call([&] { return t.recv(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+      });
 #endif
+
+  // Host-side logic of the CUDA backends, available in every build (tested without a GPU).
+  m.def("nccl_resolve_algo", [](int coll, size_t bytes, int algo, size_t oneshot_bytes, int nranks) {
+    if (coll < 0 || coll >= kNumColls) throw std::invalid_argument("coll: unknown collective code");
+    return int(nccl_resolve_algo(Coll(coll), bytes, Algo(algo), oneshot_bytes, nranks));
+  }, py::arg("coll"), py::arg("bytes"), py::arg("algo"), py::arg("oneshot_bytes"), py::arg("nranks"),
+     "The algorithm the nccl backend runs for a call (see csrc/nccl_transport.h)");
+  m.def("p2p_ring_plan", [](int coll, std::vector<int64_t> counts, int rank, int nranks, int dt, int root,
+                            size_t stage_bytes, bool in_is_chunk) {
+    if (coll < 0 || coll >= kNumColls) throw std::invalid_argument("coll: unknown collective code");
+    return p2p_ring_plan(Coll(coll), counts, rank, nranks, DType(dt), root, stage_bytes, in_is_chunk);
+  }, py::arg("coll"), py::arg("counts"), py::arg("rank"), py::arg("nranks"), py::arg("dtype"), py::arg("root"),
+     py::arg("stage_bytes"), py::arg("in_is_chunk") = false,
+     "The ops the NCCL ring issues on one rank, as lists of ints (see csrc/p2p_ring.h PlanExec)");
 }

@@ -1,81 +1,118 @@
-// kernels.cu — CUDA reduce kernels over the shared math of reduce_math.h.
+// kernels.cu — launchers for the element-wise kernels of reduce_kernels.cuh,
+// and the few CUDA runtime facts the Python layer asks for.
 //
-// Kernels: 16-byte packed loads/stores (Packed16<T> holds 16 / sizeof(T)
-// elements), grid-stride, a scalar tail; fp16/bf16 accumulate in fp32 and are
-// rounded once when stored. Launchers take raw pointers, counts and an
-// explicit stream, and end with a last-error check.
+// Launchers take raw pointers, counts, dtype/op enums and an explicit stream,
+// dispatch the dtype/op once (PZ_DISPATCH_DTYPE / PZ_DISPATCH_OP), and end with
+// a last-error check.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "cuda_api.h"
+#include "cuda_check.h"
 #include "errors.h"
+#include "reduce_kernels.cuh"
 #include "reduce_math.h"
 
 namespace pz::cuda {
 
-inline void cuda_check_(cudaError_t err, const char* file, int line) {
-  if (err != cudaSuccess)
-    throw CollectiveError(std::string("CUDA error: ") + cudaGetErrorString(err) + " at " + file + ":" +
-                          std::to_string(line));
-}
-#define PZ_CUDA_CHECK(err) ::pz::cuda::cuda_check_((err), __FILE__, __LINE__)
-
-template <typename T>
-struct alignas(16) Packed16 {
-  static constexpr int N = 16 / sizeof(T);
-  T v[N];
-};
-
-// ----------------------------------------------------------------------------
-// Kernels
-
-template <RedOp OP, typename T>
-__global__ void reduce2_kernel(const T* __restrict__ a, const T* __restrict__ b, T* out, int64_t n,
-                               int nranks, bool vectorized) {
-  using P = Packed16<T>;
-  int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t nvec = vectorized ? n / P::N : 0;
-  const P* pa = reinterpret_cast<const P*>(a);
-  const P* pb = reinterpret_cast<const P*>(b);
-  P* po = reinterpret_cast<P*>(out);
-  for (int64_t i = tid; i < nvec; i += stride) {
-    P x = pa[i], y = pb[i], z;
-#pragma unroll
-    for (int k = 0; k < P::N; ++k)
-      z.v[k] = from_acc<T>(finish<OP>(combine<OP>(to_acc(x.v[k]), to_acc(y.v[k])), nranks));
-    po[i] = z;
-  }
-  for (int64_t i = nvec * P::N + tid; i < n; i += stride)
-    out[i] = from_acc<T>(finish<OP>(combine<OP>(to_acc(a[i]), to_acc(b[i])), nranks));
-}
-
-// ----------------------------------------------------------------------------
-// Launchers
+static_assert(kMaxReduceSources == kMaxSources, "cuda_api.h and reduce_kernels.cuh agree on the source limit");
 
 namespace {
+
 // 4 waves of 256-thread blocks over 132 SMs covers an H100; grid-stride
 // handles the rest. Small inputs get just enough blocks.
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 132 * 4;
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Runs `fn` over n elements; VEC elements per vector step (vec_elems of the
+// call's narrowest type), vectorised only when every pointer is 16-byte aligned.
+template <int VEC, typename Fn>
+void launch_map(const Fn& fn, int64_t n, bool vectorized, uintptr_t stream) {
+  if (n <= 0) return;
+  int64_t work = vectorized ? (n + VEC - 1) / VEC : n;
+  int blocks = int(std::min<int64_t>(kMaxBlocks, (work + kThreads - 1) / kThreads));
+  map_kernel<VEC><<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(fn, n, vectorized);
+  PZ_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+// ----------------------------------------------------------------------------
+// Launchers
 
 void launch_reduce2(const void* a, const void* b, void* out, int64_t n, DType dt, RedOp op, int nranks,
                     uintptr_t stream) {
-  if (n <= 0) return;
   bool vec = aligned16(a) && aligned16(b) && aligned16(out);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
   PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-    int64_t work = vec ? (n + Packed16<T>::N - 1) / Packed16<T>::N : n;
-    int blocks = int(std::min<int64_t>(kMaxBlocks, (work + kThreads - 1) / kThreads));
-    reduce2_kernel<OP, T><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(a), static_cast<const T*>(b),
-                                                      static_cast<T*>(out), n, nranks, vec);
+    Reduce2Fn<OP, true, T, T, T> fn{static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out),
+                                    nranks};
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
   }));
-  PZ_CUDA_CHECK(cudaGetLastError());
 }
+
+void launch_copy(const void* src, void* dst, int64_t n, DType dt, uintptr_t stream) {
+  bool vec = aligned16(src) && aligned16(dst);
+  PZ_DISPATCH_DTYPE(dt, T, {
+    ConvertFn<T, T> fn{static_cast<const T*>(src), static_cast<T*>(dst)};
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
+  });
+}
+
+void launch_pack_wire(const void* src, void* dst, int64_t n, DType dt, uintptr_t stream) {
+  bool vec = aligned16(src) && aligned16(dst);
+  PZ_DISPATCH_DTYPE(dt, T, {
+    using W = typename Acc<T>::type;
+    ConvertFn<T, W> fn{static_cast<const T*>(src), static_cast<W*>(dst)};
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
+  });
+}
+
+void launch_reduce_wire(const void* in, const void* own, void* out, int64_t n, DType dt, RedOp op,
+                        uintptr_t stream) {
+  bool vec = aligned16(in) && aligned16(own) && aligned16(out);
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    using W = typename Acc<T>::type;
+    Reduce2Fn<OP, false, W, T, W> fn{static_cast<const W*>(in), static_cast<const T*>(own), static_cast<W*>(out),
+                                     1};
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
+  }));
+}
+
+void launch_reduce_wire_final(const void* in, const void* own, void* dst, int64_t n, DType dt, RedOp op,
+                              int nranks, uintptr_t stream) {
+  bool vec = aligned16(in) && aligned16(own) && aligned16(dst);
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    using W = typename Acc<T>::type;
+    Reduce2Fn<OP, true, W, T, T> fn{static_cast<const W*>(in), static_cast<const T*>(own), static_cast<T*>(dst),
+                                    nranks};
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
+  }));
+}
+
+void launch_reduce_many(const void* const* srcs, int nsrc, void* dst, int64_t n, DType dt, RedOp op, int nranks,
+                        uintptr_t stream) {
+  if (nsrc < 1 || nsrc > kMaxSources)
+    throw std::invalid_argument("reduce_many: expected 1 to " + std::to_string(kMaxSources) + " sources, got " +
+                                std::to_string(nsrc));
+  bool vec = aligned16(dst);
+  for (int s = 0; s < nsrc; ++s) vec = vec && aligned16(srcs[s]);
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    ReduceManyFn<OP, T> fn{};
+    for (int s = 0; s < nsrc; ++s) fn.src.p[s] = static_cast<const T*>(srcs[s]);
+    fn.nsrc = nsrc;
+    fn.out = static_cast<T*>(dst);
+    fn.nranks = nranks;
+    launch_map<vec_elems<T>()>(fn, n, vec, stream);
+  }));
+}
+
+// ----------------------------------------------------------------------------
+// Runtime facts
 
 int device_count() {
   int n = 0;
@@ -90,6 +127,16 @@ int runtime_version() {
   int v = 0;
   cudaRuntimeGetVersion(&v);
   return v;
+}
+
+int pointer_device(uintptr_t ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  return on_device ? attr.device : -1;
 }
 
 }  // namespace pz::cuda

@@ -39,6 +39,7 @@ const char* algo_name(Algo a) {
     case Algo::automatic: return "auto";
     case Algo::ring: return "ring";
     case Algo::oneshot: return "oneshot";
+    case Algo::native: return "native";
   }
   return "?";
 }
@@ -336,6 +337,9 @@ Algo ShmTransport::resolve(Coll c, size_t bytes, Algo algo) const {
     throw std::invalid_argument(std::string(coll_name(c)) + ": algo='oneshot' takes at most " +
                                 std::to_string(cfg_.oneshot_bytes) + " bytes of input per rank, got " +
                                 std::to_string(bytes) + "; use algo='ring' or 'auto'");
+  if (algo == Algo::native)
+    throw std::invalid_argument(std::string(coll_name(c)) + ": algo='native' is NCCL's own collective, for the "
+                                "nccl backend; the shm backend takes 'auto', 'ring' or 'oneshot'");
   if (algo != Algo::ring && algo != Algo::oneshot)
     throw std::invalid_argument("algo: expected 'auto', 'ring' or 'oneshot'");
   return algo;

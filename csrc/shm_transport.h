@@ -52,7 +52,7 @@ enum class Coll : int32_t { all_reduce = 0, reduce_scatter, all_gather, broadcas
 constexpr int kNumColls = 7;
 const char* coll_name(Coll c);
 
-enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2 };
+enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2, native = 3 };  // native: nccl only
 const char* algo_name(Algo a);
 
 // What every rank must agree on for one call; compared across ranks.

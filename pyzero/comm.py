@@ -32,7 +32,7 @@ _DTYPES = {
     torch.int64: 5,
 }
 _OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
-_ALGOS = {None: 0, "auto": 0, "ring": 1, "oneshot": 2}
+_ALGOS = {None: 0, "auto": 0, "ring": 1, "oneshot": 2, "native": 3}  # native: NCCL's own (nccl backend)
 _BACKENDS = ("shm", "nccl", "ipc")
 
 # Shared-memory transport settings (see csrc/shm_transport.h); the env
@@ -53,6 +53,7 @@ class Group:
     # Async work not yet known to be complete: keeps its tensors alive even if
     # the caller drops the handle (the C++ thread reads and writes them).
     _pending: list = field(default_factory=list, repr=False)
+    device: int | None = None  # the CUDA device of a GPU backend's group (see pyzero/cuda.py); None: shm
 
     @property
     def size(self) -> int:
@@ -104,6 +105,7 @@ class _World:
     world: Group | None = None
     groups: list = field(default_factory=list)
     next_gid: int = 0
+    device: int | None = None  # this rank's GPU (nccl backend)
 
 
 _world: _World | None = None
@@ -156,6 +158,7 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
         port = _env_int("MASTER_PORT")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
+    device = _gpu().nccl_device(local_rank) if backend == "nccl" else None
 
     from torch.distributed import TCPStore  # noqa: PLC0415
 
@@ -163,7 +166,7 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
-    _world = _World(rank, size, local_rank, backend, float(timeout), store, token)
+    _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device)
     try:
         _world.world = _make_group(tuple(range(size)))
     except BaseException:
@@ -182,8 +185,13 @@ def _make_group(ranks: tuple[int, ...]) -> Group:
     gid = w.next_gid
     w.next_gid += 1
     if w.rank not in ranks:
-        return Group(ranks, -1, gid)
+        return Group(ranks, -1, gid, device=w.device)
     me = ranks.index(w.rank)
+    if w.backend == "nccl":
+        comm = _gpu().make_comm(w.store, gid, me, len(ranks), w.device, w.timeout)
+        g = Group(ranks, me, gid, comm, device=w.device)
+        w.groups.append(g)
+        return g
     prefix = f"/pz{w.token}_{gid}"
     comm = _C.ShmComm(prefix, me, len(ranks), SHM_SLICE_BYTES, SHM_DEPTH, SHM_ONESHOT_BYTES, w.timeout)
     key = f"pz/g{gid}"
@@ -196,6 +204,13 @@ def _make_group(ranks: tuple[int, ...]) -> Group:
     g = Group(ranks, me, gid, comm)
     w.groups.append(g)
     return g
+
+
+def _gpu():
+    """pyzero.cuda, imported on first use: only GPU groups need it."""
+    from . import cuda  # noqa: PLC0415
+
+    return cuda
 
 
 def _require_init() -> _World:
@@ -285,7 +300,7 @@ def _check_op(op, code: int, arg_dtype) -> int:
 
 def _check_algo(algo) -> int:
     if algo not in _ALGOS:
-        raise ValueError(f"algo: expected 'auto', 'ring' or 'oneshot', got {algo!r}")
+        raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
     return _ALGOS[algo]
 
 
@@ -333,6 +348,8 @@ def _finish(g: Group, result, keep):
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None, async_op: bool = False, algo=None):
     """Reduce `t` across the group in place."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().all_reduce(g, t, op, async_op, algo)
     code = _check_tensor(t, "tensor")
     opc = _check_op(op, code, t.dtype)
     res = g.comm().all_reduce(t.data_ptr(), t.numel(), code, opc, _check_algo(algo), bool(async_op))
@@ -343,6 +360,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", counts
                    async_op: bool = False, algo=None):
     """Reduce `inp` across the group; this rank's chunk of the result lands in `out`."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().reduce_scatter(g, out, inp, op, counts, async_op, algo)
     code = _check_tensor(out, "out")
     if _check_tensor(inp, "inp") != code:
         raise TypeError(f"inp: dtype {inp.dtype} does not match out's {out.dtype}")
@@ -367,6 +386,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counts=None, group=None, as
                algo=None):
     """Concatenate every rank's `inp` into `out` (rank order). `inp` may be this rank's chunk of `out`."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().all_gather(g, out, inp, counts, async_op, algo)
     code = _check_tensor(out, "out")
     if _check_tensor(inp, "inp") != code:
         raise TypeError(f"inp: dtype {inp.dtype} does not match out's {out.dtype}")
@@ -388,6 +409,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, counts=None, group=None, as
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False, algo=None):
     """Copy `t` of global rank `src` into `t` on every rank of the group."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().broadcast(g, t, src, async_op, algo)
     code = _check_tensor(t, "tensor")
     root = g.group_rank(src, "src")
     res = g.comm().broadcast(t.data_ptr(), t.numel(), code, root, _check_algo(algo), bool(async_op))
@@ -397,12 +420,16 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().barrier(g, async_op)
     return _finish(g, g.comm().barrier(bool(async_op)), ())
 
 
 def send(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
     """Send `t` to global rank `dst` (matched by one recv there, in order)."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().send(g, t, dst, async_op)
     code = _check_tensor(t, "tensor")
     peer = g.group_rank(dst, "dst")
     if peer == g.rank:
@@ -413,6 +440,8 @@ def send(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
 def recv(t: torch.Tensor, src: int, group=None, async_op: bool = False):
     """Receive into `t` the next message that global rank `src` sends to this rank."""
     g = _group(group)
+    if g.device is not None:
+        return _gpu().recv(g, t, src, async_op)
     code = _check_tensor(t, "tensor")
     peer = g.group_rank(src, "src")
     if peer == g.rank:

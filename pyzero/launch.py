@@ -1,8 +1,10 @@
 """Run a function on N local ranks, torchrun-style, with a hard timeout.
 
 Used by the tests, ``pyzero-bench --nproc`` and the demo. Each rank is a
-forked process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set,
-its stdout/stderr captured to a file. If any rank fails, or the deadline
+forked process (or, with ``start="spawn"``, a fresh interpreter: CUDA cannot
+be used in a child forked after the parent initialised it) with
+RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, its stdout/stderr
+captured to a file. If any rank fails, or the deadline
 passes, every rank still running is killed and RankFailure shows each rank's
 exit status and the tail of its output.
 """
@@ -12,6 +14,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -80,8 +83,26 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
         os._exit(code)  # never run the parent's atexit handlers (pytest's) in a fork
 
 
+def _spawned(spec_path: str) -> None:
+    """Entry point of a spawned rank: load what _child needs, then run it."""
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    os.unlink(spec_path)
+    _child(*spec)
+
+
+def _spawn(spec: tuple, spec_path: str) -> int:
+    """Start a fresh interpreter running _child(*spec); `fn` travels by reference (module + name)."""
+    with open(spec_path, "wb") as f:
+        pickle.dump(spec, f)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)  # the parent's imports resolve alike
+    code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1])"
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
+
+
 def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=None,
-              check: bool = True, threads: int | None = 1) -> list[RankResult]:
+              check: bool = True, threads: int | None = 1, start: str = "fork") -> list[RankResult]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked ranks; return their results in rank order.
 
     ``fn`` returns a picklable value. ``threads`` sets torch's intra-op threads
@@ -89,17 +110,26 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     the cores.
     With ``check`` (default) raise RankFailure unless every rank exits 0 in
     time; without, return whatever happened (exit codes, outputs).
+    ``start="spawn"`` runs each rank in a fresh interpreter (``fn`` must be
+    importable by module and name, its arguments picklable): what GPU ranks
+    need once the parent has initialised CUDA.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs: expected >= 1, got {nprocs}")
+    if start not in ("fork", "spawn"):
+        raise ValueError(f"start: expected 'fork' or 'spawn', got {start!r}")
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")
     pids = {}
     for r in range(nprocs):
-        pid = os.fork()
-        if pid == 0:
-            _child(fn, r, nprocs, port, args, kwargs or {}, env, threads,
-                   os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
+        spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
+                os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
+        if start == "spawn":
+            pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"))
+        else:
+            pid = os.fork()
+            if pid == 0:
+                _child(*spec)
         pids[pid] = r
     codes: dict[int, int | None] = {}
     deadline = time.monotonic() + timeout
@@ -127,14 +157,20 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     results = []
     for r in range(nprocs):
         out_path, res_path = os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl")
-        with open(out_path, errors="replace") as f:
-            output = f.read()
+        spec_path = os.path.join(tmp, f"rank{r}.spec")
+        if os.path.exists(spec_path):  # a spawned rank that died before reading it
+            os.unlink(spec_path)
+        output = ""
+        if os.path.exists(out_path):
+            with open(out_path, errors="replace") as f:
+                output = f.read()
         value = None
         if os.path.exists(res_path):
             with open(res_path, "rb") as f:
                 value = pickle.load(f)
             os.unlink(res_path)
-        os.unlink(out_path)
+        if os.path.exists(out_path):
+            os.unlink(out_path)
         results.append(RankResult(r, codes[r], value, output))
     os.rmdir(tmp)
     if check and any(res.exitcode != 0 for res in results):

@@ -35,3 +35,94 @@ def test_reduce2_matches_torch(dtype, op, n, offset):
                     torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), _reference(a, b, op).cpu())
+
+
+# ---------------------------------------------------------------------------
+# The ring's wire kernels, copy, and the one-shot n-input reduce
+
+
+def _acc(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _combine(op, x, y):
+    return {"sum": x + y, "avg": x + y, "max": torch.maximum(x, y), "min": torch.minimum(x, y), "prod": x * y}[op]
+
+
+def _data(n, offset, dtype, seed, lo=-8, hi=9):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randint(lo, hi, (n + offset,), generator=g).to(dtype)
+    if dtype.is_floating_point:
+        x = x * 0.37  # non-trivial rounding for the 16-bit types
+    return x.cuda()[offset:]
+
+
+SIZES = [(1, 0), (4099, 1), (1 << 20, 0), ((1 << 20) + 5, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,offset", SIZES)
+def test_copy_and_pack_wire(dtype, n, offset):
+    src = _data(n, offset, dtype, n)
+    dst = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
+    stream = torch.cuda.current_stream().cuda_stream
+    _C.cuda_copy(src.data_ptr(), dst.data_ptr(), n, _DTYPES[dtype], stream)
+    wire = torch.empty(n + offset, dtype=_acc(dtype), device="cuda")[offset:]
+    _C.cuda_pack_wire(src.data_ptr(), wire.data_ptr(), n, _DTYPES[dtype], stream)
+    assert torch.equal(dst, src)
+    assert torch.equal(wire, src.to(_acc(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(_OPS))
+@pytest.mark.parametrize("n,offset", SIZES)
+def test_reduce_wire_and_final(dtype, op, n, offset):
+    """A partial stays in the wire type (no rounding); the final step divides (avg) and rounds once."""
+    if op == "avg" and not dtype.is_floating_point:
+        pytest.skip("avg is for floating-point dtypes")
+    acc = _acc(dtype)
+    partial = _data(n, offset, acc, 2 * n + 1)  # fp32 partials with bits a 16-bit type cannot hold
+    if acc.is_floating_point:
+        partial = partial * 1.001
+    own = _data(n, offset, dtype, 2 * n + 2)
+    out = torch.empty(n + offset, dtype=acc, device="cuda")[offset:]
+    final = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
+    stream = torch.cuda.current_stream().cuda_stream
+    _C.cuda_reduce_wire(partial.data_ptr(), own.data_ptr(), out.data_ptr(), n, _DTYPES[dtype], _OPS[op], stream)
+    nranks = 3
+    _C.cuda_reduce_wire_final(partial.data_ptr(), own.data_ptr(), final.data_ptr(), n, _DTYPES[dtype], _OPS[op],
+                              nranks, stream)
+    want = _combine(op, partial, own.to(acc))
+    assert torch.equal(out, want)
+    assert torch.equal(final, (want / nranks if op == "avg" else want).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(_OPS))
+@pytest.mark.parametrize("nsrc", [1, 2, 5, 16])
+@pytest.mark.parametrize("n,offset", [(3, 0), (65537, 1), ((1 << 18) + 3, 0)])
+def test_reduce_many_in_rank_order(dtype, op, nsrc, n, offset):
+    if op == "avg" and not dtype.is_floating_point:
+        pytest.skip("avg is for floating-point dtypes")
+    lo, hi = (-1, 3) if op == "prod" else (-8, 9)  # products of 16 factors stay exact in int32
+    srcs = [_data(n, offset, dtype, 1000 * nsrc + s, lo, hi) for s in range(nsrc)]
+    out = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
+    _C.cuda_reduce_many([s.data_ptr() for s in srcs], out.data_ptr(), n, _DTYPES[dtype], _OPS[op], nsrc,
+                        torch.cuda.current_stream().cuda_stream)
+    acc = srcs[0].to(_acc(dtype))
+    for s in srcs[1:]:
+        acc = _combine(op, acc, s.to(_acc(dtype)))
+    want = (acc / nsrc if op == "avg" else acc).to(dtype)
+    assert torch.equal(out, want)
+    # in place: the output may be the first source (one-shot reduces into the user's buffer)
+    _C.cuda_reduce_many([s.data_ptr() for s in srcs], srcs[0].data_ptr(), n, _DTYPES[dtype], _OPS[op], nsrc,
+                        torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(srcs[0], want)
+
+
+def test_reduce_many_rejects_too_many_sources():
+    x = torch.zeros(4, device="cuda")
+    with pytest.raises(ValueError, match="1 to 16 sources"):
+        _C.cuda_reduce_many([x.data_ptr()] * 17, x.data_ptr(), 4, 0, 0, 17, 0)
+    with pytest.raises(ValueError, match="1 to 16 sources"):
+        _C.cuda_reduce_many([], x.data_ptr(), 4, 0, 0, 1, 0)

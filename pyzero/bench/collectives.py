@@ -7,6 +7,12 @@ uses the nccl-tests factors: all_reduce 2(n-1)/n, reduce_scatter and
 all_gather (n-1)/n, broadcast 1. all_reduce has no out-of-place form in
 either library; its out-of-place column is copy-then-reduce, as a user would
 write it. The time reported is the slowest rank's mean.
+
+With ``--device cuda`` every rank uses one GPU (cuda:LOCAL_RANK) and the
+backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
+auto meaning ring), nccl (pyzero's native passthrough to NCCL's collectives)
+and torch (torch.distributed with NCCL). Timed loops end with a device
+synchronisation.
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--factor", type=float, default=2.0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (else: run under torchrun)")
-    p.add_argument("--backends", default="pyzero,torch", help="comma list of pyzero, torch")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: shm backend vs gloo; cuda: one GPU per rank, nccl backend vs torch's NCCL")
+    p.add_argument("--backends", default="pyzero,torch", help="comma list of pyzero, torch and (cuda) nccl")
     p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
     p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
@@ -86,21 +94,28 @@ class Runner:
         self.rank = pz.get_rank()
         per = count // self.n
         algo = None if algo == "auto" else algo
+        dev = _device()
+        if dev.type == "cuda" and backend == "pyzero":
+            algo = algo or "ring"  # auto on the nccl backend is NCCL's own: the "nccl" column
         if op == "all_reduce":
-            self.inp, self.out = pattern(count, self.rank, dtype), torch.empty(count, dtype=dtype)
+            self.inp, self.out = pattern(count, self.rank, dtype).to(dev), torch.empty(count, dtype=dtype, device=dev)
         elif op == "reduce_scatter":
-            self.inp = pattern(count, self.rank, dtype)
-            self.out = self.inp[self.rank * per:(self.rank + 1) * per] if inplace else torch.empty(per, dtype=dtype)
+            self.inp = pattern(count, self.rank, dtype).to(dev)
+            self.out = (self.inp[self.rank * per:(self.rank + 1) * per] if inplace
+                        else torch.empty(per, dtype=dtype, device=dev))
         elif op == "all_gather":
-            self.out = torch.empty(count, dtype=dtype)
-            self.inp = self.out[self.rank * per:(self.rank + 1) * per] if inplace else torch.empty(per, dtype=dtype)
+            self.out = torch.empty(count, dtype=dtype, device=dev)
+            self.inp = (self.out[self.rank * per:(self.rank + 1) * per] if inplace
+                        else torch.empty(per, dtype=dtype, device=dev))
             self.inp.copy_(pattern(per, self.rank, dtype))
         else:
-            self.inp = pattern(count, self.rank, dtype)
-            self.out = self.inp if inplace else torch.empty(count, dtype=dtype)
+            self.inp = pattern(count, self.rank, dtype).to(dev)
+            self.out = self.inp if inplace else torch.empty(count, dtype=dtype, device=dev)
         self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
         if backend == "pyzero":
             self.call = self._pyzero(op, inplace, algo)
+        elif backend == "nccl":
+            self.call = self._pyzero(op, inplace, "native")
         else:
             self.call = self._torch(op, inplace)
 
@@ -149,10 +164,22 @@ def _barrier(backend):
         pz.barrier()
 
 
+def _device() -> torch.device:
+    """This rank's buffers: its GPU on the nccl backend, else the CPU."""
+    import pyzero as pz  # noqa: PLC0415
+
+    return torch.device("cuda", pz.get_local_rank()) if pz.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _sync() -> None:
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _max_over_ranks(x: float) -> float:
     import pyzero as pz  # noqa: PLC0415
 
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=_device())
     pz.all_reduce(t, op="max")
     return float(t)
 
@@ -160,7 +187,7 @@ def _max_over_ranks(x: float) -> float:
 def _sum_over_ranks(x: int) -> int:
     import pyzero as pz  # noqa: PLC0415
 
-    t = torch.tensor([x], dtype=torch.int64)
+    t = torch.tensor([x], dtype=torch.int64, device=_device())
     pz.all_reduce(t, op="sum")
     return int(t)
 
@@ -172,11 +199,12 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
     n, rank = pz.get_world_size(), pz.get_rank()
     r = Runner(backend, op, count, dtype, inplace, algo)
     r.call()
-    wrong = int((r.result != expected(op, count, n, rank, 0, dtype)).sum())
+    wrong = int((r.result.cpu() != expected(op, count, n, rank, 0, dtype)).sum())
     _barrier(backend)
     t0 = time.perf_counter()
     for _ in range(max(warmup, 1)):
         r.call()
+    _sync()
     per_call = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1))
     # Small messages: at least MIN_TIMED_S of timed calls, so one scheduler hiccup
     # cannot dominate a 10 us measurement (every rank derives the same count).
@@ -185,17 +213,21 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
     t0 = time.perf_counter()
     for _ in range(iters):
         r.call()
+    _sync()
     elapsed = (time.perf_counter() - t0) / iters
     return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong)
 
 
 def memcpy_gbps(nbytes: int, iters: int) -> float:
-    a = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    """Copy bandwidth of one buffer on this rank's device (host memcpy, or device to device)."""
+    a = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=_device())
     b = torch.empty_like(a)
     b.copy_(a)
+    _sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         b.copy_(a)
+    _sync()
     return nbytes / ((time.perf_counter() - t0) / iters) / 1e9
 
 
@@ -214,17 +246,20 @@ HEADER = ("#\n#{:>61}{:>32}\n".format("out-of-place", "in-place") +
 def rank_main(args) -> list[dict]:
     import pyzero as pz  # noqa: PLC0415
 
-    pz.init(backend="shm", timeout=args.timeout)
-    n, rank = pz.get_world_size(), pz.get_rank()
+    cuda = getattr(args, "device", "cpu") == "cuda"
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("pyzero", "torch"):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero or torch")
+        if b not in ("pyzero", "torch", "nccl") or (b == "nccl" and not cuda):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch or (with --device cuda) "
+                             "nccl")
+    pz.init(backend="nccl" if cuda else "shm", timeout=args.timeout)
+    n, rank = pz.get_world_size(), pz.get_rank()
     if "torch" in backends:
         import torch.distributed as dist  # noqa: PLC0415
 
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n,
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=n,
                                 timeout=datetime.timedelta(seconds=args.timeout))
     dtype = DTYPES[args.dtype]
     esize = torch.empty(0, dtype=dtype).element_size()
@@ -233,8 +268,8 @@ def rank_main(args) -> list[dict]:
     for backend in backends:
         for op in ops:
             if rank == 0:
-                algo = f", algo {args.algo}" if backend == "pyzero" else ""
-                print(f"# {op}, backend {backend}{' (gloo)' if backend == 'torch' else algo}, "
+                algo = f" ({_label(backend, args)})"
+                print(f"# {op}, backend {backend}{algo}, "
                       f"{n} ranks, dtype {args.dtype}\n{HEADER}", flush=True)
             busbws = []
             for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
@@ -251,7 +286,7 @@ def rank_main(args) -> list[dict]:
                     results.append({"backend": backend, "op": op, "dtype": args.dtype, "bytes": nbytes,
                                     "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
                                     "algbw": algbw, "busbw": busbw, "wrong": wrong,
-                                    "algo": args.algo if backend == "pyzero" else "gloo"})
+                                    "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu"})
                 busbws.append(row[6])
                 if rank == 0:
                     redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
@@ -268,6 +303,24 @@ def rank_main(args) -> list[dict]:
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,
                             "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
     return results
+
+
+def _algo(backend: str, args) -> str:
+    """The algorithm a backend column runs (the JSON's "algo")."""
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    if backend == "torch":
+        return "nccl" if cuda else "gloo"
+    if backend == "nccl":
+        return "native"
+    return ("ring" if args.algo == "auto" else args.algo) if cuda else args.algo
+
+
+def _label(backend: str, args) -> str:
+    """What a backend column runs, for the table's heading."""
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    if backend == "torch":
+        return f"torch.distributed, {_algo(backend, args)}"
+    return f"pyzero {'nccl' if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
 def print_ratios(results: list) -> None:
@@ -312,7 +365,9 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     if args.nproc:
-        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
+        # GPU ranks start as fresh interpreters (CUDA does not survive fork)
+        start = "spawn" if getattr(args, "device", "cpu") == "cuda" else "fork"
+        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start)
         print(res[0].output, end="")
         results = res[0].value
     else:

@@ -3,6 +3,9 @@
 Bytes moved are counted explicitly: the reduce reads two buffers and writes
 one (3 x size); the copy reads one and writes one (2 x size). The issue's bar
 is reduce bandwidth >= 90% of copy bandwidth at >= 64 MiB for every dtype.
+A second table covers the kernels of the nccl backend's ring and one-shot:
+pyzero's copy (2 x size), reduce_wire_final (reads a wire-typed partial and
+the input, writes the input type) and reduce_many of 8 sources (9 x size).
 Run on a GPU machine: ``python -m pyzero.bench.kernels`` (scripts/gpu_check.sh does).
 """
 from __future__ import annotations
@@ -30,6 +33,39 @@ def _time_ms(fn, iters):
     return start.elapsed_time(end) / iters
 
 
+def ring_kernels(args, stream) -> list:
+    """GB/s of the copy, wire-final reduce and 8-source reduce kernels, sum, per dtype and size."""
+    results = []
+    print(f"#{'dtype':>9} {'kernel':>18} {'size MiB':>9} {'GB/s':>8} {'copy GB/s':>10} {'ratio':>6}")
+    for name, dt in ((str(d).replace("torch.", ""), d) for d in _DTYPES):
+        wire = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        code = _DTYPES[dt]
+        for mb in (int(s) for s in args.sizes_mb.split(",")):
+            n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
+            a, out = torch.ones(n, dtype=dt, device="cuda"), torch.empty(n, dtype=dt, device="cuda")
+            partial = torch.ones(n, dtype=wire, device="cuda")
+            srcs = [torch.ones(n, dtype=dt, device="cuda") for _ in range(8)]
+            ptrs = [x.data_ptr() for x in srcs]
+            wire_bytes = n * partial.element_size()
+            kernels = {
+                "copy": (lambda: _C.cuda_copy(a.data_ptr(), out.data_ptr(), n, code, stream), 2 * (mb << 20)),
+                "reduce_wire_final": (lambda: _C.cuda_reduce_wire_final(partial.data_ptr(), a.data_ptr(),
+                                                                        out.data_ptr(), n, code, 0, 2, stream),
+                                      wire_bytes + 2 * (mb << 20)),
+                "reduce_many(8)": (lambda: _C.cuda_reduce_many(ptrs, out.data_ptr(), n, code, 0, 8, stream),
+                                   9 * (mb << 20)),
+            }
+            ms_cpy = _time_ms(lambda: out.copy_(a), args.iters)
+            cpy = 2 * (mb << 20) / ms_cpy / 1e6
+            for kname, (fn, nbytes) in kernels.items():
+                gbps = nbytes / _time_ms(fn, args.iters) / 1e6
+                results.append({"dtype": name, "kernel": kname, "bytes": mb << 20, "gbps": gbps, "copy_gbps": cpy,
+                                "ratio": gbps / cpy})
+                print(f" {name:>9} {kname:>18} {mb:>9} {gbps:>8.1f} {cpy:>10.1f} {gbps / cpy:>6.2f}")
+            del srcs, ptrs
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pyzero.bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", default="64,256")
@@ -55,6 +91,7 @@ def main(argv=None) -> int:
                 results.append({"dtype": name, "op": op, "bytes": mb << 20, "reduce_gbps": red, "copy_gbps": cpy,
                                 "ratio": red / cpy})
                 print(f" {name:>9} {op:>4} {mb:>9} {red:>12.1f} {cpy:>10.1f} {red / cpy:>6.2f}")
+    results += ring_kernels(args, stream)
     if args.json:
         write_json(args.json, results, {"command": "kernels"})
     return 0

@@ -1,0 +1,146 @@
+// reduce_kernels.cuh — the element-wise CUDA kernels behind every GPU path:
+// copy/convert, two-input reduce (to the storage type, or to the accumulator
+// type for the partial sums a ring carries), and the n-input reduce of a
+// one-shot all-reduce.
+//
+// One grid-stride kernel (map_kernel) runs an element functor over [0, n):
+// VEC elements per thread and step while the pointers are 16-byte aligned,
+// VEC = 16 / sizeof(narrowest type of the call) so the narrowest operand is
+// one 16-byte load (vLLM packed_t, llm.c Packed128) and a wider one (the fp32
+// partials of an fp16 call) a 32-byte load; then a scalar tail. The math is
+// reduce_math.h, shared with the CPU loops: fp16/bf16 accumulate in fp32 and
+// are rounded once when stored. The n-input reduce adds its sources in index
+// order (rank order), so every rank gets bitwise identical results.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "reduce_math.h"
+
+namespace pz::cuda {
+
+// ----------------------------------------------------------------------------
+// Packs: K elements loaded or stored at once (one or two 16-byte accesses)
+
+template <typename T, int K>
+struct alignas(K * sizeof(T) >= 16 ? 16 : K * sizeof(T)) Pack {
+  T v[K];
+};
+
+template <int K, typename T>
+__device__ __forceinline__ Pack<T, K> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, K>*>(p);
+}
+
+template <int K, typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, K>& x) {
+  *reinterpret_cast<Pack<T, K>*>(p) = x;
+}
+
+// Storage -> storage conversion through the accumulator type; a plain copy
+// (bit-exact, NaN payloads included) when the types agree.
+template <typename TO, typename TI>
+__device__ __forceinline__ TO convert(TI x) {
+  if constexpr (std::is_same_v<TI, TO>) return x;
+  else return from_acc<TO>(to_acc(x));
+}
+
+// ----------------------------------------------------------------------------
+// Element functors: run<K>(i) handles elements [i, i + K)
+
+// out = in, converted (copy; pack fp16/bf16 into fp32 wire; unpack)
+template <typename TI, typename TO>
+struct ConvertFn {
+  const TI* in;
+  TO* out;
+  template <int K> __device__ __forceinline__ void run(int64_t i) const {
+    Pack<TI, K> x = load_pack<K>(in + i);
+    Pack<TO, K> y;
+#pragma unroll
+    for (int k = 0; k < K; ++k) y.v[k] = convert<TO>(x.v[k]);
+    store_pack<K>(out + i, y);
+  }
+};
+
+// out = a (+) b. FINAL: finish() (avg's division) and round to TO, the last
+// step of a reduction; otherwise TO is the accumulator type and the partial
+// is kept unrounded. Pointers may alias elementwise (in-place).
+template <RedOp OP, bool FINAL, typename TA, typename TB, typename TO>
+struct Reduce2Fn {
+  const TA* a;
+  const TB* b;
+  TO* out;
+  int nranks;
+  template <int K> __device__ __forceinline__ void run(int64_t i) const {
+    Pack<TA, K> x = load_pack<K>(a + i);
+    Pack<TB, K> y = load_pack<K>(b + i);
+    Pack<TO, K> z;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      auto v = combine<OP>(to_acc(x.v[k]), to_acc(y.v[k]));
+      if constexpr (FINAL) z.v[k] = from_acc<TO>(finish<OP>(v, nranks));
+      else z.v[k] = TO(v);
+    }
+    store_pack<K>(out + i, z);
+  }
+};
+
+// At most this many inputs per reduce_many call (a kernel parameter holds them).
+constexpr int kMaxReduceSources = 16;
+
+template <typename T>
+struct Sources {
+  const T* p[kMaxReduceSources];
+};
+
+// out = finish(src[0] (+) src[1] (+) ... (+) src[nsrc - 1]), in that order,
+// accumulated in Acc<T> and rounded once (the CUDA twin of cpu_reduce_many).
+// `out` may be one of the sources.
+template <RedOp OP, typename T>
+struct ReduceManyFn {
+  Sources<T> src;
+  int nsrc;
+  T* out;
+  int nranks;
+  template <int K> __device__ __forceinline__ void run(int64_t i) const {
+    using A = typename Acc<T>::type;
+    A acc[K];
+    Pack<T, K> x = load_pack<K>(src.p[0] + i);
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
+    for (int s = 1; s < nsrc; ++s) {
+      Pack<T, K> y = load_pack<K>(src.p[s] + i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = combine<OP>(acc[k], to_acc(y.v[k]));
+    }
+    Pack<T, K> z;
+#pragma unroll
+    for (int k = 0; k < K; ++k) z.v[k] = from_acc<T>(finish<OP>(acc[k], nranks));
+    store_pack<K>(out + i, z);
+  }
+};
+
+// ----------------------------------------------------------------------------
+// Kernel
+
+// Vector steps over [0, n / VEC * VEC) when `vectorized` (every pointer
+// 16-byte aligned), then the scalar tail, both grid-stride.
+template <int VEC, typename Fn>
+__global__ void map_kernel(Fn fn, int64_t n, bool vectorized) {
+  int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t nvec = vectorized ? n / VEC : 0;
+  for (int64_t v = tid; v < nvec; v += stride) fn.template run<VEC>(v * VEC);
+  for (int64_t i = nvec * VEC + tid; i < n; i += stride) fn.template run<1>(i);
+}
+
+// Elements per vector step for a call whose narrowest operand type is T.
+template <typename T>
+constexpr int vec_elems() {
+  return int(16 / sizeof(T));
+}
+
+}  // namespace pz::cuda

@@ -32,5 +32,5 @@ build_info = _C.build_info
 __version__ = "0.1.0"
 from . import tp
 from .mesh import mesh
-from .parallel import DataParallel
 from . import pipeline
+from .parallel import DataParallel

@@ -73,7 +73,7 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         os.makedirs(tmp)
     comm.barrier(group=g)
-    opt._reduce_gradients()  # nothing in flight while we read the shards
+    opt._drain()  # nothing in flight while we read the shards (and nothing new is reduced)
     idx = _inner_index(opt)
     inner_state = opt.inner.state
     shard = {"pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in opt.pieces],
@@ -98,7 +98,10 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        old = os.path.join(path, f".old_{name}")
+        if os.path.exists(final):  # saving a step again: set the old copy aside until `latest` is updated
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
         with open(os.path.join(path, "latest.tmp"), "w") as f:
             f.write(name)
@@ -106,22 +109,34 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
             os.fsync(f.fileno())
         os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
         _fsync_dir(path)
-        steps = sorted(d for d in os.listdir(path) if d.startswith("step_"))
-        for old in steps[:-keep]:
-            shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        entries = os.listdir(path)
+        others = sorted(d for d in entries if d.startswith("step_") and d != name)  # this one always stays
+        stale = [d for d in entries if d.startswith((".tmp_step_", ".old_step_"))]  # crashed or replaced saves
+        for d in others[:max(0, len(others) - (keep - 1))] + stale:
+            shutil.rmtree(os.path.join(path, d), ignore_errors=True)
     comm.barrier(group=g)
     return final
 
 
 def _resolve(path: str) -> str:
-    """DIR (its latest step) or a step directory -> the step directory."""
+    """DIR (its latest step) or a step directory -> the step directory.
+
+    If `latest` names no complete step (a save died between setting a step aside and
+    renaming its replacement in), the newest complete step directory is used.
+    """
     if os.path.exists(os.path.join(path, "meta.json")):
         return path
     latest = os.path.join(path, "latest")
-    if not os.path.exists(latest):
+    if os.path.exists(latest):
+        with open(latest) as f:
+            step_dir = os.path.join(path, f.read().strip())
+        if os.path.exists(os.path.join(step_dir, "meta.json")):
+            return step_dir
+    complete = [d for d in os.listdir(path) if d.startswith(("step_", ".old_step_"))
+                and os.path.exists(os.path.join(path, d, "meta.json"))] if os.path.isdir(path) else []
+    if not complete:
         raise FileNotFoundError(f"path: {path!r} holds no checkpoint (no 'latest' file or meta.json)")
-    with open(latest) as f:
-        return os.path.join(path, f.read().strip())
+    return os.path.join(path, max(complete, key=lambda d: d.rsplit("_", 1)[1]))
 
 
 def _read(step_dir):
@@ -153,11 +168,14 @@ def load(path: str, model, opt) -> int:
     meta, shards = _read(step_dir)
     mine = _model_meta(model, opt)
     if meta["params"] != mine["params"]:
-        theirs = {p["name"]: p["shape"] for p in meta["params"]}
-        ours = {p["name"]: p["shape"] for p in mine["params"]}
+        theirs = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
+        ours = {p["name"]: tuple(p["shape"]) for p in mine["params"]}
         diff = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:4]
         raise ValueError(f"checkpoint {step_dir!r} is for a different model (parameter names/shapes differ, "
                          f"e.g. {diff}); nothing was loaded")
+    if meta.get("optimizer") != type(opt.inner).__name__:
+        raise ValueError(f"checkpoint {step_dir!r} holds {meta.get('optimizer')} state, the optimizer is "
+                         f"{type(opt.inner).__name__}; nothing was loaded")
     if len(meta["param_groups"]) != len(opt.inner.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer has "
                          f"{len(opt.inner.param_groups)}; nothing was loaded")
@@ -179,6 +197,8 @@ def load(path: str, model, opt) -> int:
             leaf.copy_(v)
             if st:
                 opt.inner.state[leaf] = st
+            else:  # never stepped when saved (e.g. an unused parameter): no state, as in torch
+                opt.inner.state.pop(leaf, None)
         for grp, saved in zip(opt.inner.param_groups, meta["param_groups"]):
             grp.update({k: v for k, v in saved.items() if k in grp})
         extra = torch.load(os.path.join(step_dir, "extra.pt"), map_location="cpu", weights_only=True)

@@ -14,8 +14,16 @@ then usually 8 for Adam: momentum and variance only).
 from __future__ import annotations
 
 import argparse
+import math
 
 GB = 1e9
+
+
+def _check_number(arg, value, what, ok):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg}: expected {what}, got {value!r}")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{arg}: expected {what}, got {value!r}")
 
 
 def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_state_bytes_per_param: float = 12,
@@ -24,14 +32,18 @@ def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_st
 
     stage 0 means plain data parallel (nothing sharded).
     """
-    if not num_params or num_params < 0:
-        raise ValueError(f"num_params: expected a positive count, got {num_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
+    _check_number("num_params", num_params, "a positive, finite count", lambda v: v > 0)
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise TypeError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
-    if stage not in (0, 1, 2, 3):
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage: expected 0 (no sharding), 1, 2 or 3, got {stage!r}")
-    if optimizer_state_bytes_per_param < 0:
-        raise ValueError("optimizer_state_bytes_per_param: expected >= 0")
+    _check_number("optimizer_state_bytes_per_param", optimizer_state_bytes_per_param, "a finite number >= 0",
+                  lambda v: v >= 0)
+    _check_number("activation_bytes", activation_bytes, "a finite number >= 0", lambda v: v >= 0)
+    if not isinstance(mixed_precision, bool):
+        raise TypeError(f"mixed_precision: expected True or False, got {mixed_precision!r}")
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
     width = 2 if mixed_precision else 4
     params = width * psi / (n if stage >= 3 else 1)
@@ -52,6 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32", action="store_true", help="parameters and gradients in fp32 (4 bytes each)")
     ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU, to say which stage fits")
     args = ap.parse_args(argv)
+    try:
+        estimate_memory(args.params, args.world, 0, args.k, not args.fp32)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
     print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
           f"{'fp32' if args.fp32 else 'mixed precision'}")
     print(f"{'stage':>10} {'params GB':>11} {'grads GB':>10} {'optim GB':>10} {'total GB':>10}  fits {args.gpu_gb:g} GB")

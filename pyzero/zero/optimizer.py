@@ -12,6 +12,7 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -29,6 +30,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     stage 1 shards optimizer state, 2 also gradients, 3 also parameters.
     ``param_groups`` (optional) is a list of dicts like torch's, with the
     model's parameters under "params"; ``optimizer_kwargs`` are the defaults.
+    One ZeroOptimizer per model (it re-homes the parameters and hooks them).
+    step() consumes the gradients: the next backward starts from zero, as
+    after zero_grad(); parameters that no rank's backward reached are skipped
+    like torch skips a None gradient.
     """
 
     def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
@@ -49,7 +54,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
-        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         if param_dtype not in _PARAM_DTYPES:
             raise ValueError(f"param_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
@@ -64,15 +69,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
         self.params, self.names = self._trainable(model)
+        if any(_owner_of(p) is not None for p in self.params):
+            raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
+                             "flat buffers stay attached); build one ZeroOptimizer per model")
         self._check_devices()
         self._group_of = self._assign_groups(param_groups)
+        _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self._sync = True
         self._grads_ready = False
+        # Which parameters received a gradient since zero_grad: see [Note: parameters without gradients].
+        self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        self._has_grad = torch.zeros(len(self.params), dtype=torch.int32)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._mark_grad)
         # Every rank starts from the group's first rank's weights and buffers, as DDP does.
         for t in [p.data for p in self.params] + list(model.buffers()):
             comm.broadcast(t, src=self.group.ranks[0], group=self.group)
         self._setup()
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
+        for p in self.params:
+            p._pz_zero_owner = weakref.ref(self)
 
     # ---- set-up -------------------------------------------------------------
 
@@ -122,6 +138,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ngroups = 1 if param_groups is None else len(param_groups)
         groups = [dict(g, params=[]) for g in (param_groups or [{"params": []}])]
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
+        self._owner = []  # per piece: its parameter's index in self.params (model order)
         for layout, master, grad in self.shards():
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
@@ -129,7 +146,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
                 leaf.grad = grad[lo:lo + pc.numel]
                 self.pieces.append((pc, leaf, leaf.grad))
+                self._owner.append(self._param_index[id(layout.params[pc.index])])
                 groups[self._group_of[id(layout.params[pc.index])]]["params"].append(leaf)
+        # Pieces in model order: with one rank, whole parameters in torch's order (see clip_grad_norm_).
+        self._model_order = sorted(range(len(self.pieces)), key=lambda k: (self._owner[k], self.pieces[k][0].start))
         # Ranks whose shard holds only padding still need a tensor per group for torch's checks.
         for g in groups[:ngroups]:
             if not g["params"]:
@@ -174,27 +194,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{what}: no gradients since the last step; run loss.backward() first "
                                "(the weights were not touched)")
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of the whole model (all shards); returns the total norm, like torch's."""
+        """Clip the gradients of the whole model (all shards); returns the total norm, like torch's.
+
+        The arithmetic is torch.nn.utils.clip_grad_norm_'s (fp32 norm of the per-tensor norms, one
+        fp32 coefficient), so a group of one rank clips bit for bit like torch. Across ranks the
+        per-rank norms are combined in fp64.
+        """
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
+            raise ValueError(f"max_norm: expected a non-negative number, got {max_norm!r}")
+        try:
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            raise ValueError(f"norm_type: expected a number or float('inf'), got {norm_type!r}") from None
+        if not norm_type > 0:
+            raise ValueError(f"norm_type: expected a positive p (or inf), got {norm_type!r}")
         self._require_grads("clip_grad_norm_")
         self._reduce_gradients()
-        norm_type = float(norm_type)
-        grads = [g for _, _, g in self.shards()]
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() if g.numel() else torch.zeros(()) for g in grads]).max()
-            total = local.to(torch.float64).reshape(1)
+        # Pieces in model order: with one rank these are whole parameters, in torch's order.
+        grads = [self.pieces[k][2] for k in self._model_order]
+        if grads:
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                             norm_type)
+        else:
+            local = torch.zeros(())
+        if self.world == 1:
+            total = local
+        elif norm_type == float("inf"):
+            total = local.reshape(1).clone()
             comm.all_reduce(total, op="max", group=self.group)
             total = total[0]
         else:
-            local = sum(g.to(torch.float64).abs().pow(norm_type).sum() for g in grads)
-            total = torch.as_tensor(local, dtype=torch.float64).reshape(1)
-            comm.all_reduce(total, op="sum", group=self.group)
-            total = total[0] ** (1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total.to(torch.float32)
+            acc = local.to(torch.float64).pow(norm_type).reshape(1)
+            comm.all_reduce(acc, op="sum", group=self.group)
+            total = acc[0].pow(1.0 / norm_type).to(torch.float32)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -202,15 +240,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step())")
         self._require_grads("step")
         self._reduce_gradients()
-        self.inner.step()
+        # [Note: parameters without gradients]
+        # torch's optimizers skip a parameter whose .grad is None (no update, no weight decay, no
+        # state). A parameter that no rank's backward reached has only zeros in its gradient shard,
+        # so its pieces are hidden from the inner optimizer for this step, as torch would skip it.
+        used = self._has_grad.clone()
+        if self.world > 1:
+            comm.all_reduce(used, op="max", group=self.group)
+        skipped = [(leaf, g) for (_, leaf, g), i in zip(self.pieces, self._owner) if not used[i]]
+        for leaf, _ in skipped:
+            leaf.grad = None
+        try:
+            self.inner.step()
+        finally:
+            for leaf, g in skipped:
+                leaf.grad = g
         self._publish_parameters()
-        self._grads_ready = False
+        # The gradients are consumed: a stage's shards mix reduced and local values, and
+        # model.zero_grad() cannot reach them, so start the next step from zero either way.
+        self.zero_grad()
+
+    def _mark_grad(self, p):
+        self._has_grad[self._param_index[id(p)]] = 1
+
+    def _drain(self):
+        """Wait for in-flight gradient communication (nothing is started)."""
 
     def zero_grad(self, set_to_none: bool = True):
+        self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
         for _, _, g in self.shards():
             g.zero_()
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
+        self._has_grad.fill_(0 if set_to_none else 1)  # torch steps zero (not None) gradients
 
     def _zero_model_grads(self, set_to_none):
         for p in self.params:
@@ -237,3 +299,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
                 f"params={sum(p.numel() for p in self.params)})")
+
+
+def _owner_of(p):
+    """The live ZeroOptimizer that manages parameter `p` itself (not a copy of it), or None."""
+    ref = getattr(p, "_pz_zero_owner", None)
+    opt = ref() if ref is not None else None
+    return opt if opt is not None and id(p) in opt._param_index else None
+
+
+def _probe_optimizer(optimizer_class, param_groups, kwargs):
+    """Build the inner optimizer once on a dummy tensor, so bad kwargs fail before the model is touched."""
+    groups = [dict(g, params=[nn.Parameter(torch.zeros(1))]) for g in (param_groups or [{}])]
+    try:
+        optimizer_class(groups, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"optimizer_kwargs/param_groups: {optimizer_class.__name__} rejected them: {e}") from e

@@ -39,7 +39,7 @@ class _Unit:
             v.copy_(p.detach())
         self.master = fp32[off:off + n].clone()
         self.shard = self.master if model_dtype == torch.float32 else self.master.to(model_dtype)
-        self.full = torch.empty(self.layout.padded, dtype=model_dtype)
+        self.full = fp32.to(model_dtype)
         for v, p in zip(self.layout.views(self.full), params):
             p.data = v
         self.nbytes = self.full.untyped_storage().nbytes()
@@ -191,6 +191,8 @@ class ZeroStage3(ZeroOptimizer):
     def _reduce_gradients(self):
         self._retire(len(self._inflight))
 
+    _drain = _reduce_gradients  # only waits: every unit was launched during backward
+
     def _publish_parameters(self):
         for u in self.units:
             if u.shard.data_ptr() != u.master.data_ptr():
@@ -201,19 +203,19 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def full_state_dict(self) -> dict | None:
         """The full fp32 model state on the group's first rank (None elsewhere), one unit at a time."""
-        out = {}
+        gathered = {}
         first = self.group.rank == 0
         for u in self.units:
             full = torch.empty(u.layout.padded, dtype=torch.float32)
             comm.all_gather(full, u.master, group=self.group)
             if first:
-                for name, v in zip(u.layout.names, u.layout.views(full)):
-                    out[name] = v.clone()
+                for p, v in zip(u.layout.params, u.layout.views(full)):
+                    gathered[id(p)] = v.clone()
         if not first:
             return None
-        for name, b in self.model.named_buffers():
-            out[name] = b.detach().clone()
-        return out
+        # model.state_dict()'s keys and order: tied parameters under every name, frozen ones, buffers.
+        return {name: gathered[id(t)] if id(t) in gathered else t.detach().clone()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
 
 
 def _tensors(x):

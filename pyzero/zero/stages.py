@@ -68,11 +68,17 @@ class ZeroStage1(_FlatParams):
         self._reduced = False
 
     def _attach_grads(self):
+        self._grad_views = {}
         for v, p in zip(self.layout.views(self.flat_grad), self.layout.params):
             p.grad = v
+            self._grad_views[id(p)] = v
 
     def _on_grad(self, p):
         self._grads_ready, self._reduced = True, False
+        view = self._grad_views[id(p)]
+        if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced (model.zero_grad()): adopt it
+            view.copy_(p.grad)
+            p.grad = view
 
     def _reduce_gradients(self):
         if self._reduced:
@@ -96,10 +102,7 @@ class ZeroStage1(_FlatParams):
         self.grad_shard.zero_()
         self._attach_grads()
         self._grads_ready = self._reduced = False
-
-    def step(self, closure=None):
-        super().step(closure)
-        self.zero_grad()  # the flat buffer now mixes reduced and local values: never reuse it
+        self._has_grad.fill_(0 if set_to_none else 1)  # see [Note: parameters without gradients]
 
 
 class ZeroStage2(_FlatParams):
@@ -173,3 +176,5 @@ class ZeroStage2(_FlatParams):
 
     def _reduce_gradients(self):
         self._retire(len(self._inflight))
+
+    _drain = _reduce_gradients  # only waits: every bucket was launched during backward

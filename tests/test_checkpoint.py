@@ -1,0 +1,331 @@
+"""Sharded checkpoints (issue 6): resharding across world sizes and stages, consolidation, keep=,
+crashes during a save, a rank killed mid-training and the job resumed.
+
+Ranks report their optimizer shards as (name, start, end) pieces; the parent
+reassembles full tensors from them with its own code, so "what was saved"
+and "what was loaded" are compared without the library's resharding logic.
+"""
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+IN, HID, OUT, BATCH, STEPS, SAVE_AT = 10, 26, 3, 12, 6, 3  # odd sizes: shards cut parameters differently
+LR, WD = 1e-2, 0.1
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HID), nn.Tanh(), nn.Linear(HID, HID), nn.Tanh(), nn.Linear(HID, OUT))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def reference(steps=STEPS):
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for step in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(batch(step)[0]), batch(step)[1]).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def shard_state(opt):
+    """This rank's pieces: (name, start, end, master values, optimizer state)."""
+    return [(pc.name, pc.start, pc.end, leaf.detach().clone(),
+             {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.inner.state.get(leaf, {}).items()})
+            for pc, leaf, _ in opt.pieces]
+
+
+def assemble(per_rank):
+    """Full flat tensors {name: {"master"|state key: tensor}} from every rank's pieces; checks coverage."""
+    sizes = {n: p.numel() for n, p in build().named_parameters()}
+    full = {n: {} for n in sizes}
+    for pieces in per_rank:
+        for name, a, b, master, st in pieces:
+            for key, v in [("master", master)] + [(k, v) for k, v in st.items() if v.dim() == 1]:
+                full[name].setdefault(key, torch.full((sizes[name],), float("nan")))[a:b] = v
+            if "step" in st:
+                full[name]["step"] = st["step"]
+    for name, d in full.items():
+        for key, v in d.items():
+            assert not v.isnan().any(), f"{name}/{key}: elements missing from every shard"
+    return full
+
+
+def full_params(model, opt):
+    sd = opt.full_state_dict() if opt.stage == 3 else model.state_dict()
+    return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
+
+
+def die(stamp=None):
+    """SIGKILL this process, first writing the time to `stamp` (if given)."""
+    if stamp:
+        with open(stamp, "w") as f:
+            f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_in_save(step, stamp=None):
+    """On rank 1: SIGKILL while writing this rank's shard of checkpoint `step` (between save's barriers)."""
+    if step is None or os.environ["RANK"] != "1":
+        return
+    real = pz.checkpoint._save_file
+
+    def dying_save(obj, path):
+        if f"step_{step:08d}" in path:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            die(stamp)
+        real(obj, path)
+    pz.checkpoint._save_file = dying_save
+
+
+def _rank_train(ckpt, stage, begin, save_at=(), keep=3, kill_in_save=None):
+    """Train steps [begin, STEPS) (loading step `begin` from ckpt first), saving after the steps in save_at.
+    kill_in_save=k: rank 1 dies while writing its shard of step k."""
+    pz.init(timeout=5)
+    die_in_save(kill_in_save)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD)
+    out = {"loaded": None, "saved": {}}
+    if begin:
+        assert pz.checkpoint.load(ckpt, model, opt) == begin
+        out["loaded"] = shard_state(opt)
+    per, rank = BATCH // pz.get_world_size(), pz.get_rank()
+    for step in range(begin, STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        if step + 1 in save_at:
+            pz.checkpoint.save(ckpt, model, opt, step + 1, keep=keep)
+            out["saved"][step + 1] = shard_state(opt)
+    out["final"] = full_params(model, opt)
+    return out
+
+
+def train_job(ckpt, world, stage, begin=0, **kw):
+    return [r.value for r in run_ranks(_rank_train, world, args=(ckpt, stage, begin), kwargs=kw, timeout=90)]
+
+
+def assert_same(a, b, atol=0.0):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old,new", [((4, 2), (2, 2)), ((3, 1), (2, 3)), ((2, 3), (1, 1)), ((2, 2), (3, 1))],
+                         ids=["4x2-to-2x2", "3x1-to-2x3", "2x3-to-1x1", "2x2-to-3x1"])
+def test_reshard_and_continue(tmp_path, old, new):
+    """(world, stage) -> (world, stage): the loaded state is the saved state bit for bit, and training
+    goes on within 1e-6 of the run that never stopped (and of single-process torch)."""
+    ckpt = str(tmp_path)
+    first = train_job(ckpt, *old, save_at=(SAVE_AT,))
+    second = train_job(ckpt, *new, begin=SAVE_AT)
+    saved = assemble([r["saved"][SAVE_AT] for r in first])
+    loaded = assemble([r["loaded"] for r in second])
+    for name in saved:
+        assert_same(loaded[name], saved[name])
+        assert set(saved[name]) == {"master", "exp_avg", "exp_avg_sq", "step"}
+    assert_same(second[0]["final"], first[0]["final"], atol=1e-6)
+    for k, v in reference().items():
+        torch.testing.assert_close(second[0]["final"][k], v, rtol=1e-5, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """2 ranks, stage 3, a checkpoint after every step, keep=2."""
+    ckpt = str(tmp_path_factory.mktemp("kept"))
+    return ckpt, train_job(ckpt, 2, 3, save_at=range(1, STEPS + 1), keep=2)
+
+
+def test_keep_last_k(kept):
+    ckpt, _ = kept
+    assert sorted(os.listdir(ckpt)) == ["latest", f"step_{STEPS - 1:08d}", f"step_{STEPS:08d}"]
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == f"step_{STEPS:08d}"
+
+
+def test_consolidate_equals_single_process(kept):
+    ckpt, res = kept
+    sd = pz.checkpoint.consolidate(ckpt)
+    assert_same(sd, res[0]["final"])  # the fp32 master weights, exactly
+    for k, v in reference().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=2e-6)
+    model = build()
+    model.load_state_dict(sd)  # strict
+    assert_same(model.state_dict(), sd)
+    older = pz.checkpoint.consolidate(os.path.join(ckpt, f"step_{STEPS - 1:08d}"))
+    assert any(not torch.equal(older[k], sd[k]) for k in sd)
+
+
+def test_consolidate_cli(kept, tmp_path):
+    ckpt, _ = kept
+    out = tmp_path / "full.pt"
+    proc = subprocess.run([sys.executable, "-m", "pyzero.checkpoint", "consolidate", ckpt, str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout
+    assert_same(torch.load(out, weights_only=True), pz.checkpoint.consolidate(ckpt))
+
+
+def test_save_dying_while_replacing_a_step(kept, tmp_path):
+    """Saving step k again sets the old step_k aside before renaming the new one in: a crash between
+    the two renames leaves `latest` naming a missing directory, and the set-aside copy is used."""
+    ckpt, res = str(tmp_path / "ckpt"), kept[1]
+    shutil.copytree(kept[0], ckpt)
+    os.rename(os.path.join(ckpt, f"step_{STEPS:08d}"), os.path.join(ckpt, f".old_step_{STEPS:08d}"))
+    assert_same(pz.checkpoint.consolidate(ckpt), res[0]["final"])
+    shutil.rmtree(os.path.join(ckpt, f".old_step_{STEPS:08d}"))
+    older = pz.checkpoint.consolidate(ckpt)  # then the newest complete step
+    assert_same(older, pz.checkpoint.consolidate(os.path.join(ckpt, f"step_{STEPS - 1:08d}")))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb, self.out = nn.Embedding(7, 5), nn.Linear(5, 7, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, tok):
+        return self.out(self.emb(tok) * self.scale)
+
+
+def _rank_load_checks(ckpt, tied_dir):
+    """One rank: loading what does not fit raises and changes nothing; a crashed save is ignored."""
+    pz.init(timeout=30)
+    out = {}
+    other = nn.Sequential(nn.Linear(IN, HID + 1), nn.Tanh(), nn.Linear(HID + 1, OUT))
+    opt = pz.ZeroOptimizer(other, torch.optim.AdamW, stage=2, lr=LR)
+    before = ({k: v.clone() for k, v in other.state_dict().items()}, shard_state(opt))
+    for case, (model, o) in {"other_model": (other, opt), "other_optimizer": (
+            build(), None), "missing_dir": (other, opt)}.items():
+        if o is None:
+            o = pz.ZeroOptimizer(model, torch.optim.SGD, stage=1, lr=0.1, momentum=0.9)
+        path = os.path.join(ckpt, "nothing-here") if case == "missing_dir" else ckpt
+        try:
+            pz.checkpoint.load(path, model, o)
+            out[case] = ("ok", None)
+        except Exception as e:  # noqa: BLE001
+            out[case] = (type(e).__name__, str(e))
+    after = ({k: v.clone() for k, v in other.state_dict().items()}, shard_state(opt))
+    out["untouched"] = all(torch.equal(v, after[0][k]) for k, v in before[0].items()) and all(
+        torch.equal(a[3], b[3]) and a[4] == b[4] == {} for a, b in zip(before[1], after[1]))
+    # A save that died half-way (a .tmp_ directory with partial files) does not hide the last good one.
+    partial = os.path.join(ckpt, f".tmp_step_{STEPS + 1:08d}")
+    os.makedirs(partial)
+    for name in ("rank00000.pt", "meta.json"):
+        with open(os.path.join(partial, name), "wb") as f:
+            f.write(b"partial")
+    model = build()
+    o = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=LR, weight_decay=WD)
+    out["resumed_step"] = pz.checkpoint.load(ckpt, model, o)
+    out["resumed"] = full_params(model, o)
+    pz.checkpoint.save(ckpt, model, o, STEPS + 2, keep=2)  # the next good save clears the crashed one away
+    out["listing"] = sorted(os.listdir(ckpt))
+    # Saving an older step (a run restarted from scratch) keeps it, whatever its number.
+    pz.checkpoint.save(ckpt, model, o, 1, keep=2)
+    out["listing_after_older"] = sorted(os.listdir(ckpt))
+    out["older_step"] = pz.checkpoint.load(ckpt, model, o)
+    # Tied weights: one stored tensor, both names in the consolidated state dict.
+    tied = Tied()
+    pz.checkpoint.save(tied_dir, tied, pz.ZeroOptimizer(tied, torch.optim.SGD, stage=2, lr=0.1), 0)
+    return out
+
+
+BAD_LOADS = {"other_model": ("ValueError", ["different model", "nothing was loaded"]),
+             "other_optimizer": ("ValueError", ["AdamW", "SGD"]),
+             "missing_dir": ("FileNotFoundError", ["nothing-here"])}
+
+
+def test_bad_loads_and_crashed_save(kept, tmp_path):
+    ckpt, res = str(tmp_path / "ckpt"), kept[1]
+    shutil.copytree(kept[0], ckpt)
+    out = run_ranks(_rank_load_checks, 1, args=(ckpt, str(tmp_path / "tied")), timeout=60)[0].value
+    for case, (etype, words) in BAD_LOADS.items():
+        got, msg = out[case]
+        assert got == etype, f"{case}: expected {etype}, got {got}: {msg}"
+        for w in words:
+            assert w in msg, f"{case}: message does not mention {w!r}: {msg}"
+    assert out["untouched"]
+    assert out["resumed_step"] == STEPS
+    assert_same(out["resumed"], res[0]["final"])
+    assert out["listing"] == ["latest", f"step_{STEPS:08d}", f"step_{STEPS + 2:08d}"]
+    assert out["listing_after_older"] == ["latest", "step_00000001", f"step_{STEPS + 2:08d}"]
+    assert out["older_step"] == 1
+    sd = pz.checkpoint.consolidate(str(tmp_path / "tied"))
+    assert sorted(sd) == ["emb.weight", "out.weight", "scale"] and torch.equal(sd["emb.weight"], sd["out.weight"])
+    model = Tied()
+    model.load_state_dict(sd)
+    assert_same(model.state_dict(), Tied().state_dict())
+
+
+# ---------------------------------------------------------------------------
+# examples/zero_train.py: a rank dies, the job is restarted and resumes
+
+
+def _rank_example(argv, kill_after=None, kill_in_save=None, stamp=None):
+    spec = importlib.util.spec_from_file_location("zero_train", os.path.join(ROOT, "examples", "zero_train.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    die_in_save(kill_in_save, stamp)
+
+    def on_step(step):
+        if step == kill_after and pz.get_rank() == 1:
+            die(stamp)
+    return example.main(argv, on_step=on_step)
+
+
+def example_args(ckpt, stage):
+    return ["--ckpt", ckpt, "--stage", str(stage), "--steps", "9", "--save-every", "3", "--timeout", "3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("whole"))
+    return run_ranks(_rank_example, 2, args=(example_args(ckpt, 2),), timeout=90)[0].value
+
+
+@pytest.mark.parametrize("stage,kill,resumes_at", [(2, dict(kill_after=7), 6), (3, dict(kill_in_save=6), 3)],
+                         ids=["killed-after-step-7", "killed-while-saving-step-6"])
+def test_killed_rank_resume(tmp_path, uninterrupted, stage, kill, resumes_at):
+    ckpt, stamp = str(tmp_path / "ckpt"), str(tmp_path / "killed_at")
+    crashed = run_ranks(_rank_example, 2, args=(example_args(ckpt, stage),), kwargs=dict(kill, stamp=stamp),
+                        timeout=60, check=False)
+    with open(stamp) as f:
+        elapsed = time.time() - float(f.read())  # from the kill until every rank had exited
+    assert crashed[1].exitcode == -signal.SIGKILL
+    assert crashed[0].exitcode == 1 and crashed[0].value is None
+    assert "CollectiveTimeout" in crashed[0].output or "CollectiveError" in crashed[0].output, crashed[0].output
+    assert elapsed < 10, f"the surviving rank took {elapsed:.1f} s to fail (pz.init timeout 3 s)"
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == f"step_{resumes_at:08d}"
+    restarted = run_ranks(_rank_example, 2, args=(example_args(ckpt, stage),), timeout=90)
+    assert f"resumed from step {resumes_at}" in restarted[0].output
+    assert not [d for d in os.listdir(ckpt) if d.startswith(".tmp")]
+    assert_same(restarted[0].value, uninterrupted, atol=1e-6)

@@ -1,0 +1,116 @@
+"""pz.zero.estimate_memory and `python -m pyzero.zero.memory` against the ZeRO paper's numbers.
+
+Expected values are written out by hand from the paper (Rajbhandari et al.,
+2020): with Ψ parameters, N ranks and K bytes of optimizer state per
+parameter, model states per rank are (2+2+K)Ψ for data parallelism,
+2Ψ+2Ψ+KΨ/N (stage 1), 2Ψ+(2+K)Ψ/N (stage 2) and (2+2+K)Ψ/N (stage 3).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pyzero as pz
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+
+
+@pytest.mark.parametrize("stage,params,grads,optimizer", [
+    (0, 2.0, 2.0, 12.0),
+    (1, 2.0, 2.0, 12.0 / 64),
+    (2, 2.0, 2.0 / 64, 12.0 / 64),
+    (3, 2.0 / 64, 2.0 / 64, 12.0 / 64),
+])
+def test_formula_per_stage(stage, params, grads, optimizer):
+    """Bytes per parameter of each part, Ψ = 7.5e9 on N = 64 ranks with K = 12."""
+    m = pz.zero.estimate_memory(7.5e9, 64, stage)
+    assert m["params"] == pytest.approx(params * 7.5e9, rel=1e-12)
+    assert m["grads"] == pytest.approx(grads * 7.5e9, rel=1e-12)
+    assert m["optimizer"] == pytest.approx(optimizer * 7.5e9, rel=1e-12)
+    assert m["activations"] == 0
+    assert m["total"] == pytest.approx((params + grads + optimizer) * 7.5e9, rel=1e-12)
+
+
+def test_paper_figure_1():
+    """Figure 1 of the paper: 7.5B parameters, 64 GPUs, K=12 -> 120, 31.4, 16.6 and 1.9 GB per GPU."""
+    totals = [pz.zero.estimate_memory(7.5e9, 64, s)["total"] / GB for s in range(4)]
+    assert totals == pytest.approx([120.0, 31.40625, 16.640625, 1.875], rel=1e-12)
+
+
+def test_gpt2_1_5b():
+    """Section 3.1: GPT-2 with 1.5B parameters needs 24 GB of model states with mixed-precision Adam."""
+    m = pz.zero.estimate_memory(1.5e9, 1, 0, optimizer_state_bytes_per_param=12)
+    assert m["total"] == pytest.approx(24e9, rel=1e-12)
+    assert (m["params"], m["grads"], m["optimizer"]) == pytest.approx((3e9, 3e9, 18e9), rel=1e-12)
+    for stage in (1, 2, 3):  # one rank: sharding saves nothing
+        assert pz.zero.estimate_memory(1.5e9, 1, stage)["total"] == pytest.approx(24e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 16, 1024])
+@pytest.mark.parametrize("k", [0, 8, 12, 16])
+def test_hand_computed(world, k):
+    psi = 1.3e8
+    want = {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / world, 2: 2 * psi + (2 + k) * psi / world,
+            3: (2 + 2 + k) * psi / world}
+    for stage, total in want.items():
+        assert pz.zero.estimate_memory(psi, world, stage, k)["total"] == pytest.approx(total, rel=1e-12)
+
+
+def test_fp32_and_activations():
+    """Without mixed precision parameters and gradients take 4 bytes; activations are added, not sharded."""
+    m = pz.zero.estimate_memory(1e9, 8, 2, optimizer_state_bytes_per_param=8, mixed_precision=False,
+                                activation_bytes=5e9)
+    assert (m["params"], m["grads"], m["optimizer"]) == pytest.approx((4e9, 4e9 / 8, 8e9 / 8), rel=1e-12)
+    assert m["activations"] == 5e9
+    assert m["total"] == pytest.approx(4e9 + 0.5e9 + 1e9 + 5e9, rel=1e-12)
+
+
+def test_stages_only_save_memory():
+    for world in (2, 8, 64):
+        totals = [pz.zero.estimate_memory(2e9, world, s)["total"] for s in range(4)]
+        assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
+@pytest.mark.parametrize("kwargs,exc,word", [
+    (dict(num_params=0), ValueError, "num_params"),
+    (dict(num_params=-5e9), ValueError, "num_params"),
+    (dict(num_params=float("nan")), ValueError, "num_params"),
+    (dict(num_params="1.5e9"), TypeError, "num_params"),
+    (dict(num_params=None), TypeError, "num_params"),
+    (dict(world_size=0), ValueError, "world_size"),
+    (dict(world_size=2.5), TypeError, "world_size"),
+    (dict(world_size=True), TypeError, "world_size"),
+    (dict(stage=4), ValueError, "stage"),
+    (dict(stage=-1), ValueError, "stage"),
+    (dict(stage="1"), ValueError, "stage"),
+    (dict(stage=True), ValueError, "stage"),
+    (dict(optimizer_state_bytes_per_param=-1), ValueError, "optimizer_state_bytes_per_param"),
+    (dict(optimizer_state_bytes_per_param="12"), TypeError, "optimizer_state_bytes_per_param"),
+    (dict(activation_bytes=-1.0), ValueError, "activation_bytes"),
+    (dict(mixed_precision="yes"), TypeError, "mixed_precision"),
+])
+def test_bad_input(kwargs, exc, word):
+    args = dict(num_params=1.5e9, world_size=8, stage=2) | kwargs
+    with pytest.raises(exc, match=word):
+        pz.zero.estimate_memory(**args)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pyzero.zero.memory", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_cli_lists_every_stage():
+    proc = run_cli("--params", "7.5e9", "--world", "64", "--gpu-gb", "32")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if not line.startswith("#")}
+    assert set(rows) >= {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"}
+    assert [float(rows[s][3]) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == [120.0, 31.41, 16.64, 1.88]
+    assert [rows[s][4] for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == ["no", "yes", "yes", "yes"]
+
+
+def test_cli_bad_input():
+    proc = run_cli("--params", "7.5e9", "--world", "0")
+    assert proc.returncode == 2 and "world_size" in proc.stderr and "Traceback" not in proc.stderr

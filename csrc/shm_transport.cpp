@@ -18,6 +18,7 @@
 
 #include "cpu_reduce.h"
 #include "errors.h"
+#include "work.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -191,9 +192,15 @@ void ShmTransport::check_usable(const char* what) {
 // yield, then sleep with a growing back-off so a waiting rank never starves
 // computation on a 2-core machine. Liveness and the timeout are checked in
 // the slow phases only.
+// A caller's own thread spins longer (it has nothing else to do); async work
+// on a Worker thread shares the cores with the caller's computation (backward
+// during a bucketed reduce), so it yields and sleeps sooner.
 template <typename Pred>
 void ShmTransport::wait_for(Pred ready, int peer, const char* what) {
-  for (int i = 0; i < 2000; ++i) {
+  const bool background = on_worker_thread();
+  const int spins = background ? 200 : 2000;
+  const uint64_t yields = background ? 10 : 200;
+  for (int i = 0; i < spins; ++i) {
     if (ready()) return;
     PZ_CPU_RELAX();
   }
@@ -201,10 +208,11 @@ void ShmTransport::wait_for(Pred ready, int peer, const char* what) {
   auto last_check = t0;
   for (uint64_t it = 0;; ++it) {
     if (ready()) return;
-    if (it < 200) {
+    if (it < yields) {
       sched_yield();
     } else {
-      uint64_t us = it < 1200 ? 5 + (it - 200) / 10 : 100;  // 5 us .. 100 us
+      uint64_t k = it - yields;
+      uint64_t us = k < 1000 ? 5 + k / 10 : 100;  // 5 us .. 100 us
       std::this_thread::sleep_for(std::chrono::microseconds(us));
     }
     if ((it & 15) == 0) {

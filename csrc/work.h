@@ -49,6 +49,13 @@ class Task {
   std::exception_ptr err_;
 };
 
+// True on a Worker's own thread: work there runs beside the caller's
+// computation, so waiting should give the CPU away quickly (see wait_for).
+inline bool& on_worker_thread() {
+  static thread_local bool flag = false;
+  return flag;
+}
+
 class Worker {
  public:
   Worker() : thread_([this] { loop(); }) {}
@@ -97,6 +104,7 @@ class Worker {
 
  private:
   void loop() {
+    on_worker_thread() = true;
     std::unique_lock<std::mutex> g(mu_);
     for (;;) {
       cv_.wait(g, [&] { return stop_ || (!queue_.empty() && !busy_); });

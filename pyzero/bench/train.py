@@ -39,6 +39,7 @@ class Runner(NamedTuple):
     no_sync: Callable | None  # context manager factory: a step without communication
     comm_alone: Callable | None  # runs this run's collectives once, nothing else
     close: Callable = lambda: None
+    memory: Callable | None = None  # -> dict of model-state bytes (ZeRO's memory_stats)
 
 
 def _setup_dp(model, args) -> Runner:
@@ -52,14 +53,11 @@ def _setup_dp(model, args) -> Runner:
 
 
 def _setup_torch_ddp(model, args) -> Runner:
-    import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     from ..bucketing import assign_buckets  # noqa: PLC0415
 
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+    dist = _init_gloo()
     # DDP's own best CPU set-up: gradients as bucket views, the same bucket caps
     # (its first bucket is 1 MiB, like pz's default).
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
@@ -72,10 +70,96 @@ def _setup_torch_ddp(model, args) -> Runner:
         for w in [dist.all_reduce(f, async_op=True) for f in flats]:
             w.wait()
 
-    return Runner(ddp, opt, ddp.no_sync, comm_alone, dist.destroy_process_group)
+    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_gloo(dist))
 
 
-RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp, "dp": _setup_dp}
+def _zero_comm_alone(opt) -> Callable:
+    """The collectives one ZeRO step issues, on scratch buffers of the same sizes, nothing else."""
+    import pyzero as pz  # noqa: PLC0415
+
+    g = opt.group
+    if opt.stage in (1, 2):
+        L = opt.layout
+        flat = torch.zeros(L.padded)
+        outs = [(torch.empty(L.counts(b, e)[opt.rank]), flat[b:e], L.counts(b, e)) for b, e, _ in opt.buckets]
+        shard = flat[L.shard(opt.rank).offset:][:L.shard_size]
+
+        def run():
+            for w in [pz.reduce_scatter(o, i, op="avg", counts=c, group=g, async_op=True) for o, i, c in outs]:
+                w.wait()
+            pz.all_gather(flat, shard, group=g)
+        return run
+    bufs = [(torch.zeros(u.layout.padded), torch.zeros(u.layout.shard_size)) for u in opt.units]
+
+    def run():  # stage 3: gather in forward, again in backward, reduce-scatter the gradients
+        for full, shard in bufs:
+            pz.all_gather(full, shard, group=g)
+        for full, shard in bufs:
+            pz.all_gather(full, shard, group=g)
+            pz.reduce_scatter(shard, full, op="avg", group=g)
+    return run
+
+
+def _setup_zero(stage: int) -> Callable:
+    def setup(model, args) -> Runner:
+        import pyzero as pz  # noqa: PLC0415
+
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb, lr=1e-4)
+        return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
+    return setup
+
+
+def _init_gloo():
+    import torch.distributed as dist  # noqa: PLC0415
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    return dist
+
+
+def _close_gloo(dist):
+    dist.barrier()  # leave together: the rank hosting gloo's store must not go first
+    dist.destroy_process_group()
+
+
+def _setup_torch_zero(model, args) -> Runner:
+    """torch's ZeroRedundancyOptimizer (sharded AdamW state) under DDP, as its docs pair them."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    dist = _init_gloo()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    return Runner(ddp, opt, ddp.no_sync, None, lambda: _close_gloo(dist))
+
+
+def _setup_fsdp2(model, args) -> Runner:
+    """torch FSDP2 (fully_shard per transformer block and the root) on a CPU gloo mesh."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    dist = _init_gloo()
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    @contextlib.contextmanager
+    def no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return Runner(model, opt, no_sync, None, lambda: _close_gloo(dist))
+
+
+RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp, "dp": _setup_dp, "zero1": _setup_zero(1),
+                             "zero2": _setup_zero(2), "zero3": _setup_zero(3), "torch-zero": _setup_torch_zero,
+                             "fsdp2": _setup_fsdp2}
 
 
 def add_arguments(p) -> None:
@@ -102,21 +186,25 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _median_s(fn, iters: int, warmup: int) -> float:
-    """Median seconds of fn() over iters calls, each started after a barrier; the slowest rank's."""
+def _median_s(fns: list, iters: int, warmup: int) -> list[float]:
+    """Median seconds of each fn() over iters rounds, each call started after a barrier; the slowest
+    rank's. The functions alternate within a round, so drift (allocator, caches, other load) hits
+    all of them alike."""
     import pyzero as pz  # noqa: PLC0415
 
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        pz.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        for fn, ts in zip(fns, times):
+            pz.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
     pz.all_reduce(t, op="max")
-    return float(t)
+    return t.tolist()
 
 
 def _rank_main(run: str, args) -> dict:
@@ -138,14 +226,24 @@ def _rank_main(run: str, args) -> dict:
             runner.optimizer.step()
             losses.append(loss.item())
 
-        out = {"run": run, "step_s": _median_s(step, args.iters, args.warmup)}
         # Same seed, data and steps in every run: equal losses say the runs train alike.
+        out = {"run": run, "step_s": _median_s([step], args.warmup, args.warmup)[0]}
         last_loss = losses[-1]
-        out["nocomm_s"] = _median_s(lambda: step(runner.no_sync), args.iters, args.warmup) \
-            if runner.no_sync else None
-        out["comm_s"] = _median_s(runner.comm_alone, args.iters, args.warmup) if runner.comm_alone else None
+        fns = [step] + ([lambda: step(runner.no_sync)] if runner.no_sync else []) \
+            + ([runner.comm_alone] if runner.comm_alone else [])
+        timed = _median_s(fns, args.iters, args.warmup)
+        out["step_s"] = timed.pop(0)
+        out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
+        out["comm_s"] = timed.pop(0) if runner.comm_alone else None
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
+        if runner.memory is not None:
+            step()  # a synced step last: its memory is what memory() reports
+            stage = runner.optimizer.stage
+            n = sum(p.numel() for p in runner.optimizer.params)
+            est = pz.zero.estimate_memory(n, pz.get_world_size(), stage, optimizer_state_bytes_per_param=8,
+                                          mixed_precision=False)  # fp32 AdamW: K = 8
+            out.update(model_state=runner.memory(), model_state_estimate=est["total"])
         return out
     finally:
         runner.close()
@@ -159,6 +257,10 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
            "tokens_per_s": args.nproc * args.batch * args.seq / r0["step_s"],
            "loss": r0["loss"],
            "peak_mib": [r["peak_mib"] for r in ranks], "delta_mib": [r["delta_mib"] for r in ranks]}
+    if "model_state" in r0:
+        ms = r0["model_state"]
+        res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
+                   peak_gathered_mib=ms.get("peak_gathered_params", 0) / 2**20)
     if r0["nocomm_s"] is not None and r0["comm_s"] is not None:
         exposed = max(0.0, r0["step_s"] - r0["nocomm_s"])
         res.update(nocomm_ms=r0["nocomm_s"] * 1e3, comm_ms=r0["comm_s"] * 1e3, exposed_ms=exposed * 1e3,
@@ -201,7 +303,7 @@ def main(args) -> int:
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
     print(f"{'run':>10} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'comm ms':>8} {'exposed ms':>10} "
-          f"{'hidden':>7} {'loss':>8} {'peak MiB':>9}")
+          f"{'hidden':>7} {'loss':>8} {'peak MiB':>9} {'states MiB':>10} {'estimate':>8} {'+gathered':>9}")
     results = []
     for run in runs:
         ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
@@ -211,7 +313,9 @@ def main(args) -> int:
         hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
         print(f"{run:>10} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', float('nan')):10.2f} "
               f"{res.get('comm_ms', float('nan')):8.2f} {res.get('exposed_ms', float('nan')):10.2f} {hid} "
-              f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}", flush=True)
+              f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}"
+              + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
+                 if "model_state_mib" in res else ""), flush=True)
     if args.json:
         write_json(args.json, results, {"bench": "train", "args": vars(args)})
     if args.plot:

@@ -296,6 +296,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(sd["inner"])
         self._publish_parameters()
 
+    def memory_stats(self) -> dict:
+        """Bytes of model state this rank holds, in the ZeRO paper's terms: parameters (full or
+        shard, model dtype), gradients, optimizer state (inner state plus separate fp32 master
+        weights); `total` is their sum. Stage 3 adds `peak_gathered_params`, the most full
+        parameters allocated at once during forward/backward."""
+        params = self._held_params()
+        grads = self._held_grads()
+        optim = _nbytes(t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
+        if self._master_is_separate():
+            optim += _nbytes(m for _, m, _ in self.shards())
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+    def _master_is_separate(self) -> bool:
+        return (self.param_dtype or self.params[0].dtype) != torch.float32
+
+    def _held_params(self) -> int:
+        raise NotImplementedError
+
+    def _held_grads(self) -> int:
+        return _nbytes(g for _, _, g in self.shards())
+
     def __repr__(self):
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
                 f"params={sum(p.numel() for p in self.params)})")
@@ -315,3 +336,14 @@ def _probe_optimizer(optimizer_class, param_groups, kwargs):
         optimizer_class(groups, **kwargs)
     except (TypeError, ValueError) as e:
         raise type(e)(f"optimizer_kwargs/param_groups: {optimizer_class.__name__} rejected them: {e}") from e
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of distinct storage behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total

@@ -21,17 +21,28 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .optimizer import ZeroOptimizer
+from .optimizer import ZeroOptimizer, _nbytes
 from .partition import FlatLayout
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
+class _Gathered:
+    """Bytes of full parameters allocated right now, and the most ever at once (memory_stats)."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def add(self, n):
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+
 class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
-    def __init__(self, idx, params, names, world, rank, model_dtype):
-        self.idx = idx
+    def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered):
+        self.idx, self.tracker = idx, gathered
         self.layout = FlatLayout(params, names, world)
         off, n = self.layout.shard(rank)
         fp32 = torch.zeros(self.layout.padded, dtype=torch.float32)
@@ -46,6 +57,7 @@ class _Unit:
         self.grad_shard = torch.zeros(n, dtype=torch.float32)
         self.gather_work = None
         self.gathered = True  # full holds the initial values until the first free
+        gathered.add(self.nbytes)
         self.pending = len(params)
 
     def free(self):
@@ -55,10 +67,12 @@ class _Unit:
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+            self.tracker.add(-self.nbytes)
 
     def gather(self, group, wait=True):
         if not self.gathered:
             self.full.untyped_storage().resize_(self.nbytes)
+            self.tracker.add(self.nbytes)
             self.gather_work = comm.all_gather(self.full, self.shard, group=group, async_op=True)
             self.gathered = True
         if wait and self.gather_work is not None:
@@ -73,11 +87,13 @@ class ZeroStage3(ZeroOptimizer):
         model_dtype = self.param_dtype or self.params[0].dtype
         owner = {}
         self.units: list[_Unit] = []
+        self._gathered = _Gathered()
         names = dict(zip(map(id, self.params), self.names))
         for m in self.model.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in names and id(p) not in owner]
             if own:
-                u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype)
+                u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
+                          self._gathered)
                 for p in own:
                     owner[id(p)] = u
                 self.units.append(u)
@@ -94,9 +110,19 @@ class ZeroStage3(ZeroOptimizer):
         self._start_backward()
         for u in self.units:
             u.free()
+        self._gathered.peak = 0  # set-up held every unit once; training holds a few at a time
 
     def shards(self):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
+
+    def _held_params(self):
+        shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
+        return _nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
+
+    def memory_stats(self) -> dict:
+        out = super().memory_stats()
+        out["peak_gathered_params"] = self._gathered.peak  # during the last training step
+        return out
 
     # ---- forward --------------------------------------------------------------
 
@@ -104,6 +130,7 @@ class ZeroStage3(ZeroOptimizer):
         def pre_forward(module, args):
             if torch.is_grad_enabled() and not self._order_open:
                 self._order_open, self._order = True, []
+                self._gathered.peak = self._gathered.now  # memory_stats reports the last step's peak
             for i in needs:
                 self.units[i].gather(self.group)
                 if self._order_open and (not self._order or self._order[-1] != i):

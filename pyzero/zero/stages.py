@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .optimizer import ZeroOptimizer
+from .optimizer import ZeroOptimizer, _nbytes
 from .partition import FlatLayout, buckets
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -55,6 +55,9 @@ class _FlatParams(ZeroOptimizer):
     def shards(self):
         return [(self.layout, self.master, self.grad_shard)]
 
+    def _held_params(self):
+        return _nbytes([self.flat_param])
+
 
 class ZeroStage1(_FlatParams):
     """Optimizer state sharded; full gradients reduce-scattered in place at step time."""
@@ -66,6 +69,9 @@ class ZeroStage1(_FlatParams):
         own = self.flat_grad[self._shard]
         self.grad_shard = own if own.dtype == torch.float32 else torch.zeros(own.numel(), dtype=torch.float32)
         self._reduced = False
+
+    def _held_grads(self):
+        return _nbytes([self.flat_grad, self.grad_shard])
 
     def _attach_grads(self):
         self._grad_views = {}

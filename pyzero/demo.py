@@ -24,12 +24,12 @@ def batches(steps: int, batch: int):
     return [(torch.randn(batch, 32, generator=g), torch.randn(batch, 8, generator=g)) for _ in range(steps)]
 
 
-def reference(steps: int, batch: int) -> dict:
-    model = make_model()
+def reference(steps: int, batch: int, dtype=torch.float32) -> dict:
+    model = make_model().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for x, y in batches(steps, batch):
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     from .launch import run_ranks  # noqa: PLC0415
 
     ref = reference(args.steps, args.batch)
+    # fp32 sums in another order differ by rounding: allow a few times torch's own fp32 error (vs fp64).
+    exact = reference(args.steps, args.batch, torch.float64)
+    torch_err = max(float((ref[k].double() - exact[k]).abs().max()) for k in ref)
+    tol = max(1e-6, 4 * torch_err)
     worst = 0.0
     for stage in (1, 2, 3):
         res = run_ranks(rank_main, args.nproc, args=(stage, args.steps, args.batch), timeout=120)[0].value
@@ -76,8 +80,9 @@ def main(argv=None) -> int:
         worst = max(worst, err)
         print(f"ZeRO stage {stage} on {args.nproc} ranks: loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f} "
               f"in {args.steps} steps ({res['seconds'] * 1e3:.0f} ms); max |weight - single-process torch| = {err:.2e}")
-    ok = worst < 1e-5
-    print("weights match the single-process run" if ok else "MISMATCH against the single-process run")
+    ok = worst <= tol
+    print(f"weights match the single-process run (tolerance {tol:.1e}: 4x torch's own fp32 error)" if ok
+          else f"MISMATCH against the single-process run (tolerance {tol:.1e})")
     return 0 if ok else 1
 
 

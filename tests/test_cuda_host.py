@@ -26,6 +26,7 @@ from pyzero import _C
 from pyzero import comm as pzcomm
 from pyzero import cuda as pzcuda
 from pyzero.launch import run_ranks
+from reference_data import make_input
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int32: 4, torch.int64: 5}
 COLL = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
@@ -42,18 +43,6 @@ HAS_CUDA_BUILD = _C.build_info()["cuda"]
 
 def wire(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def make_input(op, dtype, size, rank, seed):
-    """Exact under `op` in every dtype: multiples of 1/64 up to 4 (sums), {1, 2, 0.5, -1} (products)."""
-    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 17)
-    if op == "prod":
-        vals = (torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=torch.float64) if dtype.is_floating_point
-                else torch.tensor([1, 2, -1, 3], dtype=torch.int64))
-        return vals[torch.randint(0, 4, (size,), generator=g)].to(dtype)
-    if dtype.is_floating_point:
-        return (torch.randint(-256, 257, (size,), generator=g).to(torch.float64) / 64).to(dtype)
-    return torch.randint(-1000, 1001, (size,), generator=g).to(dtype)
 
 
 def reference(inputs, op, dtype):

@@ -7,7 +7,7 @@ rank is a fresh interpreter, because the pytest process has initialised CUDA
 that. The watchdog tests also run in spawned processes: aborting a
 communicator with kernels still queued may poison that process's CUDA context.
 
-Inputs are exact (see test_cuda_host.make_input): pyzero's ring and one-shot
+Inputs are exact (see reference_data.make_input): pyzero's ring and one-shot
 accumulate fp16/bf16 in fp32 and round once, so they must match the reference
 bitwise. NCCL's native collectives accumulate in the storage type and compute
 avg by pre-multiplying, so they get integer-valued inputs (exact in every
@@ -23,7 +23,8 @@ import torch
 import pyzero as pz
 from pyzero import comm as pzcomm
 from pyzero.launch import run_ranks
-from test_cuda_host import make_input, reference
+from reference_data import make_input
+from test_cuda_host import reference
 
 pytestmark = pytest.mark.gpu
 

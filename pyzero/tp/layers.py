@@ -54,12 +54,14 @@ class _ParallelLinear(nn.Module):
             w = linear.weight.detach()
             w = w[r * k:(r + 1) * k] if self._split == 0 else w[:, r * k:(r + 1) * k]
             self.weight = nn.Parameter(w.clone().contiguous())
+            self.weight.tp_sharded = True  # each TP rank holds a different part (clipping sums them)
             b = linear.bias
             if b is None:
                 self.bias = None
             else:
                 b = b.detach()[r * k:(r + 1) * k] if self._split == 0 else b.detach()
                 self.bias = nn.Parameter(b.clone())
+                self.bias.tp_sharded = self._split == 0  # a row layer's bias is replicated
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **options):

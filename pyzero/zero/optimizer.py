@@ -48,7 +48,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return object.__new__(cls)
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
-                 comm_dtype=None, group=None, param_groups=None, **optimizer_kwargs):
+                 comm_dtype=None, group=None, param_groups=None, tp_group=None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -64,6 +64,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"got {comm_dtype!r}")
         self.model, self.stage, self.overlap = model, stage, bool(overlap)
         self.group = comm._group(group)
+        # With tensor parallelism (pz.mesh): the TP group whose ranks hold other parts of the
+        # parameters marked tp_sharded; clip_grad_norm_ adds those up and counts the rest once.
+        self.tp_group = None if tp_group is None else comm._group(tp_group)
         self.group.comm()  # raises unless this rank is a member
         self.world, self.rank = self.group.size, self.group.rank
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
@@ -219,7 +222,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                              norm_type)
         else:
             local = torch.zeros(())
-        if self.world == 1:
+        if self.tp_group is not None and self.tp_group.size > 1:
+            total = self._tp_norm(grads, norm_type)
+        elif self.world == 1:
             total = local
         elif norm_type == float("inf"):
             total = local.reshape(1).clone()
@@ -233,6 +238,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in grads:
             g.mul_(coef)
         return total
+
+    def _tp_norm(self, grads, norm_type):
+        """Norm over the DP shards and the TP parts: TP-sharded parameters summed over the TP
+        group, replicated ones (identical on every TP rank) counted once."""
+        sharded = [getattr(self.params[self._owner[k]], "tp_sharded", False) for k in self._model_order]
+        if norm_type == float("inf"):  # a max counts replicated values any number of times
+            acc = torch.tensor([max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)],
+                               dtype=torch.float64)
+            for g in (self.group, self.tp_group):
+                comm.all_reduce(acc, op="max", group=g)
+            return acc[0].to(torch.float32)
+        acc = torch.zeros(2, dtype=torch.float64)
+        for g, is_tp in zip(grads, sharded):
+            acc[0 if is_tp else 1] += g.to(torch.float64).abs().pow(norm_type).sum()
+        comm.all_reduce(acc, op="sum", group=self.group)
+        part = acc[:1].clone()
+        comm.all_reduce(part, op="sum", group=self.tp_group)
+        return (part[0] + acc[1]).pow(1.0 / norm_type).to(torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):

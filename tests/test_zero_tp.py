@@ -1,0 +1,74 @@
+"""ZeRO over the DP groups of a DP x TP mesh: training and gradient clipping equal one process.
+
+4 ranks = 2 DP x 2 TP. The model is LayerNorm (replicated) -> column-parallel
+Linear -> GELU -> row-parallel Linear (replicated bias). The clipping norm must
+add the TP ranks' parts of sharded parameters and count replicated ones once,
+so it equals torch.nn.utils.clip_grad_norm_ on the full single-process model.
+"""
+import pytest
+import torch
+from torch import nn
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+IN, HID, OUT, BATCH, STEPS, CLIP = 8, 16, 8, 8, 3, 0.05
+
+
+def _data():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(STEPS)]
+
+
+def _reference(norm_type):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(IN), nn.Linear(IN, HID), nn.GELU(), nn.Linear(HID, OUT))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = []
+    for x, y in _data():
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP, norm_type)))
+        opt.step()
+    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rank(stage, norm_type):
+    pz.init(timeout=30)
+    dp, tp = pz.mesh(dp=2, tp=2)
+    torch.manual_seed(0)  # the same draws as the reference's LayerNorm and two nn.Linear
+    model = nn.Sequential(nn.LayerNorm(IN), pz.tp.ColumnParallelLinear(IN, HID, group=tp), nn.GELU(),
+                          pz.tp.RowParallelLinear(HID, OUT, group=tp))
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, group=dp, tp_group=tp, lr=1e-2)
+    per = BATCH // dp.size
+    norms = []
+    for x, y in _data():
+        opt.zero_grad()
+        xs, ys = x[dp.rank * per:(dp.rank + 1) * per], y[dp.rank * per:(dp.rank + 1) * per]
+        nn.functional.mse_loss(model(xs), ys).backward()
+        norms.append(float(opt.clip_grad_norm_(CLIP, norm_type)))
+        opt.step()
+    state = opt.full_state_dict() if stage == 3 else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"tp_rank": tp.rank, "dp_rank": dp.rank, "norms": norms, "state": state}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_over_dp_with_tp_matches_one_process(stage, norm_type):
+    ref_norms, ref = _reference(norm_type)
+    results = [r.value for r in run_ranks(_rank, 4, args=(stage, norm_type), timeout=90)]
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank (dp {r['dp_rank']}, tp {r['tp_rank']})"
+    # Reassemble the TP shards of DP rank 0 (stage 3 returns state on the DP group's first rank only).
+    by_tp = {r["tp_rank"]: r["state"] for r in results if r["dp_rank"] == 0}
+    full = {
+        "0.weight": by_tp[0]["0.weight"], "0.bias": by_tp[0]["0.bias"],
+        "1.weight": torch.cat([by_tp[0]["1.weight"], by_tp[1]["1.weight"]], 0),
+        "1.bias": torch.cat([by_tp[0]["1.bias"], by_tp[1]["1.bias"]], 0),
+        "3.weight": torch.cat([by_tp[0]["3.weight"], by_tp[1]["3.weight"]], 1),
+        "3.bias": by_tp[0]["3.bias"],
+    }
+    for k, v in ref.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for tp_rank in (0, 1):  # replicated parameters stay identical across TP ranks
+        torch.testing.assert_close(by_tp[tp_rank]["3.bias"], ref["3.bias"], rtol=1e-5, atol=1e-6)

@@ -38,6 +38,13 @@ class _Gathered:
         self.peak = max(self.peak, self.now)
 
 
+class _Call:
+    """One module call during a training forward: its backward's progress (see post_backward)."""
+
+    def __init__(self, inputs_left: int):
+        self.inputs_left, self.entered = inputs_left, False
+
+
 class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
@@ -143,9 +150,13 @@ class ZeroStage3(ZeroOptimizer):
     def _make_post_forward(self, needs):
         def post_forward(module, args, output):
             if torch.is_grad_enabled():
+                inputs = [t for t in _tensors(args) if t.requires_grad]
+                call = _Call(len(inputs))
                 for t in _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(needs))
+                        _on_grad_ready(t, 1, self._make_pre_backward(needs, call))
+                for t in inputs:
+                    _on_grad_ready(t, 0, self._make_post_backward(needs, call))
             for i in needs:
                 self.units[i].free()
         return post_forward
@@ -160,12 +171,16 @@ class ZeroStage3(ZeroOptimizer):
 
     # ---- backward -------------------------------------------------------------
 
-    def _make_pre_backward(self, needs):
+    def _make_pre_backward(self, needs, call):
         def pre_backward(grad):
             self._order_open = False
             if not self._in_backward:
                 self._in_backward = True
                 _queue_callback(self._end_backward)
+            if not call.entered:
+                call.entered = True
+                for i in needs:
+                    self.units[i].users += 1
             for i in needs:
                 if self.units[i].pending > 0:
                     self.units[i].gather(self.group)
@@ -173,6 +188,22 @@ class ZeroStage3(ZeroOptimizer):
             if prev is not None and self.units[prev].pending > 0:
                 self.units[prev].gather(self.group, wait=False)
         return pre_backward
+
+    def _make_post_backward(self, needs, call):
+        """[Note: freeing between uses] Once every input gradient of a module call exists, that
+        call's backward no longer reads the parameters, so a unit still waiting for gradients
+        from another use (a tied weight) is freed until that use's pre-backward gathers it again.
+        A call without inputs that need gradients never releases its units: its backward might
+        still read them (conservative)."""
+        def post_backward(grad):
+            call.inputs_left -= 1
+            if call.inputs_left == 0 and call.entered:
+                for i in needs:
+                    u = self.units[i]
+                    u.users -= 1
+                    if u.users == 0 and u.pending > 0:
+                        u.free()
+        return post_backward
 
     def _on_grad(self, p):
         self._grads_ready = True
@@ -205,6 +236,7 @@ class ZeroStage3(ZeroOptimizer):
         self._order_open = False
         for u in self.units:
             u.pending = len(u.layout.params)
+            u.users = 0  # module calls whose backward may still read the unit
 
     def _end_backward(self):
         if self._sync:
@@ -243,6 +275,22 @@ class ZeroStage3(ZeroOptimizer):
         # model.state_dict()'s keys and order: tied parameters under every name, frozen ones, buffers.
         return {name: gathered[id(t)] if id(t) in gathered else t.detach().clone()
                 for name, t in self.model.state_dict(keep_vars=True).items()}
+
+
+def _on_grad_ready(t, order, fn):
+    """Run fn(grad) when t's gradient is ready. One hook per tensor runs the order-0 callbacks
+    (releases: a consumer's backward is done) before the order-1 ones (gathers and prefetches for
+    the producer's backward), so memory is freed before more is allocated."""
+    lists = getattr(t, "_pz_grad_callbacks", None)
+    if lists is None:
+        lists = t._pz_grad_callbacks = ([], [])
+
+        def run(grad):
+            for fns in lists:
+                for f in fns:
+                    f(grad)
+        t.register_hook(run)
+    lists[order].append(fn)
 
 
 def _tensors(x):

@@ -20,7 +20,7 @@ import torch
 import pyzero as pz
 from pyzero import comm as pzcomm
 from pyzero.launch import run_ranks
-from reference_data import make_input
+from reference_data import make_input, reference
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INTS = [torch.int32, torch.int64]
@@ -40,28 +40,6 @@ AG_AUTO_ONESHOT_BYTES = 64 << 10  # auto's one-shot limit for all_gather (csrc/s
 
 def ops_for(dtype):
     return OPS if dtype.is_floating_point else [o for o in OPS if o != "avg"]
-
-
-def acc_dtype(dtype):
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def reference(inputs, op, dtype):
-    """torch reduction over the stacked per-rank inputs, accumulated in fp32/fp64, rounded once."""
-    acc = acc_dtype(dtype)
-    x = torch.stack([t.to(acc) for t in inputs])
-    n = len(inputs)
-    if op == "sum":
-        r = x.sum(0, dtype=acc)
-    elif op == "avg":
-        r = x.sum(0, dtype=acc) / torch.full(x.shape[1:], n, dtype=acc)  # a true division, not * (1/n)
-    elif op == "max":
-        r = x.amax(0)
-    elif op == "min":
-        r = x.amin(0)
-    else:
-        r = x.prod(0, dtype=acc)
-    return r.to(dtype)
 
 
 def mismatch(got, want):

@@ -26,7 +26,7 @@ from pyzero import _C
 from pyzero import comm as pzcomm
 from pyzero import cuda as pzcuda
 from pyzero.launch import run_ranks
-from reference_data import make_input
+from reference_data import make_input, reference, wire
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int32: 4, torch.int64: 5}
 COLL = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
@@ -39,19 +39,6 @@ HAS_CUDA_BUILD = _C.build_info()["cuda"]
 
 # ---------------------------------------------------------------------------
 # Reference data and math
-
-
-def wire(dtype):
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def reference(inputs, op, dtype):
-    acc = wire(dtype)
-    x = torch.stack([t.to(acc) for t in inputs])
-    n = len(inputs)
-    r = {"sum": lambda: x.sum(0, dtype=acc), "avg": lambda: x.sum(0, dtype=acc) / n, "max": lambda: x.amax(0),
-         "min": lambda: x.amin(0), "prod": lambda: x.prod(0, dtype=acc)}[op]()
-    return r.to(dtype)
 
 
 def combine(op, a, b):

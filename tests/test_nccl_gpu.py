@@ -23,8 +23,7 @@ import torch
 import pyzero as pz
 from pyzero import comm as pzcomm
 from pyzero.launch import run_ranks
-from reference_data import make_input
-from test_cuda_host import reference
+from reference_data import make_input, reference
 
 pytestmark = pytest.mark.gpu
 

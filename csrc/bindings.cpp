@@ -178,6 +178,25 @@ PYBIND11_MODULE(_C, m) {
       .def("set_timeout", [](ShmComm& c, double s) { c.t().set_timeout(s); })
       .def_property_readonly("rank", [](ShmComm& c) { return c.t().rank(); })
       .def_property_readonly("size", [](ShmComm& c) { return c.t().size(); })
+      .def("sym_create", [](ShmComm& c, size_t bytes) { c.t().sym_create(bytes); })
+      .def("sym_attach", [](ShmComm& c) { c.t().sym_attach(); })
+      .def("sym_unlink", [](ShmComm& c) { c.t().sym_unlink(); })
+      .def("sym_bytes", [](ShmComm& c) { return c.t().sym_bytes(); })
+      .def("sym_buffer",  // rank r's data: a writable memoryview (torch.frombuffer views it)
+           [](ShmComm& c, int r) {
+             if (r < 0 || r >= c.t().size()) throw py::value_error("rank: out of range");
+             return py::memoryview::from_memory(c.t().sym_data(r), py::ssize_t(c.t().sym_bytes()), false);
+           })
+      .def("sym_arrive",  // on the collective worker: ordered with the group's other collectives
+           [](ShmComm& c, int kind, int64_t count, int dt, std::vector<int64_t> dims) {
+             c.run(false, [&c, kind, count, dt, dims] { c.t().sym_arrive(kind, count, DType(dt), dims); });
+           })
+      .def("sym_signal", [](ShmComm& c, uint64_t v) { c.t().sym_signal(v); })
+      .def("sym_wait",
+           [](ShmComm& c, int peer, uint64_t v, const std::string& what) {
+             py::gil_scoped_release nogil;
+             c.t().sym_wait(peer, v, what.c_str());
+           })
       .def("choose_algo",
            [](ShmComm& c, int coll, size_t bytes) { return int(c.t().choose_algo(Coll(coll), bytes)); })
       .def("stats", [](ShmComm& c, bool reset) { return c.t().stats(reset); }, py::arg("reset") = false)

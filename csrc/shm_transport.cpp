@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -143,6 +144,8 @@ void ShmTransport::unlink() {
 
 ShmTransport::~ShmTransport() {
   unlink();
+  sym_release();
+  for (auto& [m, bytes] : sym_old_) munmap(m, bytes);
   for (char* m : maps_)
     if (m) munmap(m, seg_bytes_);
 }
@@ -278,6 +281,13 @@ void ShmTransport::fail_aborted(int peer, const char* what) {
 
 std::string ShmTransport::describe(const CallDesc& d) const {
   std::ostringstream os;
+  if (d.coll >= kSymCollBase) {
+    static const char* kinds[] = {"symmetric all_gather", "symmetric reduce_scatter"};
+    int k = d.coll - kSymCollBase;
+    os << "fused " << (k < 2 ? kinds[k] : "op") << "(count=" << d.count << ", dtype=" << dtype_name(DType(d.dtype))
+       << ")";
+    return os.str();
+  }
   os << coll_name(Coll(d.coll)) << "(count=" << d.count;
   if (d.coll <= int(Coll::all_gather)) {
     if (d.coll != int(Coll::all_gather)) os << ", op=" << op_name(RedOp(d.op));
@@ -674,6 +684,93 @@ void ShmTransport::recv(void* buf, int64_t cnt, DType dt, int src) {
     throw CollectiveError(os.str());
   }
   tally(Coll::recv, uint64_t(cnt), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Symmetric buffers — see [Note: symmetric buffers]
+
+namespace {
+std::string sym_name(const std::string& prefix, int r, int gen) {
+  return seg_name(prefix, r) + "_s" + std::to_string(gen);
+}
+}  // namespace
+
+// Current generation -> old list (still mapped), own name unlinked.
+void ShmTransport::sym_release() {
+  sym_unlink();
+  for (char* m : sym_maps_)
+    if (m) sym_old_.emplace_back(m, kSymHeaderBytes + sym_bytes_);
+  sym_maps_.clear();
+  sym_bytes_ = 0;
+}
+
+void ShmTransport::sym_create(size_t bytes) {
+  check_usable("symmetric buffer");
+  sym_release();
+  bytes = round_up(std::max<size_t>(bytes, 4096), 4096);
+  ++sym_gen_;
+  std::string name = sym_name(prefix_, rank_, sym_gen_);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw_errno("shm_open(" + name + ")");
+  size_t total = kSymHeaderBytes + bytes;
+  if (ftruncate(fd, off_t(total)) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    throw_errno("ftruncate(" + name + ")");
+  }
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    throw_errno("mmap(" + name + ")");
+  }
+  sym_unlinked_ = false;
+  sym_maps_.assign(n_, nullptr);
+  sym_maps_[rank_] = static_cast<char*>(p);
+  sym_bytes_ = bytes;
+  new (sym_header(rank_)) SymHeader();
+}
+
+void ShmTransport::sym_attach() {
+  size_t total = kSymHeaderBytes + sym_bytes_;
+  for (int r = 0; r < n_; ++r) {
+    if (sym_maps_.at(r)) continue;
+    std::string name = sym_name(prefix_, r, sym_gen_);
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd < 0) throw_errno("shm_open(" + name + ") of rank " + std::to_string(r));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || size_t(st.st_size) != total) {
+      close(fd);
+      throw CollectiveError("symmetric buffer " + name + " of rank " + std::to_string(r) +
+                            " has a different size: ranks asked for different sizes");
+    }
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) throw_errno("mmap(" + name + ")");
+    sym_maps_[r] = static_cast<char*>(p);
+  }
+}
+
+void ShmTransport::sym_unlink() {
+  if (!sym_unlinked_) shm_unlink(sym_name(prefix_, rank_, sym_gen_).c_str());
+  sym_unlinked_ = true;
+}
+
+void ShmTransport::sym_arrive(int kind, int64_t count, DType dt, const std::vector<int64_t>& dims) {
+  const char* what = "fused op";
+  uint64_t seq = begin(what);
+  CallDesc d{seq, int32_t(kSymCollBase + kind), 0, int32_t(dt), 0, 0, 0, count, hash_counts(dims)};
+  arrive(d, what);
+}
+
+void ShmTransport::sym_signal(uint64_t value) {
+  sym_header(rank_)->ready.store(value, std::memory_order_release);
+}
+
+void ShmTransport::sym_wait(int peer, uint64_t value, const char* what) {
+  check_usable(what);
+  const std::atomic<uint64_t>& v = sym_header(peer)->ready;
+  wait_for([&] { return v.load(std::memory_order_acquire) >= value; }, peer, what);
 }
 
 }  // namespace pz

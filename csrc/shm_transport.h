@@ -86,6 +86,24 @@ struct alignas(16) P2PHeader {
   int32_t pad;
 };
 
+// [Note: symmetric buffers]
+// Besides the transport segment, a group can hold a "symmetric" segment per
+// rank that every peer maps: fused ops (pyzero/symmetric.py) read their
+// peers' data in place, like NVLink peer access, with no copy into or out of
+// channel slots. Each fused call starts with sym_arrive, an ordinary
+// collective arrival (descriptors compared, so a mismatched fused call or a
+// plain collective on one rank fails on every rank): once it returns, every
+// peer has finished the previous call and its reads, so the buffer can be
+// rewritten. Within a call the owner store-releases `ready` (monotonic over
+// the group's life) after writing the data it announces; readers wait for
+// it. A larger request maps a new generation (collectively); older ones
+// stay mapped until the group is destroyed, as tensors may still view them.
+struct alignas(64) SymHeader {
+  alignas(64) std::atomic<uint64_t> ready;
+};
+constexpr size_t kSymHeaderBytes = 4096;
+constexpr int kSymCollBase = 64;  // CallDesc.coll of fused op `kind`: kSymCollBase + kind
+
 struct ShmConfig {
   size_t slice_bytes = 256 << 10;
   int depth = 8;
@@ -124,6 +142,20 @@ class ShmTransport {
   void barrier();
   void send(const void* buf, int64_t count, DType dt, int dst);
   void recv(void* buf, int64_t count, DType dt, int src);
+
+  // Symmetric buffers (see [Note: symmetric buffers]). Set-up is collective,
+  // in three steps separated by barriers: sym_create -> sym_attach -> sym_unlink.
+  void sym_create(size_t bytes);
+  void sym_attach();
+  void sym_unlink();
+  size_t sym_bytes() const { return sym_bytes_; }
+  char* sym_data(int r) const { return sym_maps_.at(r) + kSymHeaderBytes; }
+  // Enter fused op `kind` (a collective call, checked against the peers' like
+  // any other): afterwards every peer is in this call, so every read of the
+  // previous fused call is over and the buffers may be rewritten.
+  void sym_arrive(int kind, int64_t count, DType dt, const std::vector<int64_t>& dims);
+  void sym_signal(uint64_t value);                            // store-release own `ready`
+  void sym_wait(int peer, uint64_t value, const char* what);  // until peer's ready >= value
 
   // The algorithm `auto` picks for a call of `bytes` (per-rank input bytes).
   Algo choose_algo(Coll c, size_t bytes) const;
@@ -181,6 +213,14 @@ class ShmTransport {
   uint64_t seq_ = 0;                  // collectives entered by this rank
   std::vector<uint64_t> send_local_, recv_local_;  // p2p counters (n) + ring (index n)
   std::atomic<uint64_t> stats_[kNumColls][3];
+  // symmetric buffers: current generation's maps, older generations (kept mapped)
+  std::vector<char*> sym_maps_;
+  std::vector<std::pair<char*, size_t>> sym_old_;
+  size_t sym_bytes_ = 0;
+  int sym_gen_ = 0;
+  bool sym_unlinked_ = true;
+  SymHeader* sym_header(int r) const { return reinterpret_cast<SymHeader*>(sym_maps_.at(r)); }
+  void sym_release();
 };
 
 }  // namespace pz

@@ -30,7 +30,7 @@ from .zero import ZeroOptimizer
 build_info = _C.build_info
 
 __version__ = "0.1.0"
-from . import tp
+from . import symmetric, tp
 from .mesh import mesh
 from . import pipeline
 from .parallel import DataParallel

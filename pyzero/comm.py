@@ -54,6 +54,7 @@ class Group:
     # the caller drops the handle (the C++ thread reads and writes them).
     _pending: list = field(default_factory=list, repr=False)
     device: int | None = None  # the CUDA device of a GPU backend's group (see pyzero/cuda.py); None: shm
+    _symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
 
     @property
     def size(self) -> int:
@@ -247,6 +248,7 @@ def destroy() -> None:
     w, _world = _world, None
     for g in w.groups:
         if g._comm is not None:
+            g._symmetric = None  # views of the segments the comm unmaps
             g._comm.close()
             g._comm = None
 

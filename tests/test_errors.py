@@ -343,6 +343,10 @@ def _rank_dies(how, long_timeout):
             w = pz.all_reduce(torch.ones(16 << 20), async_op=True)
             time.sleep(0.03)  # the ring is running (a 64 MB all_reduce takes far longer)
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "sigkill_fused":  # die inside a fused op: arrived, but its block never comes
+            def die(c, out):
+                os.kill(os.getpid(), signal.SIGKILL)
+            pz.symmetric.reduce_scatter_apply(die, 4, 4, x, pz.comm._group(None))
         if how == "sleep":  # arrive long after the others gave up
             time.sleep(4.5)
             t0 = time.monotonic()
@@ -355,6 +359,9 @@ def _rank_dies(how, long_timeout):
             pz.all_reduce(torch.ones(16 << 20))
             pz.all_reduce(torch.ones(10))
         first = _outcome(both)
+    elif how == "sigkill_fused":  # the survivors wait for the dead rank's partial sums
+        first = _outcome(lambda: pz.symmetric.reduce_scatter_apply(lambda c, out: out.fill_(1.0), 4, 4, x,
+                                                                   pz.comm._group(None)))
     elif how == "sigkill_recv":  # the survivor waits in a recv from the dead rank
         first = _outcome(lambda: pz.recv(torch.empty(10), src=victim))
     else:
@@ -365,13 +372,15 @@ def _rank_dies(how, long_timeout):
 
 
 @pytest.mark.parametrize("how,world", [("exit", 2), ("sigkill", 2), ("exit", 3), ("sigkill", 4),
-                                       ("sigkill_recv", 2), ("sigkill_mid", 2), ("sigkill_mid", 4)])
+                                       ("sigkill_recv", 2), ("sigkill_mid", 2), ("sigkill_mid", 4),
+                                       ("sigkill_fused", 2), ("sigkill_fused", 3)])
 def test_dead_rank_detected_fast(how, world):
     """The last rank exits or is SIGKILLed; every survivor raises CollectiveTimeout naming it, within
     seconds although pz.init(timeout=60), and the group then refuses further collectives.
 
     sigkill_mid: the rank dies while a ring all_reduce is running, so in a world of 4 one survivor
     (rank 1) waits on a live peer (rank 0) rather than on the dead rank: it too must name rank 3.
+    sigkill_fused: it dies inside a fused op on symmetric buffers, after arriving.
     """
     before = _segments()
     t0 = time.monotonic()

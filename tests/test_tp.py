@@ -151,7 +151,8 @@ def seeded(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def rank_overlap_ops():
+def rank_overlap_ops(use_symmetric):
+    pz.symmetric.ENABLED = use_symmetric
     pz.init()
     n, r = pz.get_world_size(), pz.get_rank()
     m, b, k, o = 3, 2, 5, 4
@@ -168,7 +169,9 @@ def rank_overlap_ops():
     dx_ref = sum(ts[q] @ ws[q] for q in range(n))[r * m:(r + 1) * m]  # every rank's output depends on x
     out["ag"] = (y.detach(), x_full @ ws[r].t(), x.grad, dx_ref, w.grad,
                  torch.einsum("sbo,sbk->ok", ts[r], x_full))
-    out["ag_sent"] = (stats["send"]["elements"], stats["all_gather"]["calls"], (n - 1) * x.numel())
+    # The ring sends n-1 blocks; symmetric buffers send none (peers read them in place).
+    out["ag_sent"] = (stats["send"]["elements"], stats["all_gather"]["calls"],
+                      0 if use_symmetric else (n - 1) * x.numel())
     plain = torch.empty(n * m, b, k)
     pz.all_gather(plain, x.detach().contiguous())
     out["ag_vs_unoverlapped"] = (y.detach(), plain @ w.detach().t())
@@ -189,8 +192,9 @@ def rank_overlap_ops():
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_overlapped_ops_match_unoverlapped(nprocs):
-    for res in run_ranks(rank_overlap_ops, nprocs):
+@pytest.mark.parametrize("use_symmetric", [True, False], ids=["symmetric", "ring"])
+def test_overlapped_ops_match_unoverlapped(nprocs, use_symmetric):
+    for res in run_ranks(rank_overlap_ops, nprocs, args=(use_symmetric,)):
         v = res.value
         for op in ("ag", "rs"):
             y, y_ref, dx, dx_ref, dw, dw_ref = v[op]
@@ -199,7 +203,8 @@ def test_overlapped_ops_match_unoverlapped(nprocs):
             torch.testing.assert_close(dw, dw_ref, **TOL)
             torch.testing.assert_close(*v[f"{op}_vs_unoverlapped"], **TOL)
         sent, all_gathers, expected = v["ag_sent"]
-        assert (sent, all_gathers) == (expected, 0), "forward must move n-1 blocks over the ring, no all_gather"
+        assert (sent, all_gathers) == (expected, 0), "forward: n-1 blocks over the ring (none with symmetric " \
+            "buffers) and no all_gather"
 
 
 def rank_ring_in_flight():
@@ -228,6 +233,42 @@ def test_ring_transfer_runs_during_compute():
         seen, out = res.value
         assert seen == [True, res.rank, (res.rank - 1) % n]
         torch.testing.assert_close(out, torch.arange(n).float().repeat_interleave(4)[:, None].expand(-1, 3))
+
+
+def rank_symmetric_in_place():
+    """all_gather_apply: while rank r computes on its own block, the peers' blocks land in
+    their buffers; peers' blocks come as views of those buffers (no copy), in ring order."""
+    pz.init()
+    n, r = pz.get_world_size(), pz.get_rank()
+    g = pz.comm._group(None)
+    x = torch.full((4, 3), float(r))
+    seen, blocks = [], {}
+
+    def compute(c, block):
+        if c == r:
+            buf = g._symmetric
+            deadline = time.monotonic() + 10.0
+            peers_here = lambda: all(bool((buf.view(p, x.dtype, (4, 3)) == p).all()) for p in range(n))  # noqa: E731
+            while time.monotonic() < deadline and not peers_here():
+                time.sleep(0.001)
+            seen.append(peers_here())
+        else:  # a view of the peer's buffer, not a copy
+            seen.append(block.data_ptr() == g._symmetric.view(c, x.dtype, (4, 3)).data_ptr())
+        blocks[c] = block.clone()
+        seen.append(c)
+
+    pz.symmetric.all_gather_apply(x, g, compute)
+    return seen, blocks
+
+
+def test_symmetric_gather_reads_peers_in_place():
+    n = 3
+    for res in run_ranks(rank_symmetric_in_place, n):
+        seen, blocks = res.value
+        r = res.rank
+        assert seen == [True, r, True, (r - 1) % n, True, (r - 2) % n]
+        for c in range(n):
+            torch.testing.assert_close(blocks[c], torch.full((4, 3), float(c)), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------
@@ -269,13 +310,17 @@ def rank_errors():
     t = torch.ones(3)
     pz.all_reduce(t)  # the group still works: no rank communicated before raising
     # Sequence shards that differ between ranks cannot be checked locally; the transport reports them.
-    for overlap, text in ((False, "mismatched collective"), (True, "mismatched send/recv")):
+    for overlap, sym, text in ((False, True, "mismatched collective"),
+                               (True, True, "mismatched collective: this rank called fused symmetric all_gather"),
+                               (True, False, "mismatched send/recv")):
+        pz.symmetric.ENABLED = sym
         try:
             pz.tp.ColumnParallelLinear(4, 4, sequence_parallel=True, overlap=overlap)(torch.randn(2 + r, 1, 4))
-            problems.append(f"uneven shards, overlap={overlap}: nothing raised")
+            problems.append(f"uneven shards, overlap={overlap}, symmetric={sym}: nothing raised")
         except pz.CollectiveError as e:
             if text not in str(e):
-                problems.append(f"uneven shards, overlap={overlap}: {e}")
+                problems.append(f"uneven shards, overlap={overlap}, symmetric={sym}: {e}")
+    pz.symmetric.ENABLED = True
     return problems, t
 
 

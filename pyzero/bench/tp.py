@@ -1,11 +1,15 @@
 """pyzero-bench tp: all-gather+matmul and matmul+reduce-scatter, ring-overlapped vs not.
 
-For each width, every rank times four things (median over --iters, then the
-slowest rank): the collective alone, the matmul alone, the two one after the
-other ("serial": pz.all_gather then one matmul, or one matmul then
-pz.reduce_scatter) and the ring-overlapped op (pz.tp.all_gather_matmul /
-pz.tp.matmul_reduce_scatter). speedup = serial / overlapped; balance =
-comm / matmul, and overlap can only pay where balance is near 1.
+For each width, every rank times five things, interleaved (each round runs
+each once, after a barrier; median over --iters, then the slowest rank): the
+collective alone, the matmul alone, the two one after the other ("serial":
+pz.all_gather then one matmul, or one matmul then pz.reduce_scatter), the
+overlapped op as pz.tp runs it (pz.tp.all_gather_matmul /
+pz.tp.matmul_reduce_scatter; on shm: ring order over symmetric buffers,
+peers' blocks read in place) and the same op over the send/recv ring
+(PYZERO_SYMMETRIC=0). speedup = serial / overlapped, ring x = serial /
+ring; balance = comm / matmul, and overlap can only pay where balance is
+near 1.
 
 Shapes, n ranks, M = --rows rows per rank, H = --hidden:
     all_gather_matmul:      x_shard (M, H) gathered to (n*M, H), weight (width, H)
@@ -15,10 +19,12 @@ the matmul's cost per communicated byte. On CPU each rank's matmul uses one
 thread (run_ranks threads=1) and the copies run on pyzero's comm threads.
 
 The shm copies need CPU time of their own: where every core already runs a
-rank's matmul (2 ranks on 2 cores) they take it from the matmul and the ring
-cannot beat the serial pair. ``--compute sleep`` swaps the matmul for a sleep
-of its measured time, which shows the schedule's gain when compute leaves the
-CPU free (a GPU, or a machine with spare cores per rank).
+rank's matmul (2 ranks on 2 cores) they take it from the matmul, and the
+send/recv ring (three copies per block: into its shm slot, out, and the
+serial path's own) cannot beat the serial pair; symmetric buffers copy each
+block once. ``--compute sleep`` swaps the matmul for a sleep of its
+measured time, which shows the schedule's gain when compute leaves the CPU
+free (a GPU, or a machine with spare cores per rank).
 """
 from __future__ import annotations
 
@@ -52,29 +58,46 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default=None)
 
 
-def _median_us(fn, iters: int, warmup: int) -> float:
+def _medians_us(fns, iters: int, warmup: int) -> list[float]:
+    """Median microseconds of each fn, the slowest rank's; the fns alternate within a
+    round, so drift (allocator, caches, other load) hits all of them alike."""
     import pyzero as pz  # noqa: PLC0415
 
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        pz.barrier()  # every rank starts each timed call together
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times) * 1e6], dtype=torch.float64)
+        for fn, ts in zip(fns, times):
+            pz.barrier()  # every rank starts each timed call together
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts) * 1e6 for ts in times], dtype=torch.float64)
     pz.all_reduce(t, op="max")
-    return float(t)
+    return t.tolist()
+
+
+def _ring(fn):
+    """fn run over the send/recv ring instead of symmetric buffers."""
+    from .. import symmetric  # noqa: PLC0415
+
+    def run():
+        on, symmetric.ENABLED = symmetric.ENABLED, False
+        try:
+            return fn()
+        finally:
+            symmetric.ENABLED = on
+    return run
 
 
 def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float | None):
-    """(comm, compute, serial, overlapped, check) closures over preallocated buffers.
+    """(comm, compute, serial, overlapped, ring, check) closures over preallocated buffers.
 
     With `sleep_s`, compute is a sleep of that long (split over the n blocks in
     the ring), standing in for compute that does not need the CPU (a GPU)."""
     import pyzero as pz  # noqa: PLC0415
-    from ..tp.overlap import ring_all_gather, ring_reduce_scatter  # noqa: PLC0415
+    from ..tp.overlap import gather_blocks, reduce_scatter_blocks  # noqa: PLC0415
 
     grp = pz.comm._group(None)
     g = torch.Generator().manual_seed(pz.get_rank())
@@ -95,7 +118,7 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         def overlapped():
             if sleep_s is None:
                 return pz.tp.all_gather_matmul(x, w)
-            return ring_all_gather(x, grp, lambda c, block: time.sleep(sleep_s / n), out=x_all)
+            return gather_blocks(x, grp, lambda c, block: time.sleep(sleep_s / n))
     else:
         x = torch.randn(n * rows, width, generator=g)
         w = torch.randn(hidden, width, generator=g)
@@ -112,7 +135,7 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         def overlapped():
             if sleep_s is None:
                 return pz.tp.matmul_reduce_scatter(x, w)
-            return ring_reduce_scatter(lambda c, out: time.sleep(sleep_s / n), rows, hidden, x, grp)
+            return reduce_scatter_blocks(lambda c, out: time.sleep(sleep_s / n), rows, hidden, x, grp)
 
     compute = mm if sleep_s is None else (lambda: time.sleep(sleep_s))
 
@@ -123,13 +146,15 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         compute()
         return comm()
 
+    ring = _ring(overlapped)
+
     def check() -> float:
         if sleep_s is not None:
             return 0.0  # nothing computed
         y = serial()
-        return float((overlapped() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        return max(float((f() - y).abs().max() / y.abs().max().clamp_min(1e-30)) for f in (overlapped, ring))
 
-    return comm, compute, serial, overlapped, check
+    return comm, compute, serial, overlapped, ring, check
 
 
 def rank_main(args) -> list[dict]:
@@ -143,29 +168,32 @@ def rank_main(args) -> list[dict]:
     results = []
     if rank == 0:
         print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank")
-        print("#{:>22} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>9}".format(
-            "op", "compute", "width", "comm us", "compute us", "serial us", "overlap us", "balance", "speedup",
-            "rel err"))
+        print("#{:>22} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>9}".format(
+            "op", "compute", "width", "comm us", "compute us", "serial us", "overlap us", "ring us", "balance",
+            "speedup", "ring x", "rel err"))
     with torch.no_grad():
         for op in ops:
             for width in widths:
                 for compute_kind in computes:
                     sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width) / 1e6
-                    comm, compute, serial, overlapped, check = _cases(op, n, args.rows, args.hidden, width, sleep_s)
+                    comm, compute, serial, overlapped, ring, check = _cases(op, n, args.rows, args.hidden, width,
+                                                                           sleep_s)
                     err = check()
-                    t = {name: _median_us(fn, args.iters, args.warmup)
-                         for name, fn in (("comm", comm), ("compute", compute), ("serial", serial),
-                                          ("overlap", overlapped))}
+                    names = ("comm", "compute", "serial", "overlap", "ring")
+                    t = dict(zip(names, _medians_us([comm, compute, serial, overlapped, ring], args.iters,
+                                                    args.warmup)))
                     row = {"op": op, "compute": compute_kind, "world_size": n, "rows": args.rows,
                            "hidden": args.hidden, "width": width, "comm_us": t["comm"], "compute_us": t["compute"],
-                           "serial_us": t["serial"], "overlap_us": t["overlap"], "balance": t["comm"] / t["compute"],
-                           "speedup": t["serial"] / t["overlap"], "rel_err": err}
+                           "serial_us": t["serial"], "overlap_us": t["overlap"], "ring_us": t["ring"],
+                           "balance": t["comm"] / t["compute"], "speedup": t["serial"] / t["overlap"],
+                           "ring_speedup": t["serial"] / t["ring"], "rel_err": err}
                     results.append(row)
                     if rank == 0:
-                        print(" {:>22} {:>7} {:>6} {:>10.0f} {:>10.0f} {:>10.0f} {:>10.0f} {:>8.2f} {:>8.2f} "
-                              "{:>9.1e}".format(op, compute_kind, width, row["comm_us"], row["compute_us"],
-                                                row["serial_us"], row["overlap_us"], row["balance"], row["speedup"],
-                                                err), flush=True)
+                        print(" {:>22} {:>7} {:>6} {:>10.0f} {:>10.0f} {:>10.0f} {:>10.0f} {:>8.0f} {:>8.2f} {:>8.2f} "
+                              "{:>7.2f} {:>9.1e}".format(op, compute_kind, width, row["comm_us"], row["compute_us"],
+                                                         row["serial_us"], row["overlap_us"], row["ring_us"],
+                                                         row["balance"], row["speedup"], row["ring_speedup"], err),
+                              flush=True)
     return results
 
 
@@ -179,8 +207,8 @@ def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
 
 def _matmul_us(op: str, n: int, args, width: int) -> float:
     """The measured matmul time of this shape, which the sleep stand-in reproduces."""
-    _, mm, _, _, _ = _cases(op, n, args.rows, args.hidden, width, None)
-    return _median_us(mm, args.iters, args.warmup)
+    mm = _cases(op, n, args.rows, args.hidden, width, None)[1]
+    return _medians_us([mm], args.iters, args.warmup)[0]
 
 
 def plot(results: list, path: str) -> None:
@@ -196,8 +224,10 @@ def plot(results: list, path: str) -> None:
             rows = sorted((r for r in results if r["op"] == op and r["compute"] == kind), key=lambda r: r["width"])
             if not rows:
                 continue
-            ax.plot([r["width"] for r in rows], [r["speedup"] for r in rows], marker="o", ms=3,
-                    label=f"compute = {kind}")
+            line, = ax.plot([r["width"] for r in rows], [r["speedup"] for r in rows], marker="o", ms=3,
+                            label=f"compute = {kind}, symmetric buffers")
+            ax.plot([r["width"] for r in rows], [r["ring_speedup"] for r in rows], marker="x", ms=3, ls="--",
+                    color=line.get_color(), label=f"compute = {kind}, send/recv ring")
             for r in rows:
                 ax.annotate(f"comm/compute {r['balance']:.2f}", (r["width"], r["speedup"]), textcoords="offset points",
                             xytext=(0, 6), ha="center", fontsize=7)
@@ -205,7 +235,7 @@ def plot(results: list, path: str) -> None:
         ax.axhline(1.2, color="k", lw=0.8, ls=":")
         r0 = next(r for r in results if r["op"] == op)
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="width (non-communicated dim)", ylabel="speedup: serial / ring-overlapped",
+        ax.set(xlabel="width (non-communicated dim)", ylabel="speedup: serial / overlapped",
                title=f"{op}, {r0['world_size']} ranks, M={r0['rows']}, H={r0['hidden']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -227,7 +257,8 @@ def main(args) -> int:
             if rows:  # the width where comm and compute are closest is where overlap can pay most
                 r = min(rows, key=lambda r: abs(math.log(r["balance"])))
                 print(f"# {op}, compute={kind}: speedup {r['speedup']:.2f}x at width {r['width']} "
-                      f"(comm/compute {r['balance']:.2f}); best {max(x['speedup'] for x in rows):.2f}x")
+                      f"(comm/compute {r['balance']:.2f}; send/recv ring {r['ring_speedup']:.2f}x); "
+                      f"best {max(x['speedup'] for x in rows):.2f}x")
     if args.json:
         write_json(args.json, results, {"command": "tp", "args": vars(args)})
     if args.plot:

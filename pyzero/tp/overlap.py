@@ -19,10 +19,14 @@ matmul_reduce_scatter(x, w):    y = reduce_scatter(x @ w.T)
              send/recv |       |-> r+1, acc <- r-1  | ...
              add                                 +acc
 
-The transfers are async pz.send/pz.recv to the ring neighbours; on the shm
-backend they run on pyzero's per-peer threads, so the matmul of the block
-already here runs while the next block moves. Both ops are differentiable and
-their backward overlaps too (see each Function's docstring).
+On the shm backend the blocks are not sent at all: each rank writes its
+block (or its partial sums) once into its symmetric buffer and the peers
+compute straight from there, in the same ring order (pyzero/symmetric.py;
+PYZERO_SYMMETRIC=0 turns it off). Elsewhere the transfers are async
+pz.send/pz.recv to the ring neighbours, on pyzero's per-peer threads (or
+side streams), so the matmul of the block already here runs while the next
+block moves. Both ops are differentiable and their backward overlaps too
+(see each Function's docstring).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import weakref
 
 import torch
 
-from .. import comm
+from .. import comm, symmetric
 from .communications import tp_group
 
 
@@ -118,6 +122,24 @@ def ring_reduce_scatter(partial, m: int, o: int, like: torch.Tensor, g: comm.Gro
     return part
 
 
+def gather_blocks(x2: torch.Tensor, g: comm.Group, on_block) -> None:
+    """``on_block(c, block_c)`` for every row block of all_gather(x2), each as
+    soon as it is here: in place from symmetric buffers where the group has
+    them, else over the send/recv ring."""
+    if symmetric.supported(g):
+        symmetric.all_gather_apply(x2, g, on_block)
+    else:  # see [Note: ring scratch buffers]
+        ring_all_gather(x2, g, on_block, out=_scratch(g, "gathered", (g.size * x2.shape[0], *x2.shape[1:]), x2))
+
+
+def reduce_scatter_blocks(partial, m: int, o: int, like: torch.Tensor, g: comm.Group) -> torch.Tensor:
+    """This rank's (M, o) block of the sum of per-rank contributions ``partial(c, out)``:
+    from symmetric buffers where the group has them, else over the ring."""
+    if symmetric.supported(g):
+        return symmetric.reduce_scatter_apply(partial, m, o, like, g)
+    return ring_reduce_scatter(partial, m, o, like, g)
+
+
 def ring_matmul_reduce_scatter(x2: torch.Tensor, weight: torch.Tensor, g: comm.Group) -> torch.Tensor:
     """reduce_scatter over row blocks of (x2 @ weight.T); x2 is (n*M, k), the result (M, o)."""
     m, wt = x2.shape[0] // g.size, weight.t()
@@ -125,7 +147,7 @@ def ring_matmul_reduce_scatter(x2: torch.Tensor, weight: torch.Tensor, g: comm.G
     def partial(c, out):
         torch.matmul(x2[c * m:(c + 1) * m], wt, out=out)  # (M, k) @ (k, o) -> (M, o)
 
-    return ring_reduce_scatter(partial, m, weight.shape[0], x2, g)
+    return reduce_scatter_blocks(partial, m, weight.shape[0], x2, g)
 
 
 def _check_matmul(x, weight, x_arg: str, min_dim: int = 2):
@@ -149,6 +171,9 @@ class _AllGatherMatmul(torch.autograd.Function):
         Before:  | gather x | dx = dy @ w | reduce-scatter dx | dw = dy.T @ x |
         Now:     comm | gather x          | reduce-scatter dx |
                  mm   | dx = dy @ w       | dw = dy.T @ x     |
+        Symmetric buffers: dx's blocks are computed into the buffer and
+        summed in place (reduce_scatter_apply), then dw reads the peers'
+        x blocks in place (all_gather_apply).
     """
 
     @staticmethod
@@ -163,7 +188,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         def mm(c, block):
             torch.matmul(block, wt, out=y[c * m:(c + 1) * m])  # (M, k) @ (k, o) -> (M, o)
 
-        ring_all_gather(x2, g, mm, out=_scratch(g, "gathered", (g.size * m, k), x2))  # see [Note: ring scratch buffers]
+        gather_blocks(x2, g, mm)
         return y.view(g.size * x_shard.shape[0], *x_shard.shape[1:-1], weight.shape[0])
 
     @staticmethod
@@ -173,6 +198,13 @@ class _AllGatherMatmul(torch.autograd.Function):
         k = x_shard.shape[-1]
         x2 = x_shard.contiguous().view(-1, k)
         dy = grad.contiguous().view(-1, weight.shape[0])  # (n*M, o)
+        if symmetric.supported(g):  # both halves read peers' blocks in place
+            m = x2.shape[0]
+            dx = symmetric.reduce_scatter_apply(
+                lambda c, out: torch.matmul(dy[c * m:(c + 1) * m], weight, out=out), m, k, x2, g)
+            dw = torch.zeros_like(weight)
+            symmetric.all_gather_apply(x2, g, lambda c, xc: dw.addmm_(dy[c * m:(c + 1) * m].t(), xc))
+            return dx.view(x_shard.shape), dw, None
         x_all = x2.new_empty((g.size * x2.shape[0], k))
         gathering = comm.all_gather(x_all, x2, group=g, async_op=True)
         dx_all = dy @ weight  # (n*M, o) @ (o, k) -> (n*M, k), while x is gathered
@@ -217,7 +249,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
             torch.matmul(block, weight, out=dx[rows])  # (M, o) @ (o, k) -> (M, k)
             dw.addmm_(block.t(), x2[rows])  # (o, M) @ (M, k) -> (o, k)
 
-        ring_all_gather(dy, g, grads, out=_scratch(g, "gathered", (g.size * m, dy.shape[1]), dy))
+        gather_blocks(dy, g, grads)
         return dx.view(x.shape), dw, None
 
 

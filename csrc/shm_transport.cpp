@@ -5,7 +5,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <linux/futex.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -192,14 +194,46 @@ void ShmTransport::check_usable(const char* what) {
 }
 
 // Spin briefly (a peer on another core answers within microseconds), then
-// yield, then sleep with a growing back-off so a waiting rank never starves
-// computation on a 2-core machine. Liveness and the timeout are checked in
-// the slow phases only.
+// yield, then sleep, so a waiting rank never starves computation on a 2-core
+// machine. Liveness and the timeout are checked in the slow phases only.
 // A caller's own thread spins longer (it has nothing else to do); async work
 // on a Worker thread shares the cores with the caller's computation (backward
 // during a bucketed reduce), so it yields and sleeps sooner.
+//
+// [Note: futex wake-ups]
+// A sleeping waiter must wake the moment its peer writes, not at the end of
+// a back-off sleep: where every core computes, a worker that misses the
+// moment waits for its next time slice, and a bucket's ring (a dozen
+// hand-offs) falls behind backward. So the sleep is a futex wait on the
+// watched counter's low 32 bits (shared, not FUTEX_PRIVATE: the word lives
+// in a MAP_SHARED segment), and each counter has a waiter count beside it:
+//   waiter: seen = word; waiters++; fence; if (!ready()) futex_wait(word, seen, 1 ms); waiters--
+//   writer: word = v (release); fence; if (waiters) futex_wake(word)
+// (Dekker: either the waiter sees the new value or the writer sees the
+// waiter; futex_wait itself returns at once if the word is no longer `seen`.)
+// Writers pay one fence and one load; a syscall only when someone sleeps.
+namespace {
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex word: the counter's low half");
+
+uint32_t* low_word(const std::atomic<uint64_t>* w) {
+  return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(w));
+}
+
+void futex_sleep(const std::atomic<uint64_t>* w, uint32_t seen, long ns) {
+  struct timespec ts{0, ns};
+  syscall(SYS_futex, low_word(w), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void notify(std::atomic<uint64_t>& word, std::atomic<uint32_t>& waiters) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (waiters.load(std::memory_order_relaxed))
+    syscall(SYS_futex, low_word(&word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+}  // namespace
+
 template <typename Pred>
-void ShmTransport::wait_for(Pred ready, int peer, const char* what) {
+void ShmTransport::wait_for(Pred ready, int peer, const char* what, const std::atomic<uint64_t>* word,
+                            std::atomic<uint32_t>* waiters) {
   const bool background = on_worker_thread();
   const int spins = background ? 200 : 2000;
   const uint64_t yields = background ? 10 : 200;
@@ -211,14 +245,22 @@ void ShmTransport::wait_for(Pred ready, int peer, const char* what) {
   auto last_check = t0;
   for (uint64_t it = 0;; ++it) {
     if (ready()) return;
+    bool slept = false;
     if (it < yields) {
       sched_yield();
+    } else if (word) {
+      uint32_t seen = uint32_t(word->load(std::memory_order_acquire));
+      waiters->fetch_add(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (!ready()) futex_sleep(word, seen, 1000000);  // 1 ms at most: liveness checks go on
+      waiters->fetch_sub(1, std::memory_order_relaxed);
+      slept = true;
     } else {
       uint64_t k = it - yields;
       uint64_t us = k < 1000 ? 5 + k / 10 : 100;  // 5 us .. 100 us
       std::this_thread::sleep_for(std::chrono::microseconds(us));
     }
-    if ((it & 15) == 0) {
+    if (slept || (it & 15) == 0) {
       auto now = std::chrono::steady_clock::now();
       if (now - last_check > std::chrono::milliseconds(2)) {
         last_check = now;
@@ -306,10 +348,12 @@ void ShmTransport::arrive(const CallDesc& d, const char* what) {
   RankCtrl* me = ctrl(rank_);
   me->desc[d.seq % 2] = d;
   me->arrived.store(d.seq, std::memory_order_release);
+  notify(me->arrived, me->arrived_waiters);
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
     RankCtrl* c = ctrl(p);
-    wait_for([&] { return c->arrived.load(std::memory_order_acquire) >= d.seq; }, p, what);
+    wait_for([&] { return c->arrived.load(std::memory_order_acquire) >= d.seq; }, p, what, &c->arrived,
+             &c->arrived_waiters);
   }
   for (int p = 0; p < n_; ++p)
     if (p != rank_ && ctrl(p)->aborted.load(std::memory_order_acquire)) fail_aborted(p, what);
@@ -370,25 +414,29 @@ void* ShmTransport::send_acquire(Chan& c) {
   ChanCtrl* cc = c.ctrl;
   uint64_t depth = uint64_t(cfg_.depth);
   if (c.local - cc->consumed.load(std::memory_order_acquire) >= depth)
-    wait_for([&] { return c.local - cc->consumed.load(std::memory_order_acquire) < depth; }, c.peer, c.what);
+    wait_for([&] { return c.local - cc->consumed.load(std::memory_order_acquire) < depth; }, c.peer, c.what,
+             &cc->consumed, &cc->consumed_waiters);
   return c.slots + (c.local % depth) * cfg_.slice_bytes;
 }
 
 void ShmTransport::send_post(Chan& c, size_t) {
   c.local += 1;
   c.ctrl->sent.store(c.local, std::memory_order_release);
+  notify(c.ctrl->sent, c.ctrl->sent_waiters);
 }
 
 const void* ShmTransport::recv_acquire(Chan& c) {
   ChanCtrl* cc = c.ctrl;
   if (cc->sent.load(std::memory_order_acquire) <= c.local)
-    wait_for([&] { return cc->sent.load(std::memory_order_acquire) > c.local; }, c.peer, c.what);
+    wait_for([&] { return cc->sent.load(std::memory_order_acquire) > c.local; }, c.peer, c.what, &cc->sent,
+             &cc->sent_waiters);
   return c.slots + (c.local % uint64_t(cfg_.depth)) * cfg_.slice_bytes;
 }
 
 void ShmTransport::recv_release(Chan& c) {
   c.local += 1;
   c.ctrl->consumed.store(c.local, std::memory_order_release);
+  notify(c.ctrl->consumed, c.ctrl->consumed_waiters);
 }
 
 // ---------------------------------------------------------------------------
@@ -764,13 +812,16 @@ void ShmTransport::sym_arrive(int kind, int64_t count, DType dt, const std::vect
 }
 
 void ShmTransport::sym_signal(uint64_t value) {
-  sym_header(rank_)->ready.store(value, std::memory_order_release);
+  SymHeader* h = sym_header(rank_);
+  h->ready.store(value, std::memory_order_release);
+  notify(h->ready, h->ready_waiters);
 }
 
 void ShmTransport::sym_wait(int peer, uint64_t value, const char* what) {
   check_usable(what);
-  const std::atomic<uint64_t>& v = sym_header(peer)->ready;
-  wait_for([&] { return v.load(std::memory_order_acquire) >= value; }, peer, what);
+  SymHeader* h = sym_header(peer);
+  wait_for([&] { return h->ready.load(std::memory_order_acquire) >= value; }, peer, what, &h->ready,
+           &h->ready_waiters);
 }
 
 }  // namespace pz

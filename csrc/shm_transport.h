@@ -30,6 +30,7 @@
 //    buffer of `depth` slots; the sender waits for sent - consumed < depth,
 //    writes slot sent % depth and store-releases sent + 1; the receiver waits
 //    for sent > consumed, reads, and store-releases consumed + 1.
+//  * waiters (one next to each counter) — see [Note: futex wake-ups].
 //  * aborted (writer: owner) — set, after abort_reason, when the owner failed
 //    mid-collective, so peers waiting on it fail fast with the same cause
 //    instead of waiting for the timeout, and a late rank never completes a
@@ -66,6 +67,7 @@ static_assert(sizeof(CallDesc) == 64, "CallDesc lives in shared memory");
 
 struct alignas(64) RankCtrl {
   alignas(64) std::atomic<uint64_t> arrived;
+  std::atomic<uint32_t> arrived_waiters;  // see [Note: futex wake-ups]
   alignas(64) std::atomic<uint32_t> aborted;  // 1: failed (error), 2: failed (timeout / dead peer)
   int32_t pid;
   CallDesc desc[2];
@@ -75,7 +77,9 @@ static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
+  std::atomic<uint32_t> sent_waiters;
   alignas(64) std::atomic<uint64_t> consumed;
+  std::atomic<uint32_t> consumed_waiters;
 };
 static_assert(sizeof(ChanCtrl) == 128, "ChanCtrl: one cache line per writer");
 
@@ -100,6 +104,7 @@ struct alignas(16) P2PHeader {
 // stay mapped until the group is destroyed, as tensors may still view them.
 struct alignas(64) SymHeader {
   alignas(64) std::atomic<uint64_t> ready;
+  std::atomic<uint32_t> ready_waiters;
 };
 constexpr size_t kSymHeaderBytes = 4096;
 constexpr int kSymCollBase = 64;  // CallDesc.coll of fused op `kind`: kSymCollBase + kind
@@ -186,7 +191,11 @@ class ShmTransport {
   // Enter collective `d`: publish the descriptor (and one-shot data already
   // written), wait for every peer, compare descriptors.
   void arrive(const CallDesc& d, const char* what);
-  template <typename Pred> void wait_for(Pred ready, int peer, const char* what);
+  // Wait until ready(); `word`/`waiters`: the counter ready() watches and its
+  // waiter count, for futex wake-ups (see [Note: futex wake-ups]).
+  template <typename Pred>
+  void wait_for(Pred ready, int peer, const char* what, const std::atomic<uint64_t>* word = nullptr,
+                std::atomic<uint32_t>* waiters = nullptr);
   [[noreturn]] void fail_timeout(int peer, const char* what);
   [[noreturn]] void fail_aborted(int peer, const char* what);
   void mark_broken(const std::string& why, bool timeout);

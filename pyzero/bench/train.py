@@ -8,9 +8,15 @@ slowest rank counts):
     step     zero_grad + forward + backward + optimizer step
     nocomm   the same step inside no_sync(): no gradient communication
     comm     the run's bucketed collectives alone, without backward
-Then exposed = step - nocomm is the communication backward did not hide,
-and hidden = 1 - exposed / comm (clamped to [0, 1]). peak_mib is the rank's
-ru_maxrss, delta_mib its growth over the RSS before the model was built.
+    exposed  (runs that reduce gradients during backward: torch-ddp, dp,
+             zero2) how long loss.backward() goes on after the last
+             gradient was accumulated (a post-accumulate-grad hook on every
+             parameter, set by this bench): the communication backward did
+             not hide, waited for before backward returns
+Then hidden = 1 - exposed / comm, and +step = step - nocomm is the step's
+whole cost of communicating, which also counts the CPU the copies take from
+backward where every core computes (2 ranks on 2 cores). peak_mib is the
+rank's ru_maxrss, delta_mib its growth over the RSS before the model was built.
 
 Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
 and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
@@ -40,6 +46,7 @@ class Runner(NamedTuple):
     comm_alone: Callable | None  # runs this run's collectives once, nothing else
     close: Callable = lambda: None
     memory: Callable | None = None  # -> dict of model-state bytes (ZeRO's memory_stats)
+    reduces_in_backward: bool = False  # gradient communication ends inside loss.backward()
 
 
 def _setup_dp(model, args) -> Runner:
@@ -49,7 +56,7 @@ def _setup_dp(model, args) -> Runner:
     dp = pz.DataParallel(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
                          comm_dtype=comm_dtype)
     opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
-    return Runner(dp, opt, dp.no_sync, dp.reducer.run_collectives)
+    return Runner(dp, opt, dp.no_sync, dp.reducer.run_collectives, reduces_in_backward=True)
 
 
 def _setup_torch_ddp(model, args) -> Runner:
@@ -70,7 +77,7 @@ def _setup_torch_ddp(model, args) -> Runner:
         for w in [dist.all_reduce(f, async_op=True) for f in flats]:
             w.wait()
 
-    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_gloo(dist))
+    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_gloo(dist), reduces_in_backward=True)
 
 
 def _zero_comm_alone(opt) -> Callable:
@@ -105,7 +112,9 @@ def _setup_zero(stage: int) -> Callable:
         import pyzero as pz  # noqa: PLC0415
 
         opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb, lr=1e-4)
-        return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
+        # Stage 2 reduce-scatters in backward; stage 1 at step time, stage 3 also gathers in forward.
+        return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats,
+                      reduces_in_backward=stage == 2)
     return setup
 
 
@@ -216,13 +225,22 @@ def _rank_main(run: str, args) -> dict:
     runner = RUNS[run](model, args)
     try:
         x, y = random_batch(model.config, args.batch, args.seq, seed=1000 + pz.get_rank())
-        losses = []
+        losses, tails, last_grad = [], [], [0.0]
+
+        def mark(_):
+            last_grad[0] = time.perf_counter()
+
+        # Registered after the run's own hooks, so they fire after them.
+        hooks = [p.register_post_accumulate_grad_hook(mark) for p in model.parameters() if p.requires_grad] \
+            if runner.reduces_in_backward else []
 
         def step(ctx=contextlib.nullcontext):
             runner.optimizer.zero_grad(set_to_none=True)
             with ctx():
                 loss = runner.model(x, y)
                 loss.backward()
+                if hooks and ctx is contextlib.nullcontext:
+                    tails.append(time.perf_counter() - last_grad[0])
             runner.optimizer.step()
             losses.append(loss.item())
 
@@ -235,6 +253,12 @@ def _rank_main(run: str, args) -> dict:
         out["step_s"] = timed.pop(0)
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
         out["comm_s"] = timed.pop(0) if runner.comm_alone else None
+        if hooks:  # the timed synced steps' exposed tails: median, then the slowest rank's
+            t = torch.tensor([statistics.median(tails[-args.iters:])], dtype=torch.float64)
+            pz.all_reduce(t, op="max")
+            out["exposed_s"] = float(t)
+            for h in hooks:
+                h.remove()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
         if runner.memory is not None:
@@ -261,10 +285,12 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
                    peak_gathered_mib=ms.get("peak_gathered_params", 0) / 2**20)
-    if r0["nocomm_s"] is not None and r0["comm_s"] is not None:
-        exposed = max(0.0, r0["step_s"] - r0["nocomm_s"])
-        res.update(nocomm_ms=r0["nocomm_s"] * 1e3, comm_ms=r0["comm_s"] * 1e3, exposed_ms=exposed * 1e3,
-                   hidden=min(1.0, max(0.0, 1.0 - exposed / r0["comm_s"])) if r0["comm_s"] > 0 else 1.0)
+    if r0["nocomm_s"] is not None:
+        res.update(nocomm_ms=r0["nocomm_s"] * 1e3, extra_step_ms=(r0["step_s"] - r0["nocomm_s"]) * 1e3)
+    if r0["comm_s"] is not None:
+        res.update(comm_ms=r0["comm_s"] * 1e3)
+    if r0.get("exposed_s") is not None and r0["comm_s"]:
+        res.update(exposed_ms=r0["exposed_s"] * 1e3, hidden=max(0.0, 1.0 - r0["exposed_s"] / r0["comm_s"]))
     return res
 
 
@@ -279,10 +305,14 @@ def _plot(path: str, results: list[dict]) -> None:
     a.bar(names, [r["tokens_per_s"] for r in results], color="tab:blue")
     a.set_ylabel("tokens/s (all ranks)")
     a.set_title(f"{results[0]['model']}, {results[0]['nproc']} ranks")
-    comm = [r.get("comm_ms", 0.0) for r in results]
-    exposed = [min(r.get("exposed_ms", 0.0), c) for r, c in zip(results, comm)]
+    results = [r for r in results if "hidden" in r]
+    names = [r["run"] for r in results]
+    comm = [r["comm_ms"] for r in results]
+    exposed = [min(r["exposed_ms"], c) for r, c in zip(results, comm)]
     b.bar(names, [c - e for c, e in zip(comm, exposed)], label="hidden behind backward", color="tab:green")
     b.bar(names, exposed, bottom=[c - e for c, e in zip(comm, exposed)], label="exposed", color="tab:red")
+    b.scatter(names, [r.get("extra_step_ms", float("nan")) for r in results], marker="D", color="k", zorder=3,
+              label="step - nocomm (incl. CPU contention)")
     b.set_ylabel("communication per step (ms)")
     b.legend()
     fig.tight_layout()
@@ -302,8 +332,9 @@ def main(args) -> int:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
-    print(f"{'run':>10} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'comm ms':>8} {'exposed ms':>10} "
-          f"{'hidden':>7} {'loss':>8} {'peak MiB':>9} {'states MiB':>10} {'estimate':>8} {'+gathered':>9}")
+    print(f"{'run':>10} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
+          f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {'peak MiB':>9} {'states MiB':>10} {'estimate':>8} "
+          f"{'+gathered':>9}")
     results = []
     for run in runs:
         ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
@@ -311,8 +342,10 @@ def main(args) -> int:
         res = _summarise(run, ranks, args)
         results.append(res)
         hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
-        print(f"{run:>10} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', float('nan')):10.2f} "
-              f"{res.get('comm_ms', float('nan')):8.2f} {res.get('exposed_ms', float('nan')):10.2f} {hid} "
+        nan = float("nan")
+        print(f"{run:>10} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
+              f"{res.get('extra_step_ms', nan):9.2f} {res.get('comm_ms', nan):8.2f} {res.get('exposed_ms', nan):10.2f} "
+              f"{hid} "
               f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}"
               + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
                  if "model_state_mib" in res else ""), flush=True)

@@ -53,6 +53,7 @@ class SymmetricBuffer:
         self.bytes = 0
         self.calls = 0
         self.views: list[torch.Tensor] = []  # uint8, one per rank of g
+        self._typed: dict = {}  # (rank, dtype, shape) -> view: fused calls repeat their shapes
 
     def begin(self, kind: int, like: torch.Tensor, dims: tuple[int, ...], nbytes: int) -> int:
         """Enter a fused call (collective) with room for `nbytes` per rank; returns the
@@ -72,11 +73,18 @@ class SymmetricBuffer:
         c.sym_unlink()  # every rank has mapped it: nothing left in /dev/shm
         self.bytes = c.sym_bytes()
         self.views = [torch.frombuffer(c.sym_buffer(r), dtype=torch.uint8) for r in range(self.g.size)]
+        self._typed = {}
 
     def view(self, r: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Rank r's buffer as a (shape) tensor of dtype, from its start."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.views[r][:nbytes].view(dtype).view(shape)
+        key = (r, dtype, shape)
+        v = self._typed.get(key)
+        if v is None:
+            if len(self._typed) > 256:
+                self._typed.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            v = self._typed[key] = self.views[r][:nbytes].view(dtype).view(shape)
+        return v
 
 
 def _buffer(g: comm.Group) -> SymmetricBuffer:

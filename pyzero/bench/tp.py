@@ -9,7 +9,14 @@ pz.tp.matmul_reduce_scatter; on shm: ring order over symmetric buffers,
 peers' blocks read in place) and the same op over the send/recv ring
 (PYZERO_SYMMETRIC=0). speedup = serial / overlapped, ring x = serial /
 ring; balance = comm / matmul, and overlap can only pay where balance is
-near 1.
+near 1. Before each timed call every rank writes --flush-mib of scratch
+memory (as triton's do_bench clears the cache) and then rewrites that
+call's own input (x for the ops and the serial pairs; the gathered x or
+the product p for the matmul or the collective alone), so every variant
+starts alike: its input just produced, as by the layer before in
+training, everything else out of the caches, rather than in whatever
+state the variant timed before it left them. (--flush-mib 0 leaves that
+state as it is.)
 
 Shapes, n ranks, M = --rows rows per rank, H = --hidden:
     all_gather_matmul:      x_shard (M, H) gathered to (n*M, H), weight (width, H)
@@ -52,23 +59,33 @@ def add_arguments(p) -> None:
                    help="comma list: matmul (the real op), sleep (the matmul's time as a sleep: the schedule's "
                         "gain when compute leaves the CPU free, as on a GPU)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--flush-mib", type=float, default=64.0,
+                   help="scratch written before each timed call to evict the caches (0: none)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
 
 
-def _medians_us(fns, iters: int, warmup: int) -> list[float]:
+def _medians_us(fns, iters: int, warmup: int, flush_mib: float = 0.0, inputs=None) -> list[float]:
     """Median microseconds of each fn, the slowest rank's; the fns alternate within a
-    round, so drift (allocator, caches, other load) hits all of them alike."""
+    round, so drift (allocator, other load) hits all of them alike. With `flush_mib`,
+    each call starts after that many MiB of writes evicted the caches and its inputs
+    (inputs[i], a tuple of tensors, for fns[i]) were rewritten."""
+    inputs = inputs or [()] * len(fns)
     import pyzero as pz  # noqa: PLC0415
 
+    scratch = torch.empty(int(flush_mib * 2**20) // 4)
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
     for _ in range(iters):
-        for fn, ts in zip(fns, times):
+        for fn, ts, ins in zip(fns, times, inputs):
+            if flush_mib:
+                scratch.fill_(1.0)
+                for t in ins:
+                    t.mul_(1.0)
             pz.barrier()  # every rank starts each timed call together
             t0 = time.perf_counter()
             fn()
@@ -92,7 +109,8 @@ def _ring(fn):
 
 
 def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float | None):
-    """(comm, compute, serial, overlapped, ring, check) closures over preallocated buffers.
+    """(comm, compute, serial, overlapped, ring, check) closures over preallocated buffers,
+    and the input tensors the timing loop rewrites before each call.
 
     With `sleep_s`, compute is a sleep of that long (split over the n blocks in
     the ring), standing in for compute that does not need the CPU (a GPU)."""
@@ -154,7 +172,9 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         y = serial()
         return max(float((f() - y).abs().max() / y.abs().max().clamp_min(1e-30)) for f in (overlapped, ring))
 
-    return comm, compute, serial, overlapped, ring, check
+    # Each variant's own input (see the module docstring): comm, compute, serial, overlapped, ring.
+    inputs = [(x,), (x_all,), (x,), (x,), (x,)] if ag else [(p,), (x,), (x,), (x,), (x,)]
+    return (comm, compute, serial, overlapped, ring, check), inputs
 
 
 def rank_main(args) -> list[dict]:
@@ -167,7 +187,8 @@ def rank_main(args) -> list[dict]:
     widths = [int(w) for w in args.widths.split(",")]
     results = []
     if rank == 0:
-        print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank")
+        print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank, "
+              f"caches flushed with {args.flush_mib:g} MiB before each call")
         print("#{:>22} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>9}".format(
             "op", "compute", "width", "comm us", "compute us", "serial us", "overlap us", "ring us", "balance",
             "speedup", "ring x", "rel err"))
@@ -176,12 +197,12 @@ def rank_main(args) -> list[dict]:
             for width in widths:
                 for compute_kind in computes:
                     sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width) / 1e6
-                    comm, compute, serial, overlapped, ring, check = _cases(op, n, args.rows, args.hidden, width,
-                                                                           sleep_s)
+                    fns, inputs = _cases(op, n, args.rows, args.hidden, width, sleep_s)
+                    comm, compute, serial, overlapped, ring, check = fns
                     err = check()
                     names = ("comm", "compute", "serial", "overlap", "ring")
                     t = dict(zip(names, _medians_us([comm, compute, serial, overlapped, ring], args.iters,
-                                                    args.warmup)))
+                                                    args.warmup, args.flush_mib, inputs)))
                     row = {"op": op, "compute": compute_kind, "world_size": n, "rows": args.rows,
                            "hidden": args.hidden, "width": width, "comm_us": t["comm"], "compute_us": t["compute"],
                            "serial_us": t["serial"], "overlap_us": t["overlap"], "ring_us": t["ring"],
@@ -207,8 +228,8 @@ def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
 
 def _matmul_us(op: str, n: int, args, width: int) -> float:
     """The measured matmul time of this shape, which the sleep stand-in reproduces."""
-    mm = _cases(op, n, args.rows, args.hidden, width, None)[1]
-    return _medians_us([mm], args.iters, args.warmup)[0]
+    fns, inputs = _cases(op, n, args.rows, args.hidden, width, None)
+    return _medians_us([fns[1]], args.iters, args.warmup, args.flush_mib, [inputs[1]])[0]
 
 
 def plot(results: list, path: str) -> None:

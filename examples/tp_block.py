@@ -5,9 +5,11 @@
 
 Attention heads and MLP units are split over each TP pair (ranks 0-1 and 2-3),
 activations outside the TP regions are split along the sequence (sequence
-parallelism), and gradients are averaged over each DP pair (ranks 0-2, 1-3).
-At the end the TP shards are checked against the same block trained in one
-process on the whole batch.
+parallelism), and pz.ZeroOptimizer (ZeRO stage 2) runs over each DP pair
+(ranks 0-2, 1-3): it averages the gradients over the pair, each rank keeps
+half the AdamW state of its TP shard, and gradient clipping counts the TP
+shards once (tp_group=). At the end the TP shards are checked against the
+same block trained in one process on the whole batch, with the same clipping.
 """
 import os
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 import pyzero as pz
 
-SEQ, BATCH, HIDDEN, HEADS, STEPS = 16, 4, 32, 4, 5
+SEQ, BATCH, HIDDEN, HEADS, STEPS, CLIP = 16, 4, 32, 4, 5, 0.2
 
 
 def data():
@@ -33,7 +35,7 @@ def train_tp():
     pz.init()
     dp_group, tp_group = pz.mesh(dp=2, tp=2)
     model = pz.tp.ParallelTransformerBlock.from_block(make_block(), group=tp_group, sequence_parallel=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, group=dp_group, tp_group=tp_group, lr=1e-2, eps=1e-4)
     x, t = data()
     per_replica = BATCH // dp_group.size
     cols = slice(dp_group.rank * per_replica, (dp_group.rank + 1) * per_replica)  # this replica's batch
@@ -44,11 +46,10 @@ def train_tp():
         y = pz.tp.gather_from_sp(y, group=tp_group, reduce_grad=False)  # the loss is replicated
         loss = F.mse_loss(y, t)
         loss.backward()
-        for p in model.parameters():
-            pz.all_reduce(p.grad, op="avg", group=dp_group)
+        norm = opt.clip_grad_norm_(CLIP)  # the norm of the whole block's gradient, as in one process
         opt.step()
         if pz.get_rank() == 0:
-            print(f"step {step}: loss of replica 0 = {loss.item():.5f}", flush=True)
+            print(f"step {step}: loss of replica 0 = {loss.item():.5f}, gradient norm {float(norm):.4f}", flush=True)
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -59,6 +60,7 @@ def train_single():
     for _ in range(STEPS):
         opt.zero_grad()
         F.mse_loss(block(x), t).backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), CLIP)
         opt.step()
     return block
 

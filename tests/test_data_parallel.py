@@ -417,3 +417,27 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         else:
             assert solo[0] == "ValueError" and "not a member of group (0,)" in solo[1]
         assert summed == [3.0, 3.0, 3.0]
+
+
+def test_bench_train_runs_end_to_end(tmp_path):
+    """pyzero-bench train, torch DDP beside pz.DataParallel: both train the same model on the
+    same data, so their losses agree; the overlap columns are filled and consistent."""
+    import argparse
+    import json
+
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "train.json"
+    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-ddp,dp", "--iters", "2", "--warmup", "1",
+                              "--seq", "16", "--bucket-mb", "0.05", "--first-bucket-mb", "0.05", "--timeout", "120",
+                              "--json", str(out)])
+    assert bench.main(args) == 0
+    rec = json.loads(out.read_text())
+    ddp, dp = rec["results"]
+    assert (ddp["run"], dp["run"]) == ("torch-ddp", "dp")
+    assert abs(ddp["loss"] - dp["loss"]) < 1e-5 * abs(ddp["loss"])
+    for r in (ddp, dp):
+        assert r["comm_ms"] > 0 and r["exposed_ms"] >= 0 and r["step_ms"] > 0
+        assert r["hidden"] == pytest.approx(max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]))

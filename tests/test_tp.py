@@ -4,6 +4,7 @@ Every multi-rank result is compared with a single-process plain-torch model
 built under the same seed; TP shards are compared with ``chunk`` of the
 reference tensors, which is independent of the library's sharding code.
 """
+import os
 import time
 
 import pytest
@@ -406,11 +407,30 @@ def test_bench_tp_runs_end_to_end(tmp_path):
     bench.add_arguments(parser)
     out = tmp_path / "tp.json"
     args = parser.parse_args(["--nproc", "2", "--rows", "16", "--hidden", "8", "--widths", "4,8", "--iters", "2",
-                              "--warmup", "1", "--json", str(out)])
+                              "--warmup", "1", "--flush-mib", "1", "--json", str(out)])
     assert bench.main(args) == 0  # non-zero when an overlapped result differs from the serial one
     rec = json.loads(out.read_text())
     assert {"machine", "versions", "date", "results"} <= set(rec)
     rows = rec["results"]
     assert {(r["op"], r["compute"], r["width"]) for r in rows} == {
         (op, c, w) for op in bench.OPS for c in bench.COMPUTES for w in (4, 8)}
-    assert all(r["rel_err"] < 1e-5 and r["overlap_us"] > 0 and r["serial_us"] > 0 for r in rows)
+    assert all(r["rel_err"] < 1e-5 and r["overlap_us"] > 0 and r["serial_us"] > 0 and r["ring_us"] > 0
+               for r in rows)
+
+
+def test_tp_block_example_matches_one_process():
+    """examples/tp_block.py: 2 DP x 2 TP with ZeroOptimizer and clipping ends where one process does."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(root / "examples" / "tp_block.py")], capture_output=True, text=True,
+                         timeout=120, cwd=root, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    norms = [float(m) for m in re.findall(r"gradient norm ([0-9.]+)", out.stdout)]
+    assert len(norms) == 5 and min(norms) > 0.2, out.stdout  # clipping (at 0.2) acts at every step
+    err = float(re.search(r"single process\| over all parameters: ([0-9.e+-]+)", out.stdout).group(1))
+    assert err < 1e-5, out.stdout

@@ -188,7 +188,8 @@ def rank_main(args) -> list[dict]:
     results = []
     if rank == 0:
         print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank, "
-              f"caches flushed with {args.flush_mib:g} MiB before each call")
+              + (f"caches flushed with {args.flush_mib:g} MiB before each call" if args.flush_mib else
+                 "caches not flushed"))
         print("#{:>22} {:>7} {:>6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>9}".format(
             "op", "compute", "width", "comm us", "compute us", "serial us", "overlap us", "ring us", "balance",
             "speedup", "ring x", "rel err"))

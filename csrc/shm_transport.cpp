@@ -58,6 +58,39 @@ std::string seg_name(const std::string& prefix, int r) { return prefix + "_" + s
   throw CollectiveError(what + ": " + std::strerror(errno));
 }
 
+// Creates and maps segment `name` of `bytes` (zero-filled); unlinks it again on failure.
+char* create_segment(const std::string& name, size_t bytes) {
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw_errno("shm_open(" + name + ")");
+  if (ftruncate(fd, off_t(bytes)) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    throw_errno("ftruncate(" + name + ")");
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    throw_errno("mmap(" + name + ")");
+  }
+  return static_cast<char*>(p);
+}
+
+// Maps rank r's segment `name`, which must be `bytes` long (`mismatch` says why it would not be).
+char* map_segment(const std::string& name, size_t bytes, int r, const char* mismatch) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw_errno("shm_open(" + name + ") of rank " + std::to_string(r));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || size_t(st.st_size) != bytes) {
+    close(fd);
+    throw CollectiveError("segment " + name + " of rank " + std::to_string(r) + " has a different size: " + mismatch);
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) throw_errno("mmap(" + name + ")");
+  return static_cast<char*>(p);
+}
+
 uint64_t hash_counts(const std::vector<int64_t>& c) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (int64_t v : c) {
@@ -100,21 +133,7 @@ ShmTransport::ShmTransport(std::string prefix, int rank, int size, ShmConfig cfg
   area_bytes_ = round_up(cfg_.oneshot_bytes, 4096);
   seg_bytes_ = ctrl_bytes_ + 2 * area_bytes_ + size_t(n_ + 1) * cfg_.depth * cfg_.slice_bytes;
 
-  std::string name = seg_name(prefix_, rank_);
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw_errno("shm_open(" + name + ")");
-  if (ftruncate(fd, off_t(seg_bytes_)) != 0) {
-    close(fd);
-    shm_unlink(name.c_str());
-    throw_errno("ftruncate(" + name + ")");
-  }
-  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    throw_errno("mmap(" + name + ")");
-  }
-  maps_[rank_] = static_cast<char*>(p);
+  maps_[rank_] = create_segment(seg_name(prefix_, rank_), seg_bytes_);
   new (ctrl(rank_)) RankCtrl();  // ftruncate zero-filled; placement-new for the atomics
   ctrl(rank_)->pid = int32_t(getpid());
   for (int i = 0; i <= n_; ++i) new (chan_ctrl(rank_, i)) ChanCtrl();
@@ -122,20 +141,8 @@ ShmTransport::ShmTransport(std::string prefix, int rank, int size, ShmConfig cfg
 
 void ShmTransport::attach() {
   for (int r = 0; r < n_; ++r) {
-    if (maps_[r]) continue;
-    std::string name = seg_name(prefix_, r);
-    int fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd < 0) throw_errno("shm_open(" + name + ") of rank " + std::to_string(r));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || size_t(st.st_size) != seg_bytes_) {
-      close(fd);
-      throw CollectiveError("segment " + name + " of rank " + std::to_string(r) +
-                            " has a different size: ranks were started with different settings");
-    }
-    void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) throw_errno("mmap(" + name + ")");
-    maps_[r] = static_cast<char*>(p);
+    if (!maps_[r])
+      maps_[r] = map_segment(seg_name(prefix_, r), seg_bytes_, r, "ranks were started with different settings");
   }
 }
 
@@ -757,24 +764,10 @@ void ShmTransport::sym_create(size_t bytes) {
   sym_release();
   bytes = round_up(std::max<size_t>(bytes, 4096), 4096);
   ++sym_gen_;
-  std::string name = sym_name(prefix_, rank_, sym_gen_);
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw_errno("shm_open(" + name + ")");
-  size_t total = kSymHeaderBytes + bytes;
-  if (ftruncate(fd, off_t(total)) != 0) {
-    close(fd);
-    shm_unlink(name.c_str());
-    throw_errno("ftruncate(" + name + ")");
-  }
-  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    throw_errno("mmap(" + name + ")");
-  }
+  char* p = create_segment(sym_name(prefix_, rank_, sym_gen_), kSymHeaderBytes + bytes);
   sym_unlinked_ = false;
   sym_maps_.assign(n_, nullptr);
-  sym_maps_[rank_] = static_cast<char*>(p);
+  sym_maps_[rank_] = p;
   sym_bytes_ = bytes;
   new (sym_header(rank_)) SymHeader();
 }
@@ -782,20 +775,8 @@ void ShmTransport::sym_create(size_t bytes) {
 void ShmTransport::sym_attach() {
   size_t total = kSymHeaderBytes + sym_bytes_;
   for (int r = 0; r < n_; ++r) {
-    if (sym_maps_.at(r)) continue;
-    std::string name = sym_name(prefix_, r, sym_gen_);
-    int fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd < 0) throw_errno("shm_open(" + name + ") of rank " + std::to_string(r));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || size_t(st.st_size) != total) {
-      close(fd);
-      throw CollectiveError("symmetric buffer " + name + " of rank " + std::to_string(r) +
-                            " has a different size: ranks asked for different sizes");
-    }
-    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) throw_errno("mmap(" + name + ")");
-    sym_maps_[r] = static_cast<char*>(p);
+    if (!sym_maps_.at(r))
+      sym_maps_[r] = map_segment(sym_name(prefix_, r, sym_gen_), total, r, "ranks asked for different sizes");
   }
 }
 

@@ -169,11 +169,9 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     Backward (Megatron: the gathered input is not kept; it is gathered again):
         Before:  | gather x | dx = dy @ w | reduce-scatter dx | dw = dy.T @ x |
-        Now:     comm | gather x          | reduce-scatter dx |
-                 mm   | dx = dy @ w       | dw = dy.T @ x     |
-        Symmetric buffers: dx's blocks are computed into the buffer and
-        summed in place (reduce_scatter_apply), then dw reads the peers'
-        x blocks in place (all_gather_apply).
+        Now:     dx = reduce-scatter of (dy @ w) block by block, as matmul_reduce_scatter
+                 does; then x is gathered block by block and dw += dy[c].T @ x[c] for
+                 each block c as soon as it is here.
     """
 
     @staticmethod
@@ -198,21 +196,12 @@ class _AllGatherMatmul(torch.autograd.Function):
         k = x_shard.shape[-1]
         x2 = x_shard.contiguous().view(-1, k)
         dy = grad.contiguous().view(-1, weight.shape[0])  # (n*M, o)
-        if symmetric.supported(g):  # both halves read peers' blocks in place
-            m = x2.shape[0]
-            dx = symmetric.reduce_scatter_apply(
-                lambda c, out: torch.matmul(dy[c * m:(c + 1) * m], weight, out=out), m, k, x2, g)
-            dw = torch.zeros_like(weight)
-            symmetric.all_gather_apply(x2, g, lambda c, xc: dw.addmm_(dy[c * m:(c + 1) * m].t(), xc))
-            return dx.view(x_shard.shape), dw, None
-        x_all = x2.new_empty((g.size * x2.shape[0], k))
-        gathering = comm.all_gather(x_all, x2, group=g, async_op=True)
-        dx_all = dy @ weight  # (n*M, o) @ (o, k) -> (n*M, k), while x is gathered
-        gathering.wait()
-        dx = x2.new_empty(x2.shape)
-        scattering = comm.reduce_scatter(dx, dx_all, op="sum", group=g, async_op=True)
-        dw = dy.t() @ x_all  # (o, n*M) @ (n*M, k) -> (o, k), while dx is reduce-scattered
-        scattering.wait()
+        m = x2.shape[0]
+        rows = [slice(c * m, (c + 1) * m) for c in range(g.size)]
+        # dx: the blocks of dy @ w, reduce-scattered block by block (as matmul_reduce_scatter)
+        dx = reduce_scatter_blocks(lambda c, out: torch.matmul(dy[rows[c]], weight, out=out), m, k, x2, g)
+        dw = torch.zeros_like(weight)
+        gather_blocks(x2, g, lambda c, xc: dw.addmm_(dy[rows[c]].t(), xc))  # dw += dy[c].T @ x[c] as x[c] comes
         return dx.view(x_shard.shape), dw, None
 
 

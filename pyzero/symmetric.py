@@ -59,7 +59,7 @@ class SymmetricBuffer:
         """Enter a fused call (collective) with room for `nbytes` per rank; returns the
         call's base `ready` value (values base+1 .. base+n mark its progress)."""
         c = self.g.comm()
-        c.sym_arrive(kind, math.prod(dims), comm._DTYPES[like.dtype], list(dims))
+        c.sym_arrive(kind, math.prod(dims), comm._check_tensor(like, "x"), list(dims))
         if nbytes > self.bytes:  # equal dims on every rank (checked above): the same choice everywhere
             self._grow(c, max(nbytes, 2 * self.bytes, _MIN_BYTES))
         self.calls += 1

@@ -9,9 +9,11 @@ Roles:
     Bucket          a bucket's flat gradient storage (gradients are views into it,
                     like DDP's gradient_as_bucket_view) and its optional buffer in
                     the communication dtype
-    BucketReducer   counts ready gradients (post-accumulate-grad hooks), launches a
-                    complete bucket's collective asynchronously, in bucket order on
-                    every rank, and waits for everything when backward ends
+    OrderedLaunch   counts ready gradients per bucket and launches complete buckets
+                    in bucket order on every rank (shared with ZeRO stage 2)
+    BucketReducer   feeds OrderedLaunch from post-accumulate-grad hooks, launches a
+                    bucket's collective asynchronously, and waits for everything
+                    when backward ends
 
 BucketReducer is generic over the collective: subclasses give ``_reduce``
 (all-reduce avg for DataParallel; a ZeRO stage would reduce-scatter) and
@@ -217,17 +219,67 @@ class Bucket:
 # The reducer
 
 
-class BucketReducer:
-    """Launches each bucket's collective the moment its last gradient is accumulated.
+class OrderedLaunch:
+    """When each bucket of one backward launches; ``launch(b)`` does the launching.
 
     [Note: bucket launch order] Collectives of one group run in call order, so
     every rank must launch the buckets in the same order whatever order its
     hooks fire in. A bucket launches when all its gradients are ready *and*
-    every bucket before it has launched. When backward ends (an autograd
-    engine callback queued by the first hook) the buckets still waiting
-    launch, in order, with zeros for the gradients that never came, and all
-    in-flight work is waited on, so after ``loss.backward()`` returns every
-    gradient is reduced, as with DDP.
+    every bucket before it has launched (``ready``). The first hook of a
+    backward (``begin()`` is True) queues an autograd engine callback; when it
+    runs, at the end of backward, the buckets still waiting launch, in order,
+    with zeros for the gradients that never came (``finish``), and the caller
+    ``reset()``s for the next backward. Users: BucketReducer (DataParallel)
+    and ZeroStage2 (zero/stages.py).
+    """
+
+    def __init__(self, sizes, launch):
+        self._sizes = list(sizes)  # gradients per bucket
+        self._launch = launch
+        self.reset()
+
+    def reset(self) -> None:
+        self._pending = list(self._sizes)
+        self._next = 0
+        self.in_backward = False
+        self._seen: set = set()
+
+    def begin(self) -> bool:
+        """Called by every hook: True for the first of a backward (queue the end callback then)."""
+        if self.in_backward:
+            return False
+        self.in_backward = True
+        return True
+
+    def ready(self, b: int, key, name: str) -> None:
+        """Gradient `key` (named `name`) of bucket b is ready: launch every bucket now complete
+        and next in order. A gradient coming twice in one backward raises (the count, and with
+        it what has been reduced, would be wrong), after reset()."""
+        if key in self._seen:
+            self.reset()
+            raise RuntimeError(f"parameter {name!r}: its gradient was accumulated twice in one backward, "
+                               "after it was handed to the gradient reduction (reentrant checkpointing or a "
+                               "second backward through the same graph are not supported with gradient sync on)")
+        self._seen.add(key)
+        self._pending[b] -= 1
+        while self._next < len(self._sizes) and self._pending[self._next] == 0:
+            self._fire(self._next)
+
+    def finish(self) -> None:
+        """End of backward: launch every bucket not launched yet, in order."""
+        while self._next < len(self._sizes):
+            self._fire(self._next)
+
+    def _fire(self, b: int) -> None:
+        self._next = b + 1
+        self._launch(b)
+
+
+class BucketReducer:
+    """Launches each bucket's collective the moment its last gradient is accumulated,
+    in the order of [Note: bucket launch order]; when backward ends it waits for
+    all in-flight work, so after ``loss.backward()`` returns every gradient is
+    reduced, as with DDP.
 
     Subclasses give ``_reduce(bucket) -> Work`` and may override
     ``_before_reduce(b)`` / ``_finalize(b)``; ``extra_elements(spec)`` reserves
@@ -246,6 +298,7 @@ class BucketReducer:
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
         self._inflight: list[tuple[int, object]] = []
+        self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._reset()
 
@@ -262,10 +315,7 @@ class BucketReducer:
         pass
 
     def _reset(self) -> None:
-        self._pending = [len(b.params) for b in self.buckets]
-        self._seen: set[int] = set()
-        self._next = 0
-        self._in_backward = False
+        self._launch_order.reset()
 
     def remove(self) -> None:
         """Unregister the gradient hooks."""
@@ -275,9 +325,8 @@ class BucketReducer:
 
     def prepare(self) -> None:
         """Before a forward whose backward will come: gradients become views of their buckets."""
-        if self._inflight or self._in_backward:  # a previous backward raised half-way
-            self._inflight = []
-            self._reset()
+        if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
+            self._discard()
         for b, bucket in enumerate(self.buckets):
             for k, m in enumerate(bucket.attach()):
                 self.missing[b][k] |= m
@@ -287,23 +336,26 @@ class BucketReducer:
         self.used[b][k] = True
         if not self.sync:
             return
-        if not self._in_backward:
-            self._in_backward = True
+        if self._launch_order.begin():
             self.log = []
             _queue_callback(self._end_backward)
-        if id(p) in self._seen:
-            raise RuntimeError(f"parameter {self.names[self.specs[b].params[k]]!r}: its gradient was accumulated "
-                               "twice in one backward after its bucket was reduced (reentrant checkpointing "
-                               "or a second backward through the same graph are not supported with sync on)")
-        self._seen.add(id(p))
         self.log.append((b, "grad"))
-        self._pending[b] -= 1
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
+        try:
+            self._launch_order.ready(b, id(p), self.names[self.specs[b].params[k]])
+        except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Forget a backward that did not finish: wait for its in-flight collectives (they
+        still read and write the bucket buffers the next backward fills), keep nothing."""
+        inflight, self._inflight = self._inflight, []
+        for _, work in inflight:
+            work.wait()
+        self._reset()
 
     def _launch(self, b: int) -> None:
-        # see [Note: bucket launch order]
-        self._next = b + 1
+        # called by self._launch_order, see [Note: bucket launch order]
         for k, m in enumerate(self.buckets[b].stage()):
             self.missing[b][k] |= m
         self._before_reduce(b)
@@ -312,8 +364,7 @@ class BucketReducer:
 
     def _end_backward(self) -> None:
         try:
-            while self._next < len(self.buckets):
-                self._launch(self._next)
+            self._launch_order.finish()
             self.wait()
         finally:
             self._inflight = []

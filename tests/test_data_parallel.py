@@ -5,6 +5,7 @@ Multi-rank runs are compared with one plain-torch process on the full batch
 the shard gradients is the full-batch gradient. Bucket assignment and the
 C++ pack/unpack loops are checked without ranks, against torch.cat / casts.
 """
+import re
 import time
 
 import pytest
@@ -441,3 +442,60 @@ def test_bench_train_runs_end_to_end(tmp_path):
     for r in (ddp, dp):
         assert r["comm_ms"] > 0 and r["exposed_ms"] >= 0 and r["step_ms"] > 0
         assert r["hidden"] == pytest.approx(max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]))
+
+
+class _Reentrant(nn.Module):
+    """`a` runs inside a reentrant checkpoint and again outside it: its gradients are
+    accumulated twice in one backward (with ckpt on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.ckpt = True
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.a, x, use_reentrant=True) if self.ckpt else self.a(x)
+        return self.b(self.a(h)).square().mean()
+
+
+def rank_gradient_twice(kind):
+    pz.init()
+    torch.manual_seed(0)
+    model = _Reentrant()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)  # same on every rank
+    if kind == "dp":
+        wrapped = pz.DataParallel(model, bucket_mb=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        wrapped = model
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1)
+    try:
+        wrapped(x).backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    # the error leaves nothing behind: a normal step then equals one process's
+    model.ckpt = False
+    opt.zero_grad()
+    wrapped(x).backward()
+    opt.step()
+    return error, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["dp", "zero2"])
+def test_gradient_accumulated_twice_raises_on_every_rank(kind):
+    torch.manual_seed(0)
+    ref = _Reentrant()
+    ref.ckpt = False
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).backward()
+    opt.step()
+    for res in run_ranks(rank_gradient_twice, 2, args=(kind,)):
+        error, params = res.value
+        assert error is not None and "accumulated twice in one backward" in error, (res.rank, error)
+        assert re.search(r"parameter 'a\.(weight|bias)'", error), error
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-6, atol=1e-7)

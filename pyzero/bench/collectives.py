@@ -16,13 +16,12 @@ synchronisation.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
 import torch
 
-from .common import parse_size, size_steps, write_json
+from .common import init_torch_distributed, parse_size, size_steps, write_json
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 MIN_TIMED_S = 0.05
@@ -255,12 +254,7 @@ def rank_main(args) -> list[dict]:
     pz.init(backend="nccl" if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
     if "torch" in backends:
-        import torch.distributed as dist  # noqa: PLC0415
-
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=n,
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        init_torch_distributed("nccl" if cuda else "gloo", args.timeout)
     dtype = DTYPES[args.dtype]
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)

@@ -9,6 +9,21 @@ import re
 import sys
 
 
+def init_torch_distributed(backend: str, timeout: float = 300.0):
+    """torch.distributed beside pyzero in this (already pz.init'ed) rank, for side-by-side runs.
+    It rendezvouses through pyzero's own store (under a prefix), so it needs no second port
+    that another process could hold."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from .. import comm  # noqa: PLC0415
+
+    w = comm._require_init()
+    store = dist.PrefixStore("torch.distributed/", w.store)
+    dist.init_process_group(backend, store=store, rank=w.rank, world_size=w.size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return dist
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:

@@ -20,7 +20,7 @@ rank's ru_maxrss, delta_mib its growth over the RSS before the model was built.
 
 Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
 and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
-torch runs use gloo on MASTER_PORT + 1.
+torch runs use gloo, set up through pyzero's store.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .common import write_json
+from .common import init_torch_distributed, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
 
@@ -119,12 +119,7 @@ def _setup_zero(stage: int) -> Callable:
 
 
 def _init_gloo():
-    import torch.distributed as dist  # noqa: PLC0415
-
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
-    return dist
+    return init_torch_distributed("gloo")
 
 
 def _close_gloo(dist):

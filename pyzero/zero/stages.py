@@ -9,13 +9,15 @@ Stage 1 keeps full gradients as views into one flat buffer (like DDP's
 gradient_as_bucket_view) and reduce-scatters them, bucket by bucket, in place
 at step time. Stage 2 keeps only the gradient shard: a post-accumulate hook
 copies each gradient into its bucket's staging buffer and drops it; a full
-bucket is reduce-scattered asynchronously while backward goes on.
+bucket is reduce-scattered asynchronously while backward goes on, in bucket
+order on every rank (bucketing.OrderedLaunch, see [Note: bucket launch order]).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import comm
+from ..bucketing import OrderedLaunch
 from .optimizer import ZeroOptimizer, _nbytes
 from .partition import FlatLayout, buckets
 
@@ -123,13 +125,12 @@ class ZeroStage2(_FlatParams):
                 self._bucket_of[id(self.layout.params[i])] = b
         self._index = {id(p): i for i, p in enumerate(self.layout.params)}
         self._inflight = []  # (bucket, Work, output) in launch order
+        self._launch_order = OrderedLaunch([len(m) for _, _, m in self.buckets], self._launch)
         self._start_backward()
 
     def _start_backward(self):
         self._staging = [None] * len(self.buckets)
-        self._pending = [len(m) for _, _, m in self.buckets]
-        self._next = 0  # buckets launch in index order on every rank
-        self._in_backward = False
+        self._launch_order.reset()
 
     def _stage(self, b):
         if self._staging[b] is None:
@@ -141,19 +142,29 @@ class ZeroStage2(_FlatParams):
         self._grads_ready = True
         if not self._sync:
             return  # no_sync: p.grad keeps accumulating locally
-        if not self._in_backward:
-            self._in_backward = True
+        if self._launch_order.begin():
             _queue_callback(self._end_backward)
         b, i = self._bucket_of[id(p)], self._index[id(p)]
         begin = self.buckets[b][0]
         off = self.layout.offsets[i] - begin
         self._stage(b)[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
-        self._pending[b] -= 1
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
+        try:
+            self._launch_order.ready(b, i, self.layout.names[i])
+        except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
+            self._discard()
+            raise
+
+    def _discard(self):
+        """Forget the current backward: wait for its in-flight buckets (every rank launched
+        them) without adding them, drop the staged gradients."""
+        for _, work, _ in self._inflight:
+            work.wait()
+        self._inflight = []
+        self._start_backward()
 
     def _launch(self, b):
+        # called by self._launch_order, see [Note: bucket launch order]
         begin, end, _ = self.buckets[b]
         counts = self.layout.counts(begin, end)
         out = torch.empty(counts[self.rank], dtype=self.comm_dtype)
@@ -161,7 +172,6 @@ class ZeroStage2(_FlatParams):
                                    async_op=True)
         self._staging[b] = None  # the Work keeps it alive until it is waited on
         self._inflight.append((b, work, out))
-        self._next = b + 1
         if not self.overlap:
             self._retire(len(self._inflight))
         elif len(self._inflight) > 2:  # bound the staging memory held by in-flight buckets
@@ -176,8 +186,7 @@ class ZeroStage2(_FlatParams):
 
     def _end_backward(self):
         """Buckets holding unused parameters launch now, with zeros for the missing gradients."""
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        self._launch_order.finish()
         self._start_backward()
 
     def _reduce_gradients(self):

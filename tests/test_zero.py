@@ -363,3 +363,38 @@ def test_bad_input(world1, case):
 def test_bad_input_leaves_the_model_usable(world1):
     assert world1["bad"]["untouched"]
     assert_state_close(world1["after"]["state"], reference("adamw")["state"], rtol=0, atol=0)
+
+
+def rank_stage3_parameters_outside_forward():
+    pz.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    out = {"shapes": {n: p.shape for n, p in model.named_parameters()} == shapes,
+           "nan": all(bool(torch.isnan(p.detach().clone()).all()) for p in model.parameters())}
+    try:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        out["write"] = "no error"
+    except RuntimeError as e:
+        out["write"] = str(e)
+    with torch.no_grad():  # and forward still sees the real values
+        out["forward"] = model(torch.ones(1, 4))
+    state = opt.full_state_dict()
+    return out, state
+
+
+def test_stage3_parameters_read_as_nan_outside_forward():
+    """A freed stage-3 parameter keeps its shape, reads as NaN and refuses writes, rather than
+    pointing at released memory; forward still computes with the gathered values."""
+    results = run_ranks(rank_stage3_parameters_outside_forward, 2)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    ref.load_state_dict(results[0].value[1])  # the trained weights, gathered on the first rank
+    for res in results:
+        out, _ = res.value
+        assert out["shapes"] and out["nan"], out
+        assert "single memory location" in out["write"], out["write"]
+        torch.testing.assert_close(out["forward"], ref(torch.ones(1, 4)).detach())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..bucketing import OrderedLaunch
 from .optimizer import ZeroOptimizer, _nbytes
 from .partition import FlatLayout
 
@@ -58,7 +59,10 @@ class _Unit:
         self.master = fp32[off:off + n].clone()
         self.shard = self.master if model_dtype == torch.float32 else self.master.to(model_dtype)
         self.full = fp32.to(model_dtype)
-        for v, p in zip(self.layout.views(self.full), params):
+        self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
+        # What a freed parameter holds: its shape, every element one NaN (stride 0).
+        self.stubs = [torch.full((1,), float("nan"), dtype=model_dtype).expand(v.shape) for v in self.views]
+        for v, p in zip(self.views, params):
             p.data = v
         self.nbytes = self.full.untyped_storage().nbytes()
         self.grad_shard = torch.zeros(n, dtype=torch.float32)
@@ -72,6 +76,10 @@ class _Unit:
             self.gather_work.wait()
             self.gather_work = None
         if self.gathered:
+            # While freed the parameters keep their shapes but read as NaN (writes to them
+            # raise): outside forward/backward nothing reads memory that is gone.
+            for p, stub in zip(self.layout.params, self.stubs):
+                p.data = stub
             self.full.untyped_storage().resize_(0)
             self.gathered = False
             self.tracker.add(-self.nbytes)
@@ -81,6 +89,8 @@ class _Unit:
             self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
             self.gather_work = comm.all_gather(self.full, self.shard, group=group, async_op=True)
+            for v, p in zip(self.views, self.layout.params):
+                p.data = v
             self.gathered = True
         if wait and self.gather_work is not None:
             self.gather_work.wait()
@@ -104,7 +114,7 @@ class ZeroStage3(ZeroOptimizer):
                 for p in own:
                     owner[id(p)] = u
                 self.units.append(u)
-        self._unit_of = owner
+        self._unit_of, self._name_of = owner, names
         for m in self.model.modules():
             needs = sorted({owner[id(p)].idx for p in m.parameters(recurse=False) if id(p) in owner})
             if needs:
@@ -114,6 +124,10 @@ class ZeroStage3(ZeroOptimizer):
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them
         self._inflight = []
+        # Reduce-scatters launch in reverse unit order (modules are registered in roughly the order
+        # forward uses them), the same on every rank whatever order the hooks fire in.
+        self._launch_order = OrderedLaunch([len(u.layout.params) for u in reversed(self.units)],
+                                           lambda b: self._reduce_unit(self.units[-1 - b]))
         self._start_backward()
         for u in self.units:
             u.free()
@@ -177,6 +191,13 @@ class ZeroStage3(ZeroOptimizer):
             if not self._in_backward:
                 self._in_backward = True
                 _queue_callback(self._end_backward)
+            late = [self.units[i] for i in needs if self.units[i].reduced]
+            if late:  # its gradients are complete and sent: this backward should not need it again
+                self._discard()
+                raise RuntimeError(
+                    f"parameters {late[0].layout.names}: needed by backward after their gradients were complete "
+                    "and reduced; a module run inside a reentrant checkpoint and again outside it is not "
+                    "supported by ZeRO stage 3 (use torch.utils.checkpoint with use_reentrant=False)")
             if not call.entered:
                 call.entered = True
                 for i in needs:
@@ -209,10 +230,23 @@ class ZeroStage3(ZeroOptimizer):
         self._grads_ready = True
         u = self._unit_of[id(p)]
         u.pending -= 1
-        if u.pending == 0 and self._sync:
-            self._reduce_unit(u)
+        if self._sync:
+            try:
+                self._launch_order.ready(len(self.units) - 1 - u.idx, id(p), self._name_of[id(p)])
+            except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
+                self._discard()
+                raise
+
+    def _discard(self):
+        """Forget the current backward: wait for its in-flight units (every rank launched them)
+        without adding them."""
+        for _, work, _ in self._inflight:
+            work.wait()
+        self._inflight = []
+        self._start_backward()
 
     def _reduce_unit(self, u):
+        u.reduced = True
         staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype)
         for v, p in zip(u.layout.views(staging), u.layout.params):
             if p.grad is not None:
@@ -232,17 +266,17 @@ class ZeroStage3(ZeroOptimizer):
         del self._inflight[:k]
 
     def _start_backward(self):
+        self._launch_order.reset()
         self._in_backward = False
         self._order_open = False
         for u in self.units:
             u.pending = len(u.layout.params)
             u.users = 0  # module calls whose backward may still read the unit
+            u.reduced = False  # its reduce-scatter was launched in this backward
 
     def _end_backward(self):
         if self._sync:
-            for u in self.units:  # unused parameters: reduce what there is (zeros), in unit order
-                if u.pending > 0:
-                    self._reduce_unit(u)
+            self._launch_order.finish()  # units with unused parameters: what there is (zeros)
         for u in self.units:
             u.free()
         self._start_backward()

@@ -289,6 +289,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _drain(self):
         """Wait for in-flight gradient communication (nothing is started)."""
 
+    def _discard(self):
+        """Stages that reduce during backward (2, 3): forget a backward that cannot finish. Wait
+        for its in-flight reductions (every rank launched them) without adding them, and start over."""
+        for _, work, _ in self._inflight:
+            work.wait()
+        self._inflight = []
+        self._start_backward()
+
     def zero_grad(self, set_to_none: bool = True):
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
         for _, _, g in self.shards():

@@ -237,14 +237,6 @@ class ZeroStage3(ZeroOptimizer):
                 self._discard()
                 raise
 
-    def _discard(self):
-        """Forget the current backward: wait for its in-flight units (every rank launched them)
-        without adding them."""
-        for _, work, _ in self._inflight:
-            work.wait()
-        self._inflight = []
-        self._start_backward()
-
     def _reduce_unit(self, u):
         u.reduced = True
         staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype)

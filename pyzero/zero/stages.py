@@ -155,14 +155,6 @@ class ZeroStage2(_FlatParams):
             self._discard()
             raise
 
-    def _discard(self):
-        """Forget the current backward: wait for its in-flight buckets (every rank launched
-        them) without adding them, drop the staged gradients."""
-        for _, work, _ in self._inflight:
-            work.wait()
-        self._inflight = []
-        self._start_backward()
-
     def _launch(self, b):
         # called by self._launch_order, see [Note: bucket launch order]
         begin, end, _ = self.buckets[b]

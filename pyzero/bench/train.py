@@ -9,10 +9,14 @@ slowest rank counts):
     nocomm   the same step inside no_sync(): no gradient communication
     comm     the run's bucketed collectives alone, without backward
     exposed  (runs whose gradients are all reduced when backward returns:
-             torch-ddp, dp) how long loss.backward() goes on after the last
-             gradient was accumulated (a post-accumulate-grad hook on every
-             parameter, set by this bench): the communication backward did
-             not hide, waited for before backward returns
+             torch-ddp, dp) per step, from the moment the last rank
+             accumulated its last gradient (a post-accumulate-grad hook on
+             every parameter, set by this bench) until the last rank's
+             loss.backward() returned: the communication backward did not
+             hide, on the step's critical path. (A rank that finished its
+             backward early also waits for the slow one; that is imbalance,
+             not communication, and is not counted. The ranks share one
+             host, so their monotonic clocks agree.)
 Then hidden = 1 - exposed / comm, and +step = step - nocomm is the step's
 whole cost of communicating, which also counts the CPU the copies take from
 backward where every core computes (2 ranks on 2 cores). peak_mib is the
@@ -220,7 +224,7 @@ def _rank_main(run: str, args) -> dict:
     runner = RUNS[run](model, args)
     try:
         x, y = random_batch(model.config, args.batch, args.seq, seed=1000 + pz.get_rank())
-        losses, tails, last_grad = [], [], [0.0]
+        losses, marks, last_grad = [], [], [0.0]
 
         def mark(_):
             last_grad[0] = time.perf_counter()
@@ -235,7 +239,7 @@ def _rank_main(run: str, args) -> dict:
                 loss = runner.model(x, y)
                 loss.backward()
                 if hooks and ctx is contextlib.nullcontext:
-                    tails.append(time.perf_counter() - last_grad[0])
+                    marks.append((last_grad[0], time.perf_counter()))
             runner.optimizer.step()
             losses.append(loss.item())
 
@@ -248,10 +252,10 @@ def _rank_main(run: str, args) -> dict:
         out["step_s"] = timed.pop(0)
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
         out["comm_s"] = timed.pop(0) if runner.comm_alone else None
-        if hooks:  # the timed synced steps' exposed tails: median, then the slowest rank's
-            t = torch.tensor([statistics.median(tails[-args.iters:])], dtype=torch.float64)
+        if hooks:  # per timed synced step: last rank's backward end - last rank's last gradient; median
+            t = torch.tensor(marks[-args.iters:], dtype=torch.float64)  # (iters, 2): last gradient, end
             pz.all_reduce(t, op="max")
-            out["exposed_s"] = float(t)
+            out["exposed_s"] = float((t[:, 1] - t[:, 0]).median())
             for h in hooks:
                 h.remove()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

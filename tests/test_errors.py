@@ -16,14 +16,7 @@ import torch
 import pyzero as pz
 from pyzero.launch import run_ranks
 
-
-def _outcome(fn):
-    """(exception type name, message), or ("ok", None) when fn raised nothing."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
-    return "ok", None
+from outcomes import outcome
 
 
 def _check_outcomes(results, expected):
@@ -124,104 +117,104 @@ MULTI_RANK_ONLY = {"non_member_all_reduce", "non_member_barrier", "src_not_in_gr
 def _rank_bad_args():
     o = {}
     t = torch.ones(4)
-    o["before_init_all_reduce"] = _outcome(lambda: pz.all_reduce(t))
-    o["before_init_barrier"] = _outcome(lambda: pz.barrier())
-    o["before_init_new_group"] = _outcome(lambda: pz.new_group([0]))
-    o["before_init_comm_stats"] = _outcome(lambda: pz.comm_stats())
-    o["init_bad_timeout"] = _outcome(lambda: pz.init(timeout=-1))
-    o["init_bad_backend"] = _outcome(lambda: pz.init(backend="gloo"))
+    o["before_init_all_reduce"] = outcome(lambda: pz.all_reduce(t))
+    o["before_init_barrier"] = outcome(lambda: pz.barrier())
+    o["before_init_new_group"] = outcome(lambda: pz.new_group([0]))
+    o["before_init_comm_stats"] = outcome(lambda: pz.comm_stats())
+    o["init_bad_timeout"] = outcome(lambda: pz.init(timeout=-1))
+    o["init_bad_backend"] = outcome(lambda: pz.init(backend="gloo"))
     assert not pz.is_initialized()
     pz.init(timeout=30)
-    o["init_twice"] = _outcome(lambda: pz.init(timeout=30))
+    o["init_twice"] = outcome(lambda: pz.init(timeout=30))
     n, me = pz.get_world_size(), pz.get_rank()
     g0 = pz.new_group([0])  # every rank calls new_group; only rank 0 is a member
 
     k = 4
     out, inp = torch.zeros(k), torch.ones(n * k)
-    o["non_tensor"] = _outcome(lambda: pz.all_reduce([1.0, 2.0]))
-    o["non_tensor_out"] = _outcome(lambda: pz.all_gather(None, torch.ones(k)))
-    o["non_tensor_inp"] = _outcome(lambda: pz.reduce_scatter(out, inp.tolist()))
-    o["non_contiguous"] = _outcome(lambda: pz.all_reduce(torch.ones(4, 4).t()))
-    o["non_contiguous_inp"] = _outcome(lambda: pz.reduce_scatter(out, torch.ones(2 * n * k)[::2]))
-    o["non_contiguous_out"] = _outcome(lambda: pz.all_gather(torch.ones(2 * n * k)[::2], torch.ones(k)))
-    o["dtype_uint8"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.uint8)))
-    o["dtype_complex"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.complex64)))
-    o["dtype_bool_broadcast"] = _outcome(lambda: pz.broadcast(torch.ones(4, dtype=torch.bool), src=0))
-    o["dtype_int8_out"] = _outcome(lambda: pz.all_gather(torch.ones(n * k, dtype=torch.int8), torch.ones(k)))
-    o["meta_device"] = _outcome(lambda: pz.all_reduce(torch.empty(4, device="meta")))
-    o["rs_dtype_mismatch"] = _outcome(lambda: pz.reduce_scatter(out, inp.double()))
-    o["ag_dtype_mismatch"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k, dtype=torch.int32)))
-    o["rs_size_mismatch"] = _outcome(lambda: pz.reduce_scatter(out, torch.ones(n * k + 1)))
-    o["ag_size_mismatch"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k + 1), torch.ones(k)))
-    o["bad_op"] = _outcome(lambda: pz.all_reduce(t, op="mean"))
-    o["bad_op_type"] = _outcome(lambda: pz.all_reduce(t, op=0))
-    o["bad_op_reduce_scatter"] = _outcome(lambda: pz.reduce_scatter(out, inp, op="MAX"))
-    o["avg_int32"] = _outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"))
-    o["avg_int64_reduce_scatter"] = _outcome(
+    o["non_tensor"] = outcome(lambda: pz.all_reduce([1.0, 2.0]))
+    o["non_tensor_out"] = outcome(lambda: pz.all_gather(None, torch.ones(k)))
+    o["non_tensor_inp"] = outcome(lambda: pz.reduce_scatter(out, inp.tolist()))
+    o["non_contiguous"] = outcome(lambda: pz.all_reduce(torch.ones(4, 4).t()))
+    o["non_contiguous_inp"] = outcome(lambda: pz.reduce_scatter(out, torch.ones(2 * n * k)[::2]))
+    o["non_contiguous_out"] = outcome(lambda: pz.all_gather(torch.ones(2 * n * k)[::2], torch.ones(k)))
+    o["dtype_uint8"] = outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.uint8)))
+    o["dtype_complex"] = outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.complex64)))
+    o["dtype_bool_broadcast"] = outcome(lambda: pz.broadcast(torch.ones(4, dtype=torch.bool), src=0))
+    o["dtype_int8_out"] = outcome(lambda: pz.all_gather(torch.ones(n * k, dtype=torch.int8), torch.ones(k)))
+    o["meta_device"] = outcome(lambda: pz.all_reduce(torch.empty(4, device="meta")))
+    o["rs_dtype_mismatch"] = outcome(lambda: pz.reduce_scatter(out, inp.double()))
+    o["ag_dtype_mismatch"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k, dtype=torch.int32)))
+    o["rs_size_mismatch"] = outcome(lambda: pz.reduce_scatter(out, torch.ones(n * k + 1)))
+    o["ag_size_mismatch"] = outcome(lambda: pz.all_gather(torch.zeros(n * k + 1), torch.ones(k)))
+    o["bad_op"] = outcome(lambda: pz.all_reduce(t, op="mean"))
+    o["bad_op_type"] = outcome(lambda: pz.all_reduce(t, op=0))
+    o["bad_op_reduce_scatter"] = outcome(lambda: pz.reduce_scatter(out, inp, op="MAX"))
+    o["avg_int32"] = outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"))
+    o["avg_int64_reduce_scatter"] = outcome(
         lambda: pz.reduce_scatter(torch.zeros(k, dtype=torch.int64), torch.ones(n * k, dtype=torch.int64), op="avg"))
-    o["src_out_of_range"] = _outcome(lambda: pz.broadcast(t, src=n))
-    o["src_negative"] = _outcome(lambda: pz.broadcast(t, src=-1))
-    o["src_not_int"] = _outcome(lambda: pz.broadcast(t, src="0"))
-    o["counts_wrong_length"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n + 1)))
-    o["counts_negative"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[2 * k] + [k] * (n - 2) + [-k]
+    o["src_out_of_range"] = outcome(lambda: pz.broadcast(t, src=n))
+    o["src_negative"] = outcome(lambda: pz.broadcast(t, src=-1))
+    o["src_not_int"] = outcome(lambda: pz.broadcast(t, src="0"))
+    o["counts_wrong_length"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n + 1)))
+    o["counts_negative"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[2 * k] + [k] * (n - 2) + [-k]
                                                               if n > 1 else [-k]))
-    o["counts_wrong_sum"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n - 1) + [k + 1]))
-    o["counts_not_ints"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=["a"] * n))
-    o["ag_counts_wrong_sum"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k),
+    o["counts_wrong_sum"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n - 1) + [k + 1]))
+    o["counts_not_ints"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=["a"] * n))
+    o["ag_counts_wrong_sum"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k),
                                                              counts=[k] * (n - 1) + [k - 1]))
-    o["ag_counts_wrong_length"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[n * k]
+    o["ag_counts_wrong_length"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[n * k]
                                                                 if n > 1 else [k, 0]))
     uneven = [0] * n
     uneven[(me + 1) % n] = n * k  # this rank's count is 0 (when n > 1), but out/inp has k elements
     if n > 1:
-        o["rs_counts_mine_wrong"] = _outcome(lambda: pz.reduce_scatter(out, inp, counts=uneven))
-        o["ag_counts_mine_wrong"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=uneven))
+        o["rs_counts_mine_wrong"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=uneven))
+        o["ag_counts_mine_wrong"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=uneven))
     # overlapping out/inp that are not this rank's exact chunk
     big = torch.zeros(n * k + 1)
-    o["ag_overlap"] = _outcome(lambda: pz.all_gather(big[:n * k], big[me * k + 1:me * k + 1 + k]))
-    o["rs_overlap"] = _outcome(lambda: pz.reduce_scatter(big[me * k + 1:me * k + 1 + k], big[:n * k]))
+    o["ag_overlap"] = outcome(lambda: pz.all_gather(big[:n * k], big[me * k + 1:me * k + 1 + k]))
+    o["rs_overlap"] = outcome(lambda: pz.reduce_scatter(big[me * k + 1:me * k + 1 + k], big[:n * k]))
     if n > 1 and me != 0:  # inp is rank 0's chunk of out, not this rank's
         whole = torch.zeros(n * k)
-        o["ag_overlap_other_chunk"] = _outcome(lambda: pz.all_gather(whole, whole[:k]))
+        o["ag_overlap_other_chunk"] = outcome(lambda: pz.all_gather(whole, whole[:k]))
     # the exact in-place chunk is fine (every rank calls these: they are real collectives)
     buf = torch.zeros(n * k)
     buf[me * k:(me + 1) * k] = me + 1
-    o["ag_in_place_ok"] = _outcome(lambda: pz.all_gather(buf, buf[me * k:(me + 1) * k]))
+    o["ag_in_place_ok"] = outcome(lambda: pz.all_gather(buf, buf[me * k:(me + 1) * k]))
     assert torch.equal(buf, torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(k)), buf
     rbuf = torch.ones(n * k)
-    o["rs_in_place_ok"] = _outcome(lambda: pz.reduce_scatter(rbuf[me * k:(me + 1) * k], rbuf))
+    o["rs_in_place_ok"] = outcome(lambda: pz.reduce_scatter(rbuf[me * k:(me + 1) * k], rbuf))
     assert torch.equal(rbuf[me * k:(me + 1) * k], torch.full((k,), float(n)))
     # one-shot takes at most 256 KiB of input per rank
     too_big = (256 << 10) // 4 + 1
-    o["oneshot_too_big_all_reduce"] = _outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot"))
-    o["oneshot_too_big_reduce_scatter"] = _outcome(
+    o["oneshot_too_big_all_reduce"] = outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot"))
+    o["oneshot_too_big_reduce_scatter"] = outcome(
         lambda: pz.reduce_scatter(torch.zeros(too_big), torch.ones(n * too_big), algo="oneshot"))
-    o["oneshot_too_big_broadcast"] = _outcome(lambda: pz.broadcast(torch.ones(too_big), src=0, algo="oneshot"))
-    o["oneshot_too_big_async"] = _outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot",
+    o["oneshot_too_big_broadcast"] = outcome(lambda: pz.broadcast(torch.ones(too_big), src=0, algo="oneshot"))
+    o["oneshot_too_big_async"] = outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot",
                                                                 async_op=True).wait())  # at the call or at wait()
-    o["algo_bogus"] = _outcome(lambda: pz.all_reduce(t, algo="bogus"))
-    o["algo_bogus_all_gather"] = _outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), algo="bogus"))
-    o["algo_bogus_broadcast"] = _outcome(lambda: pz.broadcast(t, src=0, algo="bogus"))
-    o["group_not_a_group"] = _outcome(lambda: pz.all_reduce(t, group=[0, 1]))
-    o["new_group_bad_ranks"] = _outcome(lambda: pz.new_group([0, n]))
-    o["new_group_duplicates"] = _outcome(lambda: pz.new_group([0, 0]))
-    o["new_group_empty"] = _outcome(lambda: pz.new_group([]))
-    o["send_to_self"] = _outcome(lambda: pz.send(t, dst=me))
-    o["recv_from_self"] = _outcome(lambda: pz.recv(t, src=me))
-    o["send_dst_out_of_range"] = _outcome(lambda: pz.send(t, dst=n + 3))
+    o["algo_bogus"] = outcome(lambda: pz.all_reduce(t, algo="bogus"))
+    o["algo_bogus_all_gather"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), algo="bogus"))
+    o["algo_bogus_broadcast"] = outcome(lambda: pz.broadcast(t, src=0, algo="bogus"))
+    o["group_not_a_group"] = outcome(lambda: pz.all_reduce(t, group=[0, 1]))
+    o["new_group_bad_ranks"] = outcome(lambda: pz.new_group([0, n]))
+    o["new_group_duplicates"] = outcome(lambda: pz.new_group([0, 0]))
+    o["new_group_empty"] = outcome(lambda: pz.new_group([]))
+    o["send_to_self"] = outcome(lambda: pz.send(t, dst=me))
+    o["recv_from_self"] = outcome(lambda: pz.recv(t, src=me))
+    o["send_dst_out_of_range"] = outcome(lambda: pz.send(t, dst=n + 3))
     if n > 1:
         if me != 0:
-            o["non_member_all_reduce"] = _outcome(lambda: pz.all_reduce(t, group=g0))
-            o["non_member_barrier"] = _outcome(lambda: pz.barrier(group=g0))
+            o["non_member_all_reduce"] = outcome(lambda: pz.all_reduce(t, group=g0))
+            o["non_member_barrier"] = outcome(lambda: pz.barrier(group=g0))
         else:
             pz.all_reduce(t, group=g0)  # a group of one: fine
-        o["src_not_in_group"] = _outcome(lambda: pz.broadcast(t, src=1, group=g0))
+        o["src_not_in_group"] = outcome(lambda: pz.broadcast(t, src=1, group=g0))
     # nothing above desynchronised the ranks: a correct collective still works
     x = torch.full((1031,), float(me + 1))
-    o["after_errors_all_reduce"] = _outcome(lambda: pz.all_reduce(x))
+    o["after_errors_all_reduce"] = outcome(lambda: pz.all_reduce(x))
     assert torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2)))
     pz.destroy()
-    o["after_destroy"] = _outcome(lambda: pz.all_reduce(t))
+    o["after_destroy"] = outcome(lambda: pz.all_reduce(t))
     return {"outcomes": o}
 
 
@@ -276,12 +269,12 @@ def _rank_mismatch():
     o = {}
     for case, (same, other, _) in _mismatch_cases(n).items():
         t0 = time.monotonic()
-        o[case] = _outcome(other if me == odd else same)
+        o[case] = outcome(other if me == odd else same)
         o[case + "/seconds"] = ("ok", time.monotonic() - t0)
         # the group is still usable: a correct all_reduce (both algorithms)
         for algo in ["ring", "oneshot"]:
             x = torch.full((1031,), float(me + 1))
-            o[case + "/after/" + algo] = _outcome(lambda: pz.all_reduce(x, algo=algo))
+            o[case + "/after/" + algo] = outcome(lambda: pz.all_reduce(x, algo=algo))
             if not torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2))):
                 o[case + "/after/" + algo] = ("wrong result", str(x[:4]))
     # send/recv size mismatch: the receiver raises, the channel stays usable
@@ -290,9 +283,9 @@ def _rank_mismatch():
             pz.send(torch.ones(5), dst=1)
             pz.send(torch.full((6,), 2.0), dst=1)
         else:
-            o["p2p"] = _outcome(lambda: pz.recv(torch.empty(6), src=0))
+            o["p2p"] = outcome(lambda: pz.recv(torch.empty(6), src=0))
             got = torch.empty(6)
-            o["p2p/after"] = _outcome(lambda: pz.recv(got, src=0))
+            o["p2p/after"] = outcome(lambda: pz.recv(got, src=0))
             if not torch.equal(got, torch.full((6,), 2.0)):
                 o["p2p/after"] = ("wrong result", str(got))
     return {"outcomes": o}
@@ -350,7 +343,7 @@ def _rank_dies(how, long_timeout):
         if how == "sleep":  # arrive long after the others gave up
             time.sleep(4.5)
             t0 = time.monotonic()
-            late = _outcome(lambda: pz.all_reduce(torch.ones(10)))
+            late = outcome(lambda: pz.all_reduce(torch.ones(10)))
             return {"late": late, "late_s": time.monotonic() - t0}
         raise AssertionError(how)
     t0 = time.monotonic()
@@ -358,16 +351,16 @@ def _rank_dies(how, long_timeout):
         def both():
             pz.all_reduce(torch.ones(16 << 20))
             pz.all_reduce(torch.ones(10))
-        first = _outcome(both)
+        first = outcome(both)
     elif how == "sigkill_fused":  # the survivors wait for the dead rank's partial sums
-        first = _outcome(lambda: pz.symmetric.reduce_scatter_apply(lambda c, out: out.fill_(1.0), 4, 4, x,
+        first = outcome(lambda: pz.symmetric.reduce_scatter_apply(lambda c, out: out.fill_(1.0), 4, 4, x,
                                                                    pz.comm._group(None)))
     elif how == "sigkill_recv":  # the survivor waits in a recv from the dead rank
-        first = _outcome(lambda: pz.recv(torch.empty(10), src=victim))
+        first = outcome(lambda: pz.recv(torch.empty(10), src=victim))
     else:
-        first = _outcome(lambda: pz.all_reduce(torch.ones(1031)))
+        first = outcome(lambda: pz.all_reduce(torch.ones(1031)))
     seconds = time.monotonic() - t0
-    again = _outcome(lambda: pz.all_reduce(torch.ones(10)))  # the group stays broken, fails at once
+    again = outcome(lambda: pz.all_reduce(torch.ones(10)))  # the group stays broken, fails at once
     return {"first": first, "seconds": seconds, "again": again}
 
 

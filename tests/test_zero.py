@@ -16,6 +16,8 @@ from torch import nn
 import pyzero as pz
 from pyzero.launch import run_ranks
 
+from outcomes import outcome
+
 IN, HID, OUT, VOCAB, BATCH = 16, 30, 5, 23, 12  # sizes divisible by neither 2 nor 3: every layout pads
 TOL = dict(rtol=1e-5, atol=2e-6)
 OPTS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -278,14 +280,6 @@ def test_communication_volume(ranks, stage):
 # One rank: bit for bit torch; bad input
 
 
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
-    return "ok", None
-
-
 def _on_meta():
     model = MLP()
     model.head.bias = nn.Parameter(torch.zeros(OUT, device="meta"))
@@ -327,11 +321,11 @@ def _rank_world1():
     s = spec("adamw", 3)
     model = build(s)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out = {case: _outcome(lambda: call(model)) for case, (call, _, _) in CONSTRUCT.items()}
+    out = {case: outcome(lambda: call(model)) for case, (call, _, _) in CONSTRUCT.items()}
     out["untouched"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
     def misuse(opt):
-        out.update({case: _outcome(lambda: call(opt)) for case, (call, _, _) in MISUSE.items()})
+        out.update({case: outcome(lambda: call(opt)) for case, (call, _, _) in MISUSE.items()})
         out["untouched"] &= all(torch.equal(v, before[k]) for k, v in opt.full_state_dict().items())
     # The same model then trains exactly like torch: the failed calls left nothing behind.
     return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse)}

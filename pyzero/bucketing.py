@@ -10,7 +10,7 @@ Roles:
                     like DDP's gradient_as_bucket_view) and its optional buffer in
                     the communication dtype
     OrderedLaunch   counts ready gradients per bucket and launches complete buckets
-                    in bucket order on every rank (shared with ZeRO stage 2)
+                    in bucket order on every rank (shared with ZeRO stages 2 and 3)
     BucketReducer   feeds OrderedLaunch from post-accumulate-grad hooks, launches a
                     bucket's collective asynchronously, and waits for everything
                     when backward ends
@@ -229,13 +229,18 @@ class OrderedLaunch:
     backward (``begin()`` is True) queues an autograd engine callback; when it
     runs, at the end of backward, the buckets still waiting launch, in order,
     with zeros for the gradients that never came (``finish``), and the caller
-    ``reset()``s for the next backward. Users: BucketReducer (DataParallel)
-    and ZeroStage2 (zero/stages.py).
+    ``reset()``s for the next backward. Users: BucketReducer (DataParallel),
+    ZeroStage2 (zero/stages.py) and ZeroStage3 (zero/stage3.py, units as buckets).
+
+    ``abandon()`` is the caller's way to drop a backward that cannot finish
+    (wait for what it launched, keep nothing, reset); ``ready`` calls it before
+    raising.
     """
 
-    def __init__(self, sizes, launch):
+    def __init__(self, sizes, launch, abandon):
         self._sizes = list(sizes)  # gradients per bucket
         self._launch = launch
+        self._abandon = abandon
         self.reset()
 
     def reset(self) -> None:
@@ -254,9 +259,9 @@ class OrderedLaunch:
     def ready(self, b: int, key, name: str) -> None:
         """Gradient `key` (named `name`) of bucket b is ready: launch every bucket now complete
         and next in order. A gradient coming twice in one backward raises (the count, and with
-        it what has been reduced, would be wrong), after reset()."""
+        it what has been reduced, would be wrong), after abandon()."""
         if key in self._seen:
-            self.reset()
+            self._abandon()
             raise RuntimeError(f"parameter {name!r}: its gradient was accumulated twice in one backward, "
                                "after it was handed to the gradient reduction (reentrant checkpointing or a "
                                "second backward through the same graph are not supported with gradient sync on)")
@@ -298,7 +303,7 @@ class BucketReducer:
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
         self._inflight: list[tuple[int, object]] = []
-        self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch)
+        self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch, self._discard)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._reset()
 
@@ -340,11 +345,7 @@ class BucketReducer:
             self.log = []
             _queue_callback(self._end_backward)
         self.log.append((b, "grad"))
-        try:
-            self._launch_order.ready(b, id(p), self.names[self.specs[b].params[k]])
-        except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
-            self._discard()
-            raise
+        self._launch_order.ready(b, id(p), self.names[self.specs[b].params[k]])
 
     def _discard(self) -> None:
         """Forget a backward that did not finish: wait for its in-flight collectives (they

@@ -127,7 +127,7 @@ class ZeroStage3(ZeroOptimizer):
         # Reduce-scatters launch in reverse unit order (modules are registered in roughly the order
         # forward uses them), the same on every rank whatever order the hooks fire in.
         self._launch_order = OrderedLaunch([len(u.layout.params) for u in reversed(self.units)],
-                                           lambda b: self._reduce_unit(self.units[-1 - b]))
+                                           lambda b: self._reduce_unit(self.units[-1 - b]), self._discard)
         self._start_backward()
         for u in self.units:
             u.free()
@@ -231,11 +231,7 @@ class ZeroStage3(ZeroOptimizer):
         u = self._unit_of[id(p)]
         u.pending -= 1
         if self._sync:
-            try:
-                self._launch_order.ready(len(self.units) - 1 - u.idx, id(p), self._name_of[id(p)])
-            except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
-                self._discard()
-                raise
+            self._launch_order.ready(len(self.units) - 1 - u.idx, id(p), self._name_of[id(p)])
 
     def _reduce_unit(self, u):
         u.reduced = True

@@ -125,7 +125,7 @@ class ZeroStage2(_FlatParams):
                 self._bucket_of[id(self.layout.params[i])] = b
         self._index = {id(p): i for i, p in enumerate(self.layout.params)}
         self._inflight = []  # (bucket, Work, output) in launch order
-        self._launch_order = OrderedLaunch([len(m) for _, _, m in self.buckets], self._launch)
+        self._launch_order = OrderedLaunch([len(m) for _, _, m in self.buckets], self._launch, self._discard)
         self._start_backward()
 
     def _start_backward(self):
@@ -149,11 +149,7 @@ class ZeroStage2(_FlatParams):
         off = self.layout.offsets[i] - begin
         self._stage(b)[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
-        try:
-            self._launch_order.ready(b, i, self.layout.names[i])
-        except RuntimeError:  # a gradient came twice: drop this backward's reduction altogether
-            self._discard()
-            raise
+        self._launch_order.ready(b, i, self.layout.names[i])
 
     def _launch(self, b):
         # called by self._launch_order, see [Note: bucket launch order]

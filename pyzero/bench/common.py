@@ -24,6 +24,34 @@ def init_torch_distributed(backend: str, timeout: float = 300.0):
     return dist
 
 
+def interleaved_medians(fns, iters: int, warmup: int, before=None) -> list[float]:
+    """Median seconds of each fn() over `iters` rounds, the slowest rank's. Each call starts
+    after a barrier (and after ``before(i)`` for fns[i], when given); the fns alternate within
+    a round, so drift (allocator, caches, other load) hits all of them alike."""
+    import statistics  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from .. import comm  # noqa: PLC0415
+
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for i, (fn, ts) in enumerate(zip(fns, times)):
+            if before is not None:
+                before(i)
+            comm.barrier()  # every rank starts each timed call together
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    comm.all_reduce(t, op="max")
+    return t.tolist()
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:

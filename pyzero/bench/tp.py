@@ -36,12 +36,11 @@ free (a GPU, or a machine with spare cores per rank).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 
 import torch
 
-from .common import write_json
+from .common import interleaved_medians, write_json
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 COMPUTES = ("matmul", "sleep")
@@ -68,31 +67,19 @@ def add_arguments(p) -> None:
 
 
 def _medians_us(fns, iters: int, warmup: int, flush_mib: float = 0.0, inputs=None) -> list[float]:
-    """Median microseconds of each fn, the slowest rank's; the fns alternate within a
-    round, so drift (allocator, other load) hits all of them alike. With `flush_mib`,
-    each call starts after that many MiB of writes evicted the caches and its inputs
-    (inputs[i], a tuple of tensors, for fns[i]) were rewritten."""
+    """interleaved_medians in microseconds. With `flush_mib`, each call starts after that
+    many MiB of writes evicted the caches and its inputs (inputs[i], a tuple of tensors,
+    for fns[i]) were rewritten."""
     inputs = inputs or [()] * len(fns)
-    import pyzero as pz  # noqa: PLC0415
-
     scratch = torch.empty(int(flush_mib * 2**20) // 4)
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, ts, ins in zip(fns, times, inputs):
-            if flush_mib:
-                scratch.fill_(1.0)
-                for t in ins:
-                    t.mul_(1.0)
-            pz.barrier()  # every rank starts each timed call together
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(ts) * 1e6 for ts in times], dtype=torch.float64)
-    pz.all_reduce(t, op="max")
-    return t.tolist()
+
+    def before(i):
+        if flush_mib:
+            scratch.fill_(1.0)
+            for t in inputs[i]:
+                t.mul_(1.0)
+
+    return [t * 1e6 for t in interleaved_medians(fns, iters, warmup, before)]
 
 
 def _ring(fn):

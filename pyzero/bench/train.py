@@ -31,13 +31,12 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import statistics
 import time
 from typing import Callable, NamedTuple
 
 import torch
 
-from .common import init_torch_distributed, write_json
+from .common import init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
 
@@ -194,27 +193,6 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _median_s(fns: list, iters: int, warmup: int) -> list[float]:
-    """Median seconds of each fn() over iters rounds, each call started after a barrier; the slowest
-    rank's. The functions alternate within a round, so drift (allocator, caches, other load) hits
-    all of them alike."""
-    import pyzero as pz  # noqa: PLC0415
-
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, ts in zip(fns, times):
-            pz.barrier()
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
-    pz.all_reduce(t, op="max")
-    return t.tolist()
-
-
 def _rank_main(run: str, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
@@ -244,11 +222,11 @@ def _rank_main(run: str, args) -> dict:
             losses.append(loss.item())
 
         # Same seed, data and steps in every run: equal losses say the runs train alike.
-        out = {"run": run, "step_s": _median_s([step], args.warmup, args.warmup)[0]}
+        out = {"run": run, "step_s": interleaved_medians([step], args.warmup, args.warmup)[0]}
         last_loss = losses[-1]
         fns = [step] + ([lambda: step(runner.no_sync)] if runner.no_sync else []) \
             + ([runner.comm_alone] if runner.comm_alone else [])
-        timed = _median_s(fns, args.iters, args.warmup)
+        timed = interleaved_medians(fns, args.iters, args.warmup)
         out["step_s"] = timed.pop(0)
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
         out["comm_s"] = timed.pop(0) if runner.comm_alone else None

@@ -5,6 +5,7 @@ from .comm import (
     CollectiveError,
     CollectiveTimeout,
     Group,
+    Options,
     Work,
     all_gather,
     all_reduce,

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from . import _C, comm
+from .backend import check_contiguous, tensor_code
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -97,10 +98,7 @@ def _table(tensors, offsets, flat: torch.Tensor, arg: str):
     for k, (t, o) in enumerate(zip(tensors, offsets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg}[{k}]: expected a torch.Tensor, got {type(t).__name__}")
-        code = comm._DTYPES.get(t.dtype)
-        if code is None:
-            raise TypeError(f"{arg}[{k}]: dtype {t.dtype} is not supported; expected one of "
-                            "float32, float16, bfloat16, float64, int32, int64")
+        code = tensor_code(t, f"{arg}[{k}]")
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{arg}[{k}]: expected a contiguous CPU tensor, got device {t.device}, "
                              f"contiguous={t.is_contiguous()}")
@@ -121,7 +119,10 @@ def _table(tensors, offsets, flat: torch.Tensor, arg: str):
 
 
 def _flat_code(flat, scale) -> int:
-    code = comm._check_tensor(flat, "flat")
+    code = tensor_code(flat, "flat")
+    check_contiguous(flat, "flat")
+    if flat.device.type != "cpu":
+        raise ValueError(f"flat: expected a CPU tensor, got a tensor on {flat.device}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     return code

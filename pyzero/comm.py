@@ -1,8 +1,11 @@
-"""Process groups and collectives on torch tensors.
+"""Process groups and collectives on torch tensors (and CUDA arrays).
 
-Python validates every argument (naming it in the error), turns tensors into
-``(data_ptr, numel, dtype code)`` and hands them to ``pyzero._C``; the C++
-core does the communication on its own threads without the GIL.
+Each public function resolves the group, lets the group's backend turn the
+caller's tensors into buffers (validating them, errors naming the argument),
+checks the buffers against each other once here, and hands them to the
+backend (:mod:`pyzero.backend` is the interface, :mod:`pyzero.backends` holds
+one module per backend). The C++ core communicates on its own threads or
+streams without the GIL.
 
 Ranks given to ``broadcast``/``send``/``recv`` (``src``/``dst``) are global
 ranks, as in ``torch.distributed``; ``group.rank`` is this process's index in
@@ -18,28 +21,22 @@ from typing import Sequence
 
 import torch
 
-from . import _C
+from . import backends
+from .backend import (
+    Backend,
+    CollectiveError,
+    CollectiveTimeout,
+    GroupSetup,
+    Options,
+    Work,
+    check_algo,
+    check_alias,
+    check_op,
+    check_same_dtype,
+    resolve_counts,
+)
 
-CollectiveError = _C.CollectiveError
-CollectiveTimeout = _C.CollectiveTimeout
-
-_DTYPES = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    torch.float64: 3,
-    torch.int32: 4,
-    torch.int64: 5,
-}
-_OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
-_ALGOS = {None: 0, "auto": 0, "ring": 1, "oneshot": 2, "native": 3}  # native: NCCL's own (nccl backend)
-_BACKENDS = ("shm", "nccl", "ipc")
-
-# Shared-memory transport settings (see csrc/shm_transport.h); the env
-# variables exist for tuning benchmarks.
-SHM_SLICE_BYTES = int(os.environ.get("PYZERO_SHM_SLICE_KB", "256")) << 10
-SHM_DEPTH = int(os.environ.get("PYZERO_SHM_DEPTH", "8"))
-SHM_ONESHOT_BYTES = int(os.environ.get("PYZERO_SHM_ONESHOT_KB", "256")) << 10
+__all__ = ["CollectiveError", "CollectiveTimeout", "Group", "Options", "Work"]
 
 
 @dataclass(eq=False)
@@ -49,23 +46,35 @@ class Group:
     ranks: tuple[int, ...]
     rank: int  # this process's index in `ranks`, -1 when not a member
     gid: int
-    _comm: object = field(default=None, repr=False)
+    _backend: Backend | None = field(default=None, repr=False)
+    options: Options = field(default_factory=Options)
     # Async work not yet known to be complete: keeps its tensors alive even if
-    # the caller drops the handle (the C++ thread reads and writes them).
+    # the caller drops the handle (the transport reads and writes them).
     _pending: list = field(default_factory=list, repr=False)
-    device: int | None = None  # the CUDA device of a GPU backend's group (see pyzero/cuda.py); None: shm
-    _symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
+    _closed: bool = field(default=False, repr=False)
+    symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
-    def comm(self):
+    @property
+    def backend(self) -> Backend:
+        """This process's transport for the group; raises for non-members and destroyed groups."""
         if self.rank < 0:
             raise ValueError(f"group: this process (global rank {get_rank()}) is not a member of group {self.ranks}")
-        if self._comm is None:
+        if self._closed:
             raise CollectiveError("group was destroyed (pz.destroy() was called)")
-        return self._comm
+        return self._backend
+
+    @property
+    def backend_name(self) -> str:
+        return "" if self._backend is None else self._backend.name
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA device of a GPU backend's group, None for CPU backends."""
+        return getattr(self._backend, "device", None)
 
     def group_rank(self, global_rank: int, arg: str) -> int:
         if not isinstance(global_rank, int) or isinstance(global_rank, bool):
@@ -75,23 +84,20 @@ class Group:
         except ValueError:
             raise ValueError(f"{arg}={global_rank}: expected a global rank of the group {list(self.ranks)}") from None
 
+    def track(self, raw, keep, b=None) -> Work | None:
+        """Wrap an async handle (None for a synchronous call) and keep it until complete."""
+        if raw is None:
+            return None
+        work = self._backend.work(raw, keep, b)
+        self._pending = [w for w in self._pending if not w.done()]
+        self._pending.append(work)
+        return work
 
-class Work:
-    """In-flight collective: keeps its tensors alive until waited on."""
-
-    __slots__ = ("_work", "_keep")
-
-    def __init__(self, work, keep):
-        self._work = work
-        self._keep = keep
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._keep = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
+    def close(self) -> None:
+        if self._backend is not None and not self._closed:
+            self.symmetric = None  # views of the segments the transport unmaps
+            self._closed = True
+            self._backend.close()
 
 
 @dataclass
@@ -106,7 +112,8 @@ class _World:
     world: Group | None = None
     groups: list = field(default_factory=list)
     next_gid: int = 0
-    device: int | None = None  # this rank's GPU (nccl backend)
+    device: int | None = None  # this rank's GPU (GPU backends)
+    options: Options = field(default_factory=Options)
 
 
 _world: _World | None = None
@@ -127,25 +134,24 @@ def _env_int(name: str) -> int:
         raise ValueError(f"pz.init(): {name}={value!r} is not an integer") from None
 
 
-def init(backend: str | None = None, timeout: float = 300.0) -> None:
+def init(backend: str | None = None, timeout: float = 300.0, options=None) -> None:
     """Join the job described by the torchrun environment variables.
 
     Without any of them set, starts a world of one process. ``backend`` is
     "shm" (CPU processes of one host), "nccl" or "ipc" (CUDA); None picks
-    "nccl" when CUDA is available, else "shm".
+    "nccl" when CUDA is available, else "shm". ``options`` (pz.Options or a
+    dict of its fields) sets the transport of the world and, by default, of
+    every subgroup.
     """
     global _world
     if _world is not None:
         raise RuntimeError("pz.init(): already initialised; call pz.destroy() first")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    opts = Options.make(options)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "shm"
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS} or None, got {backend!r}")
-    if backend not in _C.build_info()["backends"]:
-        raise RuntimeError(f"backend={backend!r} is not available in this build of pyzero "
-                           f"(available: {list(_C.build_info()['backends'])})")
+    cls = backends.backend_class(backend)
 
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not any(n in os.environ for n in names):
@@ -159,7 +165,7 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
         port = _env_int("MASTER_PORT")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
-    device = _gpu().nccl_device(local_rank) if backend == "nccl" else None
+    device = cls.setup_process(local_rank)
 
     from torch.distributed import TCPStore  # noqa: PLC0415
 
@@ -167,51 +173,25 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
-    _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device)
+    _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts)
     try:
-        _world.world = _make_group(tuple(range(size)))
+        _world.world = _make_group(tuple(range(size)), opts)
     except BaseException:
         _world = None
         raise
 
 
-def _store_barrier(store, key: str, n: int, timeout: float) -> None:
-    if store.add(key, 1) == n:
-        store.set(key + "/done", "1")
-    store.wait([key + "/done"], datetime.timedelta(seconds=timeout))
-
-
-def _make_group(ranks: tuple[int, ...]) -> Group:
+def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
     w = _world
     gid = w.next_gid
     w.next_gid += 1
     if w.rank not in ranks:
-        return Group(ranks, -1, gid, device=w.device)
+        return Group(ranks, -1, gid, options=options)
     me = ranks.index(w.rank)
-    if w.backend == "nccl":
-        comm = _gpu().make_comm(w.store, gid, me, len(ranks), w.device, w.timeout)
-        g = Group(ranks, me, gid, comm, device=w.device)
-        w.groups.append(g)
-        return g
-    prefix = f"/pz{w.token}_{gid}"
-    comm = _C.ShmComm(prefix, me, len(ranks), SHM_SLICE_BYTES, SHM_DEPTH, SHM_ONESHOT_BYTES, w.timeout)
-    key = f"pz/g{gid}"
-    try:
-        _store_barrier(w.store, key + "/created", len(ranks), w.timeout)
-        comm.attach()
-        _store_barrier(w.store, key + "/attached", len(ranks), w.timeout)
-    finally:
-        comm.unlink()  # every rank has mapped it now (or set-up failed): nothing left in /dev/shm
-    g = Group(ranks, me, gid, comm)
+    setup = GroupSetup(w.store, f"pz/g{gid}", f"/pz{w.token}_{gid}", me, len(ranks), w.timeout, w.device, options)
+    g = Group(ranks, me, gid, backends.backend_class(w.backend).create(setup), options)
     w.groups.append(g)
     return g
-
-
-def _gpu():
-    """pyzero.cuda, imported on first use: only GPU groups need it."""
-    from . import cuda  # noqa: PLC0415
-
-    return cuda
 
 
 def _require_init() -> _World:
@@ -240,21 +220,29 @@ def get_backend() -> str:
     return _require_init().backend
 
 
+def get_store():
+    """The job's key-value store (a torch.distributed TCPStore), for layers that rendezvous beside pyzero."""
+    return _require_init().store
+
+
+def get_timeout() -> float:
+    """The collective timeout in seconds given to pz.init()."""
+    return _require_init().timeout
+
+
 def destroy() -> None:
-    """Finish queued work, free every group's shared memory, leave the job."""
+    """Finish queued work, free every group's transport, leave the job."""
     global _world
     if _world is None:
         return
     w, _world = _world, None
     for g in w.groups:
-        if g._comm is not None:
-            g._symmetric = None  # views of the segments the comm unmaps
-            g._comm.close()
-            g._comm = None
+        g.close()
 
 
-def new_group(ranks: Sequence[int]) -> Group:
-    """A subgroup of the world; every rank of the world must call this, in the same order."""
+def new_group(ranks: Sequence[int], options=None) -> Group:
+    """A subgroup of the world; every rank of the world must call this, in the same order.
+    ``options`` (pz.Options or a dict) overrides the world's options for this group."""
     w = _require_init()
     try:
         ranks = tuple(int(r) for r in ranks)
@@ -262,10 +250,11 @@ def new_group(ranks: Sequence[int]) -> Group:
         raise TypeError(f"ranks: expected a sequence of ints, got {ranks!r}") from None
     if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < w.size for r in ranks):
         raise ValueError(f"ranks: expected distinct global ranks in [0, {w.size}), got {list(ranks)}")
-    return _make_group(ranks)
+    return _make_group(ranks, Options.make(options).merged(w.options))
 
 
-def _group(group) -> Group:
+def resolve_group(group) -> Group:
+    """`group`, or the world group for None; TypeError for anything else."""
     w = _require_init()
     if group is None:
         return w.world
@@ -274,190 +263,97 @@ def _group(group) -> Group:
     return group
 
 
-# ---------------------------------------------------------------------------
-# Argument checks
-
-
-def _check_tensor(t, arg: str) -> int:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
-    code = _DTYPES.get(t.dtype)
-    if code is None:
-        raise TypeError(f"{arg}: dtype {t.dtype} is not supported; expected one of "
-                        "float32, float16, bfloat16, float64, int32, int64")
-    if not t.is_contiguous():
-        raise ValueError(f"{arg}: expected a contiguous tensor (call .contiguous() first)")
-    if t.device.type != "cpu":
-        raise ValueError(f"{arg}: the shm backend takes CPU tensors, got a tensor on {t.device}")
-    return code
-
-
-def _check_op(op, code: int, arg_dtype) -> int:
-    if not isinstance(op, str) or op not in _OPS:
-        raise ValueError(f"op: expected one of {list(_OPS)}, got {op!r}")
-    if op == "avg" and code in (4, 5):
-        raise ValueError(f"op='avg' is for floating-point tensors; got {arg_dtype} (use op='sum' and divide)")
-    return _OPS[op]
-
-
-def _check_algo(algo) -> int:
-    if algo not in _ALGOS:
-        raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
-    return _ALGOS[algo]
-
-
-def _check_counts(counts, n: int, total: int, arg_total: str):
-    try:
-        counts = [int(c) for c in counts]
-    except (TypeError, ValueError):
-        raise TypeError(f"counts: expected a sequence of {n} ints, got {counts!r}") from None
-    if len(counts) != n or any(c < 0 for c in counts):
-        raise ValueError(f"counts: expected {n} non-negative ints (one per rank of the group), got {counts}")
-    if sum(counts) != total:
-        raise ValueError(f"counts: sum(counts)={sum(counts)} must equal {arg_total}.numel()={total}")
-    return counts
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_alias(big: torch.Tensor, small: torch.Tensor, offset: int, big_arg: str, small_arg: str) -> None:
-    """`small` must be disjoint from `big`, or exactly its chunk at `offset` (the in-place form)."""
-    b0, b1 = _span(big)
-    s0, s1 = _span(small)
-    if s1 <= b0 or b1 <= s0 or small.numel() == 0:
-        return
-    if s0 != b0 + offset * big.element_size():
-        raise ValueError(f"{small_arg} overlaps {big_arg}: expected either separate memory or, for the in-place "
-                         f"form, {small_arg} to be exactly this rank's chunk of {big_arg}")
-
-
-def _finish(g: Group, result, keep):
-    if result is None:
-        return None
-    work = Work(result, keep)
-    g._pending = [w for w in g._pending if w._keep is not None and not w._work.is_completed()]
-    g._pending.append(work)
-    return work
+def groups() -> list[Group]:
+    """This process's live groups (the world first)."""
+    return [g for g in _require_init().groups if not g._closed]
 
 
 # ---------------------------------------------------------------------------
 # Collectives
 
 
-def all_reduce(t: torch.Tensor, op: str = "sum", group=None, async_op: bool = False, algo=None):
+def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None):
     """Reduce `t` across the group in place."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().all_reduce(g, t, op, async_op, algo)
-    code = _check_tensor(t, "tensor")
-    opc = _check_op(op, code, t.dtype)
-    res = g.comm().all_reduce(t.data_ptr(), t.numel(), code, opc, _check_algo(algo), bool(async_op))
-    return _finish(g, res, (t,))
+    g = resolve_group(group)
+    be = g.backend
+    b = be.buffer(t, "tensor")
+    raw = be.all_reduce(b, check_op(op, b), check_algo(algo), bool(async_op))
+    return g.track(raw, (t,), b)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", counts=None, group=None,
-                   async_op: bool = False, algo=None):
+def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op: bool = False, algo=None):
     """Reduce `inp` across the group; this rank's chunk of the result lands in `out`."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().reduce_scatter(g, out, inp, op, counts, async_op, algo)
-    code = _check_tensor(out, "out")
-    if _check_tensor(inp, "inp") != code:
-        raise TypeError(f"inp: dtype {inp.dtype} does not match out's {out.dtype}")
-    opc = _check_op(op, code, out.dtype)
-    comm, n, me = g.comm(), g.size, g.rank
-    if counts is None:
-        if inp.numel() != n * out.numel():
-            raise ValueError(f"inp: expected {n} x out.numel() = {n * out.numel()} elements, got {inp.numel()} "
-                             "(pass counts= for uneven chunks)")
-        counts = [out.numel()] * n
-    else:
-        counts = _check_counts(counts, n, inp.numel(), "inp")
-        if counts[me] != out.numel():
-            raise ValueError(f"out: expected counts[{me}]={counts[me]} elements for this rank, got {out.numel()}")
-    _check_alias(inp, out, sum(counts[:me]), "inp", "out")
-    res = comm.reduce_scatter(out.data_ptr(), inp.data_ptr(), counts, code, opc, _check_algo(algo),
-                                  bool(async_op))
-    return _finish(g, res, (out, inp))
+    g = resolve_group(group)
+    be = g.backend
+    bo, bi = be.buffer(out, "out"), be.buffer(inp, "inp", writable=False)
+    check_same_dtype(bi, bo, "inp", "out")
+    opc = check_op(op, bo)
+    counts = resolve_counts(counts, g.size, g.rank, bi, bo, "inp", "out")
+    check_alias(bi, bo, sum(counts[:g.rank]), "inp", "out")
+    raw = be.reduce_scatter(bo, bi, counts, opc, check_algo(algo), bool(async_op))
+    return g.track(raw, (out, inp), bo)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, counts=None, group=None, async_op: bool = False,
-               algo=None):
+def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=None):
     """Concatenate every rank's `inp` into `out` (rank order). `inp` may be this rank's chunk of `out`."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().all_gather(g, out, inp, counts, async_op, algo)
-    code = _check_tensor(out, "out")
-    if _check_tensor(inp, "inp") != code:
-        raise TypeError(f"inp: dtype {inp.dtype} does not match out's {out.dtype}")
-    comm, n, me = g.comm(), g.size, g.rank
-    if counts is None:
-        if out.numel() != n * inp.numel():
-            raise ValueError(f"out: expected {n} x inp.numel() = {n * inp.numel()} elements, got {out.numel()} "
-                             "(pass counts= for uneven chunks)")
-        counts = [inp.numel()] * n
-    else:
-        counts = _check_counts(counts, n, out.numel(), "out")
-        if counts[me] != inp.numel():
-            raise ValueError(f"inp: expected counts[{me}]={counts[me]} elements for this rank, got {inp.numel()}")
-    _check_alias(out, inp, sum(counts[:me]), "out", "inp")
-    res = comm.all_gather(out.data_ptr(), inp.data_ptr(), counts, code, _check_algo(algo), bool(async_op))
-    return _finish(g, res, (out, inp))
+    g = resolve_group(group)
+    be = g.backend
+    bo, bi = be.buffer(out, "out"), be.buffer(inp, "inp", writable=False)
+    check_same_dtype(bi, bo, "inp", "out")
+    counts = resolve_counts(counts, g.size, g.rank, bo, bi, "out", "inp")
+    check_alias(bo, bi, sum(counts[:g.rank]), "out", "inp")
+    raw = be.all_gather(bo, bi, counts, check_algo(algo), bool(async_op))
+    return g.track(raw, (out, inp), bo)
 
 
-def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False, algo=None):
+def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     """Copy `t` of global rank `src` into `t` on every rank of the group."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().broadcast(g, t, src, async_op, algo)
-    code = _check_tensor(t, "tensor")
+    g = resolve_group(group)
     root = g.group_rank(src, "src")
-    res = g.comm().broadcast(t.data_ptr(), t.numel(), code, root, _check_algo(algo), bool(async_op))
-    return _finish(g, res, (t,))
+    be = g.backend
+    b = be.buffer(t, "tensor")
+    raw = be.broadcast(b, root, check_algo(algo), bool(async_op))
+    return g.track(raw, (t,), b)
 
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().barrier(g, async_op)
-    return _finish(g, g.comm().barrier(bool(async_op)), ())
+    g = resolve_group(group)
+    return g.track(g.backend.barrier(bool(async_op)), ())
 
 
-def send(t: torch.Tensor, dst: int, group=None, async_op: bool = False):
+def _peer(g: Group, global_rank: int, arg: str) -> int:
+    peer = g.group_rank(global_rank, arg)
+    if peer == g.rank:
+        raise ValueError(f"{arg}={global_rank}: cannot {'send to' if arg == 'dst' else 'receive from'} "
+                         "this rank itself")
+    return peer
+
+
+def send(t, dst: int, group=None, async_op: bool = False):
     """Send `t` to global rank `dst` (matched by one recv there, in order)."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().send(g, t, dst, async_op)
-    code = _check_tensor(t, "tensor")
-    peer = g.group_rank(dst, "dst")
-    if peer == g.rank:
-        raise ValueError(f"dst={dst}: cannot send to this rank itself")
-    return _finish(g, g.comm().send(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
+    g = resolve_group(group)
+    peer = _peer(g, dst, "dst")
+    be = g.backend
+    b = be.buffer(t, "tensor", writable=False)
+    return g.track(be.send(b, peer, bool(async_op)), (t,), b)
 
 
-def recv(t: torch.Tensor, src: int, group=None, async_op: bool = False):
+def recv(t, src: int, group=None, async_op: bool = False):
     """Receive into `t` the next message that global rank `src` sends to this rank."""
-    g = _group(group)
-    if g.device is not None:
-        return _gpu().recv(g, t, src, async_op)
-    code = _check_tensor(t, "tensor")
-    peer = g.group_rank(src, "src")
-    if peer == g.rank:
-        raise ValueError(f"src={src}: cannot receive from this rank itself")
-    return _finish(g, g.comm().recv(t.data_ptr(), t.numel(), code, peer, bool(async_op)), (t,))
+    g = resolve_group(group)
+    peer = _peer(g, src, "src")
+    be = g.backend
+    b = be.buffer(t, "tensor")
+    return g.track(be.recv(b, peer, bool(async_op)), (t,), b)
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:
     """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one)."""
-    w = _require_init()
-    groups = [_group(group)] if group is not None else [g for g in w.groups if g._comm is not None]
+    selected = [resolve_group(group)] if group is not None else groups()
     out: dict = {}
-    for g in groups:
-        for op, s in g.comm().stats(reset).items():
+    for g in selected:
+        for op, s in g.backend.stats(reset).items():
             acc = out.setdefault(op, {"calls": 0, "elements": 0, "sent_bytes": 0})
             acc["calls"] += s.calls
             acc["elements"] += s.elements

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .backend import DTYPES
 from .bucketing import BucketReducer, BucketSpec, pack, unpack
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -106,8 +107,8 @@ class DataParallel(nn.Module):
                              f"got {comm_dtype!r}")
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
-        g = comm._group(group)
-        g.comm()  # raises unless this rank is a member
+        g = comm.resolve_group(group)
+        g.backend  # raises unless this rank is a member
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named)
         self.module = module
@@ -132,11 +133,11 @@ class DataParallel(nn.Module):
             raise ValueError(f"module: DataParallel runs CPU modules over the shm backend, got tensors on "
                              f"{next(iter(devices))}")
         for name, p in named:
-            if p.dtype not in comm._DTYPES or not p.is_floating_point():
+            if p.dtype not in DTYPES or not p.is_floating_point():
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
                                 "float32, float16, bfloat16 or float64")
         for name, b in module.named_buffers():
-            if b.dtype not in comm._DTYPES and b.dtype not in _WIDEN and not b.is_complex():
+            if b.dtype not in DTYPES and b.dtype not in _WIDEN and not b.is_complex():
                 raise TypeError(f"module: buffer {name!r} has dtype {b.dtype}, which DataParallel cannot "
                                 "broadcast; expected a float, int, bool or complex dtype")
 

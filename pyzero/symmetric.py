@@ -27,22 +27,20 @@ every rank), after which the previous call's reads are over everywhere.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from . import comm
 
-_GATHER, _REDUCE_SCATTER = 0, 1  # fused op kinds, as csrc/shm_transport.cpp names them
 _MIN_BYTES = 1 << 20
-
-# PYZERO_SYMMETRIC=0 makes the TP ops use their send/recv ring on shm too.
-ENABLED = os.environ.get("PYZERO_SYMMETRIC", "1") != "0"
 
 
 def supported(g: comm.Group) -> bool:
-    """Whether `g` can run fused ops on symmetric buffers (the shm backend, 2+ ranks)."""
-    return ENABLED and g.device is None and g.size > 1 and hasattr(g.comm(), "sym_arrive")
+    """Whether `g` runs fused ops on symmetric buffers: a backend that has them (shm), 2+ ranks, and
+    the group's ``symmetric`` option on (default; ``PYZERO_SYMMETRIC=0`` turns it off, so the TP ops
+    use their send/recv ring)."""
+    return (g.size > 1 and g.backend.has_symmetric
+            and g.options.get("symmetric", True, "PYZERO_SYMMETRIC"))
 
 
 class SymmetricBuffer:
@@ -55,25 +53,17 @@ class SymmetricBuffer:
         self.views: list[torch.Tensor] = []  # uint8, one per rank of g
         self._typed: dict = {}  # (rank, dtype, shape) -> view: fused calls repeat their shapes
 
-    def begin(self, kind: int, like: torch.Tensor, dims: tuple[int, ...], nbytes: int) -> int:
+    def begin(self, kind: str, like: torch.Tensor, dims: tuple[int, ...], nbytes: int) -> int:
         """Enter a fused call (collective) with room for `nbytes` per rank; returns the
         call's base `ready` value (values base+1 .. base+n mark its progress)."""
-        c = self.g.comm()
-        c.sym_arrive(kind, math.prod(dims), comm._check_tensor(like, "x"), list(dims))
+        be = self.g.backend
+        be.sym_arrive(kind, like, dims, math.prod(dims))
         if nbytes > self.bytes:  # equal dims on every rank (checked above): the same choice everywhere
-            self._grow(c, max(nbytes, 2 * self.bytes, _MIN_BYTES))
+            self.views = be.sym_grow(max(nbytes, 2 * self.bytes, _MIN_BYTES), lambda: comm.barrier(group=self.g))
+            self.bytes = be.sym_bytes()
+            self._typed = {}
         self.calls += 1
         return self.calls * (self.g.size + 1)
-
-    def _grow(self, c, nbytes: int) -> None:
-        c.sym_create(nbytes)
-        comm.barrier(group=self.g)
-        c.sym_attach()
-        comm.barrier(group=self.g)
-        c.sym_unlink()  # every rank has mapped it: nothing left in /dev/shm
-        self.bytes = c.sym_bytes()
-        self.views = [torch.frombuffer(c.sym_buffer(r), dtype=torch.uint8) for r in range(self.g.size)]
-        self._typed = {}
 
     def view(self, r: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Rank r's buffer as a (shape) tensor of dtype, from its start."""
@@ -88,9 +78,9 @@ class SymmetricBuffer:
 
 
 def _buffer(g: comm.Group) -> SymmetricBuffer:
-    if g._symmetric is None:
-        g._symmetric = SymmetricBuffer(g)
-    return g._symmetric
+    if g.symmetric is None:
+        g.symmetric = SymmetricBuffer(g)
+    return g.symmetric
 
 
 def all_gather_apply(x2: torch.Tensor, g: comm.Group, on_block) -> None:
@@ -100,8 +90,8 @@ def all_gather_apply(x2: torch.Tensor, g: comm.Group, on_block) -> None:
     n, r = g.size, g.rank
     buf = _buffer(g)
     x2 = x2.contiguous()
-    base = buf.begin(_GATHER, x2, tuple(x2.shape), x2.numel() * x2.element_size())
-    c = g.comm()
+    base = buf.begin("all_gather", x2, tuple(x2.shape), x2.numel() * x2.element_size())
+    c = g.backend
     buf.view(r, x2.dtype, tuple(x2.shape)).copy_(x2)
     c.sym_signal(base + 1)
     on_block(r, x2)
@@ -118,8 +108,8 @@ def reduce_scatter_apply(partial, m: int, o: int, like: torch.Tensor, g: comm.Gr
     n, r = g.size, g.rank
     buf = _buffer(g)
     es = like.element_size()
-    base = buf.begin(_REDUCE_SCATTER, like, (n, m, o), n * m * o * es)
-    c = g.comm()
+    base = buf.begin("reduce_scatter", like, (n, m, o), n * m * o * es)
+    c = g.backend
     mine = buf.view(r, like.dtype, (n, m, o))
     for s in range(1, n):  # rank r+s adds block r+s at its step s: compute them in that order
         b = (r + s) % n

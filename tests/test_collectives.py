@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import pyzero as pz
-from pyzero import comm as pzcomm
 from pyzero.launch import run_ranks
 from reference_data import make_input, reference
 
@@ -76,7 +75,7 @@ class Checker:
 
 
 def oneshot_ok(nbytes):
-    return nbytes <= pzcomm.SHM_ONESHOT_BYTES
+    return nbytes <= pz.comm.resolve_group(None).backend.oneshot_bytes
 
 
 def even_split(total, n):
@@ -115,8 +114,7 @@ def _rank_all_reduce_matrix():
 
     # A second full-world group with tiny slices and a shallow ring buffer:
     # many ring rounds and slot wrap-arounds at small sizes.
-    pzcomm.SHM_SLICE_BYTES, pzcomm.SHM_DEPTH = 4096, 2
-    small = pz.new_group(range(n))
+    small = pz.new_group(range(n), options=pz.Options(slice_bytes=4096, depth=2))
     for dtype in DTYPES:
         for op in ["sum", "max", "prod"]:
             for size in [3, 4099, 40009]:

@@ -24,14 +24,16 @@ import torch
 import pyzero as pz
 from pyzero import _C
 from pyzero import comm as pzcomm
-from pyzero import cuda as pzcuda
+from pyzero.backend import Buffer, check_algo
+from pyzero.backends import cuda_buffers as pzcuda
+from pyzero.backends.nccl import NcclBackend, nccl_device
 from pyzero.launch import run_ranks
 from reference_data import make_input, reference, wire
 
-CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int32: 4, torch.int64: 5}
-COLL = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
-OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
-ALGO = {"auto": 0, "ring": 1, "oneshot": 2, "native": 3}
+CODES = {getattr(torch, name): code for name, code in _C.DTYPES.items()}
+COLL = {k: _C.COLLS[k] for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}  # the ring ones
+OPS = dict(_C.OPS)
+ALGO = dict(_C.ALGOS)
 GROUP, COPY, PACK, REDUCE, REDUCE_FINAL = range(5)
 OUT, IN, SEND_STAGE, RECV_STAGE = range(4)
 HAS_CUDA_BUILD = _C.build_info()["cuda"]
@@ -335,6 +337,19 @@ def test_shm_rejects_native_algo_by_name():
 # Backend availability, build_info, device choice
 
 
+def test_code_tables_are_the_documented_ones():
+    """The tables _C exports are the codes csrc uses; pyzero.backend maps torch dtypes through them."""
+    assert _C.DTYPES == {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int32": 4, "int64": 5}
+    assert _C.OPS == {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
+    assert _C.ALGOS == {"auto": 0, "ring": 1, "oneshot": 2, "native": 3}
+    assert _C.SYM_KINDS == {"all_gather": 0, "reduce_scatter": 1}
+    assert {k: _C.COLLS[k] for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")} == \
+        {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
+    from pyzero.backend import DTYPES
+    assert DTYPES == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int32: 4,
+                      torch.int64: 5}
+
+
 def test_build_info_lists_nccl_exactly_when_built_with_cuda():
     info = pz.build_info()
     assert info["backends"][0] == "shm"
@@ -357,11 +372,11 @@ def test_init_nccl_without_gpu_is_a_clear_error():
 
 
 def test_nccl_device_is_local_rank():
-    assert pzcuda.nccl_device(1, device_count=2) == 1
+    assert nccl_device(1, device_count=2) == 1
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        pzcuda.nccl_device(0, device_count=0)
+        nccl_device(0, device_count=0)
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this process sees 2 GPU"):
-        pzcuda.nccl_device(2, device_count=2)
+        nccl_device(2, device_count=2)
 
 
 # ---------------------------------------------------------------------------
@@ -378,7 +393,7 @@ class FakeArray:
 
 def test_cai_parsing():
     b = pzcuda.parse_cuda_array_interface(FakeArray((2, 3), "<f2", stream=None), "x")
-    assert b == pzcuda.DeviceBuffer(0x7F0000001000, 6, 2, 1, 0, "array")
+    assert b == Buffer(0x7F0000001000, 6, 2, 1, 0, "array")
     assert pzcuda.parse_cuda_array_interface(FakeArray((3,), "<i8", strides=(8,), stream=1), "x").stream == 1
     assert pzcuda.parse_cuda_array_interface(FakeArray((2, 1, 3), "<f8", strides=(24, 999, 8)), "x").numel == 6
     assert pzcuda.parse_cuda_array_interface(FakeArray((), "<i4"), "x").numel == 1
@@ -421,10 +436,10 @@ def test_as_buffer_rejects_cpu_and_foreign_objects(monkeypatch):
         pzcuda.as_buffer(torch.ones(3, dtype=torch.uint8), "inp", 0)
     with pytest.raises(TypeError, match="tensor: expected a CUDA torch.Tensor or an array"):
         pzcuda.as_buffer([1.0, 2.0], "tensor", 0)
-    monkeypatch.setattr(pzcuda, "_device_of", lambda ptr: -1)
+    monkeypatch.setattr(pzcuda, "device_of", lambda ptr: -1)
     with pytest.raises(ValueError, match="not on a CUDA device"):
         pzcuda.as_buffer(FakeArray(), "tensor", 0)
-    monkeypatch.setattr(pzcuda, "_device_of", lambda ptr: 1)
+    monkeypatch.setattr(pzcuda, "device_of", lambda ptr: 1)
     with pytest.raises(ValueError, match=r"tensor: the array is on cuda:1, but this rank's GPU is cuda:0"):
         pzcuda.as_buffer(FakeArray(), "tensor", 0)
     assert pzcuda.as_buffer(FakeArray(), "tensor", 1).numel == 4
@@ -468,10 +483,10 @@ class FakeComm:
 def gpu_world(monkeypatch):
     """A world of 2 ranks on a fake GPU backend (this process is rank 1, cuda:1), no init or store needed."""
     comm = FakeComm()
-    world = pzcomm.Group((0, 1), 1, 0, comm, device=1)
+    world = pzcomm.Group((0, 1), 1, 0, NcclBackend(comm, device=1))
     w = pzcomm._World(1, 2, 1, "nccl", 5.0, None, "tok", world=world, groups=[world], device=1)
     monkeypatch.setattr(pzcomm, "_world", w)
-    monkeypatch.setattr(pzcuda, "_device_of", lambda ptr: 1)
+    monkeypatch.setattr(pzcuda, "device_of", lambda ptr: 1)
     return comm
 
 
@@ -495,7 +510,7 @@ def test_dispatch_passes_pointers_codes_and_stream(gpu_world):
 def test_dispatch_async_work_waits_on_the_stream_and_keeps_buffers(gpu_world):
     x = FakeArray(ptr=0x1000, stream=9)
     work = pz.all_reduce(x, async_op=True)
-    assert isinstance(work, pzcuda.CudaWork) and isinstance(work, pz.Work)
+    assert isinstance(work, pz.Work)
     assert work._keep == (x,)
     assert work in pzcomm._world.world._pending
     assert work.wait() is True
@@ -533,8 +548,8 @@ def test_dispatch_checks_arguments(gpu_world):
 
 def test_shm_algo_error_mentions_native():
     with pytest.raises(ValueError, match="'native'"):
-        pzcomm._check_algo("tree")
-    assert pzcomm._check_algo("native") == ALGO["native"]
+        check_algo("tree")
+    assert check_algo("native") == ALGO["native"]
 
 
 # ---------------------------------------------------------------------------

@@ -339,7 +339,7 @@ def _rank_dies(how, long_timeout):
         if how == "sigkill_fused":  # die inside a fused op: arrived, but its block never comes
             def die(c, out):
                 os.kill(os.getpid(), signal.SIGKILL)
-            pz.symmetric.reduce_scatter_apply(die, 4, 4, x, pz.comm._group(None))
+            pz.symmetric.reduce_scatter_apply(die, 4, 4, x, pz.comm.resolve_group(None))
         if how == "sleep":  # arrive long after the others gave up
             time.sleep(4.5)
             t0 = time.monotonic()
@@ -354,7 +354,7 @@ def _rank_dies(how, long_timeout):
         first = outcome(both)
     elif how == "sigkill_fused":  # the survivors wait for the dead rank's partial sums
         first = outcome(lambda: pz.symmetric.reduce_scatter_apply(lambda c, out: out.fill_(1.0), 4, 4, x,
-                                                                   pz.comm._group(None)))
+                                                                   pz.comm.resolve_group(None)))
     elif how == "sigkill_recv":  # the survivor waits in a recv from the dead rank
         first = outcome(lambda: pz.recv(torch.empty(10), src=victim))
     else:

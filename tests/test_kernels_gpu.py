@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pyzero import _C
-from pyzero.comm import _DTYPES, _OPS
+from pyzero.backend import DTYPES as _DTYPES, OPS as _OPS
 
 pytestmark = pytest.mark.gpu
 

@@ -219,7 +219,7 @@ def test_world1_errors(monkeypatch):
 def _stream_ordering(n_elems=1 << 20):
     dev = torch.device("cuda", pz.get_local_rank())
     n = pz.get_world_size()
-    comm_stream = torch.cuda.ExternalStream(pzcomm._world.world.comm().stream, device=dev)
+    comm_stream = torch.cuda.ExternalStream(pzcomm.resolve_group(None).backend.comm.stream, device=dev)
     failures = []
     for algo in ["native", "ring"]:
         inp = torch.zeros(n_elems, device=dev)

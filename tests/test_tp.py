@@ -153,8 +153,7 @@ def seeded(seed, *shape):
 
 
 def rank_overlap_ops(use_symmetric):
-    pz.symmetric.ENABLED = use_symmetric
-    pz.init()
+    pz.init(options={"symmetric": use_symmetric})
     n, r = pz.get_world_size(), pz.get_rank()
     m, b, k, o = 3, 2, 5, 4
     out = {}
@@ -224,7 +223,7 @@ def rank_ring_in_flight():
             seen.append(bool((out[((r - 1) % n) * 4] == (r - 1) % n).all()))
         seen.append(c)
 
-    ring_all_gather(x, pz.comm._group(None), compute, out=out)
+    ring_all_gather(x, pz.comm.resolve_group(None), compute, out=out)
     return seen, out
 
 
@@ -241,20 +240,20 @@ def rank_symmetric_in_place():
     their buffers; peers' blocks come as views of those buffers (no copy), in ring order."""
     pz.init()
     n, r = pz.get_world_size(), pz.get_rank()
-    g = pz.comm._group(None)
+    g = pz.comm.resolve_group(None)
     x = torch.full((4, 3), float(r))
     seen, blocks = [], {}
 
     def compute(c, block):
         if c == r:
-            buf = g._symmetric
+            buf = g.symmetric
             deadline = time.monotonic() + 10.0
             peers_here = lambda: all(bool((buf.view(p, x.dtype, (4, 3)) == p).all()) for p in range(n))  # noqa: E731
             while time.monotonic() < deadline and not peers_here():
                 time.sleep(0.001)
             seen.append(peers_here())
         else:  # a view of the peer's buffer, not a copy
-            seen.append(block.data_ptr() == g._symmetric.view(c, x.dtype, (4, 3)).data_ptr())
+            seen.append(block.data_ptr() == g.symmetric.view(c, x.dtype, (4, 3)).data_ptr())
         blocks[c] = block.clone()
         seen.append(c)
 
@@ -311,17 +310,18 @@ def rank_errors():
     t = torch.ones(3)
     pz.all_reduce(t)  # the group still works: no rank communicated before raising
     # Sequence shards that differ between ranks cannot be checked locally; the transport reports them.
+    n = pz.get_world_size()
+    groups = {sym: pz.new_group(range(n), options={"symmetric": sym}) for sym in (True, False)}
     for overlap, sym, text in ((False, True, "mismatched collective"),
                                (True, True, "mismatched collective: this rank called fused symmetric all_gather"),
                                (True, False, "mismatched send/recv")):
-        pz.symmetric.ENABLED = sym
         try:
-            pz.tp.ColumnParallelLinear(4, 4, sequence_parallel=True, overlap=overlap)(torch.randn(2 + r, 1, 4))
+            pz.tp.ColumnParallelLinear(4, 4, sequence_parallel=True, overlap=overlap,
+                                       group=groups[sym])(torch.randn(2 + r, 1, 4))
             problems.append(f"uneven shards, overlap={overlap}, symmetric={sym}: nothing raised")
         except pz.CollectiveError as e:
             if text not in str(e):
                 problems.append(f"uneven shards, overlap={overlap}, symmetric={sym}: {e}")
-    pz.symmetric.ENABLED = True
     return problems, t
 
 

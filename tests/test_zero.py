@@ -181,9 +181,8 @@ def one_step_volume(stage):
 
 
 def _rank_scenarios(ring_only):
-    if ring_only:  # every collective on the ring path (read at group creation)
-        pz.comm.SHM_ONESHOT_BYTES = 0
-    pz.init(timeout=60)
+    # ring_only: every collective on the ring path
+    pz.init(timeout=60, options={"oneshot_bytes": 0} if ring_only else None)
     world = pz.get_world_size()
     runs = {(name, stage): train(spec(name, stage), world) for stage in (1, 2, 3) for name in VARIANTS}
     return {"runs": runs, "volume": {stage: one_step_volume(stage) for stage in (1, 2, 3)}}

@@ -17,9 +17,8 @@ def init_torch_distributed(backend: str, timeout: float = 300.0):
 
     from .. import comm  # noqa: PLC0415
 
-    w = comm._require_init()
-    store = dist.PrefixStore("torch.distributed/", w.store)
-    dist.init_process_group(backend, store=store, rank=w.rank, world_size=w.size,
+    store = dist.PrefixStore("torch.distributed/", comm.get_store())
+    dist.init_process_group(backend, store=store, rank=comm.get_rank(), world_size=comm.get_world_size(),
                             timeout=datetime.timedelta(seconds=timeout))
     return dist
 

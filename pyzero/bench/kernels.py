@@ -15,10 +15,10 @@ import argparse
 import torch
 
 from .. import _C
-from ..comm import _DTYPES
+from ..backend import DTYPES, OPS as BACKEND_OPS
 from .common import write_json
 
-OPS = {"sum": 0, "max": 2}
+OPS = {op: BACKEND_OPS[op] for op in ("sum", "max")}
 
 
 def _time_ms(fn, iters):
@@ -37,9 +37,9 @@ def ring_kernels(args, stream) -> list:
     """GB/s of the copy, wire-final reduce and 8-source reduce kernels, sum, per dtype and size."""
     results = []
     print(f"#{'dtype':>9} {'kernel':>18} {'size MiB':>9} {'GB/s':>8} {'copy GB/s':>10} {'ratio':>6}")
-    for name, dt in ((str(d).replace("torch.", ""), d) for d in _DTYPES):
+    for name, dt in ((str(d).replace("torch.", ""), d) for d in DTYPES):
         wire = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
-        code = _DTYPES[dt]
+        code = DTYPES[dt]
         for mb in (int(s) for s in args.sizes_mb.split(",")):
             n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
             a, out = torch.ones(n, dtype=dt, device="cuda"), torch.empty(n, dtype=dt, device="cuda")
@@ -78,14 +78,14 @@ def main(argv=None) -> int:
     results = []
     print(f"# {torch.cuda.get_device_name(0)}: reduce (3 x size bytes) vs copy (2 x size bytes)")
     print(f"#{'dtype':>9} {'op':>4} {'size MiB':>9} {'reduce GB/s':>12} {'copy GB/s':>10} {'ratio':>6}")
-    for name, dt in ((str(d).replace("torch.", ""), d) for d in _DTYPES):
+    for name, dt in ((str(d).replace("torch.", ""), d) for d in DTYPES):
         for op, opc in OPS.items():
             for mb in (int(s) for s in args.sizes_mb.split(",")):
                 n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
                 a = torch.ones(n, dtype=dt, device="cuda")
                 b, out = torch.ones_like(a), torch.empty_like(a)
                 ms_red = _time_ms(lambda: _C.cuda_reduce2(a.data_ptr(), b.data_ptr(), out.data_ptr(), n,
-                                                          _DTYPES[dt], opc, 1, stream), args.iters)
+                                                          DTYPES[dt], opc, 1, stream), args.iters)
                 ms_cpy = _time_ms(lambda: out.copy_(a), args.iters)
                 red, cpy = 3 * (mb << 20) / ms_red / 1e6, 2 * (mb << 20) / ms_cpy / 1e6
                 results.append({"dtype": name, "op": op, "bytes": mb << 20, "reduce_gbps": red, "copy_gbps": cpy,

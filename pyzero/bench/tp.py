@@ -82,20 +82,7 @@ def _medians_us(fns, iters: int, warmup: int, flush_mib: float = 0.0, inputs=Non
     return [t * 1e6 for t in interleaved_medians(fns, iters, warmup, before)]
 
 
-def _ring(fn):
-    """fn run over the send/recv ring instead of symmetric buffers."""
-    from .. import symmetric  # noqa: PLC0415
-
-    def run():
-        on, symmetric.ENABLED = symmetric.ENABLED, False
-        try:
-            return fn()
-        finally:
-            symmetric.ENABLED = on
-    return run
-
-
-def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float | None):
+def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float | None, ring_grp):
     """(comm, compute, serial, overlapped, ring, check) closures over preallocated buffers,
     and the input tensors the timing loop rewrites before each call.
 
@@ -104,7 +91,7 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
     import pyzero as pz  # noqa: PLC0415
     from ..tp.overlap import gather_blocks, reduce_scatter_blocks  # noqa: PLC0415
 
-    grp = pz.comm._group(None)
+    grp = pz.comm.resolve_group(None)
     g = torch.Generator().manual_seed(pz.get_rank())
     ag = op == "all_gather_matmul"
     # Both sides allocate what they return and reuse their intermediates (the ring
@@ -120,9 +107,9 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         def mm():
             return torch.matmul(x_all, w.t())  # (n*M, H) @ (H, width) -> (n*M, width)
 
-        def overlapped():
+        def overlapped(grp=grp):
             if sleep_s is None:
-                return pz.tp.all_gather_matmul(x, w)
+                return pz.tp.all_gather_matmul(x, w, group=grp)
             return gather_blocks(x, grp, lambda c, block: time.sleep(sleep_s / n))
     else:
         x = torch.randn(n * rows, width, generator=g)
@@ -137,9 +124,9 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         def mm():
             torch.matmul(x, w.t(), out=p)  # (n*M, width) @ (width, H) -> (n*M, H)
 
-        def overlapped():
+        def overlapped(grp=grp):
             if sleep_s is None:
-                return pz.tp.matmul_reduce_scatter(x, w)
+                return pz.tp.matmul_reduce_scatter(x, w, group=grp)
             return reduce_scatter_blocks(lambda c, out: time.sleep(sleep_s / n), rows, hidden, x, grp)
 
     compute = mm if sleep_s is None else (lambda: time.sleep(sleep_s))
@@ -151,7 +138,8 @@ def _cases(op: str, n: int, rows: int, hidden: int, width: int, sleep_s: float |
         compute()
         return comm()
 
-    ring = _ring(overlapped)
+    def ring():  # the same op over the send/recv ring (a group with symmetric buffers off)
+        return overlapped(ring_grp)
 
     def check() -> float:
         if sleep_s is not None:
@@ -172,6 +160,7 @@ def rank_main(args) -> list[dict]:
     ops = _choices(args.ops, OPS, "--ops")
     computes = _choices(args.compute, COMPUTES, "--compute")
     widths = [int(w) for w in args.widths.split(",")]
+    ring_grp = pz.new_group(range(n), options={"symmetric": False})  # the send/recv ring variant
     results = []
     if rank == 0:
         print(f"# {n} ranks, M={args.rows} rows/rank, H={args.hidden}, fp32, median of {args.iters}, slowest rank, "
@@ -184,8 +173,8 @@ def rank_main(args) -> list[dict]:
         for op in ops:
             for width in widths:
                 for compute_kind in computes:
-                    sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width) / 1e6
-                    fns, inputs = _cases(op, n, args.rows, args.hidden, width, sleep_s)
+                    sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width, ring_grp) / 1e6
+                    fns, inputs = _cases(op, n, args.rows, args.hidden, width, sleep_s, ring_grp)
                     comm, compute, serial, overlapped, ring, check = fns
                     err = check()
                     names = ("comm", "compute", "serial", "overlap", "ring")
@@ -214,9 +203,9 @@ def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
     return out
 
 
-def _matmul_us(op: str, n: int, args, width: int) -> float:
+def _matmul_us(op: str, n: int, args, width: int, ring_grp) -> float:
     """The measured matmul time of this shape, which the sleep stand-in reproduces."""
-    fns, inputs = _cases(op, n, args.rows, args.hidden, width, None)
+    fns, inputs = _cases(op, n, args.rows, args.hidden, width, None, ring_grp)
     return _medians_us([fns[1]], args.iters, args.warmup, args.flush_mib, [inputs[1]])[0]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..backend import DTYPES
 from .schedules import SCHEDULES
 from .split import StageInfo
 
@@ -27,7 +28,7 @@ _BAD = -1             # the owner got something that is not a tensor with a batc
 
 MAX_NDIM = 8
 HEADER_LEN = 2 + MAX_NDIM  # [dtype code, ndim, dims...]; fixed, so the receive size is known
-_CODE_DTYPE = {code: dtype for dtype, code in comm._DTYPES.items()}
+_CODE_DTYPE = {code: dtype for dtype, code in DTYPES.items()}
 _NOT_TENSOR, _BAD_DTYPE, _TOO_MANY_DIMS = -1, -2, -3
 
 
@@ -135,12 +136,12 @@ def encode_header(out, device) -> torch.Tensor:
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
     if not isinstance(out, torch.Tensor):
         h[0] = _NOT_TENSOR
-    elif out.dtype not in comm._DTYPES:
+    elif out.dtype not in DTYPES:
         h[0] = _BAD_DTYPE
     elif out.dim() > MAX_NDIM:
         h[0] = _TOO_MANY_DIMS
     else:
-        h[0], h[1] = comm._DTYPES[out.dtype], out.dim()
+        h[0], h[1] = DTYPES[out.dtype], out.dim()
         h[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
     return h.to(device)
 
@@ -153,7 +154,7 @@ def output_error(out, stage: int):
         return TypeError(f"{what}: expected a tensor (the next stage's input), got {type(out).__name__}")
     if code == _BAD_DTYPE:
         return TypeError(f"{what}: dtype {out.dtype} cannot be sent; expected one of "
-                         f"{[str(d) for d in comm._DTYPES]}")
+                         f"{[str(d) for d in DTYPES]}")
     if code == _TOO_MANY_DIMS:
         return ValueError(f"{what}: expected at most {MAX_NDIM} dims, got {out.dim()}")
     return None

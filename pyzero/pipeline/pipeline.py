@@ -86,7 +86,7 @@ class Pipeline:
         if not isinstance(stage_module, nn.Module):
             raise TypeError(f"stage_module: expected an nn.Module (one pipeline stage), got "
                             f"{type(stage_module).__name__}")
-        g = comm._group(group)
+        g = comm.resolve_group(group)
         if g.rank < 0:
             raise ValueError(f"group: this process (global rank {comm.get_rank()}) is not a member of the pipeline "
                              f"group {list(g.ranks)}")

@@ -26,7 +26,7 @@ from .. import comm
 
 def tp_group(group) -> comm.Group:
     """The pz Group for `group` (None: the world), checked to include this rank."""
-    g = comm._group(group)
+    g = comm.resolve_group(group)
     if g.rank < 0:
         raise ValueError(f"group: this rank (global rank {comm.get_rank()}) is not a member of the "
                          f"tensor-parallel group {list(g.ranks)}")

@@ -63,11 +63,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
                              f"got {comm_dtype!r}")
         self.model, self.stage, self.overlap = model, stage, bool(overlap)
-        self.group = comm._group(group)
+        self.group = comm.resolve_group(group)
         # With tensor parallelism (pz.mesh): the TP group whose ranks hold other parts of the
         # parameters marked tp_sharded; clip_grad_norm_ adds those up and counts the rest once.
-        self.tp_group = None if tp_group is None else comm._group(tp_group)
-        self.group.comm()  # raises unless this rank is a member
+        self.tp_group = None if tp_group is None else comm.resolve_group(tp_group)
+        self.group.backend  # raises unless this rank is a member
         self.world, self.rank = self.group.size, self.group.rank
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32

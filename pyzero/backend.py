@@ -1,0 +1,330 @@
+"""The one interface under pyzero's collectives, and what every backend shares.
+
+A backend is one object per (group, process): it owns the transport (a
+``_C`` communicator), turns the caller's tensors into :class:`Buffer` values
+(pointer, size, dtype code, stream; validating device and layout, errors
+naming the argument) and runs the collectives on buffers that
+:mod:`pyzero.comm` has already checked against each other. Everything that
+is the same for every backend lives here, once: the code tables (exported
+by ``_C``), the argument checks, :class:`Work` and the store barrier.
+
+This module imports no backend and nothing of pyzero but ``_C``; the
+backends (``pyzero/backends/*.py``) import it, and ``pyzero.comm`` sits on
+top of both.
+"""
+from __future__ import annotations
+
+import abc
+import datetime
+import os
+from dataclasses import dataclass, fields
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from . import _C
+
+CollectiveError = _C.CollectiveError
+CollectiveTimeout = _C.CollectiveTimeout
+
+# Codes shared with csrc (reduce_math.h / collective.h), exported by _C.
+DTYPE_CODES: dict[str, int] = dict(_C.DTYPES)
+DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+DTYPES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
+TORCH_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPES.items()}
+OPS: dict[str, int] = dict(_C.OPS)
+ALGOS: dict[str | None, int] = {None: _C.ALGOS["auto"], **_C.ALGOS}
+INTEGER_CODES = frozenset(DTYPE_CODES[n] for n in ("int32", "int64"))
+SUPPORTED_DTYPES = ", ".join(DTYPE_CODES)
+
+
+class Buffer(NamedTuple):
+    """What a backend hands to C++: memory, size, dtype and (GPU) the stream it is ordered on."""
+
+    ptr: int
+    numel: int
+    itemsize: int
+    code: int  # dtype code (DTYPE_CODES)
+    stream: int = 0  # cudaStream_t handle; 0 for host memory or the legacy default stream
+    kind: str = "torch"  # "torch" (a tensor) or "array" (__cuda_array_interface__)
+
+    @property
+    def dtype(self) -> str:
+        return DTYPE_NAMES[self.code]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def tensor_code(t, arg: str) -> int:
+    """The dtype code of torch tensor `t`; TypeError naming `arg` for anything else."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    code = DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{arg}: dtype {t.dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+    return code
+
+
+def check_contiguous(t: torch.Tensor, arg: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}: expected a contiguous tensor (call .contiguous() first)")
+
+
+# ---------------------------------------------------------------------------
+# Argument checks shared by every backend
+
+
+def check_op(op, b: Buffer) -> int:
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+    if op == "avg" and b.code in INTEGER_CODES:
+        raise ValueError(f"op='avg' is for floating-point tensors; got {b.dtype} (use op='sum' and divide)")
+    return OPS[op]
+
+
+def check_algo(algo) -> int:
+    if algo not in ALGOS:
+        raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
+    return ALGOS[algo]
+
+
+def check_same_dtype(b: Buffer, ref: Buffer, arg: str, ref_arg: str) -> None:
+    if b.code != ref.code:
+        raise TypeError(f"{arg}: dtype {b.dtype} does not match {ref_arg}'s {ref.dtype}")
+
+
+def check_counts(counts, n: int, total: int, arg_total: str) -> list[int]:
+    try:
+        counts = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise TypeError(f"counts: expected a sequence of {n} ints, got {counts!r}") from None
+    if len(counts) != n or any(c < 0 for c in counts):
+        raise ValueError(f"counts: expected {n} non-negative ints (one per rank of the group), got {counts}")
+    if sum(counts) != total:
+        raise ValueError(f"counts: sum(counts)={sum(counts)} must equal {arg_total}.numel()={total}")
+    return counts
+
+
+def resolve_counts(counts, n: int, me: int, whole: Buffer, part: Buffer, whole_arg: str, part_arg: str) -> list[int]:
+    """Per-rank chunk sizes of a reduce_scatter (whole=inp, part=out) or all_gather (whole=out, part=inp)."""
+    if counts is None:
+        if whole.numel != n * part.numel:
+            raise ValueError(f"{whole_arg}: expected {n} x {part_arg}.numel() = {n * part.numel} elements, got "
+                             f"{whole.numel} (pass counts= for uneven chunks)")
+        return [part.numel] * n
+    counts = check_counts(counts, n, whole.numel, whole_arg)
+    if counts[me] != part.numel:
+        raise ValueError(f"{part_arg}: expected counts[{me}]={counts[me]} elements for this rank, got {part.numel}")
+    return counts
+
+
+def check_alias(big: Buffer, small: Buffer, offset: int, big_arg: str, small_arg: str) -> None:
+    """`small` must be disjoint from `big`, or exactly its chunk at `offset` (the in-place form)."""
+    b0, b1 = big.ptr, big.ptr + big.nbytes
+    s0, s1 = small.ptr, small.ptr + small.nbytes
+    if s1 <= b0 or b1 <= s0 or small.numel == 0:
+        return
+    if s0 != b0 + offset * big.itemsize:
+        raise ValueError(f"{small_arg} overlaps {big_arg}: expected either separate memory or, for the in-place "
+                         f"form, {small_arg} to be exactly this rank's chunk of {big_arg}")
+
+
+# ---------------------------------------------------------------------------
+# Work
+
+
+class Work:
+    """In-flight operation: keeps its buffers alive until waited on.
+
+    ``wait()`` returns once the result may be used: on the host (shm), or,
+    for a GPU backend, once the then-current stream is ordered after the
+    operation (no host block). ``synchronize()`` always blocks the host.
+    """
+
+    __slots__ = ("_work", "_keep", "_stream")
+
+    def __init__(self, work, keep, stream_fn: Callable[[], int] | None = None):
+        self._work = work
+        self._keep = keep
+        self._stream = stream_fn
+
+    def wait(self) -> bool:
+        if self._stream is None:
+            self._work.wait()
+        else:
+            self._work.wait(self._stream())
+        self._keep = None
+        return True
+
+    def synchronize(self) -> bool:
+        """Block the host until the operation has finished."""
+        if self._stream is None:
+            self._work.wait()
+        else:
+            self._work.synchronize()
+        self._keep = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def done(self) -> bool:
+        """Waited on, or known to be complete: its buffers may be released."""
+        return self._keep is None or self._work.is_completed()
+
+
+# ---------------------------------------------------------------------------
+# Per-group options
+
+
+@dataclass(frozen=True)
+class Options:
+    """Transport settings of a group (``pz.init(options=...)``, ``pz.new_group(ranks, options=...)``).
+
+    None means the backend's default, which an environment variable may set
+    (in brackets); a subgroup without options inherits the world's.
+
+    - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB])
+    - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH])
+    - oneshot_bytes: largest message of the one-shot path (256 KiB [PYZERO_SHM_ONESHOT_KB / PYZERO_NCCL_ONESHOT_KB])
+    - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
+    - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
+    """
+
+    slice_bytes: int | None = None
+    depth: int | None = None
+    oneshot_bytes: int | None = None
+    symmetric: bool | None = None
+    blocking_wait: bool | None = None
+
+    def __post_init__(self):
+        for name in ("slice_bytes", "depth", "oneshot_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")
+        if self.depth is not None and self.depth < 2:
+            raise ValueError(f"options.depth: expected at least 2 slots, got {self.depth}")
+        if self.slice_bytes is not None and self.slice_bytes < 64:
+            raise ValueError(f"options.slice_bytes: expected at least 64 bytes, got {self.slice_bytes}")
+        for name in ("symmetric", "blocking_wait"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"options.{name}: expected True, False or None, got {v!r}")
+
+    @classmethod
+    def make(cls, options) -> "Options":
+        """Options from None, an Options or a dict of its fields; errors name the argument."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if isinstance(options, dict):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(set(options) - names)
+            if unknown:
+                raise ValueError(f"options: unknown field(s) {unknown}; expected some of {sorted(names)}")
+            return cls(**options)
+        raise TypeError(f"options: expected pz.Options, a dict or None, got {type(options).__name__}")
+
+    def merged(self, base: "Options") -> "Options":
+        """These options, with the unset fields taken from `base`."""
+        return Options(**{f.name: (getattr(self, f.name) if getattr(self, f.name) is not None
+                                   else getattr(base, f.name)) for f in fields(self)})
+
+    def get(self, name: str, default, env: str | None = None, kib: bool = False):
+        """Field `name`, else the environment variable `env` (KiB when `kib`), else `default`."""
+        v = getattr(self, name)
+        if v is not None:
+            return v
+        raw = os.environ.get(env) if env else None
+        if raw is None:
+            return default
+        if isinstance(default, bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        try:
+            return int(raw) << 10 if kib else int(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r}: expected an integer") from None
+
+
+# ---------------------------------------------------------------------------
+# Set-up context and the interface
+
+
+@dataclass
+class GroupSetup:
+    """What a backend needs to make its communicator for one group of one process."""
+
+    store: object  # a torch.distributed Store shared by the job
+    key: str  # store key prefix unique to the group (e.g. "pz/g3")
+    name: str  # a name unique to the group and the job (shared-memory segment prefix)
+    rank: int  # this process's index in the group
+    size: int
+    timeout: float  # seconds
+    device: int | None  # this process's GPU (GPU backends), else None
+    options: Options
+
+
+def store_barrier(store, key: str, n: int, timeout: float) -> None:
+    """Return once `n` processes have called this with `key`."""
+    if store.add(key, 1) == n:
+        store.set(key + "/done", "1")
+    store.wait([key + "/done"], datetime.timedelta(seconds=timeout))
+
+
+class Backend(abc.ABC):
+    """One group's transport in one process. Methods take buffers already checked by pyzero.comm
+    (dtype codes equal, counts summing right, no bad aliasing) and return None for a synchronous
+    call or the transport's raw work handle for an asynchronous one (wrapped by :meth:`work`)."""
+
+    name: str = ""
+    has_symmetric = False  # fused ops on symmetric buffers (pyzero.symmetric)
+
+    @classmethod
+    def setup_process(cls, local_rank: int) -> int | None:
+        """Once per process at pz.init(), before any group: returns this process's device (or None)."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, setup: GroupSetup) -> "Backend":
+        """Make this process's communicator for a group (a collective call over the store)."""
+
+    @abc.abstractmethod
+    def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
+        """Validate `x` for this backend (type, dtype, device, layout); errors name `arg`."""
+
+    @abc.abstractmethod
+    def all_reduce(self, b: Buffer, op: int, algo: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def reduce_scatter(self, out: Buffer, inp: Buffer, counts: Sequence[int], op: int, algo: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def all_gather(self, out: Buffer, inp: Buffer, counts: Sequence[int], algo: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def broadcast(self, b: Buffer, root: int, algo: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def barrier(self, async_op: bool): ...
+
+    @abc.abstractmethod
+    def send(self, b: Buffer, peer: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def recv(self, b: Buffer, peer: int, async_op: bool): ...
+
+    @abc.abstractmethod
+    def stats(self, reset: bool) -> dict:
+        """Per-op objects with calls, elements and sent_bytes."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish queued work and release the transport."""
+
+    def work(self, raw, keep, b: Buffer | None) -> Work:
+        """Wrap a raw async handle; `keep` stays alive until it is waited on."""
+        return Work(raw, keep)

@@ -1,0 +1,101 @@
+"""The "nccl" backend: one NCCL communicator per group, one GPU per rank (cuda:LOCAL_RANK).
+
+Streams, as torch.distributed with NCCL: a synchronous call is enqueued on the
+current stream of its buffers and returns without waiting for the GPU. With
+``async_op=True`` it runs on the group's own stream after the work already
+queued on the current one; ``work.wait()`` makes the then-current stream wait
+for it (no host block) and ``work.synchronize()`` blocks the host. The handle,
+and the group until the work completes, keep the buffers alive.
+
+Timeouts: a watchdog aborts the communicator when an operation has not finished
+``timeout`` seconds after it was issued; the next call, ``wait()`` or
+``synchronize()`` raises CollectiveTimeout. With ``blocking_wait`` (option or
+PYZERO_NCCL_BLOCKING_WAIT=1) a synchronous call waits on the host, so the call
+itself raises.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _C
+from ..backend import Backend, Buffer, GroupSetup, Work
+from . import cuda_buffers
+
+
+def nccl_device(local_rank: int, device_count: int | None = None) -> int:
+    """This rank's GPU for the nccl backend: cuda:LOCAL_RANK (NCCL needs one GPU per rank)."""
+    count = _C.cuda_device_count() if device_count is None else device_count
+    if count == 0:
+        raise RuntimeError("backend='nccl' needs a CUDA GPU, but this process sees none (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='shm' for CPU "
+                           "processes")
+    if not 0 <= local_rank < count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank}, but this process sees {count} GPU(s): the nccl backend puts "
+                           f"each rank on cuda:LOCAL_RANK, one GPU per rank; start at most {count} ranks per host")
+    if device_count is None and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+class NcclBackend(Backend):
+    name = "nccl"
+
+    def __init__(self, comm, device: int):
+        self.comm = comm
+        self.device = device
+
+    @classmethod
+    def setup_process(cls, local_rank: int) -> int:
+        return nccl_device(local_rank)
+
+    @classmethod
+    def create(cls, setup: GroupSetup) -> "NcclBackend":
+        """Group rank 0 makes the NCCL unique id; the store hands it on."""
+        key = setup.key + "/nccl_id"
+        if setup.rank == 0:
+            setup.store.set(key, _C.nccl_unique_id())
+        uid = setup.store.get(key)
+        o = setup.options
+        comm = _C.NcclComm(uid, setup.rank, setup.size, setup.device, setup.timeout,
+                           o.get("slice_bytes", 4 << 20, "PYZERO_NCCL_SLICE_KB", kib=True),
+                           o.get("oneshot_bytes", 256 << 10, "PYZERO_NCCL_ONESHOT_KB", kib=True),
+                           o.get("blocking_wait", False, "PYZERO_NCCL_BLOCKING_WAIT"))
+        return cls(comm, setup.device)
+
+    def buffer(self, x, arg, writable=True) -> Buffer:
+        return cuda_buffers.as_buffer(x, arg, self.device, writable, self.name)
+
+    def work(self, raw, keep, b):
+        if b is None:  # a barrier: ordered on torch's current stream
+            kind = "torch" if torch.cuda.is_available() else "array"
+            b = Buffer(0, 0, 1, 0, cuda_buffers.torch_stream(self.device), kind)
+        return Work(raw, keep, cuda_buffers.current_stream_fn(b, self.device))
+
+    def all_reduce(self, b, op, algo, async_op):
+        return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, b.stream, async_op)
+
+    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
+        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, out.stream, async_op)
+
+    def all_gather(self, out, inp, counts, algo, async_op):
+        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, out.stream, async_op)
+
+    def broadcast(self, b, root, algo, async_op):
+        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, b.stream, async_op)
+
+    def barrier(self, async_op):
+        return self.comm.barrier(cuda_buffers.torch_stream(self.device), async_op)
+
+    def send(self, b, peer, async_op):
+        return self.comm.send(b.ptr, b.numel, b.code, peer, b.stream, async_op)
+
+    def recv(self, b, peer, async_op):
+        return self.comm.recv(b.ptr, b.numel, b.code, peer, b.stream, async_op)
+
+    def stats(self, reset):
+        return self.comm.stats(reset)
+
+    def close(self):
+        self.comm.close()

@@ -1,0 +1,98 @@
+"""The "shm" backend: CPU processes of one host over POSIX shared memory.
+
+The transport (csrc/shm_transport.h) maps one segment per group; each rank
+creates its part, every rank attaches to all of them, and the segments are
+unlinked as soon as all ranks have mapped them, so even a killed job leaves
+nothing in /dev/shm. Collectives run on one C++ worker thread per group
+(send/recv on one per peer and direction) without the GIL.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ..backend import Backend, Buffer, GroupSetup, check_contiguous, store_barrier, tensor_code
+
+
+class ShmBackend(Backend):
+    name = "shm"
+    has_symmetric = True
+
+    def __init__(self, comm, oneshot_bytes: int):
+        self.comm = comm
+        self.oneshot_bytes = oneshot_bytes  # the largest message of the one-shot path (algo "auto")
+
+    @classmethod
+    def create(cls, setup: GroupSetup) -> "ShmBackend":
+        o = setup.options
+        oneshot = o.get("oneshot_bytes", 256 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True)
+        comm = _C.ShmComm(setup.name, setup.rank, setup.size,
+                          o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True),
+                          o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout)
+        try:
+            store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)
+            comm.attach()
+            store_barrier(setup.store, setup.key + "/attached", setup.size, setup.timeout)
+        finally:
+            comm.unlink()  # every rank has mapped it now (or set-up failed): nothing left in /dev/shm
+        return cls(comm, oneshot)
+
+    def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
+        code = tensor_code(x, arg)
+        check_contiguous(x, arg)
+        if x.device.type != "cpu":
+            raise ValueError(f"{arg}: the shm backend takes CPU tensors, got a tensor on {x.device}")
+        return Buffer(x.data_ptr(), x.numel(), x.element_size(), code)
+
+    def all_reduce(self, b, op, algo, async_op):
+        return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, async_op)
+
+    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
+        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, async_op)
+
+    def all_gather(self, out, inp, counts, algo, async_op):
+        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, async_op)
+
+    def broadcast(self, b, root, algo, async_op):
+        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, async_op)
+
+    def barrier(self, async_op):
+        return self.comm.barrier(async_op)
+
+    def send(self, b, peer, async_op):
+        return self.comm.send(b.ptr, b.numel, b.code, peer, async_op)
+
+    def recv(self, b, peer, async_op):
+        return self.comm.recv(b.ptr, b.numel, b.code, peer, async_op)
+
+    def stats(self, reset):
+        return self.comm.stats(reset)
+
+    def close(self):
+        self.comm.close()
+
+    # ---- symmetric buffers (pyzero.symmetric; csrc [Note: symmetric buffers]) ----
+
+    def sym_arrive(self, kind: str, like: torch.Tensor, dims: tuple[int, ...], count: int) -> None:
+        """Enter a fused call like a collective: ranks that disagree on kind, dtype or dims fail together."""
+        self.comm.sym_arrive(_C.SYM_KINDS[kind], count, self.buffer(like, "x").code, list(dims))
+
+    def sym_grow(self, nbytes: int, barrier) -> list[torch.Tensor]:
+        """Replace the symmetric buffers by ones of `nbytes` per rank (collective; `barrier()` syncs the
+        group); returns a uint8 view of every rank's buffer."""
+        c = self.comm
+        c.sym_create(nbytes)
+        barrier()
+        c.sym_attach()
+        barrier()
+        c.sym_unlink()  # every rank has mapped it: nothing left in /dev/shm
+        return [torch.frombuffer(c.sym_buffer(r), dtype=torch.uint8) for r in range(c.size)]
+
+    def sym_bytes(self) -> int:
+        return self.comm.sym_bytes()
+
+    def sym_signal(self, value: int) -> None:
+        self.comm.sym_signal(value)
+
+    def sym_wait(self, peer: int, value: int, what: str) -> None:
+        self.comm.sym_wait(peer, value, what)

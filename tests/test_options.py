@@ -1,0 +1,75 @@
+"""Per-group transport options (pz.Options): validation, inheritance, environment defaults,
+and that a group really runs with its own settings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+
+def test_options_validate_and_merge():
+    assert pz.Options.make(None) == pz.Options()
+    assert pz.Options.make({"depth": 4}).depth == 4
+    o = pz.Options(slice_bytes=4096)
+    assert pz.Options.make(o) is o
+    merged = pz.Options(depth=3).merged(pz.Options(depth=8, slice_bytes=8192))
+    assert (merged.depth, merged.slice_bytes, merged.oneshot_bytes) == (3, 8192, None)
+    with pytest.raises(ValueError, match=r"options: unknown field\(s\) \['slice_kb'\]"):
+        pz.Options.make({"slice_kb": 4})
+    with pytest.raises(TypeError, match="options: expected pz.Options, a dict or None, got list"):
+        pz.Options.make([1])
+    with pytest.raises(ValueError, match="options.depth: expected at least 2"):
+        pz.Options(depth=1)
+    with pytest.raises(ValueError, match="options.slice_bytes: expected a non-negative int"):
+        pz.Options(slice_bytes=-1)
+    with pytest.raises(ValueError, match="options.oneshot_bytes: expected a non-negative int"):
+        pz.Options(oneshot_bytes=1.5)
+    with pytest.raises(ValueError, match="options.symmetric: expected True, False or None"):
+        pz.Options(symmetric="no")
+
+
+def test_options_get_reads_the_environment_as_default(monkeypatch):
+    monkeypatch.setenv("PYZERO_SHM_ONESHOT_KB", "8")
+    assert pz.Options().get("oneshot_bytes", 256 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True) == 8 << 10
+    assert pz.Options(oneshot_bytes=0).get("oneshot_bytes", 256 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True) == 0
+    monkeypatch.setenv("PYZERO_SYMMETRIC", "0")
+    assert pz.Options().get("symmetric", True, "PYZERO_SYMMETRIC") is False
+    monkeypatch.setenv("PYZERO_SHM_DEPTH", "many")
+    with pytest.raises(ValueError, match="PYZERO_SHM_DEPTH='many': expected an integer"):
+        pz.Options().get("depth", 8, "PYZERO_SHM_DEPTH")
+
+
+def _rank_groups():
+    pz.init(timeout=30, options={"oneshot_bytes": 0, "symmetric": False})
+    n, r = pz.get_world_size(), pz.get_rank()
+    world = pz.comm.resolve_group(None)
+    inherit = pz.new_group(range(n))
+    override = pz.new_group(range(n), options=pz.Options(oneshot_bytes=1 << 20, symmetric=True, slice_bytes=4096,
+                                                          depth=2))
+    seen = {name: (g.backend.oneshot_bytes, pz.symmetric.supported(g))
+            for name, g in (("world", world), ("inherit", inherit), ("override", override))}
+    # Each group computes the same sums with its own settings (ring with tiny slices vs one-shot).
+    sums = {}
+    for name, g in (("world", world), ("inherit", inherit), ("override", override)):
+        t = torch.arange(10007, dtype=torch.float64) * (r + 1)
+        pz.all_reduce(t, group=g)
+        sums[name] = t
+    try:
+        pz.new_group(range(n), options={"depth": 0})
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    return seen, sums, bad
+
+
+def test_groups_take_their_own_options():
+    n = 2
+    for res in run_ranks(_rank_groups, n, timeout=60):
+        seen, sums, bad = res.value
+        assert seen == {"world": (0, False), "inherit": (0, False), "override": (1 << 20, True)}
+        expected = torch.arange(10007, dtype=torch.float64) * sum(range(1, n + 1))
+        for t in sums.values():
+            torch.testing.assert_close(t, expected, rtol=0, atol=0)
+        assert bad is not None and "options.depth: expected at least 2" in bad

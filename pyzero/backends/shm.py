@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..backend import Backend, Buffer, GroupSetup, check_contiguous, store_barrier, tensor_code
+from ..backend import DTYPES, Backend, Buffer, GroupSetup, check_contiguous, store_barrier, tensor_code
+
+_new_tuple = tuple.__new__  # Buffer without NamedTuple.__new__'s Python frame (hot path)
 
 
 class ShmBackend(Backend):
@@ -38,11 +40,15 @@ class ShmBackend(Backend):
         return cls(comm, oneshot)
 
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
+        if isinstance(x, torch.Tensor) and x.is_cpu and x.is_contiguous():  # the common case, checked cheaply
+            code = DTYPES.get(x.dtype)
+            if code is not None:
+                return _new_tuple(Buffer, (x.data_ptr(), x.numel(), x.element_size(), code, 0, "torch"))
         code = tensor_code(x, arg)
         check_contiguous(x, arg)
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"{arg}: the shm backend takes CPU tensors, got a tensor on {x.device}")
-        return Buffer(x.data_ptr(), x.numel(), x.element_size(), code)
+        raise AssertionError("unreachable: the checks above cover every rejected tensor")
 
     def all_reduce(self, b, op, algo, async_op):
         return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, async_op)

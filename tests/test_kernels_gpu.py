@@ -10,12 +10,27 @@ pytestmark = pytest.mark.gpu
 DTYPES = list(_DTYPES)
 
 
-def _reference(a, b, op):
-    """Accumulate in fp32 (fp64 for fp64, int64 for ints) and round once, as the kernels promise."""
+def _true_div(x, d):
+    """x / d as the kernels compute it: an IEEE division per element, on the CPU. (A CUDA tensor divided
+    by a Python number is computed by torch as x * (1/d), which differs in the last bit.)"""
+    x = x.cpu()
+    return x / torch.full_like(x, d)
+
+
+def _reference(a, b, op, nranks):
+    """Accumulate in fp32 (fp64 for fp64, int64 for ints) and round once, as the kernels promise (on the CPU)."""
     wide = torch.float64 if a.dtype == torch.float64 else (torch.int64 if not a.is_floating_point() else torch.float32)
-    x, y = a.to(wide), b.to(wide)
-    r = {"sum": x + y, "avg": (x + y) / 2, "max": torch.maximum(x, y), "min": torch.minimum(x, y), "prod": x * y}[op]
-    return r.to(a.dtype)
+    x, y = a.cpu().to(wide), b.cpu().to(wide)
+    r = {"sum": x + y, "avg": x + y, "max": torch.maximum(x, y), "min": torch.minimum(x, y), "prod": x * y}[op]
+    return (_true_div(r, nranks) if op == "avg" else r).to(a.dtype)
+
+
+def _on_gpu_at(values, offset):
+    """`values` on the GPU starting `offset` elements into a fresh allocation (a misaligned pointer for
+    offset > 0: the kernels' unaligned head must be exercised for every dtype)."""
+    buf = torch.empty(values.numel() + offset, dtype=values.dtype, device="cuda")
+    buf[offset:].copy_(values)
+    return buf[offset:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -24,17 +39,15 @@ def _reference(a, b, op):
 def test_reduce2_matches_torch(dtype, op, n, offset):
     if op == "avg" and not dtype.is_floating_point:
         pytest.skip("avg is for floating-point dtypes")
-    g = torch.Generator(device="cpu").manual_seed(n + offset)
-    a = torch.randint(-8, 9, (n + offset,), generator=g).to(dtype).cuda()[offset:]
-    b = torch.randint(-8, 9, (n + offset,), generator=g).to(dtype).cuda()[offset:]
-    if dtype.is_floating_point:
-        a, b = a * 0.37, b * 1.13  # non-trivial rounding for the 16-bit types
+    a = _data(n, offset, dtype, 2 * (n + offset))
+    b = _data(n, offset, dtype, 2 * (n + offset) + 1, scale=1.13)
+    assert a.data_ptr() % 16 == (offset * a.element_size()) % 16
     out = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
-    nranks = 2
+    nranks = 3  # avg divides by 3: not a power of two, so division and multiplication by 1/3 differ
     _C.cuda_reduce2(a.data_ptr(), b.data_ptr(), out.data_ptr(), n, _DTYPES[dtype], _OPS[op], nranks,
                     torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), _reference(a, b, op).cpu())
+    assert torch.equal(out.cpu(), _reference(a, b, op, nranks))
 
 
 # ---------------------------------------------------------------------------
@@ -49,12 +62,14 @@ def _combine(op, x, y):
     return {"sum": x + y, "avg": x + y, "max": torch.maximum(x, y), "min": torch.minimum(x, y), "prod": x * y}[op]
 
 
-def _data(n, offset, dtype, seed, lo=-8, hi=9):
+def _data(n, offset, dtype, seed, lo=-8, hi=9, scale=0.37):
+    """n seeded values of dtype (floats scaled for non-trivial rounding in the 16-bit types), on the GPU
+    `offset` elements into their allocation."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randint(lo, hi, (n + offset,), generator=g).to(dtype)
+    x = torch.randint(lo, hi, (n,), generator=g).to(dtype)
     if dtype.is_floating_point:
-        x = x * 0.37  # non-trivial rounding for the 16-bit types
-    return x.cuda()[offset:]
+        x = x * scale
+    return _on_gpu_at(x, offset)
 
 
 SIZES = [(1, 0), (4099, 1), (1 << 20, 0), ((1 << 20) + 5, 3)]
@@ -69,8 +84,9 @@ def test_copy_and_pack_wire(dtype, n, offset):
     _C.cuda_copy(src.data_ptr(), dst.data_ptr(), n, _DTYPES[dtype], stream)
     wire = torch.empty(n + offset, dtype=_acc(dtype), device="cuda")[offset:]
     _C.cuda_pack_wire(src.data_ptr(), wire.data_ptr(), n, _DTYPES[dtype], stream)
-    assert torch.equal(dst, src)
-    assert torch.equal(wire, src.to(_acc(dtype)))
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src.cpu())
+    assert torch.equal(wire.cpu(), src.cpu().to(_acc(dtype)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -81,9 +97,7 @@ def test_reduce_wire_and_final(dtype, op, n, offset):
     if op == "avg" and not dtype.is_floating_point:
         pytest.skip("avg is for floating-point dtypes")
     acc = _acc(dtype)
-    partial = _data(n, offset, acc, 2 * n + 1)  # fp32 partials with bits a 16-bit type cannot hold
-    if acc.is_floating_point:
-        partial = partial * 1.001
+    partial = _data(n, offset, acc, 2 * n + 1, scale=0.37 * 1.001)  # fp32 partials with bits fp16/bf16 lack
     own = _data(n, offset, dtype, 2 * n + 2)
     out = torch.empty(n + offset, dtype=acc, device="cuda")[offset:]
     final = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
@@ -92,9 +106,10 @@ def test_reduce_wire_and_final(dtype, op, n, offset):
     nranks = 3
     _C.cuda_reduce_wire_final(partial.data_ptr(), own.data_ptr(), final.data_ptr(), n, _DTYPES[dtype], _OPS[op],
                               nranks, stream)
-    want = _combine(op, partial, own.to(acc))
-    assert torch.equal(out, want)
-    assert torch.equal(final, (want / nranks if op == "avg" else want).to(dtype))
+    torch.cuda.synchronize()
+    want = _combine(op, partial.cpu(), own.cpu().to(acc))
+    assert torch.equal(out.cpu(), want)
+    assert torch.equal(final.cpu(), (_true_div(want, nranks) if op == "avg" else want).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -109,15 +124,17 @@ def test_reduce_many_in_rank_order(dtype, op, nsrc, n, offset):
     out = torch.empty(n + offset, dtype=dtype, device="cuda")[offset:]
     _C.cuda_reduce_many([s.data_ptr() for s in srcs], out.data_ptr(), n, _DTYPES[dtype], _OPS[op], nsrc,
                         torch.cuda.current_stream().cuda_stream)
-    acc = srcs[0].to(_acc(dtype))
+    torch.cuda.synchronize()
+    acc = srcs[0].cpu().to(_acc(dtype))
     for s in srcs[1:]:
-        acc = _combine(op, acc, s.to(_acc(dtype)))
-    want = (acc / nsrc if op == "avg" else acc).to(dtype)
-    assert torch.equal(out, want)
+        acc = _combine(op, acc, s.cpu().to(_acc(dtype)))
+    want = (_true_div(acc, nsrc) if op == "avg" else acc).to(dtype)
+    assert torch.equal(out.cpu(), want)
     # in place: the output may be the first source (one-shot reduces into the user's buffer)
     _C.cuda_reduce_many([s.data_ptr() for s in srcs], srcs[0].data_ptr(), n, _DTYPES[dtype], _OPS[op], nsrc,
                         torch.cuda.current_stream().cuda_stream)
-    assert torch.equal(srcs[0], want)
+    torch.cuda.synchronize()
+    assert torch.equal(srcs[0].cpu(), want)
 
 
 def test_reduce_many_rejects_too_many_sources():

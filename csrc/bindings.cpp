@@ -89,6 +89,14 @@ class ShmComm {
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// {name: code} for codes 0 .. n-1 of enum E, named by the C++ name table.
+template <typename E, typename Name>
+py::dict code_table(int n, Name name) {
+  py::dict d;
+  for (int i = 0; i < n; ++i) d[py::str(name(E(i)))] = i;
+  return d;
+}
+
 #ifdef PYZERO_WITH_CUDA
 // Runs one NcclComm call without the GIL: None for a synchronous call, the
 // NcclWork for an async one.
@@ -157,6 +165,13 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // The integer codes every call takes, as the C++ enums define them.
+  m.attr("DTYPES") = code_table<DType>(kNumDTypes, dtype_name);
+  m.attr("OPS") = code_table<RedOp>(kNumRedOps, op_name);
+  m.attr("ALGOS") = code_table<Algo>(kNumAlgos, algo_name);
+  m.attr("COLLS") = code_table<Coll>(kNumColls, coll_name);
+  m.attr("SYM_KINDS") = code_table<SymKind>(kNumSymKinds, sym_kind_name);
+
   m.def("build_info", &build_info, "How this extension was built: cuda, nccl_version, cuda_archs, compiler");
 
   py::class_<Work>(m, "Work")
@@ -175,7 +190,6 @@ PYBIND11_MODULE(_C, m) {
       .def("attach", [](ShmComm& c) { c.t().attach(); })
       .def("unlink", [](ShmComm& c) { c.t().unlink(); })
       .def("close", &ShmComm::close)
-      .def("set_timeout", [](ShmComm& c, double s) { c.t().set_timeout(s); })
       .def_property_readonly("rank", [](ShmComm& c) { return c.t().rank(); })
       .def_property_readonly("size", [](ShmComm& c) { return c.t().size(); })
       .def("sym_create", [](ShmComm& c, size_t bytes) { c.t().sym_create(bytes); })
@@ -197,8 +211,6 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release nogil;
              c.t().sym_wait(peer, v, what.c_str());
            })
-      .def("choose_algo",
-           [](ShmComm& c, int coll, size_t bytes) { return int(c.t().choose_algo(Coll(coll), bytes)); })
       .def("stats", [](ShmComm& c, bool reset) { return c.t().stats(reset); }, py::arg("reset") = false)
       .def("all_reduce",
            [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int op, int algo, bool async_op) {

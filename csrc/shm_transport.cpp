@@ -48,6 +48,14 @@ const char* algo_name(Algo a) {
   return "?";
 }
 
+const char* sym_kind_name(SymKind k) {
+  switch (k) {
+    case SymKind::all_gather: return "all_gather";
+    case SymKind::reduce_scatter: return "reduce_scatter";
+  }
+  return "?";
+}
+
 namespace {
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -331,9 +339,11 @@ void ShmTransport::fail_aborted(int peer, const char* what) {
 std::string ShmTransport::describe(const CallDesc& d) const {
   std::ostringstream os;
   if (d.coll >= kSymCollBase) {
-    static const char* kinds[] = {"symmetric all_gather", "symmetric reduce_scatter"};
     int k = d.coll - kSymCollBase;
-    os << "fused " << (k < 2 ? kinds[k] : "op") << "(count=" << d.count << ", dtype=" << dtype_name(DType(d.dtype))
+    os << "fused ";
+    if (k < kNumSymKinds) os << "symmetric " << sym_kind_name(SymKind(k));
+    else os << "op";
+    os << "(count=" << d.count << ", dtype=" << dtype_name(DType(d.dtype))
        << ")";
     return os.str();
   }

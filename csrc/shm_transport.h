@@ -54,6 +54,7 @@ constexpr int kNumColls = 7;
 const char* coll_name(Coll c);
 
 enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2, native = 3 };  // native: nccl only
+constexpr int kNumAlgos = 4;
 const char* algo_name(Algo a);
 
 // What every rank must agree on for one call; compared across ranks.
@@ -108,6 +109,11 @@ struct alignas(64) SymHeader {
 };
 constexpr size_t kSymHeaderBytes = 4096;
 constexpr int kSymCollBase = 64;  // CallDesc.coll of fused op `kind`: kSymCollBase + kind
+
+// The fused symmetric ops (pyzero/symmetric.py), by the `kind` code of sym_arrive.
+enum class SymKind : int32_t { all_gather = 0, reduce_scatter = 1 };
+constexpr int kNumSymKinds = 2;
+const char* sym_kind_name(SymKind k);
 
 struct ShmConfig {
   size_t slice_bytes = 256 << 10;

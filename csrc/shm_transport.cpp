@@ -32,22 +32,6 @@
 
 namespace pz {
 
-const char* coll_name(Coll c) {
-  static const char* names[kNumColls] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
-                                         "barrier", "send", "recv"};
-  return names[int(c)];
-}
-
-const char* algo_name(Algo a) {
-  switch (a) {
-    case Algo::automatic: return "auto";
-    case Algo::ring: return "ring";
-    case Algo::oneshot: return "oneshot";
-    case Algo::native: return "native";
-  }
-  return "?";
-}
-
 const char* sym_kind_name(SymKind k) {
   switch (k) {
     case SymKind::all_gather: return "all_gather";
@@ -57,8 +41,6 @@ const char* sym_kind_name(SymKind k) {
 }
 
 namespace {
-
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 std::string seg_name(const std::string& prefix, int r) { return prefix + "_" + std::to_string(r); }
 
@@ -135,8 +117,6 @@ ShmTransport::ShmTransport(std::string prefix, int rank, int size, ShmConfig cfg
     throw std::invalid_argument("ShmTransport: rank must be in [0, size)");
   if (cfg_.depth < 2 || cfg_.slice_bytes < 4096 || cfg_.slice_bytes % 64)
     throw std::invalid_argument("ShmTransport: depth >= 2 and slice_bytes a multiple of 64, >= 4096");
-  for (auto& s : stats_)
-    for (auto& v : s) v.store(0);
   ctrl_bytes_ = round_up(sizeof(RankCtrl) + (n_ + 1) * sizeof(ChanCtrl), 4096);
   area_bytes_ = round_up(cfg_.oneshot_bytes, 4096);
   seg_bytes_ = ctrl_bytes_ + 2 * area_bytes_ + size_t(n_ + 1) * cfg_.depth * cfg_.slice_bytes;
@@ -386,24 +366,6 @@ void ShmTransport::arrive(const CallDesc& d, const char* what) {
   }
 }
 
-void ShmTransport::tally(Coll c, uint64_t elements, uint64_t bytes) {
-  stats_[int(c)][0].fetch_add(1, std::memory_order_relaxed);
-  stats_[int(c)][1].fetch_add(elements, std::memory_order_relaxed);
-  stats_[int(c)][2].fetch_add(bytes, std::memory_order_relaxed);
-}
-
-std::map<std::string, OpStats> ShmTransport::stats(bool reset) {
-  std::map<std::string, OpStats> out;
-  for (int c = 0; c < kNumColls; ++c) {
-    OpStats s;
-    s.calls = reset ? stats_[c][0].exchange(0) : stats_[c][0].load();
-    s.elements = reset ? stats_[c][1].exchange(0) : stats_[c][1].load();
-    s.sent_bytes = reset ? stats_[c][2].exchange(0) : stats_[c][2].load();
-    out[coll_name(Coll(c))] = s;
-  }
-  return out;
-}
-
 Algo ShmTransport::choose_algo(Coll c, size_t bytes) const {
   size_t lim = oneshot_limit(c);
   if (lim > cfg_.oneshot_bytes) lim = cfg_.oneshot_bytes;
@@ -595,16 +557,14 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     sent = uint64_t(bytes) * (n_ - 1);
   } else {
     arrive(d, what);
-    std::vector<int64_t> counts(n_);
-    for (int r = 0; r < n_; ++r) counts[r] = count / n_ + (r < count % n_ ? 1 : 0);
-    ChunkLayout L(counts);
+    ChunkLayout L(split_even(count, n_));
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
       sent = PZ_RING_PRIMS(T, OP, L.longest(), [&](ShmRingPrims<T, OP>& p) {
         ring_all_reduce<T>(p, static_cast<T*>(buf), L, rank_, n_, p.round_elems());
       });
     }));
   }
-  tally(Coll::all_reduce, uint64_t(count), sent);
+  counters_.add(Coll::all_reduce, uint64_t(count), sent);
 }
 
 void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,
@@ -637,7 +597,7 @@ void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<i
       });
     }));
   }
-  tally(Coll::reduce_scatter, uint64_t(L.total()), sent);
+  counters_.add(Coll::reduce_scatter, uint64_t(L.total()), sent);
 }
 
 void ShmTransport::all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt,
@@ -671,7 +631,7 @@ void ShmTransport::all_gather(void* out, const void* in, const std::vector<int64
       });
     });
   }
-  tally(Coll::all_gather, uint64_t(L.total()), sent);
+  counters_.add(Coll::all_gather, uint64_t(L.total()), sent);
 }
 
 void ShmTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo algo) {
@@ -696,14 +656,14 @@ void ShmTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo 
       });
     });
   }
-  tally(Coll::broadcast, uint64_t(count), sent);
+  counters_.add(Coll::broadcast, uint64_t(count), sent);
 }
 
 void ShmTransport::barrier() {
   uint64_t seq = begin("barrier");
   CallDesc d{seq, int32_t(Coll::barrier), 0, 0, 0, 0, 0, 0, 0};
   arrive(d, "barrier");
-  tally(Coll::barrier, 0, 0);
+  counters_.add(Coll::barrier, 0, 0);
 }
 
 // ---------------------------------------------------------------------------
@@ -723,7 +683,7 @@ void ShmTransport::send(const void* buf, int64_t cnt, DType dt, int dst) {
     std::memcpy(send_acquire(c), static_cast<const char*>(buf) + o, m);
     send_post(c, m);
   }
-  tally(Coll::send, uint64_t(cnt), bytes);
+  counters_.add(Coll::send, uint64_t(cnt), bytes);
 }
 
 void ShmTransport::recv(void* buf, int64_t cnt, DType dt, int src) {
@@ -748,7 +708,7 @@ void ShmTransport::recv(void* buf, int64_t cnt, DType dt, int src) {
        << " elements of " << dtype_name(dt) << " (the message was discarded)";
     throw CollectiveError(os.str());
   }
-  tally(Coll::recv, uint64_t(cnt), 0);
+  counters_.add(Coll::recv, uint64_t(cnt), 0);
 }
 
 // ---------------------------------------------------------------------------

@@ -44,18 +44,11 @@
 #include <string>
 #include <vector>
 
+#include "collective.h"
 #include "reduce_math.h"
 #include "ring.h"
 
 namespace pz {
-
-enum class Coll : int32_t { all_reduce = 0, reduce_scatter, all_gather, broadcast, barrier, send, recv };
-constexpr int kNumColls = 7;
-const char* coll_name(Coll c);
-
-enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2, native = 3 };  // native: nccl only
-constexpr int kNumAlgos = 4;
-const char* algo_name(Algo a);
 
 // What every rank must agree on for one call; compared across ranks.
 struct alignas(64) CallDesc {
@@ -122,11 +115,6 @@ struct ShmConfig {
   double timeout_s = 300.0;
 };
 
-// Per-op traffic counters of this rank (what left this rank on the transport).
-struct OpStats {
-  uint64_t calls = 0, elements = 0, sent_bytes = 0;
-};
-
 class ShmTransport {
  public:
   ShmTransport(std::string prefix, int rank, int size, ShmConfig cfg);
@@ -172,7 +160,7 @@ class ShmTransport {
   Algo choose_algo(Coll c, size_t bytes) const;
   // `algo` as given, or auto's choice; rejects one-shot for too large inputs.
   Algo resolve(Coll c, size_t bytes, Algo algo) const;
-  std::map<std::string, OpStats> stats(bool reset);
+  std::map<std::string, OpStats> stats(bool reset) { return counters_.read(reset); }
 
   // ---- used by the ring primitives ----
   struct Chan {
@@ -209,7 +197,6 @@ class ShmTransport {
   std::string where(const char* what) const;
   std::string describe(const CallDesc& d) const;
   bool peer_alive(int r) const;
-  void tally(Coll c, uint64_t elements, uint64_t bytes);
   uint64_t begin(const char* what);  // checks the group, returns the new seq
 
   template <typename T> void ring_all_reduce_t(T* buf, int64_t count, RedOp op);
@@ -227,7 +214,7 @@ class ShmTransport {
   std::string broken_why_;
   uint64_t seq_ = 0;                  // collectives entered by this rank
   std::vector<uint64_t> send_local_, recv_local_;  // p2p counters (n) + ring (index n)
-  std::atomic<uint64_t> stats_[kNumColls][3];
+  OpCounters counters_;
   // symmetric buffers: current generation's maps, older generations (kept mapped)
   std::vector<char*> sym_maps_;
   std::vector<std::pair<char*, size_t>> sym_old_;

@@ -81,7 +81,7 @@ struct alignas(64) CallDesc {
   int64_t count;        // total elements (full buffer for reduce_scatter/all_gather)
   uint64_t counts_hash; // hash of the per-rank counts
 };
-static_assert(sizeof(CallDesc) == 64, "CallDesc lives in shared memory");
+static_assert(sizeof(CallDesc) == 64 && alignof(CallDesc) == 64, "CallDesc lives in shared memory");
 
 struct alignas(64) RankCtrl {
   alignas(64) std::atomic<uint64_t> arrived;
@@ -92,6 +92,8 @@ struct alignas(64) RankCtrl {
   char abort_reason[384];  // written before `aborted`, so peers can pass the cause on
 };
 static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
+static_assert(alignof(RankCtrl) == 64 && offsetof(RankCtrl, aborted) == 64 && offsetof(RankCtrl, desc) == 128,
+              "RankCtrl: `arrived` and `aborted` on cache lines of their own");
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
@@ -99,7 +101,9 @@ struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> consumed;
   std::atomic<uint32_t> consumed_waiters;
 };
-static_assert(sizeof(ChanCtrl) == 128, "ChanCtrl: one cache line per writer");
+static_assert(sizeof(ChanCtrl) == 128 && alignof(ChanCtrl) == 64 && offsetof(ChanCtrl, consumed) == 64,
+              "ChanCtrl: one cache line per writer");
+static_assert(sizeof(RankCtrl) % alignof(ChanCtrl) == 0, "the ChanCtrl array follows RankCtrl, aligned");
 
 // Header of a send/recv message, carried in the message's first slot.
 struct alignas(16) P2PHeader {
@@ -107,7 +111,7 @@ struct alignas(16) P2PHeader {
   int32_t dtype;
   int32_t pad;
 };
-static_assert(sizeof(P2PHeader) == 16, "P2PHeader lives in shared memory");
+static_assert(sizeof(P2PHeader) == 16 && alignof(P2PHeader) == 16, "P2PHeader lives in shared memory");
 
 // Header of a symmetric buffer (see [Note: symmetric buffers] in
 // shm_transport.h), in the first kSymHeaderBytes of the buffer's segment.
@@ -115,11 +119,13 @@ struct alignas(64) SymHeader {
   alignas(64) std::atomic<uint64_t> ready;
   std::atomic<uint32_t> ready_waiters;
 };
-static_assert(sizeof(SymHeader) == 64, "SymHeader lives in shared memory");
-constexpr size_t kSymHeaderBytes = 4096;
+constexpr size_t kSymHeaderBytes = 4096;  // the data follows, page-aligned
+static_assert(sizeof(SymHeader) == 64 && alignof(SymHeader) == 64 && sizeof(SymHeader) <= kSymHeaderBytes,
+              "SymHeader lives in shared memory");
 
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
-              "counters shared between processes must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free &&
+                  sizeof(std::atomic<uint64_t>) == 8 && sizeof(std::atomic<uint32_t>) == 4,
+              "counters shared between processes: lock-free, plain integers in memory");
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex word: the counter's low half");
 
 // The fused symmetric ops (pyzero/symmetric.py), by the `kind` code of

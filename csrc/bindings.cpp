@@ -212,8 +212,8 @@ PYBIND11_MODULE(_C, m) {
         return shm_call(async_op, [&] { return c.recv(as_ptr(buf), n, DType(dt), peer, async_op); });
       });
 
-  // ---- multi-tensor pack/unpack (issue 5: gradient bucketing) -------------------
-  // Tables come as parallel lists (pointer, numel, dtype code, offset in the flat buffer).
+  // Multi-tensor pack/unpack (gradient buckets). Tables come as parallel lists
+  // (pointer, numel, dtype code, offset in the flat buffer).
   auto slots = [](const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& numels,
                   const std::vector<int>& dtypes, const std::vector<int64_t>& offsets) {
     if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size() || offsets.size() != ptrs.size())
@@ -240,7 +240,6 @@ PYBIND11_MODULE(_C, m) {
         multi_tensor_unpack(as_ptr(flat), DType(flat_dtype), flat_numel, table, scale);
       },
       "tensor = cast(scale * flat[offset:offset+numel]) for every table row, in one pass (CPU pointers)");
-  // ---- end multi-tensor ---------------------------------------------------------
 
 #ifdef PYZERO_WITH_CUDA
   m.def(

@@ -248,9 +248,8 @@ class ShmSegments {
     notify(c.ctrl->consumed, c.ctrl->consumed_waiters);
   }
 
-  std::string where(const char* what) const;
-
  private:
+  std::string where(const char* what) const;  // "what (rank r of n, seq s)", for errors
   RankCtrl* ctrl(int r) const { return reinterpret_cast<RankCtrl*>(maps_[r]); }
   ChanCtrl* chan_ctrl(int owner, int idx) const {
     return reinterpret_cast<ChanCtrl*>(maps_[owner] + sizeof(RankCtrl)) + idx;

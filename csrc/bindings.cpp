@@ -1,22 +1,19 @@
 // bindings.cpp — the pybind11 module pyzero._C; the only file that includes
-// pybind11. Python hands over (data_ptr, count, dtype code, ...) already
-// validated; C++ never sees a torch tensor.
-//
-// Threading: each group has one Worker for collectives (in call order) and
-// one per peer and direction for send/recv, so a pipeline stage can post a
-// send and a receive at once. Every wait releases the GIL.
+// pybind11, and glue only. Python hands over (data_ptr, count, dtype code, ...)
+// already validated; C++ never sees a torch tensor. Every wait and every
+// synchronous operation releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <map>
 #include <memory>
-#include <mutex>
+#include <string>
+#include <vector>
 
 #include "errors.h"
 #include "multi_tensor.h"
 #include "nccl_transport.h"
 #include "p2p_ring.h"
-#include "shm_transport.h"
+#include "shm_comm.h"
 #include "work.h"
 
 #ifdef PYZERO_WITH_CUDA
@@ -38,54 +35,17 @@ struct Work {
   bool is_completed() { return task->completed(); }
 };
 
-class ShmComm {
- public:
-  ShmComm(const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
-          size_t oneshot_bytes, double timeout_s)
-      : t_(std::make_unique<ShmTransport>(prefix, rank, size,
-                                          ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s})),
-        coll_(std::make_unique<Worker>()) {}
-
-  ShmTransport& t() { return *t_; }
-
-  // Runs fn on the collective worker (async) or inline/in order (sync).
-  py::object run(bool async_op, std::function<void()> fn) { return dispatch(*coll_, async_op, std::move(fn)); }
-
-  py::object run_p2p(bool is_send, int peer, bool async_op, std::function<void()> fn) {
-    Worker* w;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      auto& slot = (is_send ? send_w_ : recv_w_)[peer];
-      if (!slot) slot = std::make_unique<Worker>();
-      w = slot.get();
-    }
-    return dispatch(*w, async_op, std::move(fn));
-  }
-
-  // Joins the worker threads (after their queued work) then frees the segments.
-  void close() {
+// Runs one ShmComm call: an async call returns its Work at once; a
+// synchronous one runs without the GIL and returns None.
+template <typename F>
+py::object shm_call(bool async_op, F f) {
+  if (async_op) return py::cast(Work{f()});
+  {
     py::gil_scoped_release nogil;
-    coll_.reset();
-    std::lock_guard<std::mutex> g(mu_);
-    send_w_.clear();
-    recv_w_.clear();
+    f();
   }
-
- private:
-  static py::object dispatch(Worker& w, bool async_op, std::function<void()> fn) {
-    if (async_op) return py::cast(Work{w.submit(std::move(fn))});
-    {
-      py::gil_scoped_release nogil;
-      w.run_sync(std::move(fn));
-    }
-    return py::none();
-  }
-
-  std::unique_ptr<ShmTransport> t_;  // first: destroyed after the workers using it
-  std::unique_ptr<Worker> coll_;
-  std::mutex mu_;
-  std::map<int, std::unique_ptr<Worker>> send_w_, recv_w_;
-};
+  return py::none();
+}
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
@@ -184,81 +144,76 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("sent_bytes", &OpStats::sent_bytes);
 
   py::class_<ShmComm>(m, "ShmComm")
-      .def(py::init<const std::string&, int, int, size_t, int, size_t, double>(), py::arg("prefix"),
-           py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
+      .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
+                       size_t oneshot_bytes, double timeout_s) {
+             return std::make_unique<ShmComm>(prefix, rank, size,
+                                              ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s});
+           }),
+           py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
            py::arg("oneshot_bytes"), py::arg("timeout_s"))
-      .def("attach", [](ShmComm& c) { c.t().attach(); })
-      .def("unlink", [](ShmComm& c) { c.t().unlink(); })
-      .def("close", &ShmComm::close)
-      .def_property_readonly("rank", [](ShmComm& c) { return c.t().rank(); })
-      .def_property_readonly("size", [](ShmComm& c) { return c.t().size(); })
-      .def("sym_create", [](ShmComm& c, size_t bytes) { c.t().sym_create(bytes); })
-      .def("sym_attach", [](ShmComm& c) { c.t().sym_attach(); })
-      .def("sym_unlink", [](ShmComm& c) { c.t().sym_unlink(); })
-      .def("sym_bytes", [](ShmComm& c) { return c.t().sym_bytes(); })
+      .def("attach", [](ShmComm& c) { c.transport().attach(); })
+      .def("unlink", [](ShmComm& c) { c.transport().unlink(); })
+      .def("close", &ShmComm::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", [](ShmComm& c) { return c.transport().rank(); })
+      .def_property_readonly("size", [](ShmComm& c) { return c.transport().size(); })
+      .def("sym_create", [](ShmComm& c, size_t bytes) { c.transport().sym_create(bytes); })
+      .def("sym_attach", [](ShmComm& c) { c.transport().sym_attach(); })
+      .def("sym_unlink", [](ShmComm& c) { c.transport().sym_unlink(); })
+      .def("sym_bytes", [](ShmComm& c) { return c.transport().sym_bytes(); })
       .def("sym_buffer",  // rank r's data: a writable memoryview (torch.frombuffer views it)
            [](ShmComm& c, int r) {
-             if (r < 0 || r >= c.t().size()) throw py::value_error("rank: out of range");
-             return py::memoryview::from_memory(c.t().sym_data(r), py::ssize_t(c.t().sym_bytes()), false);
+             ShmTransport& t = c.transport();
+             if (r < 0 || r >= t.size()) throw py::value_error("rank: out of range");
+             return py::memoryview::from_memory(t.sym_data(r), py::ssize_t(t.sym_bytes()), false);
            })
-      .def("sym_arrive",  // on the collective worker: ordered with the group's other collectives
+      .def("sym_arrive",
            [](ShmComm& c, int kind, int64_t count, int dt, std::vector<int64_t> dims) {
-             c.run(false, [&c, kind, count, dt, dims] { c.t().sym_arrive(kind, count, DType(dt), dims); });
+             py::gil_scoped_release nogil;
+             c.sym_arrive(kind, count, DType(dt), std::move(dims));
            })
-      .def("sym_signal", [](ShmComm& c, uint64_t v) { c.t().sym_signal(v); })
+      .def("sym_signal", [](ShmComm& c, uint64_t v) { c.transport().sym_signal(v); })
       .def("sym_wait",
            [](ShmComm& c, int peer, uint64_t v, const std::string& what) {
              py::gil_scoped_release nogil;
-             c.t().sym_wait(peer, v, what.c_str());
+             c.transport().sym_wait(peer, v, what.c_str());
            })
-      .def("stats", [](ShmComm& c, bool reset) { return c.t().stats(reset); }, py::arg("reset") = false)
+      .def("stats", [](ShmComm& c, bool reset) { return c.transport().stats(reset); }, py::arg("reset") = false)
       .def("all_reduce",
            [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int op, int algo, bool async_op) {
-             auto& t = c.t();
-             return c.run(async_op, [&t, buf, n, dt, op, algo] {
-               t.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo));
-             });
+             return shm_call(async_op,
+                             [&] { return c.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo), async_op); });
            })
       .def("reduce_scatter",
            [](ShmComm& c, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt, int op, int algo,
               bool async_op) {
-             auto& t = c.t();
-             return c.run(async_op, [&t, out, in, counts, dt, op, algo] {
-               t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo));
+             return shm_call(async_op, [&] {
+               return c.reduce_scatter(as_ptr(out), as_ptr(in), std::move(counts), DType(dt), RedOp(op), Algo(algo),
+                                       async_op);
              });
            })
       .def("all_gather",
            [](ShmComm& c, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt, int algo,
               bool async_op) {
-             auto& t = c.t();
-             return c.run(async_op, [&t, out, in, counts, dt, algo] {
-               t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo));
+             return shm_call(async_op, [&] {
+               return c.all_gather(as_ptr(out), as_ptr(in), std::move(counts), DType(dt), Algo(algo), async_op);
              });
            })
       .def("broadcast",
            [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int root, int algo, bool async_op) {
-             auto& t = c.t();
-             return c.run(async_op, [&t, buf, n, dt, root, algo] {
-               t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo));
-             });
+             return shm_call(async_op,
+                             [&] { return c.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), async_op); });
            })
-      .def("barrier",
-           [](ShmComm& c, bool async_op) {
-             auto& t = c.t();
-             return c.run(async_op, [&t] { t.barrier(); });
-           })
+      .def("barrier", [](ShmComm& c, bool async_op) { return shm_call(async_op, [&] { return c.barrier(async_op); }); })
       .def("send",
            [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int peer, bool async_op) {
-             auto& t = c.t();
-             return c.run_p2p(true, peer, async_op, [&t, buf, n, dt, peer] { t.send(as_ptr(buf), n, DType(dt), peer); });
+             return shm_call(async_op, [&] { return c.send(as_ptr(buf), n, DType(dt), peer, async_op); });
            })
       .def("recv", [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int peer, bool async_op) {
-        auto& t = c.t();
-        return c.run_p2p(false, peer, async_op, [&t, buf, n, dt, peer] { t.recv(as_ptr(buf), n, DType(dt), peer); });
+        return shm_call(async_op, [&] { return c.recv(as_ptr(buf), n, DType(dt), peer, async_op); });
       });
 
-  // ---- multi-tensor pack/unpack (issue 5: gradient bucketing) -------------------
-  // Tables come as parallel lists (pointer, numel, dtype code, offset in the flat buffer).
+  // Multi-tensor pack/unpack (gradient buckets). Tables come as parallel lists
+  // (pointer, numel, dtype code, offset in the flat buffer).
   auto slots = [](const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& numels,
                   const std::vector<int>& dtypes, const std::vector<int64_t>& offsets) {
     if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size() || offsets.size() != ptrs.size())
@@ -285,7 +240,6 @@ PYBIND11_MODULE(_C, m) {
         multi_tensor_unpack(as_ptr(flat), DType(flat_dtype), flat_numel, table, scale);
       },
       "tensor = cast(scale * flat[offset:offset+numel]) for every table row, in one pass (CPU pointers)");
-  // ---- end multi-tensor ---------------------------------------------------------
 
 #ifdef PYZERO_WITH_CUDA
   m.def(

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "collective.h"
 #include "reduce_math.h"
 
 namespace pz::cuda {
@@ -33,7 +34,7 @@ void launch_reduce_wire_final(const void* in, const void* own, void* dst, int64_
 
 // dst[i] = finish(srcs[0][i] (+) ... (+) srcs[nsrc-1][i]) in source order,
 // accumulated in fp32 for fp16/bf16 (cpu_reduce_many's twin). dst may be a source.
-constexpr int kMaxSources = 16;
+// nsrc: 1 .. kMaxReduceSources (collective.h).
 void launch_reduce_many(const void* const* srcs, int nsrc, void* dst, int64_t n, DType dt, RedOp op,
                         int nranks, uintptr_t stream);
 

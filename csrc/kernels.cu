@@ -18,8 +18,6 @@
 
 namespace pz::cuda {
 
-static_assert(kMaxReduceSources == kMaxSources, "cuda_api.h and reduce_kernels.cuh agree on the source limit");
-
 namespace {
 
 // 4 waves of 256-thread blocks over 132 SMs covers an H100; grid-stride
@@ -96,8 +94,8 @@ void launch_reduce_wire_final(const void* in, const void* own, void* dst, int64_
 
 void launch_reduce_many(const void* const* srcs, int nsrc, void* dst, int64_t n, DType dt, RedOp op, int nranks,
                         uintptr_t stream) {
-  if (nsrc < 1 || nsrc > kMaxSources)
-    throw std::invalid_argument("reduce_many: expected 1 to " + std::to_string(kMaxSources) + " sources, got " +
+  if (nsrc < 1 || nsrc > kMaxReduceSources)
+    throw std::invalid_argument("reduce_many: expected 1 to " + std::to_string(kMaxReduceSources) + " sources, got " +
                                 std::to_string(nsrc));
   bool vec = aligned16(dst);
   for (int s = 0; s < nsrc; ++s) vec = vec && aligned16(srcs[s]);

@@ -1,4 +1,4 @@
-// nccl_info.cpp — NCCL facts for build_info(); the NCCL transport lands here.
+// nccl_info.cpp — NCCL facts for build_info().
 #include <nccl.h>
 
 #include "cuda_api.h"

@@ -49,8 +49,6 @@ ncclRedOp_t nccl_op(RedOp o) {
   throw std::invalid_argument("unsupported reduction op; expected sum, avg, max, min or prod");
 }
 
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
 Clock::duration seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
 }
@@ -121,12 +119,8 @@ struct NcclTransport::Impl {
   bool stop = false;
   std::thread watchdog;
 
-  std::atomic<uint64_t> stats[kNumColls][3];
+  OpCounters counters;
 
-  Impl() {
-    for (auto& s : stats)
-      for (auto& v : s) v.store(0);
-  }
   ~Impl() {
     try {
       close();
@@ -352,12 +346,6 @@ struct NcclTransport::Impl {
   std::weak_ptr<Impl> self;
   std::shared_ptr<Impl> shared() { return self.lock(); }
 
-  void tally(Coll c, uint64_t elements, uint64_t bytes) {
-    stats[int(c)][0].fetch_add(1, std::memory_order_relaxed);
-    stats[int(c)][1].fetch_add(elements, std::memory_order_relaxed);
-    stats[int(c)][2].fetch_add(bytes, std::memory_order_relaxed);
-  }
-
   uint64_t ring(Coll c, void* out, const void* in, const ChunkLayout& L, int root, DType dt, RedOp op,
                 cudaStream_t s, const char* what);
 
@@ -506,7 +494,7 @@ NcclTransport::NcclTransport(const std::string& uid, int rank, int size, int dev
 
   PZ_CUDA_CHECK(cudaSetDevice(device));
   t.oneshot_off = 2 * t.cfg.slice_bytes;
-  size_t oneshot_total = size_t(std::min(size, kNcclOneshotMaxRanks)) * t.cfg.oneshot_bytes;
+  size_t oneshot_total = size_t(std::min(size, kMaxReduceSources)) * t.cfg.oneshot_bytes;
   t.barrier_off = t.oneshot_off + oneshot_total;
   PZ_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&t.staging), t.barrier_off + 256));
   PZ_CUDA_CHECK(cudaMemset(t.staging + t.barrier_off, 0, 256));
@@ -549,18 +537,7 @@ void NcclTransport::set_timeout(double s) {
 
 void NcclTransport::close() { impl_->close(); }
 
-std::map<std::string, OpStats> NcclTransport::stats(bool reset) {
-  std::map<std::string, OpStats> out;
-  for (int c = 0; c < kNumColls; ++c) {
-    auto& s = impl_->stats[c];
-    OpStats o;
-    o.calls = reset ? s[0].exchange(0) : s[0].load();
-    o.elements = reset ? s[1].exchange(0) : s[1].load();
-    o.sent_bytes = reset ? s[2].exchange(0) : s[2].load();
-    out[coll_name(Coll(c))] = o;
-  }
-  return out;
-}
+std::map<std::string, OpStats> NcclTransport::stats(bool reset) { return impl_->counters.read(reset); }
 
 // ---------------------------------------------------------------------------
 // Collectives. sent_bytes: exact for ring and one-shot; for native, what a
@@ -600,7 +577,7 @@ NcclTransport::WorkPtr NcclTransport::all_reduce(void* buf, int64_t count, DType
       sent = t.ring(Coll::all_reduce, buf, buf, L, 0, dt, op, s, what);
     }
   });
-  t.tally(Coll::all_reduce, uint64_t(count), sent);
+  t.counters.add(Coll::all_reduce, uint64_t(count), sent);
   return w;
 }
 
@@ -634,7 +611,7 @@ NcclTransport::WorkPtr NcclTransport::reduce_scatter(void* out, const void* in, 
       sent = t.ring(Coll::reduce_scatter, out, in, L, 0, dt, op, s, what);
     }
   });
-  t.tally(Coll::reduce_scatter, uint64_t(L.total()), sent);
+  t.counters.add(Coll::reduce_scatter, uint64_t(L.total()), sent);
   return w;
 }
 
@@ -669,7 +646,7 @@ NcclTransport::WorkPtr NcclTransport::all_gather(void* out, const void* in, cons
       sent = t.ring(Coll::all_gather, out, in, L, 0, dt, RedOp::sum, s, what);
     }
   });
-  t.tally(Coll::all_gather, uint64_t(L.total()), sent);
+  t.counters.add(Coll::all_gather, uint64_t(L.total()), sent);
   return w;
 }
 
@@ -692,7 +669,7 @@ NcclTransport::WorkPtr NcclTransport::broadcast(void* buf, int64_t count, DType 
       sent = t.ring(Coll::broadcast, buf, buf, L, root, dt, RedOp::sum, s, what);
     }
   });
-  t.tally(Coll::broadcast, uint64_t(count), sent);
+  t.counters.add(Coll::broadcast, uint64_t(count), sent);
   return w;
 }
 
@@ -703,7 +680,7 @@ NcclTransport::WorkPtr NcclTransport::barrier(uintptr_t stream, bool async_op) {
     void* word = t.staging + t.barrier_off;
     t.check(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, t.comm, s), what);
   });
-  t.tally(Coll::barrier, 0, 0);
+  t.counters.add(Coll::barrier, 0, 0);
   return w;
 }
 
@@ -715,7 +692,7 @@ NcclTransport::WorkPtr NcclTransport::send(const void* buf, int64_t count, DType
   auto w = t.run(what, stream, async_op, false, false, [&](cudaStream_t s) {
     if (count) t.check(ncclSend(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
   });
-  t.tally(Coll::send, uint64_t(count), uint64_t(count) * dtype_size(dt));
+  t.counters.add(Coll::send, uint64_t(count), uint64_t(count) * dtype_size(dt));
   return w;
 }
 
@@ -727,7 +704,7 @@ NcclTransport::WorkPtr NcclTransport::recv(void* buf, int64_t count, DType dt, i
   auto w = t.run(what, stream, async_op, false, false, [&](cudaStream_t s) {
     if (count) t.check(ncclRecv(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
   });
-  t.tally(Coll::recv, uint64_t(count), 0);
+  t.counters.add(Coll::recv, uint64_t(count), 0);
   return w;
 }
 

@@ -46,8 +46,8 @@
 #include <string>
 #include <vector>
 
+#include "collective.h"
 #include "reduce_math.h"
-#include "shm_transport.h"  // Coll, Algo, OpStats
 
 namespace pz {
 
@@ -57,9 +57,6 @@ struct NcclConfig {
   size_t oneshot_bytes = 256 << 10;  // one-shot all_reduce: the largest per-rank input
   bool blocking_wait = false;        // synchronous calls wait on the host for their completion
 };
-
-// Largest group the one-shot path takes (reduce_many's source limit).
-constexpr int kNcclOneshotMaxRanks = 16;
 
 // `algo` as the nccl transport runs it, for a call with `bytes` of input per
 // rank. auto is native for every size: NCCL's tuner already picks its own
@@ -85,9 +82,9 @@ inline Algo nccl_resolve_algo(Coll c, size_t bytes, Algo algo, size_t oneshot_by
         throw std::invalid_argument("all_reduce: algo='oneshot' takes at most " + std::to_string(oneshot_bytes) +
                                     " bytes per rank on the nccl backend, got " + std::to_string(bytes) +
                                     "; use algo='auto', 'native' or 'ring'");
-      if (nranks > kNcclOneshotMaxRanks)
+      if (nranks > kMaxReduceSources)  // reduce_many's source limit
         throw std::invalid_argument("all_reduce: algo='oneshot' takes at most " +
-                                    std::to_string(kNcclOneshotMaxRanks) + " ranks, the group has " +
+                                    std::to_string(kMaxReduceSources) + " ranks, the group has " +
                                     std::to_string(nranks));
       return Algo::oneshot;
   }

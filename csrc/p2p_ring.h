@@ -38,19 +38,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "collective.h"
 #include "reduce_math.h"
 #include "ring.h"
-#include "shm_transport.h"  // Coll
 
 namespace pz {
-
-// Element counts of an all-reduce's n chunks: as even as possible, the
-// remainder on the first ranks (the same split as the shm ring).
-inline std::vector<int64_t> split_even(int64_t count, int n) {
-  std::vector<int64_t> c(n);
-  for (int r = 0; r < n; ++r) c[r] = count / n + (r < count % n ? 1 : 0);
-  return c;
-}
 
 template <typename T, typename W, typename Exec>
 struct P2PRingPrims {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "collective.h"
 #include "reduce_math.h"
 
 namespace pz::cuda {
@@ -87,9 +88,6 @@ struct Reduce2Fn {
     store_pack<K>(out + i, z);
   }
 };
-
-// At most this many inputs per reduce_many call (a kernel parameter holds them).
-constexpr int kMaxReduceSources = 16;
 
 template <typename T>
 struct Sources {

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 6): resharding across world sizes and stages, consolidation, keep=,
+"""Sharded checkpoints: resharding across world sizes and stages, consolidation, keep=,
 crashes during a save, a rank killed mid-training and the job resumed.
 
 Ranks report their optimizer shards as (name, start, end) pieces; the parent

@@ -1,4 +1,4 @@
-"""DataParallel and gradient bucketing (issue 5).
+"""DataParallel and gradient bucketing.
 
 Multi-rank runs are compared with one plain-torch process on the full batch
 (same seed, AdamW): with the loss a mean over equal shards, the average of

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 8): balanced splits, GPipe / 1F1B schedules, DP x PP.
+"""Pipeline parallelism: balanced splits, GPipe / 1F1B schedules, DP x PP.
 
 Every pipelined loss and gradient is compared with a single-process
 plain-torch run of the same seeded nn.Sequential on the full batch; splits

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 7): TP layers, sequence parallelism, ring overlap, DP x TP meshes.
+"""Tensor parallelism: TP layers, sequence parallelism, ring overlap, DP x TP meshes.
 
 Every multi-rank result is compared with a single-process plain-torch model
 built under the same seed; TP shards are compared with ``chunk`` of the

@@ -1,4 +1,4 @@
-"""ZeroOptimizer (issue 6): stages 1-3 against plain single-process torch on the full batch.
+"""ZeroOptimizer: stages 1-3 against plain single-process torch on the full batch.
 
 One set of forked ranks per world size trains every scenario (stage x
 optimizer x feature) and returns the final weights; the parent trains the

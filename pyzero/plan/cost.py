@@ -161,10 +161,25 @@ def stage_params(spec: ModelSpec, tp: int, pp: int) -> float:
     """Parameters one TP rank of the first (busiest) pipeline stage holds."""
     layers = math.ceil(spec.layers / pp)
     embed = spec.embedding_params / (tp if spec.embedding_tp else 1)
-    psi = layers * spec.layer_params / tp + embed + spec.seq * spec.hidden
+    psi = layers * spec.layer_params / tp + embed + spec.position_params
     if pp == 1:
         psi += 2 * spec.hidden + (0 if spec.tied_embedding else embed)
     return psi
+
+
+def activation_memory(spec: ModelSpec, lay: Layout, value_bytes: int = 2) -> float:
+    """Activation bytes of the busiest pipeline stage (first: min(m, p) micro-batches in flight under
+    1F1B; last: one, plus the fp32 logits and their gradient). ``value_bytes`` 4 (fp32 training)
+    doubles the formula's 16-bit values (its 1-byte dropout masks too, a slight overestimate)."""
+    b, t = lay.micro_batch, lay.tp
+    layers = math.ceil(spec.layers / lay.pp)
+    per_layer = layer_activation_bytes(spec, b, t, lay.sp, lay.recompute)
+    recomputing = layer_activation_bytes(spec, b, t, lay.sp, "none") if lay.recompute == "full" else 0.0
+    first = min(lay.micro_batches, lay.pp) * layers * per_layer + recomputing
+    logits = 2 * 4 * spec.seq * b * spec.vocab / (t if spec.embedding_tp else 1)
+    last = layers * per_layer + recomputing
+    scale = value_bytes / 2
+    return max(first * scale, last * scale + logits) if lay.pp > 1 else first * scale + logits
 
 
 def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
@@ -178,16 +193,7 @@ def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
         host = states["optimizer"] + 4 * psi / lay.dp  # fp32 gradient shard lands on the host too
         states["optimizer"] = 0.0
     b, t = lay.micro_batch, lay.tp
-    layers = math.ceil(spec.layers / lay.pp)
-    per_layer = layer_activation_bytes(spec, b, t, lay.sp, lay.recompute)
-    inflight = min(lay.micro_batches, lay.pp)
-    first = inflight * layers * per_layer
-    if lay.recompute == "full":
-        first += layer_activation_bytes(spec, b, t, lay.sp, "none")
-    logits = 2 * 4 * spec.seq * b * spec.vocab / (t if spec.embedding_tp else 1)
-    last = layers * per_layer + logits + (layer_activation_bytes(spec, b, t, lay.sp, "none")
-                                          if lay.recompute == "full" else 0)
-    act = max(first + (logits if lay.pp == 1 else 0), last)
+    act = activation_memory(spec, lay, c.param_bytes)
     pb = c.param_bytes
     buffers = 2 * spec.seq * b * spec.hidden * pb if t > 1 else 0.0
     if lay.stage == 3:
@@ -281,5 +287,5 @@ def model_flops(spec: ModelSpec) -> float:
     return 3 * (spec.layers * (2 * b * s * (4 + 2 * spec.ffn) * h * h + 4 * b * s * s * h) + 2 * b * s * h * spec.vocab)
 
 
-__all__ = ["Cluster", "Estimate", "Layout", "Link", "Table", "estimate", "layer_activation_bytes", "memory",
+__all__ = ["Cluster", "Estimate", "Layout", "Link", "Table", "activation_memory", "estimate", "layer_activation_bytes", "memory",
            "model_flops", "stage_params", "step_time"]

@@ -40,6 +40,7 @@ class ModelSpec:
     tied_embedding: bool = True
     embedding_tp: bool = True
     name: str = "model"
+    positions: int | None = None  # rows of the position embedding (default: seq)
 
     def __post_init__(self):
         for arg in ("layers", "hidden", "heads", "vocab", "seq", "batch", "ffn"):
@@ -61,7 +62,11 @@ class ModelSpec:
     @property
     def params(self) -> int:
         head = 0 if self.tied_embedding else self.vocab * self.hidden
-        return self.layers * self.layer_params + self.embedding_params + head + self.seq * self.hidden + 2 * self.hidden
+        return self.layers * self.layer_params + self.embedding_params + head + self.position_params + 2 * self.hidden
+
+    @property
+    def position_params(self) -> int:
+        return (self.positions or self.seq) * self.hidden
 
     def with_(self, **changes) -> "ModelSpec":
         return replace(self, **changes)
@@ -87,6 +92,7 @@ def _get(config, names):
 def from_config(config, seq: int | None = None, batch: int = 1, name: str = "model") -> ModelSpec:
     """A ModelSpec from an HF-style config (object or dict) or pyzero's GPTConfig."""
     found = {k: _get(config, names) for k, names in _KEYS.items()}
+    positions = found["seq"]
     if seq is not None:
         found["seq"] = seq
     missing = [f"{k} (one of {', '.join(_KEYS[k])})" for k, v in found.items() if v is None]
@@ -95,7 +101,7 @@ def from_config(config, seq: int | None = None, batch: int = 1, name: str = "mod
     inner = _get(config, ("n_inner", "intermediate_size"))
     ffn = 4 if inner is None else max(1, round(inner / found["hidden"]))
     tied = _get(config, ("tie_word_embeddings",))
-    return ModelSpec(ffn=ffn, batch=batch, name=name, tied_embedding=True if tied is None else bool(tied),
+    return ModelSpec(ffn=ffn, batch=batch, name=name, positions=None if positions is None else int(positions), tied_embedding=True if tied is None else bool(tied),
                      **{k: int(v) for k, v in found.items()})
 
 
@@ -130,6 +136,8 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
         else:
             out = from_config(model, seq=seq, batch=batch or 1)
     changes = {k: v for k, v in (("seq", seq), ("batch", batch)) if v is not None}
+    if seq is not None and out.positions is None:
+        changes["positions"] = out.seq  # a shorter training sequence keeps the model's position table
     return out.with_(**changes) if changes else out
 
 

@@ -4,8 +4,8 @@ training steps and read its model-state memory, and compare with the cost model.
     pyzero-plan validate --nproc 2,4 --model gpt-tiny --steps 10 --json out.json
 
 Prediction inputs, measured once here: the device throughput (one rank's fp32
-matmul FLOP/s at the model's width, scaled by cores/ranks when the ranks
-outnumber the cores), the memory bandwidth (a large copy) and the
+matmul FLOP/s at the shape each layout runs: micro-batch tokens x hidden x
+4 hidden/tp, scaled by cores/ranks when the ranks outnumber the cores), the memory bandwidth (a large copy) and the
 collectives (``--table``, the JSON of ``pyzero-bench collectives``; by
 default the newest benchmarks/results/collectives_all_cpu2_*.json).
 Reported: per layout the predicted and measured step time and model states,
@@ -48,15 +48,17 @@ def runnable_layouts(nproc: int, layers: int, heads: int, batch: int) -> list[La
     return out
 
 
-def _measure_flops(hidden: int, tokens: int, threads: int = 1) -> float:
+def _measure_flops(hidden: int, tokens: int, tp: int = 1, threads: int = 1) -> float:
+    """One rank's FLOP/s on an MLP matmul of the shape a layout runs: (tokens, h) x (h, 4h/tp).
+    Small matmuls run well below the peak on CPUs (and GPUs), so each (micro-batch, tp) gets its own."""
     torch.set_num_threads(threads)
-    a, w = torch.randn(tokens, hidden), torch.randn(4 * hidden, hidden)
+    a, w = torch.randn(tokens, hidden), torch.randn(4 * hidden // tp, hidden)
     for _ in range(3):
         a @ w.t()
-    reps, t0 = 10, time.perf_counter()
+    reps, t0 = 20, time.perf_counter()
     for _ in range(reps):
         a @ w.t()
-    return reps * 2 * tokens * hidden * 4 * hidden / (time.perf_counter() - t0)
+    return reps * 2 * tokens * hidden * 4 * hidden // tp / (time.perf_counter() - t0)
 
 
 def _measure_mem_bw() -> float:
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
     spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False)
     cores = os.cpu_count() or 1
     flops1 = _measure_flops(config.n_embd, args.batch * args.seq)
+    shapes: dict = {}
     mem_bw = _measure_mem_bw()
     print(f"# {args.model}: {spec.params / 1e6:.2f}M parameters, batch {args.batch} x seq {args.seq}; "
           f"{cores} cores, one rank {flops1 / 1e9:.1f} GFLOP/s, copy {mem_bw / 1e9:.1f} GB/s; table {table}")
@@ -175,6 +178,10 @@ def main(argv=None) -> int:
         if args.layouts:
             lays = [lay for lay in lays if str(lay) in args.layouts.split(";")]
         for lay in lays:
+            key = (lay.micro_batch * args.seq, lay.tp)
+            if key not in shapes:
+                shapes[key] = _measure_flops(config.n_embd, *key)
+            c.flops = shapes[key] * share
             e = estimate(spec, c, lay)
             res = [r.value for r in run_ranks(_rank, n, args=(args.model, lay, args.batch, args.seq, args.steps,
                                                               args.warmup), timeout=args.timeout)]
@@ -196,7 +203,8 @@ def main(argv=None) -> int:
         out = {"machine": {"node": platform.node(), "system": platform.platform(), "cpus": cores},
                "versions": {"python": platform.python_version(), "torch": torch.__version__},
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "command": "plan validate", "args": vars(args), "flops_per_rank": flops1, "mem_bw": mem_bw,
+               "command": "plan validate", "args": vars(args), "flops_per_rank": flops1,
+               "flops_by_shape": {f"tokens={k[0]} tp={k[1]}": v for k, v in shapes.items()}, "mem_bw": mem_bw,
                "table": table, "spearman": rho, "max_states_error": worst, "results": rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

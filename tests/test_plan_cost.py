@@ -174,3 +174,22 @@ def test_gpt3_175b_published_layout():
     published = next(e for e in full.ranked if e.layout == best)
     assert published.time["total"] <= full.best.time["total"] * 1.001
     assert full.best.layout.tp == 8 and full.best.layout.sp
+
+
+def test_plan_from_a_module_with_a_measured_table():
+    """A bench GPT module walked for its shape, the recorded CPU collectives as the intra-host links."""
+    path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
+    model = make_gpt("gpt-tiny")
+    plan = pz.plan(model, world=4, gpus_per_host=4, device_memory=1e9, flops=80e9, seq=128, batch=8,
+                   tables={"intra": path}, inter=1e9, param_bytes=4, optimizer_bytes=8)
+    assert isinstance(plan.cluster.intra, Table) and plan.cluster.inter.bw == 1e9
+    assert plan.spec.params == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    e = plan.best
+    # The DP all-reduce time the model charges comes from the table: compare with a direct lookup.
+    lay = Layout(dp=4, micro_batch=2, micro_batches=1)
+    t = estimate(plan.spec, plan.cluster, lay).time
+    g = stage_params(plan.spec, 1, 1) * 4
+    ar = Table.from_json(path).time("all_reduce", g, 4)
+    assert t["dp"] == pytest.approx(max(0.0, ar - 2 * t["compute"] / 3) + Table.from_json(path).time(
+        "all_reduce", 1 << 20, 4))
+    assert e.memory["total"] <= 1e9 and e.time["total"] <= t["total"]

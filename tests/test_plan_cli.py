@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,8 +34,19 @@ def test_cli_bad_input():
     assert proc.returncode == 2 and "--model" in proc.stderr
     proc = run("--model", "no-such.json", "--world", "8")
     assert proc.returncode == 2 and "--model" in proc.stderr
+    proc = run("--model", "gpt2-1.5b", "--world", "8", "--tflops", "fast")
+    assert proc.returncode == 2 and "--tflops" in proc.stderr
     proc = run("validate", "--nproc", "two")
     assert proc.returncode == 2 and "--nproc" in proc.stderr
+
+
+def test_measured_throughput_feeds_the_plan():
+    proc = run("--model", "gpt-nano", "--batch", "8", "--world", "2", "--gpus-per-host", "2", "--tflops", "measure",
+               "--top", "1")
+    assert proc.returncode == 0, proc.stderr
+    measured = float(proc.stdout.split("# measured ")[1].split()[0])
+    used = float(proc.stdout.split(" TFLOP/s each")[0].rsplit(" ", 1)[1])
+    assert 0 < measured < 1e4 and used == pytest.approx(measured, rel=1e-2)
 
 
 def test_validate_smoke(tmp_path):

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory per device (GB)")
     ap.add_argument("--reserved-gb", type=float, default=0.0, help="device memory the framework takes (GB)")
-    ap.add_argument("--tflops", type=float, default=156.0, help="achieved TFLOP/s per device (default: half "
-                                                                "of an A100's 312 bf16)")
+    ap.add_argument("--tflops", default="156", help="achieved TFLOP/s per device (default 156: half of an A100's "
+                                                    "312 bf16), or 'measure': a matmul on this machine's device")
     ap.add_argument("--intra-gbps", type=float, default=230.0, help="intra-host bus bandwidth per device (GB/s)")
     ap.add_argument("--inter-gbps", type=float, default=25.0, help="inter-host bandwidth per device (GB/s)")
     ap.add_argument("--table-intra", help="collectives JSON measured inside a host (overrides --intra-gbps)")
@@ -71,10 +71,21 @@ def main(argv=None) -> int:
     spec = _spec(args, ap)
     from . import plan  # noqa: PLC0415
 
+    if args.tflops == "measure":
+        from .validate import measure_flops  # noqa: PLC0415
+
+        flops = measure_flops()
+        print(f"# measured {flops / 1e12:.3g} TFLOP/s on this machine's device")
+    else:
+        try:
+            flops = float(args.tflops) * 1e12
+        except ValueError:
+            ap.error(f"--tflops: expected a number or 'measure', got {args.tflops!r}")
+
     try:
         stages = tuple(int(s) for s in args.stages.split(","))
         p = plan(spec, world=args.world, gpus_per_host=args.gpus_per_host, device_memory=args.gpu_gb * GB,
-                 flops=args.tflops * 1e12, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
+                 flops=flops, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
                  intra=args.table_intra or args.intra_gbps * GB, inter=args.table_inter or args.inter_gbps * GB,
                  reserved=args.reserved_gb * GB)
     except (TypeError, ValueError, OSError) as e:

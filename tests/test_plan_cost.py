@@ -32,6 +32,18 @@ def test_spec_counts_parameters_like_the_module():
     hf = to_spec({"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "n_positions": 1024})
     assert hf.params == gpt_params(48, 1600, 50257, 1024)  # GPT-2 1.5B
     assert round(hf.params / 1e9, 2) == 1.56
+    bare = make_gpt("gpt-tiny")
+    bare.config = None  # no config: the walk finds the shape
+    walked_spec = to_spec(bare, batch=8)
+    assert (walked_spec.layers, walked_spec.hidden, walked_spec.heads, walked_spec.vocab, walked_spec.seq) == \
+        (4, 256, 4, 2048, 128)
+    assert walked_spec.params == walked
+    for m in bare.modules():
+        if hasattr(m, "n_head"):
+            del m.n_head
+    with pytest.raises(ValueError, match="heads="):
+        to_spec(bare)
+    assert to_spec(bare, heads=8).heads == 8
     with pytest.raises(ValueError, match="lacks heads"):
         to_spec({"n_layer": 2, "n_embd": 64, "vocab_size": 10, "n_positions": 8})
 

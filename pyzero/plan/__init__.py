@@ -30,7 +30,7 @@ def _tables(tables):
 def plan(model_or_spec, world: int, gpus_per_host: int | None = None, device_memory: float = 80e9,
          tables=None, flops: float = 150e12, seq: int | None = None, batch: int | None = None,
          stages=(0, 1, 2, 3), recompute=("none", "selective", "full"), offload=("none", "cpu"),
-         **cluster) -> Plan:
+         shape: dict | None = None, **cluster) -> Plan:
     """Search the layouts of ``model_or_spec`` on ``world`` devices; returns a Plan (``.best``, ``.table()``).
 
     ``model_or_spec``: a torch module (pyzero's bench GPT, HF GPT-2), an HF-style
@@ -39,8 +39,9 @@ def plan(model_or_spec, world: int, gpus_per_host: int | None = None, device_mem
     JSON (path or dict, intra-host links) or {"intra": ..., "inter": ...};
     a kind without a table uses ``intra=``/``inter=`` bandwidths (bytes/s) from
     ``cluster``, which also takes the other Cluster fields (mem_bw, reserved, ...).
+    ``shape``: layers/hidden/heads/vocab for a module whose walk cannot find them.
     """
-    spec = to_spec(model_or_spec, seq=seq, batch=batch)
+    spec = to_spec(model_or_spec, seq=seq, batch=batch, **(shape or {}))
     links = {**{k: v for k, v in cluster.items() if k in ("intra", "inter")}, **_tables(tables)}
     rest = {k: v for k, v in cluster.items() if k not in ("intra", "inter")}
     c = Cluster(world=world, gpus_per_host=gpus_per_host or world, device_memory=device_memory, flops=flops,

@@ -4,9 +4,11 @@ A `ModelSpec` comes from a GPT spec (layers, hidden, heads, vocab, sequence,
 batch), from an HF-style config (GPT-2's ``n_layer``/``n_embd``/``n_head`` or
 the ``num_hidden_layers``/``hidden_size``/``num_attention_heads`` spelling),
 or from a torch module: pyzero's bench GPT and HF GPT-2 by their config, any
-other module by walking it (parameters counted, transformer shape read from
-its first ``nn.Linear`` pairs is not attempted: a module without a config
-needs ``layers``/``hidden``/``heads`` given).
+other module by walking it: the largest ``nn.Embedding`` gives the vocabulary
+and hidden size, a second one the positions, each MLP input layer
+(``nn.Linear(h, 4h)``) a transformer layer, and a submodule attribute
+``n_head``/``num_heads``/``num_attention_heads`` the heads (or ``heads=``).
+Either way the parameters walked must match the shape's count within 5%.
 
 Parameter count of one pre-LayerNorm block with hidden h and MLP ratio 4:
 qkv 3h^2 + 3h, proj h^2 + h, fc 4h^2 + 4h, fc_proj 4h^2 + h, two LayerNorms
@@ -123,10 +125,16 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
         if nn is not None and isinstance(model, nn.Module):
             config = getattr(model, "config", None)
             if config is None:
-                if not {"layers", "hidden", "heads", "vocab"} <= set(shape):
-                    raise ValueError("model: a module without a .config needs layers=, hidden=, heads=, vocab= "
-                                     "(and seq=) to describe its transformer shape")
-                out = ModelSpec(seq=seq or 1, batch=batch or 1, **shape)
+                found = _walk(model, nn)
+                found.update(shape)
+                if "seq" not in found and seq is None:
+                    raise ValueError("model: no position embedding found; give seq=")
+                found["seq"] = seq or found["seq"]
+                missing = [k for k in ("layers", "hidden", "heads", "vocab") if not found.get(k)]
+                if missing:
+                    raise ValueError(f"model: walking the module found no {', '.join(missing)}; give "
+                                     f"{', '.join(k + '=' for k in missing)}")
+                out = ModelSpec(batch=batch or 1, name=type(model).__name__, **found)
             else:
                 out = from_config(config, seq=seq, batch=batch or 1, name=type(model).__name__)
             counted = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -139,6 +147,25 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
     if seq is not None and out.positions is None:
         changes["positions"] = out.seq  # a shorter training sequence keeps the model's position table
     return out.with_(**changes) if changes else out
+
+
+def _walk(model, nn) -> dict:
+    """The transformer shape of a module without a config (see the module docstring)."""
+    embeds = sorted((m for m in model.modules() if isinstance(m, nn.Embedding)), key=lambda m: -m.num_embeddings)
+    found: dict = {}
+    if embeds:
+        found["vocab"], found["hidden"] = embeds[0].num_embeddings, embeds[0].embedding_dim
+        if len(embeds) > 1:
+            found["seq"] = found["positions"] = embeds[1].num_embeddings
+        h = found["hidden"]
+        found["layers"] = sum(1 for m in model.modules()
+                              if isinstance(m, nn.Linear) and m.in_features == h and m.out_features == 4 * h)
+    for m in model.modules():
+        for attr in ("n_head", "num_heads", "num_attention_heads"):
+            if isinstance(getattr(m, attr, None), int):
+                found["heads"] = getattr(m, attr)
+                return found
+    return found
 
 
 # Published shapes, for the CLI and the tests.

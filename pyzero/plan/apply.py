@@ -21,6 +21,8 @@ rank = (pp_i * dp + dp_i) * tp + tp_i. On its stage a rank holds:
   ``pz.pipeline.split_sequential`` into stages of equal block counts, run by
   ``pz.pipeline.Pipeline`` (1F1B). The tied embedding lives on the first and
   the last stage and their gradients are summed, as Megatron does.
+* Recomputation: "full" checkpoints each block (torch.utils.checkpoint,
+  non-reentrant), "selective" only its attention core.
 * DP: ``pz.DataParallel`` (stage 0, no pipeline), ``pz.ZeroOptimizer`` over the
   DP group with ``tp_group`` (stages 1-3), or for stage 0 with a pipeline one
   all-reduce of the gradients after the pipeline flush.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from .. import tp as ptp
@@ -70,12 +73,14 @@ class _Head(nn.Module):
 
 
 class _Block(nn.Module):
-    """A bench GPT block on (s, b, h) activations; with a TP group, this rank's heads and MLP units."""
+    """A bench GPT block on (s, b, h) activations; with a TP group, this rank's heads and MLP units.
+    ``recompute``: "full" keeps only the block's input for backward, "selective" recomputes the
+    attention core (scores, softmax, their product with v), the part Korthikanti et al. drop."""
 
-    def __init__(self, block, group, sp: bool):
+    def __init__(self, block, group, sp: bool, recompute: str = "none"):
         super().__init__()
         self.ln1, self.ln2 = block.ln1, block.ln2
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.recompute = group, sp, recompute
         n = 1 if group is None else group.size
         h = block.qkv.in_features
         if block.n_head % n:
@@ -104,13 +109,25 @@ class _Block(nn.Module):
         return F.layer_norm(x, ln.normalized_shape, ptp.copy_to_tp(ln.weight, self.group),
                             ptp.copy_to_tp(ln.bias, self.group), ln.eps)
 
-    def forward(self, x):
+    @staticmethod
+    def _attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def _forward(self, x):
         q, k, v = self.qkv(self._norm(self.ln1, x)).split(self.width, dim=-1)  # each (s, b, h/tp)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.view(s, b, self.heads, -1).permute(1, 2, 0, 3) for t in (q, k, v))  # (b, heads, s, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, self.width)
-        x = x + self.proj(y)
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            y = checkpoint(self._attention, q, k, v, use_reentrant=False)
+        else:
+            y = self._attention(q, k, v)
+        x = x + self.proj(y.permute(2, 0, 1, 3).reshape(s, b, self.width))
         return x + self.fc_proj(F.gelu(self.fc(self._norm(self.ln2, x))))
+
+    def forward(self, x):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
 
 
 def _layout(plan) -> Layout:
@@ -162,9 +179,11 @@ class ParallelGPT(nn.Module):
             raise ValueError(f"plan: ZeRO stage {lay.stage} with pp={lay.pp}; expected stage 0 or 1 with pipelining")
         if lay.stage > 0 and lay.dp == 1:
             raise ValueError(f"plan: ZeRO stage {lay.stage} needs dp > 1, got dp=1")
-        if lay.recompute != "none" or lay.offload != "none":
-            raise ValueError(f"plan: recompute={lay.recompute!r}, offload={lay.offload!r} are planned but not applied "
-                             "by parallelize; expected 'none'")
+        if lay.offload != "none":
+            raise ValueError(f"plan: offload={lay.offload!r} is planned but not applied by parallelize (ZeroOptimizer "
+                             "has no offload yet); expected 'none'")
+        if lay.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"plan: recompute={lay.recompute!r}; expected 'none', 'selective' or 'full'")
         self.layout = lay
         groups, (self.pp_index, self.dp_index, self.tp_index) = _groups(lay)
         self.tp_group, self.dp_group = groups.get("tp"), groups.get("dp")
@@ -179,7 +198,7 @@ class ParallelGPT(nn.Module):
         stage = split_sequential(seq, lay.pp, costs=[0] + [1] * L + [0])[self.pp_index] if lay.pp > 1 else seq
         for name, child in list(stage.named_children()):
             if not isinstance(child, (_Embed, _Head)):
-                setattr(stage, name, _Block(child, self.tp_group, lay.sp))
+                setattr(stage, name, _Block(child, self.tp_group, lay.sp, lay.recompute))
         self.stage = stage
         self._tied = [m.weight for m in stage if isinstance(m, _Head)] + \
                      [m.wte.weight for m in stage if isinstance(m, _Embed)] if lay.pp > 1 else []

@@ -20,6 +20,8 @@ Memory per device (bytes), first principles:
   selective recomputation drops the 5as/h attention terms: sbh(10 + 24/t),
   sbh(34/t) with SP; full recomputation keeps only each layer's input,
   2sbh (2sbh/t with SP), plus one layer's activations while it recomputes.
+  A fused attention kernel (FlashAttention, torch SDPA) stores no scores: no
+  5as/h term (``ModelSpec.fused_attention``).
   With the 1F1B schedule the first stage holds min(m, p) micro-batches of its
   L/p layers, so its activation memory is L layers' worth when m >= p (the
   paper's observation that pipelining does not reduce activation memory).
@@ -149,7 +151,7 @@ def layer_activation_bytes(spec: ModelSpec, b: int, tp: int = 1, sp: bool = Fals
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    attn = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    attn = 0.0 if recompute == "selective" or spec.fused_attention else 5 * a * s / (h * t)
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {recompute!r}")
     if t == 1:

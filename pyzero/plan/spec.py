@@ -30,6 +30,9 @@ class ModelSpec:
     per sequence; ``ffn``: MLP hidden / hidden. ``embedding_tp``: the token
     embedding and output head are vocab-parallel under TP (Megatron) rather
     than replicated on every TP rank (pz.parallelize keeps them replicated).
+    ``fused_attention``: the attention scores are recomputed inside a fused
+    kernel rather than stored, so activation memory loses the 5as/h term (as
+    with selective recomputation); the published tables assume stored scores.
     """
 
     layers: int
@@ -43,6 +46,7 @@ class ModelSpec:
     embedding_tp: bool = True
     name: str = "model"
     positions: int | None = None  # rows of the position embedding (default: seq)
+    fused_attention: bool = False  # scores never stored (FlashAttention, torch SDPA): no 5as/h term
 
     def __post_init__(self):
         for arg in ("layers", "hidden", "heads", "vocab", "seq", "batch", "ffn"):

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     if table is None:
         ap.error("--table: no collectives JSON given and none recorded in benchmarks/results/")
     config = PRESETS[args.model]
-    spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False)
+    spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False, fused_attention=True)
     cores = os.cpu_count() or 1
     flops1 = _measure_flops(config.n_embd, args.batch * args.seq)
     shapes: dict = {}

@@ -35,3 +35,4 @@ from . import symmetric, tp
 from .mesh import mesh
 from . import pipeline
 from .parallel import DataParallel
+from .plan import parallelize, plan  # noqa: E402  (pz.plan is the function; the package is pyzero.plan)

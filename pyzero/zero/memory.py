@@ -10,6 +10,16 @@ With Ψ parameters, N ranks and K bytes of optimizer state per parameter
 
 Without mixed precision parameters and gradients take 4 bytes each (and K is
 then usually 8 for Adam: momentum and variance only).
+
+Activations: given a model description (``model=``: a pyzero.plan.ModelSpec,
+a dict of its fields, an HF-style config or a GPT module) they are computed
+per Korthikanti et al. 2022 (per transformer layer sbh(34 + 5as/h) bytes
+without tensor parallelism; with TP t: sbh(10 + 24/t + 5as/(ht)), with
+sequence parallelism sbh(34/t + 5as/(ht)); selective recomputation drops the
+5as/h terms, full recomputation keeps 2sbh per layer) for ``micro_batch``
+sequences of ``seq`` tokens, plus the fp32 logits and their gradient
+(pyzero/plan/cost.py holds the formulas). A number in ``activation_bytes``
+overrides them.
 """
 from __future__ import annotations
 
@@ -26,12 +36,24 @@ def _check_number(arg, value, what, ok):
         raise ValueError(f"{arg}: expected {what}, got {value!r}")
 
 
-def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_state_bytes_per_param: float = 12,
-                    mixed_precision: bool = True, activation_bytes: float = 0) -> dict:
-    """Bytes per rank of parameters, gradients and optimizer state (+ activations if given).
+def estimate_memory(num_params: float | None, world_size: int, stage: int,
+                    optimizer_state_bytes_per_param: float = 12, mixed_precision: bool = True,
+                    activation_bytes: float | None = None, *, model=None, micro_batch: int = 1,
+                    seq: int | None = None, tp: int = 1, sequence_parallel: bool = False,
+                    recompute: str = "none") -> dict:
+    """Bytes per rank of parameters, gradients, optimizer state and activations.
 
-    stage 0 means plain data parallel (nothing sharded).
+    stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
+    number of data-parallel ranks. With ``model`` (see the module docstring),
+    ``num_params`` may be None (then: the parameters one of ``tp`` tensor-parallel
+    ranks holds) and activations are computed for ``micro_batch`` x ``seq``
+    tokens, unless ``activation_bytes`` is given; without it they are 0.
     """
+    if model is not None:
+        num_params, activation_bytes = _from_model(model, num_params, activation_bytes, micro_batch, seq, tp,
+                                                   sequence_parallel, recompute, mixed_precision)
+    elif activation_bytes is None:
+        activation_bytes = 0
     _check_number("num_params", num_params, "a positive, finite count", lambda v: v > 0)
     if not isinstance(world_size, int) or isinstance(world_size, bool):
         raise TypeError(f"world_size: expected an int >= 1, got {world_size!r}")
@@ -53,6 +75,28 @@ def estimate_memory(num_params: float, world_size: int, stage: int, optimizer_st
     out["activations"] = float(activation_bytes)
     out["total"] = params + grads + optimizer + out["activations"]
     return out
+
+
+def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):
+    from ..plan.cost import Layout, activation_memory, stage_params  # noqa: PLC0415
+    from ..plan.spec import to_spec  # noqa: PLC0415
+
+    for arg, v in (("micro_batch", micro_batch), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg}: expected a positive int, got {v!r}")
+    if sp and tp == 1:
+        raise ValueError("sequence_parallel: needs tp > 1 (it splits the sequence over the tensor-parallel ranks)")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute: expected 'none', 'selective' or 'full', got {recompute!r}")
+    spec = to_spec(model, seq=seq)
+    if spec.heads % tp:
+        raise ValueError(f"tp: heads={spec.heads} is not divisible by tp={tp}")
+    if num_params is None:
+        num_params = stage_params(spec, tp, 1)
+    if activation_bytes is None:
+        lay = Layout(tp=tp, micro_batch=micro_batch, sp=bool(sp), recompute=recompute)
+        activation_bytes = activation_memory(spec, lay, 2 if mixed_precision is True else 4)
+    return num_params, activation_bytes
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,102 @@
+"""pyzero-plan: choose a parallel layout for a model on a cluster, or validate the model.
+
+    pyzero-plan --model gpt2-1.5b --world 8 --gpu-gb 80 --tflops 156
+    pyzero-plan --layers 48 --hidden 1600 --heads 25 --vocab 50257 --seq 1024 --batch 512 --world 64
+    pyzero-plan --model config.json ...           # an HF-style config
+    pyzero-plan validate --nproc 2,4 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .spec import PRESETS, ModelSpec, from_config
+
+GB = 1e9
+
+
+def _spec(args, ap) -> ModelSpec:
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
+    try:
+        if args.model in PRESETS:
+            spec = ModelSpec(**PRESETS[args.model])
+        elif args.model is not None:
+            from ..bench.gpt import PRESETS as BENCH  # noqa: PLC0415
+
+            if args.model in BENCH:
+                spec = from_config(BENCH[args.model], name=args.model).with_(embedding_tp=False)
+            else:
+                with open(args.model) as f:
+                    spec = from_config(json.load(f), name=args.model)
+        elif all(v is not None for v in shape.values()):
+            spec = ModelSpec(seq=args.seq or 1024, batch=args.batch or 1, **shape)
+        else:
+            ap.error("--model (a preset, a bench GPT preset or an HF config.json) or all of --layers --hidden "
+                     f"--heads --vocab are required; presets: {', '.join(PRESETS)}")
+        changes = {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
+        return spec.with_(**changes) if changes else spec
+    except (OSError, ValueError, TypeError) as e:
+        ap.error(f"--model: {e}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["validate"]:
+        from .validate import main as validate  # noqa: PLC0415
+
+        return validate(argv[1:])
+    ap = argparse.ArgumentParser(prog="pyzero-plan", description="Choose dp x tp x pp x ZeRO (micro-batches, "
+                                 "sequence parallelism, recomputation, offload) by predicted step time. "
+                                 "`pyzero-plan validate --help`: measured vs predicted on local ranks.")
+    ap.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}), a pyzero bench GPT preset, or an HF "
+                                    "config.json")
+    for k in ("layers", "hidden", "heads", "vocab", "seq", "batch"):
+        ap.add_argument(f"--{k}", type=int, help="global batch in sequences" if k == "batch" else None)
+    ap.add_argument("--world", type=int, required=True, help="devices")
+    ap.add_argument("--gpus-per-host", type=int, default=8)
+    ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory per device (GB)")
+    ap.add_argument("--reserved-gb", type=float, default=0.0, help="device memory the framework takes (GB)")
+    ap.add_argument("--tflops", default="156", help="achieved TFLOP/s per device (default 156: half of an A100's "
+                                                    "312 bf16), or 'measure': a matmul on this machine's device")
+    ap.add_argument("--intra-gbps", type=float, default=230.0, help="intra-host bus bandwidth per device (GB/s)")
+    ap.add_argument("--inter-gbps", type=float, default=25.0, help="inter-host bandwidth per device (GB/s)")
+    ap.add_argument("--table-intra", help="collectives JSON measured inside a host (overrides --intra-gbps)")
+    ap.add_argument("--table-inter", help="collectives JSON measured across hosts (overrides --inter-gbps)")
+    ap.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
+    ap.add_argument("--no-offload", action="store_true")
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--json", help="write the ranked layouts here")
+    args = ap.parse_args(argv)
+    spec = _spec(args, ap)
+    from . import plan  # noqa: PLC0415
+
+    if args.tflops == "measure":
+        from .validate import measure_flops  # noqa: PLC0415
+
+        flops = measure_flops()
+        print(f"# measured {flops / 1e12:.3g} TFLOP/s on this machine's device")
+    else:
+        try:
+            flops = float(args.tflops) * 1e12
+        except ValueError:
+            ap.error(f"--tflops: expected a number or 'measure', got {args.tflops!r}")
+
+    try:
+        stages = tuple(int(s) for s in args.stages.split(","))
+        p = plan(spec, world=args.world, gpus_per_host=args.gpus_per_host, device_memory=args.gpu_gb * GB,
+                 flops=flops, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
+                 intra=args.table_intra or args.intra_gbps * GB, inter=args.table_inter or args.inter_gbps * GB,
+                 reserved=args.reserved_gb * GB)
+    except (TypeError, ValueError, OSError) as e:
+        ap.error(str(e))
+    print(p.table(args.top))
+    if args.json:
+        rows = [{"layout": e.layout.__dict__, "memory": e.memory, "time": e.time} for e in p.ranked]
+        with open(args.json, "w") as f:
+            json.dump({"spec": spec.__dict__, "pruned": dict(p.pruned), "ranked": rows}, f, indent=1)
+    return 0 if p.ranked else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

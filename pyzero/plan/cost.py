@@ -1,0 +1,293 @@
+"""The cost model: memory per device and time per step of one parallel layout.
+
+Notation (as in the papers): L layers, h hidden, a heads, V vocabulary, s
+sequence, b micro-batch (sequences), m micro-batches per step and replica,
+t = tp, p = pp, d = dp, Psi parameters held by the busiest pipeline stage of
+one TP rank. Ranks are laid out tp fastest, then dp, then pp
+(rank = (pp_i * d + dp_i) * t + tp_i), so TP groups are adjacent ranks.
+
+Memory per device (bytes), first principles:
+
+* Model states, ZeRO paper (Rajbhandari et al. 2020, section 5) with K
+  optimizer bytes per parameter (12: fp32 master, momentum, variance) over
+  the d data-parallel ranks (``pz.zero.estimate_memory``):
+  stage 0: (2 + 2 + K) Psi; 1: 2Psi + 2Psi + K Psi/d; 2: 2Psi + (2 + K) Psi/d;
+  3: (2 + 2 + K) Psi / d. Offload ("cpu", ZeRO-Offload) moves the K Psi/d
+  optimizer part to host memory.
+* Activations per transformer layer and micro-batch, Korthikanti et al. 2022
+  (section 4, 16-bit activations, 1-byte dropout masks):
+  no TP sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh(34/t + 5as/(ht));
+  selective recomputation drops the 5as/h attention terms: sbh(10 + 24/t),
+  sbh(34/t) with SP; full recomputation keeps only each layer's input,
+  2sbh (2sbh/t with SP), plus one layer's activations while it recomputes.
+  A fused attention kernel (FlashAttention, torch SDPA) stores no scores: no
+  5as/h term (``ModelSpec.fused_attention``).
+  With the 1F1B schedule the first stage holds min(m, p) micro-batches of its
+  L/p layers, so its activation memory is L layers' worth when m >= p (the
+  paper's observation that pipelining does not reduce activation memory).
+  The last stage also holds the logits and their gradient, 2 * 4sbV/t bytes in
+  fp32 (V/1 when the embedding is not vocab-parallel).
+* Buffers: ZeRO-3 keeps two layers' gathered parameters (current and
+  prefetched) plus the gathered embedding; the TP edges a gathered input of
+  sbh 16-bit values; ``reserved`` is what the framework itself takes.
+
+Time per step (seconds):
+
+* Compute from FLOPs at the device's achieved throughput F: a layer's forward
+  is 24bsh^2 (with MLP ratio 4: 2bs(4 + 2f)h^2, the 6 x params x tokens rule's
+  third) plus 4bs^2h for the attention scores and their use; the logits are
+  2bshV; backward is twice forward; full recomputation adds a forward,
+  selective recomputation the attention score part (4bs^2h).
+* TP: four collectives of a bsh activation per layer and micro-batch in
+  forward, four in backward (Megatron f/g: all-reduce; with SP all-gather +
+  reduce-scatter, the same bus volume), on intra-host links. pyzero hides
+  them as its layers do: without SP the forward all-reduce is exposed and the
+  backward one overlaps the weight-gradient matmul; with SP each ring
+  overlaps its own matmul, so each edge costs max(0, comm - matmul).
+* Pipeline: (m + p - 1) slots of one micro-batch's forward and backward on
+  the slowest stage, i.e. a bubble of (p-1)/(m+p-1) of the step, plus the
+  activation sends of the fill and drain, 2(p-1) sends of sbh values.
+* Data parallel (after the m micro-batches): gradients of Psi parameters,
+  all-reduced (stage 0) or reduce-scattered (stages 1-3), and stages 1-2 all-gather the updated
+  parameters. Stage 0 and 2 reduce during the last backward (exposed:
+  max(0, comm - backward) + the last bucket), stage 1 at step time, stage 3
+  gathers parameters in every micro-batch's forward and backward, overlapped
+  with them. With p > 1 the gradients are reduced after the pipeline flush,
+  fully exposed (ZeRO 2/3 is not combined with pipelining, as in DeepSpeed).
+* Optimizer: a memory-bound pass over this rank's shard, (2K + 4 + 2) bytes
+  per parameter at the device memory bandwidth; offloaded, CPU Adam at
+  ``cpu_adam`` parameters/s plus gradients down and parameters up over PCIe.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .comm_model import Link, Table, as_link
+from .spec import ModelSpec
+
+GB = 1e9
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu")
+
+
+@dataclass
+class Cluster:
+    """Devices and links. ``flops``: achieved FLOP/s per device (dense matmuls
+    in the training dtype); ``intra``/``inter``: a Link, a bandwidth in
+    bytes/s, or a collectives table (JSON path or dict)."""
+
+    world: int
+    gpus_per_host: int
+    device_memory: float
+    flops: float
+    intra: object = 300e9
+    inter: object = 25e9
+    mem_bw: float = 2e12
+    host_memory: float = 1e12
+    pcie_bw: float = 25e9
+    cpu_adam: float = 1e9
+    param_bytes: int = 2
+    grad_comm_bytes: int | None = None
+    optimizer_bytes: float = 12
+    reserved: float = 0.0
+    bucket_bytes: float = 1 << 20  # DataParallel's first (last reduced) bucket
+
+    def __post_init__(self):
+        for arg in ("world", "gpus_per_host"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{arg}: expected a positive int, got {v!r}")
+        for arg in ("device_memory", "flops", "mem_bw", "host_memory", "pcie_bw", "cpu_adam"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+                raise ValueError(f"{arg}: expected a positive number, got {v!r}")
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"param_bytes: expected 2 (mixed precision) or 4 (fp32), got {self.param_bytes!r}")
+        self.intra, self.inter = as_link(self.intra, "intra"), as_link(self.inter, "inter")
+        if self.grad_comm_bytes is None:
+            self.grad_comm_bytes = self.param_bytes
+
+    def link(self, stride: int, n: int):
+        """The link a group of n ranks spaced ``stride`` apart uses."""
+        return self.inter if stride * n > self.gpus_per_host else self.intra
+
+    def comm(self, op: str, nbytes: float, stride: int, n: int) -> float:
+        return self.link(stride, n).time(op, nbytes, n)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    stage: int = 0
+    micro_batch: int = 1
+    micro_batches: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    offload: str = "none"
+
+    def __str__(self):
+        extra = "".join([" sp" if self.sp else "", f" rc={self.recompute}" if self.recompute != "none" else "",
+                         " offload" if self.offload != "none" else ""])
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.stage} b{self.micro_batch}x{self.micro_batches}"
+                + extra)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict = field(default_factory=dict)  # bytes per device: params, grads, optimizer, activations, buffers, total
+    time: dict = field(default_factory=dict)    # seconds per step: compute, tp, pp, bubble, dp, optimizer, total
+    host_memory: float = 0.0
+
+
+def layer_activation_bytes(spec: ModelSpec, b: int, tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2)."""
+    s, h, a, t = spec.seq, spec.hidden, spec.heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    attn = 0.0 if recompute == "selective" or spec.fused_attention else 5 * a * s / (h * t)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {recompute!r}")
+    if t == 1:
+        return sbh * (34 + attn)
+    return sbh * ((34 / t) if sp else (10 + 24 / t)) + sbh * attn
+
+
+def stage_params(spec: ModelSpec, tp: int, pp: int) -> float:
+    """Parameters one TP rank of the first (busiest) pipeline stage holds."""
+    layers = math.ceil(spec.layers / pp)
+    embed = spec.embedding_params / (tp if spec.embedding_tp else 1)
+    psi = layers * spec.layer_params / tp + embed + spec.position_params
+    if pp == 1:
+        psi += 2 * spec.hidden + (0 if spec.tied_embedding else embed)
+    return psi
+
+
+def activation_memory(spec: ModelSpec, lay: Layout, value_bytes: int = 2) -> float:
+    """Activation bytes of the busiest pipeline stage (first: min(m, p) micro-batches in flight under
+    1F1B; last: one, plus the fp32 logits and their gradient). ``value_bytes`` 4 (fp32 training)
+    doubles the formula's 16-bit values (its 1-byte dropout masks too, a slight overestimate)."""
+    b, t = lay.micro_batch, lay.tp
+    layers = math.ceil(spec.layers / lay.pp)
+    per_layer = layer_activation_bytes(spec, b, t, lay.sp, lay.recompute)
+    recomputing = layer_activation_bytes(spec, b, t, lay.sp, "none") if lay.recompute == "full" else 0.0
+    first = min(lay.micro_batches, lay.pp) * layers * per_layer + recomputing
+    logits = 2 * 4 * spec.seq * b * spec.vocab / (t if spec.embedding_tp else 1)
+    last = layers * per_layer + recomputing
+    scale = value_bytes / 2
+    return max(first * scale, last * scale + logits) if lay.pp > 1 else first * scale + logits
+
+
+def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
+    """Bytes per device (busiest stage) and host bytes (offload)."""
+    from ..zero.memory import estimate_memory  # noqa: PLC0415
+
+    psi = stage_params(spec, lay.tp, lay.pp)
+    states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, c.param_bytes == 2)
+    host = 0.0
+    if lay.offload == "cpu":
+        host = states["optimizer"] + 4 * psi / lay.dp  # fp32 gradient shard lands on the host too
+        states["optimizer"] = 0.0
+    b, t = lay.micro_batch, lay.tp
+    act = activation_memory(spec, lay, c.param_bytes)
+    pb = c.param_bytes
+    buffers = 2 * spec.seq * b * spec.hidden * pb if t > 1 else 0.0
+    if lay.stage == 3:
+        buffers += pb * (2 * spec.layer_params / t + spec.embedding_params / (t if spec.embedding_tp else 1))
+    out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+           "activations": act, "buffers": buffers + c.reserved}
+    out["total"] = sum(out.values())
+    return out, host
+
+
+def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
+    s, h, V, b, t, p, d, m = (spec.seq, spec.hidden, spec.vocab, lay.micro_batch, lay.tp, lay.pp, lay.dp,
+                              lay.micro_batches)
+    f, F, pb = spec.ffn, c.flops, c.param_bytes
+    layers = math.ceil(spec.layers / p)
+    dense = 2 * b * s * (4 + 2 * f) * h * h / t   # qkv, proj, fc, fc_proj forward per layer on one TP rank
+    scores = 4 * b * s * s * h / t
+    logits = 2 * b * s * h * V / (t if spec.embedding_tp else 1)
+    fwd = layers * (dense + scores) + logits
+    bwd = 2 * fwd
+    if lay.recompute == "full":
+        bwd += layers * (dense + scores)
+    elif lay.recompute == "selective":
+        bwd += layers * scores
+    compute = (fwd + bwd) / F  # one micro-batch on the slowest stage
+
+    tp_time = 0.0
+    if t > 1:
+        act = b * s * h * pb
+        mm = [2 * b * s * h * w * h / t / F for w in (3, 1, f, f)]  # the four matmuls at TP edges
+        if lay.sp:
+            ag = c.comm("all_gather", act, 1, t)
+            rs = c.comm("reduce_scatter", act, 1, t)
+            edge = [ag, rs, ag, rs]
+            fwd_exp = sum(max(0.0, e - x) for e, x in zip(edge, mm))
+            bwd_exp = sum(max(0.0, e - x) for e, x in zip(edge[::-1], mm))  # wgrad matmuls as long as forward's
+        else:
+            ar = c.comm("all_reduce", act, 1, t)
+            fwd_exp = 2 * ar
+            bwd_exp = max(0.0, ar - mm[0]) + max(0.0, ar - mm[2])
+        rc_exp = fwd_exp if lay.recompute == "full" else 0.0
+        tp_time = layers * (fwd_exp + bwd_exp + rc_exp)
+
+    slot = compute + tp_time
+    pipe = (m + p - 1) * slot
+    bubble = (p - 1) * slot
+    send = 0.0
+    if p > 1:
+        send = 2 * (p - 1) * c.comm("send", b * s * h * pb / (t if lay.sp else 1), d * t, p)
+
+    psi = stage_params(spec, t, p)
+    g = psi * c.grad_comm_bytes
+    last_bwd = bwd / F
+    dp_time = 0.0
+    if d > 1:
+        stride = t
+        ar = c.comm("all_reduce", g, stride, d)
+        rs = c.comm("reduce_scatter", g, stride, d)
+        ag = c.comm("all_gather", psi * pb, stride, d)
+        tail = c.comm("all_reduce", min(g, c.bucket_bytes), stride, d)
+        if p > 1:
+            dp_time = ar if lay.stage == 0 else rs + ag
+        elif lay.stage == 0:
+            dp_time = max(0.0, ar - last_bwd) + tail
+        elif lay.stage == 1:
+            dp_time = rs + ag
+        elif lay.stage == 2:
+            dp_time = max(0.0, rs - last_bwd) + tail + ag
+        else:
+            first_layer = c.comm("all_gather", spec.layer_params / t * pb, stride, d)
+            dp_time = m * (max(0.0, ag - fwd / F) + first_layer + max(0.0, ag + rs - last_bwd)) + tail
+
+    shard = psi / (d if lay.stage >= 1 else 1)
+    if lay.offload == "cpu":
+        opt = shard / c.cpu_adam + shard * (4 + pb) / c.pcie_bw
+    else:
+        opt = shard * (2 * c.optimizer_bytes + 4 + pb) / c.mem_bw
+    total = pipe + send + dp_time + opt
+    return {"compute": m * compute, "tp": m * tp_time, "bubble": bubble, "pp": send, "dp": dp_time,
+            "optimizer": opt, "total": total}
+
+
+def estimate(spec: ModelSpec, c: Cluster, lay: Layout) -> Estimate:
+    mem, host = memory(spec, c, lay)
+    return Estimate(lay, mem, step_time(spec, c, lay), host)
+
+
+def model_flops(spec: ModelSpec) -> float:
+    """FLOPs of one training step without recomputation: 3 x forward of every layer and the logits."""
+    b, s, h = spec.batch, spec.seq, spec.hidden
+    return 3 * (spec.layers * (2 * b * s * (4 + 2 * spec.ffn) * h * h + 4 * b * s * s * h) + 2 * b * s * h * spec.vocab)
+
+
+__all__ = ["Cluster", "Estimate", "Layout", "Link", "Table", "activation_memory", "estimate", "layer_activation_bytes", "memory",
+           "model_flops", "stage_params", "step_time"]

@@ -1,0 +1,240 @@
+"""Measured vs predicted: run every layout of a bench GPT that fits 2-4 local ranks, time its
+training steps and read its model-state memory, and compare with the cost model.
+
+    pyzero-plan validate --nproc 2,4 --model gpt-tiny --steps 10 --json out.json
+
+Prediction inputs, measured once here: the device throughput (one rank's fp32
+matmul FLOP/s at the shape each layout runs: micro-batch tokens x hidden x
+4 hidden/tp, scaled by cores/ranks when the ranks outnumber the cores), the memory bandwidth (a large copy) and the
+collectives (``--table``, the JSON of ``pyzero-bench collectives``; by
+default the newest benchmarks/results/collectives_all_cpu2_*.json).
+Reported: per layout the predicted and measured step time and model states,
+Spearman's rank correlation of the step times, and the largest model-state
+error.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from .cost import Cluster, Layout, estimate
+from .spec import to_spec
+
+
+def runnable_layouts(nproc: int, layers: int, heads: int, batch: int) -> list[Layout]:
+    """Every dp x tp x pp of nproc ranks with ZeRO stages 0-3 (0-1 with a pipeline); TP always with SP;
+    a pipeline runs 2 micro-batches per stage."""
+    out = []
+    for tp in (t for t in range(1, nproc + 1) if nproc % t == 0 and heads % t == 0):
+        for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0 and p <= layers):
+            dp = nproc // (tp * pp)
+            if batch % dp:
+                continue
+            m = 2 * pp if pp > 1 else 1
+            if (batch // dp) % m:
+                continue
+            for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                if stage and dp == 1:
+                    continue
+                out.append(Layout(dp, tp, pp, stage, batch // dp // m, m, sp=tp > 1))
+    return out
+
+
+def _measure_flops(hidden: int, tokens: int, tp: int = 1, threads: int = 1) -> float:
+    """One rank's FLOP/s on an MLP matmul of the shape a layout runs: (tokens, h) x (h, 4h/tp).
+    Small matmuls run well below the peak on CPUs (and GPUs), so each (micro-batch, tp) gets its own."""
+    torch.set_num_threads(threads)
+    a, w = torch.randn(tokens, hidden), torch.randn(4 * hidden // tp, hidden)
+    for _ in range(3):
+        a @ w.t()
+    best = float("inf")
+    for _ in range(3):  # the best of three: a throughput, not a mean over whatever else runs
+        reps, t0 = 10, time.perf_counter()
+        for _ in range(reps):
+            a @ w.t()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * tokens * hidden * 4 * hidden // tp / best
+
+
+def measure_flops(hidden: int | None = None, tokens: int | None = None, device=None, dtype=None) -> float:
+    """This device's achieved matmul FLOP/s at an MLP shape: (tokens, h) x (h, 4h), bf16 on a GPU
+    (h 4096, 8192 tokens) or fp32 on a CPU (h 512, 1024 tokens, all of torch's threads).
+    What `pyzero-plan --tflops measure` uses."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    hidden, tokens = hidden or (4096 if gpu else 512), tokens or (8192 if gpu else 1024)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    a = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    w = torch.randn(4 * hidden, hidden, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        a @ w.t()
+    sync()
+    reps, t0 = 10, time.perf_counter()
+    for _ in range(reps):
+        a @ w.t()
+    sync()
+    return reps * 2 * tokens * hidden * 4 * hidden / (time.perf_counter() - t0)
+
+
+def _measure_mem_bw() -> float:
+    x = torch.empty(1 << 25)  # 128 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    return 5 * 2 * x.numel() * 4 / (time.perf_counter() - t0)
+
+
+def _states(pm) -> int:
+    opt = pm.optimizer
+    if hasattr(opt, "memory_stats"):
+        return opt.memory_stats()["total"]
+    params = {id(p): p for p in pm.stage.parameters()}.values()
+    n = sum(p.numel() * p.element_size() for p in params)
+    n += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    n += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    return n
+
+
+def _rank(model_name: str, lay: Layout, batch: int, seq: int, steps: int, warmup: int):
+    import pyzero as pz  # noqa: PLC0415
+    from pyzero.bench.gpt import make_gpt, random_batch  # noqa: PLC0415
+
+    pz.init(timeout=120)
+    model = make_gpt(model_name, seed=0)
+    pm = pz.parallelize(model, lay, torch.optim.AdamW, lr=1e-4)
+    x, y = random_batch(model.config, batch, seq, seed=1)
+    x, y = pm.local_batch(x), pm.local_batch(y)
+    times, states = [], 0
+    for i in range(warmup + steps):
+        pz.barrier()
+        t0 = time.perf_counter()  # the state measurement of step 0 is in a warm-up step, never timed
+        pm.train_step(x, y)
+        pm.optimizer.step()
+        if i == 0:  # after the first step: optimizer state exists, gradients not yet cleared
+            states = _states(pm)
+        pm.optimizer.zero_grad()
+        pz.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"times": times, "states": states}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _default_table():
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = sorted(glob.glob(os.path.join(here, "benchmarks", "results", "collectives_all_cpu2_*.json")))
+    return found[-1] if found else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pyzero-plan validate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", default="2,4", help="rank counts, comma separated (e.g. 2,4)")
+    ap.add_argument("--model", default="gpt-tiny", help="a pyzero.bench.gpt preset")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--table", default=None, help="collectives JSON (pyzero-bench collectives --json)")
+    ap.add_argument("--layouts", default=None, help="only these layouts, ';'-separated as printed (smoke tests)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--json", default=None, help="write the comparison here")
+    args = ap.parse_args(argv)
+    from pyzero.bench.gpt import PRESETS, make_gpt  # noqa: PLC0415
+    from pyzero.launch import run_ranks  # noqa: PLC0415
+
+    if args.warmup < 1 or args.steps < 1:
+        ap.error(f"--warmup/--steps: expected >= 1 each (model states are read in the first, untimed step), "
+                 f"got {args.warmup}/{args.steps}")
+    if args.model not in PRESETS:
+        ap.error(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+    try:
+        nprocs = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        ap.error(f"--nproc: expected comma-separated ints, got {args.nproc!r}")
+    table = args.table or _default_table()
+    if table is None:
+        ap.error("--table: no collectives JSON given and none recorded in benchmarks/results/")
+    config = PRESETS[args.model]
+    spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False, fused_attention=True)
+    cores = os.cpu_count() or 1
+    flops1 = _measure_flops(config.n_embd, args.batch * args.seq)
+    shapes: dict = {}
+    mem_bw = _measure_mem_bw()
+    print(f"# {args.model}: {spec.params / 1e6:.2f}M parameters, batch {args.batch} x seq {args.seq}; "
+          f"{cores} cores, one rank {flops1 / 1e9:.1f} GFLOP/s, copy {mem_bw / 1e9:.1f} GB/s; table {table}")
+    rows = []
+    for n in nprocs:
+        share = min(1.0, cores / n)
+        c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=flops1 * share, intra=table, inter=table,
+                    mem_bw=mem_bw * share, param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8)
+        lays = runnable_layouts(n, config.n_layer, config.n_head, args.batch)
+        if args.layouts:
+            lays = [lay for lay in lays if str(lay) in args.layouts.split(";")]
+        for lay in lays:  # each shape measured before the ranks of this count start
+            key = (lay.micro_batch * args.seq, lay.tp)
+            if key not in shapes:
+                shapes[key] = _measure_flops(config.n_embd, *key)
+        for lay in lays:
+            c.flops = shapes[(lay.micro_batch * args.seq, lay.tp)] * share
+            e = estimate(spec, c, lay)
+            res = [r.value for r in run_ranks(_rank, n, args=(args.model, lay, args.batch, args.seq, args.steps,
+                                                              args.warmup), timeout=args.timeout)]
+            step = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
+            states = max(r["states"] for r in res)
+            pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
+            row = {"nproc": n, "layout": str(lay), "predicted_s": e.time["total"], "measured_s": step,
+                   "predicted_states_bytes": pred_states, "measured_states_bytes": states,
+                   "states_error": states / pred_states - 1, "predicted": e.time}
+            rows.append(row)
+            print(f"{n:>3}  {str(lay):<36} predicted {e.time['total'] * 1e3:8.1f} ms  measured {step * 1e3:8.1f} ms"
+                  f"   states {pred_states / 2**20:7.2f} / {states / 2**20:7.2f} MiB ({row['states_error']:+.1%})",
+                  flush=True)
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 1 else None
+    worst = max((abs(r["states_error"]) for r in rows), default=0.0)
+    print(f"# Spearman rank correlation (step time) {rho if rho is None else round(rho, 3)} over {len(rows)} "
+          f"layouts; largest model-state error {worst:.1%}")
+    if args.json:
+        out = {"machine": {"node": platform.node(), "system": platform.platform(), "cpus": cores},
+               "versions": {"python": platform.python_version(), "torch": torch.__version__},
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": "plan validate", "args": vars(args), "flops_per_rank": flops1,
+               "flops_by_shape": {f"tokens={k[0]} tp={k[1]}": v for k, v in shapes.items()}, "mem_bw": mem_bw,
+               "table": table, "spearman": rho, "max_states_error": worst, "results": rows}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0

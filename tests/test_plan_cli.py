@@ -1,0 +1,63 @@
+"""pyzero-plan on the command line, and a smoke run of `pyzero-plan validate`."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pyzero.plan.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_cli_ranks_layouts(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run("--model", "gpt2-1.5b", "--world", "64", "--gpus-per-host", "8", "--gpu-gb", "80", "--top", "3",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert all(r[1].startswith("dp") for r in rows)
+    assert "pruned" in proc.stdout and "heads=25" in proc.stdout  # 25 heads: no TP of 2, 4 or 8
+    d = json.loads(out.read_text())
+    times = [r["time"]["total"] for r in d["ranked"]]
+    assert times[0] == min(times) and d["ranked"][0]["layout"]["tp"] == 1
+    assert all(r["memory"]["total"] <= 80e9 for r in d["ranked"])
+
+
+def test_cli_bad_input():
+    proc = run("--world", "8")
+    assert proc.returncode == 2 and "--model" in proc.stderr
+    proc = run("--model", "no-such.json", "--world", "8")
+    assert proc.returncode == 2 and "--model" in proc.stderr
+    proc = run("--model", "gpt2-1.5b", "--world", "8", "--tflops", "fast")
+    assert proc.returncode == 2 and "--tflops" in proc.stderr
+    proc = run("validate", "--nproc", "two")
+    assert proc.returncode == 2 and "--nproc" in proc.stderr
+
+
+def test_measured_throughput_feeds_the_plan():
+    proc = run("--model", "gpt-nano", "--batch", "8", "--world", "2", "--gpus-per-host", "2", "--tflops", "measure",
+               "--top", "1")
+    assert proc.returncode == 0, proc.stderr
+    measured = float(proc.stdout.split("# measured ")[1].split()[0])
+    used = float(proc.stdout.split(" TFLOP/s each")[0].rsplit(" ", 1)[1])
+    assert 0 < measured < 1e4 and used == pytest.approx(measured, rel=1e-2)
+
+
+def test_validate_smoke(tmp_path):
+    """Two tiny layouts, one short step each: model states measured equal the prediction."""
+    out = tmp_path / "v.json"
+    proc = run("validate", "--nproc", "2", "--model", "gpt-nano", "--seq", "32", "--steps", "1", "--warmup", "1",
+               "--layouts", "dp2 tp1 pp1 zero2 b4x1;dp1 tp2 pp1 zero0 b8x1 sp", "--json", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    d = json.loads(out.read_text())
+    assert sorted(r["layout"] for r in d["results"]) == ["dp1 tp2 pp1 zero0 b8x1 sp", "dp2 tp1 pp1 zero2 b4x1"]
+    for r in d["results"]:
+        assert abs(r["states_error"]) < 0.01, r
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0
+    assert d["spearman"] in (-1.0, 1.0)

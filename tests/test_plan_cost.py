@@ -1,0 +1,207 @@
+"""The planner's cost model and search against published numbers and closed forms."""
+import glob
+import json
+import math
+import os
+
+import pytest
+
+import pyzero as pz
+from pyzero.bench.gpt import make_gpt
+from pyzero.plan import Cluster, Layout, Link, ModelSpec, Table, estimate, layer_activation_bytes, to_spec
+from pyzero.plan.cost import activation_memory, stage_params
+from pyzero.plan.spec import PRESETS
+
+GB = 1e9
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT3 = ModelSpec(**PRESETS["gpt3-175b"])
+
+
+def gpt_params(L, h, V, s):
+    """Parameters of a GPT with a tied embedding, counted independently: per layer qkv, proj, fc,
+    fc_proj weights and biases and two LayerNorms; token + position embedding; final LayerNorm."""
+    per_layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h) + 2 * 2 * h
+    return L * per_layer + V * h + s * h + 2 * h
+
+
+def test_spec_counts_parameters_like_the_module():
+    model = make_gpt("gpt-tiny")
+    spec = to_spec(model, batch=8)
+    walked = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert spec.params == walked == gpt_params(4, 256, 2048, 128)
+    hf = to_spec({"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "n_positions": 1024})
+    assert hf.params == gpt_params(48, 1600, 50257, 1024)  # GPT-2 1.5B
+    assert round(hf.params / 1e9, 2) == 1.56
+    bare = make_gpt("gpt-tiny")
+    bare.config = None  # no config: the walk finds the shape
+    walked_spec = to_spec(bare, batch=8)
+    assert (walked_spec.layers, walked_spec.hidden, walked_spec.heads, walked_spec.vocab, walked_spec.seq) == \
+        (4, 256, 4, 2048, 128)
+    assert walked_spec.params == walked
+    for m in bare.modules():
+        if hasattr(m, "n_head"):
+            del m.n_head
+    with pytest.raises(ValueError, match="heads="):
+        to_spec(bare)
+    assert to_spec(bare, heads=8).heads == 8
+    with pytest.raises(ValueError, match="lacks heads"):
+        to_spec({"n_layer": 2, "n_embd": 64, "vocab_size": 10, "n_positions": 8})
+
+
+@pytest.mark.parametrize("stage,total_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_paper_memory_table(stage, total_gb):
+    """ZeRO paper, Figure 1 / section 5: 7.5B parameters, Nd = 64, K = 12 (mixed-precision Adam)."""
+    c = Cluster(world=64, gpus_per_host=8, device_memory=80 * GB, flops=1e12)
+    psi = 7.5e9
+    m = pz.zero.estimate_memory(psi, 64, stage)
+    assert m["params"] + m["grads"] + m["optimizer"] == pytest.approx(total_gb * GB, rel=0.01)
+    # The planner's model states are the same formula applied to the parameters one rank holds.
+    spec = ModelSpec(layers=36, hidden=4096, heads=32, vocab=51200, seq=2048, batch=64)
+    e = estimate(spec, c, Layout(dp=64, stage=stage, micro_batch=1))
+    states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
+    psi = gpt_params(36, 4096, 51200, 2048)
+    want = {0: 16 * psi, 1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
+    assert states == pytest.approx(want, rel=1e-12)
+
+
+def test_korthikanti_activation_formulas():
+    """Korthikanti et al. 2022, Table 2, per layer for s=2048, b=1, GPT-3's h=12288, a=96, t=8."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    got = {k: layer_activation_bytes(GPT3, b, *args) for k, args in {
+        "none": (1, False, "none"), "tp": (t, False, "none"), "tp+sp": (t, True, "none"),
+        "tp+sel": (t, False, "selective"), "tp+sp+sel": (t, True, "selective"), "full": (t, False, "full"),
+        "full+sp": (t, True, "full")}.items()}
+    assert got["none"] == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert got["tp"] == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert got["tp+sp"] == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert got["tp+sel"] == pytest.approx(sbh * (10 + 24 / t))
+    assert got["tp+sp+sel"] == pytest.approx(sbh * 34 / t)
+    assert (got["full"], got["full+sp"]) == pytest.approx((2 * sbh, 2 * sbh / t))
+    # The paper's worked numbers: for GPT-3 5as/h = 80, so selective recomputation saves 80/114 = 70%
+    # of a layer's activations; SP + selective needs about 5x less than tensor parallelism alone.
+    assert 5 * a * s / h == 80
+    assert 1 - layer_activation_bytes(GPT3, 1, 1, False, "selective") / got["none"] == pytest.approx(0.70, abs=0.01)
+    for spec in (GPT3, ModelSpec(layers=105, hidden=20480, heads=128, vocab=51200, seq=2048, batch=1),
+                 ModelSpec(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048, batch=1)):
+        ratio = layer_activation_bytes(spec, 1, 8, False, "none") / layer_activation_bytes(spec, 1, 8, True,
+                                                                                             "selective")
+        assert 4.5 < ratio < 5.5
+    # 1F1B: the first stage holds p micro-batches of L/p layers: L layers' worth, whatever p is.
+    for p in (1, 2, 8):
+        lay = Layout(tp=t, pp=p, micro_batch=1, micro_batches=64, sp=True, recompute="selective")
+        first = activation_memory(GPT3, lay) - (8 * s * GPT3.vocab / t if p == 1 else 0)
+        assert first == pytest.approx(GPT3.layers * sbh * 34 / t)
+
+
+def test_estimate_memory_from_a_model_description():
+    spec = to_spec(make_gpt("gpt-tiny"), batch=1)
+    m = pz.zero.estimate_memory(None, 2, 2, model=spec, micro_batch=4, seq=64)
+    s, b, h, a, L, V = 64, 4, 256, 4, 4, 2048
+    assert m["activations"] == pytest.approx(L * s * b * h * (34 + 5 * a * s / h) + 8 * s * b * V)
+    assert m["params"] == pytest.approx(2 * gpt_params(4, 256, 2048, 128))
+    assert m["total"] == pytest.approx(m["params"] + m["grads"] + m["optimizer"] + m["activations"])
+    assert pz.zero.estimate_memory(None, 2, 2, activation_bytes=5.0, model=spec)["activations"] == 5.0
+    sp = pz.zero.estimate_memory(None, 2, 2, model=spec, micro_batch=4, seq=64, tp=2, sequence_parallel=True)
+    assert sp["activations"] == pytest.approx(L * s * b * h * (34 / 2 + 5 * a * s / (2 * h)) + 8 * s * b * V / 2)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        pz.zero.estimate_memory(None, 2, 2, model=spec, sequence_parallel=True)
+    with pytest.raises(ValueError, match="tp"):
+        pz.zero.estimate_memory(None, 2, 2, model=spec, tp=3)
+
+
+def test_pipeline_bubble_and_compute():
+    spec = ModelSpec(layers=8, hidden=1024, heads=16, vocab=1024, seq=512, batch=16, embedding_tp=False)
+    c = Cluster(world=4, gpus_per_host=4, device_memory=80 * GB, flops=1e14, intra=1e30, inter=1e30)
+    for p, m in ((2, 4), (4, 16), (4, 1)):
+        t = estimate(spec, c, Layout(pp=p, dp=4 // p, micro_batch=16 // (4 // p) // m, micro_batches=m)).time
+        assert t["bubble"] / (t["compute"] + t["bubble"]) == pytest.approx((p - 1) / (m + p - 1))
+    # One device: 3 x forward FLOPs (6 x params x tokens for the matmuls, plus attention scores and logits).
+    t = estimate(spec, Cluster(world=1, gpus_per_host=1, device_memory=1e12, flops=1e14), Layout(micro_batch=16)).time
+    b, s, h = 16, 512, 1024
+    flops = 3 * (8 * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * 1024)
+    assert t["compute"] == pytest.approx(flops / 1e14)
+    assert 24 * b * s * h * h * 3 == 6 * (12 * h * h) * b * s
+
+
+def test_collective_tables_and_links():
+    path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
+    table = Table.from_json(path)
+    rows = [r for r in json.load(open(path))["results"]
+            if r["op"] == "all_reduce" and r["backend"] == "pyzero" and r["inplace"]]
+    r = rows[len(rows) // 2]
+    assert table.time("all_reduce", r["bytes"], 2) == pytest.approx(r["time_us"] * 1e-6)
+    lo, hi = sorted(rows, key=lambda r: r["bytes"])[3:5]
+    mid = table.time("all_reduce", math.sqrt(lo["bytes"] * hi["bytes"]), 2)
+    assert min(lo["time_us"], hi["time_us"]) * 1e-6 <= mid <= max(lo["time_us"], hi["time_us"]) * 1e-6
+    big = max(rows, key=lambda r: r["bytes"])
+    # Past the table: the largest size's bus bandwidth; at 4 ranks: the same bus bandwidth, 2(n-1)/n.
+    assert table.time("all_reduce", 2 * big["bytes"], 2) == pytest.approx(2 * big["time_us"] * 1e-6)
+    t4 = table.time("all_reduce", big["bytes"], 4)
+    assert t4 == pytest.approx(big["bytes"] * 1.5 / (big["busbw"] * 1e9), rel=0.05)
+    link = Link(100e9, alpha=2e-6)
+    assert link.time("all_reduce", 1e9, 8) == pytest.approx(14 * 2e-6 + 1e9 * 2 * 7 / 8 / 100e9)
+    assert link.time("all_gather", 1e9, 8) == pytest.approx(7 * 2e-6 + 1e9 * 7 / 8 / 100e9)
+    assert link.time("all_reduce", 1e9, 1) == 0.0
+    with pytest.raises(ValueError, match="bw"):
+        Link(0)
+
+
+def test_search_rules():
+    spec = ModelSpec(**PRESETS["gpt2-1.5b"])
+    plan = pz.plan(spec, world=16, gpus_per_host=8, device_memory=40 * GB, flops=150e12)
+    assert plan.ranked and plan.pruned
+    times = [e.time["total"] for e in plan.ranked]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(times, times[1:]))
+    for e in plan.ranked:
+        lay = e.layout
+        assert lay.dp * lay.tp * lay.pp == 16 and lay.tp <= 8 and spec.heads % lay.tp == 0
+        assert not (lay.pp > 1 and lay.stage >= 2)
+        assert e.memory["total"] <= 40 * GB
+    assert all(e.memory["total"] > 40 * GB for e in plan.closest_misses)
+    assert "over 40 GB" in plan.table()
+    with pytest.raises(ValueError, match="device_memory"):
+        pz.plan(spec, world=8, device_memory=-1)
+    with pytest.raises(ValueError, match="tables"):
+        pz.plan(spec, world=8, tables={"nvlink": "x.json"})
+
+
+def test_gpt3_175b_published_layout():
+    """Korthikanti et al. 2022, Table 3: GPT-3 175B on 64 A100 80 GB (8 per node), global batch 64,
+    micro-batch 1, sequence 2048: TP=8, PP=8 (DP=1), sequence parallelism + selective recomputation.
+
+    Megatron-LM then replicated the optimizer over DP (no ZeRO), so the search is over ZeRO stage 0, with
+    a few GB reserved for the CUDA context, NCCL and fragmentation: the plan picks the published layout.
+    Allowed ZeRO-1, the model prefers dp2 x pp4 at an equal predicted time (within 0.1%): the half
+    bubble of 4 stages pays for the cross-host reduce-scatter + all-gather of ZeRO-1, a layout the
+    paper could not express. Without selective recomputation the published layout needs ~80 GB,
+    which is why it does not win once memory is reserved."""
+    spec = GPT3.with_(batch=64)
+    kw = dict(world=64, gpus_per_host=8, device_memory=80 * GB, flops=156e12, intra=230e9, inter=25e9,
+              reserved=4 * GB)
+    best = pz.plan(spec, stages=(0,), **kw).layout
+    assert (best.dp, best.tp, best.pp, best.micro_batch, best.micro_batches) == (1, 8, 8, 1, 64)
+    assert best.sp and best.recompute == "selective"
+    full = pz.plan(spec, **kw)
+    published = next(e for e in full.ranked if e.layout == best)
+    assert published.time["total"] <= full.best.time["total"] * 1.001
+    assert full.best.layout.tp == 8 and full.best.layout.sp
+
+
+def test_plan_from_a_module_with_a_measured_table():
+    """A bench GPT module walked for its shape, the recorded CPU collectives as the intra-host links."""
+    path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
+    model = make_gpt("gpt-tiny")
+    plan = pz.plan(model, world=4, gpus_per_host=4, device_memory=1e9, flops=80e9, seq=128, batch=8,
+                   tables={"intra": path}, inter=1e9, param_bytes=4, optimizer_bytes=8)
+    assert isinstance(plan.cluster.intra, Table) and plan.cluster.inter.bw == 1e9
+    assert plan.spec.params == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    e = plan.best
+    # The DP all-reduce time the model charges comes from the table: compare with a direct lookup.
+    lay = Layout(dp=4, micro_batch=2, micro_batches=1)
+    t = estimate(plan.spec, plan.cluster, lay).time
+    g = stage_params(plan.spec, 1, 1) * 4
+    ar = Table.from_json(path).time("all_reduce", g, 4)
+    assert t["dp"] == pytest.approx(max(0.0, ar - 2 * t["compute"] / 3) + Table.from_json(path).time(
+        "all_reduce", 1 << 20, 4))
+    assert e.memory["total"] <= 1e9 and e.time["total"] <= t["total"]

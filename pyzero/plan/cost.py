@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass, field
 
 from .comm_model import Link, Table, as_link
+from .activations import Layout, activation_memory, layer_activation_bytes, stage_params  # noqa: F401
 from .spec import ModelSpec
 
 GB = 1e9
@@ -116,72 +117,12 @@ class Cluster:
         return self.link(stride, n).time(op, nbytes, n)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One point of the search space."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    stage: int = 0
-    micro_batch: int = 1
-    micro_batches: int = 1
-    sp: bool = False
-    recompute: str = "none"
-    offload: str = "none"
-
-    def __str__(self):
-        extra = "".join([" sp" if self.sp else "", f" rc={self.recompute}" if self.recompute != "none" else "",
-                         " offload" if self.offload != "none" else ""])
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.stage} b{self.micro_batch}x{self.micro_batches}"
-                + extra)
-
-
 @dataclass
 class Estimate:
     layout: Layout
     memory: dict = field(default_factory=dict)  # bytes per device: params, grads, optimizer, activations, buffers, total
     time: dict = field(default_factory=dict)    # seconds per step: compute, tp, pp, bubble, dp, optimizer, total
     host_memory: float = 0.0
-
-
-def layer_activation_bytes(spec: ModelSpec, b: int, tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2)."""
-    s, h, a, t = spec.seq, spec.hidden, spec.heads, tp
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (t if sp else 1)
-    attn = 0.0 if recompute == "selective" or spec.fused_attention else 5 * a * s / (h * t)
-    if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {recompute!r}")
-    if t == 1:
-        return sbh * (34 + attn)
-    return sbh * ((34 / t) if sp else (10 + 24 / t)) + sbh * attn
-
-
-def stage_params(spec: ModelSpec, tp: int, pp: int) -> float:
-    """Parameters one TP rank of the first (busiest) pipeline stage holds."""
-    layers = math.ceil(spec.layers / pp)
-    embed = spec.embedding_params / (tp if spec.embedding_tp else 1)
-    psi = layers * spec.layer_params / tp + embed + spec.position_params
-    if pp == 1:
-        psi += 2 * spec.hidden + (0 if spec.tied_embedding else embed)
-    return psi
-
-
-def activation_memory(spec: ModelSpec, lay: Layout, value_bytes: int = 2) -> float:
-    """Activation bytes of the busiest pipeline stage (first: min(m, p) micro-batches in flight under
-    1F1B; last: one, plus the fp32 logits and their gradient). ``value_bytes`` 4 (fp32 training)
-    doubles the formula's 16-bit values (its 1-byte dropout masks too, a slight overestimate)."""
-    b, t = lay.micro_batch, lay.tp
-    layers = math.ceil(spec.layers / lay.pp)
-    per_layer = layer_activation_bytes(spec, b, t, lay.sp, lay.recompute)
-    recomputing = layer_activation_bytes(spec, b, t, lay.sp, "none") if lay.recompute == "full" else 0.0
-    first = min(lay.micro_batches, lay.pp) * layers * per_layer + recomputing
-    logits = 2 * 4 * spec.seq * b * spec.vocab / (t if spec.embedding_tp else 1)
-    last = layers * per_layer + recomputing
-    scale = value_bytes / 2
-    return max(first * scale, last * scale + logits) if lay.pp > 1 else first * scale + logits
 
 
 def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:

@@ -78,7 +78,7 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
 
 
 def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):
-    from ..plan.cost import Layout, activation_memory, stage_params  # noqa: PLC0415
+    from ..plan.activations import Layout, activation_memory, stage_params  # noqa: PLC0415
     from ..plan.spec import to_spec  # noqa: PLC0415
 
     for arg, v in (("micro_batch", micro_batch), ("tp", tp)):

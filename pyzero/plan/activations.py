@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from .spec import ModelSpec
 
+RECOMPUTE = ("none", "selective", "full")
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -64,11 +64,11 @@ import math
 from dataclasses import dataclass, field
 
 from .comm_model import Link, Table, as_link
-from .activations import Layout, activation_memory, layer_activation_bytes, stage_params  # noqa: F401
+from .activations import RECOMPUTE, Layout, activation_memory, layer_activation_bytes, stage_params  # noqa: F401
 from .spec import ModelSpec
 
 GB = 1e9
-RECOMPUTE = ("none", "selective", "full")
+
 OFFLOAD = ("none", "cpu")
 
 

@@ -3,12 +3,16 @@ storage, the fused pack/unpack loops, and the hook-driven reducer that
 launches one collective per bucket while backward is still running.
 
 Roles:
+    cut_runs        the bucket cutter: consecutive items into runs of at least a cap
     assign_buckets  parameters -> BucketSpec list (pure; unit-tested without ranks)
+    flat_buckets    a ZeRO flat layout -> contiguous ranges of about a bucket each
     pack / unpack   one C++ call copies, scales and casts a whole table of tensors
                     into / out of a flat buffer (csrc/multi_tensor.h)
     Bucket          a bucket's flat gradient storage (gradients are views into it,
                     like DDP's gradient_as_bucket_view) and its optional buffer in
                     the communication dtype
+    InFlight        launched collectives not yet waited on, each with what to do once
+                    it is done; retired in launch order, at most `limit` outstanding
     OrderedLaunch   counts ready gradients per bucket and launches complete buckets
                     in bucket order on every rank (shared with ZeRO stages 2 and 3)
     BucketReducer   feeds OrderedLaunch from post-accumulate-grad hooks, launches a
@@ -42,11 +46,28 @@ class BucketSpec(NamedTuple):
     numel: int
 
 
+def cut_runs(sizes, cap, first_cap=None) -> list[list[int]]:
+    """Cut a sequence into runs of consecutive indices: a run closes once its sizes add up to
+    at least its cap (so one big item makes a run of its own); the first run's cap is
+    `first_cap` when given. The one bucket cutter: DataParallel's buckets (assign_buckets, per
+    dtype and device) and the ZeRO stages' flat ranges (flat_buckets) are both cut with it."""
+    runs, members, size = [], [], 0
+    for i, n in enumerate(sizes):
+        members.append(i)
+        size += n
+        if size >= (first_cap if first_cap is not None and not runs else cap):
+            runs.append(members)
+            members, size = [], 0
+    if members:
+        runs.append(members)
+    return runs
+
+
 def assign_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[BucketSpec]:
     """Cut `params` (registration order) into buckets, as DDP does.
 
     Parameters are taken in *reverse* order, the order backward makes their
-    gradients ready. Each (dtype, device) has its own open bucket; a bucket is
+    gradients ready. Each (dtype, device) has its own buckets; a bucket is
     closed once it holds at least its cap in bytes (so one big parameter makes
     a bucket of its own). The first bucket of each (dtype, device) is capped
     at `first_bucket_bytes`, so the first collective starts early in backward;
@@ -56,23 +77,14 @@ def assign_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[B
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise ValueError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
                          f"first_bucket_bytes={first_bucket_bytes}")
-    done: list[list[int]] = []
-    open_: dict[tuple, tuple[list[int], int]] = {}  # key -> (members, bytes)
-    closed_count: dict[tuple, int] = {}
+    by_key: dict[tuple, list[int]] = {}
     for i in reversed(range(len(params))):
-        p = params[i]
-        key = (p.dtype, p.device)
-        members, size = open_.get(key, ([], 0))
-        members.append(i)
-        size += p.numel() * p.element_size()
-        cap = first_bucket_bytes if closed_count.get(key, 0) == 0 else bucket_bytes
-        if size >= cap:
-            done.append(members)
-            closed_count[key] = closed_count.get(key, 0) + 1
-            open_.pop(key, None)
-        else:
-            open_[key] = (members, size)
-    done.extend(members for members, _ in open_.values())
+        by_key.setdefault((params[i].dtype, params[i].device), []).append(i)
+    done = []
+    for idx in by_key.values():
+        runs = cut_runs([params[i].numel() * params[i].element_size() for i in idx], bucket_bytes,
+                        first_bucket_bytes)
+        done.extend([idx[k] for k in run] for run in runs)
     order = {i: pos for pos, i in enumerate(reversed(range(len(params))))}
     done.sort(key=lambda m: order[m[0]])
     specs = []
@@ -88,6 +100,19 @@ def assign_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[B
 
 # ---------------------------------------------------------------------------
 # Fused pack / unpack
+
+
+def flat_buckets(layout, bucket_elems: int) -> list[tuple[int, int, list[int]]]:
+    """Cut a flat layout (zero.partition.FlatLayout: parameters end to end, padded) into
+    contiguous [begin, end) ranges of about `bucket_elems`, on parameter boundaries, as
+    (begin, end, parameter indices); the padding joins the last range."""
+    out = []
+    for run in cut_runs([p.numel() for p in layout.params], bucket_elems):
+        last = run[-1]
+        out.append((layout.offsets[run[0]], layout.offsets[last] + layout.params[last].numel(), run))
+    if out:
+        out[-1] = (out[-1][0], layout.padded, out[-1][2])
+    return out
 
 
 def _table(tensors, offsets, flat: torch.Tensor, arg: str):
@@ -220,6 +245,51 @@ class Bucket:
 # The reducer
 
 
+class InFlight:
+    """Collectives launched and not yet waited on, in launch order, each with a `done()` to run
+    once it has finished (fold a reduced bucket into its shard, unpack it, ...).
+
+    ``add`` retires the oldest ones while more than `limit` are outstanding (None: no bound;
+    0: each is waited for at once), which bounds the staging memory in-flight buckets hold.
+    ``retire`` waits for all (or the k oldest) and runs their done(); ``discard`` waits for all
+    and runs nothing (a backward that cannot finish: every rank launched the collectives, so
+    they are waited for, but their results are dropped). Used by BucketReducer and the ZeRO
+    stages that reduce during backward.
+    """
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self._items: list[tuple[object, object, object]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def entries(self) -> list[tuple[object, object]]:
+        """(key, Work) of each outstanding collective, oldest first."""
+        return [(key, work) for work, _, key in self._items]
+
+    def add(self, work, done=None, key=None) -> None:
+        self._items.append((work, done, key))
+        if self.limit is not None and len(self._items) > self.limit:
+            self.retire(len(self._items) - self.limit)
+
+    def retire(self, k: int | None = None) -> None:
+        for _ in range(len(self._items) if k is None else k):
+            work, done, _ = self._items.pop(0)
+            work.wait()
+            if done is not None:
+                done()
+
+    def discard(self) -> None:
+        items, self._items = self._items, []
+        for work, _, _ in items:
+            work.wait()
+
+    def forget(self) -> None:
+        """Drop everything without waiting (after one of them raised)."""
+        self._items = []
+
+
 class OrderedLaunch:
     """When each bucket of one backward launches; ``launch(b)`` does the launching.
 
@@ -303,7 +373,7 @@ class BucketReducer:
         # missing: had no gradient before this rank attached a zeroed slot.
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
-        self._inflight: list[tuple[int, object]] = []
+        self._inflight = InFlight()
         self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch, self._discard)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._reset()
@@ -351,9 +421,7 @@ class BucketReducer:
     def _discard(self) -> None:
         """Forget a backward that did not finish: wait for its in-flight collectives (they
         still read and write the bucket buffers the next backward fills), keep nothing."""
-        inflight, self._inflight = self._inflight, []
-        for _, work in inflight:
-            work.wait()
+        self._inflight.discard()
         self._reset()
 
     def _launch(self, b: int) -> None:
@@ -361,7 +429,7 @@ class BucketReducer:
         for k, m in enumerate(self.buckets[b].stage()):
             self.missing[b][k] |= m
         self._before_reduce(b)
-        self._inflight.append((b, self._reduce(self.buckets[b])))
+        self._inflight.add(self._reduce(self.buckets[b]), lambda: self._done(b), key=b)
         self.log.append((b, "launch"))
 
     def _end_backward(self) -> None:
@@ -369,19 +437,19 @@ class BucketReducer:
             self._launch_order.finish()
             self.wait()
         finally:
-            self._inflight = []
+            self._inflight.forget()  # after a bucket raised: the rest are neither waited for nor finalised
             self._reset()
 
     def wait(self) -> None:
         """Wait for every launched bucket and finalise it (unpack, unused gradients)."""
-        inflight, self._inflight = self._inflight, []
-        for b, work in inflight:
-            work.wait()
-            self.buckets[b].unstage()
-            self._finalize(b)
-            self.used[b] = [False] * len(self.buckets[b].params)
-            self.missing[b] = [False] * len(self.buckets[b].params)
-            self.log.append((b, "done"))
+        self._inflight.retire()
+
+    def _done(self, b: int) -> None:
+        self.buckets[b].unstage()
+        self._finalize(b)
+        self.used[b] = [False] * len(self.buckets[b].params)
+        self.missing[b] = [False] * len(self.buckets[b].params)
+        self.log.append((b, "done"))
 
     def run_collectives(self) -> None:
         """Every bucket's collective back to back on its current contents, nothing else

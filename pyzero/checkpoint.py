@@ -47,10 +47,6 @@ def _save_file(obj, path):
         os.fsync(f.fileno())
 
 
-def _inner_index(opt):
-    return {id(p): i for i, p in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
-
-
 def _model_meta(model, opt):
     names = dict(zip(map(id, opt.params), opt.names))
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in names}
@@ -73,14 +69,7 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         os.makedirs(tmp)
     comm.barrier(group=g)
-    opt._drain()  # nothing in flight while we read the shards (and nothing new is reduced)
-    idx = _inner_index(opt)
-    inner_state = opt.inner.state
-    shard = {"pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in opt.pieces],
-             "master": [leaf.detach().clone() for _, leaf, _ in opt.pieces],
-             "state": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner_state.get(leaf, {}).items()}
-                       for _, leaf, _ in opt.pieces],
-             "index": [idx[id(leaf)] for _, leaf, _ in opt.pieces]}
+    shard = opt.shard_state()  # waits for reductions in flight: the shards hold still while read
     _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
     if first:
         trainable = {id(p) for p in opt.params}
@@ -193,17 +182,12 @@ def load(path: str, model, opt) -> int:
                 else:
                     st[k] = v.clone() if torch.is_tensor(v) else v
             new_state.append(st)
-        for (_, leaf, _), v, st in zip(opt.pieces, values, new_state):
-            leaf.copy_(v)
-            if st:
-                opt.inner.state[leaf] = st
-            else:  # never stepped when saved (e.g. an unused parameter): no state, as in torch
-                opt.inner.state.pop(leaf, None)
         for grp, saved in zip(opt.inner.param_groups, meta["param_groups"]):
             grp.update({k: v for k, v in saved.items() if k in grp})
         extra = torch.load(os.path.join(step_dir, "extra.pt"), map_location="cpu", weights_only=True)
         model.load_state_dict(extra, strict=False)
-        opt._publish_parameters()
+        # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
+        opt.load_shard_state(values, new_state)
     comm.barrier(group=opt.group)
     return int(meta["step"])
 

@@ -54,7 +54,7 @@ def rank_main(stage: int, steps: int, batch: int):
         pz.all_reduce(t, op="avg")
         losses.append(float(t))
     elapsed = time.perf_counter() - t0
-    full = opt.full_state_dict() if stage == 3 else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full = opt.full_state_dict()
     return {"losses": losses, "state": full, "seconds": elapsed}
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyzero as pz
-from pyzero.bucketing import assign_buckets, pack, unpack
+from pyzero.bucketing import InFlight, assign_buckets, flat_buckets, pack, unpack
+from pyzero.zero import FlatLayout
 from pyzero.launch import RankFailure, run_ranks
 
 STEPS, BATCH, DIM, VOCAB = 4, 12, 16, 24
@@ -55,6 +56,48 @@ def test_buckets_one_dtype_each_first_cap_per_dtype():
 def test_buckets_reject_non_positive_sizes():
     with pytest.raises(ValueError, match="bucket sizes must be positive"):
         assign_buckets(_params((4, torch.float32)), 0, 10)
+
+
+def test_flat_buckets_contiguous_on_parameter_boundaries_padding_last():
+    ps = _params((10, torch.float32), (30, torch.float32), (5, torch.float32), (6, torch.float32))
+    layout = FlatLayout(ps, ["a", "b", "c", "d"], world=4)  # 51 elements, padded to 52
+    # caps of 12: [a b] closes at 40 >= 12, [c d] = 11 stays open and takes the padding
+    assert flat_buckets(layout, 12) == [(0, 40, [0, 1]), (40, 52, [2, 3])]
+    # cap 5: every parameter closes its own bucket; the padding joins the last one
+    assert flat_buckets(layout, 5) == [(0, 10, [0]), (10, 40, [1]), (40, 45, [2]), (45, 52, [3])]
+    assert flat_buckets(layout, 10**9) == [(0, 52, [0, 1, 2, 3])]
+
+
+class _FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+
+
+def test_inflight_bounds_outstanding_and_retires_in_launch_order():
+    log = []
+    q = InFlight(limit=2)
+    for i in range(4):
+        q.add(_FakeWork(log, i), lambda i=i: log.append(("done", i)), key=i)
+    # the 3rd and 4th add each retired the oldest one, waiting before folding
+    assert log == [("wait", 0), ("done", 0), ("wait", 1), ("done", 1)]
+    assert [k for k, _ in q.entries()] == [2, 3]
+    q.retire()
+    assert log[4:] == [("wait", 2), ("done", 2), ("wait", 3), ("done", 3)] and len(q) == 0
+    now = InFlight(limit=0)  # no overlap: each is waited for as it is added
+    now.add(_FakeWork(log, 9), lambda: log.append(("done", 9)))
+    assert log[-2:] == [("wait", 9), ("done", 9)] and len(now) == 0
+
+
+def test_inflight_discard_waits_but_folds_nothing():
+    log = []
+    q = InFlight()
+    for i in range(3):
+        q.add(_FakeWork(log, i), lambda i=i: log.append(("done", i)))
+    q.discard()
+    assert log == [("wait", 0), ("wait", 1), ("wait", 2)] and len(q) == 0
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +347,7 @@ def overlap_rank():
         # The first layer's backward runs last. Bucket 0 (the last layer's weights)
         # was launched long before; its all-reduce must finish while we wait here.
         seen["launched"] = [b for b, e in dp.bucket_log if e == "launch"]
-        b0, work = dp.reducer._inflight[0]
+        b0, work = dp.reducer._inflight.entries()[0]
         deadline = time.monotonic() + 5.0
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(0.005)

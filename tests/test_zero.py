@@ -177,7 +177,9 @@ def one_step_volume(stage):
     loss_fn(BASE, model, x, y).backward()
     opt.clip_grad_norm_(1.0)
     opt.step()
-    return {op: pz.comm_stats()[op] for op in ("reduce_scatter", "all_gather")}
+    out = {op: pz.comm_stats()[op] for op in ("reduce_scatter", "all_gather")}
+    out["plan"] = [(c.op, c.numel) for phase in opt.comm_plan() for c in phase]
+    return out
 
 
 def _rank_scenarios(ring_only):
@@ -275,6 +277,18 @@ def test_communication_volume(ranks, stage):
         assert sent == (1 + gathers) * psi * (world - 1) // world * 4
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_comm_plan_is_what_a_step_issues(ranks, stage):
+    """comm_plan() (what benchmarks replay as communication alone) lists the reduce-scatters and
+    all-gathers the transport counted during one real training step: calls and elements."""
+    _, res = ranks
+    for r in res:
+        v = r["volume"][stage]
+        for op in ("reduce_scatter", "all_gather"):
+            planned = [n for o, n in v["plan"] if o == op]
+            assert (len(planned), sum(planned)) == (v[op]["calls"], v[op]["elements"]), op
+
+
 # ---------------------------------------------------------------------------
 # One rank: bit for bit torch; bad input
 
@@ -327,7 +341,33 @@ def _rank_world1():
         out.update({case: outcome(lambda: call(opt)) for case, (call, _, _) in MISUSE.items()})
         out["untouched"] &= all(torch.equal(v, before[k]) for k, v in opt.full_state_dict().items())
     # The same model then trains exactly like torch: the failed calls left nothing behind.
-    return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse)}
+    return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse),
+            "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)}}
+
+
+def shard_state_round_trip(stage):
+    """Train 2 steps, export the shard, train 2 more, import it back, train the 2 again: the
+    second pair of steps must repeat exactly (weights and optimizer state restored)."""
+    s = dict(spec("adamw", stage), steps=2)
+    model = build(s)
+    opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2)
+
+    def steps(k):
+        for i in range(k):
+            x, y = batch(s, i, 0)
+            loss_fn(s, model, x, y).backward()
+            opt.step()
+        return {k: v.clone() for k, v in opt.full_state_dict().items()}, opt.shard_state()
+
+    steps(2)
+    saved = opt.shard_state()
+    first, first_shard = steps(2)
+    opt.load_shard_state(saved["master"], saved["state"])
+    restored = opt.shard_state()
+    again, again_shard = steps(2)
+    bad = outcome(lambda: opt.load_shard_state(saved["master"][:-1], saved["state"]))
+    return {"first": first, "again": again, "restored": restored, "saved": saved,
+            "first_shard": first_shard, "again_shard": again_shard, "bad": bad}
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +382,20 @@ def test_one_rank_is_bitwise_torch(world1, stage):
     assert min(ref["norms"]) > 0.3  # clipping was active on every step
     for k, v in ref["state"].items():
         assert torch.equal(got["state"][k], v), k
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shard_state_export_import_round_trip(world1, stage):
+    r = world1["shard_state"][stage]
+    for a, b in zip(r["restored"]["master"], r["saved"]["master"]):
+        assert torch.equal(a, b)
+    assert r["restored"]["pieces"] == r["saved"]["pieces"]
+    assert_state_close(r["again"], r["first"], rtol=0, atol=0)
+    for st_a, st_b in zip(r["again_shard"]["state"], r["first_shard"]["state"]):
+        assert sorted(st_a) == sorted(st_b) == ["exp_avg", "exp_avg_sq", "step"]
+        for k in st_a:
+            assert torch.equal(st_a[k], st_b[k]), k
+    assert r["bad"][0] == "ValueError" and "master/state" in r["bad"][1]
 
 
 @pytest.mark.parametrize("case", sorted(CONSTRUCT) + sorted(MISUSE))

@@ -84,29 +84,29 @@ def _setup_torch_ddp(model, args) -> Runner:
 
 
 def _zero_comm_alone(opt) -> Callable:
-    """The collectives one ZeRO step issues, on scratch buffers of the same sizes, nothing else."""
+    """The collectives one ZeRO step issues (opt.comm_plan()), on scratch buffers of the same
+    sizes, nothing else; the calls of one phase in flight together."""
     import pyzero as pz  # noqa: PLC0415
 
-    g = opt.group
-    if opt.stage in (1, 2):
-        L = opt.layout
-        flat = torch.zeros(L.padded)
-        outs = [(torch.empty(L.counts(b, e)[opt.rank]), flat[b:e], L.counts(b, e)) for b, e, _ in opt.buckets]
-        shard = flat[L.shard(opt.rank).offset:][:L.shard_size]
+    g, rank, world = opt.group, opt.group.rank, opt.group.size
+    phases = []
+    for phase in opt.comm_plan():
+        calls = []
+        for c in phase:
+            full = torch.zeros(c.numel)
+            if c.op == "reduce_scatter":
+                n = c.numel // world if c.counts is None else c.counts[rank]
+                calls.append(lambda o=torch.empty(n), i=full, c=c: pz.reduce_scatter(
+                    o, i, op="avg", counts=c.counts, group=g, async_op=True))
+            else:
+                shard = full[rank * (c.numel // world):][:c.numel // world]
+                calls.append(lambda o=full, i=shard: pz.all_gather(o, i, group=g, async_op=True))
+        phases.append(calls)
 
-        def run():
-            for w in [pz.reduce_scatter(o, i, op="avg", counts=c, group=g, async_op=True) for o, i, c in outs]:
+    def run():
+        for calls in phases:
+            for w in [call() for call in calls]:
                 w.wait()
-            pz.all_gather(flat, shard, group=g)
-        return run
-    bufs = [(torch.zeros(u.layout.padded), torch.zeros(u.layout.shard_size)) for u in opt.units]
-
-    def run():  # stage 3: gather in forward, again in backward, reduce-scatter the gradients
-        for full, shard in bufs:
-            pz.all_gather(full, shard, group=g)
-        for full, shard in bufs:
-            pz.all_gather(full, shard, group=g)
-            pz.reduce_scatter(shard, full, op="avg", group=g)
     return run
 
 

@@ -14,14 +14,34 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..bucketing import InFlight
 from .partition import FlatLayout, Piece
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+_STAGES: dict[int, type] = {}  # stage number -> class, filled by register_stage
+
+
+def register_stage(stage: int):
+    """Class decorator: ``ZeroOptimizer(..., stage=n)`` builds the class registered for n.
+    The stage modules (stages.py, stage3.py) register themselves; the package imports them."""
+    def register(cls):
+        _STAGES[stage] = cls
+        return cls
+    return register
+
+
+class CollectiveCall(NamedTuple):
+    """One collective of a training step (see ZeroOptimizer.comm_plan)."""
+
+    op: str  # "reduce_scatter" or "all_gather"
+    numel: int  # elements of the full (input of reduce_scatter, output of all_gather) buffer
+    counts: list[int] | None  # elements per rank when uneven, None for numel / world each
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -38,13 +58,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
         if cls is ZeroOptimizer:
-            from .stage3 import ZeroStage3  # noqa: PLC0415
-            from .stages import ZeroStage1, ZeroStage2  # noqa: PLC0415
-
-            classes = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-            if stage not in classes or isinstance(stage, bool):
-                raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
-            cls = classes[stage]
+            if isinstance(stage, bool) or stage not in _STAGES:
+                raise ValueError(f"stage: expected one of {sorted(_STAGES)}, got {stage!r}")
+            cls = _STAGES[stage]
         return object.__new__(cls)
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
@@ -80,6 +96,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self._sync = True
         self._grads_ready = False
+        # Reductions launched during backward (stages 2, 3) and not yet folded into the shards;
+        # at most two stay in flight, bounding the staging memory they hold.
+        self._inflight = InFlight(limit=2 if self.overlap else 0)
         # Which parameters received a gradient since zero_grad: see [Note: parameters without gradients].
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._has_grad = torch.zeros(len(self.params), dtype=torch.int32)
@@ -179,6 +198,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _publish_parameters(self):
         """After the shard update: make the model's parameters hold the new values."""
+        raise NotImplementedError
+
+    def _start_backward(self):
+        """Get ready for the next backward (stages that reduce during backward)."""
+
+    def comm_plan(self) -> list[list[CollectiveCall]]:
+        """The collectives one synchronised training step issues on this group, in order, as
+        phases: the calls of one phase may be in flight together, a phase starts when the one
+        before has finished. Benchmarks replay it on scratch buffers to time communication alone."""
         raise NotImplementedError
 
     # ---- the optimizer API ----------------------------------------------------
@@ -287,14 +315,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._has_grad[self._param_index[id(p)]] = 1
 
     def _drain(self):
-        """Wait for in-flight gradient communication (nothing is started)."""
+        """Wait for in-flight gradient reductions and fold them into the shards (nothing is started)."""
+        self._inflight.retire()
 
     def _discard(self):
-        """Stages that reduce during backward (2, 3): forget a backward that cannot finish. Wait
-        for its in-flight reductions (every rank launched them) without adding them, and start over."""
-        for _, work, _ in self._inflight:
-            work.wait()
-        self._inflight = []
+        """Forget a backward that cannot finish: wait for its in-flight reductions (every rank
+        launched them) without adding them, and start over."""
+        self._inflight.discard()
         self._start_backward()
 
     def zero_grad(self, set_to_none: bool = True):
@@ -316,6 +343,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
                 "inner": self.inner.state_dict()}
 
+    def shard_state(self) -> dict:
+        """This rank's shard as copies, per piece (this rank's part of one parameter, in
+        ``self.pieces`` order): "pieces" (name, start, end) of the flattened parameter, "master"
+        its fp32 values, "state" its inner-optimizer state (e.g. exp_avg, step) and "index" its
+        position among the inner optimizer's parameters. Gradient reductions still in flight are
+        waited for first, so nothing changes the shards while they are read. Checkpoints use it."""
+        self._drain()
+        index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
+        state = self.inner.state
+        return {"pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
+                "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
+                "state": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.get(leaf, {}).items()}
+                          for _, leaf, _ in self.pieces],
+                "index": [index[id(leaf)] for _, leaf, _ in self.pieces]}
+
+    @torch.no_grad()
+    def load_shard_state(self, master: list[torch.Tensor], state: list[dict]) -> None:
+        """Set every piece's fp32 values and inner state (lists in ``self.pieces`` order; an empty
+        dict: no state, as for a parameter never stepped), then make the model's parameters hold
+        the new values. Every rank of the group calls it (stage 1-2 gather the parameters)."""
+        if len(master) != len(self.pieces) or len(state) != len(self.pieces):
+            raise ValueError(f"master/state: expected {len(self.pieces)} entries each (one per piece), "
+                             f"got {len(master)} and {len(state)}")
+        for (pc, leaf, _), v in zip(self.pieces, master):
+            if v.numel() != pc.numel:
+                raise ValueError(f"master: {pc.name}[{pc.start}:{pc.end}] needs {pc.numel} values, got {v.numel()}")
+        self._drain()
+        for (_, leaf, _), v, st in zip(self.pieces, master, state):
+            leaf.copy_(v)
+            if st:
+                self.inner.state[leaf] = st
+            else:
+                self.inner.state.pop(leaf, None)
+        self._publish_parameters()
+
     def load_state_dict(self, sd: dict) -> None:
         mine = [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]
         if sd.get("pieces") != mine:
@@ -326,6 +388,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 leaf.copy_(t)
         self.inner.load_state_dict(sd["inner"])
         self._publish_parameters()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict | None:
+        """The full model state with fp32 trainable values (the master weights) on the group's
+        first rank, None elsewhere; every rank calls it. Gathered one flat buffer at a time."""
+        gathered = {}
+        first = self.group.rank == 0
+        for layout, master, _ in self.shards():
+            full = torch.empty(layout.padded, dtype=torch.float32)
+            comm.all_gather(full, master, group=self.group)
+            if first:
+                for p, v in zip(layout.params, layout.views(full)):
+                    gathered[id(p)] = v.clone()
+        if not first:
+            return None
+        # model.state_dict()'s keys and order: tied parameters under every name, frozen ones, buffers.
+        return {name: gathered[id(t)] if id(t) in gathered else t.detach().clone()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def memory_stats(self) -> dict:
         """Bytes of model state this rank holds, in the ZeRO paper's terms: parameters (full or

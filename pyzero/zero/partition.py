@@ -72,17 +72,3 @@ class FlatLayout:
         """Each parameter's shape as a view into `flat` (the full, padded buffer)."""
         return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
-
-def buckets(layout: FlatLayout, bucket_elems: int) -> list[tuple[int, int, list[int]]]:
-    """Cut the layout into contiguous [begin, end) ranges of about bucket_elems, on parameter
-    boundaries, as (begin, end, parameter indices). The padding joins the last bucket."""
-    out, begin, members = [], 0, []
-    for i, (p, off) in enumerate(zip(layout.params, layout.offsets)):
-        members.append(i)
-        end = off + p.numel()
-        if end - begin >= bucket_elems:
-            out.append((begin, end, members))
-            begin, members = end, []
-    if members or begin < layout.padded:
-        out.append((begin, layout.padded, members))
-    return out

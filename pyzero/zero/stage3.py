@@ -22,7 +22,7 @@ import torch
 
 from .. import comm
 from ..bucketing import OrderedLaunch
-from .optimizer import ZeroOptimizer, _nbytes
+from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -97,6 +97,7 @@ class _Unit:
             self.gather_work = None
 
 
+@register_stage(3)
 class ZeroStage3(ZeroOptimizer):
     """Parameters, gradients and optimizer state all sharded."""
 
@@ -123,7 +124,6 @@ class ZeroStage3(ZeroOptimizer):
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them
-        self._inflight = []
         # Reduce-scatters launch in reverse unit order (modules are registered in roughly the order
         # forward uses them), the same on every rank whatever order the hooks fire in.
         self._launch_order = OrderedLaunch([len(u.layout.params) for u in reversed(self.units)],
@@ -135,6 +135,12 @@ class ZeroStage3(ZeroOptimizer):
 
     def shards(self):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
+
+    def comm_plan(self):
+        """Forward gathers every unit, backward gathers it again and reduce-scatters its gradients."""
+        gather = [[CollectiveCall("all_gather", u.layout.padded, None)] for u in self.units]
+        reduce = [[CollectiveCall("reduce_scatter", u.layout.padded, None)] for u in self.units]
+        return gather + [phase for pair in zip(gather[::-1], reduce[::-1]) for phase in pair]
 
     def _held_params(self):
         shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
@@ -242,16 +248,8 @@ class ZeroStage3(ZeroOptimizer):
                 p.grad = None
         out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
-        self._inflight.append((u, work, out))
+        self._inflight.add(work, lambda: u.grad_shard.add_(out))
         u.free()
-        if not self.overlap or len(self._inflight) > 2:
-            self._retire(len(self._inflight) - (0 if not self.overlap else 2))
-
-    def _retire(self, k):
-        for u, work, out in self._inflight[:k]:
-            work.wait()
-            u.grad_shard.add_(out)
-        del self._inflight[:k]
 
     def _start_backward(self):
         self._launch_order.reset()
@@ -270,33 +268,12 @@ class ZeroStage3(ZeroOptimizer):
         self._start_backward()
 
     def _reduce_gradients(self):
-        self._retire(len(self._inflight))
-
-    _drain = _reduce_gradients  # only waits: every unit was launched during backward
+        self._drain()  # only waits: every unit was launched during backward
 
     def _publish_parameters(self):
         for u in self.units:
             if u.shard.data_ptr() != u.master.data_ptr():
                 u.shard.copy_(u.master)
-
-    # ---- full state -----------------------------------------------------------
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict | None:
-        """The full fp32 model state on the group's first rank (None elsewhere), one unit at a time."""
-        gathered = {}
-        first = self.group.rank == 0
-        for u in self.units:
-            full = torch.empty(u.layout.padded, dtype=torch.float32)
-            comm.all_gather(full, u.master, group=self.group)
-            if first:
-                for p, v in zip(u.layout.params, u.layout.views(full)):
-                    gathered[id(p)] = v.clone()
-        if not first:
-            return None
-        # model.state_dict()'s keys and order: tied parameters under every name, frozen ones, buffers.
-        return {name: gathered[id(t)] if id(t) in gathered else t.detach().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
 
 
 def _on_grad_ready(t, order, fn):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..bucketing import OrderedLaunch
-from .optimizer import ZeroOptimizer, _nbytes
-from .partition import FlatLayout, buckets
+from ..bucketing import OrderedLaunch, flat_buckets
+from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
+from .partition import FlatLayout
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -40,7 +40,7 @@ class _FlatParams(ZeroOptimizer):
         self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
         for v, p in zip(L.views(self.flat_param), L.params):
             p.data = v
-        self.buckets = buckets(L, self.bucket_elems)
+        self.buckets = flat_buckets(L, self.bucket_elems)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -57,10 +57,16 @@ class _FlatParams(ZeroOptimizer):
     def shards(self):
         return [(self.layout, self.master, self.grad_shard)]
 
+    def comm_plan(self):
+        L = self.layout
+        return [[CollectiveCall("reduce_scatter", e - b, L.counts(b, e)) for b, e, _ in self.buckets],
+                [CollectiveCall("all_gather", L.padded, None)]]
+
     def _held_params(self):
         return _nbytes([self.flat_param])
 
 
+@register_stage(1)
 class ZeroStage1(_FlatParams):
     """Optimizer state sharded; full gradients reduce-scattered in place at step time."""
 
@@ -113,6 +119,7 @@ class ZeroStage1(_FlatParams):
         self._has_grad.fill_(0 if set_to_none else 1)  # see [Note: parameters without gradients]
 
 
+@register_stage(2)
 class ZeroStage2(_FlatParams):
     """Gradients sharded too: bucketed reduce-scatter during backward."""
 
@@ -124,7 +131,6 @@ class ZeroStage2(_FlatParams):
             for i in members:
                 self._bucket_of[id(self.layout.params[i])] = b
         self._index = {id(p): i for i, p in enumerate(self.layout.params)}
-        self._inflight = []  # (bucket, Work, output) in launch order
         self._launch_order = OrderedLaunch([len(m) for _, _, m in self.buckets], self._launch, self._discard)
         self._start_backward()
 
@@ -159,18 +165,8 @@ class ZeroStage2(_FlatParams):
         work = comm.reduce_scatter(out, self._stage(b), op="avg", counts=counts, group=self.group,
                                    async_op=True)
         self._staging[b] = None  # the Work keeps it alive until it is waited on
-        self._inflight.append((b, work, out))
-        if not self.overlap:
-            self._retire(len(self._inflight))
-        elif len(self._inflight) > 2:  # bound the staging memory held by in-flight buckets
-            self._retire(len(self._inflight) - 2)
-
-    def _retire(self, k):
-        for b, work, out in self._inflight[:k]:
-            work.wait()
-            lo, hi = self._my_part(*self.buckets[b][:2])
-            self.grad_shard[lo:hi].add_(out)
-        del self._inflight[:k]
+        lo, hi = self._my_part(begin, end)
+        self._inflight.add(work, lambda: self.grad_shard[lo:hi].add_(out))
 
     def _end_backward(self):
         """Buckets holding unused parameters launch now, with zeros for the missing gradients."""
@@ -178,6 +174,4 @@ class ZeroStage2(_FlatParams):
         self._start_backward()
 
     def _reduce_gradients(self):
-        self._retire(len(self._inflight))
-
-    _drain = _reduce_gradients  # only waits: every bucket was launched during backward
+        self._drain()  # only waits: every bucket was launched during backward

@@ -36,3 +36,4 @@ from .mesh import mesh
 from . import pipeline
 from .parallel import DataParallel
 from .plan import parallelize, plan  # noqa: E402  (pz.plan is the function; the package is pyzero.plan)
+from . import ps  # noqa: E402,F401  (pz.ps: parameter-server training)

@@ -1,0 +1,63 @@
+"""Parameter-server training: sharded servers, workers that come and go.
+
+Servers hold the parameters sharded (ZeRO's flat partition) with the optimizer
+state and step as pushes arrive; workers pull parameters, compute gradients
+on their own data and push them. Modes: "sync" (equals DataParallel),
+"bounded" (stale synchronous parallel, at most ``staleness`` pushes ahead of
+the slowest live worker) and "async". Workers may join at any time and leave
+or die at any time; servers checkpoint atomically and resume.
+
+    role, index = pz.ps.role(num_servers=2)      # torchrun: ranks 0..1 serve, the rest work
+    if role == "server":
+        pz.ps.serve(model, torch.optim.AdamW, num_servers=2, mode="bounded", staleness=2,
+                    max_versions=1000, checkpoint_dir="ps_ckpt", lr=1e-3)
+    else:
+        w = pz.ps.Worker(model, num_servers=2)
+        while w.pull():
+            loss_fn(model(x), y).backward()
+            w.push()
+        w.close()
+"""
+from __future__ import annotations
+
+import os
+
+from .server import MODES, Server
+from .wire import PeerLost
+from .worker import JoinRefused, ServerLost, Worker, request
+
+__all__ = ["MODES", "Server", "Worker", "ServerLost", "JoinRefused", "PeerLost", "serve", "role", "stats", "stop"]
+
+
+def role(num_servers: int) -> tuple[str, int]:
+    """("server", i) for RANK < num_servers, else ("worker", RANK - num_servers)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return ("server", rank) if rank < num_servers else ("worker", rank - num_servers)
+
+
+def serve(model, optimizer_class, num_servers: int, index: int | None = None, port: int = 0,
+          idle_timeout: float | None = None, **kwargs) -> dict:
+    """Run server `index` (default: RANK) of the job until it finishes; returns its stats().
+    Its address is published in the job's store for the workers. kwargs: Server's."""
+    from .rendezvous import publish  # noqa: PLC0415
+
+    index = int(os.environ.get("RANK", "0")) if index is None else index
+    server = Server(model, optimizer_class, index, num_servers, **kwargs)
+    _, bound = server.bind("0.0.0.0", port)
+    publish(index, bound)
+    return server.serve(idle_timeout=idle_timeout)
+
+
+def stats(num_servers: int) -> list[dict]:
+    """Every server's counters (version, live workers, staleness seen, rejected pushes, ...)."""
+    from .rendezvous import lookup  # noqa: PLC0415
+
+    return [request(a, "stats") for a in lookup(num_servers)]
+
+
+def stop(num_servers: int) -> None:
+    """Ask every server to finish (workers' next pull returns False)."""
+    from .rendezvous import lookup  # noqa: PLC0415
+
+    for a in lookup(num_servers):
+        request(a, "stop")

@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline.
+"""pyzero-bench: collectives | train | tp | pipeline | ps.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "train": "training step time, tokens/s and memory: torch DDP vs pyzero",
     "tp": "tensor-parallel all-gather+matmul and matmul+reduce-scatter, overlapped vs not",
     "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
+    "ps": "parameter-server training (sync, bounded, async) vs DataParallel, with and without a straggler",
 }
 
 

@@ -311,3 +311,20 @@ def test_server_argument_errors(kwargs, words):
 def test_worker_refuses_non_fp32_models():
     with pytest.raises(ValueError, match="fp32"):
         pz.ps.Worker(make_model().to(torch.float64), servers=[("127.0.0.1", 1)])
+
+
+def test_example_trains_and_checkpoints(tmp_path):
+    """examples/ps_train.py as the README runs it: 1 server, 2 workers, bounded staleness."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ps_train", os.path.join(os.path.dirname(__file__), "..",
+                                                                          "examples", "ps_train.py"))
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    ckpt = str(tmp_path / "ck")
+    res = run_ranks(ex.main, 3, args=(["--servers", "1", "--mode", "bounded", "--versions", "40", "--ckpt", ckpt],),
+                    timeout=60)
+    server, workers = res[0].value, [r.value for r in res[1:]]
+    assert server["version"] == 40 and server["max_clock_gap"] <= 2
+    assert sum(w["steps"] for w in workers) >= 40
+    assert torch.load(os.path.join(ckpt, "server000.pt"), weights_only=True)["version"] == 40

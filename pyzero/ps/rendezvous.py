@@ -19,7 +19,7 @@ def store(host_it: bool, timeout: float = 60.0):
     if not addr or not port:
         raise RuntimeError("MASTER_ADDR/MASTER_PORT: not set; start the job with torchrun or pyzero.launch, "
                            "or give the servers' addresses explicitly")
-    key = (addr, int(port), host_it)
+    key = (addr, int(port), host_it, os.getpid())  # a forked child opens its own connection
     if key not in _STORES:
         _STORES[key] = dist.TCPStore(addr, int(port), is_master=host_it, timeout=timedelta(seconds=timeout),
                                      wait_for_workers=False)

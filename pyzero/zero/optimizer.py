@@ -22,6 +22,7 @@ from torch import nn
 from .. import comm
 from ..bucketing import InFlight
 from .partition import FlatLayout, Piece
+from .scaler import LossScaler
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 _STAGES: dict[int, type] = {}  # stage number -> class, filled by register_stage
@@ -54,6 +55,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     step() consumes the gradients: the next backward starts from zero, as
     after zero_grad(); parameters that no rank's backward reached are skipped
     like torch skips a None gradient.
+    ``loss_scale`` (None, "dynamic", a number or a dict of zero.scaler.LossScaler arguments)
+    turns on fp16 loss scaling: backward on ``opt.scale_loss(loss)``; a step whose gradients
+    overflow on any rank is skipped everywhere (see zero/scaler.py).
     """
 
     def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
@@ -64,7 +68,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return object.__new__(cls)
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
-                 comm_dtype=None, group=None, param_groups=None, tp_group=None, **optimizer_kwargs):
+                 comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None,
+                 **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -78,6 +83,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if comm_dtype not in _PARAM_DTYPES:
             raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
                              f"got {comm_dtype!r}")
+        self.scaler = LossScaler.make(loss_scale)  # fp16: see zero/scaler.py
+        self._overflow = None  # this step's overflow verdict, once gradients are reduced
         self.model, self.stage, self.overlap = model, stage, bool(overlap)
         self.group = comm.resolve_group(group)
         # With tensor parallelism (pz.mesh): the TP group whose ranks hold other parts of the
@@ -243,6 +250,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type: expected a positive p (or inf), got {norm_type!r}")
         self._require_grads("clip_grad_norm_")
         self._reduce_gradients()
+        if self._check_overflow():
+            return torch.tensor(float("inf"))  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
         grads = [self.pieces[k][2] for k in self._model_order]
         if grads:
@@ -291,6 +300,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step())")
         self._require_grads("step")
         self._reduce_gradients()
+        if self._check_overflow():
+            self.scaler.update(overflow=True)
+            self.zero_grad()
+            return
         # [Note: parameters without gradients]
         # torch's optimizers skip a parameter whose .grad is None (no update, no weight decay, no
         # state). A parameter that no rank's backward reached has only zeros in its gradient shard,
@@ -307,9 +320,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for leaf, g in skipped:
                 leaf.grad = g
         self._publish_parameters()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
         # The gradients are consumed: a stage's shards mix reduced and local values, and
         # model.zero_grad() cannot reach them, so start the next step from zero either way.
         self.zero_grad()
+
+    # ---- loss scaling (fp16) ---------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss_scale=)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``opt.scale_loss(loss).backward()``: the loss times the current scale."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    def _check_overflow(self) -> bool:
+        """Once per step, on the reduced shards: inf/NaN on any rank (of the DP and TP groups)?
+        If none, unscale the gradients in place (exact: the scale is a power of two)."""
+        if self.scaler is None:
+            return False
+        if self._overflow is None:
+            bad = torch.zeros(1)
+            if not all(bool(torch.isfinite(g).all()) for _, _, g in self.shards()):
+                bad[0] = 1
+            for g in (self.group, self.tp_group):
+                if g is not None and g.size > 1:
+                    comm.all_reduce(bad, op="max", group=g)
+            self._overflow = bool(bad[0])
+            if not self._overflow:
+                inv = 1.0 / self.scaler.scale
+                for _, _, g in self.shards():
+                    g.mul_(inv)
+        return self._overflow
 
     def _mark_grad(self, p):
         self._has_grad[self._param_index[id(p)]] = 1
@@ -330,6 +375,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.zero_()
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
+        self._overflow = None
         self._has_grad.fill_(0 if set_to_none else 1)  # torch steps zero (not None) gradients
 
     def _zero_model_grads(self, set_to_none):
@@ -338,10 +384,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer: inner state plus what each piece is."""
-        return {"stage": self.stage, "world": self.world, "rank": self.rank,
-                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
-                "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
-                "inner": self.inner.state_dict()}
+        out = {"stage": self.stage, "world": self.world, "rank": self.rank,
+               "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
+               "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
+               "inner": self.inner.state_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
 
     def shard_state(self) -> dict:
         """This rank's shard as copies, per piece (this rank's part of one parameter, in
@@ -387,6 +436,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for (_, leaf, _), t in zip(self.pieces, sd["master"]):
                 leaf.copy_(t)
         self.inner.load_state_dict(sd["inner"])
+        if self.scaler is not None and "scaler" in sd:
+            self.scaler.load_state_dict(sd["scaler"])
         self._publish_parameters()
 
     @torch.no_grad()

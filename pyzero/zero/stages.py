@@ -116,6 +116,7 @@ class ZeroStage1(_FlatParams):
         self.grad_shard.zero_()
         self._attach_grads()
         self._grads_ready = self._reduced = False
+        self._overflow = None
         self._has_grad.fill_(0 if set_to_none else 1)  # see [Note: parameters without gradients]
 
 

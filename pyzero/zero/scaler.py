@@ -1,0 +1,61 @@
+"""Loss scaling for fp16 training, on the optimizer (as DeepSpeed's fp16 config does).
+
+``ZeroOptimizer(..., loss_scale="dynamic")``: backward runs on ``opt.scale_loss(loss)``; before
+clipping or stepping, the optimizer looks for inf/NaN in the reduced gradient shards of *every*
+rank (one all-reduce of a flag), and either unscales them (scales are powers of two, so scaling
+and unscaling are exact) or skips the step, zeroes the gradients and halves the scale. After
+``growth_interval`` steps without overflow the scale doubles. The rules and defaults are
+torch.amp.GradScaler's (init 2**16, growth 2, backoff 0.5, interval 2000). A number instead of
+"dynamic" is a static scale (an overflow still skips the step).
+"""
+from __future__ import annotations
+
+import math
+
+
+class LossScaler:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, dynamic: bool = True, min_scale: float = 1.0):
+        for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor), ("min_scale", min_scale)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+                raise ValueError(f"loss_scale: {name} must be a positive finite number, got {v!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"loss_scale: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"loss_scale: growth_interval must be an int >= 1, got {growth_interval!r}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.dynamic, self.min_scale = growth_interval, dynamic, float(min_scale)
+        self.good_steps = 0
+        self.skipped = 0  # steps skipped for overflow, in total
+
+    @classmethod
+    def make(cls, spec):
+        """None -> no scaling; "dynamic" -> defaults; a number -> static; a dict -> keyword arguments."""
+        if spec is None:
+            return None
+        if spec == "dynamic":
+            return cls()
+        if isinstance(spec, dict):
+            return cls(**spec)
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            return cls(init_scale=spec, dynamic=False)
+        raise ValueError(f"loss_scale: expected None, 'dynamic', a positive number or a dict of LossScaler "
+                         f"arguments, got {spec!r}")
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped += 1
+            self.good_steps = 0
+            if self.dynamic:
+                self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            return
+        self.good_steps += 1
+        if self.dynamic and self.good_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale, self.good_steps, self.skipped = float(sd["scale"]), int(sd["good_steps"]), int(sd["skipped"])

@@ -1,0 +1,168 @@
+"""Loss scaling: ZeroOptimizer(loss_scale=) skips a step on every rank when any rank's gradients
+overflow, halves the scale, grows it after good steps, and otherwise trains exactly as unscaled
+(power-of-two scales are exact); DataParallel works with torch.amp.GradScaler."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+STEPS, BATCH = 5, 8
+INF_STEP = 2  # rank 1's gradients get an inf at this step
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def data(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+
+def _zero_run(stage, loss_scale, inject):
+    model = make_model()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, loss_scale=loss_scale, bucket_mb=1e-4)
+    scales, norms = [], []
+    for step in range(STEPS):
+        x, y = data(step, pz.get_rank())
+        scales.append(opt.loss_scale)
+        if inject and step == INF_STEP and pz.get_rank() == 1:
+            h = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                                    torch.tensor(float("inf"))))
+        opt.scale_loss(F.mse_loss(model(x), y)).backward()
+        if inject and step == INF_STEP and pz.get_rank() == 1:
+            h.remove()
+        norms.append(float(opt.clip_grad_norm_(10.0)))
+        opt.step()
+    return {"state": opt.full_state_dict(), "scales": scales + [opt.loss_scale], "norms": norms,
+            "skipped": opt.scaler.skipped if opt.scaler else 0, "sd_scaler": opt.state_dict().get("scaler")}
+
+
+def _rank_zero():
+    pz.init(timeout=30)
+    out = {}
+    for stage in (1, 2, 3):
+        out[stage, "none"] = _zero_run(stage, None, False)
+        out[stage, "static"] = _zero_run(stage, 2.0**10, False)
+        out[stage, "dynamic"] = _zero_run(stage, dict(init_scale=2.0**16, growth_interval=2), True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_runs():
+    return [r.value for r in run_ranks(_rank_zero, 2, timeout=90)]
+
+
+def reference(skip):
+    """One process, the two ranks' batches averaged; the step in `skip` does not happen."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        if step in skip:
+            continue
+        loss = sum(F.mse_loss(model(x), y) for x, y in (data(step, 0), data(step, 1))) / 2
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_static_power_of_two_scale_trains_exactly_as_unscaled(zero_runs, stage):
+    r0 = zero_runs[0]
+    for k, v in r0[stage, "none"]["state"].items():
+        assert torch.equal(r0[stage, "static"]["state"][k], v), k
+    assert r0[stage, "static"]["norms"] == r0[stage, "none"]["norms"]  # clipping sees unscaled gradients
+    assert r0[stage, "static"]["scales"] == [2.0**10] * (STEPS + 1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overflow_on_one_rank_skips_the_step_everywhere(zero_runs, stage):
+    ref = reference(skip={INF_STEP})
+    got = zero_runs[0][stage, "dynamic"]
+    for k, v in ref.items():
+        torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert got["norms"][INF_STEP] == float("inf") and all(n < 1e30 for i, n in enumerate(got["norms"])
+                                                         if i != INF_STEP)
+    # growth_interval 2: x2 after steps 0-1, /2 at the overflow, x2 after steps 3-4
+    assert got["scales"] == [2.0**16, 2.0**16, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
+    assert got["skipped"] == 1 and got["sd_scaler"] == {"scale": 2.0**17, "good_steps": 2, "skipped": 1}
+    for r in zero_runs[1:]:  # rank 1 (which overflowed) skipped too: same scale history
+        assert r[stage, "dynamic"]["scales"] == got["scales"]
+    # against a run that really takes the step: the skip made a difference
+    taken = reference(skip=set())
+    assert not torch.equal(taken["0.weight"], ref["0.weight"])
+
+
+def _rank_fp16_overflow():
+    pz.init(timeout=30)
+    model = make_model()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3, param_dtype=torch.float16,
+                           loss_scale="dynamic")
+    for step in range(12):
+        x, y = data(step, pz.get_rank())
+        loss = F.mse_loss(model(x.half()).float(), y) * 100  # fp16 gradients overflow at 2**16
+        opt.scale_loss(loss).backward()
+        opt.step()
+    full = opt.full_state_dict()
+    return {"skipped": opt.scaler.skipped, "scale": opt.loss_scale,
+            "finite": None if full is None else all(bool(torch.isfinite(v).all()) for v in full.values())}
+
+
+def test_fp16_parameters_overflow_then_train():
+    for r in run_ranks(_rank_fp16_overflow, 2, timeout=60):
+        assert r.value["skipped"] >= 1 and r.value["scale"] < 2.0**16
+        assert r.value["skipped"] < 12  # the scale came down far enough to step
+    assert run_ranks(_rank_fp16_overflow, 2, timeout=60)[0].value["finite"]
+
+
+def _rank_dp_gradscaler():
+    pz.init(timeout=30)
+    model = make_model()
+    dp = pz.DataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    for step in range(STEPS):
+        x, y = data(step, pz.get_rank())
+        if step == INF_STEP and pz.get_rank() == 1:
+            h = model[0].weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                                    torch.tensor(float("inf"))))
+        scaler.scale(F.mse_loss(dp(x), y)).backward()
+        if step == INF_STEP and pz.get_rank() == 1:
+            h.remove()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_data_parallel_with_torch_gradscaler_skips_on_every_rank():
+    ref = reference(skip={INF_STEP})
+    for r in run_ranks(_rank_dp_gradscaler, 2, timeout=60):
+        for k, v in ref.items():
+            torch.testing.assert_close(r.value[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec,words", [("static", ["loss_scale", "'static'"]), (-1.0, ["init_scale"]),
+                                        (dict(backoff_factor=2.0), ["backoff_factor"]),
+                                        (dict(growth_interval=0), ["growth_interval"])])
+def test_bad_loss_scale(spec, words):
+    def rank():
+        pz.init(timeout=10)
+        try:
+            pz.ZeroOptimizer(make_model(), torch.optim.AdamW, loss_scale=spec)
+        except ValueError as e:
+            return str(e)
+        return None
+    msg = run_ranks(rank, 1, timeout=30)[0].value
+    assert msg is not None and all(w in msg for w in words), msg

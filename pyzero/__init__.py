@@ -36,3 +36,5 @@ from .mesh import mesh
 from . import pipeline
 from .parallel import DataParallel
 from .plan import parallelize, plan  # noqa: E402  (pz.plan is the function; the package is pyzero.plan)
+from . import distributed
+distributed.register()  # the torch.distributed backend "pyzero" (no process-group work until torch makes one)

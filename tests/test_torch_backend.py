@@ -1,0 +1,230 @@
+"""pyzero as a torch.distributed backend ("pyzero"): every c10d op against a
+torch reference, errors, and torch's own data-parallel stacks (DDP, FSDP2,
+ZeroRedundancyOptimizer, DTensor, DCP) against the same run on gloo.
+
+Each rank function runs many cases in one ``run_ranks`` call and returns its
+failures. Op references are computed on every rank from all ranks' seeded
+inputs with plain torch ops; the training references run the same script on
+a gloo group of the same ranks, in the same processes.
+"""
+import datetime
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyzero  # noqa: F401  (registers the backend)
+from pyzero.launch import RankFailure, run_ranks
+
+TIMEOUT = datetime.timedelta(seconds=30)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+          torch.bool, torch.uint8, torch.int8, torch.complex64]
+REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+          "prod": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.AVG}
+
+
+class Checker:
+    def __init__(self):
+        self.failures, self.cases = [], 0
+
+    def check(self, what, got, want):
+        self.cases += 1
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            self.failures.append(f"rank {dist.get_rank()}: {what}: got {got.flatten()[:8].tolist()} "
+                                 f"{got.dtype} {tuple(got.shape)}, want {want.flatten()[:8].tolist()} "
+                                 f"{want.dtype} {tuple(want.shape)}")
+
+    def close(self, what, got, want, tol):
+        self.cases += 1
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol):
+            err = (got - want).abs().max().item() if got.shape == want.shape else "shape"
+            self.failures.append(f"rank {dist.get_rank()}: {what}: max error {err} > {tol}")
+
+    def result(self):
+        return {"failures": self.failures, "cases": self.cases}
+
+
+def assert_ok(results, min_cases=1):
+    failures = [f for r in results for f in r.value["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    for r in results:
+        assert r.value["cases"] >= min_cases, f"rank {r.rank} checked only {r.value['cases']} cases"
+
+
+def data(dtype, shape, rank, seed, op="sum"):
+    """Rank `rank`'s input: exact under every op (small ints; prod only of {1, 2, -1}; bools for bool)."""
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if op == "prod":
+        v = torch.tensor([1, 2, -1])[torch.randint(0, 3, shape, generator=g)]
+        return (v.abs() if dtype == torch.uint8 else v).to(dtype)
+    if dtype == torch.complex64:
+        return torch.complex(torch.randint(-8, 9, shape, generator=g).float(),
+                             torch.randint(-8, 9, shape, generator=g).float())
+    lo = 0 if dtype == torch.uint8 else -20
+    return torch.randint(lo, 100, shape, generator=g).to(dtype)
+
+
+def reduced(inputs, op, dtype):
+    """The torch reference of a reduction over ranks (in float64/int64, cast back once)."""
+    if dtype == torch.bool:
+        s = torch.stack(inputs).int()
+        r = {"sum": s.sum(0), "max": s.amax(0), "min": s.amin(0), "prod": s.prod(0)}[op]
+        return r.bool()
+    wide = torch.complex128 if dtype.is_complex else torch.float64 if dtype.is_floating_point else torch.int64
+    s = torch.stack([i.to(wide) for i in inputs])
+    r = {"sum": lambda: s.sum(0), "avg": lambda: s.sum(0) / len(inputs), "max": lambda: s.amax(0),
+         "min": lambda: s.amin(0), "prod": lambda: s.prod(0)}[op]()
+    return r.to(dtype)
+
+
+def ops_for(dtype):
+    if dtype.is_complex:
+        return ["sum", "avg"]
+    return ["sum", "max", "min", "prod"] + (["avg"] if dtype.is_floating_point else [])
+
+
+# ---------------------------------------------------------------------------
+# Every op on the world and on subgroups
+
+
+def _rank_ops():
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    n, me = dist.get_world_size(), dist.get_rank()
+    ck = Checker()
+    assert dist.get_backend() == "pyzero"
+    groups = [(None, list(range(n)))]
+    for ranks in ([0, n - 1], [1, 2] if n > 2 else [1]):  # (torch orders a group's ranks)
+        groups.append((dist.new_group(ranks), ranks))
+    for gi, (group, ranks) in enumerate(groups):
+        if me not in ranks:
+            continue
+        seed = 1000 * gi  # the same on every member, whichever groups this rank skipped
+        k, gr = len(ranks), ranks.index(me)
+        tag = f"group {ranks}"
+        for dtype in DTYPES:
+            for op in ops_for(dtype):
+                seed += 1
+                ins = [data(dtype, (3, 5), r, seed, op) for r in ranks]
+                t = ins[gr].clone()
+                dist.all_reduce(t, op=REDUCE[op], group=group)
+                ck.check(f"{tag} all_reduce {dtype} {op}", t, reduced(ins, op, dtype))
+                t = ins[gr].clone().t()  # non-contiguous: staged
+                dist.all_reduce(t, op=REDUCE[op], group=group)
+                ck.check(f"{tag} all_reduce non-contiguous {dtype} {op}", t, reduced(ins, op, dtype).t())
+                root = ranks[seed % k]
+                t = ins[gr].clone()
+                dist.reduce(t, root, op=REDUCE[op], group=group)
+                ck.check(f"{tag} reduce {dtype} {op} dst={root}", t,
+                         reduced(ins, op, dtype) if me == root else ins[gr])
+                if op in ("sum", "max"):
+                    shards = [data(dtype, (k * 6,), r, seed, op) for r in ranks]
+                    out = torch.empty(6, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, shards[gr], op=REDUCE[op], group=group)
+                    ck.check(f"{tag} reduce_scatter_tensor {dtype} {op}", out,
+                             reduced(shards, op, dtype)[gr * 6:(gr + 1) * 6])
+            seed += 1
+            ins = [data(dtype, (4,), r, seed) for r in ranks]
+            out = torch.empty(4 * k, dtype=dtype)
+            dist.all_gather_into_tensor(out, ins[gr], group=group)
+            ck.check(f"{tag} all_gather_into_tensor {dtype}", out, torch.cat(ins))
+            outs = [torch.empty(4, dtype=dtype) for _ in ranks]
+            dist.all_gather(outs, ins[gr], group=group)
+            ck.check(f"{tag} all_gather {dtype}", torch.stack(outs), torch.stack(ins))
+            root = ranks[seed % k]
+            t = ins[gr].clone()
+            dist.broadcast(t, root, group=group)
+            ck.check(f"{tag} broadcast {dtype} src={root}", t, ins[ranks.index(root)])
+
+        # uneven tensors: all_gather of per-rank sizes, reduce_scatter of per-rank chunks, all_to_all splits
+        sizes = [2 * r + 1 for r in range(k)]
+        ins = [torch.arange(sizes[i], dtype=torch.float32) + 100 * r for i, r in enumerate(ranks)]
+        outs = [torch.empty(s) for s in sizes]
+        dist.all_gather(outs, ins[gr], group=group)
+        ck.check(f"{tag} uneven all_gather", torch.cat(outs), torch.cat(ins))
+        chunks = [[torch.full((sizes[j],), float(10 * i + j)) for j in range(k)] for i in range(k)]
+        out = torch.empty(sizes[gr])
+        dist.reduce_scatter(out, chunks[gr], group=group)
+        ck.check(f"{tag} uneven reduce_scatter", out, sum(chunks[i][gr] for i in range(k)))
+        # all_to_all_single: rank i sends (i + j + 1) rows to rank j
+        split = lambda i, j: i + j + 1  # noqa: E731
+        send = torch.cat([torch.full((split(gr, j), 2), float(100 * gr + j)) for j in range(k)])
+        recv = torch.empty(sum(split(i, gr) for i in range(k)), 2)
+        dist.all_to_all_single(recv, send, [split(i, gr) for i in range(k)], [split(gr, j) for j in range(k)],
+                               group=group)
+        ck.check(f"{tag} uneven all_to_all_single", recv,
+                 torch.cat([torch.full((split(i, gr), 2), float(100 * i + gr)) for i in range(k)]))
+        outs = [torch.empty(3, dtype=torch.int64) for _ in ranks]
+        dist.all_to_all(outs, [torch.full((3,), 10 * gr + j, dtype=torch.int64) for j in range(k)], group=group)
+        ck.check(f"{tag} all_to_all", torch.stack(outs),
+                 torch.stack([torch.full((3,), 10 * i + gr, dtype=torch.int64) for i in range(k)]))
+        # gather / scatter at every root
+        for root in ranks:
+            ri = ranks.index(root)
+            glist = [torch.empty(2, 3) for _ in ranks] if me == root else None
+            dist.gather(torch.full((2, 3), float(gr)), glist, dst=root, group=group)
+            if me == root:
+                ck.check(f"{tag} gather dst={root}", torch.stack(glist),
+                         torch.stack([torch.full((2, 3), float(i)) for i in range(k)]))
+            out = torch.empty(5, dtype=torch.int32)
+            slist = [torch.full((5,), 7 * ri + j, dtype=torch.int32) for j in range(k)] if me == root else None
+            dist.scatter(out, slist, src=root, group=group)
+            ck.check(f"{tag} scatter src={root}", out, torch.full((5,), 7 * ri + gr, dtype=torch.int32))
+        # send/recv around the ring, and batch_isend_irecv both ways at once
+        nxt, prv = ranks[(gr + 1) % k], ranks[(gr - 1) % k]
+        if k > 1:
+            s, r = torch.full((4,), float(me)), torch.empty(4)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt, group), dist.P2POp(dist.irecv, r, prv, group)])
+            for w in reqs:
+                w.wait()
+            ck.check(f"{tag} batch_isend_irecv", r, torch.full((4,), float(prv)))
+            if gr % 2 == 0:
+                dist.send(torch.arange(3.0) + me, nxt, group=group)
+                r = torch.empty(3)
+                dist.recv(r, prv, group=group)
+            else:
+                r = torch.empty(3)
+                dist.recv(r, prv, group=group)
+                dist.send(torch.arange(3.0) + me, nxt, group=group)
+            ck.check(f"{tag} send/recv", r, torch.arange(3.0) + prv)
+        dist.barrier(group=group)
+
+    # coalesced forms (what FSDP2 and DDP use), async handles and futures
+    with dist.distributed_c10d._coalescing_manager(async_ops=True) as cm:
+        outs = [torch.empty(2 * n), torch.empty(3 * n, dtype=torch.bfloat16)]
+        dist.all_gather_into_tensor(outs[0], torch.full((2,), float(me)))
+        dist.all_gather_into_tensor(outs[1], torch.full((3,), float(me), dtype=torch.bfloat16))
+    cm.wait()
+    ck.check("coalesced all_gather_into_tensor", outs[0], torch.arange(n).float().repeat_interleave(2))
+    ck.check("coalesced all_gather_into_tensor bf16", outs[1], torch.arange(n).bfloat16().repeat_interleave(3))
+    with dist.distributed_c10d._coalescing_manager(async_ops=True) as cm:
+        out = torch.empty(2)
+        dist.reduce_scatter_tensor(out, torch.arange(2.0 * n) * (me + 1))
+    cm.wait()
+    tri = n * (n + 1) / 2
+    ck.check("coalesced reduce_scatter_tensor", out, torch.arange(2.0 * me, 2.0 * me + 2) * tri)
+    ts = [torch.full((3,), float(me)), torch.full((2, 2), float(me + 1))]
+    with dist.distributed_c10d._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    ck.check("coalesced all_reduce", ts[0], torch.full((3,), tri - n))
+    ck.check("coalesced all_reduce (2, 2)", ts[1], torch.full((2, 2), tri))
+    t = torch.full((1000,), float(me))
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future().then(lambda f: f.value()[0] * 2)
+    ck.check("get_future().then", fut.wait(), torch.full((1000,), 2 * (tri - n)))
+    ck.check("work.wait after the future", torch.tensor(work.wait()), torch.tensor(True))
+    t = torch.full((5,), float(me))
+    x = torch.ones(3)
+    dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5) if hasattr(dist.ReduceOp, "PREMUL_SUM") else None)
+    ck.check("PREMUL_SUM(0.5)", x, torch.full((3,), 0.5 * n))
+    dist.destroy_process_group()
+    return ck.result()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ops_match_torch_reference(n):
+    assert_ok(run_ranks(_rank_ops, n, timeout=90), min_cases=100)

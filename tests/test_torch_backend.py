@@ -9,6 +9,7 @@ a gloo group of the same ranks, in the same processes.
 """
 import datetime
 import functools
+import time
 
 import pytest
 import torch
@@ -228,3 +229,47 @@ def _rank_ops():
 @pytest.mark.parametrize("n", [2, 3])
 def test_ops_match_torch_reference(n):
     assert_ok(run_ranks(_rank_ops, n, timeout=90), min_cases=100)
+
+
+# ---------------------------------------------------------------------------
+# Errors reach the caller, on every rank
+
+
+def _rank_errors():
+    dist.init_process_group("pyzero", timeout=datetime.timedelta(seconds=3))
+    me = dist.get_rank()
+    seen = []
+
+    def expect(exc, words, fn):
+        try:
+            fn()
+        except exc as e:
+            missing = [w for w in words if w not in str(e)]
+            seen.append(f"{type(e).__name__} missing {missing}: {e}" if missing else "ok")
+        else:
+            seen.append(f"no {exc.__name__} for {words}")
+
+    spare = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))  # its own timeout
+    t = torch.ones(4)
+    expect(ValueError, ["allreduce", "BAND"], lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND))
+    expect(ValueError, ["AVG", "torch.int32"],
+           lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG))
+    expect(TypeError, ["float8", "dtype"], lambda: dist.all_reduce(torch.ones(2).to(torch.float8_e4m3fn)))
+    expect(ValueError, ["meta", "cpu:pyzero,meta:"], lambda: dist.all_reduce(torch.ones(2, device="meta")))
+    expect(ValueError, ["tag=5"], lambda: dist.send(t, 1 - me, tag=5))
+    expect(ValueError, ["src=None"], lambda: dist.recv(t))
+    expect(ValueError, ["all_to_all_single", "input_split_sizes"],
+           lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [2, 2], [1, 1]))
+    # ranks calling different collectives: both fail, naming what each called
+    expect(pyzero.CollectiveError, ["mismatched", "all_reduce", "broadcast"],
+           lambda: dist.all_reduce(t) if me == 1 else dist.broadcast(t, 0))
+    # a collective one rank never joins: the other times out naming it (no hang)
+    if me == 1:
+        expect(pyzero.CollectiveTimeout, ["after 1 s", "rank 0", "never arrived"], lambda: dist.all_reduce(t, group=spare))
+    else:
+        time.sleep(1.5)
+    return {"failures": [s for s in seen if s != "ok"], "cases": len(seen)}
+
+
+def test_errors_name_the_op_and_argument():
+    assert_ok(run_ranks(_rank_errors, 2, timeout=60), min_cases=8)

@@ -253,6 +253,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         self.group = comm.group_from_store(store, ranks, rank, timeout.total_seconds(), options)
         self._completer = _Completer()
         self._others: dict = {}  # device type -> torch backend for tensors not on the CPU
+        self._group_name = self._group_desc = ""
 
     # ---- identity ----
 
@@ -261,6 +262,19 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def name(self) -> str:
         return NAME
+
+    # torch keeps a group's name and description on its backends; this group has none of torch's
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupPyzero(rank={self.rank()}, size={self.size()}, ranks={list(self.group.ranks)})"

@@ -273,3 +273,131 @@ def _rank_errors():
 
 def test_errors_name_the_op_and_argument():
     assert_ok(run_ranks(_rank_errors, 2, timeout=60), min_cases=8)
+
+
+# ---------------------------------------------------------------------------
+# torch's data-parallel stacks on "pyzero" equal the same on gloo
+
+
+def _mlp(seed=0, unused=False):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4))  # 24: TP at 2 and 3
+    if unused:
+        m.add_module("unused", torch.nn.Linear(4, 4))  # never called in forward: find_unused_parameters
+    return m
+
+
+def _batch(step, rank, rows=6):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def _loss(model, step, rank):
+    x, y = _batch(step, rank)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _ddp(pg, steps=3, **kw):
+    """Parameters after DDP training; kw: find_unused_parameters, static_graph, no_sync, hook, zero."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    no_sync, hook, zero = kw.pop("no_sync", False), kw.pop("hook", False), kw.pop("zero", False)
+    model = DDP(_mlp(unused=kw.get("find_unused_parameters", False)), process_group=pg, **kw)
+    if hook:
+        model.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+    if zero:
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=pg, lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    me = dist.get_rank()
+    for step in range(steps):
+        if no_sync:
+            with model.no_sync():
+                _loss(model, 100 + step, me).backward()
+        _loss(model, step, me).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _fsdp2(mesh, steps=2):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    model = _mlp()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        _loss(model, step, dist.get_rank()).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+
+
+def _tensor_parallel(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415
+
+    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x, y = _batch(0, 0)  # the same batch on every rank
+    out = model(x)
+    torch.nn.functional.mse_loss(out, y).backward()
+    return torch.cat([out.detach().flatten()] + [p.grad.full_tensor().flatten() for p in model.parameters()])
+
+
+def _rank_train(ckpt_dir):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    gloo = dist.new_group(backend="gloo")
+    me = dist.get_rank()
+    ck = Checker()
+    for what, kw, tol in [("DDP", {}, 1e-6), ("DDP find_unused_parameters", {"find_unused_parameters": True}, 1e-6),
+                          ("DDP static_graph", {"static_graph": True}, 1e-6),
+                          ("DDP no_sync", {"no_sync": True}, 1e-6), ("DDP fp16_compress_hook", {"hook": True}, 1e-3),
+                          ("DDP ZeroRedundancyOptimizer", {"zero": True}, 1e-5)]:
+        ck.close(what, _ddp(None, **kw), _ddp(gloo, **kw), tol)
+    meshes = {"pyzero": init_device_mesh("cpu", (dist.get_world_size(),)),
+              "gloo": DeviceMesh.from_group(gloo, "cpu")}
+    fsdp = {b: _fsdp2(m) for b, m in meshes.items()}
+    ck.close("FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)", fsdp["pyzero"][1], fsdp["gloo"][1], 1e-5)
+    ck.close("DTensor Colwise/Rowwise", _tensor_parallel(meshes["pyzero"]), _tensor_parallel(meshes["gloo"]), 1e-6)
+    for b, (model, _) in fsdp.items():  # sharded checkpoint, loaded at another world size by _rank_load
+        dcp.save({"model": model.state_dict()}, checkpoint_id=f"{ckpt_dir}/{b}",
+                 process_group=None if b == "pyzero" else gloo)
+    if me == 0:
+        torch.save(fsdp["pyzero"][1], f"{ckpt_dir}/full.pt")
+    dist.destroy_process_group()
+    return ck.result()
+
+
+def _rank_load(ckpt_dir):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    gloo = dist.new_group(backend="gloo")
+    ck = Checker()
+    want = torch.load(f"{ckpt_dir}/full.pt")
+    meshes = {"pyzero": init_device_mesh("cpu", (dist.get_world_size(),)), "gloo": DeviceMesh.from_group(gloo, "cpu")}
+    for b, mesh in meshes.items():
+        model = _mlp(seed=1)  # other values: the load must replace them
+        fully_shard(model, mesh=mesh)
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, checkpoint_id=f"{ckpt_dir}/{b}", process_group=None if b == "pyzero" else gloo)
+        model.load_state_dict(sd["model"])
+        got = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+        ck.close(f"DCP saved on {b}, loaded at {dist.get_world_size()} ranks", got, want, 1e-5)
+    dist.destroy_process_group()
+    return ck.result()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_stacks_match_gloo(n, tmp_path):
+    assert_ok(run_ranks(_rank_train, n, args=(str(tmp_path),), timeout=120), min_cases=8)
+    assert_ok(run_ranks(_rank_load, 5 - n, args=(str(tmp_path),), timeout=120), min_cases=2)

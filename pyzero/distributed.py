@@ -41,6 +41,7 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.
 # Dtypes pyzero has no code for, carried as a wider one (exact for every value of the narrow type).
 _WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
 _NO_TIMEOUT = datetime.timedelta(0)
+_OPTIONS = torch._C._distributed_c10d  # the option structs, for calls that pass none
 
 
 def register() -> None:
@@ -78,7 +79,7 @@ class PyzeroWork(dist.Work):
 
     def __init__(self, works, result, finish=None, completer=None):
         super().__init__()
-        self._works = works
+        self._works = [w for w in works if w is not None]  # None: a synchronous call, already done
         self._result = result  # the future's value: the output tensors
         self._finish = finish
         self._completer = completer
@@ -86,6 +87,8 @@ class PyzeroWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
+        if not self._works:
+            self._complete()
 
     def _complete(self) -> None:
         with self._lock:
@@ -190,6 +193,8 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     wrap-around); non-contiguous tensors through a contiguous copy."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_cpu and t.dtype in DTYPES and t.is_contiguous():  # the common case, checked first
+        return t, None
     if t.device.type != "cpu":
         raise ValueError(f"{op}: {arg}: the {NAME!r} backend carries CPU tensors, got one on {t.device} "
                          f"(map that device to another backend, e.g. 'cpu:{NAME},cuda:nccl')")
@@ -295,7 +300,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def _other(self, t, method: str, *args):
         """Run `method` on the backend mapped to `t`'s device (not the CPU), or None for CPU tensors."""
-        if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
+        if not isinstance(t, torch.Tensor) or t.is_cpu:
             return None
         kind = t.device.type
         be = self._others.get(kind)
@@ -332,13 +337,15 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     # ---- all_reduce ----
 
     def allreduce(self, tensors, opts=None):
+        opts = _OPTIONS.AllreduceOptions() if opts is None else opts
         t = _one(tensors, "allreduce", "tensors")
         if (w := self._other(t, "allreduce", tensors, opts)) is not None:
             return w
         buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce", "tensors[0]")
-        return self._work([comm.all_reduce(buf, name, self.group, async_op=True)], tensors, back)
+        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        opts = _OPTIONS.AllreduceCoalescedOptions() if opts is None else opts
         if not tensors:
             return self._work([], [])
         if (w := self._other(tensors[0], "allreduce_coalesced", tensors, opts)) is not None:
@@ -354,33 +361,35 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                     back()
                 for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                     t.copy_(part.view(t.shape))
-            return self._work([comm.all_reduce(buf, name, self.group, async_op=True)], tensors, finish)
+            return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, finish)
         works, backs = [], []
         for i, t in enumerate(tensors):
             buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce_coalesced", f"tensors[{i}]")
-            works.append(comm.all_reduce(buf, name, self.group, async_op=True))
+            works.append(comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp))
             backs.append(back)
         return self._work(works, tensors, _chain(*backs))
 
     # ---- all_gather ----
 
-    def _all_gather_flat(self, out, inp, op: str, counts=None):
+    def _all_gather_flat(self, out, inp, op: str, async_op: bool, counts=None):
         """pz.all_gather of `inp` into `out` (whole tensors, any layout): (pz work, copy-back)."""
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         bo, back = _stage(out, op, "output", copy_in=False)
         bi, _ = _stage(inp, op, "input")
-        return comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=True), back
+        return comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=async_op), back
 
     def all_gather_single(self, output, input, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         if (w := self._other(input, "_allgather_base", output, input, opts)) is not None:
             return w
-        work, back = self._all_gather_flat(output, input, "all_gather_single")
+        work, back = self._all_gather_flat(output, input, "all_gather_single", opts.asyncOp)
         return self._work([work], [output], back)
 
     _allgather_base = all_gather_single
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         inp = _one(input_tensors, "allgather", "input_tensors")
         if (w := self._other(inp, "allgather", output_tensors, input_tensors, opts)) is not None:
             return w
@@ -395,16 +404,17 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             for o, part in zip(outs, flat.split(counts)):
                 o.copy_(part.view(o.shape))
         work, back = self._all_gather_flat(flat, inp.reshape(-1) if inp.is_contiguous() else inp.flatten(),
-                                           "allgather", counts)
+                                           "allgather", opts.asyncOp, counts)
         return self._work([work], output_tensors, _chain(back, finish))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         if inputs and (w := self._other(inputs[0], "allgather_into_tensor_coalesced", outputs, inputs, opts)) \
                 is not None:
             return w
         works, backs = [], []
         for o, i in zip(outputs, inputs, strict=True):
-            work, back = self._all_gather_flat(o, i, "allgather_into_tensor_coalesced")
+            work, back = self._all_gather_flat(o, i, "allgather_into_tensor_coalesced", opts.asyncOp)
             works.append(work)
             backs.append(back)
         return self._work(works, outputs, _chain(*backs))
@@ -417,7 +427,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     # ---- reduce_scatter ----
 
-    def _reduce_scatter_flat(self, out, inp, reduce_op, op: str, counts=None):
+    def _reduce_scatter_flat(self, out, inp, reduce_op, op: str, async_op: bool, counts=None):
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         name = _op_name(reduce_op, op, inp)
@@ -427,17 +437,19 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
         else:
             bi = _stage(inp, op, "input")[0]
-        return comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=True), back
+        return comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
 
     def reduce_scatter_single(self, output, input, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
         if (w := self._other(input, "_reduce_scatter_base", output, input, opts)) is not None:
             return w
-        work, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single")
+        work, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single", opts.asyncOp)
         return self._work([work], [output], back)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
         out = _one(output_tensors, "reduce_scatter", "output_tensors")
         if (w := self._other(out, "reduce_scatter", output_tensors, input_tensors, opts)) is not None:
             return w
@@ -447,16 +459,18 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                              f"got {len(ins)}")
         counts = [i.numel() for i in ins]
         flat = torch.cat([i.reshape(-1) for i in ins])
-        work, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", counts)
+        work, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", opts.asyncOp, counts)
         return self._work([work], output_tensors, back)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
         if inputs and (w := self._other(inputs[0], "reduce_scatter_tensor_coalesced", outputs, inputs, opts)) \
                 is not None:
             return w
         works, backs = [], []
         for o, i in zip(outputs, inputs, strict=True):
-            work, back = self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced")
+            work, back = self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced",
+                                                   opts.asyncOp)
             works.append(work)
             backs.append(back)
         return self._work(works, outputs, _chain(*backs))
@@ -466,15 +480,17 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     # ---- rooted collectives ----
 
     def broadcast(self, tensors, opts=None):
+        opts = _OPTIONS.BroadcastOptions() if opts is None else opts
         t = _one(tensors, "broadcast", "tensors")
         if (w := self._other(t, "broadcast", tensors, opts)) is not None:
             return w
         src = self._global(opts.rootRank, "broadcast", "src")
         buf, back = _stage(t, "broadcast", "tensors[0]")
-        return self._work([comm.broadcast(buf, src, self.group, async_op=True)], tensors, back)
+        return self._work([comm.broadcast(buf, src, self.group, async_op=opts.asyncOp)], tensors, back)
 
     def reduce(self, tensors, opts=None):
         """An all_reduce; ranks other than the root reduce a copy, so their tensor stays unchanged."""
+        opts = _OPTIONS.ReduceOptions() if opts is None else opts
         t = _one(tensors, "reduce", "tensors")
         if (w := self._other(t, "reduce", tensors, opts)) is not None:
             return w
@@ -484,10 +500,11 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         else:
             buf, name, back = self._reduce_buffer(t.clone(), opts.reduceOp, "reduce", "tensors[0]")
             back = None
-        return self._work([comm.all_reduce(buf, name, self.group, async_op=True)], tensors, back)
+        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """Every other rank sends its tensor to the root (pyzero's point-to-point channels)."""
+        opts = _OPTIONS.GatherOptions() if opts is None else opts
         inp = _one(input_tensors, "gather", "input_tensors")
         if (w := self._other(inp, "gather", output_tensors, input_tensors, opts)) is not None:
             return w
@@ -513,6 +530,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """The root sends every other rank its tensor (pyzero's point-to-point channels)."""
+        opts = _OPTIONS.ScatterOptions() if opts is None else opts
         out = _one(output_tensors, "scatter", "output_tensors")
         if (w := self._other(out, "scatter", output_tensors, input_tensors, opts)) is not None:
             return w
@@ -571,7 +589,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     # ---- barrier and point-to-point ----
 
     def barrier(self, opts=None):
-        return self._work([comm.barrier(self.group, async_op=True)], [])
+        opts = _OPTIONS.BarrierOptions() if opts is None else opts
+        return self._work([comm.barrier(self.group, async_op=opts.asyncOp)], [])
 
     def monitored_barrier(self, opts=None):
         return self.barrier(opts)

@@ -259,6 +259,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         self._completer = _Completer()
         self._others: dict = {}  # device type -> torch backend for tensors not on the CPU
         self._group_name = self._group_desc = ""
+        self._coalesced: list | None = None  # works issued between _start_coalescing and _end_coalescing
 
     # ---- identity ----
 
@@ -291,7 +292,18 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     # ---- helpers ----
 
     def _work(self, works, result, finish=None) -> PyzeroWork:
-        return PyzeroWork(works, result, finish, self._completer)
+        work = PyzeroWork(works, result, finish, self._completer)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _start_coalescing(self, device) -> None:
+        """Ops until _end_coalescing run as issued; _end_coalescing's work waits for all of them."""
+        self._coalesced = []
+
+    def _end_coalescing(self, device) -> PyzeroWork:
+        works, self._coalesced = self._coalesced or [], None
+        return self._work(works, [])
 
     def _global(self, group_rank: int, op: str, arg: str) -> int:
         if not 0 <= group_rank < self.group.size:
@@ -394,6 +406,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(inp, "allgather", output_tensors, input_tensors, opts)) is not None:
             return w
         outs = _one(output_tensors, "allgather", "output_tensors")
+        if inp.is_complex():  # counts below are of real elements
+            inp, outs = torch.view_as_real(inp), [torch.view_as_real(o) for o in outs]
         if len(outs) != self.size():
             raise ValueError(f"allgather: output_tensors[0] must hold {self.size()} tensors (one per rank), "
                              f"got {len(outs)}")
@@ -454,6 +468,9 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(out, "reduce_scatter", output_tensors, input_tensors, opts)) is not None:
             return w
         ins = _one(input_tensors, "reduce_scatter", "input_tensors")
+        if out.is_complex():  # counts below are of real elements
+            _op_name(opts.reduceOp, "reduce_scatter", out)
+            out, ins = torch.view_as_real(out), [torch.view_as_real(i) for i in ins]
         if len(ins) != self.size():
             raise ValueError(f"reduce_scatter: input_tensors[0] must hold {self.size()} tensors (one per rank), "
                              f"got {len(ins)}")

@@ -218,12 +218,49 @@ def _rank_ops():
     fut = work.get_future().then(lambda f: f.value()[0] * 2)
     ck.check("get_future().then", fut.wait(), torch.full((1000,), 2 * (tri - n)))
     ck.check("work.wait after the future", torch.tensor(work.wait()), torch.tensor(True))
-    t = torch.full((5,), float(me))
     x = torch.ones(3)
-    dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5) if hasattr(dist.ReduceOp, "PREMUL_SUM") else None)
-    ck.check("PREMUL_SUM(0.5)", x, torch.full((3,), 0.5 * n))
+    dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5))
+    ck.check("all_reduce PREMUL_SUM(0.5)", x, torch.full((3,), 0.5 * n))
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, torch.ones(2 * n), op=dist.ReduceOp.PREMUL_SUM(0.25))
+    ck.check("reduce_scatter_tensor PREMUL_SUM(0.25)", out, torch.full((2,), 0.25 * n))
+    # the ProcessGroup API as C++ callers use it: list forms of complex tensors, default options
+    pg = dist.distributed_c10d._get_default_group()
+    zs = [torch.complex(torch.arange(3.0) + r, -torch.arange(3.0)) for r in range(n)]
+    outs = [torch.empty(3, dtype=torch.complex64) for _ in range(n)]
+    pg.allgather([outs], [zs[me]]).wait()
+    ck.check("ProcessGroup.allgather complex", torch.stack(outs), torch.stack(zs))
+    out = torch.empty(3, dtype=torch.complex64)
+    pg.reduce_scatter([out], [[z * (me + 1) for z in zs]]).wait()
+    ck.check("ProcessGroup.reduce_scatter complex", out, zs[me] * tri)
+    # point-to-point inside a coalescing block, as batch_isend_irecv issues it for torch's own groups
+    s, r = torch.full((2,), float(me)), torch.empty(2)
+    with dist.distributed_c10d._coalescing_manager(pg, torch.device("cpu"), async_ops=True) as cm:
+        dist.isend(s, (me + 1) % n)
+        dist.irecv(r, (me - 1) % n)
+    cm.wait()
+    ck.check("isend/irecv coalesced", r, torch.full((2,), float((me - 1) % n)))
+    # the pyzero group under a torch group, for pz.* calls
+    x = torch.full((4,), float(me))
+    pyzero.all_reduce(x, op="max", group=pyzero.distributed.pz_group(None))
+    ck.check("pz.all_reduce on pz_group(default group)", x, torch.full((4,), float(n - 1)))
     dist.destroy_process_group()
     return ck.result()
+
+
+def _rank_device_map(config):
+    dist.init_process_group(config, timeout=TIMEOUT)
+    x = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(x)
+    got = (dist.get_backend(), type(dist.distributed_c10d._get_default_group()).__name__, x.tolist())
+    dist.destroy_process_group()
+    return got
+
+
+def test_device_map_puts_cpu_tensors_on_pyzero():
+    """'cpu:pyzero,cuda:nccl' gives CPU tensors to pyzero (CUDA ones would go to NCCL, made on first use)."""
+    for r in run_ranks(_rank_device_map, 2, args=("cpu:pyzero,cuda:nccl",), timeout=60):
+        assert r.value == ("cpu:pyzero,cuda:nccl", "ProcessGroupPyzero", [3.0, 3.0, 3.0])
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -438,3 +438,34 @@ def _rank_load(ckpt_dir):
 def test_torch_stacks_match_gloo(n, tmp_path):
     assert_ok(run_ranks(_rank_train, n, args=(str(tmp_path),), timeout=120), min_cases=8)
     assert_ok(run_ranks(_rank_load, 5 - n, args=(str(tmp_path),), timeout=120), min_cases=2)
+
+
+# ---------------------------------------------------------------------------
+# Benches: the torch-API runs work end to end (timings are recorded elsewhere)
+
+
+def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
+    """pyzero-bench train's torch runs on "pyzero" train like gloo's DDP; collectives' torch-pyzero
+    column is exact (#wrong 0) and gets the overhead table."""
+    import argparse
+    import json
+
+    from pyzero.bench import collectives, train
+
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    out = tmp_path / "train.json"
+    args = p.parse_args(["--model", "gpt-nano", "--runs", "torch-ddp,torch-ddp-pyzero,fsdp2-pyzero", "--iters", "1",
+                         "--warmup", "1", "--seq", "16", "--timeout", "120", "--json", str(out)])
+    assert train.main(args) == 0
+    res = {r["run"]: r for r in json.loads(out.read_text())["results"]}
+    for run in ("torch-ddp-pyzero", "fsdp2-pyzero"):
+        assert res[run]["loss"] == pytest.approx(res["torch-ddp"]["loss"], rel=1e-4), run
+    p = argparse.ArgumentParser()
+    collectives.add_arguments(p)
+    args = p.parse_args(["--op", "all", "--nproc", "2", "--backends", "pyzero,torch-pyzero", "--min", "8",
+                         "--max", "4K", "--factor", "512", "--iters", "2", "--warmup", "1", "--timeout", "120"])
+    assert collectives.main(args) == 0
+    text = capsys.readouterr().out
+    assert "torch.distributed API on the 'pyzero' backend vs pz direct" in text
+    assert text.count("Out of bounds values : 0 OK") == 8

@@ -384,19 +384,20 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     # ---- all_gather ----
 
     def _all_gather_flat(self, out, inp, op: str, async_op: bool, counts=None):
-        """pz.all_gather of `inp` into `out` (whole tensors, any layout): (pz work, copy-back)."""
+        """(a function issuing pz.all_gather of `inp` into `out`, any layout, returning its work; the
+        copy-back). Every argument is checked before anything is issued."""
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         bo, back = _stage(out, op, "output", copy_in=False)
         bi, _ = _stage(inp, op, "input")
-        return comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=async_op), back
+        return lambda: comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=async_op), back
 
     def all_gather_single(self, output, input, opts=None):
         opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         if (w := self._other(input, "_allgather_base", output, input, opts)) is not None:
             return w
-        work, back = self._all_gather_flat(output, input, "all_gather_single", opts.asyncOp)
-        return self._work([work], [output], back)
+        issue, back = self._all_gather_flat(output, input, "all_gather_single", opts.asyncOp)
+        return self._work([issue()], [output], back)
 
     _allgather_base = all_gather_single
 
@@ -417,31 +418,28 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         def finish():
             for o, part in zip(outs, flat.split(counts)):
                 o.copy_(part.view(o.shape))
-        work, back = self._all_gather_flat(flat, inp.reshape(-1) if inp.is_contiguous() else inp.flatten(),
-                                           "allgather", opts.asyncOp, counts)
-        return self._work([work], output_tensors, _chain(back, finish))
+        issue, back = self._all_gather_flat(flat, inp.reshape(-1), "allgather", opts.asyncOp, counts)
+        return self._work([issue()], output_tensors, _chain(back, finish))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         if inputs and (w := self._other(inputs[0], "allgather_into_tensor_coalesced", outputs, inputs, opts)) \
                 is not None:
             return w
-        works, backs = [], []
-        for o, i in zip(outputs, inputs, strict=True):
-            work, back = self._all_gather_flat(o, i, "allgather_into_tensor_coalesced", opts.asyncOp)
-            works.append(work)
-            backs.append(back)
-        return self._work(works, outputs, _chain(*backs))
+        calls = [self._all_gather_flat(o, i, "allgather_into_tensor_coalesced", opts.asyncOp)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list, strict=True)]
-        return self._work([w for w in works], output_lists)
+        return self._work(works, output_lists)
 
     # ---- reduce_scatter ----
 
     def _reduce_scatter_flat(self, out, inp, reduce_op, op: str, async_op: bool, counts=None):
+        """As _all_gather_flat, for pz.reduce_scatter of `inp` into `out`."""
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         name = _op_name(reduce_op, op, inp)
@@ -451,14 +449,14 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
         else:
             bi = _stage(inp, op, "input")[0]
-        return comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
+        return lambda: comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
         if (w := self._other(input, "_reduce_scatter_base", output, input, opts)) is not None:
             return w
-        work, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single", opts.asyncOp)
-        return self._work([work], [output], back)
+        issue, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single", opts.asyncOp)
+        return self._work([issue()], [output], back)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -476,21 +474,17 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                              f"got {len(ins)}")
         counts = [i.numel() for i in ins]
         flat = torch.cat([i.reshape(-1) for i in ins])
-        work, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", opts.asyncOp, counts)
-        return self._work([work], output_tensors, back)
+        issue, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", opts.asyncOp, counts)
+        return self._work([issue()], output_tensors, back)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
         if inputs and (w := self._other(inputs[0], "reduce_scatter_tensor_coalesced", outputs, inputs, opts)) \
                 is not None:
             return w
-        works, backs = [], []
-        for o, i in zip(outputs, inputs, strict=True):
-            work, back = self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced",
-                                                   opts.asyncOp)
-            works.append(work)
-            backs.append(back)
-        return self._work(works, outputs, _chain(*backs))
+        calls = [self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced", opts.asyncOp)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -535,15 +529,10 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         outs = _one(output_tensors, "gather", "gather_list")
         if len(outs) != self.size():
             raise ValueError(f"gather: gather_list must hold {self.size()} tensors (one per rank), got {len(outs)}")
-        works, backs = [], []
-        for r, o in enumerate(outs):
-            if r == root:
-                o.copy_(inp)
-                continue
-            buf, back = _stage(o, "gather", f"gather_list[{r}]", copy_in=False)
-            works.append(comm.recv(buf, self.group.ranks[r], self.group, async_op=True))
-            backs.append(back)
-        return self._work(works, output_tensors, _chain(*backs))
+        staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
+        outs[root].copy_(inp)
+        works = [comm.recv(buf, self.group.ranks[r], self.group, async_op=True) for r, (buf, _) in staged.items()]
+        return self._work(works, output_tensors, _chain(*(back for _, back in staged.values())))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """The root sends every other rank its tensor (pyzero's point-to-point channels)."""
@@ -562,11 +551,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         ins = _one(input_tensors, "scatter", "scatter_list")
         if len(ins) != self.size():
             raise ValueError(f"scatter: scatter_list must hold {self.size()} tensors (one per rank), got {len(ins)}")
-        works = []
-        for r, i in enumerate(ins):
-            if r != root:
-                buf, _ = _stage(i, "scatter", f"scatter_list[{r}]")
-                works.append(comm.send(buf, self.group.ranks[r], self.group, async_op=True))
+        staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
+        works = [comm.send(buf, self.group.ranks[r], self.group, async_op=True) for r, buf in staged.items()]
         out.copy_(ins[root])
         return self._work(works, output_tensors)
 
@@ -581,16 +567,18 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         for arg, ts in (("output_tensor_list", output_tensors), ("input_tensor_list", input_tensors)):
             if len(ts) != n:
                 raise ValueError(f"alltoall: {arg} must hold {n} tensors (one per rank), got {len(ts)}")
-        works, backs = [], []
+        pairs = []
         for k in range(1, n):  # peers in the order me+1, me+2, ...: every pair starts at once
             dst, src = (me + k) % n, (me - k) % n
             bi, _ = _stage(input_tensors[dst], "alltoall", f"input_tensor_list[{dst}]")
-            works.append(comm.send(bi, self.group.ranks[dst], self.group, async_op=True))
             bo, back = _stage(output_tensors[src], "alltoall", f"output_tensor_list[{src}]", copy_in=False)
+            pairs.append((dst, bi, src, bo, back))
+        works = []
+        for dst, bi, src, bo, _ in pairs:
+            works.append(comm.send(bi, self.group.ranks[dst], self.group, async_op=True))
             works.append(comm.recv(bo, self.group.ranks[src], self.group, async_op=True))
-            backs.append(back)
         output_tensors[me].copy_(input_tensors[me])
-        return self._work(works, output_tensors, _chain(*backs))
+        return self._work(works, output_tensors, _chain(*(p[4] for p in pairs)))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if (w := self._other(input, "alltoall_base", output, input, output_split_sizes, input_split_sizes,
@@ -608,9 +596,6 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     def barrier(self, opts=None):
         opts = _OPTIONS.BarrierOptions() if opts is None else opts
         return self._work([comm.barrier(self.group, async_op=opts.asyncOp)], [])
-
-    def monitored_barrier(self, opts=None):
-        return self.barrier(opts)
 
     def send(self, tensors, dst: int, tag: int = 0):
         t = _one(tensors, "send", "tensors")

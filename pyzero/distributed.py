@@ -87,8 +87,11 @@ class PyzeroWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
-        if not self._works:
-            self._complete()
+        if not self._works:  # synchronous: done (the common case of a torch caller that waits at once)
+            if finish is not None:
+                finish()
+            self._done = True
+            self._finish = None
 
     def _complete(self) -> None:
         with self._lock:
@@ -211,24 +214,33 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     return buf, (lambda: base.copy_(buf))
 
 
-def _op_name(reduce_op, op: str, t: torch.Tensor) -> str:
-    kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
+def _check_reduction(kind, op: str, dtype: torch.dtype) -> str:
+    """pyzero's name of reduce op `kind` (a ReduceOp.RedOpType) for `dtype`; errors name the op."""
     name = _OPS.get(kind)
     if name is None:
         raise ValueError(f"{op}: reduce op {kind} is not supported by the {NAME!r} backend; expected SUM, AVG, "
                          "MIN, MAX, PRODUCT or PREMUL_SUM")
-    if t.is_complex() and name not in ("sum", "avg"):
-        raise ValueError(f"{op}: reduce op {kind} is not defined for complex tensors ({t.dtype})")
-    if name == "avg" and not (t.is_floating_point() or t.is_complex()):
-        raise ValueError(f"{op}: ReduceOp.AVG needs a floating-point tensor, got {t.dtype} (use SUM and divide)")
+    if dtype.is_complex and name not in ("sum", "avg"):
+        raise ValueError(f"{op}: reduce op {kind} is not defined for complex tensors ({dtype})")
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{op}: ReduceOp.AVG needs a floating-point tensor, got {dtype} (use SUM and divide)")
     return name
 
 
-def _premul(reduce_op):
-    """The factor of a PREMUL_SUM (a float or a one-element tensor), else None."""
-    if isinstance(reduce_op, ReduceOp) and reduce_op.op == ReduceOp.PREMUL_SUM:
-        return reduce_op.factor
-    return None
+# (op, dtype) -> pyzero's op name for every valid pair, so the common case is one lookup.
+_REDUCTIONS = {(kind, dtype): _check_reduction(kind, "", dtype)
+               for kind in _OPS for dtype in [*DTYPES, *_WIDEN, torch.complex64, torch.complex128]
+               if not (dtype.is_complex and _OPS[kind] not in ("sum", "avg"))
+               and not (_OPS[kind] == "avg" and not (dtype.is_floating_point or dtype.is_complex))}
+
+
+def _reduction(reduce_op, op: str, t: torch.Tensor):
+    """(pyzero's op name, the PREMUL_SUM factor or None) of torch's `reduce_op` on `t`."""
+    kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
+    name = _REDUCTIONS.get((kind, t.dtype))
+    if name is None:
+        name = _check_reduction(kind, op, t.dtype)  # raises for what the table lacks
+    return name, (reduce_op.factor if kind == ReduceOp.PREMUL_SUM else None)
 
 
 def _chain(*fns):
@@ -339,9 +351,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def _reduce_buffer(self, t, reduce_op, op: str, arg: str):
         """(buffer, pz op name, copy-back) for reducing `t` in place."""
-        name = _op_name(reduce_op, op, t)
+        name, factor = _reduction(reduce_op, op, t)
         buf, back = _stage(t, op, arg)
-        factor = _premul(reduce_op)
         if factor is not None:
             buf.mul_(factor)
         return buf, name, back
@@ -363,8 +374,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(tensors[0], "allreduce_coalesced", tensors, opts)) is not None:
             return w
         dtypes = {t.dtype for t in tensors}
-        if len(dtypes) == 1 and _premul(opts.reduceOp) is None:  # one flat message for all of them
-            name = _op_name(opts.reduceOp, "allreduce_coalesced", tensors[0])
+        name, factor = _reduction(opts.reduceOp, "allreduce_coalesced", tensors[0])
+        if len(dtypes) == 1 and factor is None:  # one flat message for all of them
             flat = torch.cat([t.reshape(-1) for t in tensors])
             buf, back = _stage(flat, "allreduce_coalesced", "tensors")
 
@@ -442,9 +453,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         """As _all_gather_flat, for pz.reduce_scatter of `inp` into `out`."""
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
-        name = _op_name(reduce_op, op, inp)
+        name, factor = _reduction(reduce_op, op, inp)
         bo, back = _stage(out, op, "output", copy_in=False)
-        factor = _premul(reduce_op)
         if factor is not None:
             bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
         else:
@@ -467,7 +477,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         ins = _one(input_tensors, "reduce_scatter", "input_tensors")
         if out.is_complex():  # counts below are of real elements
-            _op_name(opts.reduceOp, "reduce_scatter", out)
+            _reduction(opts.reduceOp, "reduce_scatter", out)
             out, ins = torch.view_as_real(out), [torch.view_as_real(i) for i in ins]
         if len(ins) != self.size():
             raise ValueError(f"reduce_scatter: input_tensors[0] must hold {self.size()} tensors (one per rank), "

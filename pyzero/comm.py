@@ -264,11 +264,15 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
     ranks = tuple(int(r) for r in ranks)
     if not 0 <= rank < len(ranks):
         raise ValueError(f"rank: expected an index in [0, {len(ranks)}), got {rank}")
+    # A store may see the same group again (a job that re-creates its process groups): each
+    # creation is its own generation of keys. Every member counts itself in; a creation ends only
+    # once all members have joined it (the set-up barriers), so members of one agree on its number.
+    key = f"pz/{(store.add('pz/joins', 1) - 1) // len(ranks)}"
     if rank == 0:
-        store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
-    token = store.get("pz/token").decode()
+        store.set(f"{key}/token", f"{os.getpid():x}{secrets.token_hex(4)}")
+    token = store.get(f"{key}/token").decode()
     opts = Options.make(options)
-    setup = GroupSetup(store, "pz/g", f"/pz{token}_s", rank, len(ranks), float(timeout), None, opts)
+    setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), None, opts)
     return Group(ranks, rank, -1, backends.backend_class(backend).create(setup), opts)
 
 

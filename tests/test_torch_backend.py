@@ -248,19 +248,30 @@ def _rank_ops():
     return ck.result()
 
 
-def _rank_device_map(config):
-    dist.init_process_group(config, timeout=TIMEOUT)
-    x = torch.full((3,), float(dist.get_rank() + 1))
-    dist.all_reduce(x)
-    got = (dist.get_backend(), type(dist.distributed_c10d._get_default_group()).__name__, x.tolist())
-    dist.destroy_process_group()
+def _rank_reinit():
+    """Process groups made, destroyed and made again over one store (as a job that re-initialises)."""
+    import os
+
+    me, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), n, me == 0)
+    got = []
+    for config in ("cpu:pyzero,cuda:nccl", "pyzero", "pyzero"):
+        dist.init_process_group(config, store=store, rank=me, world_size=n, timeout=TIMEOUT)
+        x = torch.full((3,), float(me + 1))
+        dist.all_reduce(x)
+        dist.all_reduce(x, group=dist.new_group([0, 1]))
+        got.append((dist.get_backend(), type(dist.distributed_c10d._get_default_group()).__name__, x.tolist()))
+        dist.barrier()
+        dist.destroy_process_group()
     return got
 
 
-def test_device_map_puts_cpu_tensors_on_pyzero():
-    """'cpu:pyzero,cuda:nccl' gives CPU tensors to pyzero (CUDA ones would go to NCCL, made on first use)."""
-    for r in run_ranks(_rank_device_map, 2, args=("cpu:pyzero,cuda:nccl",), timeout=60):
-        assert r.value == ("cpu:pyzero,cuda:nccl", "ProcessGroupPyzero", [3.0, 3.0, 3.0])
+def test_device_map_and_reinit_on_one_store():
+    """'cpu:pyzero,cuda:nccl' gives CPU tensors to pyzero (CUDA ones would go to NCCL, made on first use);
+    groups made again over the same store get fresh shared memory."""
+    for r in run_ranks(_rank_reinit, 2, timeout=60):
+        assert r.value == [("cpu:pyzero,cuda:nccl", "ProcessGroupPyzero", [6.0] * 3),
+                           ("pyzero", "ProcessGroupPyzero", [6.0] * 3), ("pyzero", "ProcessGroupPyzero", [6.0] * 3)]
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -274,6 +274,29 @@ def test_device_map_and_reinit_on_one_store():
                            ("pyzero", "ProcessGroupPyzero", [6.0] * 3), ("pyzero", "ProcessGroupPyzero", [6.0] * 3)]
 
 
+def _rank_mesh_2d():
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    got = []
+    for axis in ("dp", "tp"):
+        g = mesh.get_group(axis)
+        x = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(x, group=g)
+        got.append((axis, dist.get_process_group_ranks(g), list(pyzero.distributed.pz_group(g).ranks), x.item()))
+    dist.destroy_process_group()
+    return got
+
+
+def test_device_mesh_2d_groups():
+    """Each mesh axis is its own pyzero group over the right global ranks."""
+    for r in run_ranks(_rank_mesh_2d, 4, timeout=60):
+        dp = [r.rank % 2, r.rank % 2 + 2]
+        tp = [r.rank // 2 * 2, r.rank // 2 * 2 + 1]
+        assert r.value == [("dp", dp, dp, float(sum(dp))), ("tp", tp, tp, float(sum(tp)))]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_ops_match_torch_reference(n):
     assert_ok(run_ranks(_rank_ops, n, timeout=90), min_cases=100)

@@ -86,7 +86,7 @@ class PyzeroWork(dist.Work):
         self._fut: Future | None = None
         self._lock = threading.Lock()
         self._done = False
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
         if not self._works:  # synchronous: done (the common case of a torch caller that waits at once)
             if finish is not None:
                 finish()
@@ -101,7 +101,7 @@ class PyzeroWork(dist.Work):
                         w.wait()
                     if self._finish is not None:
                         self._finish()
-                except BaseException as e:  # noqa: BLE001  (handed to the waiter and the future)
+                except Exception as e:  # noqa: BLE001  (handed to the waiter and the future)
                     self._error = e
                 self._done = True
                 self._works = self._finish = None
@@ -127,7 +127,7 @@ class PyzeroWork(dist.Work):
         if not self._done and all(w.is_completed() for w in self._works or ()):
             try:
                 self._complete()
-            except BaseException:  # noqa: BLE001  (reported by wait() and the future)
+            except Exception:  # noqa: BLE001  (reported by wait() and the future)
                 pass
         return self._done
 
@@ -169,7 +169,7 @@ class _Completer:
         while (work := q.get()) is not None:
             try:
                 work._complete()
-            except BaseException:  # noqa: BLE001  (set on the work's future by _complete)
+            except Exception:  # noqa: BLE001  (set on the work's future by _complete)
                 pass
 
     def close(self) -> None:
@@ -214,24 +214,23 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     return buf, (lambda: base.copy_(buf))
 
 
-def _check_reduction(kind, op: str, dtype: torch.dtype) -> str:
-    """pyzero's name of reduce op `kind` (a ReduceOp.RedOpType) for `dtype`; errors name the op."""
+def _reduction_error(kind, op: str, dtype: torch.dtype) -> str | None:
+    """Why reduce op `kind` (a ReduceOp.RedOpType) cannot reduce `dtype` here, or None."""
     name = _OPS.get(kind)
     if name is None:
-        raise ValueError(f"{op}: reduce op {kind} is not supported by the {NAME!r} backend; expected SUM, AVG, "
-                         "MIN, MAX, PRODUCT or PREMUL_SUM")
+        return f"{op}: reduce op {kind} is not supported by the {NAME!r} backend; expected SUM, AVG, MIN, MAX, " \
+               "PRODUCT or PREMUL_SUM"
     if dtype.is_complex and name not in ("sum", "avg"):
-        raise ValueError(f"{op}: reduce op {kind} is not defined for complex tensors ({dtype})")
+        return f"{op}: reduce op {kind} is not defined for complex tensors ({dtype})"
     if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{op}: ReduceOp.AVG needs a floating-point tensor, got {dtype} (use SUM and divide)")
-    return name
+        return f"{op}: ReduceOp.AVG needs a floating-point tensor, got {dtype} (use SUM and divide)"
+    return None
 
 
 # (op, dtype) -> pyzero's op name for every valid pair, so the common case is one lookup.
-_REDUCTIONS = {(kind, dtype): _check_reduction(kind, "", dtype)
+_REDUCTIONS = {(kind, dtype): _OPS[kind]
                for kind in _OPS for dtype in [*DTYPES, *_WIDEN, torch.complex64, torch.complex128]
-               if not (dtype.is_complex and _OPS[kind] not in ("sum", "avg"))
-               and not (_OPS[kind] == "avg" and not (dtype.is_floating_point or dtype.is_complex))}
+               if _reduction_error(kind, "", dtype) is None}
 
 
 def _reduction(reduce_op, op: str, t: torch.Tensor):
@@ -239,7 +238,10 @@ def _reduction(reduce_op, op: str, t: torch.Tensor):
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
     name = _REDUCTIONS.get((kind, t.dtype))
     if name is None:
-        name = _check_reduction(kind, op, t.dtype)  # raises for what the table lacks
+        error = _reduction_error(kind, op, t.dtype)
+        if error is not None:
+            raise ValueError(error)
+        name = _OPS[kind]  # a dtype pyzero cannot carry: _stage says so
     return name, (reduce_op.factor if kind == ReduceOp.PREMUL_SUM else None)
 
 

@@ -429,6 +429,8 @@ def _rank_train(ckpt_dir):
     ck = Checker()
     for what, kw, tol in [("DDP", {}, 1e-6), ("DDP find_unused_parameters", {"find_unused_parameters": True}, 1e-6),
                           ("DDP static_graph", {"static_graph": True}, 1e-6),
+                          ("DDP a bucket per parameter, gradients as bucket views",
+                           {"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True}, 1e-6),
                           ("DDP no_sync", {"no_sync": True}, 1e-6), ("DDP fp16_compress_hook", {"hook": True}, 1e-3),
                           ("DDP ZeroRedundancyOptimizer", {"zero": True}, 1e-5)]:
         ck.close(what, _ddp(None, **kw), _ddp(gloo, **kw), tol)

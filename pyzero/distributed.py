@@ -7,12 +7,15 @@ world and each ``dist.new_group`` / DeviceMesh subgroup, is a
 :class:`ProcessGroupPyzero` over its own pyzero group on the shm transport,
 set up over the store torch gives the group (:func:`pyzero.comm.group_from_store`).
 
-torch calls the ``ProcessGroup`` methods below with lists of tensors and an
-options struct; each becomes one or more asynchronous pyzero collectives on
-contiguous buffers of a dtype pyzero carries (a staging copy otherwise: see
-:func:`_stage`), and returns a :class:`PyzeroWork`. Ranks in the options
-(``rootRank``, ``dstRank``) are group ranks; the pyzero group's ``ranks`` are
-the torch global ranks, so they are translated once here.
+The creator returns a ``ProcessGroup`` subclass, not a c10d ``Backend``:
+torch's ``Backend`` has no constructor reachable from Python, and torch takes
+a ``ProcessGroup`` from a creator as the whole group. torch calls the methods
+below with lists of tensors and an options struct; each becomes one or more
+pyzero collectives on contiguous buffers of a dtype pyzero carries (a staging
+copy otherwise: see :func:`_stage`), asynchronous unless the options say the
+caller waits at once, and returns a :class:`PyzeroWork`. Ranks in the
+options (``rootRank``, ``dstRank``) are group ranks; the pyzero group's
+``ranks`` are the torch global ranks, so they are translated once here.
 
 Tensors on other devices go to the backend the device map names for them
 (``"cpu:pyzero,cuda:nccl"``): torch hands the whole group to this class, so

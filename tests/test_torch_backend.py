@@ -8,7 +8,7 @@ inputs with plain torch ops; the training references run the same script on
 a gloo group of the same ranks, in the same processes.
 """
 import datetime
-import functools
+import gc
 import time
 
 import pytest
@@ -240,6 +240,13 @@ def _rank_ops():
         dist.irecv(r, (me - 1) % n)
     cm.wait()
     ck.check("isend/irecv coalesced", r, torch.full((2,), float((me - 1) % n)))
+    # functional collectives (DTensor, torch.compile): torch keeps the work in C++ until wait_tensor;
+    # a staged dtype (int8) needs the work's copy-back to run then
+    for dtype in (torch.float32, torch.int8):
+        y = torch.ops._c10d_functional.all_reduce(torch.full((1 << 16,), me + 1, dtype=dtype), "sum", pg.group_name)
+        gc.collect()
+        y = torch.ops._c10d_functional.wait_tensor(y)
+        ck.check(f"_c10d_functional.all_reduce {dtype}", y, torch.full((1 << 16,), tri, dtype=dtype))
     # the pyzero group under a torch group, for pz.* calls
     x = torch.full((4,), float(me))
     pyzero.all_reduce(x, op="max", group=pyzero.distributed.pz_group(None))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import pyzero  # noqa: F401  (registers the backend)
-from pyzero.launch import RankFailure, run_ranks
+from pyzero.launch import run_ranks
 
 TIMEOUT = datetime.timedelta(seconds=30)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
@@ -177,7 +177,8 @@ def _rank_ops():
         nxt, prv = ranks[(gr + 1) % k], ranks[(gr - 1) % k]
         if k > 1:
             s, r = torch.full((4,), float(me)), torch.empty(4)
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt, group), dist.P2POp(dist.irecv, r, prv, group)])
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt, group),
+                                           dist.P2POp(dist.irecv, r, prv, group)])
             for w in reqs:
                 w.wait()
             ck.check(f"{tag} batch_isend_irecv", r, torch.full((4,), float(prv)))
@@ -343,7 +344,8 @@ def _rank_errors():
            lambda: dist.all_reduce(t) if me == 1 else dist.broadcast(t, 0))
     # a collective one rank never joins: the other times out naming it (no hang)
     if me == 1:
-        expect(pyzero.CollectiveTimeout, ["after 1 s", "rank 0", "never arrived"], lambda: dist.all_reduce(t, group=spare))
+        expect(pyzero.CollectiveTimeout, ["after 1 s", "rank 0", "never arrived"],
+               lambda: dist.all_reduce(t, group=spare))
     else:
         time.sleep(1.5)
     return {"failures": [s for s in seen if s != "ok"], "cases": len(seen)}

@@ -303,8 +303,12 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         return f"ProcessGroupPyzero(rank={self.rank()}, size={self.size()}, ranks={list(self.group.ranks)})"
 
     def shutdown(self) -> None:
+        """dist.destroy_process_group(): finish queued work, free the shared memory and any other backend."""
         self._completer.close()
         self.group.close()
+        for be in self._others.values():
+            be.shutdown()
+        self._others.clear()
 
     # ---- helpers ----
 

@@ -230,8 +230,9 @@ def _reduction_error(kind, op: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-# (op, dtype) -> pyzero's op name for every valid pair, so the common case is one lookup.
-_REDUCTIONS = {(kind, dtype): _OPS[kind]
+# (int(op), dtype) -> (pyzero's op name, whether it is PREMUL_SUM) for every valid pair: the common case
+# is one lookup keyed by ints (hashing and comparing torch's op enums costs about a microsecond).
+_REDUCTIONS = {(int(kind), dtype): (_OPS[kind], kind == ReduceOp.PREMUL_SUM)
                for kind in _OPS for dtype in [*DTYPES, *_WIDEN, torch.complex64, torch.complex128]
                if _reduction_error(kind, "", dtype) is None}
 
@@ -239,13 +240,14 @@ _REDUCTIONS = {(kind, dtype): _OPS[kind]
 def _reduction(reduce_op, op: str, t: torch.Tensor):
     """(pyzero's op name, the PREMUL_SUM factor or None) of torch's `reduce_op` on `t`."""
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
-    name = _REDUCTIONS.get((kind, t.dtype))
-    if name is None:
+    found = _REDUCTIONS.get((int(kind), t.dtype))
+    if found is None:
         error = _reduction_error(kind, op, t.dtype)
         if error is not None:
             raise ValueError(error)
-        name = _OPS[kind]  # a dtype pyzero cannot carry: _stage says so
-    return name, (reduce_op.factor if kind == ReduceOp.PREMUL_SUM else None)
+        found = (_OPS[kind], kind == ReduceOp.PREMUL_SUM)  # a dtype pyzero cannot carry: _stage says so
+    name, premul = found
+    return name, (reduce_op.factor if premul else None)
 
 
 def _chain(*fns):

@@ -431,8 +431,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         outs = _one(output_tensors, "allgather", "output_tensors")
         if inp.is_complex():  # counts below are of real elements
             inp, outs = torch.view_as_real(inp), [torch.view_as_real(o) for o in outs]
-        if len(outs) != self.size():
-            raise ValueError(f"allgather: output_tensors[0] must hold {self.size()} tensors (one per rank), "
+        if len(outs) != self.group.size:
+            raise ValueError(f"allgather: output_tensors[0] must hold {self.group.size} tensors (one per rank), "
                              f"got {len(outs)}")
         counts = [o.numel() for o in outs]
         flat = torch.empty(sum(counts), dtype=inp.dtype)  # uneven sizes allowed: counts per rank
@@ -490,8 +490,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if out.is_complex():  # counts below are of real elements
             _reduction(opts.reduceOp, "reduce_scatter", out)
             out, ins = torch.view_as_real(out), [torch.view_as_real(i) for i in ins]
-        if len(ins) != self.size():
-            raise ValueError(f"reduce_scatter: input_tensors[0] must hold {self.size()} tensors (one per rank), "
+        if len(ins) != self.group.size:
+            raise ValueError(f"reduce_scatter: input_tensors[0] must hold {self.group.size} tensors (one per rank), "
                              f"got {len(ins)}")
         counts = [i.numel() for i in ins]
         flat = torch.cat([i.reshape(-1) for i in ins])
@@ -527,7 +527,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(t, "reduce", tensors, opts)) is not None:
             return w
         self._global(opts.rootRank, "reduce", "dst")
-        if opts.rootRank == self.rank():
+        if opts.rootRank == self.group.rank:
             buf, name, back = self._reduce_buffer(t, opts.reduceOp, "reduce", "tensors[0]")
         else:
             buf, name, back = self._reduce_buffer(t.clone(), opts.reduceOp, "reduce", "tensors[0]")
@@ -542,14 +542,14 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         root = opts.rootRank
         self._global(root, "gather", "dst")
-        if self.rank() != root:
+        if self.group.rank != root:
             if output_tensors and any(output_tensors):
                 raise ValueError(f"gather: gather_list must be empty on ranks other than dst={root}")
             buf, _ = _stage(inp, "gather", "tensor")
             return self._work([comm.send(buf, self.group.ranks[root], self.group, async_op=True)], [])
         outs = _one(output_tensors, "gather", "gather_list")
-        if len(outs) != self.size():
-            raise ValueError(f"gather: gather_list must hold {self.size()} tensors (one per rank), got {len(outs)}")
+        if len(outs) != self.group.size:
+            raise ValueError(f"gather: gather_list must hold {self.group.size} tensors (one per rank), got {len(outs)}")
         staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
         outs[root].copy_(inp)
         works = [comm.recv(buf, self.group.ranks[r], self.group, async_op=True) for r, (buf, _) in staged.items()]
@@ -563,15 +563,15 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         root = opts.rootRank
         self._global(root, "scatter", "src")
-        if self.rank() != root:
+        if self.group.rank != root:
             if input_tensors and any(input_tensors):
                 raise ValueError(f"scatter: scatter_list must be empty on ranks other than src={root}")
             buf, back = _stage(out, "scatter", "tensor", copy_in=False)
             return self._work([comm.recv(buf, self.group.ranks[root], self.group, async_op=True)], output_tensors,
                               back)
         ins = _one(input_tensors, "scatter", "scatter_list")
-        if len(ins) != self.size():
-            raise ValueError(f"scatter: scatter_list must hold {self.size()} tensors (one per rank), got {len(ins)}")
+        if len(ins) != self.group.size:
+            raise ValueError(f"scatter: scatter_list must hold {self.group.size} tensors (one per rank), got {len(ins)}")
         staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
         works = [comm.send(buf, self.group.ranks[r], self.group, async_op=True) for r, buf in staged.items()]
         out.copy_(ins[root])
@@ -584,7 +584,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if input_tensors and (w := self._other(input_tensors[0], "alltoall", output_tensors, input_tensors,
                                                opts)) is not None:
             return w
-        n, me = self.size(), self.rank()
+        n, me = self.group.size, self.group.rank
         for arg, ts in (("output_tensor_list", output_tensors), ("input_tensor_list", input_tensors)):
             if len(ts) != n:
                 raise ValueError(f"alltoall: {arg} must hold {n} tensors (one per rank), got {len(ts)}")
@@ -605,7 +605,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(input, "alltoall_base", output, input, output_split_sizes, input_split_sizes,
                              opts)) is not None:
             return w
-        n = self.size()
+        n = self.group.size
         outs = _split_dim0(output, output_split_sizes, n, "output")
         ins = _split_dim0(input, input_split_sizes, n, "input")
         return self.alltoall(outs, ins, opts)

@@ -49,7 +49,7 @@ _OPTIONS = torch._C._distributed_c10d  # the option structs, for calls that pass
 
 def register() -> None:
     """Register the "pyzero" backend with torch.distributed (idempotent; ``import pyzero`` calls it)."""
-    if NAME.upper() in dist.Backend._plugins:
+    if NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
 
@@ -62,7 +62,7 @@ def _create(opts, backend_options):
 
 def pz_group(pg) -> comm.Group:
     """The pyzero group under torch process group `pg` (None: the default group), for pz.* calls."""
-    pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    pg = pg if pg is not None else dist.group.WORLD
     if not isinstance(pg, ProcessGroupPyzero):
         raise TypeError(f"pg: expected a process group of the {NAME!r} backend, got {type(pg).__name__}")
     return pg.group

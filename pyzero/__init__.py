@@ -37,3 +37,8 @@ from . import pipeline
 from .parallel import DataParallel
 from .plan import parallelize, plan  # noqa: E402  (pz.plan is the function; the package is pyzero.plan)
 from . import ps  # noqa: E402,F401  (pz.ps: parameter-server training)
+from torch.distributed import is_available as _torch_distributed_available
+
+if _torch_distributed_available():  # torch builds without it have no process groups to back
+    from . import distributed
+    distributed.register()  # the torch.distributed backend "pyzero" (no process-group work until torch makes one)

@@ -253,14 +253,37 @@ def new_group(ranks: Sequence[int], options=None) -> Group:
     return _make_group(ranks, Options.make(options).merged(w.options))
 
 
+def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, options=None,
+                     backend: str = "shm") -> Group:
+    """A group outside pz.init()'s world, set up over `store` (a torch.distributed Store that only
+    this group's members use, e.g. the one torch hands a process-group backend). `ranks` are the
+    members' global ranks, `rank` this process's index in them; every member calls this once.
+    CPU backends only ("shm"); the caller closes the group."""
+    if backend != "shm":
+        raise ValueError(f"backend: a group from a store supports 'shm', got {backend!r}")
+    ranks = tuple(int(r) for r in ranks)
+    if not 0 <= rank < len(ranks):
+        raise ValueError(f"rank: expected an index in [0, {len(ranks)}), got {rank}")
+    # A store may see the same group again (a job that re-creates its process groups): each
+    # creation is its own generation of keys. Every member counts itself in; a creation ends only
+    # once all members have joined it (the set-up barriers), so members of one agree on its number.
+    key = f"pz/{(store.add('pz/joins', 1) - 1) // len(ranks)}"
+    if rank == 0:
+        store.set(f"{key}/token", f"{os.getpid():x}{secrets.token_hex(4)}")
+    token = store.get(f"{key}/token").decode()
+    opts = Options.make(options)
+    setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), None, opts)
+    return Group(ranks, rank, -1, backends.backend_class(backend).create(setup), opts)
+
+
 def resolve_group(group) -> Group:
     """`group`, or the world group for None; TypeError for anything else."""
+    if isinstance(group, Group):  # also a group from group_from_store, which needs no pz.init()
+        return group
     w = _require_init()
     if group is None:
         return w.world
-    if not isinstance(group, Group):
-        raise TypeError(f"group: expected a pz group (from pz.new_group) or None, got {type(group).__name__}")
-    return group
+    raise TypeError(f"group: expected a pz group (from pz.new_group) or None, got {type(group).__name__}")
 
 
 def groups() -> list[Group]:

@@ -13,6 +13,10 @@ backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
 auto meaning ring), nccl (pyzero's native passthrough to NCCL's collectives)
 and torch (torch.distributed with NCCL). Timed loops end with a device
 synchronisation.
+
+On the CPU, ``torch-pyzero`` is torch.distributed's API on pyzero's own
+"pyzero" backend (pyzero.distributed): beside ``pyzero`` it measures what
+going through torch's API costs on the same transport.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (else: run under torchrun)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend vs gloo; cuda: one GPU per rank, nccl backend vs torch's NCCL")
-    p.add_argument("--backends", default="pyzero,torch", help="comma list of pyzero, torch and (cuda) nccl")
+    p.add_argument("--backends", default="pyzero,torch",
+                   help="comma list of pyzero, torch, (cpu) torch-pyzero and (cuda) nccl")
     p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
     p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
@@ -116,7 +121,7 @@ class Runner:
         elif backend == "nccl":
             self.call = self._pyzero(op, inplace, "native")
         else:
-            self.call = self._torch(op, inplace)
+            self.call = self._torch(op, inplace, TORCH_GROUPS[backend], aliasing=backend == "torch-pyzero")
 
     def _pyzero(self, op, inplace, algo):
         import pyzero as pz  # noqa: PLC0415
@@ -134,31 +139,51 @@ class Runner:
             return lambda: pz.broadcast(inp, src=0, algo=algo)
         return lambda: (out.copy_(inp) if self.rank == 0 else None, pz.broadcast(out, src=0, algo=algo))
 
-    def _torch(self, op, inplace):
+    def _torch(self, op, inplace, group, aliasing):
+        """torch.distributed calls on `group`; `aliasing`: the backend takes the in-place forms as pz does."""
         import torch.distributed as dist  # noqa: PLC0415
 
         inp, out = self.inp, self.out
         if op == "all_reduce":
             if inplace:
-                return lambda: dist.all_reduce(inp)
-            return lambda: (out.copy_(inp), dist.all_reduce(out))
+                return lambda: dist.all_reduce(inp, group=group)
+            return lambda: (out.copy_(inp), dist.all_reduce(out, group=group))
         if op == "reduce_scatter":
+            if aliasing:
+                return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
             src = inp.clone() if inplace else inp  # gloo has no aliasing form
-            return lambda: (src.copy_(inp) if inplace else None, dist.reduce_scatter_tensor(out, src))
+            return lambda: (src.copy_(inp) if inplace else None, dist.reduce_scatter_tensor(out, src, group=group))
         if op == "all_gather":
-            return lambda: dist.all_gather_into_tensor(out, inp.clone() if inplace else inp)
+            src = inp.clone() if inplace and not aliasing else inp
+            return lambda: dist.all_gather_into_tensor(out, src, group=group)
         if inplace:
-            return lambda: dist.broadcast(inp, src=0)
-        return lambda: (out.copy_(inp) if self.rank == 0 else None, dist.broadcast(out, src=0))
+            return lambda: dist.broadcast(inp, src=0, group=group)
+        return lambda: (out.copy_(inp) if self.rank == 0 else None, dist.broadcast(out, src=0, group=group))
+
+
+# torch.distributed groups of the torch columns: "torch" is the default group (gloo/nccl),
+# "torch-pyzero" a group on pyzero's own torch backend beside it (or the default one when alone).
+TORCH_GROUPS: dict = {}
+
+
+def _init_torch_groups(backends, torch_backend: str, timeout: float) -> None:
+    if "torch" in backends:
+        dist = init_torch_distributed(torch_backend, timeout)
+        TORCH_GROUPS["torch"] = None
+        if "torch-pyzero" in backends:
+            TORCH_GROUPS["torch-pyzero"] = dist.new_group(backend="pyzero")
+    elif "torch-pyzero" in backends:
+        init_torch_distributed("pyzero", timeout)
+        TORCH_GROUPS["torch-pyzero"] = None
 
 
 def _barrier(backend):
     import pyzero as pz  # noqa: PLC0415
 
-    if backend == "torch":
+    if backend in TORCH_GROUPS:
         import torch.distributed as dist  # noqa: PLC0415
 
-        dist.barrier()
+        dist.barrier(group=TORCH_GROUPS[backend])
     else:
         pz.barrier()
 
@@ -248,13 +273,13 @@ def rank_main(args) -> list[dict]:
     cuda = getattr(args, "device", "cpu") == "cuda"
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("pyzero", "torch", "nccl") or (b == "nccl" and not cuda):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch or (with --device cuda) "
-                             "nccl")
+        if b not in ("pyzero", "torch", "nccl", "torch-pyzero") or (b == "nccl" and not cuda) \
+                or (b == "torch-pyzero" and cuda):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero or "
+                             "(with --device cuda) nccl")
     pz.init(backend="nccl" if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
-    if "torch" in backends:
-        init_torch_distributed("nccl" if cuda else "gloo", args.timeout)
+    _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
     dtype = DTYPES[args.dtype]
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)
@@ -304,6 +329,8 @@ def _algo(backend: str, args) -> str:
     cuda = getattr(args, "device", "cpu") == "cuda"
     if backend == "torch":
         return "nccl" if cuda else "gloo"
+    if backend == "torch-pyzero":
+        return "auto"
     if backend == "nccl":
         return "native"
     return ("ring" if args.algo == "auto" else args.algo) if cuda else args.algo
@@ -314,20 +341,31 @@ def _label(backend: str, args) -> str:
     cuda = getattr(args, "device", "cpu") == "cuda"
     if backend == "torch":
         return f"torch.distributed, {_algo(backend, args)}"
+    if backend == "torch-pyzero":
+        return "torch.distributed on the 'pyzero' backend, shm, algo auto"
     return f"pyzero {'nccl' if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
 def print_ratios(results: list) -> None:
-    """pyzero vs torch, in-place, per op and size: speed-up of time (= busbw ratio)."""
+    """In-place, per op and size: pyzero's speed-up over torch (gloo), time(torch) / time(pyzero) (= busbw
+    ratio), and what torch.distributed's API on the "pyzero" backend adds over calling pz directly."""
     key = {(r["backend"], r["op"], r["bytes"]): r for r in results if r.get("inplace") and "time_us" in r}
+    ordered = sorted(key, key=lambda k: (k[1], k[2]))
     rows = [(op, b, key[("torch", op, b)]["time_us"] / key[("pyzero", op, b)]["time_us"])
-            for (be, op, b) in sorted(key, key=lambda k: (k[1], k[2])) if be == "pyzero" and ("torch", op, b) in key]
-    if not rows:
-        return
-    print("# pyzero vs torch (gloo), in-place: time(torch) / time(pyzero) = busbw ratio")
-    print("#{:>15} {:>12} {:>10}".format("op", "size (B)", "ratio"))
-    for op, b, ratio in rows:
-        print(" {:>15} {:>12} {:>10.2f}".format(op, b, ratio))
+            for (be, op, b) in ordered if be == "pyzero" and ("torch", op, b) in key]
+    if rows:
+        print("# pyzero vs torch (gloo), in-place: time(torch) / time(pyzero) = busbw ratio")
+        print("#{:>15} {:>12} {:>10}".format("op", "size (B)", "ratio"))
+        for op, b, ratio in rows:
+            print(" {:>15} {:>12} {:>10.2f}".format(op, b, ratio))
+    rows = [(op, b, key[("pyzero", op, b)]["time_us"], key[("torch-pyzero", op, b)]["time_us"])
+            for (be, op, b) in ordered if be == "pyzero" and ("torch-pyzero", op, b) in key]
+    if rows:
+        print("# torch.distributed API on the 'pyzero' backend vs pz direct, in-place")
+        print("#{:>15} {:>12} {:>10} {:>12} {:>10}".format("op", "size (B)", "pz (us)", "torch (us)", "overhead"))
+        for op, b, t_pz, t_torch in rows:
+            print(" {:>15} {:>12} {:>10.1f} {:>12.1f} {:>9.1f}%".format(op, b, t_pz, t_torch,
+                                                                        100 * (t_torch / t_pz - 1)))
 
 
 def plot(results: list, path: str) -> None:

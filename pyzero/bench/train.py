@@ -24,7 +24,8 @@ rank's ru_maxrss, delta_mib its growth over the RSS before the model was built.
 
 Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
 and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
-torch runs use gloo, set up through pyzero's store.
+torch runs use gloo (the -pyzero runs: the "pyzero" torch.distributed backend),
+set up through pyzero's store.
 """
 from __future__ import annotations
 
@@ -62,12 +63,17 @@ def _setup_dp(model, args) -> Runner:
     return Runner(dp, opt, dp.no_sync, dp.reducer.run_collectives, reduces_in_backward=True)
 
 
-def _setup_torch_ddp(model, args) -> Runner:
+def _setup_torch_ddp(backend: str) -> Callable:
+    """torch DDP on torch.distributed's `backend` ("gloo", or pyzero's own "pyzero")."""
+    return lambda model, args: _torch_ddp(model, args, backend)
+
+
+def _torch_ddp(model, args, backend: str) -> Runner:
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     from ..bucketing import assign_buckets  # noqa: PLC0415
 
-    dist = _init_gloo()
+    dist = _init_torch(backend)
     # DDP's own best CPU set-up: gradients as bucket views, the same bucket caps
     # (its first bucket is 1 MiB, like pz's default).
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
@@ -80,7 +86,7 @@ def _setup_torch_ddp(model, args) -> Runner:
         for w in [dist.all_reduce(f, async_op=True) for f in flats]:
             w.wait()
 
-    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_gloo(dist), reduces_in_backward=True)
+    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_torch(dist), reduces_in_backward=True)
 
 
 def _zero_comm_alone(opt) -> Callable:
@@ -121,11 +127,11 @@ def _setup_zero(stage: int) -> Callable:
     return setup
 
 
-def _init_gloo():
-    return init_torch_distributed("gloo")
+def _init_torch(backend: str = "gloo"):
+    return init_torch_distributed(backend)
 
 
-def _close_gloo(dist):
+def _close_torch(dist):
     dist.barrier()  # leave together: the rank hosting gloo's store must not go first
     dist.destroy_process_group()
 
@@ -135,18 +141,22 @@ def _setup_torch_zero(model, args) -> Runner:
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
-    dist = _init_gloo()
+    dist = _init_torch()
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-    return Runner(ddp, opt, ddp.no_sync, None, lambda: _close_gloo(dist))
+    return Runner(ddp, opt, ddp.no_sync, None, lambda: _close_torch(dist))
 
 
-def _setup_fsdp2(model, args) -> Runner:
-    """torch FSDP2 (fully_shard per transformer block and the root) on a CPU gloo mesh."""
+def _setup_fsdp2(backend: str) -> Callable:
+    """torch FSDP2 (fully_shard per transformer block and the root) on a CPU mesh of `backend`."""
+    return lambda model, args: _fsdp2(model, args, backend)
+
+
+def _fsdp2(model, args, backend: str) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    dist = _init_gloo()
+    dist = _init_torch(backend)
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -161,12 +171,15 @@ def _setup_fsdp2(model, args) -> Runner:
         finally:
             model.set_requires_gradient_sync(True)
 
-    return Runner(model, opt, no_sync, None, lambda: _close_gloo(dist))
+    return Runner(model, opt, no_sync, None, lambda: _close_torch(dist))
 
 
-RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp, "dp": _setup_dp, "zero1": _setup_zero(1),
-                             "zero2": _setup_zero(2), "zero3": _setup_zero(3), "torch-zero": _setup_torch_zero,
-                             "fsdp2": _setup_fsdp2}
+# torch-ddp / fsdp2 run on gloo; their -pyzero twins are the same torch code on the "pyzero"
+# torch.distributed backend (pyzero.distributed): the one-string switch.
+RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
+                             "dp": _setup_dp, "zero1": _setup_zero(1), "zero2": _setup_zero(2),
+                             "zero3": _setup_zero(3), "torch-zero": _setup_torch_zero,
+                             "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero")}
 
 
 def add_arguments(p) -> None:
@@ -309,7 +322,7 @@ def main(args) -> int:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
-    print(f"{'run':>10} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
+    print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
           f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {'peak MiB':>9} {'states MiB':>10} {'estimate':>8} "
           f"{'+gathered':>9}")
     results = []
@@ -320,7 +333,7 @@ def main(args) -> int:
         results.append(res)
         hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
         nan = float("nan")
-        print(f"{run:>10} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
+        print(f"{run:>16} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
               f"{res.get('extra_step_ms', nan):9.2f} {res.get('comm_ms', nan):8.2f} {res.get('exposed_ms', nan):10.2f} "
               f"{hid} "
               f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}"

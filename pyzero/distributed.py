@@ -1,0 +1,659 @@
+"""pyzero as a torch.distributed backend: ``dist.init_process_group("pyzero")``.
+
+``import pyzero`` registers the backend "pyzero" with
+``torch.distributed.Backend.register_backend`` (cheap: no process-group work
+happens until torch creates a group). Every torch process group on it, the
+world and each ``dist.new_group`` / DeviceMesh subgroup, is a
+:class:`ProcessGroupPyzero` over its own pyzero group on the shm transport,
+set up over the store torch gives the group (:func:`pyzero.comm.group_from_store`).
+
+The creator returns a ``ProcessGroup`` subclass, not a c10d ``Backend``:
+torch's ``Backend`` has no constructor reachable from Python, and torch takes
+a ``ProcessGroup`` from a creator as the whole group. torch calls the methods
+below with lists of tensors and an options struct; each becomes one or more
+pyzero collectives on contiguous buffers of a dtype pyzero carries (a staging
+copy otherwise: see :func:`_stage`), asynchronous unless the options say the
+caller waits at once, and returns a :class:`PyzeroWork`. Ranks in the
+options (``rootRank``, ``dstRank``) are group ranks; the pyzero group's
+``ranks`` are the torch global ranks, so they are translated once here.
+
+Tensors on other devices go to the backend the device map names for them
+(``"cpu:pyzero,cuda:nccl"``): torch hands the whole group to this class, so
+it keeps that backend beside it (see :meth:`ProcessGroupPyzero._other`).
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.futures import Future
+
+from . import comm
+from .backend import DTYPES, SUPPORTED_DTYPES
+
+__all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
+
+NAME = "pyzero"
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
+        ReduceOp.PRODUCT: "prod", ReduceOp.PREMUL_SUM: "sum"}
+# Dtypes pyzero has no code for, carried as a wider one (exact for every value of the narrow type).
+_WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
+_NO_TIMEOUT = datetime.timedelta(0)
+_OPTIONS = torch._C._distributed_c10d  # the option structs, for calls that pass none
+
+
+def register() -> None:
+    """Register the "pyzero" backend with torch.distributed (idempotent; ``import pyzero`` calls it)."""
+    if NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def _create(opts, backend_options):
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))  # [] for the world group
+    return ProcessGroupPyzero(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks,
+                              options=backend_options)
+
+
+def pz_group(pg) -> comm.Group:
+    """The pyzero group under torch process group `pg` (None: the default group), for pz.* calls."""
+    pg = pg if pg is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupPyzero):
+        raise TypeError(f"pg: expected a process group of the {NAME!r} backend, got {type(pg).__name__}")
+    return pg.group
+
+
+# ---------------------------------------------------------------------------
+# Work
+
+
+class PyzeroWork(dist.Work):
+    """One torch call's pyzero works, then `finish` (copies out of staging buffers).
+
+    The works keep their tensors alive until complete. ``get_future()`` on
+    an unfinished work hands it to the group's completion thread, so that a
+    caller waiting only on the future (DDP's reducer) sees it complete.
+    """
+
+    def __init__(self, works, result, finish=None, completer=None):
+        super().__init__()
+        self._works = [w for w in works if w is not None]  # None: a synchronous call, already done
+        self._result = result  # the future's value: the output tensors
+        self._finish = finish
+        self._completer = completer
+        self._fut: Future | None = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: Exception | None = None
+        if not self._works:  # synchronous: done (the common case of a torch caller that waits at once)
+            if finish is not None:
+                finish()
+            self._done = True
+            self._finish = None
+
+    def _complete(self) -> None:
+        with self._lock:
+            if not self._done:
+                try:
+                    for w in self._works:
+                        w.wait()
+                    if self._finish is not None:
+                        self._finish()
+                except Exception as e:  # noqa: BLE001  (handed to the waiter and the future)
+                    self._error = e
+                self._done = True
+                self._works = self._finish = None
+                if self._fut is not None:
+                    self._settle()
+        if self._error is not None:
+            raise self._error
+
+    def _settle(self) -> None:
+        if self._error is not None:
+            self._fut.set_exception(self._error)
+        else:
+            self._fut.set_result(self._result)
+
+    def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
+        self._complete()
+        return True
+
+    def synchronize(self) -> None:
+        self._complete()
+
+    def is_completed(self) -> bool:
+        if not self._done and all(w.is_completed() for w in self._works or ()):
+            try:
+                self._complete()
+            except Exception:  # noqa: BLE001  (reported by wait() and the future)
+                pass
+        return self._done
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self._complete()
+        return self._result
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = Future()
+                if self._done:
+                    self._settle()
+                else:
+                    self._completer.put(self)
+        return self._fut
+
+
+class _Completer:
+    """A daemon thread that completes the works whose futures someone waits on, in issue order."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue | None = None
+
+    def put(self, work: PyzeroWork) -> None:
+        if self._q is None:
+            self._q = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(self._q,), name="pyzero-completer", daemon=True).start()
+        self._q.put(work)
+
+    @staticmethod
+    def _run(q) -> None:
+        while (work := q.get()) is not None:
+            try:
+                work._complete()
+            except Exception:  # noqa: BLE001  (set on the work's future by _complete)
+                pass
+
+    def close(self) -> None:
+        if self._q is not None:
+            self._q.put(None)
+            self._q = None
+
+
+# ---------------------------------------------------------------------------
+# Argument handling
+
+
+def _one(tensors, op: str, arg: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{op}: {arg} must hold exactly one tensor (one device per process), got {len(tensors)}")
+    return tensors[0]
+
+
+def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
+    """(`t` as a buffer pyzero can carry, a function copying the buffer back into `t` or None).
+
+    Complex tensors travel as their real view; bool/int8/uint8/int16 widened to int32 (exact, and
+    sum/min/max/prod of the widened values narrow back as torch's own would for bool/uint8's
+    wrap-around); non-contiguous tensors through a contiguous copy."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_cpu and t.dtype in DTYPES and t.is_contiguous():  # the common case, checked first
+        return t, None
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: {arg}: the {NAME!r} backend carries CPU tensors, got one on {t.device} "
+                         f"(map that device to another backend, e.g. 'cpu:{NAME},cuda:nccl')")
+    base = torch.view_as_real(t) if t.is_complex() else t
+    if base.dtype in DTYPES and base.is_contiguous():
+        return base, None
+    dtype = base.dtype if base.dtype in DTYPES else _WIDEN.get(base.dtype)
+    if dtype is None:
+        raise TypeError(f"{op}: {arg} has dtype {t.dtype}, which the {NAME!r} backend cannot carry; expected "
+                        f"one of {SUPPORTED_DTYPES}, bool, int8, uint8, int16 or a complex dtype")
+    buf = torch.empty(base.shape, dtype=dtype)
+    if copy_in:
+        buf.copy_(base)
+    return buf, (lambda: base.copy_(buf))
+
+
+def _reduction_error(kind, op: str, dtype: torch.dtype) -> str | None:
+    """Why reduce op `kind` (a ReduceOp.RedOpType) cannot reduce `dtype` here, or None."""
+    name = _OPS.get(kind)
+    if name is None:
+        return f"{op}: reduce op {kind} is not supported by the {NAME!r} backend; expected SUM, AVG, MIN, MAX, " \
+               "PRODUCT or PREMUL_SUM"
+    if dtype.is_complex and name not in ("sum", "avg"):
+        return f"{op}: reduce op {kind} is not defined for complex tensors ({dtype})"
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        return f"{op}: ReduceOp.AVG needs a floating-point tensor, got {dtype} (use SUM and divide)"
+    return None
+
+
+# (int(op), dtype) -> (pyzero's op name, whether it is PREMUL_SUM) for every valid pair: the common case
+# is one lookup keyed by ints (hashing and comparing torch's op enums costs about a microsecond).
+_REDUCTIONS = {(int(kind), dtype): (_OPS[kind], kind == ReduceOp.PREMUL_SUM)
+               for kind in _OPS for dtype in [*DTYPES, *_WIDEN, torch.complex64, torch.complex128]
+               if _reduction_error(kind, "", dtype) is None}
+
+
+def _reduction(reduce_op, op: str, t: torch.Tensor):
+    """(pyzero's op name, the PREMUL_SUM factor or None) of torch's `reduce_op` on `t`."""
+    kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
+    found = _REDUCTIONS.get((int(kind), t.dtype))
+    if found is None:
+        error = _reduction_error(kind, op, t.dtype)
+        if error is not None:
+            raise ValueError(error)
+        found = (_OPS[kind], kind == ReduceOp.PREMUL_SUM)  # a dtype pyzero cannot carry: _stage says so
+    name, premul = found
+    return name, (reduce_op.factor if premul else None)
+
+
+def _chain(*fns):
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+    if len(fns) == 1:
+        return fns[0]
+
+    def run():
+        for f in fns:
+            f()
+    return run
+
+
+# ---------------------------------------------------------------------------
+# The process group
+
+
+class ProcessGroupPyzero(dist.ProcessGroup):
+    """A torch ProcessGroup whose CPU collectives run on a pyzero group (shm transport)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, ranks, options=None):
+        super().__init__(rank, size)
+        self._store = store
+        self._timeout = timeout
+        self.group = comm.group_from_store(store, ranks, rank, timeout.total_seconds(), options)
+        self._completer = _Completer()
+        self._others: dict = {}  # device type -> torch backend for tensors not on the CPU
+        self._group_name = self._group_desc = ""
+        self._coalesced: list | None = None  # works issued between _start_coalescing and _end_coalescing
+
+    # ---- identity ----
+
+    def getBackendName(self) -> str:  # noqa: N802  (torch's name)
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    # torch keeps a group's name and description on its backends; this group has none of torch's
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupPyzero(rank={self.rank()}, size={self.size()}, ranks={list(self.group.ranks)})"
+
+    def shutdown(self) -> None:
+        """dist.destroy_process_group(): finish queued work, free the shared memory and any other backend."""
+        self._completer.close()
+        self.group.close()
+        for be in self._others.values():
+            be.shutdown()
+        self._others.clear()
+
+    # ---- helpers ----
+
+    def _work(self, works, result, finish=None) -> PyzeroWork:
+        work = PyzeroWork(works, result, finish, self._completer)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _start_coalescing(self, device) -> None:
+        """Ops until _end_coalescing run as issued; _end_coalescing's work waits for all of them."""
+        self._coalesced = []
+
+    def _end_coalescing(self, device) -> PyzeroWork:
+        works, self._coalesced = self._coalesced or [], None
+        return self._work(works, [])
+
+    def _global(self, group_rank: int, op: str, arg: str) -> int:
+        if not 0 <= group_rank < self.group.size:
+            raise ValueError(f"{op}: {arg}={group_rank}: expected a rank of the group in [0, {self.group.size})")
+        return self.group.ranks[group_rank]
+
+    def _other(self, t, method: str, *args):
+        """Run `method` on the backend mapped to `t`'s device (not the CPU), or None for CPU tensors."""
+        if not isinstance(t, torch.Tensor) or t.is_cpu:
+            return None
+        kind = t.device.type
+        be = self._others.get(kind)
+        if be is None:
+            be = self._others[kind] = self._make_other(kind, t)
+        return getattr(be, method)(*args)
+
+    def _make_other(self, kind: str, t):
+        config = str(dist.get_backend_config(self))
+        mapping = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+        name = mapping.get(kind)
+        if name in (None, NAME):
+            raise ValueError(f"the {NAME!r} backend carries CPU tensors, got one on {t.device}; map "
+                             f"that device to another backend, e.g. init_process_group('cpu:{NAME},{kind}:nccl')")
+        store = dist.PrefixStore(f"{kind}-{name}/", self._store)
+        if name == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            return dist.ProcessGroupNCCL(store, self.rank(), self.size(), opts)
+        if name == "gloo":
+            return dist.ProcessGroupGloo(store, self.rank(), self.size(), self._timeout)
+        raise ValueError(f"device map {config!r}: backend {name!r} for {kind} tensors beside {NAME!r} is not "
+                         "supported; expected nccl or gloo")
+
+    def _reduce_buffer(self, t, reduce_op, op: str, arg: str):
+        """(buffer, pz op name, copy-back) for reducing `t` in place."""
+        name, factor = _reduction(reduce_op, op, t)
+        buf, back = _stage(t, op, arg)
+        if factor is not None:
+            buf.mul_(factor)
+        return buf, name, back
+
+    # ---- all_reduce ----
+
+    def allreduce(self, tensors, opts=None):
+        opts = _OPTIONS.AllreduceOptions() if opts is None else opts
+        t = _one(tensors, "allreduce", "tensors")
+        if (w := self._other(t, "allreduce", tensors, opts)) is not None:
+            return w
+        buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce", "tensors[0]")
+        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = _OPTIONS.AllreduceCoalescedOptions() if opts is None else opts
+        if not tensors:
+            return self._work([], [])
+        if (w := self._other(tensors[0], "allreduce_coalesced", tensors, opts)) is not None:
+            return w
+        dtypes = {t.dtype for t in tensors}
+        name, factor = _reduction(opts.reduceOp, "allreduce_coalesced", tensors[0])
+        if len(dtypes) == 1 and factor is None:  # one flat message for all of them
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            buf, back = _stage(flat, "allreduce_coalesced", "tensors")
+
+            def finish():
+                if back is not None:
+                    back()
+                for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                    t.copy_(part.view(t.shape))
+            return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, finish)
+        works, backs = [], []
+        for i, t in enumerate(tensors):
+            buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce_coalesced", f"tensors[{i}]")
+            works.append(comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp))
+            backs.append(back)
+        return self._work(works, tensors, _chain(*backs))
+
+    # ---- all_gather ----
+
+    def _all_gather_flat(self, out, inp, op: str, async_op: bool, counts=None):
+        """(a function issuing pz.all_gather of `inp` into `out`, any layout, returning its work; the
+        copy-back). Every argument is checked before anything is issued."""
+        if out.dtype != inp.dtype:
+            raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
+        bo, back = _stage(out, op, "output", copy_in=False)
+        bi, _ = _stage(inp, op, "input")
+        return lambda: comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=async_op), back
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
+        if (w := self._other(input, "_allgather_base", output, input, opts)) is not None:
+            return w
+        issue, back = self._all_gather_flat(output, input, "all_gather_single", opts.asyncOp)
+        return self._work([issue()], [output], back)
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
+        inp = _one(input_tensors, "allgather", "input_tensors")
+        if (w := self._other(inp, "allgather", output_tensors, input_tensors, opts)) is not None:
+            return w
+        outs = _one(output_tensors, "allgather", "output_tensors")
+        if inp.is_complex():  # counts below are of real elements
+            inp, outs = torch.view_as_real(inp), [torch.view_as_real(o) for o in outs]
+        if len(outs) != self.group.size:
+            raise ValueError(f"allgather: output_tensors[0] must hold {self.group.size} tensors (one per rank), "
+                             f"got {len(outs)}")
+        counts = [o.numel() for o in outs]
+        flat = torch.empty(sum(counts), dtype=inp.dtype)  # uneven sizes allowed: counts per rank
+
+        def finish():
+            for o, part in zip(outs, flat.split(counts)):
+                o.copy_(part.view(o.shape))
+        issue, back = self._all_gather_flat(flat, inp.reshape(-1), "allgather", opts.asyncOp, counts)
+        return self._work([issue()], output_tensors, _chain(back, finish))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
+        if inputs and (w := self._other(inputs[0], "allgather_into_tensor_coalesced", outputs, inputs, opts)) \
+                is not None:
+            return w
+        calls = [self._all_gather_flat(o, i, "allgather_into_tensor_coalesced", opts.asyncOp)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list, strict=True)]
+        return self._work(works, output_lists)
+
+    # ---- reduce_scatter ----
+
+    def _reduce_scatter_flat(self, out, inp, reduce_op, op: str, async_op: bool, counts=None):
+        """As _all_gather_flat, for pz.reduce_scatter of `inp` into `out`."""
+        if out.dtype != inp.dtype:
+            raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
+        name, factor = _reduction(reduce_op, op, inp)
+        bo, back = _stage(out, op, "output", copy_in=False)
+        if factor is not None:
+            bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
+        else:
+            bi = _stage(inp, op, "input")[0]
+        return lambda: comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
+        if (w := self._other(input, "_reduce_scatter_base", output, input, opts)) is not None:
+            return w
+        issue, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single", opts.asyncOp)
+        return self._work([issue()], [output], back)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
+        out = _one(output_tensors, "reduce_scatter", "output_tensors")
+        if (w := self._other(out, "reduce_scatter", output_tensors, input_tensors, opts)) is not None:
+            return w
+        ins = _one(input_tensors, "reduce_scatter", "input_tensors")
+        if out.is_complex():  # counts below are of real elements
+            _reduction(opts.reduceOp, "reduce_scatter", out)
+            out, ins = torch.view_as_real(out), [torch.view_as_real(i) for i in ins]
+        if len(ins) != self.group.size:
+            raise ValueError(f"reduce_scatter: input_tensors[0] must hold {self.group.size} tensors (one per rank), "
+                             f"got {len(ins)}")
+        counts = [i.numel() for i in ins]
+        flat = torch.cat([i.reshape(-1) for i in ins])
+        issue, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", opts.asyncOp, counts)
+        return self._work([issue()], output_tensors, back)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
+        if inputs and (w := self._other(inputs[0], "reduce_scatter_tensor_coalesced", outputs, inputs, opts)) \
+                is not None:
+            return w
+        calls = [self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced", opts.asyncOp)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ---- rooted collectives ----
+
+    def broadcast(self, tensors, opts=None):
+        opts = _OPTIONS.BroadcastOptions() if opts is None else opts
+        t = _one(tensors, "broadcast", "tensors")
+        if (w := self._other(t, "broadcast", tensors, opts)) is not None:
+            return w
+        src = self._global(opts.rootRank, "broadcast", "src")
+        buf, back = _stage(t, "broadcast", "tensors[0]")
+        return self._work([comm.broadcast(buf, src, self.group, async_op=opts.asyncOp)], tensors, back)
+
+    def reduce(self, tensors, opts=None):
+        """An all_reduce; ranks other than the root reduce a copy, so their tensor stays unchanged."""
+        opts = _OPTIONS.ReduceOptions() if opts is None else opts
+        t = _one(tensors, "reduce", "tensors")
+        if (w := self._other(t, "reduce", tensors, opts)) is not None:
+            return w
+        self._global(opts.rootRank, "reduce", "dst")
+        if opts.rootRank == self.group.rank:
+            buf, name, back = self._reduce_buffer(t, opts.reduceOp, "reduce", "tensors[0]")
+        else:
+            buf, name, back = self._reduce_buffer(t.clone(), opts.reduceOp, "reduce", "tensors[0]")
+            back = None
+        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Every other rank sends its tensor to the root (pyzero's point-to-point channels)."""
+        opts = _OPTIONS.GatherOptions() if opts is None else opts
+        inp = _one(input_tensors, "gather", "input_tensors")
+        if (w := self._other(inp, "gather", output_tensors, input_tensors, opts)) is not None:
+            return w
+        root = opts.rootRank
+        self._global(root, "gather", "dst")
+        if self.group.rank != root:
+            if output_tensors and any(output_tensors):
+                raise ValueError(f"gather: gather_list must be empty on ranks other than dst={root}")
+            buf, _ = _stage(inp, "gather", "tensor")
+            return self._work([comm.send(buf, self.group.ranks[root], self.group, async_op=True)], [])
+        outs = _one(output_tensors, "gather", "gather_list")
+        if len(outs) != self.group.size:
+            raise ValueError(f"gather: gather_list must hold {self.group.size} tensors (one per rank), got {len(outs)}")
+        staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
+        outs[root].copy_(inp)
+        works = [comm.recv(buf, self.group.ranks[r], self.group, async_op=True) for r, (buf, _) in staged.items()]
+        return self._work(works, output_tensors, _chain(*(back for _, back in staged.values())))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """The root sends every other rank its tensor (pyzero's point-to-point channels)."""
+        opts = _OPTIONS.ScatterOptions() if opts is None else opts
+        out = _one(output_tensors, "scatter", "output_tensors")
+        if (w := self._other(out, "scatter", output_tensors, input_tensors, opts)) is not None:
+            return w
+        root = opts.rootRank
+        self._global(root, "scatter", "src")
+        if self.group.rank != root:
+            if input_tensors and any(input_tensors):
+                raise ValueError(f"scatter: scatter_list must be empty on ranks other than src={root}")
+            buf, back = _stage(out, "scatter", "tensor", copy_in=False)
+            return self._work([comm.recv(buf, self.group.ranks[root], self.group, async_op=True)], output_tensors,
+                              back)
+        ins = _one(input_tensors, "scatter", "scatter_list")
+        if len(ins) != self.group.size:
+            raise ValueError(f"scatter: scatter_list must hold {self.group.size} tensors (one per rank), got {len(ins)}")
+        staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
+        works = [comm.send(buf, self.group.ranks[r], self.group, async_op=True) for r, buf in staged.items()]
+        out.copy_(ins[root])
+        return self._work(works, output_tensors)
+
+    # ---- all_to_all ----
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """A send and a receive per peer, all in flight at once (one channel per peer and direction)."""
+        if input_tensors and (w := self._other(input_tensors[0], "alltoall", output_tensors, input_tensors,
+                                               opts)) is not None:
+            return w
+        n, me = self.group.size, self.group.rank
+        for arg, ts in (("output_tensor_list", output_tensors), ("input_tensor_list", input_tensors)):
+            if len(ts) != n:
+                raise ValueError(f"alltoall: {arg} must hold {n} tensors (one per rank), got {len(ts)}")
+        pairs = []
+        for k in range(1, n):  # peers in the order me+1, me+2, ...: every pair starts at once
+            dst, src = (me + k) % n, (me - k) % n
+            bi, _ = _stage(input_tensors[dst], "alltoall", f"input_tensor_list[{dst}]")
+            bo, back = _stage(output_tensors[src], "alltoall", f"output_tensor_list[{src}]", copy_in=False)
+            pairs.append((dst, bi, src, bo, back))
+        works = []
+        for dst, bi, src, bo, _ in pairs:
+            works.append(comm.send(bi, self.group.ranks[dst], self.group, async_op=True))
+            works.append(comm.recv(bo, self.group.ranks[src], self.group, async_op=True))
+        output_tensors[me].copy_(input_tensors[me])
+        return self._work(works, output_tensors, _chain(*(p[4] for p in pairs)))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        if (w := self._other(input, "alltoall_base", output, input, output_split_sizes, input_split_sizes,
+                             opts)) is not None:
+            return w
+        n = self.group.size
+        outs = _split_dim0(output, output_split_sizes, n, "output")
+        ins = _split_dim0(input, input_split_sizes, n, "input")
+        return self.alltoall(outs, ins, opts)
+
+    alltoall_base = all_to_all_single
+
+    # ---- barrier and point-to-point ----
+
+    def barrier(self, opts=None):
+        opts = _OPTIONS.BarrierOptions() if opts is None else opts
+        return self._work([comm.barrier(self.group, async_op=opts.asyncOp)], [])
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        t = _one(tensors, "send", "tensors")
+        if (w := self._other(t, "send", tensors, dst, tag)) is not None:
+            return w
+        _check_tag(tag, "send")
+        buf, _ = _stage(t, "send", "tensor")
+        return self._work([comm.send(buf, self._global(dst, "send", "dst"), self.group, async_op=True)], tensors)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        t = _one(tensors, "recv", "tensors")
+        if (w := self._other(t, "recv", tensors, src, tag)) is not None:
+            return w
+        _check_tag(tag, "recv")
+        buf, back = _stage(t, "recv", "tensor", copy_in=False)
+        return self._work([comm.recv(buf, self._global(src, "recv", "src"), self.group, async_op=True)], tensors,
+                          back)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        raise ValueError(f"recv: src=None (receive from any rank) is not supported by the {NAME!r} backend; "
+                         "pass the sender's rank")
+
+
+def _check_tag(tag: int, op: str) -> None:
+    if tag != 0:
+        raise ValueError(f"{op}: tag={tag} is not supported by the {NAME!r} backend (messages between two ranks "
+                         "are matched in order); expected tag=0")
+
+
+def _split_dim0(t: torch.Tensor, sizes, n: int, arg: str) -> list[torch.Tensor]:
+    sizes = list(sizes)
+    if not sizes:
+        if t.shape[0] % n:
+            raise ValueError(f"all_to_all_single: {arg}.shape[0]={t.shape[0]} is not divisible by the group size "
+                             f"{n} (pass {arg}_split_sizes)")
+        sizes = [t.shape[0] // n] * n
+    if len(sizes) != n or sum(sizes) != t.shape[0]:
+        raise ValueError(f"all_to_all_single: {arg}_split_sizes={sizes} must hold {n} sizes summing to "
+                         f"{arg}.shape[0]={t.shape[0]}")
+    return list(t.split(sizes))

@@ -324,6 +324,14 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("recv", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
         return nccl_call([&] { return t.recv(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+      })
+      // ops: (buffer, count, dtype code, peer, is_send) each
+      .def("batch_p2p", [](NcclTransport& t, const std::vector<std::tuple<uintptr_t, int64_t, int, int, bool>>& ops,
+                           uintptr_t stream, bool async_op) {
+        std::vector<NcclTransport::P2P> v;
+        v.reserve(ops.size());
+        for (const auto& [buf, n, dt, peer, is_send] : ops) v.push_back({as_ptr(buf), n, DType(dt), peer, is_send});
+        return nccl_call([&] { return t.batch_p2p(v, stream, async_op); });
       });
 #endif
 

@@ -708,4 +708,30 @@ NcclTransport::WorkPtr NcclTransport::recv(void* buf, int64_t count, DType dt, i
   return w;
 }
 
+NcclTransport::WorkPtr NcclTransport::batch_p2p(const std::vector<P2P>& ops, uintptr_t stream, bool async_op) {
+  const char* what = "batch_isend_irecv";
+  Impl& t = *impl_;
+  for (const P2P& op : ops) {
+    if (op.peer < 0 || op.peer >= t.n || op.peer == t.rank)
+      throw std::invalid_argument("batch_isend_irecv: peer must be another rank");
+    if (op.count < 0) throw std::invalid_argument("batch_isend_irecv: negative count");
+  }
+  auto w = t.run(what, stream, async_op, false, false, [&](cudaStream_t s) {
+    t.grouped(what, [&](auto report) {
+      for (const P2P& op : ops) {
+        if (!op.count) continue;
+        report(op.is_send ? ncclSend(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s)
+                          : ncclRecv(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s));
+      }
+    });
+  });
+  for (const P2P& op : ops) {
+    if (op.is_send)
+      t.counters.add(Coll::send, uint64_t(op.count), uint64_t(op.count) * dtype_size(op.dt));
+    else
+      t.counters.add(Coll::recv, uint64_t(op.count), 0);
+  }
+  return w;
+}
+
 }  // namespace pz

@@ -140,6 +140,18 @@ class NcclTransport {
   WorkPtr barrier(uintptr_t stream, bool async_op);
   WorkPtr send(const void* buf, int64_t count, DType dt, int peer, uintptr_t stream, bool async_op);
   WorkPtr recv(void* buf, int64_t count, DType dt, int peer, uintptr_t stream, bool async_op);
+  // Sends and receives posted together in one ncclGroupStart/End (NCCL needs
+  // concurrent point-to-point calls grouped, or two ranks that both send first
+  // wait on each other): e.g. a ring step's send to the next rank and receive
+  // from the previous one. One operation, one Work.
+  struct P2P {
+    void* buf;
+    int64_t count;
+    DType dt;
+    int peer;
+    bool is_send;
+  };
+  WorkPtr batch_p2p(const std::vector<P2P>& ops, uintptr_t stream, bool async_op);
 
   std::map<std::string, OpStats> stats(bool reset);
   // Lets issued work finish, then frees the communicator (aborts it if that

@@ -175,6 +175,28 @@ class Work:
         return self._keep is None or self._work.is_completed()
 
 
+class RawGroup:
+    """Several raw handles waited for as one (Backend.batch_p2p's default)."""
+
+    __slots__ = ("raws",)
+
+    def __init__(self, raws):
+        self.raws = raws
+
+    def wait(self, *stream) -> bool:
+        for r in self.raws:
+            r.wait(*stream)
+        return True
+
+    def synchronize(self) -> bool:
+        for r in self.raws:
+            (r.synchronize if hasattr(r, "synchronize") else r.wait)()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(r.is_completed() for r in self.raws)
+
+
 # ---------------------------------------------------------------------------
 # Per-group options
 
@@ -324,6 +346,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Finish queued work and release the transport."""
+
+    def batch_p2p(self, ops: Sequence[tuple[Buffer, int, bool]], async_op: bool):
+        """Sends and receives (buffer, peer, is_send) posted together. This default posts each
+        asynchronously (a transport whose sends never wait for the receiver needs nothing more);
+        the nccl backend groups them in one ncclGroupStart/End."""
+        raws = [self.send(b, peer, True) if is_send else self.recv(b, peer, True) for b, peer, is_send in ops]
+        raw = RawGroup([r for r in raws if r is not None])
+        if async_op:
+            return raw
+        raw.wait()
+        return None
 
     def work(self, raw, keep, b: Buffer | None) -> Work:
         """Wrap a raw async handle; `keep` stays alive until it is waited on."""

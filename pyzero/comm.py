@@ -17,7 +17,7 @@ import datetime
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -369,6 +369,41 @@ def recv(t, src: int, group=None, async_op: bool = False):
     be = g.backend
     b = be.buffer(t, "tensor")
     return g.track(be.recv(b, peer, bool(async_op)), (t,), b)
+
+
+class P2POp(NamedTuple):
+    """One point-to-point operation of batch_isend_irecv (torch.distributed.P2POp's shape)."""
+
+    op: str  # "send" or "recv" (torch's dist.isend / dist.irecv are accepted too)
+    tensor: object
+    peer: int  # global rank
+    group: object = None
+
+
+def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
+    """Post sends and receives together and return their Works (one per op; waiting any waits
+    for all). Use it where ranks exchange in both directions at once, e.g. a ring step's send
+    to the next rank and receive from the previous: NCCL needs such calls grouped, or two ranks
+    that both send first wait for each other forever. All ops in one group."""
+    if not isinstance(ops, (list, tuple)) or not ops:
+        raise ValueError("ops: expected a non-empty list of pz.P2POp")
+    groups_ = {id(resolve_group(o.group)) for o in ops}
+    if len(groups_) != 1:
+        raise ValueError("ops: every P2POp must use the same group")
+    g = resolve_group(ops[0].group)
+    be = g.backend
+    batch, keep = [], []
+    for i, o in enumerate(ops):
+        kind = getattr(o.op, "__name__", o.op)
+        if kind in ("isend", "send"):
+            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor", writable=False), _peer(g, o.peer, "dst"), True))
+        elif kind in ("irecv", "recv"):
+            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor"), _peer(g, o.peer, "src"), False))
+        else:
+            raise ValueError(f"ops[{i}].op: expected 'send' or 'recv', got {o.op!r}")
+        keep.append(o.tensor)
+    work = g.track(be.batch_p2p(batch, True), tuple(keep), batch[0][0])
+    return [work] * len(ops)
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:

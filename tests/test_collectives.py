@@ -334,6 +334,15 @@ def _rank_other_collectives():
             assert w.wait() is True
         for p, got in recvd.items():
             ck.check(f"all-to-all message from {p}", got, torch.full((257,), float(p * 10 + me)))
+        # batch_isend_irecv: a ring step (send to next, receive from previous) posted together, twice
+        for size in (5, 300007):
+            out = torch.full((size,), float(me))
+            got = torch.full((size,), -1.0)
+            works = pz.batch_isend_irecv([pz.P2POp("send", out, nxt), pz.P2POp("recv", got, prv)])
+            assert len(works) == 2
+            for w in works:
+                w.wait()
+            ck.check(f"batch_isend_irecv ring, {size} elements", got, torch.full((size,), float(prv)))
 
     # several async collectives in flight, then a sync one queued behind them
     ts = [make_input("sum", torch.float32, 100_003, me, 500 + i) for i in range(3)]

@@ -507,6 +507,17 @@ def test_dispatch_passes_pointers_codes_and_stream(gpu_world):
     assert gpu_world.log[-1] == ("recv", 0x5000, 4, 0, 0, 0, False)
 
 
+def test_batch_isend_irecv_is_one_grouped_nccl_call(gpu_world):
+    out, inp = FakeArray(readonly=True, ptr=0x4000, stream=5), FakeArray(ptr=0x5000, stream=5)
+    works = pz.batch_isend_irecv([pz.P2POp("send", out, 0), pz.P2POp("recv", inp, 0)])
+    assert gpu_world.log[-1] == ("batch_p2p", [(0x4000, 4, 0, 0, True), (0x5000, 4, 0, 0, False)], 5, True)
+    assert len(works) == 2 and works[0] is works[1] and works[0]._keep == (out, inp)
+    with pytest.raises(ValueError, match=r"ops\[1\].op: expected 'send' or 'recv'"):
+        pz.batch_isend_irecv([pz.P2POp("send", out, 0), pz.P2POp("bcast", inp, 0)])
+    with pytest.raises(ValueError, match="cannot receive from this rank itself"):
+        pz.batch_isend_irecv([pz.P2POp("recv", inp, 1)])
+
+
 def test_dispatch_async_work_waits_on_the_stream_and_keeps_buffers(gpu_world):
     x = FakeArray(ptr=0x1000, stream=9)
     work = pz.all_reduce(x, async_op=True)

@@ -94,6 +94,11 @@ class NcclBackend(Backend):
     def recv(self, b, peer, async_op):
         return self.comm.recv(b.ptr, b.numel, b.code, peer, b.stream, async_op)
 
+    def batch_p2p(self, ops, async_op):
+        stream = ops[0][0].stream  # the caller's current stream (one for all buffers)
+        return self.comm.batch_p2p([(b.ptr, b.numel, b.code, peer, is_send) for b, peer, is_send in ops], stream,
+                                   async_op)
+
     def stats(self, reset):
         return self.comm.stats(reset)
 

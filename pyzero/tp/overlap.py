@@ -83,8 +83,8 @@ def ring_all_gather(x2: torch.Tensor, g: comm.Group, on_block, out: torch.Tensor
         c = (r - s) % n
         works = []
         if s < n - 1:  # pass block c on and fetch block c-1, which rank r-1 holds now
-            works = [comm.send(blocks[c], nxt, group=g, async_op=True),
-                     comm.recv(blocks[(c - 1) % n], prv, group=g, async_op=True)]
+            works = comm.batch_isend_irecv([comm.P2POp("send", blocks[c], nxt, g),
+                                            comm.P2POp("recv", blocks[(c - 1) % n], prv, g)])[:1]
         try:
             on_block(c, blocks[c])
         finally:
@@ -102,23 +102,20 @@ def ring_reduce_scatter(partial, m: int, o: int, like: torch.Tensor, g: comm.Gro
     parts = [_scratch(g, f"partial{i}", (m, o), like) for i in range(2 if n > 1 else 0)]
     incoming = _scratch(g, "incoming", (m, o), like) if n > 1 else None
     nxt, prv = _neighbours(g)
-    sent = None
+    moving = None  # step s-1's partial sum on its way to rank r+1 and step s's arriving from r-1
     for s in range(n):
         c = (r - 1 - s) % n
         part = like.new_empty((m, o)) if s == n - 1 else parts[s % 2]  # free: its send (step s-2) was waited for
-        got = comm.recv(incoming, prv, group=g, async_op=True) if s > 0 else None
         try:
             partial(c, part)
         finally:
-            if got is not None:
-                got.wait()
-        if got is not None:
+            if moving is not None:  # every rank posted the same transfers: finish them even if compute failed
+                _wait(moving)
+        if s > 0:
             part += incoming
-        if sent is not None:
-            sent.wait()
-            sent = None
-        if s < n - 1:
-            sent = comm.send(part, nxt, group=g, async_op=True)
+        if s < n - 1:  # one batch: NCCL needs the send and the receive grouped (see batch_isend_irecv)
+            moving = comm.batch_isend_irecv([comm.P2POp("send", part, nxt, g),
+                                             comm.P2POp("recv", incoming, prv, g)])[:1]
     return part
 
 

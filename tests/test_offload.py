@@ -190,3 +190,175 @@ def test_peak_rss_with_nvme_is_lower_by_about_the_state(tmp_path):
     buffers = 2 * 2 * 4 * (1 << 20)  # two sub-groups of both states in RAM: 16 MiB
     saved = peak("memory") - peak("nvme")
     assert 0.7 * (state - buffers) < saved < 1.3 * state, (saved, state)
+
+
+# ---- ZeroOptimizer(offload=...) on CPU models -------------------------------------------
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(16, 30), torch.nn.Linear(30, 30), torch.nn.Linear(30, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None):
+    torch.manual_seed(0)
+    model = Net()
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    extra = {}
+    if offload:
+        extra["offload"] = offload
+    if offload == "nvme":
+        extra.update(nvme_path=nvme_dir, offload_params=stage == 3)
+    opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **extra, **kw)
+    rank, world = pz.get_rank(), pz.get_world_size()
+    for step in range(steps):
+        if ckpt is not None and step == steps // 2:
+            pz.checkpoint.save(ckpt, model, opt, step)
+            torch.manual_seed(0)
+            model = Net()
+            opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **extra, **kw)
+            assert pz.checkpoint.load(ckpt, model, opt) == step
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 5, generator=g)
+        lo, hi = rank * 12 // world, (rank + 1) * 12 // world
+        loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") / 12 * world
+        loss.backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+    state = opt.full_state_dict() if stage == 3 else model.state_dict()
+    return state and {k: v.clone() for k, v in state.items()}, type(opt.inner).__name__
+
+
+def _zero_ranks(stage, nvme_dir):
+    pz.init()
+    runs = {"torch": _zero_run(stage, torch.optim.AdamW, None, None),
+            "pz": _zero_run(stage, pz.optim.AdamW, None, None),
+            "cpu": _zero_run(stage, torch.optim.AdamW, "cpu", None),
+            "nvme": _zero_run(stage, torch.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}")),
+            "nvme_ckpt": _zero_run(stage, torch.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}"),
+                                   ckpt=os.path.join(nvme_dir, "ckpt"))}
+    return runs
+
+
+@pytest.mark.parametrize("world,stage", [(1, 1), (2, 2), (3, 3), (3, 1), (2, 3)])
+def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
+    """offload="cpu" and "nvme" (also through a checkpoint save/load mid-run) give bitwise the
+    weights of no offload with pz.optim.AdamW, and torch.optim.AdamW's within fp32 tolerance."""
+    from pyzero.launch import run_ranks
+
+    for r in range(world):
+        (tmp_path / f"r{r}").mkdir()
+    results = run_ranks(_zero_ranks, world, args=(stage, str(tmp_path)), timeout=120)
+    for res in results[:1] if stage == 3 else results:  # stage 3: the full state is on rank 0
+        runs = res.value
+        assert runs["cpu"][1] == "AdamW" and runs["nvme"][1] == "NvmeAdamW"
+        for name, ref in runs["pz"][0].items():
+            assert torch.equal(runs["cpu"][0][name], ref), name
+            assert torch.equal(runs["nvme"][0][name], ref), name
+            assert torch.equal(runs["nvme_ckpt"][0][name], ref), name
+            assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
+
+
+def _bad_offload_args(tmp):
+    pz.init()
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    errors = {}
+    cases = {"mode": dict(offload="gpu"), "params_stage2": dict(stage=2, offload="cpu", offload_params=True),
+             "path_without_nvme": dict(offload="cpu", nvme_path=tmp), "missing": dict(offload="nvme"),
+             "not_there": dict(offload="nvme", nvme_path=os.path.join(tmp, "nope")),
+             "sgd": dict(offload="nvme", nvme_path=tmp, optimizer=torch.optim.SGD)}
+    for name, kw in cases.items():
+        kw = dict(kw)
+        optimizer = kw.pop("optimizer", torch.optim.AdamW)
+        try:
+            pz.ZeroOptimizer(model, optimizer, **{"stage": 1, **kw}, lr=1e-2)
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=1, offload="cpu", lr=1e-2)  # the model is still free
+    untouched = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return errors, untouched, type(opt.inner).__module__
+
+
+def test_zero_offload_bad_arguments_fail_before_the_model_is_touched(tmp_path):
+    from pyzero.launch import run_ranks
+
+    for res in run_ranks(_bad_offload_args, 2, args=(str(tmp_path),), timeout=60):
+        errors, untouched, inner_module = res.value
+        assert "offload: expected None, 'cpu' or 'nvme'" in errors["mode"]
+        assert "offload_params: needs stage=3" in errors["params_stage2"]
+        assert "nvme_path: only used with offload='nvme'" in errors["path_without_nvme"]
+        assert "nvme_path: required" in errors["missing"]
+        assert "does not exist" in errors["not_there"]
+        assert "supports torch.optim.Adam/AdamW" in errors["sgd"]
+        assert untouched and inner_module == "pyzero.optim.adam"
+
+
+@pytest.mark.gpu
+def test_host_shard_round_trip_and_step_match_cpu_reference():
+    """D2H of reduced buckets, the fused CPU step writing bf16 copies, H2D back: the device
+    shard equals the CPU-only computation."""
+    from pyzero.zero.offload import HostShard
+
+    n = 100_003
+    gen = torch.Generator().manual_seed(0)
+    master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    hs = HostShard(n, "cuda", torch.bfloat16)
+    hs.master.copy_(master)
+    dev_grad = grad.cuda()
+    half = n // 2
+    hs.grad_to_host(dev_grad[:half], 0)  # two "buckets"
+    hs.grad_to_host(dev_grad[half:].to(torch.bfloat16), half)
+    hs.wait_grads()
+    ref_grad = torch.cat([grad[:half], grad[half:].to(torch.bfloat16).float()])
+    assert torch.equal(hs.grad, ref_grad)
+    m, v = torch.zeros(n), torch.zeros(n)
+    F.adam_step([hs.master], [hs.grad], [m], [v], None, [hs.low], step=1, lr=1e-2, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.5)
+    ref = master.clone()
+    F.adam_step([ref], [ref_grad], [torch.zeros(n)], [torch.zeros(n)], step=1, lr=1e-2, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.5)
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    hs.params_to_device(dst)
+    assert torch.equal(dst.cpu(), ref.to(torch.bfloat16))
+
+
+# ---- estimate_memory with offload (hand-computed) -------------------------------------
+
+def test_estimate_memory_offload_hand_computed():
+    from pyzero.zero import estimate_memory
+
+    # Ψ = 1e9, N = 4, K = 12, mixed precision: S = 2.5e8
+    m = estimate_memory(1e9, 4, 2, offload="cpu")
+    assert m["device"] == 2e9  # fp16 parameters; gradients leave bucket by bucket
+    assert m["host"] == 12 * 2.5e8 + 4 * 2.5e8 + 2 * 2.5e8 == 4.5e9
+    assert m["disk"] == 0 and m["total"] == 2e9 + 5e8 + 3e9
+    m = estimate_memory(1e9, 4, 3, offload="nvme", offload_params=True, nvme_sub_group=10**6)
+    assert m["device"] == 0 and m["disk"] == 8 * 2.5e8
+    assert m["host"] == 4 * 2.5e8 + 4 * 2.5e8 + 2 * 2.5e8 + 2 * 10**6 * 8  # master, grad, w-byte shard, buffers
+    m = estimate_memory(1e9, 2, 1, 8, False, offload="cpu")  # fp32: K = 8 has no master, S = 5e8
+    assert m["device"] == 4e9 + 4e9
+    assert m["host"] == 8 * 5e8 + 4 * 5e8 + 4 * 5e8 + 4 * 5e8
+    m = estimate_memory(1e9, 4, 2)
+    assert m["device"] == m["total"] and m["host"] == m["disk"] == 0
+    with pytest.raises(ValueError, match="offload: needs a ZeRO stage"):
+        estimate_memory(1e9, 4, 0, offload="cpu")
+    with pytest.raises(ValueError, match="offload_params: needs stage=3"):
+        estimate_memory(1e9, 4, 2, offload="cpu", offload_params=True)
+    with pytest.raises(ValueError, match="offload: expected None"):
+        estimate_memory(1e9, 4, 2, offload="disk")
+
+
+def test_pyzero_estimate_offload_columns(capsys):
+    from pyzero.zero.memory import main
+
+    main(["--params", "13e9", "--world", "1", "--offload", "cpu", "--gpu-gb", "32"])
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("ZeRO")}
+    # 13B on one 32 GB GPU (the ZeRO-Offload paper's case): 26 GB of fp16 parameters on the device
+    assert rows["ZeRO-2"] == ["26.00", "234.00", "0.00", "yes"]
+    assert rows["ZeRO-1"][0] == "52.00" and rows["ZeRO-1"][-1] == "no"

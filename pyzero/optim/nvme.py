@@ -109,7 +109,7 @@ class NvmeAdam(Adam):
         nbuf = max(self._cap, default=0) * 4 * len(self._names)
         self._bufs = [aligned_empty(nbuf), aligned_empty(nbuf)] if self._cap else []
         self._steps: dict[int, torch.Tensor] = {}
-        self.state = _DiskState(self)
+        self._disk = self.state = _DiskState(self)  # one object: holders of .state stay valid
         self.io_stats = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0, "step_s": 0.0}
 
     def _plan(self, sub_group_elems):
@@ -151,7 +151,7 @@ class NvmeAdam(Adam):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)  # leaves full tensors in a plain dict self.state
-        loaded, self.state = self.state, _DiskState(self)
+        loaded, self.state = self.state, self._disk
         self._steps.clear()
         for p, st in loaded.items():
             self.state[p] = st

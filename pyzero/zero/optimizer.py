@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from . import offload as _offload
 from .partition import FlatLayout, Piece
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -48,7 +49,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return object.__new__(cls)
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
-                 comm_dtype=None, group=None, param_groups=None, tp_group=None, **optimizer_kwargs):
+                 comm_dtype=None, group=None, param_groups=None, tp_group=None, offload=None, nvme_path=None,
+                 offload_params=False, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -78,6 +80,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_devices()
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
+        self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
+                                        optimizer_kwargs, self.params, self.world)
         self._sync = True
         self._grads_ready = False
         # Which parameters received a gradient since zero_grad: see [Note: parameters without gradients].
@@ -157,7 +161,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in groups[:ngroups]:
             if not g["params"]:
                 g["params"].append(nn.Parameter(torch.zeros(0), requires_grad=True))
-        self.inner = optimizer_class(groups, **kwargs)
+        self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
         self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()

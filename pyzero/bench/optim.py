@@ -22,6 +22,12 @@ the probe and DeepSpeed (its OpenMP loop follows torch's thread count).
 
 DeepSpeed's CPUAdam is JIT-built with ninja the first time; where it does not
 build or import, the run says why and goes on without it.
+
+With ``--nvme-path DIR`` a third table times pz.optim.NvmeAdamW (state in swap
+files under DIR, --sub-group elements per file) against pz.optim.AdamW in RAM
+for the same parameters: io ms is the state's read + write alone (every
+sub-group read then written, nothing else), and hidden = 1 - (nvme - ram) / io,
+the fraction of that I/O the double-buffered step hides behind compute.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stream-mib", type=int, default=256, help="array size of the bandwidth probe")
+    p.add_argument("--nvme-path", default=None, help="directory on the disk to bench NvmeAdamW on (optional)")
+    p.add_argument("--sub-group", default="8M", help="NvmeAdamW sub-group size in elements")
     p.add_argument("--json", default=None)
 
 
@@ -111,6 +119,34 @@ def make_step(run: str, step: str, n: int, threads: int, ds_cls):
     return offload_step
 
 
+def nvme_rows(args, sizes, threads) -> list:
+    """NvmeAdamW vs AdamW in RAM, and the swap I/O alone, per size."""
+    from .. import optim as pz_optim  # noqa: PLC0415
+
+    rows = []
+    sub_group = parse_size(args.sub_group)
+    print(f"# nvme: {args.nvme_path}, sub-group {sub_group} elements, threads={threads}")
+    print(f"#{'params':>10} {'ram ms':>9} {'nvme ms':>9} {'io ms':>9} {'slowdown':>8} {'overlap':>7} {'direct':>6}")
+    for n in sizes:
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n)
+        ram = pz_optim.AdamW([p], lr=LR, threads=threads)
+        t_ram = _median_s(ram.step, args.iters, args.warmup)
+        del ram
+        opt = pz_optim.NvmeAdamW([p], lr=LR, threads=threads, nvme_path=args.nvme_path, sub_group_elems=sub_group)
+        t_nvme = _median_s(opt.step, args.iters, args.warmup)
+        opt._step_group = lambda *a: None  # the same I/O schedule without the compute
+        t_io = _median_s(opt.step, args.iters, 1)
+        hidden = max(0.0, min(1.0, (t_ram + t_io - t_nvme) / min(t_ram, t_io)))
+        rows.append({"params": n, "threads": threads, "ram_ms": t_ram * 1e3, "nvme_ms": t_nvme * 1e3,
+                     "io_ms": t_io * 1e3, "slowdown": t_nvme / t_ram, "overlap": hidden, "direct": opt.direct,
+                     "sub_group": sub_group, "state_bytes": 8 * n})
+        print(f" {n:>10} {t_ram * 1e3:>9.2f} {t_nvme * 1e3:>9.2f} {t_io * 1e3:>9.2f} {t_nvme / t_ram:>8.2f} "
+              f"{hidden:>7.2f} {str(opt.direct):>6}")
+        opt.close()
+    return rows
+
+
 def main(args) -> int:
     runs = [r for r in args.runs.split(",") if r]
     bad = [r for r in runs if r not in RUNS]
@@ -158,9 +194,10 @@ def main(args) -> int:
                                         "fraction": gbps / bw, "speedup_vs_torch_fused": rel})
                         print(f" {threads:>7} {step:>8} {n:>10} {run:>14} {t * 1e3:>9.2f} {n / t / 1e6:>10.1f} "
                               f"{gbps:>7.1f} {gbps / bw:>5.2f} {rel:>8.2f}")
+        nvme = nvme_rows(args, sizes, thread_counts[-1]) if args.nvme_path else []
     finally:
         torch.set_num_threads(saved_threads)
     if args.json:
-        write_json(args.json, results, {"bandwidth_probe_gbps": probes, "skipped": skipped,
+        write_json(args.json, results, {"bandwidth_probe_gbps": probes, "skipped": skipped, "nvme": nvme,
                                         "isa": pz_optim.cpu_isa(), "iters": args.iters})
     return 0

@@ -288,6 +288,18 @@ PYBIND11_MODULE(_C, m) {
         sgd_step(table, s, DType(copy_dtype), threads, Isa(isa));
       },
       "One fused SGD step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
+  m.def(
+      "cpu_adagrad_step",
+      [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> sum,
+                    std::vector<uintptr_t> copy, std::vector<int64_t> numels, int copy_dtype, float grad_scale,
+                    float weight_decay, float neg_clr, float eps, bool maximize, int threads, int isa) {
+        std::vector<uintptr_t> none(p.size(), 0);
+        auto table = optim_slots(p, g, sum, none, none, copy, numels);
+        AdagradScalars s{grad_scale, weight_decay, neg_clr, eps, maximize};
+        py::gil_scoped_release nogil;
+        adagrad_step(table, s, DType(copy_dtype), threads, Isa(isa));
+      },
+      "One fused Adagrad step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
 
 #ifdef PYZERO_WITH_CUDA
   m.def(

@@ -255,4 +255,16 @@ void sgd_step(const std::vector<OptimSlot>& slots, const SgdScalars& s, DType co
 #endif
 }
 
+void adagrad_step(const std::vector<OptimSlot>& slots, const AdagradScalars& s, DType copy_dtype, int threads,
+                  Isa isa) {
+  check(slots, copy_dtype, threads, true, false, false, "adagrad_step");
+#if defined(__x86_64__)
+  run_all<AdagradScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adagrad_loop, isa_avx2::adagrad_loop,
+                          isa_avx512::adagrad_loop);
+#else
+  run_all<AdagradScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adagrad_loop, isa_scalar::adagrad_loop,
+                          isa_scalar::adagrad_loop);
+#endif
+}
+
 }  // namespace pz

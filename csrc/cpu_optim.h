@@ -1,4 +1,4 @@
-// cpu_optim.h — fused CPU optimizer steps (Adam/AdamW, SGD) over fp32 tensors.
+// cpu_optim.h — fused CPU optimizer steps (Adam/AdamW, SGD, Adagrad) over fp32 tensors.
 //
 // One pass per element reads p, g and the state, writes p and the state, and
 // optionally a 16-bit copy of the new p (the parameters a GPU or a low-precision
@@ -40,7 +40,7 @@ Isa best_isa();  // the widest one this CPU (and OS) supports
 struct OptimSlot {
   float* p;
   const float* g;
-  float* state0;  // Adam: exp_avg; SGD: momentum_buffer
+  float* state0;  // Adam: exp_avg; SGD: momentum_buffer; Adagrad: sum
   float* state1;  // Adam: exp_avg_sq
   float* state2;  // Adam with amsgrad: max_exp_avg_sq
   void* copy;
@@ -74,9 +74,19 @@ struct SgdScalars {
   bool first_step = false;  // momentum buffers are set to g instead of updated
 };
 
+struct AdagradScalars {
+  float grad_scale = 1.0f;
+  float weight_decay = 0.0f;
+  float neg_clr = -1e-2f;  // -lr / (1 + (step - 1) * lr_decay)
+  float eps = 1e-10f;
+  bool maximize = false;
+};
+
 // Steps every slot; work is split over `threads` threads (the caller's thread
 // is one of them) in contiguous chunks. copy_dtype: f32, f16 or bf16.
 void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa);
 void sgd_step(const std::vector<OptimSlot>& slots, const SgdScalars& s, DType copy_dtype, int threads, Isa isa);
+void adagrad_step(const std::vector<OptimSlot>& slots, const AdagradScalars& s, DType copy_dtype, int threads,
+                  Isa isa);
 
 }  // namespace pz

@@ -115,7 +115,10 @@ def test_every_isa_and_thread_count_bitwise_equal_to_scalar(isa, threads):
         s, buf = p.clone(), m.clone()
         F.sgd_step([s], [g], [buf], [c16], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
                    threads=threads_, isa=isa_)
-        return p, m, v, vmax, cb16, s, buf, c16
+        a, acc, c32 = p.clone(), v.clone(), torch.empty(n)
+        F.adagrad_step([a], [g], [acc], [c32], step=2, lr=0.1, lr_decay=0.1, weight_decay=1e-3, eps=1e-10,
+                       threads=threads_, isa=isa_)
+        return p, m, v, vmax, cb16, s, buf, c16, a, acc, c32
 
     for a, b in zip(run(isa, threads), run("scalar", 1)):
         assert torch.equal(a, b)
@@ -199,3 +202,61 @@ def test_bad_input_names_argument():
     q.grad = torch.randn(10)
     with pytest.raises(ValueError, match=r"copies\[0\]: has 5 elements"):
         pz.optim.AdamW([q]).step(copies={q: torch.empty(5, dtype=torch.bfloat16)})
+
+
+def pythagorean_grads(n, gen):
+    """Per element a power-of-two scale and sign times 3, 4, 12, 84, 3612: the running sum of
+    squares is 9, 25, 169, 7225, 3613^2 (times the scale squared), a perfect square every step."""
+    scale = 2.0 ** torch.randint(-6, 0, (n,), generator=gen).float()
+    sign = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    return [sign * scale * k for k in (3, 4, 12, 84, 3612)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adagrad_bitwise_equal_to_torch_when_sqrt_exact(n, maximize):
+    p, q, gen = pair(n, 7)
+    kw = dict(lr=0.1, lr_decay=0.01, eps=0.0, maximize=maximize)
+    ours, ref = pz.optim.Adagrad([p], threads=2, **kw), torch.optim.Adagrad([q], foreach=False, **kw)
+    for g in pythagorean_grads(n, gen):
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    assert torch.equal(ours.state[p]["sum"], ref.state[q]["sum"])
+    assert torch.equal(p, q)
+
+
+def test_adagrad_random_grads_with_weight_decay():
+    n = 100_003
+    p, q, gen = pair(n, 8)
+    kw = dict(lr=0.05, weight_decay=0.01, initial_accumulator_value=0.1)
+    ours, ref = pz.optim.Adagrad([p], **kw), torch.optim.Adagrad([q], foreach=False, **kw)
+    for _ in range(5):
+        old = q.detach().clone()
+        g = torch.randn(n, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+        assert torch.equal(ours.state[p]["sum"], ref.state[q]["sum"])
+        mag = torch.maximum(old.abs(), q.detach().abs())
+        spacing = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+        assert ((p.detach() - q.detach()).abs() / spacing).max().item() <= 4.0
+        with torch.no_grad():
+            p.copy_(q)
+    sd = ours.state_dict()
+    assert set(sd["state"][0]) == {"step", "sum"} and sd["state"][0]["step"].item() == 5
+
+
+@pytest.mark.parametrize("cls", ["Adam", "SGD"])
+def test_maximize_and_torch_switches(cls):
+    n = 4099
+    p, q, gen = pair(n, 9)
+    kw = dict(lr=1e-2, maximize=True, weight_decay=0.01)
+    kw.update(dict(betas=(0.8, 0.0)) if cls == "Adam" else dict(momentum=0.9))
+    ours = getattr(pz.optim, cls)([p], foreach=True, fused=True, **kw)  # torch's switches are accepted
+    ref = getattr(torch.optim, cls)([q], foreach=False, **kw)
+    for _ in range(5):
+        g = dyadic_grad(n, gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="differentiable: not supported"):
+        getattr(pz.optim, cls)([p], differentiable=True)

@@ -5,7 +5,8 @@ Same constructor, param groups, state layout (``step``, ``exp_avg``,
 so checkpoints move between the two and lr schedulers work unchanged. The
 parameters must be dense, contiguous float32 CPU tensors.
 
-Extras over torch: ``threads`` (default ``torch.get_num_threads()``), and in
+torch's ``foreach``/``fused`` switches are accepted and ignored (the step is always
+the fused kernel); ``capturable``/``differentiable`` raise. Extras over torch: ``threads`` (default ``torch.get_num_threads()``), and in
 :meth:`step` a ``grad_scale`` applied to every gradient in the same pass and
 ``copies``, a ``{param: tensor}`` mapping of float16/bfloat16/float32 tensors
 that receive the updated parameters in the same pass.
@@ -21,7 +22,9 @@ class Adam(torch.optim.Optimizer):
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, threads: int | None = None, isa: str = "best"):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 threads: int | None = None, isa: str = "best"):
+        F.check_torch_only_kwargs(f"pz.optim.{type(self).__name__}", foreach, fused, capturable, differentiable)
         if not 0.0 <= F.as_float(lr, "lr"):
             raise ValueError(f"lr: expected >= 0, got {lr}")
         if not 0.0 <= eps:
@@ -35,7 +38,7 @@ class Adam(torch.optim.Optimizer):
         F._isa_code(isa)
         self.threads, self.isa = threads, isa
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None,
+                        maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=self._decoupled)
         super().__init__(params, defaults)
 
@@ -95,7 +98,5 @@ class Adam(torch.optim.Optimizer):
 class AdamW(Adam):
     _decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, threads: int | None = None, isa: str = "best"):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, threads=threads,
-                         isa=isa)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)

@@ -150,3 +150,26 @@ def as_float(x, arg: str) -> float:
     if math.isnan(v):
         raise ValueError(f"{arg}: got NaN")
     return v
+
+
+def adagrad_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state_sums, copies=None, *,
+                 step: float, lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
+                 maximize: bool = False, grad_scale: float = 1.0, threads: int | None = None,
+                 isa: str = "best") -> None:
+    """One Adagrad step on every tensor, in place, as torch.optim.adagrad._single_tensor_adagrad
+    (``step`` counted after this step)."""
+    ptrs, numels, copy_code = _table(params, grads, {"state_sums": state_sums}, copies)
+    clr = lr / (1 + (step - 1) * lr_decay)
+    _C.cpu_adagrad_step(ptrs["params"], ptrs["grads"], ptrs["state_sums"], ptrs["copies"], numels, copy_code,
+                        grad_scale, weight_decay, -clr, eps, maximize, _threads(threads), _isa_code(isa))
+
+
+def check_torch_only_kwargs(name: str, foreach, fused, capturable=False, differentiable=False) -> None:
+    """torch.optim's implementation switches: foreach/fused are accepted and ignored (the step is
+    always the fused CPU kernel); capturable/differentiable cannot be honoured and raise."""
+    for arg, v in (("foreach", foreach), ("fused", fused)):
+        if v not in (None, True, False):
+            raise ValueError(f"{arg}: expected None, True or False, got {v!r}")
+    for arg, v in (("capturable", capturable), ("differentiable", differentiable)):
+        if v:
+            raise ValueError(f"{arg}: not supported by {name} (a fused CPU step outside autograd)")

@@ -89,11 +89,10 @@ class NvmeAdam(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  nvme_path=None, sub_group_elems: int = DEFAULT_SUB_GROUP, io_threads: int = 4,
-                 direct: bool | None = None, maximize=False, threads: int | None = None, isa: str = "best"):
+                 direct: bool | None = None, **kw):
         if not isinstance(sub_group_elems, int) or sub_group_elems < 1:
             raise ValueError(f"sub_group_elems: expected an int >= 1, got {sub_group_elems!r}")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, threads=threads,
-                         isa=isa)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
         self._params = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(self._params):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():

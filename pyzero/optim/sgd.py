@@ -12,7 +12,9 @@ from . import functional as F
 
 class SGD(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, threads: int | None = None, isa: str = "best"):
+                 maximize=False, foreach=None, differentiable=False, fused=None, threads: int | None = None,
+                 isa: str = "best"):
+        F.check_torch_only_kwargs("pz.optim.SGD", foreach, fused, differentiable=differentiable)
         if F.as_float(lr, "lr") < 0.0:
             raise ValueError(f"lr: expected >= 0, got {lr}")
         if momentum < 0.0:
@@ -25,7 +27,7 @@ class SGD(torch.optim.Optimizer):
         F._isa_code(isa)
         self.threads, self.isa = threads, isa
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=False, fused=fused)
         super().__init__(params, defaults)
 
     def __setstate__(self, state):

@@ -2,7 +2,7 @@
 
 What moves where:
   offload="cpu"   fp32 master shards and optimizer state in host memory, the step on the
-                  CPU with pz.optim's fused kernel (torch.optim.Adam/AdamW/SGD are
+                  CPU with pz.optim's fused kernel (torch.optim.Adam/AdamW/SGD/Adagrad are
                   swapped for pz.optim's; other optimizers run as given, on the host).
   offload="nvme"  as "cpu", and the optimizer state in swap files under ``nvme_path``
                   (pz.optim.NvmeAdam/NvmeAdamW; Adam and AdamW only).
@@ -28,7 +28,8 @@ from ..optim import swap
 MODES = (None, "cpu", "nvme")
 # torch.optim class -> (pz.optim class for offload="cpu", class for offload="nvme" or None)
 _FAST = {torch.optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW), torch.optim.Adam: (pz_optim.Adam, pz_optim.NvmeAdam),
-         torch.optim.SGD: (pz_optim.SGD, None), pz_optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW),
+         torch.optim.SGD: (pz_optim.SGD, None), torch.optim.Adagrad: (pz_optim.Adagrad, None),
+         pz_optim.Adagrad: (pz_optim.Adagrad, None), pz_optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW),
          pz_optim.Adam: (pz_optim.Adam, pz_optim.NvmeAdam), pz_optim.SGD: (pz_optim.SGD, None),
          pz_optim.NvmeAdamW: (pz_optim.NvmeAdamW, pz_optim.NvmeAdamW),
          pz_optim.NvmeAdam: (pz_optim.NvmeAdam, pz_optim.NvmeAdam)}
@@ -41,6 +42,8 @@ def state_elems_per_param(optimizer_class, kwargs: dict) -> int:
         return 3 if kwargs.get("amsgrad") else 2
     if issubclass(optimizer_class, (torch.optim.SGD, pz_optim.SGD)):
         return 1 if kwargs.get("momentum", 0) else 0
+    if issubclass(optimizer_class, (torch.optim.Adagrad, pz_optim.Adagrad)):
+        return 1
     return 2
 
 

@@ -85,7 +85,12 @@ class _DiskState(MutableMapping):
 
 
 class NvmeAdam(Adam):
-    """Adam with state on disk under ``nvme_path`` (see the module docstring)."""
+    """Adam with state on disk under ``nvme_path`` (see the module docstring).
+
+    Its class name is "Adam" (``pyzero.optim.nvme.Adam``, exported as ``pz.optim.NvmeAdam``),
+    and NvmeAdamW's "AdamW": the state is the same, so pyzero checkpoints, which record the
+    optimizer's class name, load across in-memory and on-disk state.
+    """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  nvme_path=None, sub_group_elems: int = DEFAULT_SUB_GROUP, io_threads: int = 4,
@@ -265,3 +270,8 @@ class NvmeAdamW(NvmeAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+
+
+NvmeAdam.__name__ = NvmeAdam.__qualname__ = "Adam"
+NvmeAdamW.__name__ = NvmeAdamW.__qualname__ = "AdamW"
+Adam, AdamW = NvmeAdam, NvmeAdamW  # pyzero.optim.nvme.Adam / .AdamW, the names they report

@@ -4,11 +4,17 @@
 // Contraction stays off for this file: GCC implements _mm*_mul_ps/_add_ps as
 // plain vector arithmetic and would otherwise fuse a*b + c into one FMA, which
 // rounds differently from torch; every FMA here is written out (V::fma).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include "cpu_optim.h"
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -65,8 +71,12 @@ struct V {
 #if defined(__x86_64__)
 // ----------------------------------------------------------------------------
 // AVX2 + FMA + F16C: 8 lanes.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 namespace isa_avx2 {
 struct V {
   static constexpr int W = 8;
@@ -99,12 +109,20 @@ struct V {
 };
 #include "cpu_optim.inc"
 }  // namespace isa_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 // ----------------------------------------------------------------------------
 // AVX-512F: 16 lanes.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+#endif
 namespace isa_avx512 {
 struct V {
   static constexpr int W = 16;
@@ -137,7 +155,11 @@ struct V {
 };
 #include "cpu_optim.inc"
 }  // namespace isa_avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif  // __x86_64__
 
 // ----------------------------------------------------------------------------

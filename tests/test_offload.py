@@ -410,3 +410,27 @@ def test_buffered_io_path_gives_the_same_result(tmp_path):
         a.step(), b.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, qs))
     assert torch.equal(a.state[ps[2]]["exp_avg_sq"], b.state[qs[2]]["exp_avg_sq"])
+
+
+def _memory_stats_ranks(nvme_dir):
+    pz.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, offload="nvme", nvme_path=nvme_dir,
+                           lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return opt.memory_stats(), opt.layout.shard_size, opt.inner.state_bytes()
+
+
+def test_zero_nvme_memory_stats_counts_disk_not_ram(tmp_path):
+    from pyzero.launch import run_ranks
+
+    (res,) = run_ranks(_memory_stats_ranks, 1, args=(str(tmp_path),), timeout=60)
+    stats, shard, (ram, disk) = res.value
+    # one sub-group holds the whole shard (1595 elements, each piece 16-aligned): exp_avg and
+    # exp_avg_sq, each padded to a multiple of 1024 elements: 2048
+    padded = 2048
+    assert shard == 1595
+    assert stats["disk"] == disk == 2 * 4 * padded
+    assert stats["optimizer"] == ram == 2 * 2 * 4 * padded  # two buffers of both states

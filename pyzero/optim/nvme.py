@@ -144,6 +144,10 @@ class NvmeAdam(Adam):
         """Byte offset of state j, element `local`, in sub-group k's file (and buffer)."""
         return (j * self._cap[k] + local) * 4
 
+    def state_bytes(self) -> tuple[int, int]:
+        """(bytes of optimizer state held in RAM: the two swap buffers; bytes in the swap files)."""
+        return sum(b.numel() for b in self._bufs), sum(self._swap.sizes)
+
     @property
     def direct(self) -> bool:
         """Whether the swap files use O_DIRECT (else the page cache)."""

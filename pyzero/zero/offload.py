@@ -66,6 +66,12 @@ class Offload:
             return nvme(groups, nvme_path=self.nvme_path, sub_group_elems=self.sub_group_elems, **kw)
         return fast(groups, **kw)
 
+    @staticmethod
+    def state_bytes(inner) -> tuple[int, int] | None:
+        """(state bytes in memory, on disk) for an on-disk inner optimizer, else None: its state
+        is read from disk only for checkpoints, never to count it."""
+        return inner.state_bytes() if isinstance(inner, pz_optim.NvmeAdam) else None
+
     def __repr__(self):
         return f"Offload(mode={self.mode!r}, nvme_path={self.nvme_path!r}, offload_params={self.offload_params})"
 

@@ -335,13 +335,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes of model state this rank holds, in the ZeRO paper's terms: parameters (full or
         shard, model dtype), gradients, optimizer state (inner state plus separate fp32 master
         weights); `total` is their sum. Stage 3 adds `peak_gathered_params`, the most full
-        parameters allocated at once during forward/backward."""
+        parameters allocated at once during forward/backward. With offload="nvme" the
+        optimizer state counted is what is in memory (the swap buffers) and `disk` gives
+        the bytes of the swap files."""
         params = self._held_params()
         grads = self._held_grads()
-        optim = _nbytes(t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
+        on_disk = self.offload.state_bytes(self.inner)  # offload="nvme": (swap buffers, swap files)
+        if on_disk is None:
+            optim = _nbytes(t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
+        else:
+            optim = on_disk[0]
         if self._master_is_separate():
             optim += _nbytes(m for _, m, _ in self.shards())
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        if on_disk is not None:
+            out["disk"] = on_disk[1]
+        return out
 
     def _master_is_separate(self) -> bool:
         return (self.param_dtype or self.params[0].dtype) != torch.float32

@@ -434,3 +434,15 @@ def test_zero_nvme_memory_stats_counts_disk_not_ram(tmp_path):
     assert shard == 1595
     assert stats["disk"] == disk == 2 * 4 * padded
     assert stats["optimizer"] == ram == 2 * 2 * 4 * padded  # two buffers of both states
+
+
+def test_nvme_bad_grad_raises_before_any_change(tmp_path):
+    ps, _, gen = make_params(11)
+    opt = pz.optim.NvmeAdamW(ps, nvme_path=tmp_path, sub_group_elems=100_000)
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    ps[3].grad = ps[3].grad.double()
+    with pytest.raises(ValueError, match=r"params\[3\].grad: expected a dense contiguous float32 CPU tensor"):
+        opt.step()
+    assert len(opt.state) == 0 and all(torch.equal(p, b) for p, b in zip(ps, before))

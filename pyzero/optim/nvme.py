@@ -173,16 +173,20 @@ class NvmeAdam(Adam):
         self._swap._check()
         t_start = time.perf_counter()
         fresh, active = set(), set()
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(self._params):  # every check before any step count moves
             if p.grad is None:
                 continue
-            if p.grad.is_sparse or not p.grad.is_contiguous():
-                raise ValueError(f"params[{i}].grad: expected a dense contiguous tensor")
+            g = p.grad
+            if g.is_sparse or not g.is_contiguous() or g.dtype != torch.float32 or g.device.type != "cpu" \
+                    or g.numel() != p.numel():
+                raise ValueError(f"params[{i}].grad: expected a dense contiguous float32 CPU tensor of "
+                                 f"{p.numel()} elements, got {g.dtype} on {g.device}")
+            active.add(i)
+        for i in sorted(active):
             if i not in self._steps:
                 self._steps[i] = torch.tensor(0.0, dtype=torch.float32)
                 fresh.add(i)
             self._steps[i] += 1
-            active.add(i)
         groups = [k for k, segs in enumerate(self._segments) if any(i in active for i, *_ in segs)]
         # see the schedule in the module docstring: group n lives in buffer n % 2; the read of
         # group n + 2 into that buffer is chained behind the write of group n, on the I/O threads.

@@ -47,7 +47,7 @@ def check_path(path, needed_bytes: int, arg: str = "nvme_path") -> None:
     """Raise ValueError naming `arg` unless `path` is an existing, writable directory with
     at least `needed_bytes` free (os.statvfs)."""
     if path is None:
-        raise ValueError(f"{arg}: required with offload='nvme' (a directory on a local disk)")
+        raise ValueError(f"{arg}: required (a directory on a local disk for the swap files)")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{arg}: expected a directory path, got {type(path).__name__}")
     path = os.fspath(path)

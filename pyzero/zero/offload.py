@@ -148,7 +148,10 @@ class HostShard:
     def params_to_device(self, dst: torch.Tensor) -> torch.cuda.Event:
         """Copy ``low`` (the fused step's 16-bit output) into the device shard `dst` on the side
         stream; the current stream waits on the returned event before it reads `dst`."""
+        free = torch.cuda.Event()
+        free.record(torch.cuda.current_stream(self.device))  # work queued so far may still read dst
         with torch.cuda.stream(self.stream):
+            self.stream.wait_event(free)
             dst.copy_(self.low[:dst.numel()], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)

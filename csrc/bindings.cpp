@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_optim.h"
 #include "errors.h"
 #include "multi_tensor.h"
 #include "nccl_transport.h"
@@ -240,6 +241,65 @@ PYBIND11_MODULE(_C, m) {
         multi_tensor_unpack(as_ptr(flat), DType(flat_dtype), flat_numel, table, scale);
       },
       "tensor = cast(scale * flat[offset:offset+numel]) for every table row, in one pass (CPU pointers)");
+
+  // Fused CPU optimizer steps. Tables come as parallel lists of pointers (0 for
+  // none) and element counts; the scalars are already rounded to fp32 by Python.
+  auto optim_slots = [](const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+                        const std::vector<uintptr_t>& s0, const std::vector<uintptr_t>& s1,
+                        const std::vector<uintptr_t>& s2, const std::vector<uintptr_t>& copy,
+                        const std::vector<int64_t>& n) {
+    const size_t k = p.size();
+    if (g.size() != k || s0.size() != k || s1.size() != k || s2.size() != k || copy.size() != k || n.size() != k)
+      throw std::invalid_argument("cpu optimizer: every pointer list and numels must have the same length");
+    std::vector<OptimSlot> out(k);
+    for (size_t i = 0; i < k; ++i)
+      out[i] = OptimSlot{static_cast<float*>(as_ptr(p[i])), static_cast<const float*>(as_ptr(g[i])),
+                         static_cast<float*>(as_ptr(s0[i])), static_cast<float*>(as_ptr(s1[i])),
+                         static_cast<float*>(as_ptr(s2[i])), as_ptr(copy[i]), n[i]};
+    return out;
+  };
+  m.def("cpu_optim_isa", [] { return std::string(isa_name(best_isa())); },
+        "The vector instruction set the CPU optimizers use here: avx512, avx2 or scalar");
+  m.def(
+      "cpu_adam_step",
+      [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> exp_avg,
+                    std::vector<uintptr_t> exp_avg_sq, std::vector<uintptr_t> max_exp_avg_sq,
+                    std::vector<uintptr_t> copy, std::vector<int64_t> numels, int copy_dtype, float grad_scale,
+                    float weight_decay, float decay, float lerp_weight, float beta2, float one_minus_beta2,
+                    float bias_correction2_sqrt, float eps, float neg_step_size, bool decoupled, bool amsgrad,
+                    bool maximize, int threads, int isa) {
+        auto table = optim_slots(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, copy, numels);
+        AdamScalars s{grad_scale, weight_decay, decay, lerp_weight, beta2, one_minus_beta2,
+                      bias_correction2_sqrt, eps, neg_step_size, decoupled, amsgrad, maximize};
+        py::gil_scoped_release nogil;
+        adam_step(table, s, DType(copy_dtype), threads, Isa(isa));
+      },
+      "One fused Adam/AdamW step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
+  m.def(
+      "cpu_sgd_step",
+      [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> momentum_buffer,
+                    std::vector<uintptr_t> copy, std::vector<int64_t> numels, int copy_dtype, float grad_scale,
+                    float weight_decay, float momentum, float one_minus_dampening, float neg_lr, bool nesterov,
+                    bool maximize, bool first_step, int threads, int isa) {
+        std::vector<uintptr_t> none(p.size(), 0);
+        auto table = optim_slots(p, g, momentum_buffer, none, none, copy, numels);
+        SgdScalars s{grad_scale, weight_decay, momentum, one_minus_dampening, neg_lr, nesterov, maximize, first_step};
+        py::gil_scoped_release nogil;
+        sgd_step(table, s, DType(copy_dtype), threads, Isa(isa));
+      },
+      "One fused SGD step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
+  m.def(
+      "cpu_adagrad_step",
+      [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> sum,
+                    std::vector<uintptr_t> copy, std::vector<int64_t> numels, int copy_dtype, float grad_scale,
+                    float weight_decay, float neg_clr, float eps, bool maximize, int threads, int isa) {
+        std::vector<uintptr_t> none(p.size(), 0);
+        auto table = optim_slots(p, g, sum, none, none, copy, numels);
+        AdagradScalars s{grad_scale, weight_decay, neg_clr, eps, maximize};
+        py::gil_scoped_release nogil;
+        adagrad_step(table, s, DType(copy_dtype), threads, Isa(isa));
+      },
+      "One fused Adagrad step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
 
 #ifdef PYZERO_WITH_CUDA
   m.def(

@@ -27,7 +27,7 @@ from .comm import (
     send,
 )
 
-from . import checkpoint, zero
+from . import checkpoint, optim, zero
 from .zero import ZeroOptimizer
 
 build_info = _C.build_info

@@ -20,6 +20,20 @@ sequence parallelism sbh(34/t + 5as/(ht)); selective recomputation drops the
 sequences of ``seq`` tokens, plus the fp32 logits and their gradient
 (pyzero/plan/cost.py holds the formulas). A number in ``activation_bytes``
 overrides them.
+
+Offload (ZeRO-Offload / ZeRO-Infinity, ``offload="cpu" | "nvme"``, stages 1-3) splits the
+same model states over device, host and disk; per rank, with S = Ψ/N the shard size and
+w = 2 (mixed precision) or 4 bytes:
+
+    device   parameters wΨ (stage 3: wS; 0 with offload_params) + gradients wΨ in stage 1
+             (stage >= 2 copies each reduced bucket to the host as it is produced: none kept)
+    host     optimizer state KS + fp32 gradient shard 4S + the w-byte parameter shard the
+             step writes and uploads wS + (fp32 runs, where K holds no master) fp32 master 4S
+    disk     "nvme": the optimizer state but the fp32 master, (K - 4)S (fp32 runs: KS), which
+             leaves the host; the host keeps two sub-groups of it as swap buffers
+
+Without offload everything is on the device. ``total`` is the sum of the model states
+wherever they are, plus activations (always on the device).
 """
 from __future__ import annotations
 
@@ -40,7 +54,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
                     optimizer_state_bytes_per_param: float = 12, mixed_precision: bool = True,
                     activation_bytes: float | None = None, *, model=None, micro_batch: int = 1,
                     seq: int | None = None, tp: int = 1, sequence_parallel: bool = False,
-                    recompute: str = "none") -> dict:
+                    recompute: str = "none", offload: str | None = None, offload_params: bool = False,
+                    nvme_sub_group: int = 1 << 23) -> dict:
     """Bytes per rank of parameters, gradients, optimizer state and activations.
 
     stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
@@ -48,6 +63,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     ``num_params`` may be None (then: the parameters one of ``tp`` tensor-parallel
     ranks holds) and activations are computed for ``micro_batch`` x ``seq``
     tokens, unless ``activation_bytes`` is given; without it they are 0.
+    ``offload`` / ``offload_params`` (see the module docstring) add where the bytes live:
+    ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements.
     """
     if model is not None:
         num_params, activation_bytes = _from_model(model, num_params, activation_bytes, micro_batch, seq, tp,
@@ -74,7 +91,36 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     out = {"params": params, "grads": grads, "optimizer": optimizer}
     out["activations"] = float(activation_bytes)
     out["total"] = params + grads + optimizer + out["activations"]
+    out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group))
     return out
+
+
+def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_group) -> dict:
+    """device/host/disk bytes per rank (see the module docstring)."""
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload: expected None, 'cpu' or 'nvme', got {offload!r}")
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params: expected True or False, got {offload_params!r}")
+    if offload is not None and stage == 0:
+        raise ValueError("offload: needs a ZeRO stage (1, 2 or 3), got stage=0")
+    if offload_params and (offload is None or stage != 3):
+        raise ValueError("offload_params: needs stage=3 and offload='cpu' or 'nvme'")
+    nvme_sub_group = sub_group
+    _check_number("nvme_sub_group", nvme_sub_group, "a positive count", lambda v: v >= 1)
+    if offload is None:
+        return {"device": m["total"], "host": 0.0, "disk": 0.0}
+    shard = psi / n
+    # stage >= 2 sends each reduced bucket to the host as backward produces it: no gradient
+    # shard stays on the device (the buckets in flight are transient, like activations)
+    device = (0.0 if offload_params else m["params"]) + (m["grads"] if stage == 1 else 0.0) + m["activations"]
+    master = 0.0 if mixed else 4 * shard  # K holds the fp32 master in mixed precision
+    host = k * shard + 4 * shard + width * shard + master
+    disk = 0.0
+    if offload == "nvme":
+        disk = (k - 4 if mixed else k) * shard
+        buffers = 2 * min(nvme_sub_group, shard) * (disk / shard if shard else 0)
+        host = host - disk + buffers
+    return {"device": device, "host": host, "disk": disk}
 
 
 def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):
@@ -107,11 +153,19 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=float, default=12, help="optimizer state bytes per parameter (12: mixed-precision Adam)")
     ap.add_argument("--fp32", action="store_true", help="parameters and gradients in fp32 (4 bytes each)")
     ap.add_argument("--gpu-gb", type=float, default=80.0, help="memory per GPU, to say which stage fits")
+    ap.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                    help="optimizer state (and fp32 master) on the host, or on disk: adds host and disk columns")
+    ap.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter shards on the host too")
     args = ap.parse_args(argv)
     try:
         estimate_memory(args.params, args.world, 0, args.k, not args.fp32)
+        if args.offload != "none":
+            estimate_memory(args.params, args.world, 3, args.k, not args.fp32, offload=args.offload,
+                            offload_params=args.offload_params)
     except (TypeError, ValueError) as e:
         ap.error(str(e))
+    if args.offload != "none":
+        return _print_offload(args)
     print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
           f"{'fp32' if args.fp32 else 'mixed precision'}")
     print(f"{'stage':>10} {'params GB':>11} {'grads GB':>10} {'optim GB':>10} {'total GB':>10}  fits {args.gpu_gb:g} GB")
@@ -120,6 +174,20 @@ def main(argv=None) -> int:
         fits = "yes" if m["total"] <= args.gpu_gb * GB else "no"
         print(f"{label:>10} {m['params'] / GB:>11.2f} {m['grads'] / GB:>10.2f} {m['optimizer'] / GB:>10.2f} "
               f"{m['total'] / GB:>10.2f}  {fits}")
+    return 0
+
+
+def _print_offload(args) -> int:
+    print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
+          f"{'fp32' if args.fp32 else 'mixed precision'}, offload={args.offload}"
+          f"{' + params' if args.offload_params else ''}")
+    print(f"{'stage':>10} {'device GB':>10} {'host GB':>9} {'disk GB':>9}  fits {args.gpu_gb:g} GB")
+    for stage in (1, 2, 3):
+        m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32, offload=args.offload,
+                            offload_params=args.offload_params and stage == 3)
+        fits = "yes" if m["device"] <= args.gpu_gb * GB else "no"
+        print(f"{'ZeRO-' + str(stage):>10} {m['device'] / GB:>10.2f} {m['host'] / GB:>9.2f} {m['disk'] / GB:>9.2f}"
+              f"  {fits}")
     return 0
 
 

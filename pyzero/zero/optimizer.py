@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import comm
 from ..bucketing import InFlight
+from . import offload as _offload
 from .partition import FlatLayout, Piece
 from .scaler import LossScaler
 
@@ -68,8 +69,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return object.__new__(cls)
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
-                 comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None,
-                 **optimizer_kwargs):
+                 comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None, offload=None,
+                 nvme_path=None, offload_params=False, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -101,6 +102,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_devices()
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
+        self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
+                                        optimizer_kwargs, self.params, self.world)
         self._sync = True
         self._grads_ready = False
         # Reductions launched during backward (stages 2, 3) and not yet folded into the shards;
@@ -183,7 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in groups[:ngroups]:
             if not g["params"]:
                 g["params"].append(nn.Parameter(torch.zeros(0), requires_grad=True))
-        self.inner = optimizer_class(groups, **kwargs)
+        self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
         self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
@@ -462,13 +465,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes of model state this rank holds, in the ZeRO paper's terms: parameters (full or
         shard, model dtype), gradients, optimizer state (inner state plus separate fp32 master
         weights); `total` is their sum. Stage 3 adds `peak_gathered_params`, the most full
-        parameters allocated at once during forward/backward."""
+        parameters allocated at once during forward/backward. With offload="nvme" the
+        optimizer state counted is what is in memory (the swap buffers) and `disk` gives
+        the bytes of the swap files."""
         params = self._held_params()
         grads = self._held_grads()
-        optim = _nbytes(t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
+        on_disk = self.offload.state_bytes(self.inner)  # offload="nvme": (swap buffers, swap files)
+        if on_disk is None:
+            optim = _nbytes(t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t))
+        else:
+            optim = on_disk[0]
         if self._master_is_separate():
             optim += _nbytes(m for _, m, _ in self.shards())
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        if on_disk is not None:
+            out["disk"] = on_disk[1]
+        return out
 
     def _master_is_separate(self) -> bool:
         return (self.param_dtype or self.params[0].dtype) != torch.float32

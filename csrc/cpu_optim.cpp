@@ -1,0 +1,292 @@
+// cpu_optim.cpp — runtime ISA dispatch, threading and the three vector types
+// the loops of cpu_optim.inc are instantiated with.
+//
+// Contraction stays off for this file: GCC implements _mm*_mul_ps/_add_ps as
+// plain vector arithmetic and would otherwise fuse a*b + c into one FMA, which
+// rounds differently from torch; every FMA here is written out (V::fma).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "cpu_optim.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+namespace pz {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::best: return "best";
+  }
+  return "?";
+}
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::avx2;
+#endif
+  return Isa::scalar;
+}
+
+// ----------------------------------------------------------------------------
+// Portable path: one float at a time; also does every vector loop's tail.
+namespace isa_scalar {
+struct V {
+  static constexpr int W = 1;
+  using T = float;
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T x) { *p = x; }
+  static T set1(float x) { return x; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T mul(T a, T b) { return a * b; }
+  static T div(T a, T b) { return a / b; }
+  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T sqrt(T a) { return std::sqrt(a); }
+  static T max(T a, T b) { return a > b ? a : b; }  // as _mm*_max_ps
+  static T neg(T a) { return -a; }
+  static void store_f16(half_t* p, T x) { *p = float_to_half(x); }
+  static void store_bf16(bf16_t* p, T x) { *p = float_to_bf16(x); }
+};
+#include "cpu_optim.inc"
+}  // namespace isa_scalar
+
+#if defined(__x86_64__)
+// ----------------------------------------------------------------------------
+// AVX2 + FMA + F16C: 8 lanes.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace isa_avx2 {
+struct V {
+  static constexpr int W = 8;
+  using T = __m256;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T sqrt(T a) { return _mm256_sqrt_ps(a); }
+  static T max(T a, T b) { return _mm256_max_ps(b, a); }  // a > b ? a : b
+  static T neg(T a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static void store_f16(half_t* p, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  // Round to nearest even as float_to_bf16; NaN keeps its sign and becomes quiet.
+  static void store_bf16(bf16_t* p, T x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+};
+#include "cpu_optim.inc"
+}  // namespace isa_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// ----------------------------------------------------------------------------
+// AVX-512F: 16 lanes.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+namespace isa_avx512 {
+struct V {
+  static constexpr int W = 16;
+  using T = __m512;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T sqrt(T a) { return _mm512_sqrt_ps(a); }
+  static T max(T a, T b) { return _mm512_max_ps(b, a); }  // a > b ? a : b
+  static T neg(T a) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
+  }
+  static void store_f16(half_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static void store_bf16(bf16_t* p, T x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+};
+#include "cpu_optim.inc"
+}  // namespace isa_avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // __x86_64__
+
+// ----------------------------------------------------------------------------
+// Dispatch and threads
+
+namespace {
+
+// Elements per chunk boundary: a multiple of every vector width and of a cache line.
+constexpr int64_t kAlign = 64;
+
+template <typename Scalars>
+using LoopFn = int64_t (*)(const OptimSlot&, int64_t, int64_t, const Scalars&, DType);
+
+// Runs elements [begin, end) of one slot: the vector loop, then the scalar tail.
+template <typename Scalars>
+void run_range(LoopFn<Scalars> vec, LoopFn<Scalars> scalar, const OptimSlot& t, int64_t begin, int64_t end,
+               const Scalars& s, DType copy_dtype) {
+  const int64_t done = vec(t, begin, end, s, copy_dtype);
+  if (begin + done < end) scalar(t, begin + done, end, s, copy_dtype);
+}
+
+void check(const std::vector<OptimSlot>& slots, DType copy_dtype, int threads, bool needs0, bool needs1,
+           bool needs2, const char* what) {
+  if (copy_dtype != DType::f32 && copy_dtype != DType::f16 && copy_dtype != DType::bf16)
+    throw std::invalid_argument(std::string(what) + ": copy dtype must be float32, float16 or bfloat16, got " +
+                                dtype_name(copy_dtype));
+  if (threads < 1) throw std::invalid_argument(std::string(what) + ": threads must be >= 1");
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const OptimSlot& t = slots[k];
+    if (t.n < 0) throw std::invalid_argument(std::string(what) + ": slot " + std::to_string(k) + " has n < 0");
+    if (t.n == 0) continue;
+    if (!t.p || !t.g || (needs0 && !t.state0) || (needs1 && !t.state1) || (needs2 && !t.state2))
+      throw std::invalid_argument(std::string(what) + ": slot " + std::to_string(k) + " has a null pointer");
+  }
+}
+
+// Splits the elements of all slots into `threads` contiguous pieces of about
+// equal size (cut at kAlign boundaries) and runs them, the calling thread
+// taking the last piece. The first exception of any thread is rethrown.
+template <typename Scalars>
+void run_all(const std::vector<OptimSlot>& slots, const Scalars& s, DType copy_dtype, int threads, Isa isa,
+             LoopFn<Scalars> scalar, LoopFn<Scalars> avx2, LoopFn<Scalars> avx512) {
+  if (isa == Isa::best) isa = best_isa();
+  if (isa != Isa::scalar && isa != Isa::avx2 && isa != Isa::avx512)
+    throw std::invalid_argument("cpu optimizer: unknown isa code");
+  if (isa > best_isa())
+    throw std::invalid_argument(std::string("cpu optimizer: isa ") + isa_name(isa) + " is not supported by this CPU");
+  LoopFn<Scalars> vec = isa == Isa::avx512 ? avx512 : isa == Isa::avx2 ? avx2 : scalar;
+
+  int64_t total = 0;
+  for (const OptimSlot& t : slots) total += t.n;
+  const int64_t min_per_thread = 1 << 15;  // below this a thread costs more than it saves
+  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, total / min_per_thread)));
+  const int64_t per = (total + threads - 1) / threads;
+
+  // Piece j covers global elements [j*per, (j+1)*per), rounded down to kAlign.
+  auto piece = [&](int j) {
+    int64_t lo = std::min(total, int64_t(j) * per), hi = std::min(total, int64_t(j + 1) * per);
+    lo = j == 0 ? 0 : lo / kAlign * kAlign;
+    hi = j == threads - 1 ? total : hi / kAlign * kAlign;
+    int64_t base = 0;
+    for (const OptimSlot& t : slots) {
+      const int64_t b = std::max(lo, base), e = std::min(hi, base + t.n);
+      if (b < e) run_range<Scalars>(vec, scalar, t, b - base, e - base, s, copy_dtype);
+      base += t.n;
+      if (base >= hi) break;
+    }
+  };
+  if (threads == 1) {
+    piece(0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(threads);
+  pool.reserve(threads - 1);
+  for (int j = 0; j < threads - 1; ++j)
+    pool.emplace_back([&, j] {
+      try {
+        piece(j);
+      } catch (...) {
+        errors[j] = std::current_exception();
+      }
+    });
+  try {
+    piece(threads - 1);
+  } catch (...) {
+    errors[threads - 1] = std::current_exception();
+  }
+  for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace
+
+void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa) {
+  check(slots, copy_dtype, threads, true, true, s.amsgrad, "adam_step");
+#if defined(__x86_64__)
+  run_all<AdamScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adam_loop, isa_avx2::adam_loop,
+                       isa_avx512::adam_loop);
+#else
+  run_all<AdamScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adam_loop, isa_scalar::adam_loop,
+                       isa_scalar::adam_loop);
+#endif
+}
+
+void sgd_step(const std::vector<OptimSlot>& slots, const SgdScalars& s, DType copy_dtype, int threads, Isa isa) {
+  check(slots, copy_dtype, threads, s.momentum != 0.0f, false, false, "sgd_step");
+#if defined(__x86_64__)
+  run_all<SgdScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::sgd_loop, isa_avx2::sgd_loop,
+                      isa_avx512::sgd_loop);
+#else
+  run_all<SgdScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::sgd_loop, isa_scalar::sgd_loop,
+                      isa_scalar::sgd_loop);
+#endif
+}
+
+void adagrad_step(const std::vector<OptimSlot>& slots, const AdagradScalars& s, DType copy_dtype, int threads,
+                  Isa isa) {
+  check(slots, copy_dtype, threads, true, false, false, "adagrad_step");
+#if defined(__x86_64__)
+  run_all<AdagradScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adagrad_loop, isa_avx2::adagrad_loop,
+                          isa_avx512::adagrad_loop);
+#else
+  run_all<AdagradScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adagrad_loop, isa_scalar::adagrad_loop,
+                          isa_scalar::adagrad_loop);
+#endif
+}
+
+}  // namespace pz

@@ -1,0 +1,57 @@
+"""``pz.optim.Adagrad``: torch.optim.Adagrad (lr_decay, weight decay, initial accumulator,
+maximize) on the fused CPU step; same param groups and state layout (``step``, ``sum``,
+created at construction as torch does). Extras as in :mod:`pyzero.optim.adam`."""
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+
+
+class Adagrad(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                 foreach=None, *, maximize=False, differentiable=False, fused=None, threads: int | None = None,
+                 isa: str = "best"):
+        for arg, v in (("lr", F.as_float(lr, "lr")), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
+                       ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
+            if v < 0.0:
+                raise ValueError(f"{arg}: expected >= 0, got {v}")
+        F.check_torch_only_kwargs("pz.optim.Adagrad", foreach, fused, differentiable=differentiable)
+        F._threads(threads)
+        F._isa_code(isa)
+        self.threads, self.isa = threads, isa
+        defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+                        initial_accumulator_value=initial_accumulator_value, foreach=foreach, maximize=maximize,
+                        differentiable=False, fused=fused)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["sum"] = torch.full_like(p, group["initial_accumulator_value"],
+                                               memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
+        """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_step: dict[float, list] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
+                st = self.state[p]
+                st["step"] += 1
+                by_step.setdefault(st["step"].item(), []).append(p)
+            for step, ps in by_step.items():
+                F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],
+                               [copies.get(p) for p in ps] if copies else None, step=step,
+                               lr=F.as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
+                               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                               grad_scale=float(grad_scale), threads=self.threads, isa=self.isa)
+        return loss

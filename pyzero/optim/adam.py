@@ -1,0 +1,102 @@
+"""``pz.optim.Adam`` / ``pz.optim.AdamW``: torch.optim's Adam and AdamW on the fused CPU step.
+
+Same constructor, param groups, state layout (``step``, ``exp_avg``,
+``exp_avg_sq``, ``max_exp_avg_sq``) and state_dict as torch.optim.Adam/AdamW,
+so checkpoints move between the two and lr schedulers work unchanged. The
+parameters must be dense, contiguous float32 CPU tensors.
+
+torch's ``foreach``/``fused`` switches are accepted and ignored (the step is always
+the fused kernel); ``capturable``/``differentiable`` raise. Extras over torch: ``threads`` (default ``torch.get_num_threads()``), and in
+:meth:`step` a ``grad_scale`` applied to every gradient in the same pass and
+``copies``, a ``{param: tensor}`` mapping of float16/bfloat16/float32 tensors
+that receive the updated parameters in the same pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+
+
+class Adam(torch.optim.Optimizer):
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 threads: int | None = None, isa: str = "best"):
+        F.check_torch_only_kwargs(f"pz.optim.{type(self).__name__}", foreach, fused, capturable, differentiable)
+        if not 0.0 <= F.as_float(lr, "lr"):
+            raise ValueError(f"lr: expected >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps: expected >= 0, got {eps}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= F.as_float(b, f"betas[{i}]") < 1.0:
+                raise ValueError(f"betas[{i}]: expected a value in [0, 1), got {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
+        F._threads(threads)
+        F._isa_code(isa)
+        self.threads, self.isa = threads, isa
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
+                        decoupled_weight_decay=self._decoupled)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group["decoupled_weight_decay"] = self._decoupled
+            for p in group["params"]:
+                s = self.state.get(p, {})
+                if s and not torch.is_tensor(s["step"]):
+                    s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
+        """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group, float(grad_scale), copies)
+        return loss
+
+    def _step_group(self, group, grad_scale, copies):
+        beta1, beta2 = (F.as_float(b, "betas") for b in group["betas"])
+        by_step: dict[float, list] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            by_step.setdefault(state["step"].item(), []).append(p)
+        for step, ps in by_step.items():
+            states = [self.state[p] for p in ps]
+            F.adam_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states],
+                        [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
+                        [copies.get(p) for p in ps] if copies else None,
+                        step=step, lr=F.as_float(group["lr"], "lr"), beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                        amsgrad=group["amsgrad"], maximize=group["maximize"], grad_scale=grad_scale,
+                        threads=self.threads, isa=self.isa)
+
+
+class AdamW(Adam):
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)

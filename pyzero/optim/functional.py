@@ -1,0 +1,175 @@
+"""The fused CPU optimizer steps on lists of tensors: argument checks, the
+per-step scalars (computed in double exactly as torch.optim computes them, then
+rounded to fp32 by the C++ call) and the one crossing into ``_C`` per list.
+
+Used by :mod:`pyzero.optim`'s ``torch.optim.Optimizer`` classes and directly by
+ZeRO offload, which steps one flat fp32 shard per call.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .. import _C
+from ..backend import DTYPES
+
+ISAS = {"best": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+COPY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cpu_isa() -> str:
+    """The vector instruction set the fused steps use on this CPU: avx512, avx2 or scalar."""
+    return _C.cpu_optim_isa()
+
+
+def default_threads() -> int:
+    """torch's intra-op thread count, so ``torch.set_num_threads`` governs both."""
+    return max(1, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_fp32(t, arg: str, i: int, numel: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.is_sparse:
+        raise ValueError(f"{arg}[{i}]: expected a dense float32 CPU tensor, got {t.dtype} on {t.device}"
+                         + (" (sparse)" if t.is_sparse else ""))
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}[{i}]: expected a contiguous tensor")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{arg}[{i}]: has {t.numel()} elements, the parameter has {numel}")
+
+
+def _table(params, grads, states: dict[str, Sequence | None], copies):
+    """Checked pointer lists for _C; returns (ptr lists by name, numels, copy dtype code)."""
+    n = len(params)
+    lists = {"params": params, "grads": grads, **states}
+    for name, seq in lists.items():
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{name}: expected {n} tensors (one per parameter), got {len(seq)}")
+    numels = []
+    for i, p in enumerate(params):
+        _check_fp32(p, "params", i)
+        numels.append(p.numel())
+        for name, seq in lists.items():
+            if name != "params" and seq is not None:
+                _check_fp32(seq[i], name, i, p.numel())
+    copy_code = DTYPES[torch.float32]
+    if copies is not None:
+        if len(copies) != n:
+            raise ValueError(f"copies: expected {n} entries (one per parameter, None for no copy), got {len(copies)}")
+        dtypes = {c.dtype for c in copies if c is not None}
+        if len(dtypes) > 1:
+            raise ValueError(f"copies: expected one dtype for all copies, got {sorted(map(str, dtypes))}")
+        for i, c in enumerate(copies):
+            if c is None:
+                continue
+            if c.device.type != "cpu" or c.dtype not in COPY_DTYPES or not c.is_contiguous():
+                raise ValueError(f"copies[{i}]: expected a contiguous float32, float16 or bfloat16 CPU tensor, "
+                                 f"got {c.dtype} on {c.device}")
+            if c.numel() != numels[i]:
+                raise ValueError(f"copies[{i}]: has {c.numel()} elements, the parameter has {numels[i]}")
+        if dtypes:
+            copy_code = DTYPES[dtypes.pop()]
+    ptrs = {name: [_ptr(t) for t in seq] if seq is not None else [0] * n for name, seq in lists.items()}
+    ptrs["copies"] = [_ptr(c) for c in copies] if copies is not None else [0] * n
+    return ptrs, numels, copy_code
+
+
+def _isa_code(isa: str) -> int:
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {sorted(ISAS)}, got {isa!r}")
+    return ISAS[isa]
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return default_threads()
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads: expected an int >= 1, got {threads!r}")
+    return threads
+
+
+def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs, exp_avg_sqs,
+              max_exp_avg_sqs=None, copies=None, *, step: float, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, decoupled: bool, amsgrad: bool = False, maximize: bool = False,
+              grad_scale: float = 1.0, threads: int | None = None, isa: str = "best") -> None:
+    """One Adam (``decoupled=False``) or AdamW step on every tensor, in place.
+
+    ``step`` is the step count after this step (1 for the first). ``grad_scale``
+    multiplies every gradient first, in the same pass (``1/loss_scale`` times a
+    clip coefficient). ``copies[i]``, when given, receives the updated
+    ``params[i]`` cast to its dtype (float32, float16 or bfloat16) in the same pass.
+    """
+    if amsgrad and max_exp_avg_sqs is None:
+        raise ValueError("max_exp_avg_sqs: required with amsgrad=True")
+    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
+              "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None}
+    ptrs, numels, copy_code = _table(params, grads, states, copies)
+    # As torch.optim.adam._single_tensor_adam (capturable=False), in double.
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    _C.cpu_adam_step(ptrs["params"], ptrs["grads"], ptrs["exp_avgs"], ptrs["exp_avg_sqs"],
+                     ptrs["max_exp_avg_sqs"], ptrs["copies"], numels, copy_code, grad_scale,
+                     weight_decay, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+                     bias_correction2 ** 0.5, eps, -step_size, decoupled, amsgrad, maximize,
+                     _threads(threads), _isa_code(isa))
+
+
+def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers=None,
+             copies=None, *, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+             nesterov: bool = False, maximize: bool = False, first_step: bool = False, grad_scale: float = 1.0,
+             threads: int | None = None, isa: str = "best") -> None:
+    """One SGD step on every tensor, in place, as torch.optim.sgd._single_tensor_sgd.
+
+    With ``momentum != 0`` and ``first_step=True`` the buffers are set to the
+    (weight-decayed) gradient, as torch does when a buffer does not exist yet.
+    """
+    if momentum != 0 and momentum_buffers is None:
+        raise ValueError("momentum_buffers: required with momentum != 0")
+    states = {"momentum_buffers": momentum_buffers if momentum != 0 else None}
+    ptrs, numels, copy_code = _table(params, grads, states, copies)
+    _C.cpu_sgd_step(ptrs["params"], ptrs["grads"], ptrs["momentum_buffers"], ptrs["copies"], numels, copy_code,
+                    grad_scale, weight_decay, momentum, 1 - dampening, -lr, nesterov, maximize, first_step,
+                    _threads(threads), _isa_code(isa))
+
+
+def as_float(x, arg: str) -> float:
+    """A Python float from a number or a one-element tensor (lr, betas may be tensors in torch)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{arg}: expected a number or a one-element tensor, got shape {tuple(x.shape)}")
+        return float(x.item())
+    v = float(x)
+    if math.isnan(v):
+        raise ValueError(f"{arg}: got NaN")
+    return v
+
+
+def adagrad_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state_sums, copies=None, *,
+                 step: float, lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
+                 maximize: bool = False, grad_scale: float = 1.0, threads: int | None = None,
+                 isa: str = "best") -> None:
+    """One Adagrad step on every tensor, in place, as torch.optim.adagrad._single_tensor_adagrad
+    (``step`` counted after this step)."""
+    ptrs, numels, copy_code = _table(params, grads, {"state_sums": state_sums}, copies)
+    clr = lr / (1 + (step - 1) * lr_decay)
+    _C.cpu_adagrad_step(ptrs["params"], ptrs["grads"], ptrs["state_sums"], ptrs["copies"], numels, copy_code,
+                        grad_scale, weight_decay, -clr, eps, maximize, _threads(threads), _isa_code(isa))
+
+
+def check_torch_only_kwargs(name: str, foreach, fused, capturable=False, differentiable=False) -> None:
+    """torch.optim's implementation switches: foreach/fused are accepted and ignored (the step is
+    always the fused CPU kernel); capturable/differentiable cannot be honoured and raise."""
+    for arg, v in (("foreach", foreach), ("fused", fused)):
+        if v not in (None, True, False):
+            raise ValueError(f"{arg}: expected None, True or False, got {v!r}")
+    for arg, v in (("capturable", capturable), ("differentiable", differentiable)):
+        if v:
+            raise ValueError(f"{arg}: not supported by {name} (a fused CPU step outside autograd)")

@@ -1,0 +1,159 @@
+"""ZeRO-Offload and ZeRO-Infinity placement for ZeroOptimizer: ``offload="cpu" | "nvme"``.
+
+What moves where:
+  offload="cpu"   fp32 master shards and optimizer state in host memory, the step on the
+                  CPU with pz.optim's fused kernel (torch.optim.Adam/AdamW/SGD/Adagrad are
+                  swapped for pz.optim's; other optimizers run as given, on the host).
+  offload="nvme"  as "cpu", and the optimizer state in swap files under ``nvme_path``
+                  (pz.optim.NvmeAdam/NvmeAdamW; Adam and AdamW only).
+  offload_params  (stage 3) parameter shards in host memory as well.
+
+For a CPU model host memory *is* the device: "cpu" keeps every tensor where it is and
+only changes the kernel, "nvme" takes the optimizer state out of RAM. For CUDA models
+:class:`HostShard` is the transfer machinery a stage uses: pinned host master and
+gradient shards, device-to-host copies of each reduced bucket on a side stream as
+backward produces it, and host-to-device copies of the updated (16-bit) parameters
+written by the fused step, ordered by CUDA events, not host syncs.
+
+ZeroOptimizer calls :func:`resolve` in ``__init__`` (bad arguments fail before the model is
+touched) and :meth:`Offload.build_optimizer` where it builds its inner optimizer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import optim as pz_optim
+from ..optim import swap
+
+MODES = (None, "cpu", "nvme")
+# torch.optim class -> (pz.optim class for offload="cpu", class for offload="nvme" or None)
+_FAST = {torch.optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW), torch.optim.Adam: (pz_optim.Adam, pz_optim.NvmeAdam),
+         torch.optim.SGD: (pz_optim.SGD, None), torch.optim.Adagrad: (pz_optim.Adagrad, None),
+         pz_optim.Adagrad: (pz_optim.Adagrad, None), pz_optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW),
+         pz_optim.Adam: (pz_optim.Adam, pz_optim.NvmeAdam), pz_optim.SGD: (pz_optim.SGD, None),
+         pz_optim.NvmeAdamW: (pz_optim.NvmeAdamW, pz_optim.NvmeAdamW),
+         pz_optim.NvmeAdam: (pz_optim.NvmeAdam, pz_optim.NvmeAdam)}
+_TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable")  # torch.optim kwargs pz.optim does not take
+
+
+def state_elems_per_param(optimizer_class, kwargs: dict) -> int:
+    """fp32 values of optimizer state per parameter element (Adam 2, 3 with amsgrad; SGD 0-1)."""
+    if issubclass(optimizer_class, (torch.optim.Adam, torch.optim.AdamW, pz_optim.Adam)):
+        return 3 if kwargs.get("amsgrad") else 2
+    if issubclass(optimizer_class, (torch.optim.SGD, pz_optim.SGD)):
+        return 1 if kwargs.get("momentum", 0) else 0
+    if issubclass(optimizer_class, (torch.optim.Adagrad, pz_optim.Adagrad)):
+        return 1
+    return 2
+
+
+class Offload:
+    """A checked offload configuration (see :func:`resolve`)."""
+
+    def __init__(self, mode, nvme_path, offload_params, sub_group_elems):
+        self.mode, self.nvme_path, self.offload_params = mode, nvme_path, offload_params
+        self.sub_group_elems = sub_group_elems
+
+    def build_optimizer(self, optimizer_class, groups, kwargs):
+        """The inner optimizer over the master-shard pieces in `groups` (the hook in ZeroOptimizer)."""
+        if self.mode is None:
+            return optimizer_class(groups, **kwargs)
+        fast, nvme = _FAST.get(optimizer_class, (None, None))
+        if fast is None:  # offload="cpu" with another optimizer: its own CPU code, state on the host
+            return optimizer_class(groups, **kwargs)
+        kw = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
+        if self.mode == "nvme":
+            return nvme(groups, nvme_path=self.nvme_path, sub_group_elems=self.sub_group_elems, **kw)
+        return fast(groups, **kw)
+
+    @staticmethod
+    def state_bytes(inner) -> tuple[int, int] | None:
+        """(state bytes in memory, on disk) for an on-disk inner optimizer, else None: its state
+        is read from disk only for checkpoints, never to count it."""
+        return inner.state_bytes() if isinstance(inner, pz_optim.NvmeAdam) else None
+
+    def __repr__(self):
+        return f"Offload(mode={self.mode!r}, nvme_path={self.nvme_path!r}, offload_params={self.offload_params})"
+
+
+def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, params, world,
+            sub_group_elems=pz_optim.nvme.DEFAULT_SUB_GROUP) -> Offload:
+    """Check the offload arguments of ZeroOptimizer; errors name the argument. For "nvme" the
+    path must exist, be writable and hold this rank's optimizer state (os.statvfs)."""
+    if offload not in MODES:
+        raise ValueError(f"offload: expected None, 'cpu' or 'nvme', got {offload!r}")
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params: expected a bool, got {type(offload_params).__name__}")
+    if offload_params and (offload is None or stage != 3):
+        raise ValueError("offload_params: needs stage=3 and offload='cpu' or 'nvme' (stages 1-2 keep full "
+                         "parameters on the device)")
+    if nvme_path is not None and offload != "nvme":
+        raise ValueError(f"nvme_path: only used with offload='nvme', got offload={offload!r}")
+    if offload is not None:
+        bad = [k for k in ("capturable", "differentiable") if kwargs.get(k)]
+        if bad and optimizer_class in _FAST:
+            raise ValueError(f"optimizer_kwargs: {bad} are not supported with offload (the step runs on the CPU)")
+    if offload == "nvme":
+        fast, nvme = _FAST.get(optimizer_class, (None, None))
+        if nvme is None:
+            raise ValueError(f"offload='nvme': supports torch.optim.Adam/AdamW (or pz.optim's), got "
+                             f"{optimizer_class.__name__}")
+        numel = sum(p.numel() for p in params)
+        shard = -(-numel // world)
+        swap.check_path(nvme_path, shard * 4 * state_elems_per_param(optimizer_class, kwargs))
+    return Offload(offload, nvme_path, offload_params, sub_group_elems)
+
+
+class HostShard:
+    """Pinned host copies of one device shard and the copies between them (CUDA models).
+
+    ``master``/``grad`` are fp32 host tensors of ``numel``; ``low`` is a pinned 16-bit host
+    buffer the fused step writes the new parameters into (``copies=``). Gradient buckets
+    go device -> host on ``stream`` as soon as their reduction is recorded; updated
+    parameters go host -> device on ``stream`` and the compute stream waits on an event.
+    """
+
+    def __init__(self, numel: int, device, param_dtype=torch.bfloat16):
+        if not torch.cuda.is_available():
+            raise RuntimeError("HostShard: offload of CUDA shards needs CUDA")
+        self.device = torch.device(device)
+        self.master = torch.zeros(numel, dtype=torch.float32, pin_memory=True)
+        self.grad = torch.zeros(numel, dtype=torch.float32, pin_memory=True)
+        self.low = torch.empty(numel, dtype=param_dtype, pin_memory=True)
+        self.stream = torch.cuda.Stream(self.device)
+        self._grad_events: list[torch.cuda.Event] = []
+        self._keep: list[torch.Tensor] = []
+
+    def grad_to_host(self, reduced: torch.Tensor, lo: int) -> None:
+        """Copy a reduced bucket's part of this shard (device, fp32 or 16-bit) into grad[lo:...],
+        after the work already queued on the current stream (the reduction); does not block."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            src = reduced if reduced.dtype == torch.float32 else reduced.float()
+            self.grad[lo:lo + src.numel()].copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._keep.append(src)  # alive until the copy is done (wait_grads)
+        self._grad_events.append(done)
+
+    def wait_grads(self) -> None:
+        """Block the host until every gradient copy has landed (before the CPU step)."""
+        for e in self._grad_events:
+            e.synchronize()
+        self._grad_events.clear()
+        self._keep.clear()
+
+    def params_to_device(self, dst: torch.Tensor) -> torch.cuda.Event:
+        """Copy ``low`` (the fused step's 16-bit output) into the device shard `dst` on the side
+        stream; the current stream waits on the returned event before it reads `dst`."""
+        free = torch.cuda.Event()
+        free.record(torch.cuda.current_stream(self.device))  # work queued so far may still read dst
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(free)
+            dst.copy_(self.low[:dst.numel()], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return done

@@ -1,0 +1,262 @@
+"""pz.optim (fused CPU AdamW/Adam/SGD) against torch.optim with foreach=False.
+
+Where torch's own arithmetic is exact the two agree bitwise: SGD always, and
+Adam/AdamW whenever sqrt(exp_avg_sq) is exactly representable (dyadic
+gradients with beta2 = 0), which pins down every other op and its order.
+With arbitrary gradients the one difference is sqrt: torch's (MKL vsSqrt) is
+faithfully rounded, not correctly rounded, so a step may differ by a few ulps
+of the operands; the state tensors stay bitwise equal.
+"""
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero.optim import functional as F
+
+SIZES = [1, 15, 17, 1000, 65536 + 13]
+ISAS = [i for i in ("scalar", "avx2", "avx512")
+        if {"scalar": 0, "avx2": 1, "avx512": 2}[i] <= {"scalar": 0, "avx2": 1, "avx512": 2}[pz.optim.cpu_isa()]]
+
+
+def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in representable fp32 values (int view, sign-magnitude made monotonic)."""
+    def key(t):
+        i = t.contiguous().view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (key(a) - key(b)).abs()
+
+
+def pair(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g)
+    return p.clone().requires_grad_(), p.clone().requires_grad_(), g
+
+
+def dyadic_grad(n, g):
+    return torch.randint(-64, 65, (n,), generator=g).float() / 8
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adam"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("n", SIZES)
+def test_adam_bitwise_equal_to_torch_over_steps_with_schedule(cls, amsgrad, n):
+    p, q, gen = pair(n)
+    kw = dict(lr=3e-2, betas=(0.8, 0.0), eps=1e-6, weight_decay=0.05, amsgrad=amsgrad)
+    ours = getattr(pz.optim, cls)([p], threads=2, **kw)
+    ref = getattr(torch.optim, cls)([q], foreach=False, **kw)
+    s1 = torch.optim.lr_scheduler.StepLR(ours, step_size=7, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=7, gamma=0.5)
+    for _ in range(25):
+        g = dyadic_grad(n, gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step(), s1.step(), s2.step()
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] < 3e-2
+    assert torch.equal(p, q)
+    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+        assert torch.equal(ours.state[p][key], ref.state[q][key]), key
+    assert ours.state[p]["step"].item() == ref.state[q]["step"].item() == 25
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_random_grads_state_exact_params_within_sqrt_error(amsgrad):
+    n = 200_003
+    p, q, gen = pair(n, 1)
+    ours = pz.optim.AdamW([p], lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, foreach=False)
+    worst, frac_over_1 = 0.0, 0.0
+    for _ in range(10):
+        old = q.detach().clone()
+        g = torch.randn(n, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+        assert torch.equal(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+        mag = torch.maximum(old.abs(), q.detach().abs())
+        spacing = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+        worst = max(worst, ((p.detach() - q.detach()).abs() / spacing).max().item())
+        frac_over_1 = max(frac_over_1, (ulp_diff(p.detach(), q.detach()) > 1).float().mean().item())
+        with torch.no_grad():
+            p.copy_(q)  # per-step comparison from the same state
+    assert worst <= 4.0, worst
+    assert frac_over_1 < 5e-3, frac_over_1
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov,wd", [(0.0, 0.0, False, 0.0), (0.9, 0.0, False, 1e-2),
+                                                             (0.9, 0.1, False, 0.0), (0.9, 0.0, True, 1e-2)])
+@pytest.mark.parametrize("n", SIZES)
+def test_sgd_bitwise_equal_to_torch(momentum, dampening, nesterov, wd, n):
+    p, q, gen = pair(n, 2)
+    kw = dict(lr=5e-2, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=wd)
+    ours, ref = pz.optim.SGD([p], threads=2, **kw), torch.optim.SGD([q], foreach=False, **kw)
+    s1 = torch.optim.lr_scheduler.ExponentialLR(ours, 0.9)
+    s2 = torch.optim.lr_scheduler.ExponentialLR(ref, 0.9)
+    for _ in range(20):
+        g = torch.randn(n, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step(), s1.step(), s2.step()
+    assert torch.equal(p, q)
+    if momentum:
+        assert torch.equal(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_isa_and_thread_count_bitwise_equal_to_scalar(isa, threads):
+    n = 3 * 65536 + 7
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(n, generator=gen) for _ in range(4)]
+    base[3] = base[3].abs()
+
+    def run(isa_, threads_):
+        p, g, m, v = (t.clone() for t in base)
+        vmax, c16, cb16 = v.clone(), torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=torch.bfloat16)
+        F.adam_step([p], [g], [m], [v], [vmax], [cb16], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.1, decoupled=True, amsgrad=True, grad_scale=0.5, threads=threads_, isa=isa_)
+        s, buf = p.clone(), m.clone()
+        F.sgd_step([s], [g], [buf], [c16], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                   threads=threads_, isa=isa_)
+        a, acc, c32 = p.clone(), v.clone(), torch.empty(n)
+        F.adagrad_step([a], [g], [acc], [c32], step=2, lr=0.1, lr_decay=0.1, weight_decay=1e-3, eps=1e-10,
+                       threads=threads_, isa=isa_)
+        return p, m, v, vmax, cb16, s, buf, c16, a, acc, c32
+
+    for a, b in zip(run(isa, threads), run("scalar", 1)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copy_equals_param_cast(dtype):
+    n = 70_001
+    p, _, gen = pair(n, 4)
+    p.data[:5] = torch.tensor([0.0, -0.0, 1e-30, 65504.0 * 2, 3.0e-8])  # zero, subnormal, overflow, tiny
+    copy = torch.empty(n, dtype=dtype)
+    opt = pz.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(n, generator=gen)
+    opt.step(copies={p: copy})
+    assert torch.equal(copy, p.detach().to(dtype))
+
+
+def test_grad_scale_equals_prescaled_grad():
+    n = 50_001
+    p, q, gen = pair(n, 5)
+    scale = 1 / 1024 * 0.73
+    ours, twin = pz.optim.AdamW([p], lr=1e-2), pz.optim.AdamW([q], lr=1e-2)
+    for _ in range(5):
+        g = torch.randn(n, generator=gen) * 1024
+        p.grad, q.grad = g.clone(), g * scale
+        ours.step(grad_scale=scale), twin.step()
+    assert ulp_diff(p.detach(), q.detach()).max().item() <= 1
+    assert torch.equal(p, q)  # g * scale is the same single rounding either way
+
+
+def test_state_dict_loads_into_torch_and_back():
+    p, q, gen = pair(1001, 6)
+    ours = pz.optim.AdamW([p], lr=1e-2, amsgrad=True)
+    ref = torch.optim.AdamW([q], lr=1e-2, amsgrad=True, foreach=False)
+    g = dyadic_grad(1001, gen)
+    p.grad, q.grad = g.clone(), g.clone()
+    ours.step()
+    ref.load_state_dict(ours.state_dict())  # ours -> torch
+    back = pz.optim.AdamW([p], lr=1.0)
+    back.load_state_dict(ref.state_dict())  # torch -> ours
+    assert back.param_groups[0]["lr"] == 1e-2
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert torch.equal(ref.state[q][key], ours.state[p][key])
+        assert torch.equal(back.state[p][key], ours.state[p][key])
+    assert back.state[p]["step"].item() == 1.0
+
+
+def test_param_groups_and_params_without_grad():
+    a, b, c = (torch.randn(33, requires_grad=True) for _ in range(3))
+    ta, tb, tc = (t.detach().clone().requires_grad_() for t in (a, b, c))
+    ours = pz.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD([{"params": [ta, tb]}, {"params": [tc], "lr": 0.5}], lr=0.1, momentum=0.9,
+                          foreach=False)
+    for step in range(3):
+        for x, y in ((a, ta), (b, tb), (c, tc)):
+            if x is b and step == 0:
+                continue  # b has no gradient on the first step: it starts its buffer later
+            x.grad = torch.full_like(x, 0.25 * (step + 1))
+            y.grad = x.grad.clone()
+        ours.step(), ref.step()
+        for x in (a, b, c):
+            x.grad = None
+        for y in (ta, tb, tc):
+            y.grad = None
+    for x, y in ((a, ta), (b, tb), (c, tc)):
+        assert torch.equal(x, y)
+
+
+def test_bad_input_names_argument():
+    p = torch.randn(10, dtype=torch.float64, requires_grad=True)
+    p.grad = torch.randn(10, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"params\[0\]: expected a dense float32 CPU tensor"):
+        pz.optim.AdamW([p]).step()
+    with pytest.raises(ValueError, match="betas"):
+        pz.optim.Adam([torch.randn(2, requires_grad=True)], betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="threads"):
+        pz.optim.SGD([torch.randn(2, requires_grad=True)], threads=0)
+    with pytest.raises(ValueError, match="isa"):
+        pz.optim.SGD([torch.randn(2, requires_grad=True)], isa="sse9")
+    q = torch.randn(10, requires_grad=True)
+    q.grad = torch.randn(10)
+    with pytest.raises(ValueError, match=r"copies\[0\]: has 5 elements"):
+        pz.optim.AdamW([q]).step(copies={q: torch.empty(5, dtype=torch.bfloat16)})
+
+
+def pythagorean_grads(n, gen):
+    """Per element a power-of-two scale and sign times 3, 4, 12, 84, 3612: the running sum of
+    squares is 9, 25, 169, 7225, 3613^2 (times the scale squared), a perfect square every step."""
+    scale = 2.0 ** torch.randint(-6, 0, (n,), generator=gen).float()
+    sign = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    return [sign * scale * k for k in (3, 4, 12, 84, 3612)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adagrad_bitwise_equal_to_torch_when_sqrt_exact(n, maximize):
+    p, q, gen = pair(n, 7)
+    kw = dict(lr=0.1, lr_decay=0.01, eps=0.0, maximize=maximize)
+    ours, ref = pz.optim.Adagrad([p], threads=2, **kw), torch.optim.Adagrad([q], foreach=False, **kw)
+    for g in pythagorean_grads(n, gen):
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    assert torch.equal(ours.state[p]["sum"], ref.state[q]["sum"])
+    assert torch.equal(p, q)
+
+
+def test_adagrad_random_grads_with_weight_decay():
+    n = 100_003
+    p, q, gen = pair(n, 8)
+    kw = dict(lr=0.05, weight_decay=0.01, initial_accumulator_value=0.1)
+    ours, ref = pz.optim.Adagrad([p], **kw), torch.optim.Adagrad([q], foreach=False, **kw)
+    for _ in range(5):
+        old = q.detach().clone()
+        g = torch.randn(n, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+        assert torch.equal(ours.state[p]["sum"], ref.state[q]["sum"])
+        mag = torch.maximum(old.abs(), q.detach().abs())
+        spacing = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+        assert ((p.detach() - q.detach()).abs() / spacing).max().item() <= 4.0
+        with torch.no_grad():
+            p.copy_(q)
+    sd = ours.state_dict()
+    assert set(sd["state"][0]) == {"step", "sum"} and sd["state"][0]["step"].item() == 5
+
+
+@pytest.mark.parametrize("cls", ["Adam", "SGD"])
+def test_maximize_and_torch_switches(cls):
+    n = 4099
+    p, q, gen = pair(n, 9)
+    kw = dict(lr=1e-2, maximize=True, weight_decay=0.01)
+    kw.update(dict(betas=(0.8, 0.0)) if cls == "Adam" else dict(momentum=0.9))
+    ours = getattr(pz.optim, cls)([p], foreach=True, fused=True, **kw)  # torch's switches are accepted
+    ref = getattr(torch.optim, cls)([q], foreach=False, **kw)
+    for _ in range(5):
+        g = dyadic_grad(n, gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="differentiable: not supported"):
+        getattr(pz.optim, cls)([p], differentiable=True)

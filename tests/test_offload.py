@@ -1,0 +1,448 @@
+"""Optimizer state on disk (pz.optim.NvmeAdamW, pyzero.optim.swap) and ZeRO offload.
+
+References: pz.optim.AdamW in memory (itself tested against torch.optim in
+test_cpu_optim.py); the nvme path must give bitwise the same weights.
+"""
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero.optim import functional as F
+from pyzero.optim import swap
+
+
+def make_params(seed, shapes=((1000, 37), (5,), (300_001,), (64, 64))):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    return ps, [p.detach().clone().requires_grad_() for p in ps], g
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("sub_group", [50_000, 1 << 20])
+def test_nvme_adamw_bitwise_equal_to_in_memory(tmp_path, amsgrad, sub_group):
+    ps, qs, gen = make_params(0)
+    groups = lambda xs: [{"params": xs[:2]}, {"params": xs[2:], "lr": 3e-3, "weight_decay": 0.0}]  # noqa: E731
+    ours = pz.optim.NvmeAdamW(groups(ps), lr=1e-2, amsgrad=amsgrad, nvme_path=tmp_path, sub_group_elems=sub_group)
+    ref = pz.optim.AdamW(groups(qs), lr=1e-2, amsgrad=amsgrad)
+    sched = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ours, ref)]
+    assert len(ours._segments) == (7 if sub_group == 50_000 else 1)
+    for step in range(6):
+        for p, q in zip(ps, qs):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 2:  # a parameter without a gradient is skipped, as torch does
+            ps[1].grad = qs[1].grad = None
+        ours.step(), ref.step()
+        for s in sched:
+            s.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    sd, rd = ours.state_dict(), ref.state_dict()
+    assert sd["param_groups"] == rd["param_groups"]
+    for i in rd["state"]:
+        for k in rd["state"][i]:
+            assert torch.equal(sd["state"][i][k], rd["state"][i][k]), (i, k)
+    assert ours.io_stats["read_bytes"] > 0 and ours.io_stats["write_bytes"] == ours.io_stats["read_bytes"]
+
+
+def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
+    ps, qs, gen = make_params(1)
+    ref = torch.optim.AdamW(qs, lr=1e-2, foreach=False)
+    grads = [[torch.randint(-64, 65, p.shape, generator=gen).float() / 8 for p in ps] for _ in range(4)]
+    for q, g in zip(qs, grads[0]):
+        q.grad = g.clone()
+    ref.step()
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            p.copy_(q)
+    ours = pz.optim.NvmeAdamW(ps, lr=5.0, nvme_path=tmp_path, sub_group_elems=100_000)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.param_groups[0]["lr"] == 1e-2
+    for gs in grads[1:]:
+        for p, q, g in zip(ps, qs, gs):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    for p, q in zip(ps, qs):  # dyadic gradients, beta2 > 0: equal within torch's sqrt rounding
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
+    assert ours.state[ps[2]]["step"].item() == 4
+
+
+def test_swap_files_removed_on_close(tmp_path):
+    ps, _, _ = make_params(2)
+    opt = pz.optim.NvmeAdamW(ps, nvme_path=tmp_path, sub_group_elems=100_000)
+    (d,) = os.listdir(tmp_path)
+    files = os.listdir(tmp_path / d)
+    assert len(files) == len(opt._segments) and all(f.endswith(".swap") for f in files)
+    opt.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_nvme_path_checks(tmp_path, monkeypatch):
+    ps, _, _ = make_params(3)
+    with pytest.raises(ValueError, match="nvme_path: required"):
+        pz.optim.NvmeAdamW(ps)
+    with pytest.raises(ValueError, match="does not exist"):
+        pz.optim.NvmeAdamW(ps, nvme_path=tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        pz.optim.NvmeAdamW(ps, nvme_path=tmp_path / "file")
+    with pytest.raises(ValueError, match="the swap files need 1024.00 GiB"):
+        swap.check_path(tmp_path, 1 << 40)
+
+    class Tiny:  # statvfs of a disk with 1 MiB free
+        f_bavail, f_frsize = 256, 4096
+
+    with monkeypatch.context() as m:
+        m.setattr(swap.os, "statvfs", lambda _: Tiny)
+        with pytest.raises(ValueError, match=r"nvme_path: .* has 0.00 GiB free, the swap files need"):
+            pz.optim.NvmeAdamW(ps, nvme_path=tmp_path)
+    with monkeypatch.context() as m:  # root ignores mode bits, so ask access() directly
+        m.setattr(swap.os, "access", lambda *a: False)
+        with pytest.raises(ValueError, match="is not writable"):
+            pz.optim.NvmeAdamW(ps, nvme_path=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing was created by the failed attempts
+
+
+def test_enospc_mid_run_raises_and_leaves_checkpoint_intact(tmp_path, monkeypatch):
+    ps, _, gen = make_params(4)
+    (tmp_path / "swap").mkdir()
+    opt = pz.optim.NvmeAdamW(ps, lr=1e-2, nvme_path=tmp_path / "swap", sub_group_elems=100_000)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"params": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, ckpt)
+    before = ckpt.read_bytes()
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(swap.os, "pwritev", full)
+    with pytest.raises(swap.SwapError, match="out of disk space writing swap file"):
+        opt.step()
+    monkeypatch.undo()
+    with pytest.raises(swap.SwapError, match="restore from the last checkpoint"):
+        opt.step()  # refuses to go on from inconsistent state
+    assert ckpt.read_bytes() == before
+    saved = torch.load(ckpt, weights_only=True)
+    fresh, _, _ = make_params(4)
+    again = pz.optim.NvmeAdamW(fresh, lr=1e-2, nvme_path=tmp_path / "swap", sub_group_elems=100_000)
+    again.load_state_dict(saved["opt"])
+    assert torch.equal(again.state[fresh[2]]["exp_avg"], saved["opt"]["state"][2]["exp_avg"])
+
+
+def test_io_overlaps_the_step(tmp_path, monkeypatch):
+    """With 50 ms per read, 50 ms per write and 100 ms per step of a sub-group, the serial
+    schedule takes 200 ms a group; the double-buffered one about 100 ms."""
+    p = torch.zeros(6 * 1024, requires_grad=True)
+    opt = pz.optim.NvmeAdamW([p], nvme_path=tmp_path, sub_group_elems=1024)
+    assert len(opt._segments) == 6
+    io, step = swap.Swapper._io, F.adam_step
+
+    def slow_io(*a):
+        time.sleep(0.05)
+        io(*a)
+
+    def slow_step(*a, **k):
+        time.sleep(0.1)
+        step(*a, **k)
+
+    monkeypatch.setattr(swap.Swapper, "_io", staticmethod(slow_io))
+    monkeypatch.setattr(F, "adam_step", slow_step)
+    p.grad = torch.ones_like(p)
+    t0 = time.perf_counter()
+    opt.step()
+    elapsed = time.perf_counter() - t0
+    serial = 6 * (0.05 + 0.05 + 0.1)
+    assert elapsed < 0.75 * serial, elapsed
+    assert opt.io_stats["io_wait_s"] < 0.35  # about the first read and the last write
+
+
+RSS_SCRIPT = r"""
+import resource, sys, tempfile, torch, pyzero as pz
+n = 1 << 24
+p = torch.zeros(n, requires_grad=True)
+p.grad = torch.ones(n)
+if sys.argv[1] == "nvme":
+    opt = pz.optim.NvmeAdamW([p], nvme_path=sys.argv[2], sub_group_elems=1 << 20)
+else:
+    opt = pz.optim.AdamW([p])
+for _ in range(2):
+    opt.step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_peak_rss_with_nvme_is_lower_by_about_the_state(tmp_path):
+    def peak(mode):
+        out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, mode, str(tmp_path)], capture_output=True,
+                             text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    state = 2 * 4 * (1 << 24)  # exp_avg + exp_avg_sq: 128 MiB
+    buffers = 2 * 2 * 4 * (1 << 20)  # two sub-groups of both states in RAM: 16 MiB
+    saved = peak("memory") - peak("nvme")
+    assert 0.7 * (state - buffers) < saved < 1.3 * state, (saved, state)
+
+
+# ---- ZeroOptimizer(offload=...) on CPU models -------------------------------------------
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(16, 30), torch.nn.Linear(30, 30), torch.nn.Linear(30, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None):
+    """Train `steps` steps; with `ckpt`, the first half runs without offload, is saved, and a
+    fresh model and ZeroOptimizer(offload=...) load it and finish."""
+    torch.manual_seed(0)
+    model = Net()
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    extra = {}
+    if offload:
+        extra["offload"] = offload
+    if offload == "nvme":
+        extra.update(nvme_path=nvme_dir, offload_params=stage == 3)
+    opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **({} if ckpt else extra), **kw)
+    rank, world = pz.get_rank(), pz.get_world_size()
+    for step in range(steps):
+        if ckpt is not None and step == steps // 2:
+            pz.checkpoint.save(ckpt, model, opt, step)
+            torch.manual_seed(0)
+            model = Net()
+            opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **extra, **kw)
+            assert pz.checkpoint.load(ckpt, model, opt) == step
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 5, generator=g)
+        lo, hi = rank * 12 // world, (rank + 1) * 12 // world
+        loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") / 12 * world
+        loss.backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+    state = opt.full_state_dict() if stage == 3 else model.state_dict()
+    return state and {k: v.clone() for k, v in state.items()}, type(opt.inner).__name__
+
+
+def _zero_ranks(stage, nvme_dir):
+    pz.init()
+    runs = {"torch": _zero_run(stage, torch.optim.AdamW, None, None),
+            "pz": _zero_run(stage, pz.optim.AdamW, None, None),
+            "cpu": _zero_run(stage, torch.optim.AdamW, "cpu", None),
+            "nvme": _zero_run(stage, torch.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}")),
+            "nvme_ckpt": _zero_run(stage, pz.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}"),
+                                   ckpt=os.path.join(nvme_dir, "ckpt"))}
+    return runs
+
+
+@pytest.mark.parametrize("world,stage", [(1, 1), (2, 2), (3, 3), (3, 1), (2, 3)])
+def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
+    """offload="cpu" and "nvme" give bitwise the weights of no offload with pz.optim.AdamW (also
+    when a run without offload is checkpointed and finished with nvme), and torch.optim.AdamW's
+    within fp32 tolerance."""
+    from pyzero.launch import run_ranks
+
+    for r in range(world):
+        (tmp_path / f"r{r}").mkdir()
+    results = run_ranks(_zero_ranks, world, args=(stage, str(tmp_path)), timeout=120)
+    for res in results[:1] if stage == 3 else results:  # stage 3: the full state is on rank 0
+        runs = res.value
+        assert runs["cpu"][1] == runs["nvme"][1] == runs["nvme_ckpt"][1] == "AdamW"
+        for name, ref in runs["pz"][0].items():
+            assert torch.equal(runs["cpu"][0][name], ref), name
+            assert torch.equal(runs["nvme"][0][name], ref), name
+            assert torch.equal(runs["nvme_ckpt"][0][name], ref), name
+            assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
+
+
+def _bad_offload_args(tmp):
+    pz.init()
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    errors = {}
+    cases = {"mode": dict(offload="gpu"), "params_stage2": dict(stage=2, offload="cpu", offload_params=True),
+             "path_without_nvme": dict(offload="cpu", nvme_path=tmp), "missing": dict(offload="nvme"),
+             "not_there": dict(offload="nvme", nvme_path=os.path.join(tmp, "nope")),
+             "sgd": dict(offload="nvme", nvme_path=tmp, optimizer=torch.optim.SGD)}
+    for name, kw in cases.items():
+        kw = dict(kw)
+        optimizer = kw.pop("optimizer", torch.optim.AdamW)
+        try:
+            pz.ZeroOptimizer(model, optimizer, **{"stage": 1, **kw}, lr=1e-2)
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=1, offload="cpu", lr=1e-2)  # the model is still free
+    untouched = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return errors, untouched, type(opt.inner).__module__
+
+
+def test_zero_offload_bad_arguments_fail_before_the_model_is_touched(tmp_path):
+    from pyzero.launch import run_ranks
+
+    for res in run_ranks(_bad_offload_args, 2, args=(str(tmp_path),), timeout=60):
+        errors, untouched, inner_module = res.value
+        assert "offload: expected None, 'cpu' or 'nvme'" in errors["mode"]
+        assert "offload_params: needs stage=3" in errors["params_stage2"]
+        assert "nvme_path: only used with offload='nvme'" in errors["path_without_nvme"]
+        assert "nvme_path: required" in errors["missing"]
+        assert "does not exist" in errors["not_there"]
+        assert "supports torch.optim.Adam/AdamW" in errors["sgd"]
+        assert untouched and inner_module == "pyzero.optim.adam"
+
+
+@pytest.mark.gpu
+def test_host_shard_round_trip_and_step_match_cpu_reference():
+    """D2H of reduced buckets, the fused CPU step writing bf16 copies, H2D back: the device
+    shard equals the CPU-only computation."""
+    from pyzero.zero.offload import HostShard
+
+    n = 100_003
+    gen = torch.Generator().manual_seed(0)
+    master, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    hs = HostShard(n, "cuda", torch.bfloat16)
+    hs.master.copy_(master)
+    dev_grad = grad.cuda()
+    half = n // 2
+    hs.grad_to_host(dev_grad[:half], 0)  # two "buckets"
+    hs.grad_to_host(dev_grad[half:].to(torch.bfloat16), half)
+    hs.wait_grads()
+    ref_grad = torch.cat([grad[:half], grad[half:].to(torch.bfloat16).float()])
+    assert torch.equal(hs.grad, ref_grad)
+    m, v = torch.zeros(n), torch.zeros(n)
+    F.adam_step([hs.master], [hs.grad], [m], [v], None, [hs.low], step=1, lr=1e-2, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.5)
+    ref = master.clone()
+    F.adam_step([ref], [ref_grad], [torch.zeros(n)], [torch.zeros(n)], step=1, lr=1e-2, beta1=0.9, beta2=0.999,
+                eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.5)
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    hs.params_to_device(dst)
+    assert torch.equal(dst.cpu(), ref.to(torch.bfloat16))
+
+
+# ---- estimate_memory with offload (hand-computed) -------------------------------------
+
+def test_estimate_memory_offload_hand_computed():
+    from pyzero.zero import estimate_memory
+
+    # Ψ = 1e9, N = 4, K = 12, mixed precision: S = 2.5e8
+    m = estimate_memory(1e9, 4, 2, offload="cpu")
+    assert m["device"] == 2e9  # fp16 parameters; gradients leave bucket by bucket
+    assert m["host"] == 12 * 2.5e8 + 4 * 2.5e8 + 2 * 2.5e8 == 4.5e9
+    assert m["disk"] == 0 and m["total"] == 2e9 + 5e8 + 3e9
+    m = estimate_memory(1e9, 4, 3, offload="nvme", offload_params=True, nvme_sub_group=10**6)
+    assert m["device"] == 0 and m["disk"] == 8 * 2.5e8
+    assert m["host"] == 4 * 2.5e8 + 4 * 2.5e8 + 2 * 2.5e8 + 2 * 10**6 * 8  # master, grad, w-byte shard, buffers
+    m = estimate_memory(1e9, 2, 1, 8, False, offload="cpu")  # fp32: K = 8 has no master, S = 5e8
+    assert m["device"] == 4e9 + 4e9
+    assert m["host"] == 8 * 5e8 + 4 * 5e8 + 4 * 5e8 + 4 * 5e8
+    m = estimate_memory(1e9, 4, 2)
+    assert m["device"] == m["total"] and m["host"] == m["disk"] == 0
+    with pytest.raises(ValueError, match="offload: needs a ZeRO stage"):
+        estimate_memory(1e9, 4, 0, offload="cpu")
+    with pytest.raises(ValueError, match="offload_params: needs stage=3"):
+        estimate_memory(1e9, 4, 2, offload="cpu", offload_params=True)
+    with pytest.raises(ValueError, match="offload: expected None"):
+        estimate_memory(1e9, 4, 2, offload="disk")
+
+
+def test_pyzero_estimate_offload_columns(capsys):
+    from pyzero.zero.memory import main
+
+    main(["--params", "13e9", "--world", "1", "--offload", "cpu", "--gpu-gb", "32"])
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("ZeRO")}
+    # 13B on one 32 GB GPU (the ZeRO-Offload paper's case): 26 GB of fp16 parameters on the device
+    assert rows["ZeRO-2"] == ["26.00", "234.00", "0.00", "yes"]
+    assert rows["ZeRO-1"][0] == "52.00" and rows["ZeRO-1"][-1] == "no"
+
+
+def _bf16_ranks(nvme_dir):
+    pz.init()
+    out = []
+    for offload in (None, "nvme"):
+        torch.manual_seed(0)
+        model = Net()
+        extra = dict(offload="nvme", nvme_path=nvme_dir) if offload else {}
+        opt = pz.ZeroOptimizer(model, pz.optim.AdamW, stage=2, param_dtype=torch.bfloat16, lr=1e-2, **extra)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(12, 16, generator=g), torch.randn(12, 5, generator=g)
+            r, w = pz.get_rank(), pz.get_world_size()
+            out_ = model(x[r * 6:(r + 1) * 6].to(torch.bfloat16)).float()
+            torch.nn.functional.mse_loss(out_, y[r * 6:(r + 1) * 6]).backward()
+            opt.step()
+        out.append(([leaf.detach().clone() for _, leaf, _ in opt.pieces], model.state_dict()))
+    return out
+
+
+def test_zero_nvme_with_bf16_params_matches_in_memory(tmp_path):
+    """Separate fp32 masters (param_dtype=bf16): the masters and the bf16 model agree bitwise."""
+    from pyzero.launch import run_ranks
+
+    for res in run_ranks(_bf16_ranks, 2, args=(str(tmp_path),), timeout=60):
+        (m0, sd0), (m1, sd1) = res.value
+        assert all(torch.equal(a, b) for a, b in zip(m0, m1))
+        assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+        assert next(iter(sd1.values())).dtype == torch.bfloat16
+
+
+def test_buffered_io_path_gives_the_same_result(tmp_path):
+    """direct=False (what filesystems without O_DIRECT get) moves the same bytes."""
+    ps, qs, gen = make_params(10)
+    a = pz.optim.NvmeAdamW(ps, lr=1e-2, nvme_path=tmp_path, sub_group_elems=70_000, direct=False)
+    b = pz.optim.NvmeAdamW(qs, lr=1e-2, nvme_path=tmp_path, sub_group_elems=70_000)
+    assert not a.direct  # b uses O_DIRECT where the filesystem takes it (ext4 here)
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        a.step(), b.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    assert torch.equal(a.state[ps[2]]["exp_avg_sq"], b.state[qs[2]]["exp_avg_sq"])
+
+
+def _memory_stats_ranks(nvme_dir):
+    pz.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, offload="nvme", nvme_path=nvme_dir,
+                           lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return opt.memory_stats(), opt.layout.shard_size, opt.inner.state_bytes()
+
+
+def test_zero_nvme_memory_stats_counts_disk_not_ram(tmp_path):
+    from pyzero.launch import run_ranks
+
+    (res,) = run_ranks(_memory_stats_ranks, 1, args=(str(tmp_path),), timeout=60)
+    stats, shard, (ram, disk) = res.value
+    # one sub-group holds the whole shard (1595 elements, each piece 16-aligned): exp_avg and
+    # exp_avg_sq, each padded to a multiple of 1024 elements: 2048
+    padded = 2048
+    assert shard == 1595
+    assert stats["disk"] == disk == 2 * 4 * padded
+    assert stats["optimizer"] == ram == 2 * 2 * 4 * padded  # two buffers of both states
+
+
+def test_nvme_bad_grad_raises_before_any_change(tmp_path):
+    ps, _, gen = make_params(11)
+    opt = pz.optim.NvmeAdamW(ps, nvme_path=tmp_path, sub_group_elems=100_000)
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    ps[3].grad = ps[3].grad.t()  # same shape (64, 64), not contiguous
+    with pytest.raises(ValueError, match=r"params\[3\].grad: expected a dense contiguous float32 CPU tensor"):
+        opt.step()
+    assert len(opt.state) == 0 and all(torch.equal(p, b) for p, b in zip(ps, before))

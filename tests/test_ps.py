@@ -102,6 +102,7 @@ def test_sync_equals_data_parallel_2_servers_2_workers():
     ref = reference()
     for r in res[:2]:
         assert r.value["version"] == STEPS and r.value["applied"] == STEPS and r.value["died"] == 0
+        assert r.value["optimizer"].startswith("pyzero.optim") and r.value["optimizer"].endswith("AdamW")
     for r in res[2:]:
         assert len(r.value["losses"]) == STEPS  # one push per version: lock step
         for k in ref:

@@ -14,4 +14,13 @@ from .nvme import NvmeAdam, NvmeAdamW
 from .sgd import SGD
 
 __all__ = ["Adagrad", "Adam", "AdamW", "SGD", "NvmeAdam", "NvmeAdamW", "adagrad_step", "adam_step", "sgd_step",
-           "cpu_isa"]
+           "cpu_isa", "fast_equivalent"]
+
+
+def fast_equivalent(optimizer_class):
+    """pyzero's fused CPU class for a torch.optim class it covers (AdamW, Adam, SGD, Adagrad),
+    else the class itself."""
+    import torch  # noqa: PLC0415
+
+    return {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD,
+            torch.optim.Adagrad: Adagrad}.get(optimizer_class, optimizer_class)

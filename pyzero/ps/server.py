@@ -34,6 +34,7 @@ import time
 import torch
 from torch import nn
 
+from .. import optim as pz_optim
 from ..zero.partition import FlatLayout
 from . import wire
 
@@ -69,7 +70,7 @@ class Server:
     def __init__(self, model: nn.Module, optimizer_class, index: int, num_servers: int, mode: str = "sync",
                  staleness: int = 0, max_versions: int | None = None, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 100, worker_timeout: float = 300.0, wait_for_workers: int = 1,
-                 **optimizer_kwargs):
+                 fast_optimizer: bool = True, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -100,6 +101,8 @@ class Server:
         self.max_versions, self.worker_timeout = max_versions, worker_timeout
         self.wait_for_workers = wait_for_workers
         self.master = nn.Parameter(flat[off:off + n].clone())
+        if fast_optimizer:  # torch's AdamW/Adam/SGD/Adagrad -> pyzero's fused CPU step (same results)
+            optimizer_class = pz_optim.fast_equivalent(optimizer_class)
         self.optimizer = optimizer_class([self.master], **optimizer_kwargs)
         self.version = 0
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -154,7 +157,8 @@ class Server:
         with self._cond:
             live = [p.wid for p in self._peers.values() if p.alive]
             return dict(self.counters, version=self.version, live_workers=live, mode=self.mode,
-                        staleness=self.staleness, resumed_from=self.resumed_from)
+                        staleness=self.staleness, resumed_from=self.resumed_from,
+                        optimizer=f"{type(self.optimizer).__module__}.{type(self.optimizer).__name__}")
 
     # ---- updates (called with the lock held) --------------------------------------
 

@@ -68,6 +68,22 @@ struct Backoff {
   }
 };
 
+// Makes `device` current for a scope and restores the caller's device after:
+// a Python thread that called pyzero keeps the device it had (torch's
+// DeviceGuard). The watchdog thread, pyzero's own, just sets it.
+struct DeviceGuard {
+  int prev = -1, dev;
+  explicit DeviceGuard(int d) : dev(d) {
+    PZ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != dev) PZ_CUDA_CHECK(cudaSetDevice(dev));
+  }
+  ~DeviceGuard() {
+    if (prev >= 0 && prev != dev) cudaSetDevice(prev);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
 struct Event {
   cudaEvent_t e = nullptr;
   Event() { PZ_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
@@ -185,6 +201,16 @@ struct NcclTransport::Impl {
     fail_locked(1, msg);
   }
 
+  // mu held. An error the communicator reports asynchronously (even an
+  // invalid argument or usage) leaves it in an error state: abort it, whatever
+  // the kind, so every rank's next call fails instead of hanging.
+  [[noreturn]] void fail_async(ncclResult_t st, const char* what) {
+    std::string msg = where(what) + ": asynchronous NCCL error: " + ncclGetErrorString(st);
+    const char* detail = ncclGetLastError(comm);
+    if (detail && *detail) msg += std::string(" (") + detail + ")";
+    fail_locked(1, msg);
+  }
+
   // mu held. A non-blocking communicator answers ncclInProgress while it
   // connects or enqueues in the background: poll until it is done.
   void check(ncclResult_t r, const char* what) {
@@ -197,7 +223,7 @@ struct NcclTransport::Impl {
       ncclResult_t q = ncclCommGetAsyncError(comm, &st);
       if (q != ncclSuccess) fail_nccl(q, what);
       if (st == ncclSuccess) return;
-      if (st != ncclInProgress) fail_nccl(st, what);
+      if (st != ncclInProgress) fail_async(st, what);
       if (broken.load()) {
         abort_locked();
         throw_broken(where(what));
@@ -231,7 +257,7 @@ struct NcclTransport::Impl {
   // Host wait for `ev`; the watchdog enforces the deadline and aborts, which
   // ends the wait with its cause.
   void host_wait(Event& ev, const std::string& label) {
-    PZ_CUDA_CHECK(cudaSetDevice(device));
+    DeviceGuard dg(device);
     Backoff b;
     for (;;) {
       cudaError_t e = cudaEventQuery(ev.e);
@@ -310,7 +336,7 @@ struct NcclTransport::Impl {
   // operation, records its event, hands it to the watchdog.
   template <typename Body>
   WorkPtr run(const char* what, uintptr_t caller, bool async_op, bool is_collective, bool wait_host, Body body) {
-    PZ_CUDA_CHECK(cudaSetDevice(device));
+    DeviceGuard dg(device);
     std::shared_ptr<Event> ev;
     std::string label;
     {
@@ -414,7 +440,7 @@ void NcclTransport::Impl::close() {
   }
   wcv.notify_all();
   if (watchdog.joinable()) watchdog.join();
-  cudaSetDevice(device);
+  DeviceGuard dg(device);
   {
     std::lock_guard<std::mutex> g(mu);
     if (comm && !aborted) {
@@ -445,13 +471,16 @@ void NcclTransport::Impl::close() {
 void NcclWork::wait(uintptr_t stream) {
   auto& t = *s_->impl;
   if (t.broken.load()) t.throw_broken(s_->what);
-  PZ_CUDA_CHECK(cudaSetDevice(t.device));
+  DeviceGuard dg(t.device);
   PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->ev->e, 0));
 }
 
+// Complete only once the operation's event has completed, also on a broken
+// group: the buffers it reads and writes must outlive the kernels (an aborted
+// communicator's kernels exit, and then the event completes).
 bool NcclWork::completed() {
   auto& t = *s_->impl;
-  if (t.broken.load()) return true;
+  DeviceGuard dg(t.device);
   cudaError_t e = cudaEventQuery(s_->ev->e);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) {
@@ -492,7 +521,7 @@ NcclTransport::NcclTransport(const std::string& uid, int rank, int size, int dev
   t.cfg = cfg;
   t.cfg.oneshot_bytes = round_up(cfg.oneshot_bytes, 256);
 
-  PZ_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard dg(device);
   t.oneshot_off = 2 * t.cfg.slice_bytes;
   size_t oneshot_total = size_t(std::min(size, kMaxReduceSources)) * t.cfg.oneshot_bytes;
   t.barrier_off = t.oneshot_off + oneshot_total;

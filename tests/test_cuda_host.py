@@ -373,6 +373,7 @@ def test_init_nccl_without_gpu_is_a_clear_error():
 
 def test_nccl_device_is_local_rank():
     assert nccl_device(1, device_count=2) == 1
+    assert nccl_device(3, device_count=1) == 0  # per-rank CUDA_VISIBLE_DEVICES: the one GPU it sees
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         nccl_device(0, device_count=0)
     with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this process sees 2 GPU"):

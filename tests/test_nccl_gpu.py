@@ -291,9 +291,13 @@ def test_world1_cupy_interop(monkeypatch):
 
 
 def _rank_timeout(blocking):
-    """A collective stuck behind a 5 s kernel with timeout=1 s: the watchdog aborts; the caller hears of it."""
-    pz.init(backend="nccl", timeout=1.0)
+    """A collective stuck behind a 5 s kernel with timeout=1 s: the watchdog aborts; the caller hears of it.
+    The 1 s applies after a first collective: NCCL's cold set-up may take longer than that."""
+    pz.init(backend="nccl", timeout=60.0)
     t = torch.ones(16, device="cuda")
+    pz.all_reduce(t)
+    torch.cuda.synchronize()
+    pz.comm.resolve_group(None).backend.comm.set_timeout(1.0)
     torch.cuda._sleep(10_000_000_000)  # several seconds on the current stream
     start = time.monotonic()
     try:

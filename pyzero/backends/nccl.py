@@ -25,18 +25,24 @@ from . import cuda_buffers
 
 
 def nccl_device(local_rank: int, device_count: int | None = None) -> int:
-    """This rank's GPU for the nccl backend: cuda:LOCAL_RANK (NCCL needs one GPU per rank)."""
+    """This rank's GPU for the nccl backend: cuda:LOCAL_RANK (NCCL needs one GPU per rank), or
+    cuda:0 when the process sees one GPU (per-rank CUDA_VISIBLE_DEVICES)."""
     count = _C.cuda_device_count() if device_count is None else device_count
     if count == 0:
         raise RuntimeError("backend='nccl' needs a CUDA GPU, but this process sees none (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='shm' for CPU "
                            "processes")
-    if not 0 <= local_rank < count:
+    if count == 1:
+        device = 0  # one visible GPU: also a launcher that gives each rank its own CUDA_VISIBLE_DEVICES
+    elif 0 <= local_rank < count:
+        device = local_rank
+    else:
         raise RuntimeError(f"LOCAL_RANK={local_rank}, but this process sees {count} GPU(s): the nccl backend puts "
-                           f"each rank on cuda:LOCAL_RANK, one GPU per rank; start at most {count} ranks per host")
+                           f"each rank on cuda:LOCAL_RANK, one GPU per rank; start at most {count} ranks per host "
+                           "(or give each rank one GPU with CUDA_VISIBLE_DEVICES)")
     if device_count is None and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    return local_rank
+        torch.cuda.set_device(device)
+    return device
 
 
 class NcclBackend(Backend):

@@ -16,7 +16,10 @@ synchronisation.
 
 On the CPU, ``torch-pyzero`` is torch.distributed's API on pyzero's own
 "pyzero" backend (pyzero.distributed): beside ``pyzero`` it measures what
-going through torch's API costs on the same transport.
+going through torch's API costs on the same transport. ``deepspeed`` is
+DeepSpeed's CPU shared-memory all-reduce (deepspeed.comm.inference_all_reduce
+with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
+(its shm op compiles with ninja on first use, about a minute).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend vs gloo; cuda: one GPU per rank, nccl backend vs torch's NCCL")
     p.add_argument("--backends", default="pyzero,torch",
-                   help="comma list of pyzero, torch, (cpu) torch-pyzero and (cuda) nccl")
+                   help="comma list of pyzero, torch, (cpu) torch-pyzero, (cpu) deepspeed and (cuda) nccl")
     p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
     p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
@@ -120,8 +123,20 @@ class Runner:
             self.call = self._pyzero(op, inplace, algo)
         elif backend == "nccl":
             self.call = self._pyzero(op, inplace, "native")
+        elif backend == "deepspeed":
+            self.call = self._deepspeed(op, inplace)
         else:
             self.call = self._torch(op, inplace, TORCH_GROUPS[backend], aliasing=backend == "torch-pyzero")
+
+    def _deepspeed(self, op, inplace):
+        import deepspeed.comm as dc  # noqa: PLC0415
+
+        if op != "all_reduce":
+            raise ValueError(f"--backends deepspeed: only all_reduce (its CPU shm path), not {op}")
+        inp, out = self.inp, self.out
+        if inplace:
+            return lambda: dc.inference_all_reduce(inp)
+        return lambda: (out.copy_(inp), dc.inference_all_reduce(out))
 
     def _pyzero(self, op, inplace, algo):
         import pyzero as pz  # noqa: PLC0415
@@ -164,6 +179,25 @@ class Runner:
 # torch.distributed groups of the torch columns: "torch" is the default group (gloo/nccl),
 # "torch-pyzero" a group on pyzero's own torch backend beside it (or the default one when alone).
 TORCH_GROUPS: dict = {}
+
+
+def deepspeed_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _init_deepspeed(timeout: float) -> None:
+    """DeepSpeed's CPU accelerator over the default torch group (gloo); its shm all-reduce."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    import deepspeed.comm as dc  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+    if not dist.is_initialized():
+        init_torch_distributed("gloo", timeout)
+    dc.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    TORCH_GROUPS["deepspeed"] = None
 
 
 def _init_torch_groups(backends, torch_backend: str, timeout: float) -> None:
@@ -273,19 +307,27 @@ def rank_main(args) -> list[dict]:
     cuda = getattr(args, "device", "cpu") == "cuda"
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("pyzero", "torch", "nccl", "torch-pyzero") or (b == "nccl" and not cuda) \
-                or (b == "torch-pyzero" and cuda):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero or "
-                             "(with --device cuda) nccl")
+        if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed") or (b == "nccl" and not cuda) \
+                or (b in ("torch-pyzero", "deepspeed") and cuda):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
+                             "(cpu) deepspeed or (with --device cuda) nccl")
+    if "deepspeed" in backends and not deepspeed_available():
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("# backend deepspeed: not installed here (pip install deepspeed), column left out", flush=True)
+        backends = [b for b in backends if b != "deepspeed"]
     pz.init(backend="nccl" if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
     _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
+    if "deepspeed" in backends:
+        _init_deepspeed(args.timeout)
     dtype = DTYPES[args.dtype]
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)
     results = []
     for backend in backends:
         for op in ops:
+            if backend == "deepspeed" and op != "all_reduce":
+                continue
             if rank == 0:
                 algo = f" ({_label(backend, args)})"
                 print(f"# {op}, backend {backend}{algo}, "
@@ -331,6 +373,8 @@ def _algo(backend: str, args) -> str:
         return "nccl" if cuda else "gloo"
     if backend == "torch-pyzero":
         return "auto"
+    if backend == "deepspeed":
+        return "deepspeed-shm"
     if backend == "nccl":
         return "native"
     return ("ring" if args.algo == "auto" else args.algo) if cuda else args.algo
@@ -343,6 +387,8 @@ def _label(backend: str, args) -> str:
         return f"torch.distributed, {_algo(backend, args)}"
     if backend == "torch-pyzero":
         return "torch.distributed on the 'pyzero' backend, shm, algo auto"
+    if backend == "deepspeed":
+        return "DeepSpeed CPU shm all-reduce, deepspeed.comm.inference_all_reduce"
     return f"pyzero {'nccl' if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
@@ -366,6 +412,13 @@ def print_ratios(results: list) -> None:
         for op, b, t_pz, t_torch in rows:
             print(" {:>15} {:>12} {:>10.1f} {:>12.1f} {:>9.1f}%".format(op, b, t_pz, t_torch,
                                                                         100 * (t_torch / t_pz - 1)))
+    rows = [(op, b, key[("pyzero", op, b)]["time_us"], key[("deepspeed", op, b)]["time_us"])
+            for (be, op, b) in ordered if be == "pyzero" and ("deepspeed", op, b) in key]
+    if rows:
+        print("# pyzero vs DeepSpeed's CPU shm all-reduce, in-place: time(deepspeed) / time(pyzero)")
+        print("#{:>15} {:>12} {:>10} {:>10} {:>10}".format("op", "size (B)", "pz (us)", "ds (us)", "ratio"))
+        for op, b, t_pz, t_ds in rows:
+            print(" {:>15} {:>12} {:>10.1f} {:>10.1f} {:>10.2f}".format(op, b, t_pz, t_ds, t_ds / t_pz))
 
 
 def plot(results: list, path: str) -> None:

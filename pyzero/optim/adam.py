@@ -56,10 +56,7 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = F.run_closure(closure)
         for group in self.param_groups:
             self._step_group(group, float(grad_scale), copies)
         return loss

@@ -173,3 +173,11 @@ def check_torch_only_kwargs(name: str, foreach, fused, capturable=False, differe
     for arg, v in (("capturable", capturable), ("differentiable", differentiable)):
         if v:
             raise ValueError(f"{arg}: not supported by {name} (a fused CPU step outside autograd)")
+
+
+def run_closure(closure):
+    """torch.optim's step(closure): the loss closure() returns, computed with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

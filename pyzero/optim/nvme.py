@@ -166,10 +166,7 @@ class NvmeAdam(Adam):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = F.run_closure(closure)
         self._swap._check()
         t_start = time.perf_counter()
         fresh, active = set(), set()

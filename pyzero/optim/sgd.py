@@ -39,10 +39,7 @@ class SGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = F.run_closure(closure)
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in ps):

@@ -35,23 +35,10 @@ import torch
 from torch import nn
 
 from .. import optim as pz_optim
-from ..zero.partition import FlatLayout
+from ..zero.partition import FlatLayout, trainable
 from . import wire
 
 MODES = ("sync", "bounded", "async")
-
-
-def trainable(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
-    """The model's trainable parameters (tied ones once) and their names, in registration order."""
-    seen, params, names = set(), [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-            names.append(name)
-    if not params:
-        raise ValueError("model: has no trainable parameters")
-    return params, names
 
 
 def describe(params, names) -> list[tuple[str, tuple[int, ...]]]:

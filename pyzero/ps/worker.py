@@ -18,7 +18,8 @@ from torch import nn
 
 from ..zero.partition import FlatLayout
 from . import wire
-from .server import describe, trainable
+from ..zero.partition import trainable
+from .server import describe
 
 
 class ServerLost(RuntimeError):

@@ -22,7 +22,7 @@ from torch import nn
 from .. import comm
 from ..bucketing import InFlight
 from . import offload as _offload
-from .partition import FlatLayout, Piece
+from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -95,7 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.world, self.rank = self.group.size, self.group.rank
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
-        self.params, self.names = self._trainable(model)
+        self.params, self.names = trainable(model)
         if any(_owner_of(p) is not None for p in self.params):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")
@@ -123,18 +123,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p._pz_zero_owner = weakref.ref(self)
 
     # ---- set-up -------------------------------------------------------------
-
-    @staticmethod
-    def _trainable(model):
-        seen, params, names = set(), [], []
-        for name, p in model.named_parameters():  # tied parameters appear once, under their first name
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-                names.append(name)
-        if not params:
-            raise ValueError("model: has no trainable parameters")
-        return params, names
 
     def _check_devices(self):
         devices = {p.device for p in self.params}

@@ -72,3 +72,16 @@ class FlatLayout:
         """Each parameter's shape as a view into `flat` (the full, padded buffer)."""
         return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
+
+def trainable(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[str]]:
+    """The model's trainable parameters, each once (tied ones under their first name), and
+    their names, in registration order: what ZeRO and the parameter servers lay out."""
+    seen, params, names = set(), [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+            names.append(name)
+    if not params:
+        raise ValueError("model: has no trainable parameters")
+    return params, names

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..zero.partition import FlatLayout
+from ..zero.partition import FlatLayout, trainable
 from . import wire
-from ..zero.partition import trainable
 from .server import describe
 
 

@@ -180,10 +180,13 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("stats", [](ShmComm& c, bool reset) { return c.transport().stats(reset); }, py::arg("reset") = false)
       .def("all_reduce",
-           [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int op, int algo, bool async_op) {
-             return shm_call(async_op,
-                             [&] { return c.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo), async_op); });
-           })
+           [](ShmComm& c, uintptr_t buf, int64_t n, int dt, int op, int algo, bool async_op, uintptr_t in) {
+             return shm_call(async_op, [&] {
+               return c.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo), async_op, in ? as_ptr(in) : nullptr);
+             });
+           },
+           py::arg("buf"), py::arg("n"), py::arg("dt"), py::arg("op"), py::arg("algo"), py::arg("async_op"),
+           py::arg("in") = 0)
       .def("reduce_scatter",
            [](ShmComm& c, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt, int op, int algo,
               bool async_op) {

@@ -123,7 +123,8 @@ struct P2PRingPrims {
 };
 
 // One collective's ring schedule on `x` (n >= 2); returns the bytes this rank
-// sent. all_reduce: `out` is the buffer, L its chunks. reduce_scatter: `in` is
+// sent. all_reduce: `in` is read and the result lands in `out` (the same
+// buffer in place), L their chunks. reduce_scatter: `in` is
 // the full input, `out` this rank's chunk. all_gather: `in` this rank's input
 // (may be its chunk of `out`), `out` the full output. broadcast: `out` is the
 // buffer of L.total() elements.
@@ -135,8 +136,8 @@ uint64_t p2p_ring_collective(Exec& x, Coll c, void* out, const void* in, const C
                              int64_t(stage_bytes / sizeof(W))};
   T* o = static_cast<T*>(out);
   switch (c) {
-    case Coll::all_reduce:
-      ring_all_reduce<T>(p, o, L, r, n, p.round_elems());
+    case Coll::all_reduce:  // `in` may be `out` (in place)
+      ring_all_reduce<T>(p, in ? static_cast<const T*>(in) : o, o, L, r, n, p.round_elems());
       break;
     case Coll::reduce_scatter:
       ring_reduce_scatter<T>(p, static_cast<const T*>(in), o, L, r, n, p.round_elems());

@@ -102,11 +102,12 @@ void ring_all_gather(Prims& p, T* buf, const ChunkLayout& L, int r, int n, int64
   for_rounds(L, round_elems, [&](const Round& R) { ring_all_gather_round<T>(p, buf, R, r, n, true); });
 }
 
+// `src` is read, the result lands in `dst` (the same buffer for the in-place form).
 template <typename T, typename Prims>
-void ring_all_reduce(Prims& p, T* buf, const ChunkLayout& L, int r, int n, int64_t round_elems) {
+void ring_all_reduce(Prims& p, const T* src, T* dst, const ChunkLayout& L, int r, int n, int64_t round_elems) {
   for_rounds(L, round_elems, [&](const Round& R) {
-    ring_reduce_scatter_round<T>(p, buf, buf + L.offsets[r], R, r, n, /*forward_result=*/true);
-    ring_all_gather_round<T>(p, buf, R, r, n, /*send_own=*/false);
+    ring_reduce_scatter_round<T>(p, src, dst + L.offsets[r], R, r, n, /*forward_result=*/true);
+    ring_all_gather_round<T>(p, dst, R, r, n, /*send_own=*/false);
   });
 }
 

@@ -34,8 +34,8 @@ class ShmComm {
   ShmTransport& transport() { return *t_; }
 
   // Collectives on the collective worker; buffers already validated by the caller.
-  TaskPtr all_reduce(void* buf, int64_t n, DType dt, RedOp op, Algo algo, bool async_op) {
-    return run(async_op, [t = t_.get(), buf, n, dt, op, algo] { t->all_reduce(buf, n, dt, op, algo); });
+  TaskPtr all_reduce(void* buf, int64_t n, DType dt, RedOp op, Algo algo, bool async_op, const void* in = nullptr) {
+    return run(async_op, [t = t_.get(), buf, n, dt, op, algo, in] { t->all_reduce(buf, n, dt, op, algo, in); });
   }
   TaskPtr reduce_scatter(void* out, const void* in, std::vector<int64_t> counts, DType dt, RedOp op, Algo algo,
                          bool async_op) {

@@ -163,8 +163,9 @@ uint64_t with_ring_prims(ShmSegments& s, const char* what, int64_t longest, F bo
 // ---------------------------------------------------------------------------
 // Collectives
 
-void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo algo) {
+void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo algo, const void* in) {
   const char* what = "all_reduce";
+  if (in == nullptr) in = buf;
   size_t bytes = size_t(count) * dtype_size(dt);
   algo = resolve(Coll::all_reduce, bytes, algo);
   uint64_t seq = seg_.begin(what);
@@ -172,8 +173,9 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   uint64_t sent = 0;
   if (n_ == 1) {
     seg_.arrive(d, what);  // the reduction of one contribution is itself (avg divides by 1)
+    if (in != buf && bytes) std::memcpy(buf, in, bytes);
   } else if (algo == Algo::oneshot) {
-    std::memcpy(seg_.area(rank_, seq), buf, bytes);
+    std::memcpy(seg_.area(rank_, seq), in, bytes);
     seg_.arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
       std::vector<const T*> srcs(n_);
@@ -186,7 +188,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     ChunkLayout L(split_even(count, n_));
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
       sent = with_ring_prims<T, OP>(seg_, what, L.longest(), [&](ShmRingPrims<T, OP>& p) {
-        ring_all_reduce<T>(p, static_cast<T*>(buf), L, rank_, n_, p.round_elems());
+        ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems());
       });
     }));
   }

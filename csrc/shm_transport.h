@@ -53,7 +53,8 @@ class ShmTransport {
   const ShmConfig& config() const { return seg_.config(); }
 
   // Collectives; buffers already validated by the caller.
-  void all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo algo);
+  // `in` (nullptr: `buf`, in place) is read and the result lands in `buf`.
+  void all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo algo, const void* in = nullptr);
   void reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts, DType dt,
                       RedOp op, Algo algo);
   void all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, Algo algo);

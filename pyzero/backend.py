@@ -303,6 +303,8 @@ class Backend(abc.ABC):
 
     name: str = ""
     has_symmetric = False  # fused ops on symmetric buffers (pyzero.symmetric)
+    # all_reduce(..., inp=Buffer) reads inp and writes b (else comm copies, then reduces in place)
+    has_out_of_place_all_reduce = False
 
     @classmethod
     def setup_process(cls, local_rank: int) -> int | None:

@@ -295,13 +295,31 @@ def groups() -> list[Group]:
 # Collectives
 
 
-def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None):
-    """Reduce `t` across the group in place."""
+def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None, out=None):
+    """Reduce `t` across the group in place; with `out` (same numel and dtype, separate memory),
+    `t` is only read and the result lands in `out`."""
     g = resolve_group(group)
     be = g.backend
-    b = be.buffer(t, "tensor")
-    raw = be.all_reduce(b, check_op(op, b), check_algo(algo), bool(async_op))
-    return g.track(raw, (t,), b)
+    if out is None or out is t:
+        b = be.buffer(t, "tensor")
+        raw = be.all_reduce(b, check_op(op, b), check_algo(algo), bool(async_op))
+        return g.track(raw, (t,), b)
+    bo, bi = be.buffer(out, "out"), be.buffer(t, "tensor", writable=False)
+    check_same_dtype(bi, bo, "tensor", "out")
+    if bo.numel != bi.numel:
+        raise ValueError(f"out: expected {bi.numel} elements like tensor, got {bo.numel}")
+    if bo.ptr != bi.ptr:
+        check_alias(bo, bi, 0, "out", "tensor")  # disjoint (the same memory is the in-place form)
+    opc, algoc = check_op(op, bo), check_algo(algo)
+    if be.has_out_of_place_all_reduce:
+        raw = be.all_reduce(bo, opc, algoc, bool(async_op), inp=bi)
+    else:
+        if hasattr(out, "copy_"):
+            out.copy_(t)
+        else:
+            out[...] = t
+        raw = be.all_reduce(bo, opc, algoc, bool(async_op))
+    return g.track(raw, (t, out), bo)
 
 
 def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op: bool = False, algo=None):

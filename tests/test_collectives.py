@@ -109,8 +109,13 @@ def _rank_all_reduce_matrix():
                     inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
                     t = inputs[me].clone()
                     pz.all_reduce(t, op=op, algo=algo)
-                    ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={size}, algo={algo})", t,
-                             reference(inputs, op, dtype))
+                    want = reference(inputs, op, dtype)
+                    ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={size}, algo={algo})", t, want)
+                    if op in ("sum", "avg"):  # out of place: the input is only read
+                        src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
+                        pz.all_reduce(src, op=op, algo=algo, out=out)
+                        ck.check(f"all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, algo={algo})", out, want)
+                        ck.check(f"all_reduce(out=) input untouched, {dtype}, size={size}", src, inputs[me])
 
     # A second full-world group with tiny slices and a shallow ring buffer:
     # many ring rounds and slot wrap-arounds at small sizes.
@@ -132,6 +137,24 @@ def _rank_all_reduce_matrix():
         t = inputs[me].clone()
         pz.all_reduce(t, op=op, algo=algo)
         ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={BIG}, algo={algo})", t, reference(inputs, op, dtype))
+        out = torch.empty(BIG, dtype=dtype)
+        pz.all_reduce(inputs[me], op=op, algo=algo, out=out, async_op=True).wait()
+        ck.check(f"async all_reduce(out=, n={n}, {dtype}, op={op}, size={BIG})", out, reference(inputs, op, dtype))
+
+    # out= misuse: every rank raises the same error before any communication
+    x = torch.ones(8)
+    for what, call, words in [("numel", lambda: pz.all_reduce(x, out=torch.empty(9)), "out: expected 8"),
+                              ("dtype", lambda: pz.all_reduce(x, out=torch.empty(8, dtype=torch.float64)),
+                               "does not match"),
+                              ("overlap", lambda: pz.all_reduce(x[:6], out=x[2:]), "overlaps")]:
+        try:
+            call()
+            ck.fail(f"all_reduce(out=) with bad {what} did not raise")
+        except (ValueError, TypeError) as e:
+            if words not in str(e):
+                ck.fail(f"all_reduce(out=) bad {what}: {e}")
+    pz.all_reduce(x)  # the group is still usable
+    ck.check("all_reduce after out= errors", x, torch.full((8,), float(n)))
     return ck.result()
 
 

@@ -19,6 +19,7 @@ _new_tuple = tuple.__new__  # Buffer without NamedTuple.__new__'s Python frame (
 class ShmBackend(Backend):
     name = "shm"
     has_symmetric = True
+    has_out_of_place_all_reduce = True
 
     def __init__(self, comm, oneshot_bytes: int):
         self.comm = comm
@@ -50,8 +51,8 @@ class ShmBackend(Backend):
             raise ValueError(f"{arg}: the shm backend takes CPU tensors, got a tensor on {x.device}")
         raise AssertionError("unreachable: the checks above cover every rejected tensor")
 
-    def all_reduce(self, b, op, algo, async_op):
-        return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, async_op)
+    def all_reduce(self, b, op, algo, async_op, inp=None):
+        return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, async_op, 0 if inp is None else inp.ptr)
 
     def reduce_scatter(self, out, inp, counts, op, algo, async_op):
         return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, async_op)

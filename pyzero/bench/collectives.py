@@ -4,9 +4,10 @@ Every size runs out-of-place and in-place. Inputs are small integers, so every
 reduction is exact in every dtype and #wrong is a real count against an
 expected value computed independently (closed form in int64). Bus bandwidth
 uses the nccl-tests factors: all_reduce 2(n-1)/n, reduce_scatter and
-all_gather (n-1)/n, broadcast 1. all_reduce has no out-of-place form in
-either library; its out-of-place column is copy-then-reduce, as a user would
-write it. The time reported is the slowest rank's mean.
+all_gather (n-1)/n, broadcast 1. pyzero's out-of-place all_reduce is
+``pz.all_reduce(inp, out=out)`` (the shm transport reads inp and writes out; a
+backend without that copies first); torch has none, so its out-of-place
+column is copy-then-reduce, as a user would write it. The time reported is the slowest rank's mean.
 
 With ``--device cuda`` every rank uses one GPU (cuda:LOCAL_RANK) and the
 backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
@@ -145,7 +146,7 @@ class Runner:
         if op == "all_reduce":
             if inplace:
                 return lambda: pz.all_reduce(inp, algo=algo)
-            return lambda: (out.copy_(inp), pz.all_reduce(out, algo=algo))
+            return lambda: pz.all_reduce(inp, algo=algo, out=out)
         if op == "reduce_scatter":
             return lambda: pz.reduce_scatter(out, inp, algo=algo)
         if op == "all_gather":

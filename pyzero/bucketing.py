@@ -146,22 +146,54 @@ def _table(tensors, offsets, flat: torch.Tensor, arg: str):
 def _flat_code(flat, scale) -> int:
     code = tensor_code(flat, "flat")
     check_contiguous(flat, "flat")
-    if flat.device.type != "cpu":
-        raise ValueError(f"flat: expected a CPU tensor, got a tensor on {flat.device}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     return code
 
 
+def _device_copies(tensors, flat, offsets, scale, into_flat: bool) -> None:
+    """pack/unpack for tensors on a GPU: torch copies with the C++ loops' arithmetic (the
+    source in fp32, or fp64 for fp64, times the scale in that type, rounded once; integers
+    copied, never scaled); every tensor on flat's device."""
+    if len(tensors) != len(offsets):
+        raise ValueError(f"offsets: expected one offset per tensor ({len(tensors)}), got {len(offsets)}")
+    for k, (t, o) in enumerate(zip(tensors, offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{k}]: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != flat.device:
+            raise ValueError(f"tensors[{k}]: on {t.device}, but flat is on {flat.device}")
+        o, n = int(o), t.numel()
+        if o < 0 or o + n > flat.numel():
+            raise ValueError(f"offsets[{k}]={o}: tensor of {n} elements does not fit the flat buffer "
+                             f"of {flat.numel()}")
+        seg = flat[o:o + n]
+        src, dst = (t.reshape(-1), seg) if into_flat else (seg, t.view(-1))
+        if scale == 1.0 or not src.is_floating_point():
+            dst.copy_(src)
+        else:
+            acc = torch.float64 if src.dtype == torch.float64 else torch.float32
+            dst.copy_(src.to(acc) * torch.tensor(scale, dtype=acc, device=src.device))
+
+
 def pack(tensors, flat: torch.Tensor, offsets, scale: float = 1.0) -> None:
-    """flat[o:o + t.numel()] = (scale * t) cast to flat.dtype, for every (t, o), in one C++ pass."""
+    """flat[o:o + t.numel()] = (scale * t) cast to flat.dtype, for every (t, o), in one C++ pass
+    (CPU tensors; on a GPU, torch copies)."""
+    if flat.device.type != "cpu":
+        _flat_code(flat, scale)
+        _device_copies(list(tensors), flat, list(offsets), float(scale), True)
+        return
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
     _C.multi_tensor_pack(ptrs, numels, codes, offs, flat.data_ptr(), code, flat.numel(), float(scale))
 
 
 def unpack(flat: torch.Tensor, tensors, offsets, scale: float = 1.0) -> None:
-    """t[:] = (scale * flat[o:o + t.numel()]) cast to t.dtype, for every (t, o), in one C++ pass."""
+    """t[:] = (scale * flat[o:o + t.numel()]) cast to t.dtype, for every (t, o), in one C++ pass
+    (CPU tensors; on a GPU, torch copies)."""
+    if flat.device.type != "cpu":
+        _flat_code(flat, scale)
+        _device_copies(list(tensors), flat, list(offsets), float(scale), False)
+        return
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
     _C.multi_tensor_unpack(flat.data_ptr(), code, flat.numel(), ptrs, numels, codes, offs, float(scale))
@@ -183,7 +215,7 @@ class Bucket:
         self.flat = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, spec.offsets)]
         use_comm = comm_dtype is not None and comm_dtype != spec.dtype
-        self.comm = torch.empty(self.flat.numel(), dtype=comm_dtype) if use_comm else None
+        self.comm = torch.empty(self.flat.numel(), dtype=comm_dtype, device=spec.device) if use_comm else None
 
     @property
     def buffer(self) -> torch.Tensor:

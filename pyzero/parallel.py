@@ -67,7 +67,7 @@ def broadcast_coalesced(tensors, src: int, group) -> None:
         offsets = [0]
         for t in work[:-1]:
             offsets.append(offsets[-1] + t.numel())
-        flat = torch.empty(offsets[-1] + work[-1].numel(), dtype=wire_dtype)
+        flat = torch.empty(offsets[-1] + work[-1].numel(), dtype=wire_dtype, device=work[0].device)
         if is_src:
             pack(work, flat, offsets)
         comm.broadcast(flat, src=src, group=group)
@@ -110,7 +110,7 @@ class DataParallel(nn.Module):
         g = comm.resolve_group(group)
         g.backend  # raises unless this rank is a member
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._check(module, named)
+        self._check(module, named, g.device)
         self.module = module
         self.group = g
         self.broadcast_buffers = broadcast_buffers
@@ -121,7 +121,7 @@ class DataParallel(nn.Module):
                                          max(1, first_bytes), g, comm_dtype)
 
     @staticmethod
-    def _check(module, named) -> None:
+    def _check(module, named, gpu: int | None) -> None:
         tensors = list(module.named_parameters()) + list(module.named_buffers())
         devices = {}
         for name, t in tensors:
@@ -129,9 +129,11 @@ class DataParallel(nn.Module):
         if len(devices) > 1:
             where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
             raise ValueError(f"module: parameters and buffers must all be on one device, found {where}")
-        if devices and next(iter(devices)).type != "cpu":
-            raise ValueError(f"module: DataParallel runs CPU modules over the shm backend, got tensors on "
-                             f"{next(iter(devices))}")
+        want = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
+        if devices and next(iter(devices)) != want:
+            raise ValueError(f"module: the group's backend works on {want}, but the module's tensors are on "
+                             f"{next(iter(devices))}" + (" (use backend='nccl' for CUDA modules)" if gpu is None
+                                                           else " (this rank's GPU)"))
         for name, p in named:
             if p.dtype not in DTYPES or not p.is_floating_point():
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "

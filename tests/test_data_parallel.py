@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyzero as pz
+from pyzero import bucketing
 from pyzero.bucketing import InFlight, assign_buckets, flat_buckets, pack, unpack
 from pyzero.zero import FlatLayout
 from pyzero.launch import RankFailure, run_ranks
@@ -139,6 +140,28 @@ def test_unpack_matches_slices_and_casts(flat_dtype):
     unpack(flat, outs, offsets, scale=0.5)
     for t, o in zip(outs, offsets):
         assert torch.equal(t, _scaled(flat[o:o + t.numel()], 0.5, t.dtype))
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 0.125, 3.7])
+def test_gpu_copy_path_equals_the_cpp_loops(flat_dtype, scale):
+    """pack/unpack's torch path (taken for CUDA tensors), run here on CPU tensors: the same values
+    as the C++ loops, bit for bit."""
+    ts = _mixed_tensors()
+    offsets = [0]
+    for t in ts[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    n = sum(t.numel() for t in ts)
+    cpp, torch_path = torch.full((n,), 7.0, dtype=flat_dtype), torch.full((n,), 7.0, dtype=flat_dtype)
+    pack(ts, cpp, offsets, scale=scale)
+    bucketing._device_copies(ts, torch_path, offsets, scale, True)
+    assert torch.equal(cpp, torch_path)
+    outs_cpp = [torch.empty_like(t) for t in ts]
+    outs_torch = [torch.empty_like(t) for t in ts]
+    unpack(cpp, outs_cpp, offsets, scale=scale)
+    bucketing._device_copies(outs_torch, cpp, offsets, scale, False)
+    for a, b in zip(outs_cpp, outs_torch):
+        assert torch.equal(a, b)
 
 
 def test_pack_merges_adjacent_views_and_copies_ints():

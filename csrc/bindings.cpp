@@ -333,6 +333,15 @@ PYBIND11_MODULE(_C, m) {
     for (size_t i = 0; i < srcs.size(); ++i) p[i] = as_ptr(srcs[i]);
     pz::cuda::launch_reduce_many(p.data(), int(p.size()), as_ptr(dst), n, DType(dt), RedOp(op), nranks, stream);
   }, "dst = srcs[0] (+) srcs[1] (+) ... in order (one-shot all-reduce kernel)");
+  m.def("cuda_multi_tensor",
+        [](std::vector<uintptr_t> ptrs, std::vector<int64_t> numels, std::vector<int64_t> offsets, int dt,
+           uintptr_t flat, int flat_dt, bool to_flat, double scale, uintptr_t stream) {
+          std::vector<void*> p(ptrs.size());
+          for (size_t i = 0; i < ptrs.size(); ++i) p[i] = as_ptr(ptrs[i]);
+          pz::cuda::launch_multi_tensor(p, numels, offsets, DType(dt), as_ptr(flat), DType(flat_dt), to_flat, scale,
+                                        stream);
+        },
+        "Fused pack (to_flat) / unpack of many same-dtype device tensors and one flat device buffer");
   m.def("nccl_unique_id", [] { return py::bytes(NcclTransport::unique_id()); });
 
   py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "collective.h"
 #include "reduce_math.h"
@@ -37,6 +38,13 @@ void launch_reduce_wire_final(const void* in, const void* own, void* dst, int64_
 // nsrc: 1 .. kMaxReduceSources (collective.h).
 void launch_reduce_many(const void* const* srcs, int nsrc, void* dst, int64_t n, DType dt, RedOp op,
                         int nranks, uintptr_t stream);
+
+// Fused pack (to_flat) / unpack of many tensors of one dtype `dt` and a flat
+// buffer of `flat_dt`: flat[offsets[k] + i] = cast(scale * ptrs[k][i]) or the
+// way back, as multi_tensor.h computes it, in ceil(count / 64) launches.
+void launch_multi_tensor(const std::vector<void*>& ptrs, const std::vector<int64_t>& numels,
+                         const std::vector<int64_t>& offsets, DType dt, void* flat, DType flat_dt, bool to_flat,
+                         double scale, uintptr_t stream);
 
 // Number of visible CUDA devices (0 where there is no driver or GPU).
 int device_count();

@@ -109,6 +109,35 @@ void launch_reduce_many(const void* const* srcs, int nsrc, void* dst, int64_t n,
   }));
 }
 
+void launch_multi_tensor(const std::vector<void*>& ptrs, const std::vector<int64_t>& numels,
+                         const std::vector<int64_t>& offsets, DType dt, void* flat, DType flat_dt, bool to_flat,
+                         double scale, uintptr_t stream) {
+  if (ptrs.size() != numels.size() || ptrs.size() != offsets.size())
+    throw std::invalid_argument("multi_tensor: ptrs, numels and offsets must have one entry per tensor");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  char* base = static_cast<char*>(flat);
+  for (size_t first = 0; first < ptrs.size(); first += kMaxSlotsPerLaunch) {
+    size_t count = std::min<size_t>(kMaxSlotsPerLaunch, ptrs.size() - first);
+    SlotTable t{};
+    int64_t longest = 0;
+    for (size_t k = 0; k < count; ++k) {
+      void* slot = ptrs[first + k];
+      void* in_flat = base + offsets[first + k] * int64_t(dtype_size(flat_dt));
+      t.src[k] = to_flat ? slot : in_flat;
+      t.dst[k] = to_flat ? in_flat : slot;
+      t.n[k] = numels[first + k];
+      longest = std::max(longest, numels[first + k]);
+    }
+    if (longest == 0) continue;
+    dim3 grid(unsigned(std::min<int64_t>(kMaxBlocks, (longest + kThreads - 1) / kThreads)), unsigned(count));
+    DType from = to_flat ? dt : flat_dt, into = to_flat ? flat_dt : dt;
+    PZ_DISPATCH_DTYPE(from, S, PZ_DISPATCH_DTYPE(into, D, {
+      multi_tensor_kernel<S, D><<<grid, kThreads, 0, s>>>(t, scale);
+    }));
+    PZ_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 // ----------------------------------------------------------------------------
 // Runtime facts
 

@@ -135,6 +135,38 @@ __global__ void map_kernel(Fn fn, int64_t n, bool vectorized) {
   for (int64_t i = nvec * VEC + tid; i < n; i += stride) fn.template run<1>(i);
 }
 
+// ----------------------------------------------------------------------------
+// Multi-tensor pack / unpack: many tensors of one dtype S into (or out of) one
+// flat buffer of dtype D in a single launch (multi_tensor.h's twin: the value
+// taken in S's accumulator type, times `scale` there, rounded once into D).
+// blockIdx.y is the slot; blocks of a slot grid-stride over its elements.
+
+constexpr int kMaxSlotsPerLaunch = 64;  // 64 x 24 bytes of slots: well inside the 4 KiB of kernel arguments
+
+struct SlotTable {
+  const void* src[kMaxSlotsPerLaunch];
+  void* dst[kMaxSlotsPerLaunch];
+  int64_t n[kMaxSlotsPerLaunch];
+};
+
+template <typename S, typename D>
+__global__ void multi_tensor_kernel(SlotTable t, double scale) {
+  using A = typename Acc<S>::type;
+  const S* src = static_cast<const S*>(t.src[blockIdx.y]);
+  D* dst = static_cast<D*>(t.dst[blockIdx.y]);
+  int64_t n = t.n[blockIdx.y];
+  int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if constexpr (std::is_floating_point_v<A>) {
+      if (scale != 1.0) {
+        dst[i] = from_acc<D>(typename Acc<D>::type(to_acc(src[i]) * A(scale)));
+        continue;
+      }
+    }
+    dst[i] = convert<D>(src[i]);
+  }
+}
+
 // Elements per vector step for a call whose narrowest operand type is T.
 template <typename T>
 constexpr int vec_elems() {

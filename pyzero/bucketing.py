@@ -175,12 +175,32 @@ def _device_copies(tensors, flat, offsets, scale, into_flat: bool) -> None:
             dst.copy_(src.to(acc) * torch.tensor(scale, dtype=acc, device=src.device))
 
 
+def _device_fused(tensors, flat, offsets, scale, to_flat: bool) -> bool:
+    """One fused kernel launch (csrc multi_tensor_kernel) on the current stream for same-dtype
+    contiguous CUDA tensors; False where it does not apply (then torch copies do it)."""
+    if flat.device.type != "cuda" or not hasattr(_C, "cuda_multi_tensor") or not tensors:
+        return False
+    dtype = tensors[0].dtype
+    if any(not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != flat.device or not t.is_contiguous()
+           for t in tensors) or len(offsets) != len(tensors):
+        return False
+    offs = [int(o) for o in offsets]
+    if any(o < 0 or o + t.numel() > flat.numel() for t, o in zip(tensors, offs)):
+        return False  # the torch path names the bad offset
+    _C.cuda_multi_tensor([t.data_ptr() for t in tensors], [t.numel() for t in tensors], offs,
+                         tensor_code(tensors[0], "tensors[0]"), flat.data_ptr(), tensor_code(flat, "flat"), to_flat,
+                         float(scale), torch.cuda.current_stream(flat.device).cuda_stream)
+    return True
+
+
 def pack(tensors, flat: torch.Tensor, offsets, scale: float = 1.0) -> None:
     """flat[o:o + t.numel()] = (scale * t) cast to flat.dtype, for every (t, o), in one C++ pass
-    (CPU tensors; on a GPU, torch copies)."""
+    (CPU tensors; CUDA tensors: one fused kernel, or torch copies for mixed dtypes)."""
     if flat.device.type != "cpu":
         _flat_code(flat, scale)
-        _device_copies(list(tensors), flat, list(offsets), float(scale), True)
+        tensors, offsets = list(tensors), list(offsets)
+        if not _device_fused(tensors, flat, offsets, scale, True):
+            _device_copies(tensors, flat, offsets, float(scale), True)
         return
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
@@ -189,10 +209,12 @@ def pack(tensors, flat: torch.Tensor, offsets, scale: float = 1.0) -> None:
 
 def unpack(flat: torch.Tensor, tensors, offsets, scale: float = 1.0) -> None:
     """t[:] = (scale * flat[o:o + t.numel()]) cast to t.dtype, for every (t, o), in one C++ pass
-    (CPU tensors; on a GPU, torch copies)."""
+    (CPU tensors; CUDA tensors: one fused kernel, or torch copies for mixed dtypes)."""
     if flat.device.type != "cpu":
         _flat_code(flat, scale)
-        _device_copies(list(tensors), flat, list(offsets), float(scale), False)
+        tensors, offsets = list(tensors), list(offsets)
+        if not _device_fused(tensors, flat, offsets, scale, False):
+            _device_copies(tensors, flat, offsets, float(scale), False)
         return
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")

@@ -78,3 +78,29 @@ def _rank_refuses_cpu_module():
 def test_data_parallel_on_nccl_refuses_a_cpu_module():
     msg = run_ranks(_rank_refuses_cpu_module, 1, start="spawn", timeout=120, env=ENV)[0].value
     assert msg is not None and "cuda:0" in msg and "cpu" in msg
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.125, 3.7])
+def test_fused_pack_unpack_kernel_equals_torch_copies(flat_dtype, scale):
+    """The one-launch CUDA pack/unpack against the torch-copy path (itself checked equal to the CPU
+    C++ loops in test_data_parallel.py), with more tensors than one launch takes."""
+    from pyzero import bucketing
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g).to(torch.bfloat16).cuda() for n in [1, 7, 1000, 33, 4097] * 30]
+    offsets, o = [], 3
+    for t in ts:
+        offsets.append(o)
+        o += t.numel() + 1  # gaps between slots stay untouched
+    fused = torch.full((o + 2,), 9.0, dtype=flat_dtype, device="cuda")
+    ref = fused.clone()
+    bucketing.pack(ts, fused, offsets, scale=scale)  # same dtype, contiguous: the kernel
+    bucketing._device_copies(ts, ref, offsets, scale, True)
+    assert torch.equal(fused, ref)
+    outs_k = [torch.empty_like(t) for t in ts]
+    outs_t = [torch.empty_like(t) for t in ts]
+    bucketing.unpack(fused, outs_k, offsets, scale=scale)
+    bucketing._device_copies(outs_t, fused, offsets, scale, False)
+    for a, b in zip(outs_k, outs_t):
+        assert torch.equal(a, b)

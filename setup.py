@@ -91,6 +91,18 @@ def cuda_mode():
     return "ON"
 
 
+def build_tool(name, attr):
+    """`name` (cmake, ninja) on PATH, else from the bin folder of its pip package (`attr`)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        bindir = getattr(__import__(name), attr)
+    except (ImportError, AttributeError):
+        raise SystemExit(f"pyzero's build needs {name}: pip install {name} (or put it on PATH)") from None
+    return str(Path(bindir) / name)
+
+
 class CMakeBuild(build_ext):
     def copy_extensions_to_source(self):
         """In-place builds replace the module atomically: running processes keep the old mapping."""
@@ -111,8 +123,10 @@ class CMakeBuild(build_ext):
         cuda = cuda_mode()
         import pybind11  # noqa: PLC0415
 
+        cmake = build_tool("cmake", "CMAKE_BIN_DIR")
         cfg = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja', 'BIN_DIR')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
@@ -122,9 +136,9 @@ class CMakeBuild(build_ext):
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        for step in (cfg, ["cmake", "--build", str(build_dir), "-j", jobs]):
+        for step in (cfg, [cmake, "--build", str(build_dir), "-j", jobs]):
             if subprocess.run(step).returncode != 0:
-                raise SystemExit(f"pyzero: `{' '.join(step[:2])}` failed; its message is above")
+                raise SystemExit(f"pyzero: `cmake {step[1]}` failed; its message is above")
 
 
 setup(ext_modules=[Extension("pyzero._C", sources=[])], cmdclass={"build_ext": CMakeBuild})

@@ -120,6 +120,9 @@ class CMakeBuild(build_ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
         build_dir.mkdir(parents=True, exist_ok=True)
+        # CMake writes _C into a folder of its own, copied to out_dir below: out_dir is a new
+        # temporary folder for every editable install, and building into it would relink _C.
+        lib_dir = build_dir / "lib"
         cuda = cuda_mode()
         import pybind11  # noqa: PLC0415
 
@@ -127,7 +130,7 @@ class CMakeBuild(build_ext):
         cfg = [
             cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja', 'BIN_DIR')}",
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPYZERO_CUDA={cuda}",
@@ -139,6 +142,9 @@ class CMakeBuild(build_ext):
         for step in (cfg, [cmake, "--build", str(build_dir), "-j", jobs]):
             if subprocess.run(step).returncode != 0:
                 raise SystemExit(f"pyzero: `cmake {step[1]}` failed; its message is above")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in (Path(self.get_ext_filename(ext.name)).name, "_build_config.py"):
+            shutil.copyfile(lib_dir / name, out_dir / name)
 
 
 setup(ext_modules=[Extension("pyzero._C", sources=[])], cmdclass={"build_ext": CMakeBuild})

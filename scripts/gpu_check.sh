@@ -18,7 +18,11 @@ command -v "$PY" >/dev/null || { echo "gpu_check.sh: no $PY; set PYTHON to your 
 import importlib.util, os, sys
 missing = [m for m in ("torch", "setuptools", "pybind11", "cmake", "ninja", "pytest")
            if importlib.util.find_spec(m) is None]
-if not os.environ.get("PYZERO_NCCL_ROOT") and importlib.util.find_spec("nvidia.nccl") is None:
+try:
+    nccl = importlib.util.find_spec("nvidia.nccl")
+except ImportError:  # no nvidia namespace package at all
+    nccl = None
+if not os.environ.get("PYZERO_NCCL_ROOT") and nccl is None:
     missing.append("nvidia-nccl-cu13 (or set PYZERO_NCCL_ROOT)")
 if missing:
     sys.exit(f"gpu_check.sh: {sys.executable} lacks {', '.join(missing)}; install them (this script "

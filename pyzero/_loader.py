@@ -86,7 +86,7 @@ def open_library(soname):
 def _needs_nccl():
     """True/False from the build's _build_config.py; None when there is none."""
     try:
-        config = importlib.import_module("pyzero._build_config")
+        config = importlib.import_module(f"{__package__}._build_config")
     except ImportError:
         return None
     return bool(getattr(config, "NCCL", False))
@@ -97,9 +97,9 @@ def import_extension():
     if _needs_nccl():
         load_nccl()
     try:
-        return importlib.import_module("pyzero._C")
+        return importlib.import_module(f"{__package__}._C")
     except ImportError as e:
         if NCCL_SONAME not in str(e):
             raise
     load_nccl()
-    return importlib.import_module("pyzero._C")
+    return importlib.import_module(f"{__package__}._C")

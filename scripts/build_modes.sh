@@ -109,8 +109,13 @@ PY
 
 src_copy() {  # this checkout's files (tracked, and untracked but not ignored) into $1
   mkdir -p "$1"
-  (cd "$ROOT" && git ls-files -z -co --exclude-standard | xargs -0 tar --ignore-failed-read -cf - 2>/dev/null) |
-    tar -C "$1" -xf -
+  if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    (cd "$ROOT" && git ls-files -z -co --exclude-standard |
+      tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -C "$1" -xf -
+  else  # an unpacked sdist, say
+    (cd "$ROOT" && tar --exclude=./build --exclude=./.venv --exclude='*.so' --exclude=./pyzero/_build_config.py \
+      -cf - .) | tar -C "$1" -xf -
+  fi
 }
 new_venv() {  # fresh venv $1 with torch
   "$PY" -m venv "$1"

@@ -32,14 +32,75 @@ def cuda_archs():
 
 
 def nccl_root():
-    """The nvidia-nccl-cu13 wheel's folder, when installed."""
-    if os.environ.get("PYZERO_NCCL_ROOT"):
-        return os.environ["PYZERO_NCCL_ROOT"]
+    """PYZERO_NCCL_ROOT, else the nvidia-nccl-cu13 package's folder, else "" (CMake searches on)."""
+    root = os.environ.get("PYZERO_NCCL_ROOT")
+    if root:
+        missing = [f for f in ("include/nccl.h", "lib/libnccl.so.2") if not (Path(root) / f).exists()]
+        if missing:
+            raise SystemExit(f"PYZERO_NCCL_ROOT={root} has no {' or '.join(missing)}: point it at an NCCL "
+                             "install (include/nccl.h, lib/libnccl.so.2), or unset it to use the "
+                             "nvidia-nccl-cu13 package (pip install nvidia-nccl-cu13)")
+        return root
     try:
         import nvidia.nccl as nccl  # noqa: PLC0415
     except ImportError:
         return ""
     return str(Path(list(nccl.__path__)[0]))
+
+
+def find_nvcc(environ=os.environ, default="/usr/local/cuda/bin/nvcc"):
+    """(nvcc path or None, where it was looked for): CUDACXX, CUDA_HOME, PATH, then `default`."""
+    cudacxx = environ.get("CUDACXX")
+    if cudacxx:
+        if shutil.which(cudacxx):
+            return shutil.which(cudacxx), []
+        raise SystemExit(f"CUDACXX={cudacxx} is not an executable nvcc: point it at nvcc, unset it, "
+                         "or build without CUDA (PYZERO_CUDA=0)")
+    looked = []
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if home:
+        looked.append(f"CUDA_HOME={home}")
+        if os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return str(Path(home) / "bin" / "nvcc"), looked
+    looked.append("PATH")
+    on_path = shutil.which("nvcc", path=environ.get("PATH", ""))
+    if on_path:
+        return on_path, looked
+    looked.append(default)
+    if os.access(default, os.X_OK):
+        return default, looked
+    return None, looked
+
+
+def cuda_mode():
+    """PYZERO_CUDA -> "ON" (nvcc found; CUDACXX set to it) or "OFF"; SystemExit when asked for without nvcc."""
+    flag = os.environ.get("PYZERO_CUDA", "").strip().lower()
+    mode = {"": "AUTO", "auto": "AUTO", "1": "ON", "on": "ON", "0": "OFF", "off": "OFF"}.get(flag)
+    if mode is None:
+        raise SystemExit(f"PYZERO_CUDA={flag!r}: expected 0 (no CUDA), 1 (CUDA, needs nvcc) or unset (auto)")
+    if mode == "OFF":
+        return "OFF"
+    nvcc, looked = find_nvcc()
+    if nvcc is None:
+        if mode == "ON":
+            raise SystemExit(f"PYZERO_CUDA=1 but no nvcc was found (looked in {', '.join(looked)}): install "
+                             "the CUDA toolkit (or pip install nvidia-cuda-nvcc) and set CUDACXX or CUDA_HOME "
+                             "or put nvcc on PATH, or build without CUDA (PYZERO_CUDA=0)")
+        return "OFF"
+    os.environ["CUDACXX"] = nvcc
+    return "ON"
+
+
+def build_tool(name, attr):
+    """`name` (cmake, ninja) on PATH, else from the bin folder of its pip package (`attr`)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        bindir = getattr(__import__(name), attr)
+    except (ImportError, AttributeError):
+        raise SystemExit(f"pyzero's build needs {name}: pip install {name} (or put it on PATH)") from None
+    return str(Path(bindir) / name)
 
 
 class CMakeBuild(build_ext):
@@ -52,34 +113,38 @@ class CMakeBuild(build_ext):
             shutil.copyfile(built, tmp)
             os.chmod(tmp, 0o755)
             os.replace(tmp, dest)
+            config = built.parent / "_build_config.py"  # written by CMake beside _C
+            shutil.copyfile(config, dest.parent / config.name)
 
     def build_extension(self, ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        flag = os.environ.get("PYZERO_CUDA", "").strip().lower()
-        cuda = {"": "AUTO", "auto": "AUTO", "1": "ON", "on": "ON", "0": "OFF", "off": "OFF"}.get(flag)
-        if cuda is None:
-            raise SystemExit(f"PYZERO_CUDA={flag!r}: expected 0 or 1")
-        if cuda != "OFF" and not os.environ.get("CUDACXX"):
-            for nvcc in ("/usr/local/cuda/bin/nvcc",):
-                if Path(nvcc).exists():
-                    os.environ["CUDACXX"] = nvcc
+        # CMake writes _C into a folder of its own, copied to out_dir below: out_dir is a new
+        # temporary folder for every editable install, and building into it would relink _C.
+        lib_dir = build_dir / "lib"
+        cuda = cuda_mode()
         import pybind11  # noqa: PLC0415
 
+        cmake = build_tool("cmake", "CMAKE_BIN_DIR")
         cfg = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja', 'BIN_DIR')}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPYZERO_CUDA={cuda}",
             f"-DPYZERO_CUDA_ARCH={cuda_archs()}",
-            f"-DPYZERO_NCCL_ROOT={nccl_root()}",
+            f"-DPYZERO_NCCL_ROOT={nccl_root() if cuda == 'ON' else ''}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
-        subprocess.run(cfg, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True)
+        for step in (cfg, [cmake, "--build", str(build_dir), "-j", jobs]):
+            if subprocess.run(step).returncode != 0:
+                raise SystemExit(f"pyzero: `cmake {step[1]}` failed; its message is above")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in (Path(self.get_ext_filename(ext.name)).name, "_build_config.py"):
+            shutil.copyfile(lib_dir / name, out_dir / name)
 
 
 setup(ext_modules=[Extension("pyzero._C", sources=[])], cmdclass={"build_ext": CMakeBuild})

@@ -1,6 +1,8 @@
 """pyzero: ring collectives, DDP-style data parallel, ZeRO and tensor parallelism
 for PyTorch, over a torch-free C++/CUDA core (``pyzero._C``)."""
-from . import _C
+from . import _loader
+
+_C = _loader.import_extension()  # loads NCCL first when _C was built with it (see _loader)
 from .comm import (
     CollectiveError,
     CollectiveTimeout,

@@ -5,33 +5,53 @@
 #   2+ GPUs, at world size = GPU count) and the GPU benches (kernels; collectives
 #   on every GPU: pyzero ring, native NCCL passthrough, torch), and writes what they printed,
 #   plus a JSON record, to benchmarks/results/gpu_<gpu name>_<date>.{txt,json}.
-# Uses the current Python environment (torch with CUDA must be installed).
+# Works offline: it downloads nothing. It uses the current Python environment (PYTHON, default
+# python3), which must already have torch with CUDA, setuptools>=77 (torch >= 2.13 brings it),
+# pybind11, cmake, ninja, nvidia-nccl-cu13 (or PYZERO_NCCL_ROOT) and pytest, and nvcc (CUDACXX,
+# CUDA_HOME, PATH or /usr/local/cuda). The build is in place (pyzero/_C*.so), installs nothing,
+# and is run from this checkout with PYTHONPATH=.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python - <<'PY'
-import torch, sys
+PY=${PYTHON:-python3}
+command -v "$PY" >/dev/null || { echo "gpu_check.sh: no $PY; set PYTHON to your interpreter"; exit 1; }
+"$PY" - <<'PY'
+import importlib.util, os, sys
+missing = [m for m in ("torch", "setuptools", "pybind11", "cmake", "ninja", "pytest")
+           if importlib.util.find_spec(m) is None]
+try:
+    nccl = importlib.util.find_spec("nvidia.nccl")
+except ImportError:  # no nvidia namespace package at all
+    nccl = None
+if not os.environ.get("PYZERO_NCCL_ROOT") and nccl is None:
+    missing.append("nvidia-nccl-cu13 (or set PYZERO_NCCL_ROOT)")
+if missing:
+    sys.exit(f"gpu_check.sh: {sys.executable} lacks {', '.join(missing)}; install them (this script "
+             "downloads nothing)")
+import setuptools, torch
+if int(setuptools.__version__.split(".")[0]) < 77:
+    sys.exit(f"gpu_check.sh: setuptools {setuptools.__version__} < 77 cannot read pyproject.toml; "
+             "pip install 'setuptools>=77'")
 if not torch.cuda.is_available():
-    sys.exit("gpu_check.sh: no CUDA GPU visible to torch")
+    sys.exit(f"gpu_check.sh: no CUDA GPU visible to torch {torch.__version__}")
 PY
-ARCH=$(python -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}{n}')")
-GPU=$(python -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+ARCH=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}{n}')")
+GPU=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 STAMP=$(date -u +%Y%m%d)
 OUT=benchmarks/results/gpu_${GPU}_${STAMP}
 mkdir -p benchmarks/results
-export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH"
-pip install -q "pybind11>=2.12" "cmake>=3.24" ninja "nvidia-nccl-cu13; platform_system == 'Linux'" 2>/dev/null || true
-python setup.py build_ext --inplace > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
+export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
+"$PY" setup.py build_ext --inplace > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 {
   echo "# pyzero GPU check, $(date -u -Iseconds)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  python -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
+  "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
   echo "## GPU tests"
-  PYTHONPATH=. python -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU TESTS FAILED"
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU TESTS FAILED"
   echo "## reduce kernel bandwidth vs device-to-device copy"
-  PYTHONPATH=. python -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED"
+  "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED"
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
-  PYTHONPATH=. python -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
+  "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
     --op all --min 8 --max 256M --factor 4 --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED"
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

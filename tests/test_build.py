@@ -1,8 +1,11 @@
-"""How pyzero._C was built, and setup.py's CUDA arch parsing."""
+"""How pyzero._C was built, how it is loaded, and setup.py's build options."""
 import ast
+import ctypes.util
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +73,16 @@ def _load_cuda_archs():
     return ns["cuda_archs"]
 
 
+def _load_setup_functions(*names):
+    """setup.py's top-level functions `names`, in one namespace (setup() itself is not run)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    fns = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert sorted(f.name for f in fns) == sorted(names), f"setup.py lacks one of {names}"
+    ns = {"os": os, "re": re, "shutil": shutil, "Path": Path}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), str(ROOT / "setup.py"), "exec"), ns)  # noqa: S102
+    return ns
+
+
 @pytest.mark.parametrize("value,want", [
     ("8.0;9.0+PTX", "80;90"),
     ("7.5 8.6", "75;86"),
@@ -105,3 +118,253 @@ def test_cuda_archs_rejects_unreadable_torch_arch_list(monkeypatch, value):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
     with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
         cuda_archs()
+
+
+# ---------------------------------------------------------------------------
+# setup.py: which nvcc, and the build-time errors when CUDA is asked for without it
+
+
+def _fake_nvcc(folder):
+    nvcc = Path(folder) / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    return str(nvcc)
+
+
+def test_find_nvcc_order(tmp_path):
+    find_nvcc = _load_setup_functions("find_nvcc")["find_nvcc"]
+    absent = str(tmp_path / "none" / "nvcc")
+    home, on_path, default = (_fake_nvcc(tmp_path / d) for d in ("home", "path", "default"))
+    path = str(Path(on_path).parent)
+    assert find_nvcc({"CUDACXX": on_path, "CUDA_HOME": str(tmp_path / "home")}, default)[0] == on_path
+    assert find_nvcc({"CUDA_HOME": str(tmp_path / "home"), "PATH": path}, default)[0] == home
+    assert find_nvcc({"PATH": path}, default)[0] == on_path
+    assert find_nvcc({"PATH": ""}, default)[0] == default
+    nvcc, looked = find_nvcc({"PATH": "", "CUDA_HOME": str(tmp_path / "none")}, absent)
+    assert nvcc is None and looked == [f"CUDA_HOME={tmp_path / 'none'}", "PATH", absent]
+    with pytest.raises(SystemExit, match="CUDACXX=/nonexistent/nvcc is not an executable nvcc"):
+        find_nvcc({"CUDACXX": "/nonexistent/nvcc"}, default)
+
+
+@pytest.mark.parametrize("flag,nvcc,want", [
+    ("", "/x/nvcc", "ON"), ("", None, "OFF"), ("auto", None, "OFF"),
+    ("1", "/x/nvcc", "ON"), ("on", "/x/nvcc", "ON"), ("0", "/x/nvcc", "OFF"), ("off", None, "OFF"),
+])
+def test_cuda_mode(monkeypatch, flag, nvcc, want):
+    ns = _load_setup_functions("cuda_mode", "find_nvcc")
+    ns["find_nvcc"] = lambda: (nvcc, ["PATH"])
+    monkeypatch.setenv("PYZERO_CUDA", flag)
+    monkeypatch.delenv("CUDACXX", raising=False)
+    assert ns["cuda_mode"]() == want
+    if want == "ON":
+        assert os.environ["CUDACXX"] == nvcc
+
+
+def test_cuda_mode_errors(monkeypatch):
+    ns = _load_setup_functions("cuda_mode", "find_nvcc")
+    ns["find_nvcc"] = lambda: (None, ["PATH", "/usr/local/cuda/bin/nvcc"])
+    monkeypatch.setenv("PYZERO_CUDA", "1")
+    with pytest.raises(SystemExit, match=r"PYZERO_CUDA=1 but no nvcc was found \(looked in PATH, "
+                                         r"/usr/local/cuda/bin/nvcc\).*CUDACXX.*PYZERO_CUDA=0"):
+        ns["cuda_mode"]()
+    monkeypatch.setenv("PYZERO_CUDA", "yes")
+    with pytest.raises(SystemExit, match="PYZERO_CUDA='yes': expected 0"):
+        ns["cuda_mode"]()
+
+
+def _run_setup(tmp_path, **env):
+    """`python setup.py build_ext` into tmp_path with env added; (returncode, output)."""
+    full = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "PYZERO_NCCL_ROOT")}
+    full.update(env)
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "tmp")],
+                       cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_build_asking_for_cuda_with_a_wrong_nvcc_fails_with_the_fix(tmp_path):
+    rc, out = _run_setup(tmp_path, PYZERO_CUDA="1", CUDACXX="/nonexistent/nvcc")
+    assert rc != 0
+    assert "CUDACXX=/nonexistent/nvcc is not an executable nvcc" in out, out[-2000:]
+    assert "PYZERO_CUDA=0" in out
+    assert not (tmp_path / "lib").exists()  # failed before building anything
+
+
+@pytest.mark.skipif(not _nvcc_present(), reason="needs nvcc (the NCCL check follows the nvcc one)")
+def test_build_asking_for_cuda_without_nccl_fails_with_the_fix(tmp_path):
+    rc, out = _run_setup(tmp_path, PYZERO_CUDA="1", PYZERO_NCCL_ROOT=str(tmp_path))
+    assert rc != 0
+    assert f"PYZERO_NCCL_ROOT={tmp_path} has no include/nccl.h or lib/libnccl.so.2" in out, out[-2000:]
+    assert "pip install nvidia-nccl-cu13" in out
+
+
+# ---------------------------------------------------------------------------
+# Loading: no build-time paths in _C; NCCL found at import time, whatever is imported first
+
+
+def _extension():
+    return Path(_C.__file__)
+
+
+def _readelf_dynamic():
+    if not shutil.which("readelf"):
+        pytest.skip("needs readelf (binutils)")
+    return subprocess.run(["readelf", "-d", str(_extension())], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_extension_has_no_rpath():
+    dyn = _readelf_dynamic()
+    assert "RPATH" not in dyn and "RUNPATH" not in dyn, dyn
+    needs_nccl = "[libnccl.so.2]" in dyn
+    assert needs_nccl == _C.build_info()["cuda"], dyn
+
+
+def test_build_config_matches_extension():
+    config_file = _extension().parent / "_build_config.py"
+    if not config_file.exists():
+        pytest.skip(f"{config_file} absent: this _C was not built by setup.py/CMakeLists.txt here")
+    from pyzero import _build_config
+    assert _build_config.CUDA is _C.build_info()["cuda"]
+    assert _build_config.NCCL is _C.build_info()["cuda"]
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYZERO_NCCL_ROOT")}
+    env.update(extra)
+    return env
+
+
+_REPORT = (
+    "import pyzero, sys, json; from pyzero import _loader; "
+    "print(json.dumps({'cuda': pyzero.build_info()['cuda'], "
+    "'nccl': _loader._nccl._name if _loader._nccl is not None else None, "
+    "'maps': sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl' in l})}))"
+)
+
+
+def _python(code, env, cwd=ROOT, pythonpath=ROOT):
+    env = dict(env, PYTHONPATH=str(pythonpath))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _report(r):
+    import json
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("first", ["pyzero", "torch"])
+def test_import_in_a_fresh_process_either_order(first):
+    code = ("import torch; " if first == "torch" else "") + _REPORT
+    rep = _report(_python(code, _clean_env()))
+    assert rep["cuda"] == _C.build_info()["cuda"]
+    if not rep["cuda"]:
+        assert rep["nccl"] is None and rep["maps"] == []
+        return
+    assert len(rep["maps"]) == 1, rep  # one NCCL in the process
+    import nvidia.nccl
+    assert rep["maps"][0] == str(Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"), rep
+
+
+def test_an_nccl_already_in_the_process_is_used(tmp_path):
+    """As when a CUDA torch was imported first: no second copy is loaded."""
+    _require_cuda_build()
+    import nvidia.nccl
+    real = Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+    code = f"import ctypes; ctypes.CDLL({str(real)!r}, mode=ctypes.RTLD_GLOBAL); " + _REPORT
+    rep = _report(_python(code, _clean_env(PYZERO_NCCL_ROOT=str(tmp_path))))
+    assert rep["nccl"] == "libnccl.so.2" and rep["maps"] == [str(real)], rep
+
+
+def _require_cuda_build():
+    if not _C.build_info()["cuda"]:
+        pytest.skip("pyzero._C was built without CUDA: it needs no NCCL")
+
+
+def test_pyzero_nccl_root_is_searched_first(tmp_path):
+    _require_cuda_build()
+    import nvidia.nccl
+    real = Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libnccl.so.2").symlink_to(real)
+    rep = _report(_python(_REPORT, _clean_env(PYZERO_NCCL_ROOT=str(tmp_path))))
+    assert rep["nccl"] == str(tmp_path / "lib" / "libnccl.so.2"), rep
+
+
+def _copy_package(dest, config):
+    """pyzero/ (with its built _C) copied under dest, with _build_config.py = config (None: none)."""
+    shutil.copytree(ROOT / "pyzero", dest / "pyzero", ignore=shutil.ignore_patterns("__pycache__", "_build_config.py"))
+    if config is not None:
+        (dest / "pyzero" / "_build_config.py").write_text(config)
+    return dest
+
+
+def test_import_without_build_config_loads_nccl_when_needed(tmp_path):
+    _require_cuda_build()
+    rep = _report(_python(_REPORT, _clean_env(), cwd=tmp_path, pythonpath=_copy_package(tmp_path, None)))
+    assert rep["cuda"] and rep["nccl"] and len(rep["maps"]) == 1, rep
+
+
+_HIDE_NCCL_PACKAGE = "import sys; sys.modules['nvidia.nccl'] = None; "
+
+
+def test_import_without_nccl_names_every_place_searched(tmp_path):
+    _require_cuda_build()
+    if ctypes.util.find_library("nccl"):
+        pytest.skip("the system loader finds an NCCL here")
+    pkg = _copy_package(tmp_path, "CUDA = True\nNCCL = True\n")
+    r = _python(_HIDE_NCCL_PACKAGE + "import pyzero", _clean_env(PYZERO_NCCL_ROOT=str(tmp_path / "nccl")),
+                cwd=tmp_path, pythonpath=pkg)
+    assert r.returncode != 0
+    err = r.stderr
+    assert "ImportError: pyzero was built with CUDA and needs NCCL (libnccl.so.2)" in err, err[-3000:]
+    for place in (f"PYZERO_NCCL_ROOT={tmp_path / 'nccl'}: no {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}",
+                  "the nvidia-nccl-cu13 package (not installed)",
+                  "the system loader (LD_LIBRARY_PATH, ld.so.cache): libnccl.so.2: cannot open"):
+        assert place in err, err[-3000:]
+    assert "pip install nvidia-nccl-cu13" in err
+
+
+def test_open_library_error_lists_places(monkeypatch, tmp_path):
+    from pyzero import _loader
+    monkeypatch.setenv("PYZERO_NCCL_ROOT", str(tmp_path))
+    with pytest.raises(ImportError) as e:
+        _loader.open_library("libpyzero_absent.so.7")
+    msg = str(e.value)
+    assert f"PYZERO_NCCL_ROOT={tmp_path}: no {tmp_path / 'lib' / 'libpyzero_absent.so.7'}" in msg
+    assert "the system loader (LD_LIBRARY_PATH, ld.so.cache): libpyzero_absent.so.7" in msg
+    assert "the nvidia-nccl-cu13 package" in msg
+
+
+# ---------------------------------------------------------------------------
+# The GPU code in _C is for exactly the requested architectures
+
+
+def _cuobjdump():
+    """cuobjdump on PATH, in the CUDA toolkit, or from the nvidia-cuda-cuobjdump package; else None."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    import importlib.util
+    places = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin"]
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None:
+        places += [Path(d) / sub / "bin" for d in spec.submodule_search_locations for sub in ("cu13", "cu12")]
+    for place in places:
+        if os.access(place / "cuobjdump", os.X_OK):
+            return str(place / "cuobjdump")
+    return None
+
+
+def test_cubins_are_the_requested_archs():
+    _require_cuda_build()
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("needs cuobjdump (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)")
+    listing = subprocess.run([tool, "--list-elf", str(_extension())], capture_output=True, text=True,
+                             check=True).stdout
+    cubins = re.findall(r"\.sm_(\w+)\.cubin", listing)
+    assert cubins == _expected_archs() == _C.build_info()["cuda_archs"], listing

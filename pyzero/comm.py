@@ -360,11 +360,16 @@ def recv(t, src: int, group=None, async_op: bool = False):
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:
-    """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one)."""
+    """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one). In a job
+    spanning hosts, "intra_host" and "inter_host" break the bytes down by where they went."""
     selected = [resolve_group(group)] if group is not None else groups()
+    several_hosts = _require_init().topology.num_hosts > 1
     out: dict = {}
     for g in selected:
-        for op, s in g.backend.stats(reset).items():
+        stats = g.backend.stats(reset)
+        if several_hosts and "inter_host" not in stats:  # a one-host group of a multi-host job (shm)
+            stats["intra_host"] = _topology.Totals.of(stats.values())
+        for op, s in stats.items():
             acc = out.setdefault(op, {"calls": 0, "elements": 0, "sent_bytes": 0})
             acc["calls"] += s.calls
             acc["elements"] += s.elements

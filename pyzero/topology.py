@@ -21,6 +21,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 def host_name() -> str:
@@ -111,6 +112,19 @@ def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topolog
     store.wait(keys, datetime.timedelta(seconds=timeout))
     reports = [tuple(json.loads(store.get(k).decode())) for k in keys]
     return group_hosts(reports, rank)
+
+
+class Totals(NamedTuple):
+    """Summed per-op counters (the "intra_host" entry of comm_stats for one-host groups)."""
+
+    calls: int
+    elements: int
+    sent_bytes: int
+
+    @classmethod
+    def of(cls, stats) -> "Totals":
+        stats = list(stats)
+        return cls(sum(s.calls for s in stats), sum(s.elements for s in stats), sum(s.sent_bytes for s in stats))
 
 
 _ONE_HOST = ("shm", "ipc")  # backends whose transport stops at the host boundary

@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline | ps.
+"""pyzero-bench: collectives | train | tp | pipeline | ps | hier.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "tp": "tensor-parallel all-gather+matmul and matmul+reduce-scatter, overlapped vs not",
     "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
     "ps": "parameter-server training (sync, bounded, async) vs DataParallel, with and without a straggler",
+    "hier": "several hosts: hierarchical vs flat gloo all_reduce; ZeRO-3 plain vs hpZ / qwZ / qgZ cross-host bytes",
 }
 
 

@@ -1,6 +1,7 @@
 """Which ranks share a host: exchanged through the job's store at ``pz.init()``.
 
-Each rank names its host (``PYZERO_HOST`` when set, else the hostname) and
+Each rank names its host (``PYZERO_HOST`` when set, else the hostname and
+torchrun's node rank) and
 the number of ranks its launcher started there (``LOCAL_WORLD_SIZE``, which
 torchrun sets per host); every rank reads every other's and builds the same
 :class:`Topology`. Hosts are numbered by their lowest rank; a rank's local
@@ -25,9 +26,13 @@ from typing import NamedTuple
 
 
 def host_name() -> str:
-    """This process's host identity: ``PYZERO_HOST``, else the hostname."""
+    """This process's host identity: ``PYZERO_HOST``, else the hostname, followed by torchrun's node
+    rank (``GROUP_RANK``) when set, so that two torchrun agents on one machine are two hosts."""
     name = os.environ.get("PYZERO_HOST", "").strip()
-    return name or socket.gethostname()
+    if name:
+        return name
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"#{node}" if node is not None else "")
 
 
 def _claimed_local_size() -> int | None:

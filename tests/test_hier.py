@@ -66,6 +66,20 @@ def test_group_hosts_rejects_disagreeing_host():
         group_hosts([("a", 2), ("a", 3)], rank=0)
 
 
+def test_host_name_override_and_torchrun_node_rank(monkeypatch):
+    import socket  # noqa: PLC0415
+
+    from pyzero.topology import host_name  # noqa: PLC0415
+
+    monkeypatch.delenv("PYZERO_HOST", raising=False)
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    assert host_name() == socket.gethostname()
+    monkeypatch.setenv("GROUP_RANK", "1")  # two torchrun agents on one machine are two hosts
+    assert host_name() == socket.gethostname() + "#1"
+    monkeypatch.setenv("PYZERO_HOST", "rack3-node7")
+    assert host_name() == "rack3-node7"
+
+
 def test_backend_choice():
     one, two = Topology(((0, 1),), ("a",), 0), Topology(((0,), (1,)), ("a", "b"), 0)
     assert pick_backend(None, one, cuda=False) == "shm"
@@ -270,3 +284,47 @@ def test_zero_stages_match_single_process():
             for other in res[1:]:
                 for k, v in other[name, stage]["state"].items():
                     assert torch.equal(v, got["state"][k]), (name, stage, k)
+
+
+# ---------------------------------------------------------------------------
+# Hosts in separate network namespaces, joined by a rate-limited veth link
+
+
+def _rank_over_link(prefix):
+    from pyzero.bench.hier import enter_host  # noqa: PLC0415
+
+    enter_host(PER_HOST, prefix)
+    pz.init(timeout=60)
+    me = pz.get_rank()
+    x = make_input("sum", torch.float32, 100_003, me, 3)
+    pz.all_reduce(x)
+    out = torch.empty(4 * 1031, dtype=torch.int64)
+    pz.all_gather(out, torch.full((1031,), me, dtype=torch.int64))
+    return x, out, pz.comm_stats()["inter_host"]["sent_bytes"]
+
+
+def test_collectives_across_network_namespaces():
+    """Two hosts in their own network namespaces (root and iproute2 needed, else skipped), the link
+    between them a veth pair limited by tc to 200 Mbit/s: gloo's traffic really crosses it."""
+    import shutil  # noqa: PLC0415
+
+    from pyzero.bench.hier import SUBNET, setup_link, teardown_link  # noqa: PLC0415
+
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        pytest.skip("network namespaces need root and iproute2 (ip, tc)")
+    prefix = f"pztest{os.getpid()}-h"
+    try:
+        setup_link(2, 200, prefix)
+    except SystemExit as e:
+        teardown_link(2, prefix)
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    try:
+        res = run_ranks(_rank_over_link, 4, args=(prefix,), env={"MASTER_ADDR": f"{SUBNET}1"}, timeout=120)
+    finally:
+        teardown_link(2, prefix)
+    want = reference([make_input("sum", torch.float32, 100_003, r, 3) for r in range(4)], "sum", torch.float32)
+    for r in res:
+        x, out, inter = r.value
+        assert torch.equal(x, want)
+        assert torch.equal(out, torch.arange(4).repeat_interleave(1031))
+        assert inter > 0

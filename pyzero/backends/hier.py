@@ -46,7 +46,17 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..backend import DTYPES, OPS, TORCH_DTYPES, Backend, Buffer, GroupSetup, CollectiveError, CollectiveTimeout
+from ..backend import (
+    OPS,
+    TORCH_DTYPES,
+    Backend,
+    Buffer,
+    CollectiveError,
+    CollectiveTimeout,
+    GroupSetup,
+    check_contiguous,
+    tensor_code,
+)
 from ..topology import host_name
 from .shm import ShmBackend
 
@@ -137,7 +147,6 @@ class HierBackend(Backend):
         self.stat: dict[str, _Stat] = {}
         self.broken: str | None = None
         self.closed = False
-        self.failures = 0
         self.current = ""  # the collective running on the worker thread (its bytes are counted under it)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pz-hier")
 
@@ -169,9 +178,11 @@ class HierBackend(Backend):
     # ---- plumbing ----
 
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
-        if isinstance(x, torch.Tensor) and not x.is_cpu:
+        code = tensor_code(x, arg)
+        check_contiguous(x, arg)
+        if not x.is_cpu:
             raise ValueError(f"{arg}: the hier backend takes CPU tensors, got a tensor on {x.device}")
-        return ShmBackend.buffer(self, x, arg, writable)
+        return Buffer(x.data_ptr(), x.numel(), x.element_size(), code)
 
     def _run(self, what: str, elements: int, fn, async_op: bool):
         if self.broken is not None:

@@ -35,8 +35,8 @@ CONFIGS = {
     "qgz": dict(zero_quantized_gradients=True),
     "all": dict(zero_hpz_partition_size=None, zero_quantized_weights=True, zero_quantized_gradients=True),
 }
-NETNS = "pzbench-h"  # namespace of host h: NETNS + str(h)
-SUBNET = "10.77.0."  # host h has SUBNET + str(h + 1)
+NETNS = "pzbench-h"  # default name prefix of the namespaces: host h's is prefix + str(h)
+SUBNET = "10.77.0."  # host h has SUBNET + str(h + 1), on its end of the veth pair "pzv<h>"
 _CLONE_NEWNET = 0x40000000
 
 
@@ -72,18 +72,19 @@ def _sh(*cmd: str) -> None:
                          "(needs root and iproute2; run without --throttle to use loopback)")
 
 
-def setup_link(hosts: int, mbit: float) -> None:
-    """Two namespaces joined by a veth pair, each end limited to `mbit` Mbit/s."""
+def setup_link(hosts: int, mbit: float, prefix: str = NETNS) -> None:
+    """Two namespaces joined by a veth pair, each end limited to `mbit` Mbit/s (SystemExit saying why
+    where it cannot be made)."""
     if hosts != 2:
         raise SystemExit(f"--throttle: expected --hosts 2 (one veth pair), got {hosts}")
-    teardown_link(hosts)
+    teardown_link(hosts, prefix)
     for h in range(2):
-        _sh("ip", "netns", "add", f"{NETNS}{h}")
-    _sh("ip", "link", "add", "pzv0", "netns", f"{NETNS}0", "type", "veth", "peer", "name", "pzv1", "netns",
-        f"{NETNS}1")
+        _sh("ip", "netns", "add", f"{prefix}{h}")
+    _sh("ip", "link", "add", "pzv0", "netns", f"{prefix}0", "type", "veth", "peer", "name", "pzv1", "netns",
+        f"{prefix}1")
     burst_kb = max(32, int(mbit * 0.5))  # ~4 ms of traffic at the rate (Mbit/s x 1e6 / 8 x 0.004 B), >= 32 KB
     for h in range(2):
-        ns = ("ip", "netns", "exec", f"{NETNS}{h}")
+        ns = ("ip", "netns", "exec", f"{prefix}{h}")
         _sh(*ns, "ip", "addr", "add", f"{SUBNET}{h + 1}/24", "dev", f"pzv{h}")
         _sh(*ns, "ip", "link", "set", f"pzv{h}", "up")
         _sh(*ns, "ip", "link", "set", "lo", "up")
@@ -91,24 +92,30 @@ def setup_link(hosts: int, mbit: float) -> None:
             f"{burst_kb}kb", "latency", "100ms")
 
 
-def teardown_link(hosts: int) -> None:
+def teardown_link(hosts: int, prefix: str = NETNS) -> None:
     for h in range(hosts):
-        subprocess.run(["ip", "netns", "del", f"{NETNS}{h}"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", f"{prefix}{h}"], capture_output=True)
+
+
+def enter_host(per_host: int, netns_prefix: str | None = None) -> int:
+    """Make this rank (before pz.init) a process of host RANK // per_host: PYZERO_HOST and, given
+    the prefix of setup_link's namespaces, that host's network namespace. Returns the host."""
+    h = int(os.environ["RANK"]) // per_host
+    os.environ["PYZERO_HOST"] = f"host{h}"
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+    if netns_prefix is not None:
+        fd = os.open(f"/var/run/netns/{netns_prefix}{h}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {netns_prefix}{h} failed")
+        finally:
+            os.close(fd)
+        os.environ["GLOO_SOCKET_IFNAME"] = f"pzv{h}"
+    return h
 
 
 def _enter_host(args) -> int:
-    """Make this rank a process of host rank // per_host (PYZERO_HOST; with --throttle, its namespace)."""
-    rank = int(os.environ["RANK"])
-    h = rank // args.per_host
-    os.environ["PYZERO_HOST"] = f"host{h}"
-    os.environ["LOCAL_WORLD_SIZE"] = str(args.per_host)
-    if args.throttle:
-        fd = os.open(f"/var/run/netns/{NETNS}{h}", os.O_RDONLY)
-        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {NETNS}{h} failed")
-        os.close(fd)
-        os.environ["GLOO_SOCKET_IFNAME"] = f"pzv{h}"
-    return h
+    return enter_host(args.per_host, NETNS if args.throttle else None)
 
 
 # ---------------------------------------------------------------------------

@@ -363,7 +363,8 @@ def comm_stats(reset: bool = False, group=None) -> dict:
     """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one). In a job
     spanning hosts, "intra_host" and "inter_host" break the bytes down by where they went."""
     selected = [resolve_group(group)] if group is not None else groups()
-    several_hosts = _require_init().topology.num_hosts > 1
+    topo = _require_init().topology
+    several_hosts = topo is not None and topo.num_hosts > 1
     out: dict = {}
     for g in selected:
         stats = g.backend.stats(reset)

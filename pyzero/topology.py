@@ -116,6 +116,10 @@ def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topolog
     keys = [f"{key}/{r}" for r in range(size)]
     store.wait(keys, datetime.timedelta(seconds=timeout))
     reports = [tuple(json.loads(store.get(k).decode())) for k in keys]
+    # Everyone has read before anyone may fail: rank 0 hosts the store and must outlive the reads.
+    if store.add(f"{key}/read", 1) == size:
+        store.set(f"{key}/read/done", "1")
+    store.wait([f"{key}/read/done"], datetime.timedelta(seconds=timeout))
     return group_hosts(reports, rank)
 
 

@@ -36,6 +36,8 @@ across hosts (the gloo bytes are the standard algorithm's: ring all_reduce
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 import ctypes
 import datetime
 import json
@@ -148,7 +150,11 @@ class HierBackend(Backend):
         self.broken: str | None = None
         self.closed = False
         self.current = ""  # the collective running on the worker thread (its bytes are counted under it)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pz-hier")
+        # One daemon worker runs the calls in order (a ThreadPoolExecutor's worker would be joined at
+        # interpreter exit, holding it up for the timeout behind a call stuck on a dead peer).
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker = threading.Thread(target=self._serve, name="pz-hier", daemon=True)
+        self.worker.start()
 
     @classmethod
     def create(cls, setup: GroupSetup) -> "HierBackend":
@@ -177,6 +183,19 @@ class HierBackend(Backend):
 
     # ---- plumbing ----
 
+    def _submit(self, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((fn, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while (item := self.queue.get()) is not None:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
         code = tensor_code(x, arg)
         check_contiguous(x, arg)
@@ -188,7 +207,7 @@ class HierBackend(Backend):
         if self.broken is not None:
             raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
         self._count(what, elements, 0)
-        fut = self.pool.submit(self._guarded, what, fn)
+        fut = self._submit(lambda: self._guarded(what, fn))
         if async_op:
             return _Pending(fut)
         fut.result()
@@ -436,7 +455,7 @@ class HierBackend(Backend):
 
     def stats(self, reset):
         if self.intra is not None and not self.closed:
-            self.pool.submit(lambda: None).result()  # fold in the intra bytes of finished calls
+            self._submit(lambda: None).result()  # fold in the intra bytes of finished calls
         out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
         for k in ("intra_host", "inter_host"):
             out.setdefault(k, _Stat())
@@ -446,7 +465,10 @@ class HierBackend(Backend):
 
     def close(self):
         self.closed = True
-        self.pool.shutdown(wait=self.broken is None)
+        if self.worker.is_alive():
+            self.queue.put(None)
+            if self.broken is None:
+                self.worker.join()
         if self.intra is not None:
             self.intra.close()
         self._shutdown_gloo()

@@ -116,6 +116,20 @@ def test_disagreeing_host_fails_init_on_every_rank():
         assert etype == "ValueError" and "inconsistent topology" in msg and "host 'h'" in msg, r.value
 
 
+def _rank_engine_cannot_start():
+    os.environ["GLOO_SOCKET_IFNAME"] = "pz-no-such-if"
+    got = outcome(lambda: pz.init(timeout=30))
+    time.sleep(1)  # rank 0 hosts the store: let the others get their own error first
+    return got
+
+
+def test_inter_host_engine_that_cannot_start_fails_init():
+    for r in run_ranks(simulated, 4, args=(_rank_engine_cannot_start,), timeout=60):
+        etype, msg = r.value
+        assert etype == "CollectiveError" and "inter-host engine (torch.distributed gloo) could not start" in msg
+        assert "GLOO_SOCKET_IFNAME" in msg, msg
+
+
 # ---------------------------------------------------------------------------
 # Collectives against the torch reference
 

@@ -119,9 +119,9 @@ def _gloo(store, prefix: str, rank: int, size: int, timeout: float):
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout)
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
-                     else dist.ProcessGroupGloo.create_default_device()]
     try:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                         else dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
     except RuntimeError as e:
         raise CollectiveError(f"the inter-host engine (torch.distributed gloo) could not start for rank {rank} "

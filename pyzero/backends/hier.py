@@ -270,10 +270,15 @@ class HierBackend(Backend):
         return next(i for i, hr in enumerate(self.hosts) if r in hr)
 
     def _count(self, key: str, elements: int, sent: int, calls: int = 1) -> None:
+        # The caller's thread counts calls and elements of a collective, the worker its bytes (and
+        # everything of "intra_host"/"inter_host"): no field is updated from both threads.
         st = self.stat.setdefault(key, _Stat())
-        st.calls += calls
-        st.elements += elements
-        st.sent_bytes += sent
+        if calls:
+            st.calls += calls
+        if elements:
+            st.elements += elements
+        if sent:
+            st.sent_bytes += sent
 
     def _inter(self, nbytes: int) -> None:
         self._count("inter_host", 0, int(nbytes))
@@ -454,8 +459,8 @@ class HierBackend(Backend):
     # ---- stats and teardown ----
 
     def stats(self, reset):
-        if self.intra is not None and not self.closed:
-            self._submit(lambda: None).result()  # fold in the intra bytes of finished calls
+        if not self.closed:
+            self._submit(lambda: None).result()  # every call queued so far has counted its bytes
         out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
         for k in ("intra_host", "inter_host"):
             out.setdefault(k, _Stat())

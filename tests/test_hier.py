@@ -342,3 +342,11 @@ def test_collectives_across_network_namespaces():
         assert torch.equal(x, want)
         assert torch.equal(out, torch.arange(4).repeat_interleave(1031))
         assert inter > 0
+
+
+def test_pipeline_across_hosts_matches_single_process():
+    """Four pipeline stages, two per host: activations and gradients cross hosts by send/recv over gloo."""
+    import test_pipeline as pp_suite  # noqa: PLC0415
+
+    m = 8
+    pp_suite.check_train(run_ranks(simulated, 4, args=(pp_suite.rank_train, "ce", m), timeout=120), m, "ce")

@@ -78,6 +78,27 @@ class _Stat:
     sent_bytes: int = 0
 
 
+class _P2P:
+    """Raw handle of a send/recv: the transport's own, failures translated as for collectives."""
+
+    __slots__ = ("backend", "kind", "raw")
+
+    def __init__(self, backend, kind, raw):
+        self.backend, self.kind, self.raw = backend, kind, raw
+
+    def wait(self, *_):
+        try:
+            self.raw.wait()
+        except (CollectiveError, RuntimeError) as e:
+            self.backend.broken = f"{self.kind}: {e}"
+            raise self.backend._failed(self.kind, e) from e
+
+    synchronize = wait
+
+    def is_completed(self) -> bool:
+        return self.raw.is_completed()
+
+
 class _Pending:
     """Raw handle of an async hier call (wrapped by pyzero.backend.Work)."""
 
@@ -147,6 +168,7 @@ class HierBackend(Backend):
         self.even = all(len(hr) == self.L for hr in hosts)
         self.intra = self.lane = self.full = None
         self.stat: dict[str, _Stat] = {}
+        self.stat_lock = threading.Lock()
         self.broken: str | None = None
         self.closed = False
         self.current = ""  # the collective running on the worker thread (its bytes are counted under it)
@@ -215,17 +237,25 @@ class HierBackend(Backend):
 
     def _guarded(self, what: str, fn) -> None:
         self.current = what
+        if self.broken is not None:  # a send/recv failed after this call was queued
+            raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
         try:
             fn()
         except (CollectiveError, RuntimeError) as e:  # shm errors are CollectiveErrors; gloo's RuntimeErrors
             self.broken = f"{what}: {e}"
             raise self._failed(what, e) from e
         finally:
-            if self.intra is not None and not self.closed:
-                s = self.intra.stats(True).values()
-                sent = sum(x.sent_bytes for x in s)
-                self._count("intra_host", sum(x.elements for x in s), sent, calls=sum(x.calls for x in s))
-                self._count(what, 0, sent, calls=0)
+            self._fold_intra(what)
+
+    def _fold_intra(self, what: str) -> None:
+        """Count the shm group's bytes since the last fold: its send/recv under their own names, the
+        rest under the collective `what` that used them (worker thread)."""
+        if self.intra is None or self.closed:
+            return
+        for op, st in self.intra.stats(True).items():
+            if st.calls:
+                self._count("intra_host", st.elements, st.sent_bytes, calls=st.calls)
+                self._count(op if op in ("send", "recv") or not what else what, 0, st.sent_bytes, calls=0)
 
     def _failed(self, what: str, err: Exception) -> Exception:
         """The error to raise after a failure, naming the ranks that did not report a failure of their own
@@ -270,14 +300,10 @@ class HierBackend(Backend):
         return next(i for i, hr in enumerate(self.hosts) if r in hr)
 
     def _count(self, key: str, elements: int, sent: int, calls: int = 1) -> None:
-        # The caller's thread counts calls and elements of a collective, the worker its bytes (and
-        # everything of "intra_host"/"inter_host"): no field is updated from both threads.
-        st = self.stat.setdefault(key, _Stat())
-        if calls:
+        with self.stat_lock:  # the caller's thread (calls, send/recv) and the worker (bytes) both count
+            st = self.stat.setdefault(key, _Stat())
             st.calls += calls
-        if elements:
             st.elements += elements
-        if sent:
             st.sent_bytes += sent
 
     def _inter(self, nbytes: int) -> None:
@@ -438,34 +464,49 @@ class HierBackend(Backend):
         if self.intra is not None:
             self.intra.barrier(False)
 
+    # send/recv do not queue behind the collectives (a pipeline posts a recv from one peer before a
+    # send to another): inside the host they go to the shm transport's per-peer threads, across hosts
+    # to gloo's own asynchronous send/recv, each matched in order per pair, as on one host.
+
     def send(self, b, peer, async_op):
-        x = tensor_of(b)
-        return self._run("send", x.numel(), lambda: self._p2p("send", x, peer), async_op)
+        return self._p2p("send", tensor_of(b), peer, async_op)
 
     def recv(self, b, peer, async_op):
-        x = tensor_of(b)
-        return self._run("recv", x.numel(), lambda: self._p2p("recv", x, peer), async_op)
+        return self._p2p("recv", tensor_of(b), peer, async_op)
 
-    def _p2p(self, kind: str, x: torch.Tensor, peer: int) -> None:
+    def _p2p(self, kind: str, x: torch.Tensor, peer: int, async_op: bool):
+        if self.broken is not None:
+            raise CollectiveError(f"{kind}: the group is unusable after an earlier failure: {self.broken}")
+        self._count(kind, x.numel(), 0)
         if peer in self.local and self.intra is not None:
             fn = self.intra.send if kind == "send" else self.intra.recv
-            fn(self.buffer(x, "tensor"), self.local.index(peer), False)
+            raw = fn(self.buffer(x, "tensor"), self.local.index(peer), True)
         elif x.numel():
             fn = self.full.send if kind == "send" else self.full.recv
-            fn([_bytes(x)], peer, 0).wait()
+            raw = fn([_bytes(x)], peer, 0)
             if kind == "send":
-                self._inter(x.numel() * x.element_size())
+                self._count("inter_host", 0, x.numel() * x.element_size())
+                self._count(kind, 0, x.numel() * x.element_size(), calls=0)
+        else:
+            return None
+        handle = _P2P(self, kind, raw)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     # ---- stats and teardown ----
 
     def stats(self, reset):
         if not self.closed:
-            self._submit(lambda: None).result()  # every call queued so far has counted its bytes
-        out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
+            self._submit(lambda: self._fold_intra("")).result()  # every call queued so far has counted its bytes
+        with self.stat_lock:
+            out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
         for k in ("intra_host", "inter_host"):
             out.setdefault(k, _Stat())
         if reset:
-            self.stat = {}
+            with self.stat_lock:
+                self.stat = {}
         return out
 
     def close(self):

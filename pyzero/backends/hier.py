@@ -22,11 +22,11 @@ Hosts may hold different numbers of ranks; lanes are then the local indices
 that every host has, and reduce_scatter/all_gather fall back to simpler
 (correct, less economical) paths.
 
-Operations run in order on one worker thread per group (an async call
-returns at once; the shm and gloo calls inside release the GIL). A gloo
-failure (a dead or stuck peer on another host) is raised as CollectiveTimeout
-naming the ranks that did not answer a store probe afterwards; the group is
-then unusable.
+Collectives run in order on one worker thread per group (an async call
+returns at once; the shm and gloo calls inside release the GIL); send/recv
+bypass it (see HierBackend.send). A failure (a dead or stuck peer) is raised
+as CollectiveTimeout naming the ranks that did not answer a store probe
+afterwards (see [Note: hier failure probe]); the group is then unusable.
 
 ``stats()`` counts, per collective, what this rank sent in total, and under
 the extra keys "intra_host" and "inter_host" the bytes it sent inside and

@@ -350,3 +350,20 @@ def test_pipeline_across_hosts_matches_single_process():
 
     m = 8
     pp_suite.check_train(run_ranks(simulated, 4, args=(pp_suite.rank_train, "ce", m), timeout=120), m, "ce")
+
+
+def test_tensor_parallel_across_hosts_matches_single_process():
+    """A TP transformer block over 4 ranks on 2 hosts, and the overlapped TP ops (send/recv ring) against
+    their unoverlapped forms."""
+    import test_tp as tp_suite  # noqa: PLC0415
+
+    tp_suite.check_against(run_ranks(simulated, 4, args=(tp_suite.rank_models, "block"), timeout=120),
+                           tp_suite.forward_backward(tp_suite.make_block(), *tp_suite.make_data()))
+    for res in run_ranks(simulated, 4, args=(tp_suite.rank_overlap_ops, False), timeout=120):
+        v = res.value
+        for op in ("ag", "rs"):
+            y, y_ref, dx, dx_ref, dw, dw_ref = v[op]
+            for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref), v[f"{op}_vs_unoverlapped"]):
+                torch.testing.assert_close(got, want, **tp_suite.TOL)
+        sent, all_gathers, expected = v["ag_sent"]
+        assert (sent, all_gathers) == (expected, 0)

@@ -67,6 +67,8 @@ _OP_NAMES = {code: name for name, code in OPS.items()}
 _GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
 _COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
+_STAT_KEYS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv",
+              "intra_host", "inter_host")
 _WIDE = (torch.float16, torch.bfloat16)  # reduced in fp32, rounded once
 _PROBE_S = 3.0  # at most this long a failed rank waits for its peers to report in (see [Note: hier failure probe])
 
@@ -502,7 +504,7 @@ class HierBackend(Backend):
             self._submit(lambda: self._fold_intra("")).result()  # every call queued so far has counted its bytes
         with self.stat_lock:
             out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
-        for k in ("intra_host", "inter_host"):
+        for k in _STAT_KEYS:  # every op, as the shm transport reports them, used or not
             out.setdefault(k, _Stat())
         if reset:
             with self.stat_lock:

@@ -27,6 +27,7 @@ from .comm import (
     recv,
     reduce_scatter,
     send,
+    topology,  # noqa: F811  (pz.topology() is the function; the module is pyzero.topology)
 )
 
 from . import checkpoint, optim, zero

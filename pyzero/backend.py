@@ -287,6 +287,7 @@ class GroupSetup:
     timeout: float  # seconds
     device: int | None  # this process's GPU (GPU backends), else None
     options: Options
+    global_ranks: tuple[int, ...] = ()  # the group's members as global ranks (for messages naming them)
 
 
 def store_barrier(store, key: str, n: int, timeout: float) -> None:

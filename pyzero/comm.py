@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import backends
+from . import backends, topology as _topology
 from .backend import (
     Backend,
     CollectiveError,
@@ -114,6 +114,7 @@ class _World:
     next_gid: int = 0
     device: int | None = None  # this rank's GPU (GPU backends)
     options: Options = field(default_factory=Options)
+    topology: _topology.Topology | None = None
 
 
 _world: _World | None = None
@@ -138,8 +139,10 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     """Join the job described by the torchrun environment variables.
 
     Without any of them set, starts a world of one process. ``backend`` is
-    "shm" (CPU processes of one host), "nccl" or "ipc" (CUDA); None picks
-    "nccl" when CUDA is available, else "shm". ``options`` (pz.Options or a
+    "shm" (CPU processes of one host), "hier" (CPU processes on several
+    hosts: shm inside each, torch's gloo between them), "nccl" or "ipc"
+    (CUDA); None picks "nccl" when CUDA is available, else "shm" on one host
+    and "hier" across hosts (see pyzero.topology). ``options`` (pz.Options or a
     dict of its fields) sets the transport of the world and, by default, of
     every subgroup.
     """
@@ -149,9 +152,8 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
     opts = Options.make(options)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "shm"
-    cls = backends.backend_class(backend)
+    if backend is not None:
+        backends.backend_class(backend)  # a bad name fails before any rendezvous
 
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not any(n in os.environ for n in names):
@@ -165,15 +167,17 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
         port = _env_int("MASTER_PORT")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
-    device = cls.setup_process(local_rank)
-
     from torch.distributed import TCPStore  # noqa: PLC0415
 
     store = TCPStore(addr, port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout))
+    topo = _topology.exchange(store, rank, size, timeout)
+    backend = _topology.pick_backend(backend, topo, torch.cuda.is_available())
+    device = backends.backend_class(backend).setup_process(local_rank)
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
-    _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts)
+    _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts,
+                    topology=topo)
     try:
         _world.world = _make_group(tuple(range(size)), opts)
     except BaseException:
@@ -188,8 +192,10 @@ def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
     if w.rank not in ranks:
         return Group(ranks, -1, gid, options=options)
     me = ranks.index(w.rank)
-    setup = GroupSetup(w.store, f"pz/g{gid}", f"/pz{w.token}_{gid}", me, len(ranks), w.timeout, w.device, options)
-    g = Group(ranks, me, gid, backends.backend_class(w.backend).create(setup), options)
+    setup = GroupSetup(w.store, f"pz/g{gid}", f"/pz{w.token}_{gid}", me, len(ranks), w.timeout, w.device, options,
+                       ranks)
+    name = _topology.group_backend(w.backend, w.topology, ranks)
+    g = Group(ranks, me, gid, backends.backend_class(name).create(setup), options)
     w.groups.append(g)
     return g
 
@@ -218,6 +224,11 @@ def get_local_rank() -> int:
 
 def get_backend() -> str:
     return _require_init().backend
+
+
+def topology() -> _topology.Topology:
+    """Which ranks share a host (hosts, this rank's host and local index); see pyzero.topology."""
+    return _require_init().topology
 
 
 def get_store():
@@ -425,11 +436,17 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:
-    """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one)."""
+    """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one). In a job
+    spanning hosts, "intra_host" and "inter_host" break the bytes down by where they went."""
     selected = [resolve_group(group)] if group is not None else groups()
+    topo = _require_init().topology
+    several_hosts = topo is not None and topo.num_hosts > 1
     out: dict = {}
     for g in selected:
-        for op, s in g.backend.stats(reset).items():
+        stats = g.backend.stats(reset)
+        if several_hosts and "inter_host" not in stats:  # a one-host group of a multi-host job (shm)
+            stats["intra_host"] = _topology.Totals.of(stats.values())
+        for op, s in stats.items():
             acc = out.setdefault(op, {"calls": 0, "elements": 0, "sent_bytes": 0})
             acc["calls"] += s.calls
             acc["elements"] += s.elements

@@ -13,13 +13,15 @@ from .. import _C
 _REGISTRY = {
     "shm": ("pyzero.backends.shm", "ShmBackend"),
     "nccl": ("pyzero.backends.nccl", "NcclBackend"),
+    "hier": ("pyzero.backends.hier", "HierBackend"),
 }
-NAMES = ("shm", "nccl", "ipc")  # every backend pyzero knows; build_info()["backends"] says which are built
+NAMES = ("shm", "nccl", "ipc", "hier")  # every backend pyzero knows; build_info()["backends"] says which are built
 
 
 def available() -> tuple[str, ...]:
-    """The backends this build of pyzero has."""
-    return tuple(_C.build_info()["backends"])
+    """The backends this build of pyzero has ("hier" is shm inside hosts and torch's gloo between them)."""
+    built = tuple(_C.build_info()["backends"])
+    return built + ("hier",) if "shm" in built else built
 
 
 def backend_class(name: str):

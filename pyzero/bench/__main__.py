@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline | ps | optim.
+"""pyzero-bench: collectives | train | tp | pipeline | ps | optim | hier.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
     "ps": "parameter-server training (sync, bounded, async) vs DataParallel, with and without a straggler",
     "optim": "CPU AdamW step throughput: pz.optim vs torch foreach/fused vs DeepSpeed CPUAdam",
+    "hier": "several hosts: hierarchical vs flat gloo all_reduce; ZeRO-3 plain vs hpZ / qwZ / qgZ cross-host bytes",
 }
 
 

@@ -55,7 +55,7 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
                     activation_bytes: float | None = None, *, model=None, micro_batch: int = 1,
                     seq: int | None = None, tp: int = 1, sequence_parallel: bool = False,
                     recompute: str = "none", offload: str | None = None, offload_params: bool = False,
-                    nvme_sub_group: int = 1 << 23) -> dict:
+                    nvme_sub_group: int = 1 << 23, hpz_partition_size: int = 1) -> dict:
     """Bytes per rank of parameters, gradients, optimizer state and activations.
 
     stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
@@ -65,6 +65,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     tokens, unless ``activation_bytes`` is given; without it they are 0.
     ``offload`` / ``offload_params`` (see the module docstring) add where the bytes live:
     ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements.
+    ``hpz_partition_size`` P > 1 (stage 3, ZeRO++ hpZ) adds the secondary parameter shards,
+    width x Ψ/P, under "hpz_secondary" (also counted in "params").
     """
     if model is not None:
         num_params, activation_bytes = _from_model(model, num_params, activation_bytes, micro_batch, seq, tp,
@@ -83,12 +85,19 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     _check_number("activation_bytes", activation_bytes, "a finite number >= 0", lambda v: v >= 0)
     if not isinstance(mixed_precision, bool):
         raise TypeError(f"mixed_precision: expected True or False, got {mixed_precision!r}")
+    if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) or hpz_partition_size < 1:
+        raise ValueError(f"hpz_partition_size: expected a positive int (1: no hpZ), got {hpz_partition_size!r}")
+    if hpz_partition_size > 1 and stage != 3:
+        raise ValueError(f"hpz_partition_size: hpZ is for stage 3, got stage={stage}")
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
     width = 2 if mixed_precision else 4
     params = width * psi / (n if stage >= 3 else 1)
     grads = width * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
     out = {"params": params, "grads": grads, "optimizer": optimizer}
+    if hpz_partition_size > 1:
+        out["hpz_secondary"] = width * psi / hpz_partition_size
+        out["params"] = params = params + out["hpz_secondary"]
     out["activations"] = float(activation_bytes)
     out["total"] = params + grads + optimizer + out["activations"]
     out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group))

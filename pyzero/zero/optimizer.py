@@ -76,6 +76,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
+        zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
+        if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
+            raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
         if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         if param_dtype not in _PARAM_DTYPES:

@@ -12,6 +12,9 @@ parameters, and whatever autograd saved of them, stay valid views.
             all its gradients accumulated  -> reduce-scatter them (async), free unit i
   end of backward: units with unused parameters reduce-scatter zeros, in order
 
+ZeRO++ (zeropp.py) changes how a unit is gathered (hpZ, qwZ: GatherPlan) and how its
+gradients are reduced (qgZ: QuantizedReduceScatter); the schedule above stays the same.
+
 Every rank issues the same gathers and reduce-scatters in the same order as
 long as the model runs the same code path everywhere; a rank that does not
 usually calls a collective of another size and gets pz.CollectiveError.
@@ -24,6 +27,7 @@ from .. import comm
 from ..bucketing import OrderedLaunch
 from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
+from .zeropp import GatherPlan, QuantizedReduceScatter, check_options
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -67,6 +71,8 @@ class _Unit:
         self.nbytes = self.full.untyped_storage().nbytes()
         self.grad_shard = torch.zeros(n, dtype=torch.float32)
         self.gather_work = None
+        self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
+        self.secondary_valid = False  # holds the current parameters (since the last primary gather)
         self.gathered = True  # full holds the initial values until the first free
         gathered.add(self.nbytes)
         self.pending = len(params)
@@ -84,11 +90,11 @@ class _Unit:
             self.gathered = False
             self.tracker.add(-self.nbytes)
 
-    def gather(self, group, wait=True):
+    def gather(self, plan: GatherPlan, wait=True, backward=False):
         if not self.gathered:
             self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
-            self.gather_work = comm.all_gather(self.full, self.shard, group=group, async_op=True)
+            self.gather_work = plan.start(self, backward)
             for v, p in zip(self.views, self.layout.params):
                 p.data = v
             self.gathered = True
@@ -99,9 +105,22 @@ class _Unit:
 
 @register_stage(3)
 class ZeroStage3(ZeroOptimizer):
-    """Parameters, gradients and optimizer state all sharded."""
+    """Parameters, gradients and optimizer state all sharded.
+
+    ZeRO++ options (named as DeepSpeed's; see zeropp.py): ``zero_hpz_partition_size`` (ranks
+    per host, 1 = off), ``zero_quantized_weights`` (int8 gathers), ``zero_quantized_gradients``
+    (True/8: int8, 4: int4 gradient reduce-scatter). Each works alone or with the others."""
+
+    def __init__(self, model, optimizer_class, stage=3, *args, zero_hpz_partition_size=1,
+                 zero_quantized_weights=False, zero_quantized_gradients=False, **kwargs):
+        self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
+        super().__init__(model, optimizer_class, stage, *args, **kwargs)
 
     def _setup(self):
+        hpz, qw, qg_bits = check_options(*self._zeropp, self.group)
+        self.zeropp = {"hpz_partition_size": hpz, "quantized_weights": qw, "quantized_gradient_bits": qg_bits}
+        self._plan = GatherPlan(self.group, hpz, qw)
+        self._qg = QuantizedReduceScatter(self.group, qg_bits) if qg_bits else None
         model_dtype = self.param_dtype or self.params[0].dtype
         owner = {}
         self.units: list[_Unit] = []
@@ -112,6 +131,7 @@ class ZeroStage3(ZeroOptimizer):
             if own:
                 u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
                           self._gathered)
+                u.secondary = self._plan.secondary(u.layout.padded, model_dtype)
                 for p in own:
                     owner[id(p)] = u
                 self.units.append(u)
@@ -137,18 +157,26 @@ class ZeroStage3(ZeroOptimizer):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
 
     def comm_plan(self):
-        """Forward gathers every unit, backward gathers it again and reduce-scatters its gradients."""
+        """Forward gathers every unit, backward gathers it again and reduce-scatters its gradients.
+        (The plain stage 3 collectives: with ZeRO++ options a step moves fewer bytes, see zeropp.py.)"""
         gather = [[CollectiveCall("all_gather", u.layout.padded, None)] for u in self.units]
         reduce = [[CollectiveCall("reduce_scatter", u.layout.padded, None)] for u in self.units]
         return gather + [phase for pair in zip(gather[::-1], reduce[::-1]) for phase in pair]
 
     def _held_params(self):
         shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
-        return _nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
+        return (_nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
+                + self._secondary_bytes())
+
+    def _secondary_bytes(self):
+        return _nbytes(u.secondary for u in self.units if u.secondary is not None)
 
     def memory_stats(self) -> dict:
+        """As ZeroOptimizer's; `params` includes hpZ's secondary shards, also reported alone as
+        `hpz_secondary`."""
         out = super().memory_stats()
         out["peak_gathered_params"] = self._gathered.peak  # during the last training step
+        out["hpz_secondary"] = self._secondary_bytes()
         return out
 
     # ---- forward --------------------------------------------------------------
@@ -159,12 +187,12 @@ class ZeroStage3(ZeroOptimizer):
                 self._order_open, self._order = True, []
                 self._gathered.peak = self._gathered.now  # memory_stats reports the last step's peak
             for i in needs:
-                self.units[i].gather(self.group)
+                self.units[i].gather(self._plan)
                 if self._order_open and (not self._order or self._order[-1] != i):
                     self._order.append(i)
             nxt = self._next_unit(needs[-1], +1)
             if nxt is not None:
-                self.units[nxt].gather(self.group, wait=False)  # prefetch
+                self.units[nxt].gather(self._plan, wait=False)  # prefetch
         return pre_forward
 
     def _make_post_forward(self, needs):
@@ -210,10 +238,10 @@ class ZeroStage3(ZeroOptimizer):
                     self.units[i].users += 1
             for i in needs:
                 if self.units[i].pending > 0:
-                    self.units[i].gather(self.group)
+                    self.units[i].gather(self._plan, backward=True)
             prev = self._next_unit(needs[0], -1)
             if prev is not None and self.units[prev].pending > 0:
-                self.units[prev].gather(self.group, wait=False)
+                self.units[prev].gather(self._plan, wait=False, backward=True)
         return pre_backward
 
     def _make_post_backward(self, needs, call):
@@ -246,6 +274,10 @@ class ZeroStage3(ZeroOptimizer):
             if p.grad is not None:
                 v.copy_(p.grad)
                 p.grad = None
+        if self._qg is not None:  # synchronous: two quantised all-to-alls (zeropp.py)
+            u.grad_shard.add_(self._qg(staging, u.layout.shard_size))
+            u.free()
+            return
         out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
         self._inflight.add(work, lambda: u.grad_shard.add_(out))
@@ -272,6 +304,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _publish_parameters(self):
         for u in self.units:
+            u.secondary_valid = False  # hpZ: the next forward's gathers refresh it
             if u.shard.data_ptr() != u.master.data_ptr():
                 u.shard.copy_(u.master)
 

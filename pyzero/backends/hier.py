@@ -1,0 +1,522 @@
+"""The "hier" backend: CPU processes on several hosts.
+
+Inside a host the ranks talk over pyzero's shm transport (one shm group per
+host); between hosts pyzero runs over torch.distributed's gloo engine (TCP),
+never a network stack of its own. Ranks with the same local index on every
+host form a "lane", one gloo group each; a gloo group over the whole group
+carries send/recv between hosts.
+
+    all_reduce      intra reduce-scatter (shm, one chunk per lane)
+                    -> inter all_reduce of the chunk (gloo, the lane)
+                    -> intra all-gather (shm)
+    reduce_scatter  intra reduce-scatter of the input regrouped by lane
+                    -> inter all-to-all of the lane's chunks (gloo) and a local reduction in host order
+    all_gather      inter all-gather in the lane (gloo) -> intra all-gather (shm) -> regroup
+    broadcast       intra broadcast on the root's host -> inter broadcast in one lane -> intra broadcast
+    barrier         intra barrier -> lane barrier -> intra barrier
+
+Every rank gets bitwise the same result: each chunk is reduced in one fixed
+order by one owner and copied to the others. fp16/bf16 are reduced in fp32
+(the shm phase as well as the gloo one) and rounded once, as on one host.
+Hosts may hold different numbers of ranks; lanes are then the local indices
+that every host has, and reduce_scatter/all_gather fall back to simpler
+(correct, less economical) paths.
+
+Collectives run in order on one worker thread per group (an async call
+returns at once; the shm and gloo calls inside release the GIL); send/recv
+bypass it (see HierBackend.send). A failure (a dead or stuck peer) is raised
+as CollectiveTimeout naming the ranks that did not answer a store probe
+afterwards (see [Note: hier failure probe]); the group is then unusable.
+
+``stats()`` counts, per collective, what this rank sent in total, and under
+the extra keys "intra_host" and "inter_host" the bytes it sent inside and
+across hosts (the gloo bytes are the standard algorithm's: ring all_reduce
+2(H-1)/H x size, and so on; a breakdown, not extra traffic).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import ctypes
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ..backend import (
+    OPS,
+    TORCH_DTYPES,
+    Backend,
+    Buffer,
+    CollectiveError,
+    CollectiveTimeout,
+    GroupSetup,
+    check_contiguous,
+    tensor_code,
+)
+from ..topology import host_name
+from .shm import ShmBackend
+
+_AUTO = 0  # algo "auto" of the shm transport
+_OP_NAMES = {code: name for name, code in OPS.items()}
+_GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+             "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
+_STAT_KEYS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv",
+              "intra_host", "inter_host")
+_WIDE = (torch.float16, torch.bfloat16)  # reduced in fp32, rounded once
+_PROBE_S = 3.0  # at most this long a failed rank waits for its peers to report in (see [Note: hier failure probe])
+
+
+@dataclass
+class _Stat:
+    calls: int = 0
+    elements: int = 0
+    sent_bytes: int = 0
+
+
+class _P2P:
+    """Raw handle of a send/recv: the transport's own, failures translated as for collectives."""
+
+    __slots__ = ("backend", "kind", "raw")
+
+    def __init__(self, backend, kind, raw):
+        self.backend, self.kind, self.raw = backend, kind, raw
+
+    def wait(self, *_):
+        try:
+            self.raw.wait()
+        except (CollectiveError, RuntimeError) as e:
+            self.backend.broken = f"{self.kind}: {e}"
+            raise self.backend._failed(self.kind, e) from e
+
+    synchronize = wait
+
+    def is_completed(self) -> bool:
+        return self.raw.is_completed()
+
+
+class _Pending:
+    """Raw handle of an async hier call (wrapped by pyzero.backend.Work)."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def wait(self, *_):
+        self.fut.result()
+
+    synchronize = wait
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+
+def tensor_of(b: Buffer) -> torch.Tensor:
+    """A CPU tensor over the buffer's memory (no copy)."""
+    dtype = TORCH_DTYPES[b.code]
+    if b.numel == 0:
+        return torch.empty(0, dtype=dtype)
+    raw = (ctypes.c_char * b.nbytes).from_address(b.ptr)
+    return torch.frombuffer(raw, dtype=dtype, count=b.numel)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view, for the copy-only gloo calls (gloo has no bf16 arithmetic, but copies bytes)."""
+    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _split(n: int, parts: int) -> list[int]:
+    q, r = divmod(n, parts)
+    return [q + (i < r) for i in range(parts)]
+
+
+def _gloo(store, prefix: str, rank: int, size: int, timeout: float):
+    """A gloo process group of its own (not torch.distributed's default group), rendezvous under `prefix`."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                         else dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+    except RuntimeError as e:
+        raise CollectiveError(f"the inter-host engine (torch.distributed gloo) could not start for rank {rank} "
+                              f"of {size} ({e}); check that hosts reach each other over TCP and "
+                              "GLOO_SOCKET_IFNAME names the right interface") from e
+
+
+class HierBackend(Backend):
+    name = "hier"
+
+    def __init__(self, setup: GroupSetup, hosts, names, global_ranks):
+        self.setup = setup
+        self.rank, self.size = setup.rank, setup.size
+        self.hosts = hosts  # group ranks per host, hosts ordered by their lowest rank
+        self.host_names = names
+        self.global_ranks = global_ranks
+        self.H = len(hosts)
+        self.h = next(i for i, hr in enumerate(hosts) if self.rank in hr)
+        self.local = hosts[self.h]
+        self.l = self.local.index(self.rank)
+        self.L = len(self.local)
+        self.lanes = min(len(hr) for hr in hosts)  # local indices present on every host
+        self.even = all(len(hr) == self.L for hr in hosts)
+        self.intra = self.lane = self.full = None
+        self.stat: dict[str, _Stat] = {}
+        self.stat_lock = threading.Lock()
+        self.broken: str | None = None
+        self.closed = False
+        self.current = ""  # the collective running on the worker thread (its bytes are counted under it)
+        # One daemon worker runs the calls in order (a ThreadPoolExecutor's worker would be joined at
+        # interpreter exit, holding it up for the timeout behind a call stuck on a dead peer).
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker = threading.Thread(target=self._serve, name="pz-hier", daemon=True)
+        self.worker.start()
+
+    @classmethod
+    def create(cls, setup: GroupSetup) -> "HierBackend":
+        s, key, t = setup.store, setup.key + "/hier", setup.timeout
+        me = setup.global_ranks[setup.rank] if setup.global_ranks else setup.rank
+        s.set(f"{key}/host/{setup.rank}", json.dumps([host_name(), me]))
+        keys = [f"{key}/host/{r}" for r in range(setup.size)]
+        s.wait(keys, datetime.timedelta(seconds=t))
+        reports = [json.loads(s.get(k).decode()) for k in keys]
+        by_name: dict[str, list[int]] = {}
+        for r, (name, _) in enumerate(reports):
+            by_name.setdefault(name, []).append(r)
+        ordered = sorted(by_name.items(), key=lambda kv: kv[1][0])
+        self = cls(setup, [tuple(r) for _, r in ordered], [n for n, _ in ordered], [g for _, g in reports])
+        try:
+            if self.L > 1:  # see the module docstring: shm inside the host
+                self.intra = ShmBackend.create(replace(setup, key=f"{setup.key}/h{self.h}",
+                                                       name=f"{setup.name}h{self.h}", rank=self.l, size=self.L))
+            if self.l < self.lanes and self.H > 1:
+                self.lane = _gloo(s, f"{key}/lane{self.l}/", self.h, self.H, t)
+            self.full = _gloo(s, f"{key}/all/", setup.rank, setup.size, t)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # ---- plumbing ----
+
+    def _submit(self, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((fn, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while (item := self.queue.get()) is not None:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+
+    def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
+        code = tensor_code(x, arg)
+        check_contiguous(x, arg)
+        if not x.is_cpu:
+            raise ValueError(f"{arg}: the hier backend takes CPU tensors, got a tensor on {x.device}")
+        return Buffer(x.data_ptr(), x.numel(), x.element_size(), code)
+
+    def _run(self, what: str, elements: int, fn, async_op: bool):
+        if self.broken is not None:
+            raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
+        self._count(what, elements, 0)
+        fut = self._submit(lambda: self._guarded(what, fn))
+        if async_op:
+            return _Pending(fut)
+        fut.result()
+        return None
+
+    def _guarded(self, what: str, fn) -> None:
+        self.current = what
+        if self.broken is not None:  # a send/recv failed after this call was queued
+            raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
+        try:
+            fn()
+        except (CollectiveError, RuntimeError) as e:  # shm errors are CollectiveErrors; gloo's RuntimeErrors
+            self.broken = f"{what}: {e}"
+            raise self._failed(what, e) from e
+        finally:
+            self._fold_intra(what)
+
+    def _fold_intra(self, what: str) -> None:
+        """Count the shm group's bytes since the last fold: its send/recv under their own names, the
+        rest under the collective `what` that used them (worker thread)."""
+        if self.intra is None or self.closed:
+            return
+        for op, st in self.intra.stats(True).items():
+            if st.calls:
+                self._count("intra_host", st.elements, st.sent_bytes, calls=st.calls)
+                self._count(op if op in ("send", "recv") or not what else what, 0, st.sent_bytes, calls=0)
+
+    def _failed(self, what: str, err: Exception) -> Exception:
+        """The error to raise after a failure, naming the ranks that did not report a failure of their own
+        (through the store) within a short probe: dead, or stuck elsewhere.
+
+        [Note: hier failure probe] A failing rank first marks itself in the store, then shuts its gloo
+        groups down (see _shutdown_gloo) so that peers blocked on it fail at once instead of after the timeout, then waits
+        for the others' marks. The live ranks all fail soon after and mark themselves; the dead never do."""
+        s, key = self.setup.store, f"{self.setup.key}/hier/failed"
+        try:
+            s.set(f"{key}/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store itself is gone with the rank that hosts it
+            return CollectiveTimeout(f"{what}: failed and the job's store is unreachable (global rank 0, "
+                                     f"which hosts it, may be dead): {err}")
+        self._shutdown_gloo()
+        missing = [r for r in range(self.size) if r != self.rank]
+        deadline = time.monotonic() + min(self.setup.timeout + 1.0, _PROBE_S)
+        try:
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not s.check([f"{key}/{r}"])]
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001
+            missing = [0] if self.rank != 0 else missing
+        who = ", ".join(f"rank {self.global_ranks[r]} (host {self.host_names[self._host_of(r)]!r})"
+                        for r in missing)
+        local = ", ".join(f"local rank {i} = rank {self.global_ranks[r]}" for i, r in enumerate(self.local))
+        where = f"{what} on host {self.host_names[self.h]!r} ({local})"
+        if isinstance(err, CollectiveError):  # from the shm group of this host
+            tail = f"; did not respond: {who}" if missing else ""
+            return type(err)(f"{where}: {err}{tail}")
+        if not missing:
+            return CollectiveError(f"{where}: an inter-host transfer failed on every rank: {err}")
+        return CollectiveTimeout(f"{where}: an inter-host transfer failed; {who} did not respond "
+                                 f"(dead or stuck): {err}")
+
+    def _shutdown_gloo(self) -> None:
+        # Dropping the last reference closes the sockets at once (abort() and shutdown() leave them
+        # open until the process exits, and the peers would wait for the timeout).
+        self.lane = self.full = None
+
+    def _host_of(self, r: int) -> int:
+        return next(i for i, hr in enumerate(self.hosts) if r in hr)
+
+    def _count(self, key: str, elements: int, sent: int, calls: int = 1) -> None:
+        with self.stat_lock:  # the caller's thread (calls, send/recv) and the worker (bytes) both count
+            st = self.stat.setdefault(key, _Stat())
+            st.calls += calls
+            st.elements += elements
+            st.sent_bytes += sent
+
+    def _inter(self, nbytes: int) -> None:
+        self._count("inter_host", 0, int(nbytes))
+        self._count(self.current, 0, int(nbytes), calls=0)
+
+    # ---- the two transports ----
+
+    def _intra_rs(self, out: torch.Tensor, inp: torch.Tensor, counts, op: int) -> None:
+        if self.intra is None:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp[:out.numel()])
+            return
+        self.intra.reduce_scatter(self.buffer(out, "out"), self.buffer(inp, "inp"), counts, op, _AUTO, False)
+
+    def _intra_ag(self, out: torch.Tensor, inp: torch.Tensor, counts) -> None:
+        if self.intra is None:
+            if out.data_ptr() != inp.data_ptr():
+                out[:inp.numel()].copy_(inp)
+            return
+        self.intra.all_gather(self.buffer(out, "out"), self.buffer(inp, "inp"), counts, _AUTO, False)
+
+    def _intra_bcast(self, t: torch.Tensor, root: int) -> None:
+        if self.intra is not None:
+            self.intra.broadcast(self.buffer(t, "tensor"), root, _AUTO, False)
+
+    def _lane_all_reduce(self, t: torch.Tensor, op: str) -> None:
+        if self.lane is not None and t.numel():
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _GLOO_OPS[op]
+            self.lane.allreduce([t], opts).wait()
+            self._inter(2 * (self.H - 1) * t.numel() * t.element_size() // self.H)
+
+    # ---- collectives ----
+
+    def all_reduce(self, b, op, algo, async_op):
+        x = tensor_of(b)
+        return self._run("all_reduce", x.numel(), lambda: self._all_reduce(x, _OP_NAMES[op]), async_op)
+
+    def _all_reduce(self, x: torch.Tensor, op: str) -> None:
+        w = x.float() if x.dtype in _WIDE else x
+        parts = _split(w.numel(), self.lanes)
+        counts = [parts[i] if i < self.lanes else 0 for i in range(self.L)]
+        off = sum(counts[:self.l])
+        chunk = w[off:off + counts[self.l]]
+        inner = OPS["sum"] if op == "avg" else OPS[op]
+        self._intra_rs(chunk, w, counts, inner)
+        self._lane_all_reduce(chunk, op)
+        if op == "avg":
+            chunk.div_(self.size)
+        if w is not x:
+            x[off:off + counts[self.l]].copy_(chunk)
+        self._intra_ag(x, x[off:off + counts[self.l]], counts)
+
+    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
+        o, i = tensor_of(out), tensor_of(inp)
+        counts = list(counts)
+        return self._run("reduce_scatter", i.numel(), lambda: self._reduce_scatter(o, i, counts, _OP_NAMES[op]), async_op)
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int], op: str) -> None:
+        wide = torch.float32 if inp.dtype in _WIDE else inp.dtype
+        starts = [sum(counts[:r]) for r in range(self.size)]
+        if not self.even or self.H == 1:  # uneven hosts: reduce everything, keep this rank's chunk
+            w = inp.to(wide, copy=True)
+            self._all_reduce(w, op)
+            out.copy_(w[starts[self.rank]:starts[self.rank] + counts[self.rank]])
+            return
+        # Regroup by lane: lane l's segment holds the chunks of ranks (0, l), (1, l), ... (H-1, l).
+        order = [self.hosts[h][l] for l in range(self.L) for h in range(self.H)]
+        w = torch.cat([inp[starts[r]:starts[r] + counts[r]] for r in order]).to(wide)
+        seg = [sum(counts[self.hosts[h][l]] for h in range(self.H)) for l in range(self.L)]
+        off = sum(seg[:self.l])
+        mine = w[off:off + seg[self.l]]
+        inner = OPS["sum"] if op == "avg" else OPS[op]
+        self._intra_rs(mine, w, seg, inner)
+        # Inter: all-to-all within the lane, then reduce in host order (fixed, so deterministic).
+        splits = [counts[self.hosts[h][self.l]] for h in range(self.H)]
+        recv = torch.empty(self.H * counts[self.rank], dtype=wide)
+        if self.H > 1 and (mine.numel() or recv.numel()):
+            self.lane.alltoall_base(recv, mine.contiguous(), [counts[self.rank]] * self.H, splits,
+                                    dist.AllToAllOptions()).wait()
+            self._inter((mine.numel() - splits[self.h]) * mine.element_size())
+        parts = recv.view(self.H, counts[self.rank]) if self.H > 1 else mine.view(1, -1)
+        acc = parts[0].clone()
+        for p in parts[1:]:
+            acc = _COMBINE[op](acc, p)
+        if op == "avg":
+            acc.div_(self.size)
+        out.copy_(acc)
+
+    def all_gather(self, out, inp, counts, algo, async_op):
+        o, i = tensor_of(out), tensor_of(inp)
+        counts = list(counts)
+        return self._run("all_gather", o.numel(), lambda: self._all_gather(o, i, counts), async_op)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int]) -> None:
+        starts = [sum(counts[:r]) for r in range(self.size)]
+        if not self.even or self.H == 1:  # uneven hosts: one padded gloo all-gather over the whole group
+            m = max(counts)
+            pad = torch.zeros(m, dtype=inp.dtype)
+            pad[:inp.numel()].copy_(inp)
+            bufs = [torch.empty(m, dtype=inp.dtype) for _ in range(self.size)]
+            if m:
+                self.full.allgather([[_bytes(b) for b in bufs]], [_bytes(pad)]).wait()
+                self._inter(sum(m * inp.element_size() for r in range(self.size)
+                                if self._host_of(r) != self.h))
+            for r in range(self.size):
+                out[starts[r]:starts[r] + counts[r]].copy_(bufs[r][:counts[r]])
+            return
+        lane_counts = [counts[self.hosts[h][self.l]] for h in range(self.H)]
+        m = max(lane_counts)
+        seg = [sum(counts[self.hosts[h][l]] for h in range(self.H)) for l in range(self.L)]
+        w = torch.empty(sum(seg), dtype=inp.dtype)
+        off = sum(seg[:self.l])
+        mine = w[off:off + seg[self.l]]
+        if m:
+            pad = torch.zeros(m, dtype=inp.dtype)
+            pad[:inp.numel()].copy_(inp)
+            bufs = [torch.empty(m, dtype=inp.dtype) for _ in range(self.H)]
+            self.lane.allgather([[_bytes(b) for b in bufs]], [_bytes(pad)]).wait()
+            self._inter((self.H - 1) * m * inp.element_size())
+            mine.copy_(torch.cat([bufs[h][:lane_counts[h]] for h in range(self.H)]))
+        self._intra_ag(w, mine, seg)
+        pos = 0
+        for l in range(self.L):
+            for h in range(self.H):
+                r = self.hosts[h][l]
+                out[starts[r]:starts[r] + counts[r]].copy_(w[pos:pos + counts[r]])
+                pos += counts[r]
+
+    def broadcast(self, b, root, algo, async_op):
+        x = tensor_of(b)
+        return self._run("broadcast", x.numel(), lambda: self._broadcast(x, root), async_op)
+
+    def _broadcast(self, x: torch.Tensor, root: int) -> None:
+        hr = self._host_of(root)
+        lr = self.hosts[hr].index(root)
+        lane = lr if lr < self.lanes else 0
+        if self.h == hr:
+            self._intra_bcast(x, lr)
+        if self.H > 1 and self.l == lane and x.numel():
+            opts = dist.BroadcastOptions()
+            opts.rootRank = hr
+            self.lane.broadcast([_bytes(x)], opts).wait()
+            if self.h == hr:
+                self._inter(x.numel() * x.element_size())
+        if self.h != hr:
+            self._intra_bcast(x, lane)
+
+    def barrier(self, async_op):
+        return self._run("barrier", 0, self._barrier, async_op)
+
+    def _barrier(self) -> None:
+        if self.intra is not None:
+            self.intra.barrier(False)
+        if self.lane is not None:
+            self.lane.barrier().wait()
+        if self.intra is not None:
+            self.intra.barrier(False)
+
+    # send/recv do not queue behind the collectives (a pipeline posts a recv from one peer before a
+    # send to another): inside the host they go to the shm transport's per-peer threads, across hosts
+    # to gloo's own asynchronous send/recv, each matched in order per pair, as on one host.
+
+    def send(self, b, peer, async_op):
+        return self._p2p("send", tensor_of(b), peer, async_op)
+
+    def recv(self, b, peer, async_op):
+        return self._p2p("recv", tensor_of(b), peer, async_op)
+
+    def _p2p(self, kind: str, x: torch.Tensor, peer: int, async_op: bool):
+        if self.broken is not None:
+            raise CollectiveError(f"{kind}: the group is unusable after an earlier failure: {self.broken}")
+        self._count(kind, x.numel(), 0)
+        if peer in self.local and self.intra is not None:
+            fn = self.intra.send if kind == "send" else self.intra.recv
+            raw = fn(self.buffer(x, "tensor"), self.local.index(peer), True)
+        elif x.numel():
+            fn = self.full.send if kind == "send" else self.full.recv
+            raw = fn([_bytes(x)], peer, 0)
+            if kind == "send":
+                self._count("inter_host", 0, x.numel() * x.element_size())
+                self._count(kind, 0, x.numel() * x.element_size(), calls=0)
+        else:
+            return None
+        handle = _P2P(self, kind, raw)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # ---- stats and teardown ----
+
+    def stats(self, reset):
+        if not self.closed:
+            self._submit(lambda: self._fold_intra("")).result()  # every call queued so far has counted its bytes
+        with self.stat_lock:
+            out = {k: _Stat(v.calls, v.elements, v.sent_bytes) for k, v in self.stat.items()}
+        for k in _STAT_KEYS:  # every op, as the shm transport reports them, used or not
+            out.setdefault(k, _Stat())
+        if reset:
+            with self.stat_lock:
+                self.stat = {}
+        return out
+
+    def close(self):
+        self.closed = True
+        if self.worker.is_alive():
+            self.queue.put(None)
+            if self.broken is None:
+                self.worker.join()
+        if self.intra is not None:
+            self.intra.close()
+        self._shutdown_gloo()

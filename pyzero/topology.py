@@ -1,0 +1,158 @@
+"""Which ranks share a host: exchanged through the job's store at ``pz.init()``.
+
+Each rank names its host (``PYZERO_HOST`` when set, else the hostname and
+torchrun's node rank) and
+the number of ranks its launcher started there (``LOCAL_WORLD_SIZE``, which
+torchrun sets per host); every rank reads every other's and builds the same
+:class:`Topology`. Hosts are numbered by their lowest rank; a rank's local
+index is its position among its host's ranks, in rank order.
+
+``PYZERO_HOST`` lets tests simulate several hosts on one machine (set it in
+each rank, e.g. ``f"host{rank // 2}"`` for two ranks per host) and lets a
+cluster name hosts when hostnames are not unique. Ranks that report the same
+host but disagree with the count of ranks found there fail at init, on every
+rank, with the host and the ranks named.
+
+This module imports nothing of pyzero.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+def host_name() -> str:
+    """This process's host identity: ``PYZERO_HOST``, else the hostname, followed by torchrun's node
+    rank (``GROUP_RANK``) when set, so that two torchrun agents on one machine are two hosts."""
+    name = os.environ.get("PYZERO_HOST", "").strip()
+    if name:
+        return name
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"#{node}" if node is not None else "")
+
+
+def _claimed_local_size() -> int | None:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected an integer") from None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who is where. ``hosts[h]`` is the tuple of global ranks on host h (rank order)."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]  # host h's name
+    rank: int  # this process's global rank
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(h) for h in self.hosts)
+
+    def host_of(self, rank: int) -> int:
+        for h, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return h
+        raise ValueError(f"rank={rank}: expected a rank in [0, {self.world_size})")
+
+    def local_index(self, rank: int) -> int:
+        return self.hosts[self.host_of(rank)].index(rank)
+
+    @property
+    def host(self) -> int:
+        """This rank's host index."""
+        return self.host_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among its host's ranks."""
+        return self.local_index(self.rank)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The global ranks on this rank's host."""
+        return self.hosts[self.host]
+
+    def spans_hosts(self, ranks) -> bool:
+        return len({self.host_of(r) for r in ranks}) > 1
+
+    def as_dict(self) -> dict:
+        return {"hosts": [list(h) for h in self.hosts], "names": list(self.names), "rank": self.rank,
+                "host": self.host, "local_rank": self.local_rank}
+
+
+def group_hosts(reports: list[tuple[str, int | None]], rank: int) -> Topology:
+    """The topology from every rank's (host name, claimed ranks on its host); ValueError where a host's
+    ranks disagree with what is found there."""
+    by_name: dict[str, list[int]] = {}
+    for r, (name, _) in enumerate(reports):
+        by_name.setdefault(name, []).append(r)
+    problems = []
+    for name, ranks in by_name.items():
+        claims = {reports[r][1] for r in ranks} - {None}
+        if claims and claims != {len(ranks)}:
+            detail = ", ".join(f"rank {r}: LOCAL_WORLD_SIZE={reports[r][1]}" for r in ranks)
+            problems.append(f"host {name!r} has ranks {ranks} ({len(ranks)} ranks) but its ranks claim {detail}")
+    if problems:
+        raise ValueError("pz.init(): inconsistent topology: " + "; ".join(problems)
+                         + " (set PYZERO_HOST to the same name on every rank of a host, or fix LOCAL_WORLD_SIZE)")
+    ordered = sorted(by_name.items(), key=lambda kv: kv[1][0])
+    return Topology(tuple(tuple(r) for _, r in ordered), tuple(n for n, _ in ordered), rank)
+
+
+def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology") -> Topology:
+    """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
+    store.set(f"{key}/{rank}", json.dumps([host_name(), _claimed_local_size()]))
+    keys = [f"{key}/{r}" for r in range(size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    reports = [tuple(json.loads(store.get(k).decode())) for k in keys]
+    # Everyone has read before anyone may fail: rank 0 hosts the store and must outlive the reads.
+    if store.add(f"{key}/read", 1) == size:
+        store.set(f"{key}/read/done", "1")
+    store.wait([f"{key}/read/done"], datetime.timedelta(seconds=timeout))
+    return group_hosts(reports, rank)
+
+
+class Totals(NamedTuple):
+    """Summed per-op counters (the "intra_host" entry of comm_stats for one-host groups)."""
+
+    calls: int
+    elements: int
+    sent_bytes: int
+
+    @classmethod
+    def of(cls, stats) -> "Totals":
+        stats = list(stats)
+        return cls(sum(s.calls for s in stats), sum(s.elements for s in stats), sum(s.sent_bytes for s in stats))
+
+
+_ONE_HOST = ("shm", "ipc")  # backends whose transport stops at the host boundary
+
+
+def pick_backend(requested: str | None, topo: Topology, cuda: bool) -> str:
+    """The world's backend: `requested`, or by default nccl with CUDA, else shm on one host and hier across
+    hosts. A one-host backend asked for on several hosts is an error (on every rank)."""
+    if requested is None:
+        return "nccl" if cuda else ("hier" if topo.num_hosts > 1 else "shm")
+    if requested in _ONE_HOST and topo.num_hosts > 1:
+        where = "; ".join(f"{n!r}: ranks {list(r)}" for n, r in zip(topo.names, topo.hosts))
+        raise ValueError(f"backend={requested!r} needs every rank on one host, but the job spans "
+                         f"{topo.num_hosts} hosts ({where}); use backend=None or 'hier'")
+    return requested
+
+
+def group_backend(world_backend: str, topo: Topology, ranks) -> str:
+    """The backend of a group: a hier world's groups inside one host take the flat shm path."""
+    if world_backend == "hier" and not topo.spans_hosts(ranks):
+        return "shm"
+    return world_backend

@@ -225,6 +225,7 @@ inline std::vector<std::vector<int64_t>> p2p_ring_plan(Coll c, const std::vector
   const void* in = PlanExec::at(1);
   PZ_DISPATCH_DTYPE(dt, T, {
     if (c == Coll::all_gather && in_is_chunk) in = static_cast<T*>(out) + L.offsets[r];
+    if (c == Coll::all_reduce) in = out;  // in place, as the nccl backend runs it
     p2p_ring_collective<T>(x, c, out, in, L, root, r, n, PlanExec::at(2), PlanExec::at(3), stage_bytes);
   });
   return std::move(x.ops);

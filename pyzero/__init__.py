@@ -27,6 +27,7 @@ from .comm import (
 
 from . import checkpoint, zero
 from .zero import ZeroOptimizer
+from .flight import dump as debug_dump
 
 build_info = _C.build_info
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from . import backends
+from . import backends, flight
 from .backend import (
     Backend,
     CollectiveError,
@@ -38,6 +38,8 @@ from .backend import (
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "Group", "Options", "Work"]
 
+Work.explain = staticmethod(flight.work_failed)  # async errors explained like synchronous ones
+
 
 @dataclass(eq=False)
 class Group:
@@ -53,6 +55,7 @@ class Group:
     _pending: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
     symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
+    flight: flight.Ring | None = field(default=None, repr=False)  # this group's last calls (pyzero.flight)
 
     @property
     def size(self) -> int:
@@ -84,10 +87,15 @@ class Group:
         except ValueError:
             raise ValueError(f"{arg}={global_rank}: expected a global rank of the group {list(self.ranks)}") from None
 
-    def track(self, raw, keep, b=None) -> Work | None:
-        """Wrap an async handle (None for a synchronous call) and keep it until complete."""
+    def track(self, raw, keep, b=None, rec: int = 0) -> Work | None:
+        """Wrap an async handle (None for a synchronous call) and keep it until complete;
+        `rec` is the call's flight record."""
         if raw is None:
+            if rec:
+                self.flight.done(rec)
             return None
+        if rec:
+            self.flight.queued(rec, raw)
         work = self._backend.work(raw, keep, b)
         self._pending = [w for w in self._pending if not w.done()]
         self._pending.append(work)
@@ -173,6 +181,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
+    flight.start(store, rank, size, token)
     _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts)
     try:
         _world.world = _make_group(tuple(range(size)), opts)
@@ -190,6 +199,7 @@ def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
     me = ranks.index(w.rank)
     setup = GroupSetup(w.store, f"pz/g{gid}", f"/pz{w.token}_{gid}", me, len(ranks), w.timeout, w.device, options)
     g = Group(ranks, me, gid, backends.backend_class(w.backend).create(setup), options)
+    g.flight = g._backend.flight = flight.ring(gid, ranks, me)
     w.groups.append(g)
     return g
 
@@ -236,6 +246,7 @@ def destroy() -> None:
     if _world is None:
         return
     w, _world = _world, None
+    flight.stop()
     for g in w.groups:
         g.close()
 
@@ -277,8 +288,13 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
     g = resolve_group(group)
     be = g.backend
     b = be.buffer(t, "tensor")
-    raw = be.all_reduce(b, check_op(op, b), check_algo(algo), bool(async_op))
-    return g.track(raw, (t,), b)
+    opc, al = check_op(op, b), check_algo(algo)
+    i = g.flight.begin("all_reduce", b.numel, b.code, opc, al)
+    try:
+        raw = be.all_reduce(b, opc, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op: bool = False, algo=None):
@@ -290,8 +306,13 @@ def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op:
     opc = check_op(op, bo)
     counts = resolve_counts(counts, g.size, g.rank, bi, bo, "inp", "out")
     check_alias(bi, bo, sum(counts[:g.rank]), "inp", "out")
-    raw = be.reduce_scatter(bo, bi, counts, opc, check_algo(algo), bool(async_op))
-    return g.track(raw, (out, inp), bo)
+    al = check_algo(algo)
+    i = g.flight.begin("reduce_scatter", bi.numel, bi.code, opc, al)
+    try:
+        raw = be.reduce_scatter(bo, bi, counts, opc, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (out, inp), bo, i)
 
 
 def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=None):
@@ -302,8 +323,13 @@ def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=N
     check_same_dtype(bi, bo, "inp", "out")
     counts = resolve_counts(counts, g.size, g.rank, bo, bi, "out", "inp")
     check_alias(bo, bi, sum(counts[:g.rank]), "out", "inp")
-    raw = be.all_gather(bo, bi, counts, check_algo(algo), bool(async_op))
-    return g.track(raw, (out, inp), bo)
+    al = check_algo(algo)
+    i = g.flight.begin("all_gather", bo.numel, bo.code, -1, al)
+    try:
+        raw = be.all_gather(bo, bi, counts, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (out, inp), bo, i)
 
 
 def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
@@ -312,14 +338,25 @@ def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     root = g.group_rank(src, "src")
     be = g.backend
     b = be.buffer(t, "tensor")
-    raw = be.broadcast(b, root, check_algo(algo), bool(async_op))
-    return g.track(raw, (t,), b)
+    al = check_algo(algo)
+    i = g.flight.begin("broadcast", b.numel, b.code, -1, al, root)
+    try:
+        raw = be.broadcast(b, root, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
     g = resolve_group(group)
-    return g.track(g.backend.barrier(bool(async_op)), ())
+    be = g.backend
+    i = g.flight.begin("barrier", 0, 0)
+    try:
+        raw = be.barrier(bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (), None, i)
 
 
 def _peer(g: Group, global_rank: int, arg: str) -> int:
@@ -336,7 +373,12 @@ def send(t, dst: int, group=None, async_op: bool = False):
     peer = _peer(g, dst, "dst")
     be = g.backend
     b = be.buffer(t, "tensor", writable=False)
-    return g.track(be.send(b, peer, bool(async_op)), (t,), b)
+    i = g.flight.begin_p2p("send", b.numel, b.code, dst)
+    try:
+        raw = be.send(b, peer, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def recv(t, src: int, group=None, async_op: bool = False):
@@ -345,7 +387,12 @@ def recv(t, src: int, group=None, async_op: bool = False):
     peer = _peer(g, src, "src")
     be = g.backend
     b = be.buffer(t, "tensor")
-    return g.track(be.recv(b, peer, bool(async_op)), (t,), b)
+    i = g.flight.begin_p2p("recv", b.numel, b.code, src)
+    try:
+        raw = be.recv(b, peer, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def comm_stats(reset: bool = False, group=None) -> dict:

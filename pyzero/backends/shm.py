@@ -81,7 +81,14 @@ class ShmBackend(Backend):
 
     def sym_arrive(self, kind: str, like: torch.Tensor, dims: tuple[int, ...], count: int) -> None:
         """Enter a fused call like a collective: ranks that disagree on kind, dtype or dims fail together."""
-        self.comm.sym_arrive(_C.SYM_KINDS[kind], count, self.buffer(like, "x").code, list(dims))
+        code, fr = self.buffer(like, "x").code, self.flight
+        i = fr.begin("fused_" + kind, count, code) if fr is not None else 0
+        try:
+            self.comm.sym_arrive(_C.SYM_KINDS[kind], count, code, list(dims))
+        except Exception as e:
+            raise (e if fr is None else fr.failed(i, e)) from None
+        if fr is not None:
+            fr.done(i)
 
     def sym_grow(self, nbytes: int, barrier) -> list[torch.Tensor]:
         """Replace the symmetric buffers by ones of `nbytes` per rank (collective; `barrier()` syncs the

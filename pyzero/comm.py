@@ -92,7 +92,7 @@ class Group:
         `rec` is the call's flight record."""
         if raw is None:
             if rec:
-                self.flight.done(rec)
+                self.flight.last_done = rec  # (pyzero.flight.Ring: a synchronous call returned)
             return None
         if rec:
             self.flight.queued(rec, raw)

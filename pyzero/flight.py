@@ -30,6 +30,7 @@ import atexit
 import datetime
 import json
 import os
+import re
 import threading
 import time
 
@@ -69,11 +70,17 @@ def _trace_dir() -> str | None:
 
 
 class Ring:
-    """One group's last calls in this process (preallocated; one tuple per call)."""
+    """One group's last calls in this process (preallocated; one tuple per call).
 
-    __slots__ = ("gid", "ranks", "rank", "seq", "n", "mask", "calls", "states", "works", "ends")
+    The hot path (pyzero.comm): ``i = ring.begin(...)``, then ``ring.last_done = i`` when a synchronous
+    call returns, ``ring.queued(i, raw)`` for async work, ``ring.failed(i, e)`` when the call raised.
+    A record's state is derived when read: failed; queued until its async work is complete; done once
+    ``last_done`` reached it; else started (the caller is in it).
+    """
 
-    def __init__(self, gid: int, ranks: tuple[int, ...], rank: int, size: int, timed: bool = False):
+    __slots__ = ("gid", "ranks", "rank", "seq", "n", "mask", "calls", "works", "failures", "last_done")
+
+    def __init__(self, gid: int, ranks: tuple[int, ...], rank: int, size: int):
         cap = 1
         while cap < max(size, 1):
             cap <<= 1
@@ -82,84 +89,117 @@ class Ring:
         self.n = 0  # records written
         self.mask = cap - 1
         self.calls: list = [None] * cap
-        self.states = [DONE] * cap
-        self.works: list = [None] * cap
-        self.ends = [0] * cap if timed else None
-
-    # The hot path (pyzero.comm): begin(...) -> index; then started(i) / queued(i, raw) / failed(i, e).
+        self.works: dict = {}  # record index -> raw async handle
+        self.failures: set = set()  # record indices that raised
+        self.last_done = 0  # the newest synchronous call that returned
 
     def begin(self, call: str, count: int, code: int, op: int = -1, algo: int = _AUTO, root: int = -1) -> int:
-        """Record the start of a collective; returns its index for done()/queued()/failed()."""
+        """Record the start of a collective; returns its record index."""
         s = self.seq = self.seq + 1
         i = self.n = self.n + 1
-        j = i & self.mask
-        self.calls[j] = (s, call, count, code, op, algo, root, _now())
-        self.states[j] = STARTED
+        self.calls[i & self.mask] = (s, call, count, code, op, algo, root, _now())
         return i
 
     def begin_p2p(self, call: str, count: int, code: int, peer: int) -> int:
         i = self.n = self.n + 1
-        j = i & self.mask
-        self.calls[j] = (0, call, count, code, -1, _AUTO, peer, _now())
-        self.states[j] = STARTED
+        self.calls[i & self.mask] = (0, call, count, code, -1, _AUTO, peer, _now())
         return i
 
     def done(self, i: int) -> None:
-        j = i & self.mask
-        self.states[j] = DONE
-        if self.ends is not None:
-            self.ends[j] = _now()
+        self.last_done = i
 
     def queued(self, i: int, raw) -> None:
-        j = i & self.mask
-        self.states[j] = QUEUED
-        self.works[j] = raw
+        works = self.works
+        works[i] = raw
+        if len(works) > self.mask + 1:  # forget handles whose records were overwritten
+            for k in [k for k in works if k <= self.n - self.mask - 1]:
+                del works[k]
 
     def failed(self, i: int, error: BaseException) -> BaseException:
         """Mark call `i` failed; a collective error comes back explained by every rank's records."""
-        j = i & self.mask
-        self.states[j] = FAILED
-        if self.ends is not None:
-            self.ends[j] = _now()
-        self.works[j] = None
+        self.failures.add(i)
+        self.works.pop(i, None)
         if isinstance(error, _C.CollectiveError):
-            return explain(self, error, self.calls[j])
+            return explain(self, error, self.calls[i & self.mask])
         return error
 
     # ---- reading ----
 
-    def _refresh(self) -> None:
-        """Async work found complete since: done (its end time is when this was noticed)."""
-        for j, w in enumerate(self.works):
-            if w is not None and self.states[j] == QUEUED:
-                try:
-                    finished = w.is_completed()
-                except Exception:  # noqa: BLE001 - a destroyed transport: leave it queued
-                    finished = False
-                if finished:
-                    self.states[j] = DONE
-                    self.works[j] = None
-                    if self.ends is not None:
-                        self.ends[j] = _now()
+    def state(self, i: int) -> int:
+        if i in self.failures:
+            return FAILED
+        w = self.works.get(i)
+        if w is not None:
+            try:
+                return DONE if w.is_completed() else QUEUED
+            except Exception:  # noqa: BLE001 - a destroyed transport
+                return QUEUED
+        return DONE if i <= self.last_done else STARTED
 
     def records(self) -> list[dict]:
         """The recorded calls, oldest first."""
-        self._refresh()
-        cap = self.mask + 1
         out = []
-        for i in range(max(1, self.n - cap + 1), self.n + 1):
-            j = i & self.mask
-            rec = self.calls[j]
-            if rec is None:
-                continue
-            out.append(_as_dict(rec, self.states[j], None if self.ends is None else self.ends[j]))
+        for i in range(max(1, self.n - self.mask), self.n + 1):
+            rec = self.calls[i & self.mask]
+            if rec is not None:
+                out.append(_as_dict(rec, self.state(i), self.end_ns(i)))
         return out
 
-    def find_work(self, raw) -> tuple | None:
-        for j, w in enumerate(self.works):
+    def end_ns(self, i: int) -> int:
+        return 0
+
+    def find_work(self, raw) -> int | None:
+        for i, w in self.works.items():
             if w is raw:
-                return j
+                return i
         return None
+
+
+class TimedRing(Ring):
+    """PYZERO_TRACE: also the time each call was seen to end (async work: when found complete)."""
+
+    __slots__ = ("ends",)
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.ends = [0] * (self.mask + 1)
+
+    @property
+    def last_done(self):
+        return Ring.last_done.__get__(self)
+
+    @last_done.setter
+    def last_done(self, i):
+        Ring.last_done.__set__(self, i)
+        if i:
+            self.ends[i & self.mask] = _now()
+
+    def begin(self, *a, **k) -> int:
+        self._settle()
+        i = super().begin(*a, **k)
+        self.ends[i & self.mask] = 0
+        return i
+
+    def begin_p2p(self, *a, **k) -> int:
+        i = super().begin_p2p(*a, **k)
+        self.ends[i & self.mask] = 0
+        return i
+
+    def _settle(self):
+        for i, w in list(self.works.items()):
+            if not self.ends[i & self.mask] and w.is_completed():
+                self.ends[i & self.mask] = _now()
+
+    def failed(self, i, error):
+        self.ends[i & self.mask] = _now()
+        return super().failed(i, error)
+
+    def records(self):
+        self._settle()
+        return super().records()
+
+    def end_ns(self, i: int) -> int:
+        return self.ends[i & self.mask]
 
 
 class NullRing(Ring):
@@ -202,6 +242,8 @@ def _as_dict(rec, state, end_ns) -> dict:
 
 def describe(d: dict) -> str:
     """`all_reduce(count=2, op=sum, dtype=float32)` for a record."""
+    if d["call"] == "barrier":
+        return "barrier()"
     parts = [f"count={d['count']}"]
     if d.get("op") is not None:
         parts.append(f"op={d['op']}")
@@ -248,8 +290,10 @@ def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:
     if _proc.size == 0 and not _proc.trace:
         r = _proc.rings[gid] = NullRing(gid, ranks, rank, 1)
         return r
-    size = max(_proc.size, 1 << 16) if _proc.trace else _proc.size
-    r = _proc.rings[gid] = Ring(gid, ranks, rank, size, timed=_proc.trace is not None)
+    if _proc.trace:
+        r = _proc.rings[gid] = TimedRing(gid, ranks, rank, max(_proc.size, 1 << 16))
+    else:
+        r = _proc.rings[gid] = Ring(gid, ranks, rank, _proc.size)
     return r
 
 
@@ -331,30 +375,36 @@ def _answer_loop(st, prefix: str, rank: int) -> None:
             return
 
 
-def collect(r: Ring, wait_s: float | None = None) -> tuple[dict[int, dict | None], str]:
-    """Ask the other ranks of `r`'s group for their records; {global rank: answer or None}, a note."""
+def collect(r: Ring, wait_s: float | None = None, skip=()) -> tuple[dict[int, dict | None], str]:
+    """Ask the other ranks of `r`'s group (but `skip`) for their records; {global rank: answer or None}, a note.
+
+    A rank answers from its answering thread, or has posted its records when a call failed there (so a
+    process that exits right after its error is still heard)."""
     st = _proc.store
-    others = [g for g in r.ranks if g != _proc.rank]
+    out: dict[int, dict | None] = {g: None for g in r.ranks if g != _proc.rank}
     if st is None:
-        return {g: None for g in others}, "no store to exchange records through"
+        return out, "no store to exchange records through"
     wait_s = _proc.wait_s if wait_s is None else wait_s
-    asked, note = {}, ""
+    pre, asked, note = _proc.prefix, {}, ""
     try:
-        for g in others:
-            n = st.add(f"{_proc.prefix}/{g}/n", 1)
-            st.set(f"{_proc.prefix}/{g}/req{n}", str(r.gid))
-            asked[g] = n
+        for g in out:
+            if g not in skip:
+                n = st.add(f"{pre}/{g}/n", 1)
+                st.set(f"{pre}/{g}/req{n}", str(r.gid))
+                asked[g] = n
+        deadline = time.monotonic() + wait_s
+        while asked:
+            for g, n in list(asked.items()):
+                for key in (f"{pre}/{g}/dump{n}", f"{pre}/{g}/posted{r.gid}"):
+                    if st.check([key]):
+                        out[g] = json.loads(st.get(key))
+                        del asked[g]
+                        break
+            if not asked or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
     except Exception as e:  # noqa: BLE001
         note = f"the store did not answer ({type(e).__name__})"
-    deadline = time.monotonic() + wait_s
-    out: dict[int, dict | None] = {g: None for g in others}
-    for g, n in asked.items():
-        key = f"{_proc.prefix}/{g}/dump{n}"
-        try:
-            st.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-            out[g] = json.loads(st.get(key))
-        except Exception:  # noqa: BLE001 - no answer in time
-            pass
     return out, note
 
 
@@ -363,7 +413,15 @@ def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
     _proc.errored = True
     try:
         mine = r.records()
-        answers, note = collect(r)
+        # Ranks the transport saw exit will not answer: do not wait for them.
+        m = re.search(r"\(exited: \[([0-9, ]+)\]\)", str(error))
+        dead = {r.ranks[int(x)] for x in m.group(1).split(",") if int(x) < len(r.ranks)} if m else set()
+        if _proc.store is not None:  # for peers that ask after this process has exited
+            try:
+                _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", json.dumps(_answer(r.gid)))
+            except Exception:  # noqa: BLE001
+                pass
+        answers, note = collect(r, skip=dead)
         summary = summarize(r, _as_dict(rec, FAILED, 0), {_proc.rank: {"records": mine}, **answers}, note)
     except Exception as e:  # noqa: BLE001 - never hide the original error
         summary = f"flight recorder: could not gather records ({type(e).__name__}: {e})"
@@ -377,11 +435,9 @@ def work_failed(raw, error: BaseException) -> BaseException:
     if not isinstance(error, _C.CollectiveError):
         return error
     for r in list(_proc.rings.values()):
-        j = r.find_work(raw)
-        if j is not None:
-            r.states[j] = FAILED
-            r.works[j] = None
-            return explain(r, error, r.calls[j])
+        i = r.find_work(raw)
+        if i is not None:
+            return r.failed(i, error)
     return error
 
 
@@ -425,8 +481,7 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
                 f"rank {g} called {describe(d)}" for g, d in sorted(calls.items())))
             break
     if silent:
-        lines.append(f"ranks {silent} did not answer within {_proc.wait_s:g} s (stopped, dead or unreachable)"
-                     + (f"; {note}" if note else ""))
+        lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
     return "\n  ".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline.
+"""pyzero-bench: collectives | train | tp | pipeline | faults | soak.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -14,6 +14,8 @@ SUBCOMMANDS = {
     "train": "training step time, tokens/s and memory: torch DDP vs pyzero",
     "tp": "tensor-parallel all-gather+matmul and matmul+reduce-scatter, overlapped vs not",
     "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
+    "faults": "fault-injection matrix: kills, stops, mismatches, damaged checkpoints; hangs and wrong results",
+    "soak": "random collectives and fused ops for a bounded time, every result checked; wrong results",
 }
 
 

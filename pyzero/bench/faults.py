@@ -1,0 +1,635 @@
+"""pyzero-bench faults: a fault-injection matrix, each cell run many times with the fault at a random moment.
+
+Per cell it prints: tries; expected errors (every surviving rank raised a pyzero error, or, for the cells
+without a victim, the outcome the cell expects); hangs (a surviving rank still running at the collective
+timeout + margin after the fault); the median and max time from the fault to the error on the surviving
+ranks; /dev/shm segments left behind; and data lost or silently wrong (a result that differs from the
+reference every rank computes locally, a checkpoint that does not load or is not the state of its step).
+
+Cells with a victim: rank 1 is SIGKILLed or SIGSTOPped by this process at a random moment while every rank
+loops over the workload (a large all_reduce, DataParallel forward/backward, ZeRO-3 forward/backward/step,
+checkpoint.save, a pipeline step, a fused TP all_gather+matmul). The other cells misbehave in code:
+mismatched calls (size, op, dtype, collective kind, algo), a rank that never calls, a write failing
+during a save (ENOSPC), a damaged shard on load, NaN/inf gradients under clip_grad_norm_.
+
+    pyzero-bench faults --tries 20                # the whole matrix
+    pyzero-bench faults --cells allreduce-kill,never-calls --tries 2
+    pyzero-bench faults --overhead                # flight recorder cost on an 8 B all_reduce
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+VICTIM = 1
+
+
+class Detected(Exception):
+    """A workload found the fault it was given and reacted as it should (the cell's expected outcome)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    work: str  # key of WORKLOADS
+    fault: str  # "kill" / "stop": rank 1 is signalled; otherwise the ranks misbehave in code
+    nproc: int = 2
+    note: str = ""
+
+
+CELLS = {c.name: c for c in [
+    Cell("allreduce-kill", "allreduce", "kill", note="16 MB all_reduce"),
+    Cell("allreduce-stop", "allreduce", "stop"),
+    Cell("dp-backward-kill", "dp", "kill", note="DataParallel forward/backward, bucketed async all_reduce"),
+    Cell("dp-backward-stop", "dp", "stop"),
+    Cell("zero3-kill", "zero3", "kill", note="ZeRO-3 forward/backward/step"),
+    Cell("zero3-stop", "zero3", "stop"),
+    Cell("save-kill", "save", "kill", note="checkpoint.save every step; the checkpoint is checked after"),
+    Cell("save-stop", "save", "stop"),
+    Cell("pipeline-kill", "pipeline", "kill", note="2-stage 1F1B train_step"),
+    Cell("pipeline-stop", "pipeline", "stop"),
+    Cell("tp-fused-kill", "tp", "kill", note="all_gather_matmul (fused, symmetric buffers)"),
+    Cell("tp-fused-stop", "tp", "stop"),
+    Cell("mismatch-size", "mismatch-size", "code"),
+    Cell("mismatch-op", "mismatch-op", "code"),
+    Cell("mismatch-dtype", "mismatch-dtype", "code"),
+    Cell("mismatch-kind", "mismatch-kind", "code"),
+    Cell("mismatch-algo", "mismatch-algo", "code"),
+    Cell("never-calls", "never-calls", "code", note="rank 1 sleeps instead of calling"),
+    Cell("save-enospc", "save-enospc", "code", note="rank 1's write fails (ENOSPC) at a random save"),
+    Cell("load-corrupt", "load-corrupt", "code", note="a random byte of a random shard flipped"),
+    Cell("load-truncated", "load-truncated", "code", note="a random shard cut short"),
+    Cell("clip-nan", "clip-nan", "code", note="NaN in one rank's gradient"),
+    Cell("clip-inf", "clip-inf", "code", note="inf in one rank's gradient"),
+]}
+FAST = ["allreduce-kill", "dp-backward-stop", "mismatch-kind", "never-calls", "save-enospc", "load-corrupt",
+        "clip-inf"]
+
+
+# ---------------------------------------------------------------------------
+# Workloads: setup(ctx) -> step() run in a loop; step returns the number of wrong results it saw.
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    tmp: str
+    rng: random.Random
+    timeout: float
+    out: dict = field(default_factory=dict)
+
+
+def _mlp(seed=0, width=64, depth=4):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def _batch(step, n=16, width=64):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, width, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _w_allreduce(ctx):
+    t = torch.empty(4 << 20)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        t.fill_(ctx.rank + k[0])
+        pz.all_reduce(t)
+        want = sum(r + k[0] for r in range(ctx.world))
+        return int(not bool((t == want).all()))
+    return step
+
+
+def _shard(x, ctx):
+    per = x.shape[0] // ctx.world
+    return x[ctx.rank * per:(ctx.rank + 1) * per]
+
+
+def _w_dp(ctx):
+    model = _mlp(width=256)
+    ref = _mlp(width=256)
+    dp = pz.DataParallel(model, bucket_mb=0.1, first_bucket_mb=0.05)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        x, y = _batch(k[0], width=256)
+        model.zero_grad()
+        F.mse_loss(dp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        ref.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        return sum(not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+                   for a, b in zip(model.parameters(), ref.parameters()))
+    return step
+
+
+def _w_zero3(ctx):
+    model, ref = _mlp(width=128), _mlp(width=128)
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        x, y = _batch(k[0], width=128)
+        opt.zero_grad()
+        loss = F.mse_loss(model(_shard(x, ctx)), _shard(y, ctx))
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(ref(_shard(x, ctx)), _shard(y, ctx))  # this rank's half, full-batch weights
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        return int(not torch.allclose(loss.detach(), ref_loss.detach(), rtol=1e-3, atol=1e-5))
+    return step
+
+
+def _train_save(ctx, stage=2, fail_at=None):
+    model = _mlp()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-3)
+    ckpt = os.path.join(ctx.tmp, "ckpt")
+    k = [0]
+
+    def step():
+        k[0] += 1
+        x, y = _batch(k[0])
+        opt.zero_grad()
+        F.mse_loss(model(_shard(x, ctx)), _shard(y, ctx)).backward()
+        opt.step()
+        pz.checkpoint.save(ckpt, model, opt, k[0], keep=2)
+        ctx.out["saved"] = k[0]
+        return 0
+    return step, model, opt
+
+
+def reference_params(steps: int) -> dict:
+    """Single-process torch: the state checkpoint step `steps` of the save workloads must hold."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for k in range(1, steps + 1):
+        x, y = _batch(k)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _w_save(ctx):
+    return _train_save(ctx)[0]
+
+
+def _w_pipeline(ctx):
+    full = _mlp(width=128, depth=6)
+    stages = pz.pipeline.split_sequential(full, num_stages=ctx.world)
+    pipe = pz.pipeline.Pipeline(stages[ctx.rank], num_microbatches=4, schedule="1f1b")
+    ref = _mlp(width=128, depth=6)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        x, y = _batch(k[0], width=128)
+        full.zero_grad()
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
+        if not pipe.is_last:
+            return 0
+        with torch.no_grad():
+            want = F.mse_loss(ref(x), y).item()
+        return int(abs(loss - want) > 1e-5 * max(1.0, abs(want)))
+    return step
+
+
+def _w_tp(ctx):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64 * ctx.world, 256, generator=g)
+    w = torch.randn(512, 256, generator=g)
+    want = x @ w.T
+
+    def step():
+        y = pz.tp.all_gather_matmul(_shard(x, ctx), w)
+        return int(not torch.allclose(y, want, rtol=1e-4, atol=1e-3))
+    return step
+
+
+MISMATCH = {  # (rank 0's call, rank 1's call)
+    "mismatch-size": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.all_reduce(torch.ones(1001))),
+    "mismatch-op": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.all_reduce(torch.ones(1000), op="max")),
+    "mismatch-dtype": (lambda: pz.all_reduce(torch.ones(1000)),
+                       lambda: pz.all_reduce(torch.ones(1000, dtype=torch.float64))),
+    "mismatch-kind": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.broadcast(torch.ones(1000), src=0)),
+    "mismatch-algo": (lambda: pz.all_reduce(torch.ones(1000), algo="ring"),
+                      lambda: pz.all_reduce(torch.ones(1000), algo="oneshot")),
+}
+
+
+def _w_mismatch(ctx, name):
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        t = torch.full((64,), float(ctx.rank))
+        pz.all_reduce(t)  # a few good calls first: the mismatch is not the first call of the group
+        if not bool((t == sum(range(ctx.world))).all()):
+            return 1
+        if calls[0] >= 1 + ctx.rng.randrange(3):
+            ctx.out["t_fault"] = time.time()
+            MISMATCH[name][min(ctx.rank, 1)]()
+            return 0
+        return 0
+    return step
+
+
+def _w_never_calls(ctx):
+    t = torch.ones(8)
+
+    def step():
+        pz.all_reduce(t)
+        if ctx.rank == VICTIM:
+            time.sleep(ctx.timeout + 3)
+            raise SystemExit(0)
+        ctx.out["t_fault"] = time.time()
+        t.fill_(1)
+        pz.all_reduce(t)
+        return int(not bool((t == ctx.world).all()))
+    return step
+
+
+def _w_save_enospc(ctx):
+    import errno  # noqa: PLC0415
+
+    step, _, _ = _train_save(ctx)
+    fail_at = 2 + ctx.rng.randrange(3)
+    real = pz.checkpoint._save_file  # the writer every save goes through
+    if ctx.rank == VICTIM:
+        def failing(obj, path):
+            if f"step_{fail_at:08d}" in path:
+                with open(path, "wb") as f:
+                    f.write(b"x" * 1000)
+                ctx.out["t_fault"] = time.time()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            real(obj, path)
+        pz.checkpoint._save_file = failing
+    ctx.out["fail_at"] = fail_at
+    return step
+
+
+def _w_load_damaged(ctx, how):
+    train, model, opt = _train_save(ctx)
+    for _ in range(2):
+        train()
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()} if opt.stage < 3 else None
+    pz.barrier()
+    if ctx.rank == 0:
+        step_dir = os.path.join(ctx.tmp, "ckpt", "step_00000002")
+        victim = os.path.join(step_dir, f"rank{ctx.rng.randrange(ctx.world):05d}.pt")
+        size = os.path.getsize(victim)
+        with open(victim, "r+b") as f:
+            if how == "corrupt":
+                f.seek(ctx.rng.randrange(size))
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ (1 << ctx.rng.randrange(8))]))
+            else:
+                f.truncate(ctx.rng.randrange(size))
+    pz.barrier()
+
+    def step():
+        fresh = _mlp(seed=1)
+        o = pz.ZeroOptimizer(fresh, torch.optim.AdamW, stage=2, lr=1e-3)
+        ctx.out["t_fault"] = time.time()
+        pz.checkpoint.load(os.path.join(ctx.tmp, "ckpt"), fresh, o)
+        # Loaded without an error: it must be exactly what was saved.
+        return sum(not torch.equal(p, saved[n]) for n, p in fresh.named_parameters())
+    return step
+
+
+def _w_clip(ctx, value):
+    model = _mlp()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)
+    if ctx.rank == VICTIM:  # before accumulation, so whatever the optimizer's hooks do sees it
+        at = ctx.rng.randrange(10)
+        next(model.parameters()).register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([at]), value)
+                                               .view_as(g))
+
+    def step():
+        x, y = _batch(ctx.rank)
+        opt.zero_grad()
+        F.mse_loss(model(_shard(x, ctx)), _shard(y, ctx)).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        norm = opt.clip_grad_norm_(1.0)
+        finite = bool(torch.isfinite(norm))
+        ctx.out["norm"] = float(norm)
+        if finite:  # every rank must see the non-finite norm, or ranks would disagree about skipping
+            return 1
+        opt.zero_grad()  # pyzero's policy (torch's): clip_grad_norm_ reports, the caller skips the step
+        same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        raise Detected(f"non-finite gradient norm {float(norm)} on every rank; step skipped"
+                                 + ("" if same else " (but the weights changed)"))
+    return step
+
+
+WORKLOADS = {
+    "allreduce": _w_allreduce, "dp": _w_dp, "zero3": _w_zero3, "save": _w_save, "pipeline": _w_pipeline,
+    "tp": _w_tp, "never-calls": _w_never_calls, "save-enospc": _w_save_enospc,
+    "load-corrupt": lambda ctx: _w_load_damaged(ctx, "corrupt"),
+    "load-truncated": lambda ctx: _w_load_damaged(ctx, "truncate"),
+    "clip-nan": lambda ctx: _w_clip(ctx, float("nan")), "clip-inf": lambda ctx: _w_clip(ctx, float("inf")),
+    **{name: (lambda ctx, name=name: _w_mismatch(ctx, name)) for name in MISMATCH},
+}
+
+
+def _touch(path, text=""):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _rank_main(cell_name: str, tmp: str, seed: int, timeout: float, duration: float) -> dict:
+    """One rank of one try: set up, say ready, loop the workload until an error or `duration` s."""
+    cell = CELLS[cell_name]
+    pz.init(timeout=timeout)
+    rank = pz.get_rank()
+    _touch(os.path.join(tmp, f"pid{rank}"), str(os.getpid()))
+    ctx = Ctx(rank, pz.get_world_size(), tmp, random.Random(seed * 1000 + 1), timeout)
+    step = WORKLOADS[cell.work](ctx)
+    out = ctx.out
+    out.update(rank=rank, steps=0, wrong=0, error=None)
+    pz.barrier()
+    _touch(os.path.join(tmp, f"ready{rank}"))
+    end = time.monotonic() + duration
+    try:
+        while time.monotonic() < end:
+            out["wrong"] += step()
+            out["steps"] += 1
+            if cell.work.startswith("load-"):
+                break
+    except (pz.CollectiveError, pz.checkpoint.CheckpointError, Detected) as e:
+        out["t_error"] = time.time()
+        out["error"] = (type(e).__name__, str(e)[:3000])
+    except Exception as e:  # noqa: BLE001 - an error pyzero should not have raised
+        out["t_error"] = time.time()
+        out["error"] = ("unexpected " + type(e).__name__, str(e)[:3000])
+    _touch(os.path.join(tmp, f"done{rank}"), json.dumps({k: v for k, v in out.items()}, default=str))
+    if out["error"] is not None:
+        os._exit(3)  # the group is broken: leave at once, like a job would
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The harness
+
+
+def _shm_leftovers(rank0_pid: int | None) -> list[str]:
+    if rank0_pid is None or not os.path.isdir("/dev/shm"):
+        return []
+    prefix = f"pz{rank0_pid:x}"  # segment names start with the job token, which starts with rank 0's pid
+    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def _read_pid(tmp, r):
+    try:
+        with open(os.path.join(tmp, f"pid{r}")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill(pid, sig=signal.SIGKILL):
+    if pid is None:
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float) -> dict:
+    """One try of `cell`: returns {"outcome", "fault_to_error": [s per surviving rank], "leftovers", "wrong",
+    "messages"}."""
+    tmp = tempfile.mkdtemp(prefix="pyzero-faults-")
+    rng = random.Random(seed)
+    n = cell.nproc
+    duration = window + timeout + margin + 5
+    results: list = []
+    holder = threading.Thread(target=lambda: results.extend(run_ranks(
+        _rank_main, n, args=(cell.name, tmp, seed, timeout, duration), check=False,
+        timeout=duration + 60)), daemon=True)
+    holder.start()
+    has_victim = cell.fault in ("kill", "stop") or cell.work == "never-calls"
+    survivors = [r for r in range(n) if not (has_victim and r == VICTIM)]
+    t_fault = None
+    ready_deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(tmp, f"ready{r}")) for r in range(n)):
+        if time.monotonic() > ready_deadline or not holder.is_alive():
+            break
+        time.sleep(0.01)
+    pids = {r: _read_pid(tmp, r) for r in range(n)}
+    if cell.fault in ("kill", "stop"):
+        time.sleep(rng.uniform(0.0, window))
+        t_fault = time.time()
+        _kill(pids[VICTIM], signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
+    # Wait for the surviving ranks: each writes done<r> when it returns or fails.
+    hang = False
+    start = time.monotonic()
+    limit = (window + timeout + margin + 5) if cell.fault == "code" else (timeout + margin)
+    while not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in survivors):
+        if not holder.is_alive():
+            break
+        if time.monotonic() - start > limit:
+            hang = True
+            break
+        time.sleep(0.01)
+    for r in range(n):  # the victim (stopped or not) and, after a hang, everything else
+        if (has_victim and r == VICTIM) or hang:
+            _kill(pids[r])
+    holder.join(timeout=120)
+    rank_out = {}
+    for r in range(n):
+        p = os.path.join(tmp, f"done{r}")
+        if os.path.exists(p):
+            with open(p) as f:
+                rank_out[r] = json.load(f)
+    time.sleep(0.05)
+    leftovers = _shm_leftovers(pids.get(0))
+    res = {"hang": hang, "leftovers": len(leftovers), "wrong": 0, "fault_to_error": [], "messages": [],
+           "expected": False}
+    for r in survivors:
+        o = rank_out.get(r)
+        if o is None:
+            continue
+        res["wrong"] += int(o.get("wrong", 0))
+        err = o.get("error")
+        t0 = t_fault if t_fault is not None else o.get("t_fault")
+        if err is not None and t0 is not None and "t_error" in o:
+            res["fault_to_error"].append(max(0.0, float(o["t_error"]) - float(t0)))
+        if err is not None:
+            res["messages"].append(f"rank {r}: {err[0]}: {err[1].splitlines()[0][:300]}")
+    errs = [rank_out.get(r, {}).get("error") for r in survivors]
+    res["expected"] = not hang and all(e is not None and not e[0].startswith("unexpected") for e in errs)
+    res["wrong"] += _check_after(cell, tmp, rank_out, res)
+    _rmtree(tmp)
+    return res
+
+
+def _check_after(cell: Cell, tmp: str, rank_out: dict, res: dict) -> int:
+    """Checkpoint cells: the checkpoint left behind loads (checksums verified) and holds its step's state."""
+    if cell.work not in ("save", "save-enospc"):
+        return 0
+    ckpt = os.path.join(tmp, "ckpt")
+    if not os.path.exists(os.path.join(ckpt, "latest")):
+        return 0  # the fault came before the first save completed: nothing to lose
+    try:
+        with open(os.path.join(ckpt, "latest")) as f:
+            step = int(f.read().strip().rsplit("_", 1)[1])
+        sd = pz.checkpoint.consolidate(ckpt)
+    except Exception as e:  # noqa: BLE001
+        res["messages"].append(f"checkpoint does not load: {type(e).__name__}: {e}")
+        return 1
+    want = reference_params(step)
+    bad = [n for n in want if not torch.allclose(sd[n], want[n], rtol=1e-4, atol=1e-5)]
+    if bad:
+        res["messages"].append(f"checkpoint step {step} differs from its reference in {bad[:3]}")
+    if cell.work == "save-enospc":
+        fail_at = next((o["fail_at"] for o in rank_out.values() if "fail_at" in o), None)
+        if fail_at is not None and step != fail_at - 1:
+            res["messages"].append(f"latest is step {step}, expected {fail_at - 1} (the save of {fail_at} failed)")
+            return 1
+    return int(bool(bad))
+
+
+def _rmtree(path):
+    import shutil  # noqa: PLC0415
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cell(cell: Cell, tries: int, seed: int = 0, timeout: float = 3.0, margin: float = 10.0,
+             window: float = 1.0) -> dict:
+    """`tries` tries of `cell`; the row of the table."""
+    reference_params(1)  # the first optimizer step imports much of torch: once here, not in every rank
+    rows = [run_try(cell, seed * 100003 + i, timeout, margin, window) for i in range(tries)]
+    times = [t for r in rows for t in r["fault_to_error"]]
+    return {"cell": cell.name, "tries": tries, "expected": sum(r["expected"] for r in rows),
+            "hangs": sum(r["hang"] for r in rows),
+            "median_s": statistics.median(times) if times else None, "max_s": max(times) if times else None,
+            "leftovers": sum(r["leftovers"] for r in rows), "wrong": sum(r["wrong"] for r in rows),
+            "messages": sorted({m for r in rows for m in r["messages"]})[:6]}
+
+
+HEADER = ("cell", "tries", "expected errors", "hangs", "fault->error median s", "max s", "shm leftovers",
+          "lost/wrong")
+
+
+def format_row(row: dict) -> str:
+    def s(v):
+        return "-" if v is None else f"{v:.2f}"
+    return (f"| {row['cell']} | {row['tries']} | {row['expected']} | {row['hangs']} | {s(row['median_s'])} | "
+            f"{s(row['max_s'])} | {row['leftovers']} | {row['wrong']} |")
+
+
+# ---------------------------------------------------------------------------
+# Flight recorder overhead
+
+
+def _rank_overhead(iters: int, rounds: int) -> dict:
+    from pyzero import flight  # noqa: PLC0415
+
+    pz.init(timeout=60)
+    g = pz.comm.resolve_group(None)
+    t = torch.zeros(2)  # 8 bytes
+    on, off = g.flight, flight.NullRing(g.gid, g.ranks, g.rank, 1)
+    times = {"on": [], "off": []}
+    for _ in range(iters):
+        pz.all_reduce(t)
+    for r in range(rounds):
+        for mode in (("on", "off") if r % 2 else ("off", "on")):
+            g.flight = g.backend.flight = on if mode == "on" else off
+            pz.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                pz.all_reduce(t)
+            times[mode].append((time.perf_counter() - t0) / iters)
+    g.flight = g.backend.flight = on
+    # The recording alone, without communication.
+    ring = flight.Ring(99, (0,), 0, 256)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        ring.last_done = ring.begin("all_reduce", 2, 0, 0, 0)
+    record = (time.perf_counter() - t0) / iters
+    return {"on": statistics.median(times["on"]), "off": statistics.median(times["off"]), "record": record}
+
+
+def overhead(nproc: int = 2, iters: int = 20000, rounds: int = 10) -> dict:
+    res = run_ranks(_rank_overhead, nproc, args=(iters, rounds), timeout=600)[0].value
+    res["overhead_pct"] = 100.0 * (res["on"] - res["off"]) / res["off"]
+    return res
+
+
+# ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tries", type=int, default=20, help="tries per cell (default 20)")
+    p.add_argument("--cells", default="all", help="comma-separated cell names, 'all' or 'fast' (default all)")
+    p.add_argument("--timeout", type=float, default=3.0, help="pz.init collective timeout in s (default 3)")
+    p.add_argument("--margin", type=float, default=10.0, help="a run outliving timeout + margin is a hang")
+    p.add_argument("--window", type=float, default=1.0, help="the fault lands at uniform(0, window) s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--overhead", action="store_true", help="measure the flight recorder on an 8 B all_reduce")
+    p.add_argument("--iters", type=int, default=20000, help="--overhead: all_reduces per round")
+
+
+def main(args) -> int:
+    if args.overhead:
+        res = overhead(iters=args.iters)
+        print(f"8 B all_reduce, 2 ranks: recorder off {res['off'] * 1e6:.2f} us, on {res['on'] * 1e6:.2f} us "
+              f"({res['overhead_pct']:+.2f} %); recording alone {res['record'] * 1e9:.0f} ns per call")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    names = list(CELLS) if args.cells == "all" else FAST if args.cells == "fast" else args.cells.split(",")
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        raise SystemExit(f"--cells: unknown {unknown}; expected some of {list(CELLS)}")
+    if args.tries < 1:
+        raise SystemExit(f"--tries: expected >= 1, got {args.tries}")
+    print(f"pyzero fault matrix: {args.tries} tries per cell, collective timeout {args.timeout} s, "
+          f"hang = no error within timeout + {args.margin} s, fault at uniform(0, {args.window}) s")
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    rows = []
+    for name in names:
+        row = run_cell(CELLS[name], args.tries, args.seed, args.timeout, args.margin, args.window)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    notes = [(r["cell"], m) for r in rows for m in r["messages"] if r["wrong"] or r["hangs"] or
+             r["expected"] < r["tries"]]
+    for cell, m in notes:
+        print(f"  {cell}: {m}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = sum(r["hangs"] + r["wrong"] + r["leftovers"] + (r["tries"] - r["expected"]) for r in rows)
+    return 1 if bad else 0

@@ -320,28 +320,57 @@ def stop() -> None:
     if _proc.trace and _proc.rings:
         write_trace()
     if _proc.thread is not None and _proc.store is not None:
-        st, pre = _proc.store, _proc.prefix
+        # A stopped store host never answers (a plain store call would block for good): bounded.
         try:
-            leaving = st.add(f"{pre}/leaving", 1)
-            if _proc.errored:  # peers may still ask for this rank's records: answer until they leave too
-                deadline = time.monotonic() + _proc.wait_s
-                while leaving < _proc.world and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                    leaving = st.add(f"{pre}/leaving", 0)
-            n = st.add(f"{pre}/{_proc.rank}/n", 1)
-            st.set(f"{pre}/{_proc.rank}/req{n}", "bye")
-            _proc.thread.join(timeout=1.0)
-            stopped = st.add(f"{pre}/stopped", 1)
-            if _proc.rank == 0:  # the store lives in this process: let the other threads end first
-                deadline = time.monotonic() + 1.0
-                while stopped < _proc.world and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                    stopped = st.add(f"{pre}/stopped", 0)
-        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): the thread ends with it
+            _bounded(_leave, 2 * _proc.wait_s + 2.5)
+        except TimeoutError:
             pass
     _proc.thread = None
     _proc.store = None
     _proc.rings = {}
+
+
+def _bounded(fn, seconds: float):
+    """fn() on a daemon thread, given up on after `seconds` (then the store is not used again)."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # noqa: BLE001
+            out.append(e)
+    t = threading.Thread(target=run, name="pyzero-flight-store", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        _proc.store = None  # blocked on a store that does not answer: leave it to that thread
+        raise TimeoutError(f"the store did not answer within {seconds:g} s")
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
+
+
+def _leave() -> None:
+    """Tell this process's answering thread to end (after the peers leave, if a call failed here)."""
+    st, pre, thread = _proc.store, _proc.prefix, _proc.thread
+    try:
+        leaving = st.add(f"{pre}/leaving", 1)
+        if _proc.errored:  # peers may still ask for this rank's records: answer until they leave too
+            deadline = time.monotonic() + _proc.wait_s
+            while leaving < _proc.world and time.monotonic() < deadline:
+                time.sleep(0.01)
+                leaving = st.add(f"{pre}/leaving", 0)
+        n = st.add(f"{pre}/{_proc.rank}/n", 1)
+        st.set(f"{pre}/{_proc.rank}/req{n}", "bye")
+        thread.join(timeout=1.0)
+        stopped = st.add(f"{pre}/stopped", 1)
+        if _proc.rank == 0:  # the store lives in this process: let the other threads end first
+            deadline = time.monotonic() + 1.0
+            while stopped < _proc.world and time.monotonic() < deadline:
+                time.sleep(0.005)
+                stopped = st.add(f"{pre}/stopped", 0)
+    except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): the thread ends with it
+        pass
 
 
 def _answer(gid: int) -> dict:
@@ -416,12 +445,16 @@ def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
         # Ranks the transport saw exit will not answer: do not wait for them.
         m = re.search(r"\(exited: \[([0-9, ]+)\]\)", str(error))
         dead = {r.ranks[int(x)] for x in m.group(1).split(",") if int(x) < len(r.ranks)} if m else set()
-        if _proc.store is not None:  # for peers that ask after this process has exited
-            try:
-                _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", json.dumps(_answer(r.gid)))
-            except Exception:  # noqa: BLE001
-                pass
-        answers, note = collect(r, skip=dead)
+        posted = json.dumps(_answer(r.gid))
+
+        def exchange():
+            if _proc.store is not None:  # for peers that ask after this process has exited
+                _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", posted)
+            return collect(r, skip=dead)
+        try:
+            answers, note = _bounded(exchange, _proc.wait_s + 0.5)
+        except Exception as e:  # noqa: BLE001 - the store host is stopped or gone
+            answers, note = {g: None for g in r.ranks if g != _proc.rank}, f"the store did not answer ({e})"
         summary = summarize(r, _as_dict(rec, FAILED, 0), {_proc.rank: {"records": mine}, **answers}, note)
     except Exception as e:  # noqa: BLE001 - never hide the original error
         summary = f"flight recorder: could not gather records ({type(e).__name__}: {e})"

@@ -50,11 +50,15 @@ class Cell:
     fault: str  # "kill" / "stop": rank 1 is signalled; otherwise the ranks misbehave in code
     nproc: int = 2
     note: str = ""
+    victim: int = VICTIM  # the rank signalled (rank 0 also hosts the job's store)
 
 
 CELLS = {c.name: c for c in [
     Cell("allreduce-kill", "allreduce", "kill", note="16 MB all_reduce"),
     Cell("allreduce-stop", "allreduce", "stop"),
+    Cell("allreduce-kill-rank0", "allreduce", "kill", note="the store's host dies", victim=0),
+    Cell("allreduce-stop-rank0", "allreduce", "stop", victim=0),
+    Cell("allreduce-kill-4ranks", "allreduce", "kill", nproc=4),
     Cell("dp-backward-kill", "dp", "kill", note="DataParallel forward/backward, bucketed async all_reduce"),
     Cell("dp-backward-stop", "dp", "stop"),
     Cell("zero3-kill", "zero3", "kill", note="ZeRO-3 forward/backward/step"),
@@ -436,7 +440,8 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
         timeout=duration + 60)), daemon=True)
     holder.start()
     has_victim = cell.fault in ("kill", "stop") or cell.work == "never-calls"
-    survivors = [r for r in range(n) if not (has_victim and r == VICTIM)]
+    victim = cell.victim if cell.fault in ("kill", "stop") else VICTIM
+    survivors = [r for r in range(n) if not (has_victim and r == victim)]
     t_fault = None
     ready_deadline = time.monotonic() + 60
     while not all(os.path.exists(os.path.join(tmp, f"ready{r}")) for r in range(n)):
@@ -447,7 +452,7 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
     if cell.fault in ("kill", "stop"):
         time.sleep(rng.uniform(0.0, window))
         t_fault = time.time()
-        _kill(pids[VICTIM], signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
+        _kill(pids[victim], signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
     # Wait for the surviving ranks: each writes done<r> when it returns or fails.
     hang = False
     start = time.monotonic()
@@ -460,7 +465,7 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
             break
         time.sleep(0.01)
     for r in range(n):  # the victim (stopped or not) and, after a hang, everything else
-        if (has_victim and r == VICTIM) or hang:
+        if (has_victim and r == victim) or hang:
             _kill(pids[r])
     holder.join(timeout=120)
     rank_out = {}

@@ -57,6 +57,10 @@ class Group:
     symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
     flight: flight.Ring | None = field(default=None, repr=False)  # this group's last calls (pyzero.flight)
 
+    def __post_init__(self):
+        if self.flight is None:  # a group made by hand (pz.new_group gives it a recording ring)
+            self.flight = flight.NullRing(self.gid, self.ranks, self.rank, 1)
+
     @property
     def size(self) -> int:
         return len(self.ranks)

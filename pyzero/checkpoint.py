@@ -97,14 +97,18 @@ def _save_file(obj, path):
 
 
 def _failed_ranks(g, error: BaseException | None, key: str) -> list[tuple[int, str]]:
-    """Collective over `g`: every rank learns which ranks failed a step (and why, through the store)."""
-    if error is not None:
-        comm.get_store().set(f"{key}/{g.rank}", f"{type(error).__name__}: {error}"[:2000])
+    """Collective over `g`: every rank learns which ranks failed a step (and why, through the store).
+    The store is used only once the collective has succeeded (so its host is known to be running)."""
     flags = torch.zeros(g.size, device="cpu" if g.device is None else torch.device("cuda", g.device))
     flags[g.rank] = float(error is not None)
     comm.all_reduce(flags, group=g)
     bad = [r for r, f in enumerate(flags.tolist()) if f]
-    return [(r, comm.get_store().get(f"{key}/{r}").decode()) for r in bad]
+    if not bad:
+        return []
+    store = comm.get_store()
+    if error is not None:
+        store.set(f"{key}/{g.rank}", f"{type(error).__name__}: {error}"[:2000])
+    return [(r, store.get(f"{key}/{r}").decode()) for r in bad]
 
 
 _save_calls: dict[int, int] = {}  # per group: saves so far (store keys of distinct saves differ)

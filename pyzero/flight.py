@@ -22,7 +22,7 @@ calls differ (mismatched collectives).
 writes a Chrome trace (chrome://tracing, Perfetto) per rank,
 ``pyzero_trace_rank<r>.json``, at ``pz.destroy()`` and at exit.
 
-This module imports nothing of pyzero but ``_C`` (pyzero.backend imports it).
+This module imports nothing of pyzero but ``_C`` (pyzero.comm imports it and hooks it into every call).
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import tempfile
@@ -406,8 +407,9 @@ def _rank_main(cell_name: str, tmp: str, seed: int, timeout: float, duration: fl
 def _shm_leftovers(rank0_pid: int | None) -> list[str]:
     if rank0_pid is None or not os.path.isdir("/dev/shm"):
         return []
-    prefix = f"pz{rank0_pid:x}"  # segment names start with the job token, which starts with rank 0's pid
-    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    # Segment names start with the job's token: rank 0's pid in hex, then 8 random hex digits.
+    mine = re.compile(f"^pz{rank0_pid:x}[0-9a-f]{{8}}_")
+    return [n for n in os.listdir("/dev/shm") if mine.match(n)]
 
 
 def _read_pid(tmp, r):
@@ -449,6 +451,15 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
             break
         time.sleep(0.01)
     pids = {r: _read_pid(tmp, r) for r in range(n)}
+    if not all(os.path.exists(os.path.join(tmp, f"ready{r}")) for r in range(n)):
+        # The job never started (e.g. another process took the store's port): not a try of the cell.
+        for r in range(n):
+            _kill(pids[r])
+        holder.join(timeout=120)
+        _rmtree(tmp)
+        tails = [f"rank {x.rank}: {x.output.strip().splitlines()[-1][:200]}" for x in results
+                 if x.exitcode not in (0, None) and x.output.strip()]
+        return {"setup_failed": True, "messages": tails}
     if cell.fault in ("kill", "stop"):
         time.sleep(rng.uniform(0.0, window))
         t_fault = time.time()
@@ -476,7 +487,7 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
                 rank_out[r] = json.load(f)
     time.sleep(0.05)
     leftovers = _shm_leftovers(pids.get(0))
-    res = {"hang": hang, "leftovers": len(leftovers), "wrong": 0, "fault_to_error": [], "messages": [],
+    res = {"setup_failed": False, "hang": hang, "leftovers": len(leftovers), "wrong": 0, "fault_to_error": [], "messages": [],
            "expected": False}
     for r in survivors:
         o = rank_out.get(r)
@@ -532,13 +543,20 @@ def run_cell(cell: Cell, tries: int, seed: int = 0, timeout: float = 3.0, margin
              window: float = 1.0) -> dict:
     """`tries` tries of `cell`; the row of the table."""
     reference_params(1)  # the first optimizer step imports much of torch: once here, not in every rank
-    rows = [run_try(cell, seed * 100003 + i, timeout, margin, window) for i in range(tries)]
+    rows, setup_failures, i = [], [], 0
+    while len(rows) < tries and len(setup_failures) < 3 + tries:
+        r = run_try(cell, seed * 100003 + i, timeout, margin, window)
+        i += 1
+        (setup_failures if r["setup_failed"] else rows).append(r)
+    if len(rows) < tries:
+        raise RuntimeError(f"{cell.name}: the ranks could not be started ({setup_failures[-1]['messages']})")
     times = [t for r in rows for t in r["fault_to_error"]]
     return {"cell": cell.name, "tries": tries, "expected": sum(r["expected"] for r in rows),
             "hangs": sum(r["hang"] for r in rows),
             "median_s": statistics.median(times) if times else None, "max_s": max(times) if times else None,
             "leftovers": sum(r["leftovers"] for r in rows), "wrong": sum(r["wrong"] for r in rows),
-            "messages": sorted({m for r in rows for m in r["messages"]})[:6]}
+            "messages": sorted({m for r in rows for m in r["messages"]})[:6], "restarts": len(setup_failures),
+            "unexpected": [m for r in rows if not r["expected"] for m in r["messages"]][:4]}
 
 
 HEADER = ("cell", "tries", "expected errors", "hangs", "fault->error median s", "max s", "shm leftovers",
@@ -629,8 +647,9 @@ def main(args) -> int:
         row = run_cell(CELLS[name], args.tries, args.seed, args.timeout, args.margin, args.window)
         rows.append(row)
         print(format_row(row), flush=True)
-    notes = [(r["cell"], m) for r in rows for m in r["messages"] if r["wrong"] or r["hangs"] or
-             r["expected"] < r["tries"]]
+    notes = [(r["cell"], m) for r in rows for m in (r["unexpected"] or r["messages"]) if r["wrong"] or r["hangs"]
+             or r["expected"] < r["tries"]]
+    notes += [(r["cell"], f"{r['restarts']} tries restarted: the ranks did not start") for r in rows if r["restarts"]]
     for cell, m in notes:
         print(f"  {cell}: {m}")
     if args.json:

@@ -96,22 +96,28 @@ def _save_file(obj, path):
         os.fsync(f.fileno())
 
 
-def _failed_ranks(g, error: BaseException | None, key: str) -> list[tuple[int, str]]:
-    """Collective over `g`: every rank learns which ranks failed a step (and why, through the store).
-    The store is used only once the collective has succeeded (so its host is known to be running)."""
-    flags = torch.zeros(g.size, device="cpu" if g.device is None else torch.device("cuda", g.device))
+def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
+    """Collective over `g`: every rank learns which ranks failed a step, and why (their messages travel
+    in a second collective, only when one failed; no rank leaves before the others have them)."""
+    dev = "cpu" if g.device is None else torch.device("cuda", g.device)
+    flags = torch.zeros(g.size, device=dev)
     flags[g.rank] = float(error is not None)
     comm.all_reduce(flags, group=g)
     bad = [r for r, f in enumerate(flags.tolist()) if f]
     if not bad:
         return []
-    store = comm.get_store()
-    if error is not None:
-        store.set(f"{key}/{g.rank}", f"{type(error).__name__}: {error}"[:2000])
-    return [(r, store.get(f"{key}/{r}").decode()) for r in bad]
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MSG_BYTES]
+    mine = torch.zeros(_MSG_BYTES, dtype=torch.int32)
+    mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
+    every = torch.zeros(g.size * _MSG_BYTES, dtype=torch.int32, device=dev)
+    comm.all_gather(every, mine.to(dev), group=g)
+    every = every.view(g.size, _MSG_BYTES).cpu()
+    return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
 
 
-_save_calls: dict[int, int] = {}  # per group: saves so far (store keys of distinct saves differ)
+_MSG_BYTES = 512
+
+
 
 
 def _model_meta(model, opt):
@@ -135,11 +141,9 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
     g, first = opt.group, opt.group.rank == 0
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
-    n = _save_calls[g.gid] = _save_calls.get(g.gid, 0) + 1
-    key = f"pz/ckpt/{g.gid}/{n}"
 
     def agree(stage: str, error):
-        failed = _failed_ranks(g, error, f"{key}/{stage}")
+        failed = _failed_ranks(g, error)
         if failed:
             if first:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ import random
 import re
 import signal
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -48,7 +49,8 @@ class Detected(Exception):
 class Cell:
     name: str
     work: str  # key of WORKLOADS
-    fault: str  # "kill" / "stop": rank 1 is signalled; otherwise the ranks misbehave in code
+    fault: str  # "kill" / "stop": a rank is signalled; "fill" / "readonly": the checkpoint's file system
+    # (a small tmpfs) fills up / turns read-only; "code": the ranks misbehave in code
     nproc: int = 2
     note: str = ""
     victim: int = VICTIM  # the rank signalled (rank 0 also hosts the job's store)
@@ -66,6 +68,8 @@ CELLS = {c.name: c for c in [
     Cell("zero3-stop", "zero3", "stop"),
     Cell("save-kill", "save", "kill", note="checkpoint.save every step; the checkpoint is checked after"),
     Cell("save-stop", "save", "stop"),
+    Cell("save-disk-full", "save", "fill", note="the checkpoint's tmpfs filled up at a random moment (root)"),
+    Cell("save-read-only", "save", "readonly", note="the checkpoint's tmpfs remounted read-only (root)"),
     Cell("pipeline-kill", "pipeline", "kill", note="2-stage 1F1B train_step"),
     Cell("pipeline-stop", "pipeline", "stop"),
     Cell("tp-fused-kill", "tp", "kill", note="all_gather_matmul (fused, symmetric buffers)"),
@@ -429,10 +433,55 @@ def _kill(pid, sig=signal.SIGKILL):
         pass
 
 
+class Skip(Exception):
+    """The cell cannot run here (e.g. mounting a tmpfs needs root)."""
+
+
+def _mount_tmpfs(path: str, mb: int) -> None:
+    os.makedirs(path, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", path], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise Skip(f"cannot mount a tmpfs ({proc.stderr.strip() or proc.returncode}; needs root)")
+
+
+def _umount(path: str) -> None:
+    if subprocess.run(["umount", path], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def _fill(path: str) -> None:
+    """Write to `path`/filler until the file system is full."""
+    chunk = b"\0" * (64 << 10)
+    try:
+        with open(os.path.join(path, "filler"), "wb") as f:
+            while True:
+                f.write(chunk)
+                f.flush()
+    except OSError:
+        pass
+
+
+def _read_only(path: str) -> None:
+    """Remount `path` read-only; refused while a file is open for writing, so retried until it takes."""
+    deadline = time.monotonic() + 10
+    while subprocess.run(["mount", "-o", "remount,ro", path], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not remount {path} read-only")
+        time.sleep(0.001)
+
+
 def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float) -> dict:
     """One try of `cell`: returns {"outcome", "fault_to_error": [s per surviving rank], "leftovers", "wrong",
     "messages"}."""
     tmp = tempfile.mkdtemp(prefix="pyzero-faults-")
+    fs = cell.fault in ("fill", "readonly")
+    if fs:
+        try:
+            _mount_tmpfs(os.path.join(tmp, "ckpt"), 8)
+        except Skip:
+            _rmtree(tmp)
+            raise
     rng = random.Random(seed)
     n = cell.nproc
     duration = window + timeout + margin + 5
@@ -456,14 +505,23 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
         for r in range(n):
             _kill(pids[r])
         holder.join(timeout=120)
+        if fs:
+            _umount(os.path.join(tmp, "ckpt"))
         _rmtree(tmp)
-        tails = [f"rank {x.rank}: {x.output.strip().splitlines()[-1][:200]}" for x in results
-                 if x.exitcode not in (0, None) and x.output.strip()]
+        tails = [f"rank {x.rank} (exit {x.exitcode}): {x.output.strip().splitlines()[-1][:200]}"
+                 for x in results if x.output.strip()]
         return {"setup_failed": True, "messages": tails}
     if cell.fault in ("kill", "stop"):
         time.sleep(rng.uniform(0.0, window))
         t_fault = time.time()
         _kill(pids[victim], signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
+    elif fs:
+        time.sleep(rng.uniform(0.0, window))
+        t_fault = time.time()
+        if cell.fault == "fill":
+            _fill(os.path.join(tmp, "ckpt"))
+        else:
+            _read_only(os.path.join(tmp, "ckpt"))
     # Wait for the surviving ranks: each writes done<r> when it returns or fails.
     hang = False
     start = time.monotonic()
@@ -503,6 +561,8 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
     errs = [rank_out.get(r, {}).get("error") for r in survivors]
     res["expected"] = not hang and all(e is not None and not e[0].startswith("unexpected") for e in errs)
     res["wrong"] += _check_after(cell, tmp, rank_out, res)
+    if fs:
+        _umount(os.path.join(tmp, "ckpt"))
     _rmtree(tmp)
     return res
 
@@ -545,7 +605,12 @@ def run_cell(cell: Cell, tries: int, seed: int = 0, timeout: float = 3.0, margin
     reference_params(1)  # the first optimizer step imports much of torch: once here, not in every rank
     rows, setup_failures, i = [], [], 0
     while len(rows) < tries and len(setup_failures) < 3 + tries:
-        r = run_try(cell, seed * 100003 + i, timeout, margin, window)
+        try:
+            r = run_try(cell, seed * 100003 + i, timeout, margin, window)
+        except Skip as e:
+            return {"cell": cell.name, "tries": 0, "expected": 0, "hangs": 0, "median_s": None, "max_s": None,
+                    "leftovers": 0, "wrong": 0, "messages": [], "restarts": 0, "unexpected": [],
+                    "skipped": str(e)}
         i += 1
         (setup_failures if r["setup_failed"] else rows).append(r)
     if len(rows) < tries:
@@ -556,6 +621,7 @@ def run_cell(cell: Cell, tries: int, seed: int = 0, timeout: float = 3.0, margin
             "median_s": statistics.median(times) if times else None, "max_s": max(times) if times else None,
             "leftovers": sum(r["leftovers"] for r in rows), "wrong": sum(r["wrong"] for r in rows),
             "messages": sorted({m for r in rows for m in r["messages"]})[:6], "restarts": len(setup_failures),
+            "restart_reasons": [m for f in setup_failures for m in f["messages"]][:4],
             "unexpected": [m for r in rows if not r["expected"] for m in r["messages"]][:4]}
 
 
@@ -564,6 +630,9 @@ HEADER = ("cell", "tries", "expected errors", "hangs", "fault->error median s", 
 
 
 def format_row(row: dict) -> str:
+    if row.get("skipped"):
+        return f"| {row['cell']} | skipped: {row['skipped']} | | | | | | |"
+
     def s(v):
         return "-" if v is None else f"{v:.2f}"
     return (f"| {row['cell']} | {row['tries']} | {row['expected']} | {row['hangs']} | {s(row['median_s'])} | "
@@ -649,7 +718,8 @@ def main(args) -> int:
         print(format_row(row), flush=True)
     notes = [(r["cell"], m) for r in rows for m in (r["unexpected"] or r["messages"]) if r["wrong"] or r["hangs"]
              or r["expected"] < r["tries"]]
-    notes += [(r["cell"], f"{r['restarts']} tries restarted: the ranks did not start") for r in rows if r["restarts"]]
+    notes += [(r["cell"], f"{r['restarts']} tries restarted, the ranks did not start: {r['restart_reasons']}")
+              for r in rows if r["restarts"]]
     for cell, m in notes:
         print(f"  {cell}: {m}")
     if args.json:

@@ -30,6 +30,16 @@ def test_fault_cell(name):
         assert any("rank 1 is behind" in m or "never arrived: [1]" in m for m in row["messages"]), row
 
 
+@pytest.mark.parametrize("name", ["save-disk-full", "save-read-only"])
+def test_fault_cell_tmpfs(name):
+    """A real full / read-only file system under the checkpoint (mounting a tmpfs needs root)."""
+    row = faults.run_cell(faults.CELLS[name], tries=1, seed=2, timeout=TIMEOUT, margin=8.0, window=0.5)
+    if row.get("skipped"):
+        pytest.skip(row["skipped"])
+    assert (row["expected"], row["hangs"], row["wrong"], row["leftovers"]) == (1, 0, 0, 0), row
+    assert any("No space left" in m or "Read-only file system" in m for m in row["messages"]), row
+
+
 def test_checkpoint_check_finds_wrong_state(tmp_path):
     """The harness's own check: a consolidated checkpoint that is not its step's state counts as wrong."""
     import pyzero as pz  # noqa: PLC0415

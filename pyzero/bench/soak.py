@@ -1,8 +1,8 @@
 """pyzero-bench soak: random collectives for a bounded time, every result checked against a local reference.
 
 Every rank draws the same sequence of calls from a shared seed (collective, reduce op, dtype, size
-including uneven and zero counts, sync or async with several in flight, the world or a subgroup, and fused
-TP ops: all_gather_matmul / matmul_reduce_scatter); each rank's input is a function of (seed, call, rank),
+including uneven and zero counts, sync or async with several in flight, the world or a subgroup, send/recv
+rings, and fused TP ops: all_gather_matmul / matmul_reduce_scatter); each rank's input is a function of (seed, call, rank),
 so every rank computes the expected result of every call locally. Values are small integers, exact in
 every dtype, so results must match exactly (avg and the fused matmuls within rounding).
 
@@ -22,7 +22,7 @@ from pyzero.launch import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 SIZES = [0, 1, 3, 64, 1000, 4097, 65537, 300_000]
-OPS = ["sum", "max", "min", "avg"]
+OPS = ["sum", "max", "min", "prod", "avg"]
 
 
 def _data(seed: int, call: int, rank: int, n: int, dtype) -> torch.Tensor:
@@ -38,6 +38,8 @@ def _reduce(xs, op):
         return st.max(0).values
     if op == "min":
         return st.min(0).values
+    if op == "prod":
+        return st.prod(0)
     return st.sum(0) / len(xs)
 
 
@@ -100,9 +102,9 @@ def _rank_soak(seconds: float, seed: int, inject_wrong: int = 0) -> dict:
             if stop.item():
                 break
         g = rng.choice(groups)
-        kind = rng.choice(["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "fused"])
+        kind = rng.choice(["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "fused", "sendrecv"])
         dtype = rng.choice(DTYPES)
-        op = rng.choice(OPS[:3] if not dtype.is_floating_point else OPS)
+        op = rng.choice(OPS[:4] if not dtype.is_floating_point else OPS)
         size = rng.choice(SIZES)
         uneven = rng.random() < 0.5
         async_op = rng.random() < 0.4
@@ -136,6 +138,16 @@ def _rank_soak(seconds: float, seed: int, inject_wrong: int = 0) -> dict:
             res, want = mine, inputs[g.ranks.index(src)]
             w = pz.broadcast(mine, src=src, group=g, async_op=async_op, algo=algo)
             exact = True
+        elif kind == "sendrecv":  # a ring: each rank sends to the next and receives from the previous
+            settle()
+            if k == 1:
+                continue
+            nxt, prv = g.ranks[(me + 1) % k], g.ranks[(me - 1) % k]
+            res, want = torch.zeros(size, dtype=dtype), inputs[(me - 1) % k]
+            sent = pz.send(mine, dst=nxt, group=g, async_op=True)
+            pz.recv(res, src=prv, group=g)
+            sent.wait()
+            w, exact = None, True
         elif kind == "barrier":
             res, want = None, None
             w = pz.barrier(group=g, async_op=async_op)

@@ -275,6 +275,7 @@ class _Process:
         self.prefix = ""
         self.rank = 0
         self.world = 1
+        self.pid = os.getpid()  # a forked child (a data loader worker) writes no trace of its own
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
         self.size = _env_int("PYZERO_FLIGHT", 256)
@@ -556,7 +557,7 @@ def write_trace(path: str | None = None) -> str:
 
 @atexit.register
 def _at_exit():
-    if _proc.trace and _proc.rings:
+    if _proc.trace and _proc.rings and os.getpid() == _proc.pid:
         try:
             write_trace()
         except OSError:

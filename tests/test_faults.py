@@ -68,7 +68,7 @@ def test_soak_short():
     r = soak.soak(seconds=2.0, nproc=3, seed=5)
     assert r["wrong"] == 0, r["notes"]
     for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_gather_matmul",
-                 "matmul_reduce_scatter"):
+                 "matmul_reduce_scatter", "sendrecv"):
         assert r["calls"].get(kind, 0) > 0, (kind, r["calls"])
 
 

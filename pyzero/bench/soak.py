@@ -2,8 +2,8 @@
 
 Every rank draws the same sequence of calls from a shared seed (collective, reduce op, dtype, size
 including uneven and zero counts, sync or async with several in flight, the world or a subgroup, send/recv
-rings, and fused TP ops: all_gather_matmul / matmul_reduce_scatter); each rank's input is a function of (seed, call, rank),
-so every rank computes the expected result of every call locally. Values are small integers, exact in
+rings, and fused TP ops: all_gather_matmul / matmul_reduce_scatter); each rank's input is a function of
+(seed, call, rank), so every rank computes the expected result of every call locally. Values are small integers, exact in
 every dtype, so results must match exactly (avg and the fused matmuls within rounding).
 
     pyzero-bench soak --seconds 60 --nproc 4

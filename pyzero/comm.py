@@ -185,13 +185,14 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
-    flight.start(store, rank, size, token)
+    flight.start(rank, size, token)
     _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts)
     try:
         _world.world = _make_group(tuple(range(size)), opts)
     except BaseException:
         _world = None
         raise
+    flight.listen(store)
 
 
 def _make_group(ranks: tuple[int, ...], options: Options) -> Group:

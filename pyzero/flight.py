@@ -278,6 +278,7 @@ class _Process:
         self.pid = os.getpid()  # a forked child (a data loader worker) writes no trace of its own
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
+        self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
         self.size = _env_int("PYZERO_FLIGHT", 256)
         self.trace = _trace_dir()
         self.wait_s = float(os.environ.get("PYZERO_FLIGHT_WAIT", "1"))
@@ -298,20 +299,19 @@ def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:
     return r
 
 
-def start(store, rank: int, size: int, token: str) -> None:
-    """At pz.init(): reset the rings; with 2+ ranks start the thread that answers record requests."""
+def start(rank: int, size: int, token: str) -> None:
+    """At pz.init(), before any group: read the settings, forget the previous job's rings."""
     _proc.__init__()
     _proc.rank, _proc.world, _proc.prefix = rank, size, f"pz/flight/{token}"
-    if size < 2:
+
+
+def listen(store) -> None:
+    """At pz.init(), once the world group exists (every rank has connected to the store): with 2+ ranks,
+    start the thread that answers record requests. It opens its own store connections (a connection
+    opened while ranks are still joining can stall the store for seconds)."""
+    if _proc.world < 2 or _proc.thread is not None:
         return
-    try:
-        st = store.clone()
-        st.set_timeout(datetime.timedelta(seconds=max(_proc.wait_s, 0.1)))
-    except Exception:  # noqa: BLE001 - a store that cannot be cloned: no exchange, records stay local
-        return
-    _proc.store = st
-    answer_store = store.clone()
-    _proc.thread = threading.Thread(target=_answer_loop, args=(answer_store, _proc.prefix, rank),
+    _proc.thread = threading.Thread(target=_answer_loop, args=(store, _proc.prefix, _proc.rank),
                                     name="pyzero-flight", daemon=True)
     _proc.thread.start()
 
@@ -322,10 +322,11 @@ def stop() -> None:
         write_trace()
     if _proc.thread is not None and _proc.store is not None:
         # A stopped store host never answers (a plain store call would block for good): bounded.
-        try:
-            _bounded(_leave, 2 * _proc.wait_s + 2.5)
+        try:  # rank 0 waits up to 1 s for the others (see _leave); a store op takes milliseconds
+            _bounded(_leave, (2 * _proc.wait_s if _proc.errored else 0) + (2.0 if _proc.rank == 0 else 0.5))
         except TimeoutError:
             pass
+    _proc.prefix = ""  # a thread still connecting ends once connected
     _proc.thread = None
     _proc.store = None
     _proc.rings = {}
@@ -385,7 +386,18 @@ def _answer(gid: int) -> dict:
     return {"rank": _proc.rank, "records": [] if r is None else r.records(), "other_groups": other}
 
 
-def _answer_loop(st, prefix: str, rank: int) -> None:
+def _answer_loop(store, prefix: str, rank: int) -> None:
+    try:
+        st = store.clone()  # for waiting on requests
+        asking = store.clone()  # for this process's own requests (pyzero.flight.collect)
+        asking.set_timeout(datetime.timedelta(seconds=max(_proc.wait_s, 0.1)))
+    except Exception:  # noqa: BLE001 - no second connection: records stay local
+        _proc.connected.set()
+        return
+    if _proc.prefix != prefix:  # the job ended while connecting
+        return
+    _proc.store = asking
+    _proc.connected.set()
     n = 0
     while True:
         key = f"{prefix}/{rank}/req{n + 1}"
@@ -449,11 +461,13 @@ def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
         posted = json.dumps(_answer(r.gid))
 
         def exchange():
+            if _proc.thread is not None:
+                _proc.connected.wait(_proc.wait_s)  # a failure right after pz.init: still connecting
             if _proc.store is not None:  # for peers that ask after this process has exited
                 _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", posted)
             return collect(r, skip=dead)
         try:
-            answers, note = _bounded(exchange, _proc.wait_s + 0.5)
+            answers, note = _bounded(exchange, 2 * _proc.wait_s + 0.5)
         except Exception as e:  # noqa: BLE001 - the store host is stopped or gone
             answers, note = {g: None for g in r.ranks if g != _proc.rank}, f"the store did not answer ({e})"
         summary = summarize(r, _as_dict(rec, FAILED, 0), {_proc.rank: {"records": mine}, **answers}, note)

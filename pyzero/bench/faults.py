@@ -381,6 +381,9 @@ def _rank_main(cell_name: str, tmp: str, seed: int, timeout: float, duration: fl
     out.update(rank=rank, steps=0, wrong=0, error=None)
     pz.barrier()
     _touch(os.path.join(tmp, f"ready{rank}"))
+    import faulthandler  # noqa: PLC0415
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung rank where it is
     end = time.monotonic() + duration
     try:
         while time.monotonic() < end:
@@ -446,16 +449,16 @@ def _umount(path: str) -> None:
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
-def _fill(path: str) -> None:
-    """Write to `path`/filler until the file system is full."""
-    chunk = b"\0" * (64 << 10)
-    try:
-        with open(os.path.join(path, "filler"), "wb") as f:
-            while True:
+def _fill(path: str, stop: threading.Event) -> None:
+    """Keep the file system of `path` full until `stop` (space a save frees, deleting old steps, is taken
+    back at once)."""
+    chunk = b"\0" * (4 << 10)
+    with open(os.path.join(path, "filler"), "wb", buffering=0) as f:
+        while not stop.is_set():
+            try:
                 f.write(chunk)
-                f.flush()
-    except OSError:
-        pass
+            except OSError:
+                time.sleep(0.0005)
 
 
 def _read_only(path: str) -> None:
@@ -512,10 +515,11 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
         t_fault = time.time()
         _kill(pids[victim], signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
     elif fs:
+        stop_fill = threading.Event()
         time.sleep(rng.uniform(0.0, window))
         t_fault = time.time()
         if cell.fault == "fill":
-            _fill(os.path.join(tmp, "ckpt"))
+            threading.Thread(target=_fill, args=(os.path.join(tmp, "ckpt"), stop_fill), daemon=True).start()
         else:
             _read_only(os.path.join(tmp, "ckpt"))
     # Wait for the surviving ranks: each writes done<r> when it returns or fails.
@@ -529,6 +533,13 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
             hang = True
             break
         time.sleep(0.01)
+    if cell.fault == "fill":
+        stop_fill.set()
+    if hang:
+        for r in survivors:
+            if not os.path.exists(os.path.join(tmp, f"done{r}")):
+                _kill(pids[r], signal.SIGUSR1)
+        time.sleep(0.5)
     for r in range(n):  # the victim (stopped or not) and, after a hang, everything else
         if (has_victim and r == victim) or hang:
             _kill(pids[r])
@@ -546,6 +557,9 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
     for r in survivors:
         o = rank_out.get(r)
         if o is None:
+            if hang:  # what the hung rank last printed (a stack dump: faulthandler, see _rank_main)
+                out = next((x.output for x in results if x.rank == r), "")
+                res["messages"].append(f"rank {r} hung: {out.strip()[-1500:]}")
             continue
         res["wrong"] += int(o.get("wrong", 0))
         err = o.get("error")

@@ -5,10 +5,12 @@ rank misbehaving in code); the harness compares every surviving rank's results w
 locally, and the checkpoint left behind with single-process torch.
 """
 import os
+import random
 
 import pytest
 import torch
 
+from pyzero.bench import fault_workloads as workloads
 from pyzero.bench import faults, soak
 
 TIMEOUT = 2.0  # the collective timeout of the ranks (s)
@@ -47,8 +49,8 @@ def test_checkpoint_check_finds_wrong_state(tmp_path):
 
     def save_two(tmp):
         pz.init(timeout=20)
-        ctx = faults.Ctx(pz.get_rank(), pz.get_world_size(), tmp, faults.random.Random(0), 20)
-        step = faults.WORKLOADS["save"](ctx)
+        ctx = workloads.Ctx(pz.get_rank(), pz.get_world_size(), tmp, random.Random(0), 20)
+        step = workloads.WORKLOADS["save"](ctx)
         step()
         step()
         return ctx.out["saved"]
@@ -79,11 +81,11 @@ def test_soak_counts_wrong_results():
 
 
 def test_reference_params_is_torch():
-    a = faults.reference_params(2)
-    model = faults._mlp()
+    a = workloads.reference_params(2)
+    model = workloads.mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for k in (1, 2):
-        x, y = faults._batch(k)
+        x, y = workloads.batch(k)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()

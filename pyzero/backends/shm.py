@@ -108,4 +108,8 @@ class ShmBackend(Backend):
         self.comm.sym_signal(value)
 
     def sym_wait(self, peer: int, value: int, what: str) -> None:
-        self.comm.sym_wait(peer, value, what)
+        try:
+            self.comm.sym_wait(peer, value, what)
+        except Exception as e:  # a peer died or stalled inside the fused call recorded last
+            fr = self.flight
+            raise (e if fr is None or not fr.n else fr.failed(fr.n, e)) from None

@@ -32,6 +32,7 @@ from .comm import (
 
 from . import checkpoint, optim, zero
 from .zero import ZeroOptimizer
+from .flight import dump as debug_dump
 
 build_info = _C.build_info
 

@@ -145,25 +145,34 @@ class Work:
 
     __slots__ = ("_work", "_keep", "_stream")
 
+    # (raw handle, error) -> the error to raise; pyzero.comm sets the flight recorder's explanation.
+    explain: Callable = staticmethod(lambda raw, error: error)
+
     def __init__(self, work, keep, stream_fn: Callable[[], int] | None = None):
         self._work = work
         self._keep = keep
         self._stream = stream_fn
 
     def wait(self) -> bool:
-        if self._stream is None:
-            self._work.wait()
-        else:
-            self._work.wait(self._stream())
+        try:
+            if self._stream is None:
+                self._work.wait()
+            else:
+                self._work.wait(self._stream())
+        except CollectiveError as e:
+            raise Work.explain(self._work, e) from None
         self._keep = None
         return True
 
     def synchronize(self) -> bool:
         """Block the host until the operation has finished."""
-        if self._stream is None:
-            self._work.wait()
-        else:
-            self._work.synchronize()
+        try:
+            if self._stream is None:
+                self._work.wait()
+            else:
+                self._work.synchronize()
+        except CollectiveError as e:
+            raise Work.explain(self._work, e) from None
         self._keep = None
         return True
 
@@ -306,6 +315,7 @@ class Backend(abc.ABC):
     has_symmetric = False  # fused ops on symmetric buffers (pyzero.symmetric)
     # all_reduce(..., inp=Buffer) reads inp and writes b (else comm copies, then reduces in place)
     has_out_of_place_all_reduce = False
+    flight = None  # the group's flight recorder, a pyzero.flight.Ring (set by pyzero.comm)
 
     @classmethod
     def setup_process(cls, local_rank: int) -> int | None:

@@ -9,6 +9,14 @@ Layout of a checkpoint directory::
     DIR/step_00000042/extra.pt  buffers and frozen parameters (from the first rank)
 
 Each rank writes only what it owns, so a save moves no data between ranks.
+The size and CRC-32 of every file, taken from the bytes as they are written,
+are recorded in meta.json; `load` checks them (each rank a share of the
+files) before it changes anything, so a truncated or corrupted file is a
+:class:`CheckpointCorrupt` error naming it on every rank, never silently wrong
+weights. ``load(..., fallback=True)`` then uses the newest older complete
+checkpoint instead, and says which. A save that fails on any rank (a full
+disk, a read-only directory) raises on every rank and leaves `latest` as it
+was.
 Everything is written into a hidden temporary directory, fsynced, and renamed
 into place by the first rank once every rank has finished; `latest` is
 replaced the same way. A crash at any point leaves the previous checkpoint
@@ -23,13 +31,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import shutil
+import warnings
+import zlib
 
 import torch
 
 from . import comm
 
-FORMAT = 1
+FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says which file or rank and why."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is missing, truncated or does not match its recorded checksum."""
+
+
+class _Summing:
+    """A write-only file that keeps the size and CRC-32 of what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.nbytes, self.crc = f, 0, 0
+
+    def write(self, b):
+        self.crc = zlib.crc32(b, self.crc)
+        self.nbytes += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _file_sum(path: str) -> dict:
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+            n += len(chunk)
+    return {"bytes": n, "crc32": crc}
 
 
 def _fsync_dir(path):
@@ -41,10 +84,40 @@ def _fsync_dir(path):
 
 
 def _save_file(obj, path):
+    """torch.save `obj` to `path` (fsynced) and its size and CRC-32 to `path`.sum."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        w = _Summing(f)
+        torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
+    with open(path + ".sum", "w") as f:
+        json.dump({"bytes": w.nbytes, "crc32": w.crc}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
+    """Collective over `g`: every rank learns which ranks failed a step, and why (their messages travel
+    in a second collective, only when one failed; no rank leaves before the others have them)."""
+    dev = "cpu" if g.device is None else torch.device("cuda", g.device)
+    flags = torch.zeros(g.size, device=dev)
+    flags[g.rank] = float(error is not None)
+    comm.all_reduce(flags, group=g)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if not bad:
+        return []
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MSG_BYTES]
+    mine = torch.zeros(_MSG_BYTES, dtype=torch.int32)
+    mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
+    every = torch.zeros(g.size * _MSG_BYTES, dtype=torch.int32, device=dev)
+    comm.all_gather(every, mine.to(dev), group=g)
+    every = every.view(g.size, _MSG_BYTES).cpu()
+    return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
+
+
+_MSG_BYTES = 512
+
+
 
 
 def _model_meta(model, opt):
@@ -56,7 +129,11 @@ def _model_meta(model, opt):
 
 
 def save(path: str, model, opt, step: int, keep: int = 3) -> str:
-    """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it."""
+    """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
+
+    If writing fails on any rank (a full disk, a read-only directory), every rank raises
+    CheckpointError naming the rank and its error, and `latest` still names the previous step.
+    """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     if not isinstance(keep, int) or keep < 1:
@@ -64,47 +141,96 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
     g, first = opt.group, opt.group.rank == 0
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
+
+    def agree(stage: str, error):
+        failed = _failed_ranks(g, error)
+        if failed:
+            if first:
+                shutil.rmtree(tmp, ignore_errors=True)
+            why = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+            raise CheckpointError(f"checkpoint.save({path!r}, step={step}) failed while {stage} ({why}); "
+                                  f"nothing was saved, 'latest' is unchanged") from error
+
+    error = None
     if first:
-        os.makedirs(path, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
-        os.makedirs(tmp)
-    comm.barrier(group=g)
+        try:
+            os.makedirs(path, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
+    agree("creating the directory", error)
     shard = opt.shard_state()  # waits for reductions in flight: the shards hold still while read
-    _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
+    error = None
+    try:
+        _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
+        if first:
+            trainable = {id(p) for p in opt.params}
+            extra = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+                     if id(v) not in trainable}
+            _save_file(extra, os.path.join(tmp, "extra.pt"))
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        error = e
+    agree("writing the shards", error)
+    error = None
     if first:
-        trainable = {id(p) for p in opt.params}
-        extra = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
-                 if id(v) not in trainable}
-        _save_file(extra, os.path.join(tmp, "extra.pt"))
-    comm.barrier(group=g)
-    if first:
-        meta = {"format": FORMAT, "step": step, "world": opt.world, "stage": opt.stage,
-                "optimizer": type(opt.inner).__name__,
-                "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.inner.param_groups]}
-        meta.update(_model_meta(model, opt))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = os.path.join(path, f".old_{name}")
-        if os.path.exists(final):  # saving a step again: set the old copy aside until `latest` is updated
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        with open(os.path.join(path, "latest.tmp"), "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
-        _fsync_dir(path)
-        entries = os.listdir(path)
-        others = sorted(d for d in entries if d.startswith("step_") and d != name)  # this one always stays
-        stale = [d for d in entries if d.startswith((".tmp_step_", ".old_step_"))]  # crashed or replaced saves
-        for d in others[:max(0, len(others) - (keep - 1))] + stale:
-            shutil.rmtree(os.path.join(path, d), ignore_errors=True)
-    comm.barrier(group=g)
+        try:
+            _publish(path, tmp, final, name, step, keep, model, opt)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    agree("publishing", error)
     return final
+
+
+def _publish(path, tmp, final, name, step, keep, model, opt):
+    """First rank: meta.json (with every file's checksum), then the renames that make the step `latest`."""
+    files = {}
+    for f in sorted(os.listdir(tmp)):
+        if f.endswith(".pt.sum"):
+            with open(os.path.join(tmp, f)) as fh:
+                files[f[:-4]] = json.load(fh)
+            os.unlink(os.path.join(tmp, f))
+    missing = [f"rank{r:05d}.pt" for r in range(opt.world) if f"rank{r:05d}.pt" not in files]
+    if missing:
+        raise OSError(f"shard files {missing} are missing from {tmp!r}")
+    meta = {"format": FORMAT, "step": step, "world": opt.world, "stage": opt.stage,
+            "optimizer": type(opt.inner).__name__,
+            "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.inner.param_groups]}
+    meta.update(_model_meta(model, opt))
+    meta["files"] = files
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = os.path.join(path, f".old_{name}")
+    if os.path.exists(final):  # saving a step again: set the old copy aside until `latest` is updated
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    with open(os.path.join(path, "latest.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
+    _fsync_dir(path)
+    entries = os.listdir(path)
+    others = sorted(d for d in entries if d.startswith("step_") and d != name)  # this one always stays
+    stale = [d for d in entries if d.startswith((".tmp_step_", ".old_step_"))]  # crashed or replaced saves
+    for d in others[:max(0, len(others) - (keep - 1))] + stale:
+        shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+
+
+def _step_of(d: str) -> int:
+    return int(d.rsplit("_", 1)[1])
+
+
+def _complete(path: str) -> list[str]:
+    """Step directories of `path` (and set-aside copies) that hold a meta.json."""
+    if not os.path.isdir(path):
+        return []
+    return [d for d in os.listdir(path) if d.startswith(("step_", ".old_step_")) and d.rsplit("_", 1)[1].isdigit()
+            and os.path.exists(os.path.join(path, d, "meta.json"))]
 
 
 def _resolve(path: str) -> str:
@@ -121,19 +247,95 @@ def _resolve(path: str) -> str:
             step_dir = os.path.join(path, f.read().strip())
         if os.path.exists(os.path.join(step_dir, "meta.json")):
             return step_dir
-    complete = [d for d in os.listdir(path) if d.startswith(("step_", ".old_step_"))
-                and os.path.exists(os.path.join(path, d, "meta.json"))] if os.path.isdir(path) else []
+    complete = _complete(path)
     if not complete:
         raise FileNotFoundError(f"path: {path!r} holds no checkpoint (no 'latest' file or meta.json)")
-    return os.path.join(path, max(complete, key=lambda d: d.rsplit("_", 1)[1]))
+    return os.path.join(path, max(complete, key=_step_of))
 
 
-def _read(step_dir):
-    with open(os.path.join(step_dir, "meta.json")) as f:
-        meta = json.load(f)
-    shards = [torch.load(os.path.join(step_dir, f"rank{r:05d}.pt"), map_location="cpu", weights_only=True,
-                         mmap=True) for r in range(meta["world"])]
-    return meta, shards
+def _candidates(path: str) -> list[str]:
+    """The step directory `load` picks, then the older complete ones beside it, newest first."""
+    first = _resolve(path)
+    parent = os.path.dirname(os.path.normpath(first))
+    try:
+        step = _step_of(os.path.basename(os.path.normpath(first)))
+    except ValueError:
+        return [first]
+    older = sorted((d for d in _complete(parent) if _step_of(d) < step), key=_step_of, reverse=True)
+    seen, out = set(), [first]
+    for d in older:
+        if _step_of(d) not in seen:  # step_k before a set-aside .old_step_k
+            seen.add(_step_of(d))
+            out.append(os.path.join(parent, d))
+    return out
+
+
+def _read_meta(step_dir: str) -> dict:
+    meta_path = os.path.join(step_dir, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta["world"], meta["params"]  # noqa: B018 - the keys every format has
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorrupt(f"checkpoint file {meta_path!r} is unreadable ({type(e).__name__}: {e}); "
+                                "nothing was loaded") from e
+    return meta
+
+
+def _data_files(meta: dict) -> list[str]:
+    return [f"rank{r:05d}.pt" for r in range(meta["world"])] + ["extra.pt"]
+
+
+PROBLEMS = {1: "is missing", 2: "has the wrong size (truncated?)", 3: "does not match its CRC-32 (corrupted)",
+            4: "has no recorded checksum"}
+
+
+def _check_file(step_dir: str, name: str, want: dict | None) -> int:
+    """0 if file `name` matches its recorded size and CRC-32, else a PROBLEMS code."""
+    if want is None:
+        return 4
+    full = os.path.join(step_dir, name)
+    if not os.path.isfile(full):
+        return 1
+    if os.path.getsize(full) != want["bytes"]:
+        return 2
+    return 0 if _file_sum(full)["crc32"] == want["crc32"] else 3
+
+
+def _verify(step_dir: str, meta: dict, group=None) -> None:
+    """Check every data file against meta.json (each rank of `group` a share); CheckpointCorrupt naming
+    the bad files on every rank. Checkpoints of format 1 have no checksums: a warning says so."""
+    names = _data_files(meta)
+    if "files" not in meta:
+        warnings.warn(f"checkpoint {step_dir!r} has no checksums (saved by an older pyzero): loaded without "
+                      "verification", stacklevel=3)
+        return
+    n, me = (1, 0) if group is None else (group.size, group.rank)
+    codes = torch.zeros(len(names), device="cpu" if group is None or group.device is None
+                        else torch.device("cuda", group.device))
+    for i in range(me, len(names), n):
+        codes[i] = _check_file(step_dir, names[i], meta["files"].get(names[i]))
+    if n > 1:
+        comm.all_reduce(codes, group=group)
+    bad = [(names[i], int(c)) for i, c in enumerate(codes.tolist()) if c]
+    if bad:
+        what = "; ".join(f"{os.path.join(step_dir, f)!r} {PROBLEMS[c]}" for f, c in bad)
+        raise CheckpointCorrupt(f"checkpoint {step_dir!r} is damaged: {what}; nothing was loaded")
+
+
+def _torch_load(path: str, **kw):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
+    except FileNotFoundError as e:
+        raise CheckpointCorrupt(f"checkpoint file {path!r} is missing; nothing was loaded") from e
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise CheckpointCorrupt(f"checkpoint file {path!r} is unreadable ({type(e).__name__}: {e}); "
+                                "nothing was loaded") from e
+
+
+def _read(step_dir, meta):
+    shards = [_torch_load(os.path.join(step_dir, f"rank{r:05d}.pt"), mmap=True) for r in range(meta["world"])]
+    return shards
 
 
 def _gather(shards, name, start, end, take):
@@ -151,10 +353,33 @@ def _gather(shards, name, start, end, take):
     return out
 
 
-def load(path: str, model, opt) -> int:
-    """Restore `model`/`opt` from the newest checkpoint in `path` (any world size, any stage); returns its step."""
-    step_dir = _resolve(path)
-    meta, shards = _read(step_dir)
+def load(path: str, model, opt, fallback: bool = False) -> int:
+    """Restore `model`/`opt` from the newest checkpoint in `path` (any world size, any stage); returns its step.
+
+    Every file is checked against its recorded size and CRC-32 first: a damaged checkpoint raises
+    CheckpointCorrupt naming the file, on every rank, and changes nothing. With ``fallback=True`` the
+    newest older complete checkpoint in `path` is loaded instead, with a warning naming both.
+    """
+    if not isinstance(fallback, bool):
+        raise TypeError(f"fallback: expected True or False, got {fallback!r}")
+    candidates = _candidates(path)
+    damaged = []
+    for step_dir in candidates if fallback else candidates[:1]:
+        try:
+            meta = _read_meta(step_dir)
+            _verify(step_dir, meta, opt.group)
+            shards = _read(step_dir, meta)
+            extra = _torch_load(os.path.join(step_dir, "extra.pt"))
+            break
+        except CheckpointCorrupt as e:
+            if not fallback:
+                raise
+            damaged.append(str(e))
+    else:
+        raise CheckpointCorrupt(f"path: no undamaged checkpoint in {path!r} ({' | '.join(damaged)})")
+    if damaged:
+        warnings.warn(f"checkpoint: fell back to {step_dir!r} (step {meta['step']}) because newer ones are "
+                      f"damaged: {' | '.join(damaged)}", stacklevel=2)
     mine = _model_meta(model, opt)
     if meta["params"] != mine["params"]:
         theirs = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
@@ -184,7 +409,6 @@ def load(path: str, model, opt) -> int:
             new_state.append(st)
         for grp, saved in zip(opt.inner.param_groups, meta["param_groups"]):
             grp.update({k: v for k, v in saved.items() if k in grp})
-        extra = torch.load(os.path.join(step_dir, "extra.pt"), map_location="cpu", weights_only=True)
         model.load_state_dict(extra, strict=False)
         # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
         opt.load_shard_state(values, new_state)
@@ -195,7 +419,9 @@ def load(path: str, model, opt) -> int:
 def consolidate(path: str) -> dict:
     """The full fp32 state dict of the checkpoint in `path`, loadable with model.load_state_dict (no GPU, no ranks)."""
     step_dir = _resolve(path)
-    meta, shards = _read(step_dir)
+    meta = _read_meta(step_dir)
+    _verify(step_dir, meta)
+    shards = _read(step_dir, meta)
     out = {}
     for p in meta["params"]:
         numel = 1
@@ -204,8 +430,7 @@ def consolidate(path: str) -> dict:
         out[p["name"]] = _gather(shards, p["name"], 0, numel, lambda sh, i: sh["master"][i]).reshape(p["shape"]).clone()
     for alias, canonical in meta["aliases"].items():
         out.setdefault(alias, out[canonical])
-    extra = torch.load(os.path.join(step_dir, "extra.pt"), map_location="cpu", weights_only=True)
-    out.update(extra)
+    out.update(_torch_load(os.path.join(step_dir, "extra.pt")))
     return out
 
 

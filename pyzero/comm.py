@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import backends, topology as _topology
+from . import backends, flight, topology as _topology
 from .backend import (
     Backend,
     CollectiveError,
@@ -38,6 +38,8 @@ from .backend import (
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "Group", "Options", "Work"]
 
+Work.explain = staticmethod(flight.work_failed)  # async errors explained like synchronous ones
+
 
 @dataclass(eq=False)
 class Group:
@@ -53,6 +55,11 @@ class Group:
     _pending: list = field(default_factory=list, repr=False)
     _closed: bool = field(default=False, repr=False)
     symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
+    flight: flight.Ring | None = field(default=None, repr=False)  # this group's last calls (pyzero.flight)
+
+    def __post_init__(self):
+        if self.flight is None:  # a group made by hand (pz.new_group gives it a recording ring)
+            self.flight = flight.NullRing(self.gid, self.ranks, self.rank, 1)
 
     @property
     def size(self) -> int:
@@ -84,10 +91,15 @@ class Group:
         except ValueError:
             raise ValueError(f"{arg}={global_rank}: expected a global rank of the group {list(self.ranks)}") from None
 
-    def track(self, raw, keep, b=None) -> Work | None:
-        """Wrap an async handle (None for a synchronous call) and keep it until complete."""
+    def track(self, raw, keep, b=None, rec: int = 0) -> Work | None:
+        """Wrap an async handle (None for a synchronous call) and keep it until complete;
+        `rec` is the call's flight record."""
         if raw is None:
+            if rec:
+                self.flight.last_done = rec  # (pyzero.flight.Ring: a synchronous call returned)
             return None
+        if rec:
+            self.flight.queued(rec, raw)
         work = self._backend.work(raw, keep, b)
         self._pending = [w for w in self._pending if not w.done()]
         self._pending.append(work)
@@ -176,6 +188,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     if rank == 0:
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
+    flight.start(rank, size, token)
     _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts,
                     topology=topo)
     try:
@@ -183,6 +196,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     except BaseException:
         _world = None
         raise
+    flight.listen(store)
 
 
 def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
@@ -196,6 +210,7 @@ def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
                        ranks)
     name = _topology.group_backend(w.backend, w.topology, ranks)
     g = Group(ranks, me, gid, backends.backend_class(name).create(setup), options)
+    g.flight = g._backend.flight = flight.ring(gid, ranks, me)
     w.groups.append(g)
     return g
 
@@ -247,6 +262,7 @@ def destroy() -> None:
     if _world is None:
         return
     w, _world = _world, None
+    flight.stop()
     for g in w.groups:
         g.close()
 
@@ -313,24 +329,33 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
     be = g.backend
     if out is None or out is t:
         b = be.buffer(t, "tensor")
-        raw = be.all_reduce(b, check_op(op, b), check_algo(algo), bool(async_op))
-        return g.track(raw, (t,), b)
+        opc, al = check_op(op, b), check_algo(algo)
+        i = g.flight.begin("all_reduce", b.numel, b.code, opc, al)
+        try:
+            raw = be.all_reduce(b, opc, al, bool(async_op))
+        except Exception as e:
+            raise g.flight.failed(i, e) from None
+        return g.track(raw, (t,), b, i)
     bo, bi = be.buffer(out, "out"), be.buffer(t, "tensor", writable=False)
     check_same_dtype(bi, bo, "tensor", "out")
     if bo.numel != bi.numel:
         raise ValueError(f"out: expected {bi.numel} elements like tensor, got {bo.numel}")
     if bo.ptr != bi.ptr:
         check_alias(bo, bi, 0, "out", "tensor")  # disjoint (the same memory is the in-place form)
-    opc, algoc = check_op(op, bo), check_algo(algo)
-    if be.has_out_of_place_all_reduce:
-        raw = be.all_reduce(bo, opc, algoc, bool(async_op), inp=bi)
-    else:
-        if hasattr(out, "copy_"):
-            out.copy_(t)
+    opc, al = check_op(op, bo), check_algo(algo)
+    i = g.flight.begin("all_reduce", bo.numel, bo.code, opc, al)
+    try:
+        if be.has_out_of_place_all_reduce:
+            raw = be.all_reduce(bo, opc, al, bool(async_op), inp=bi)
         else:
-            out[...] = t
-        raw = be.all_reduce(bo, opc, algoc, bool(async_op))
-    return g.track(raw, (t, out), bo)
+            if hasattr(out, "copy_"):
+                out.copy_(t)
+            else:
+                out[...] = t
+            raw = be.all_reduce(bo, opc, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t, out), bo, i)
 
 
 def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op: bool = False, algo=None):
@@ -342,8 +367,13 @@ def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op:
     opc = check_op(op, bo)
     counts = resolve_counts(counts, g.size, g.rank, bi, bo, "inp", "out")
     check_alias(bi, bo, sum(counts[:g.rank]), "inp", "out")
-    raw = be.reduce_scatter(bo, bi, counts, opc, check_algo(algo), bool(async_op))
-    return g.track(raw, (out, inp), bo)
+    al = check_algo(algo)
+    i = g.flight.begin("reduce_scatter", bi.numel, bi.code, opc, al)
+    try:
+        raw = be.reduce_scatter(bo, bi, counts, opc, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (out, inp), bo, i)
 
 
 def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=None):
@@ -354,8 +384,13 @@ def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=N
     check_same_dtype(bi, bo, "inp", "out")
     counts = resolve_counts(counts, g.size, g.rank, bo, bi, "out", "inp")
     check_alias(bo, bi, sum(counts[:g.rank]), "out", "inp")
-    raw = be.all_gather(bo, bi, counts, check_algo(algo), bool(async_op))
-    return g.track(raw, (out, inp), bo)
+    al = check_algo(algo)
+    i = g.flight.begin("all_gather", bo.numel, bo.code, -1, al)
+    try:
+        raw = be.all_gather(bo, bi, counts, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (out, inp), bo, i)
 
 
 def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
@@ -364,14 +399,25 @@ def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     root = g.group_rank(src, "src")
     be = g.backend
     b = be.buffer(t, "tensor")
-    raw = be.broadcast(b, root, check_algo(algo), bool(async_op))
-    return g.track(raw, (t,), b)
+    al = check_algo(algo)
+    i = g.flight.begin("broadcast", b.numel, b.code, -1, al, root)
+    try:
+        raw = be.broadcast(b, root, al, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
     g = resolve_group(group)
-    return g.track(g.backend.barrier(bool(async_op)), ())
+    be = g.backend
+    i = g.flight.begin("barrier", 0, 0)
+    try:
+        raw = be.barrier(bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (), None, i)
 
 
 def _peer(g: Group, global_rank: int, arg: str) -> int:
@@ -388,7 +434,12 @@ def send(t, dst: int, group=None, async_op: bool = False):
     peer = _peer(g, dst, "dst")
     be = g.backend
     b = be.buffer(t, "tensor", writable=False)
-    return g.track(be.send(b, peer, bool(async_op)), (t,), b)
+    i = g.flight.begin_p2p("send", b.numel, b.code, dst)
+    try:
+        raw = be.send(b, peer, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 def recv(t, src: int, group=None, async_op: bool = False):
@@ -397,7 +448,12 @@ def recv(t, src: int, group=None, async_op: bool = False):
     peer = _peer(g, src, "src")
     be = g.backend
     b = be.buffer(t, "tensor")
-    return g.track(be.recv(b, peer, bool(async_op)), (t,), b)
+    i = g.flight.begin_p2p("recv", b.numel, b.code, src)
+    try:
+        raw = be.recv(b, peer, bool(async_op))
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    return g.track(raw, (t,), b, i)
 
 
 class P2POp(NamedTuple):
@@ -431,7 +487,13 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
         else:
             raise ValueError(f"ops[{i}].op: expected 'send' or 'recv', got {o.op!r}")
         keep.append(o.tensor)
-    work = g.track(be.batch_p2p(batch, True), tuple(keep), batch[0][0])
+    i = g.flight.begin_p2p("batch_isend_irecv", sum(b.numel for b, _, _ in batch), batch[0][0].code,
+                           g.ranks[batch[0][1]])
+    try:
+        raw = be.batch_p2p(batch, True)
+    except Exception as e:
+        raise g.flight.failed(i, e) from None
+    work = g.track(raw, tuple(keep), batch[0][0], i)
     return [work] * len(ops)
 
 

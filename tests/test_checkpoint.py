@@ -5,13 +5,16 @@ Ranks report their optimizer shards as (name, start, end) pieces; the parent
 reassembles full tensors from them with its own code, so "what was saved"
 and "what was loaded" are compared without the library's resharding logic.
 """
+import errno
 import importlib.util
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -329,3 +332,174 @@ def test_killed_rank_resume(tmp_path, uninterrupted, stage, kill, resumes_at):
     assert f"resumed from step {resumes_at}" in restarted[0].output
     assert not [d for d in os.listdir(ckpt) if d.startswith(".tmp")]
     assert_same(restarted[0].value, uninterrupted, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Checksums: damaged files are named on every rank; fallback=True loads the previous step;
+# a save that fails on one rank raises on every rank and leaves `latest` alone.
+
+
+def damage(path, how):
+    if how == "flip":  # one byte in the middle: torch.load would still succeed, with wrong values
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    else:
+        os.unlink(path)
+
+
+def _rank_load_damaged(ckpt):
+    """Two attempts: a plain load (must raise, changing nothing), then fallback=True."""
+    import warnings  # noqa: PLC0415
+
+    pz.init(timeout=20)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=LR, weight_decay=WD)
+    before = full_params(model, opt)
+    out = {}
+    try:
+        pz.checkpoint.load(ckpt, model, opt)
+        out["plain"] = ("ok", "")
+    except Exception as e:  # noqa: BLE001
+        out["plain"] = (type(e).__name__, str(e))
+    after = full_params(model, opt)  # collective at stage 3 (the first rank gets the values)
+    out["untouched"] = before is None or all(torch.equal(v, after[k]) for k, v in before.items())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["step"] = pz.checkpoint.load(ckpt, model, opt, fallback=True)
+    out["warnings"] = [str(w.message) for w in caught]
+    out["loaded"] = shard_state(opt)
+    return out
+
+
+@pytest.mark.parametrize("how,file", [("flip", "rank00001.pt"), ("truncate", "rank00000.pt"),
+                                      ("flip", "extra.pt"), ("delete", "rank00001.pt")])
+def test_damaged_checkpoint(kept, tmp_path, how, file):
+    ckpt, res = str(tmp_path / "ckpt"), kept[1]
+    shutil.copytree(kept[0], ckpt)
+    newest, previous = f"step_{STEPS:08d}", f"step_{STEPS - 1:08d}"
+    if file == "extra.pt":  # the test model has no buffers: give extra.pt bytes worth damaging
+        meta_path = os.path.join(ckpt, newest, "meta.json")
+        torch.save({"pad": torch.zeros(64)}, os.path.join(ckpt, newest, "extra.pt"))
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta["files"]["extra.pt"] = pz.checkpoint._file_sum(os.path.join(ckpt, newest, "extra.pt"))
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+    damage(os.path.join(ckpt, newest, file), how)
+    out = [r.value for r in run_ranks(_rank_load_damaged, 2, args=(ckpt,), timeout=60)]
+    for rank, o in enumerate(out):
+        kind, msg = o["plain"]
+        assert kind == "CheckpointCorrupt", (rank, kind, msg)
+        assert os.path.join(ckpt, newest, file) in msg and "nothing was loaded" in msg, msg
+        assert o["untouched"]
+        assert o["step"] == STEPS - 1
+        assert len(o["warnings"]) == 1 and previous in o["warnings"][0] and file in o["warnings"][0]
+    loaded = assemble([o["loaded"] for o in out])
+    saved = assemble([r["saved"][STEPS - 1] for r in res])
+    for name in saved:
+        assert_same(loaded[name], saved[name])
+
+
+def test_damaged_consolidate_and_old_format(kept, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(kept[0], ckpt)
+    newest = os.path.join(ckpt, f"step_{STEPS:08d}")
+    good = pz.checkpoint.consolidate(ckpt)
+    # A checkpoint without checksums (format 1) still loads, with a warning saying it was not verified.
+    with open(os.path.join(newest, "meta.json")) as f:
+        meta = json.load(f)
+    assert sorted(meta["files"]) == ["extra.pt", "rank00000.pt", "rank00001.pt"]
+    for name, want in meta["files"].items():
+        assert want == {"bytes": os.path.getsize(os.path.join(newest, name)),
+                        "crc32": zlib.crc32(open(os.path.join(newest, name), "rb").read())}
+    del meta["files"]
+    meta["format"] = 1
+    with open(os.path.join(newest, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    with pytest.warns(UserWarning, match="no checksums"):
+        assert_same(pz.checkpoint.consolidate(ckpt), good)
+    damage(os.path.join(newest, "rank00000.pt"), "truncate")  # unverifiable, but unreadable: still an error
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match="rank00000.pt"), pytest.warns(UserWarning):
+        pz.checkpoint.consolidate(ckpt)
+    with open(os.path.join(newest, "meta.json"), "w") as f:
+        f.write('{"format": 2, "wor')  # a torn meta.json
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match="meta.json"):
+        pz.checkpoint.consolidate(newest)
+
+
+def _rank_save_fails(ckpt, mode):
+    """Save step 1; then step 2 with a fault; every rank reports its error, then loads what `latest` names."""
+    pz.init(timeout=20)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD)
+    per, rank = BATCH // pz.get_world_size(), pz.get_rank()
+    out = {}
+
+    def train(step):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+    train(0)
+    pz.checkpoint.save(ckpt, model, opt, 1)
+    out["saved"] = shard_state(opt)
+    train(1)
+    real = pz.checkpoint._save_file
+    target = ckpt
+    if mode == "enospc" and rank == 1:
+        def full_disk(obj, path):
+            with open(path, "wb") as f:
+                f.write(b"x" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        pz.checkpoint._save_file = full_disk
+    elif mode == "not_a_dir":
+        target = os.path.join(ckpt, "latest", "sub")  # `latest` is a file: no directory can be made under it
+    elif mode == "read_only":
+        os.chmod(ckpt, 0o555)
+    try:
+        pz.checkpoint.save(target, model, opt, 2)
+        out["error"] = ("ok", "")
+    except Exception as e:  # noqa: BLE001
+        out["error"] = (type(e).__name__, str(e))
+    finally:
+        pz.checkpoint._save_file = real
+        if mode == "read_only":
+            pz.comm.barrier()
+            os.chmod(ckpt, 0o755)
+    pz.comm.barrier()
+    model2 = build()
+    opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD)
+    out["step"] = pz.checkpoint.load(ckpt, model2, opt2)
+    out["loaded"] = shard_state(opt2)
+    return out
+
+
+SAVE_FAULTS = {"enospc": ["rank 1", "No space left on device", "rank00001.pt"],
+               "not_a_dir": ["rank 0", "latest"], "read_only": ["rank 0", "Permission denied"]}
+
+
+@pytest.mark.parametrize("mode", list(SAVE_FAULTS))
+def test_save_fails_on_every_rank(tmp_path, mode):
+    if mode == "read_only" and os.getuid() == 0:
+        pytest.skip("root ignores directory permissions (the enospc case covers a failing write)")
+    ckpt = str(tmp_path / "ckpt")
+    out = [r.value for r in run_ranks(_rank_save_fails, 2, args=(ckpt, mode), timeout=60)]
+    for o in out:
+        kind, msg = o["error"]
+        assert kind == "CheckpointError", (kind, msg)
+        for w in SAVE_FAULTS[mode] + ["step=2", "'latest' is unchanged"]:
+            assert w in msg, (w, msg)
+        assert o["step"] == 1
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == "step_00000001"
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_00000001"]
+    loaded = assemble([o["loaded"] for o in out])
+    saved = assemble([o["saved"] for o in out])
+    for name in saved:
+        assert_same(loaded[name], saved[name])

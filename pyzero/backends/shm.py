@@ -82,7 +82,14 @@ class ShmBackend(Backend):
 
     def sym_arrive(self, kind: str, like: torch.Tensor, dims: tuple[int, ...], count: int) -> None:
         """Enter a fused call like a collective: ranks that disagree on kind, dtype or dims fail together."""
-        self.comm.sym_arrive(_C.SYM_KINDS[kind], count, self.buffer(like, "x").code, list(dims))
+        code, fr = self.buffer(like, "x").code, self.flight
+        i = fr.begin("fused_" + kind, count, code) if fr is not None else 0
+        try:
+            self.comm.sym_arrive(_C.SYM_KINDS[kind], count, code, list(dims))
+        except Exception as e:
+            raise (e if fr is None else fr.failed(i, e)) from None
+        if fr is not None:
+            fr.done(i)
 
     def sym_grow(self, nbytes: int, barrier) -> list[torch.Tensor]:
         """Replace the symmetric buffers by ones of `nbytes` per rank (collective; `barrier()` syncs the
@@ -102,4 +109,8 @@ class ShmBackend(Backend):
         self.comm.sym_signal(value)
 
     def sym_wait(self, peer: int, value: int, what: str) -> None:
-        self.comm.sym_wait(peer, value, what)
+        try:
+            self.comm.sym_wait(peer, value, what)
+        except Exception as e:  # a peer died or stalled inside the fused call recorded last
+            fr = self.flight
+            raise (e if fr is None or not fr.n else fr.failed(fr.n, e)) from None

@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline | ps | optim | hier.
+"""pyzero-bench: collectives | train | tp | pipeline | ps | optim | hier | faults | soak.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "ps": "parameter-server training (sync, bounded, async) vs DataParallel, with and without a straggler",
     "optim": "CPU AdamW step throughput: pz.optim vs torch foreach/fused vs DeepSpeed CPUAdam",
     "hier": "several hosts: hierarchical vs flat gloo all_reduce; ZeRO-3 plain vs hpZ / qwZ / qgZ cross-host bytes",
+    "faults": "fault-injection matrix: kills, stops, mismatches, damaged checkpoints; hangs and wrong results",
+    "soak": "random collectives and fused ops for a bounded time, every result checked; wrong results",
 }
 
 

@@ -1,0 +1,578 @@
+"""Flight recorder: every group's last collectives, to explain hangs and mismatches.
+
+Each group keeps a ring of its last ``PYZERO_FLIGHT`` calls (default 256;
+0 turns recording off): sequence number, collective, element count, dtype,
+reduce op, algorithm, root or peer, start time and state (``started`` for a
+synchronous call in progress, ``queued`` for async work not yet known
+complete, ``done``, ``failed``). Recording is a tuple stored into a
+preallocated list, no I/O.
+
+When a collective fails (:class:`CollectiveError` or :class:`CollectiveTimeout`),
+the rank asks every other rank of the group for its records through the
+job's store and waits up to ``PYZERO_FLIGHT_WAIT`` seconds (default 1) for
+the answers; a thread in each process, idle in a blocking store wait until
+asked, answers even when its main thread is busy elsewhere (a rank that never
+calls). The error is raised again with a summary: which ranks are behind and
+the call they have not made, the call each rank is in, ranks that did not
+answer (stopped or dead), and the first sequence number at which the ranks'
+calls differ (mismatched collectives).
+
+:func:`dump` (``pz.debug_dump``) returns or writes the records on demand.
+``PYZERO_TRACE=1`` (or a directory) keeps longer rings with end times and
+writes a Chrome trace (chrome://tracing, Perfetto) per rank,
+``pyzero_trace_rank<r>.json``, at ``pz.destroy()`` and at exit.
+
+This module imports nothing of pyzero but ``_C`` (pyzero.comm imports it and hooks it into every call).
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import re
+import threading
+import time
+
+from . import _C
+
+_DTYPES = {code: name for name, code in dict(_C.DTYPES).items()}
+_OPS = {code: name for name, code in dict(_C.OPS).items()}
+_ALGOS = {code: name for name, code in dict(_C.ALGOS).items()}
+_AUTO = dict(_C.ALGOS)["auto"]
+
+QUEUED, STARTED, DONE, FAILED = 0, 1, 2, 3
+STATES = ("queued", "started", "done", "failed")
+P2P = ("send", "recv")
+
+_now = time.monotonic_ns
+_WALL0 = time.time() - time.monotonic()  # monotonic -> wall-clock seconds
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative integer") from None
+    if v < 0:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative integer")
+    return v
+
+
+def _trace_dir() -> str | None:
+    raw = os.environ.get("PYZERO_TRACE", "").strip()
+    if raw in ("", "0"):
+        return None
+    return "." if raw == "1" else raw
+
+
+class Ring:
+    """One group's last calls in this process (preallocated; one tuple per call).
+
+    The hot path (pyzero.comm): ``i = ring.begin(...)``, then ``ring.last_done = i`` when a synchronous
+    call returns, ``ring.queued(i, raw)`` for async work, ``ring.failed(i, e)`` when the call raised.
+    A record's state is derived when read: failed; queued until its async work is complete; done once
+    ``last_done`` reached it; else started (the caller is in it).
+    """
+
+    __slots__ = ("gid", "ranks", "rank", "seq", "n", "mask", "calls", "works", "failures", "last_done")
+
+    def __init__(self, gid: int, ranks: tuple[int, ...], rank: int, size: int):
+        cap = 1
+        while cap < max(size, 1):
+            cap <<= 1
+        self.gid, self.ranks, self.rank = gid, tuple(ranks), rank
+        self.seq = 0  # collectives called on this group (send/recv are not counted)
+        self.n = 0  # records written
+        self.mask = cap - 1
+        self.calls: list = [None] * cap
+        self.works: dict = {}  # record index -> raw async handle
+        self.failures: set = set()  # record indices that raised
+        self.last_done = 0  # the newest synchronous call that returned
+
+    def begin(self, call: str, count: int, code: int, op: int = -1, algo: int = _AUTO, root: int = -1) -> int:
+        """Record the start of a collective; returns its record index."""
+        s = self.seq = self.seq + 1
+        i = self.n = self.n + 1
+        self.calls[i & self.mask] = (s, call, count, code, op, algo, root, _now())
+        return i
+
+    def begin_p2p(self, call: str, count: int, code: int, peer: int) -> int:
+        i = self.n = self.n + 1
+        self.calls[i & self.mask] = (0, call, count, code, -1, _AUTO, peer, _now())
+        return i
+
+    def done(self, i: int) -> None:
+        self.last_done = i
+
+    def queued(self, i: int, raw) -> None:
+        works = self.works
+        works[i] = raw
+        if len(works) > self.mask + 1:  # forget handles whose records were overwritten
+            for k in [k for k in works if k <= self.n - self.mask - 1]:
+                del works[k]
+
+    def failed(self, i: int, error: BaseException) -> BaseException:
+        """Mark call `i` failed; a collective error comes back explained by every rank's records."""
+        self.failures.add(i)
+        self.works.pop(i, None)
+        if isinstance(error, _C.CollectiveError):
+            return explain(self, error, self.calls[i & self.mask])
+        return error
+
+    # ---- reading ----
+
+    def state(self, i: int) -> int:
+        if i in self.failures:
+            return FAILED
+        w = self.works.get(i)
+        if w is not None:
+            try:
+                return DONE if w.is_completed() else QUEUED
+            except Exception:  # noqa: BLE001 - a destroyed transport
+                return QUEUED
+        return DONE if i <= self.last_done else STARTED
+
+    def records(self) -> list[dict]:
+        """The recorded calls, oldest first."""
+        out = []
+        for i in range(max(1, self.n - self.mask), self.n + 1):
+            rec = self.calls[i & self.mask]
+            if rec is not None:
+                out.append(_as_dict(rec, self.state(i), self.end_ns(i)))
+        return out
+
+    def end_ns(self, i: int) -> int:
+        return 0
+
+    def find_work(self, raw) -> int | None:
+        for i, w in self.works.items():
+            if w is raw:
+                return i
+        return None
+
+
+class TimedRing(Ring):
+    """PYZERO_TRACE: also the time each call was seen to end (async work: when found complete)."""
+
+    __slots__ = ("ends",)
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.ends = [0] * (self.mask + 1)
+
+    @property
+    def last_done(self):
+        return Ring.last_done.__get__(self)
+
+    @last_done.setter
+    def last_done(self, i):
+        Ring.last_done.__set__(self, i)
+        if i:
+            self.ends[i & self.mask] = _now()
+
+    def begin(self, *a, **k) -> int:
+        self._settle()
+        i = super().begin(*a, **k)
+        self.ends[i & self.mask] = 0
+        return i
+
+    def begin_p2p(self, *a, **k) -> int:
+        i = super().begin_p2p(*a, **k)
+        self.ends[i & self.mask] = 0
+        return i
+
+    def _settle(self):
+        for i, w in list(self.works.items()):
+            if not self.ends[i & self.mask] and w.is_completed():
+                self.ends[i & self.mask] = _now()
+
+    def failed(self, i, error):
+        self.ends[i & self.mask] = _now()
+        return super().failed(i, error)
+
+    def records(self):
+        self._settle()
+        return super().records()
+
+    def end_ns(self, i: int) -> int:
+        return self.ends[i & self.mask]
+
+
+class NullRing(Ring):
+    """PYZERO_FLIGHT=0: nothing is recorded (errors are raised as they come)."""
+
+    __slots__ = ()
+
+    def begin(self, call, count, code, op=-1, algo=_AUTO, root=-1) -> int:
+        return 0
+
+    def begin_p2p(self, call, count, code, peer) -> int:
+        return 0
+
+    def done(self, i) -> None:
+        pass
+
+    def queued(self, i, raw) -> None:
+        pass
+
+    def failed(self, i, error):
+        return error
+
+    def records(self) -> list[dict]:
+        return []
+
+
+def _as_dict(rec, state, end_ns) -> dict:
+    seq, call, count, code, op, algo, root, t0 = rec
+    d = {"seq": seq, "call": call, "count": count, "dtype": _DTYPES.get(code, str(code)),
+         "op": _OPS.get(op), "algo": _ALGOS.get(algo, str(algo)), "state": STATES[state],
+         "start": round(_WALL0 + t0 / 1e9, 6)}
+    if call in P2P:
+        d["peer"] = root
+    elif root >= 0:
+        d["root"] = root
+    if end_ns:
+        d["end"] = round(_WALL0 + end_ns / 1e9, 6)
+    return d
+
+
+def describe(d: dict) -> str:
+    """`all_reduce(count=2, op=sum, dtype=float32)` for a record."""
+    if d["call"] == "barrier":
+        return "barrier()"
+    parts = [f"count={d['count']}"]
+    if d.get("op") is not None:
+        parts.append(f"op={d['op']}")
+    if "root" in d:
+        parts.append(f"root={d['root']}")
+    if "peer" in d:
+        parts.append(f"peer={d['peer']}")
+    parts.append(f"dtype={d['dtype']}")
+    if d.get("algo") not in (None, "auto"):
+        parts.append(f"algo={d['algo']}")
+    return f"{d['call']}({', '.join(parts)})"
+
+
+def _same_call(a: dict, b: dict) -> bool:
+    if (a["call"], a["count"], a["dtype"], a.get("op"), a.get("root")) != \
+            (b["call"], b["count"], b["dtype"], b.get("op"), b.get("root")):
+        return False
+    return a["algo"] == b["algo"] or "auto" in (a["algo"], b["algo"])  # auto may pick the other one
+
+
+# ---------------------------------------------------------------------------
+# Process state: the rings, the answering thread, the trace
+
+
+class _Process:
+    def __init__(self):
+        self.rings: dict[int, Ring] = {}
+        self.store = None  # this process's own store connection for answering and asking
+        self.prefix = ""
+        self.rank = 0
+        self.world = 1
+        self.pid = os.getpid()  # a forked child (a data loader worker) writes no trace of its own
+        self.errored = False  # a collective failed here: peers may want this rank's records
+        self.thread: threading.Thread | None = None
+        self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
+        self.size = _env_int("PYZERO_FLIGHT", 256)
+        self.trace = _trace_dir()
+        self.wait_s = float(os.environ.get("PYZERO_FLIGHT_WAIT", "1"))
+
+
+_proc = _Process()
+
+
+def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:
+    """A new group's ring (pyzero.comm calls this for every group it joins)."""
+    if _proc.size == 0 and not _proc.trace:
+        r = _proc.rings[gid] = NullRing(gid, ranks, rank, 1)
+        return r
+    if _proc.trace:
+        r = _proc.rings[gid] = TimedRing(gid, ranks, rank, max(_proc.size, 1 << 16))
+    else:
+        r = _proc.rings[gid] = Ring(gid, ranks, rank, _proc.size)
+    return r
+
+
+def start(rank: int, size: int, token: str) -> None:
+    """At pz.init(), before any group: read the settings, forget the previous job's rings."""
+    _proc.__init__()
+    _proc.rank, _proc.world, _proc.prefix = rank, size, f"pz/flight/{token}"
+
+
+def listen(store) -> None:
+    """At pz.init(), once the world group exists (every rank has connected to the store): with 2+ ranks,
+    start the thread that answers record requests. It opens its own store connections (a connection
+    opened while ranks are still joining can stall the store for seconds)."""
+    if _proc.world < 2 or _proc.thread is not None:
+        return
+    _proc.thread = threading.Thread(target=_answer_loop, args=(store, _proc.prefix, _proc.rank),
+                                    name="pyzero-flight", daemon=True)
+    _proc.thread.start()
+
+
+def stop() -> None:
+    """At pz.destroy(): write the trace (PYZERO_TRACE), stop the answering thread."""
+    if _proc.trace and _proc.rings:
+        write_trace()
+    if _proc.thread is not None and _proc.store is not None:
+        # A stopped store host never answers (a plain store call would block for good): bounded.
+        try:  # rank 0 waits up to 1 s for the others (see _leave); a store op takes milliseconds
+            _bounded(_leave, (2 * _proc.wait_s if _proc.errored else 0) + (2.0 if _proc.rank == 0 else 0.5))
+        except TimeoutError:
+            pass
+    _proc.prefix = ""  # a thread still connecting ends once connected
+    _proc.thread = None
+    _proc.store = None
+    _proc.rings = {}
+
+
+def _bounded(fn, seconds: float):
+    """fn() on a daemon thread, given up on after `seconds` (then the store is not used again)."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # noqa: BLE001
+            out.append(e)
+    t = threading.Thread(target=run, name="pyzero-flight-store", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        _proc.store = None  # blocked on a store that does not answer: leave it to that thread
+        raise TimeoutError(f"the store did not answer within {seconds:g} s")
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
+
+
+def _leave() -> None:
+    """Tell this process's answering thread to end (after the peers leave, if a call failed here)."""
+    st, pre, thread = _proc.store, _proc.prefix, _proc.thread
+    try:
+        leaving = st.add(f"{pre}/leaving", 1)
+        if _proc.errored:  # peers may still ask for this rank's records: answer until they leave too
+            deadline = time.monotonic() + _proc.wait_s
+            while leaving < _proc.world and time.monotonic() < deadline:
+                time.sleep(0.01)
+                leaving = st.add(f"{pre}/leaving", 0)
+        n = st.add(f"{pre}/{_proc.rank}/n", 1)
+        st.set(f"{pre}/{_proc.rank}/req{n}", "bye")
+        thread.join(timeout=1.0)
+        stopped = st.add(f"{pre}/stopped", 1)
+        if _proc.rank == 0:  # the store lives in this process: let the other threads end first
+            deadline = time.monotonic() + 1.0
+            while stopped < _proc.world and time.monotonic() < deadline:
+                time.sleep(0.005)
+                stopped = st.add(f"{pre}/stopped", 0)
+    except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): the thread ends with it
+        pass
+
+
+def _answer(gid: int) -> dict:
+    r = _proc.rings.get(gid)
+    other = {}
+    for g, rr in list(_proc.rings.items()):
+        if g != gid:
+            open_ = [d for d in rr.records() if d["state"] in ("started", "queued")]
+            if open_:
+                other[g] = open_[-1]
+    return {"rank": _proc.rank, "records": [] if r is None else r.records(), "other_groups": other}
+
+
+def _answer_loop(store, prefix: str, rank: int) -> None:
+    try:
+        st = store.clone()  # for waiting on requests
+        asking = store.clone()  # for this process's own requests (pyzero.flight.collect)
+        asking.set_timeout(datetime.timedelta(seconds=max(_proc.wait_s, 0.1)))
+    except Exception:  # noqa: BLE001 - no second connection: records stay local
+        _proc.connected.set()
+        return
+    if _proc.prefix != prefix:  # the job ended while connecting
+        return
+    _proc.store = asking
+    _proc.connected.set()
+    n = 0
+    while True:
+        key = f"{prefix}/{rank}/req{n + 1}"
+        try:
+            st.wait([key], datetime.timedelta(days=1))
+            req = st.get(key).decode()
+        except Exception as e:  # noqa: BLE001
+            if "timeout" in str(e).lower() or "Timeout" in type(e).__name__:
+                continue
+            return  # the store is gone: the job is over
+        n += 1
+        if req == "bye":
+            return
+        try:
+            st.set(f"{prefix}/{rank}/dump{n}", json.dumps(_answer(int(req))))
+        except Exception:  # noqa: BLE001
+            return
+
+
+def collect(r: Ring, wait_s: float | None = None, skip=()) -> tuple[dict[int, dict | None], str]:
+    """Ask the other ranks of `r`'s group (but `skip`) for their records; {global rank: answer or None}, a note.
+
+    A rank answers from its answering thread, or has posted its records when a call failed there (so a
+    process that exits right after its error is still heard)."""
+    st = _proc.store
+    out: dict[int, dict | None] = {g: None for g in r.ranks if g != _proc.rank}
+    if st is None:
+        return out, "no store to exchange records through"
+    wait_s = _proc.wait_s if wait_s is None else wait_s
+    pre, asked, note = _proc.prefix, {}, ""
+    try:
+        for g in out:
+            if g not in skip:
+                n = st.add(f"{pre}/{g}/n", 1)
+                st.set(f"{pre}/{g}/req{n}", str(r.gid))
+                asked[g] = n
+        deadline = time.monotonic() + wait_s
+        while asked:
+            for g, n in list(asked.items()):
+                for key in (f"{pre}/{g}/dump{n}", f"{pre}/{g}/posted{r.gid}"):
+                    if st.check([key]):
+                        out[g] = json.loads(st.get(key))
+                        del asked[g]
+                        break
+            if not asked or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+    except Exception as e:  # noqa: BLE001
+        note = f"the store did not answer ({type(e).__name__})"
+    return out, note
+
+
+def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
+    """`error` (a collective error of call `rec` on `r`'s group) again, with every rank's records summed up."""
+    _proc.errored = True
+    try:
+        mine = r.records()
+        # Ranks the transport saw exit will not answer: do not wait for them.
+        m = re.search(r"\(exited: \[([0-9, ]+)\]\)", str(error))
+        dead = {r.ranks[int(x)] for x in m.group(1).split(",") if int(x) < len(r.ranks)} if m else set()
+        posted = json.dumps(_answer(r.gid))
+
+        def exchange():
+            if _proc.thread is not None:
+                _proc.connected.wait(_proc.wait_s)  # a failure right after pz.init: still connecting
+            if _proc.store is not None:  # for peers that ask after this process has exited
+                _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", posted)
+            return collect(r, skip=dead)
+        try:
+            answers, note = _bounded(exchange, 2 * _proc.wait_s + 0.5)
+        except Exception as e:  # noqa: BLE001 - the store host is stopped or gone
+            answers, note = {g: None for g in r.ranks if g != _proc.rank}, f"the store did not answer ({e})"
+        summary = summarize(r, _as_dict(rec, FAILED, 0), {_proc.rank: {"records": mine}, **answers}, note)
+    except Exception as e:  # noqa: BLE001 - never hide the original error
+        summary = f"flight recorder: could not gather records ({type(e).__name__}: {e})"
+    new = type(error)(f"{error}\n{summary}")
+    new.flight = summary  # the summary alone, for programs that report it
+    return new
+
+
+def work_failed(raw, error: BaseException) -> BaseException:
+    """An async call's error (Work.wait): explained like a synchronous one when its record is found."""
+    if not isinstance(error, _C.CollectiveError):
+        return error
+    for r in list(_proc.rings.values()):
+        i = r.find_work(raw)
+        if i is not None:
+            return r.failed(i, error)
+    return error
+
+
+def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str = "") -> str:
+    """One message: who is behind and where each rank is, silent ranks, the first mismatched call."""
+    seq = failed["seq"]
+    lines = [f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global "
+             f"{_proc.rank}) failed in seq {seq} {describe(failed)}"]
+    silent, behind, colls = [], [], {}
+    for g in r.ranks:
+        ans = by_rank.get(g)
+        if ans is None:
+            silent.append(g)
+            continue
+        recs = [d for d in ans["records"] if d["call"] not in P2P]
+        colls[g] = {d["seq"]: d for d in recs}
+        last = recs[-1] if recs else None
+        open_ = [d for d in ans["records"] if d["state"] in ("started", "queued")]
+        if g == _proc.rank:
+            continue
+        if last is None or last["seq"] < seq:
+            behind.append(g)
+            where = "has made no collective call on this group" if last is None else \
+                f"last called seq {last['seq']} {describe(last)} [{last['state']}]"
+            lines.append(f"rank {g} is behind: it has not called seq {seq} ({describe(failed)}); it {where}")
+        elif open_:
+            d = open_[0]
+            lines.append(f"rank {g} is in seq {d['seq']} {describe(d)} [{d['state']}, "
+                         f"{time.time() - d['start']:.1f} s]")
+        else:
+            lines.append(f"rank {g}: last call seq {last['seq']} {describe(last)} [{last['state']}]")
+        for og, d in ans.get("other_groups", {}).items():
+            lines.append(f"rank {g} is also in group {og} seq {d['seq']} {describe(d)} [{d['state']}]")
+    # The first sequence number at which two answering ranks called different collectives.
+    common = sorted(set.intersection(*(set(c) for c in colls.values()))) if len(colls) > 1 else []
+    for s in common:
+        calls = {g: c[s] for g, c in colls.items()}
+        ref = calls[min(calls)]
+        if any(not _same_call(ref, d) for d in calls.values()):
+            lines.append(f"mismatched calls at seq {s}: " + ", ".join(
+                f"rank {g} called {describe(d)}" for g, d in sorted(calls.items())))
+            break
+    if silent:
+        lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
+    return "\n  ".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# On demand: pz.debug_dump(), the trace
+
+
+def dump(path: str | None = None) -> dict:
+    """This rank's records of every group it is in: {"rank", "groups": [{"gid", "ranks", "records"}]};
+    written as JSON to `path` too when given."""
+    out = {"rank": _proc.rank, "time": time.time(),
+           "groups": [{"gid": r.gid, "ranks": list(r.ranks), "records": r.records()}
+                      for r in _proc.rings.values()]}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def write_trace(path: str | None = None) -> str:
+    """Write this rank's calls as a Chrome trace (one row per group); returns the path."""
+    if path is None:
+        path = os.path.join(_proc.trace or ".", f"pyzero_trace_rank{_proc.rank}.json")
+    events = []
+    for r in _proc.rings.values():
+        for d in r.records():
+            ts = d["start"] * 1e6
+            ev = {"name": d["call"], "cat": "collective", "pid": _proc.rank, "tid": r.gid, "ts": ts,
+                  "args": {k: v for k, v in d.items() if k not in ("start", "end")}}
+            if "end" in d:
+                ev.update(ph="X", dur=max(d["end"] * 1e6 - ts, 0.0))
+            else:
+                ev.update(ph="i", s="t")
+            events.append(ev)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return path
+
+
+@atexit.register
+def _at_exit():
+    if _proc.trace and _proc.rings and os.getpid() == _proc.pid:
+        try:
+            write_trace()
+        except OSError:
+            pass

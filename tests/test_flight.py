@@ -1,0 +1,156 @@
+"""Flight recorder: pz.debug_dump() lists exactly the calls made; a rank that never calls, and mismatched
+calls, are named in the error every other rank raises; PYZERO_TRACE writes a Chrome trace per rank."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import pyzero as pz
+from pyzero.launch import run_ranks
+
+
+def _rank_calls(path):
+    pz.init(timeout=20)
+    rank = pz.get_rank()
+    pz.all_reduce(torch.ones(5))
+    pz.all_reduce(torch.ones(3, dtype=torch.int64), op="max", algo="ring")
+    pz.broadcast(torch.ones(7, dtype=torch.float64), src=2)
+    pz.reduce_scatter(torch.zeros([1, 2, 3][rank]), torch.ones(6), counts=[1, 2, 3])
+    pz.all_gather(torch.zeros(3), torch.ones([2, 0, 1][rank]), counts=[2, 0, 1])
+    pz.all_reduce(torch.ones(4, dtype=torch.bfloat16), async_op=True).wait()
+    pz.barrier()
+    sub = pz.new_group([0, 2])
+    if rank in (0, 2):
+        pz.all_reduce(torch.ones(2), group=sub)
+    if rank == 0:
+        pz.send(torch.ones(9), dst=1)
+    elif rank == 1:
+        pz.recv(torch.zeros(9), src=0)
+    path = f"{path}.rank{rank}"
+    got = pz.debug_dump(path)
+    with open(path) as f:
+        assert json.load(f) == got
+    return got
+
+
+def expected_calls(rank):
+    """(seq, call, count, dtype, op, root/peer) of the world group, then of the subgroup, as made above."""
+    world = [(1, "all_reduce", 5, "float32", "sum"), (2, "all_reduce", 3, "int64", "max"),
+             (3, "broadcast", 7, "float64", None), (4, "reduce_scatter", 6, "float32", "sum"),
+             (5, "all_gather", 3, "float32", None), (6, "all_reduce", 4, "bfloat16", "sum"),
+             (7, "barrier", 0, "float32", None)]
+    if rank == 0:
+        world.append((0, "send", 9, "float32", None))
+    if rank == 1:
+        world.append((0, "recv", 9, "float32", None))
+    sub = [(1, "all_reduce", 2, "float32", "sum")] if rank in (0, 2) else None
+    return world, sub
+
+
+def test_dump_lists_the_calls_made(tmp_path):
+    res = run_ranks(_rank_calls, 3, args=(str(tmp_path / "dump.json"),), timeout=60)
+    for r in res:
+        d = r.value
+        world, sub = expected_calls(r.rank)
+        assert d["rank"] == r.rank
+        groups = {g["gid"]: g for g in d["groups"]}
+        got = [(c["seq"], c["call"], c["count"], c["dtype"], c["op"]) for c in groups[0]["records"]]
+        assert got == world
+        assert all(c["state"] == "done" for c in groups[0]["records"])
+        assert groups[0]["records"][2]["root"] == 2 and groups[0]["records"][1]["algo"] == "ring"
+        if r.rank in (0, 1):
+            assert groups[0]["records"][-1]["peer"] == 1 - r.rank
+        starts = [c["start"] for c in groups[0]["records"]]
+        assert starts == sorted(starts) and time.time() - 60 < starts[0] <= starts[-1] <= time.time()
+        if sub is None:
+            assert 1 not in groups
+        else:
+            assert groups[1]["ranks"] == [0, 2]
+            assert [(c["seq"], c["call"], c["count"], c["dtype"], c["op"]) for c in groups[1]["records"]] == sub
+
+
+def _rank_never_calls(async_op):
+    """Rank 1 makes 2 of the 3 calls, then sleeps past the timeout; the others fail in call 3."""
+    pz.init(timeout=2)
+    t = torch.ones(4)
+    pz.all_reduce(t)
+    pz.all_reduce(t)
+    if pz.get_rank() == 1:
+        time.sleep(4)
+        return None
+    start = time.monotonic()
+    try:
+        if async_op:
+            pz.all_reduce(t, async_op=True).wait()
+        else:
+            pz.all_reduce(t)
+    except pz.CollectiveError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_rank_that_never_calls_is_named(async_op):
+    res = run_ranks(_rank_never_calls, 3, args=(async_op,), timeout=60, env={"PYZERO_FLIGHT_WAIT": "3"})
+    for r in (res[0], res[2]):
+        kind, msg, took = r.value
+        assert kind in ("CollectiveTimeout", "CollectiveError"), msg
+        assert ("rank 1 is behind: it has not called seq 3 (all_reduce(count=4, op=sum, dtype=float32)); "
+                "it last called seq 2 all_reduce(count=4, op=sum, dtype=float32) [done]") in msg, msg
+        assert f"this rank (global {r.rank}) failed in seq 3 all_reduce(count=4" in msg, msg
+        assert "did not answer" not in msg, msg
+        assert took < 2 + 3, f"the error took {took:.1f} s (timeout 2 s, every rank answers in well under 3 s)"
+    assert "CollectiveTimeout" in (res[0].value[0], res[2].value[0])
+
+
+MISMATCHES = {
+    "kind": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_gather(torch.zeros(8), torch.ones(4)),
+             "rank 0 called all_reduce(count=8, op=sum, dtype=float32), "
+             "rank 1 called all_gather(count=8, dtype=float32)"),
+    "dtype": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_reduce(torch.ones(8, dtype=torch.float64)),
+              "rank 0 called all_reduce(count=8, op=sum, dtype=float32), "
+              "rank 1 called all_reduce(count=8, op=sum, dtype=float64)"),
+    "op": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_reduce(torch.ones(8), op="max"),
+           "rank 0 called all_reduce(count=8, op=sum, dtype=float32), "
+           "rank 1 called all_reduce(count=8, op=max, dtype=float32)"),
+}
+
+
+def _rank_mismatch(case):
+    pz.init(timeout=5)
+    pz.barrier()
+    try:
+        MISMATCHES[case][pz.get_rank()]()
+    except pz.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_mismatched_calls_show_both(case):
+    for r in run_ranks(_rank_mismatch, 2, args=(case,), timeout=60):
+        assert f"mismatched calls at seq 2: {MISMATCHES[case][2]}" in r.value, r.value
+
+
+def _rank_trace(n):
+    pz.init(timeout=20)
+    for i in range(n):
+        pz.all_reduce(torch.ones(i + 1))
+    pz.all_gather(torch.zeros(2 * pz.get_world_size()), torch.ones(2), async_op=True).wait()
+    return len(pz.debug_dump()["groups"][0]["records"])
+
+
+def test_trace_and_off_switch(tmp_path):
+    run_ranks(_rank_trace, 2, args=(3,), timeout=60, env={"PYZERO_TRACE": str(tmp_path)})
+    for rank in range(2):
+        with open(tmp_path / f"pyzero_trace_rank{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        assert [(e["name"], e["args"]["count"]) for e in events] == [
+            ("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3), ("all_gather", 4)]
+        assert all(e["ph"] == "X" and e["dur"] >= 0 and e["pid"] == rank and e["tid"] == 0 for e in events)
+        assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    res = run_ranks(_rank_trace, 2, args=(3,), timeout=60, env={"PYZERO_FLIGHT": "0"})
+    assert [r.value for r in res] == [0, 0]
+    assert not os.path.exists("pyzero_trace_rank0.json")

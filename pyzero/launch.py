@@ -6,10 +6,12 @@ be used in a child forked after the parent initialised it) with
 RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, its stdout/stderr
 captured to a file. If any rank fails, or the deadline
 passes, every rank still running is killed and RankFailure shows each rank's
-exit status and the tail of its output.
+exit status and the tail of its output (a rank still running at the deadline first
+prints every thread's stack).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -58,6 +60,9 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update(env or {})
+    # At the deadline the parent asks for every thread's stack (SIGUSR1) before killing the
+    # rank, so RankFailure shows where a hung rank was.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     code = 0
     try:
         if threads:
@@ -146,6 +151,14 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
             break
         time.sleep(0.005)
     timed_out = len(codes) < nprocs and not failed
+    if timed_out:  # stacks of the ranks still running (see _child), then kill them
+        for pid, r in pids.items():
+            if r not in codes:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
     for pid, r in pids.items():  # kill and reap whatever is left
         if r not in codes:
             try:

@@ -498,7 +498,7 @@ def test_bench_train_runs_end_to_end(tmp_path):
     bench.add_arguments(parser)
     out = tmp_path / "train.json"
     args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-ddp,dp", "--iters", "2", "--warmup", "1",
-                              "--seq", "16", "--bucket-mb", "0.05", "--first-bucket-mb", "0.05", "--timeout", "120",
+                              "--seq", "16", "--bucket-mb", "0.05", "--first-bucket-mb", "0.05", "--timeout", "60",
                               "--json", str(out)])
     assert bench.main(args) == 0
     rec = json.loads(out.read_text())

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Records the CPU benchmarks into benchmarks/results/<name>_cpu<cores>_<date>.{txt,json} on a quiet
+# machine (nothing else running: the numbers are side-by-side ratios, but a busy machine still adds
+# noise). Run inside the project's venv. Arguments: the benches to record (default: all), among
+#   collectives train ps optim plan faults hier
+# DeepSpeed's CPU all-reduce joins the collectives table when deepspeed is importable
+# (PYTHONPATH may point at a separate install of it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DATE=$(date +%Y%m%d)
+CORES=$(nproc)
+OUT=benchmarks/results
+mkdir -p "$OUT"
+tag() { echo "$OUT/$1_cpu${CORES}_${DATE}"; }
+run() {  # name, then the command
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$(tag "$name").txt" 2>&1
+  local rc=$?
+  echo "   exit $rc, $((SECONDS - t0)) s -> $(tag "$name").txt"
+}
+WHAT=${*:-collectives train ps optim plan faults hier}
+for w in $WHAT; do
+  case $w in
+    collectives)
+      run collectives_all_reduce $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 4 \
+        --nproc 2 --backends pyzero,torch,torch-pyzero,deepspeed --json "$(tag collectives_all_reduce).json" ;;
+    train)
+      run train $PY -m pyzero.bench train --runs torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2,fsdp2-pyzero \
+        --nproc 2 --iters 30 --json "$(tag train).json" ;;
+    ps)
+      run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
+    optim)
+      run optim $PY -m pyzero.bench optim --min 1M --max 64M --factor 4 --threads 1,2 --json "$(tag optim).json" ;;
+    plan)
+      run plan_validate $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 10 --warmup 2 \
+        --json "$(tag plan_validate).json" ;;
+    faults)
+      run faults $PY -m pyzero.bench faults --tries "${TRIES:-5}" --json "$(tag faults).json"
+      run faults_overhead $PY -m pyzero.bench faults --overhead
+      run soak $PY -m pyzero.bench soak --seconds "${SOAK_SECONDS:-20}" --nproc 2 3 4 ;;
+    hier)
+      run hier $PY -m pyzero.bench hier --model gpt-nano --steps 200 --throttle 200 --json "$(tag hier).json" ;;
+    *) echo "unknown bench $w" >&2; exit 2 ;;
+  esac
+done

@@ -104,7 +104,7 @@ def die_in_save(step, stamp=None):
 def _rank_train(ckpt, stage, begin, save_at=(), keep=3, kill_in_save=None):
     """Train steps [begin, STEPS) (loading step `begin` from ckpt first), saving after the steps in save_at.
     kill_in_save=k: rank 1 dies while writing its shard of step k."""
-    pz.init(timeout=5)
+    pz.init(timeout=30)
     die_in_save(kill_in_save)
     model = build()
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD)

@@ -605,7 +605,7 @@ def test_comm_stats(world):
 
 
 def _rank_all_gather_uneven_algo():
-    pz.init(timeout=10)
+    pz.init(timeout=30)
     n, me = pz.get_world_size(), pz.get_rank()
     # rank 0's chunk (280 KB) is above auto's one-shot limit and above the
     # one-shot cap (256 KiB); the other ranks' chunks are tiny

@@ -130,8 +130,16 @@ class Worker {
     struct Release {
       Worker* w;
       ~Release() {
-        { std::lock_guard<std::mutex> g(w->mu_); w->busy_ = false; }
-        w->cv_.notify_all();
+        bool queued;
+        {
+          std::lock_guard<std::mutex> g(w->mu_);
+          w->busy_ = false;
+          queued = !w->queue_.empty();
+        }
+        // Only the worker waits on cv_, and only for queued work: waking it
+        // after every synchronous call would cost a context switch per call
+        // (and, with a rank per core, take the CPU from the peer ranks).
+        if (queued) w->cv_.notify_all();
       }
     } release{this};
     fn();

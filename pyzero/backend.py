@@ -84,6 +84,12 @@ def check_op(op, b: Buffer) -> int:
     return OPS[op]
 
 
+# check_op's answer where it depends on the op alone: the ops every dtype takes ('avg' is for
+# floating point only), for hot paths that look the op up and call check_op for anything else.
+EVERY_DTYPE_OPS: dict[str, int] = {name: code for name, code in OPS.items() if name != "avg"}
+AUTO_ALGO: int = ALGOS[None]
+
+
 def check_algo(algo) -> int:
     if algo not in ALGOS:
         raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")

@@ -14,6 +14,7 @@ from .. import _C
 from ..backend import DTYPES, Backend, Buffer, GroupSetup, check_contiguous, store_barrier, tensor_code
 
 _new_tuple = tuple.__new__  # Buffer without NamedTuple.__new__'s Python frame (hot path)
+_CODE_SIZE = {dt: (code, torch.empty((), dtype=dt).element_size()) for dt, code in DTYPES.items()}
 
 
 class ShmBackend(Backend):
@@ -42,9 +43,9 @@ class ShmBackend(Backend):
 
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
         if isinstance(x, torch.Tensor) and x.is_cpu and x.is_contiguous():  # the common case, checked cheaply
-            code = DTYPES.get(x.dtype)
-            if code is not None:
-                return _new_tuple(Buffer, (x.data_ptr(), x.numel(), x.element_size(), code, 0, "torch"))
+            cs = _CODE_SIZE.get(x.dtype)
+            if cs is not None:
+                return _new_tuple(Buffer, (x.data_ptr(), x.numel(), cs[1], cs[0], 0, "torch"))
         code = tensor_code(x, arg)
         check_contiguous(x, arg)
         if not x.is_cpu:

@@ -30,6 +30,7 @@ set up through pyzero's store.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import resource
 import time
@@ -260,7 +261,12 @@ def _rank_main(run: str, args) -> dict:
             out.update(model_state=runner.memory(), model_state_estimate=est["total"])
         return out
     finally:
-        runner.close()
+        # Free the run's model (a torch DDP / FSDP module and its reducer) before its process
+        # group is destroyed, as torch asks: a DDP reducer outliving its group can block on exit.
+        close = runner.close
+        del runner, model
+        gc.collect()
+        close()
 
 
 def _summarise(run: str, ranks: list[dict], args) -> dict:

@@ -91,7 +91,7 @@ AUTO_ALGO: int = ALGOS[None]
 
 
 def check_algo(algo) -> int:
-    if algo not in ALGOS:
+    if not (algo is None or isinstance(algo, str)) or algo not in ALGOS:
         raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
     return ALGOS[algo]
 

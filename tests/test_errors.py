@@ -107,6 +107,9 @@ BAD_ARGS = {
     "rs_in_place_ok": ("ok", []),
     "after_errors_all_reduce": ("ok", []),
     "after_destroy": ("RuntimeError", ["pz.init"]),
+    "destroyed_group_handle": ("CollectiveError", ["destroyed"]),
+    "op_unhashable": ("ValueError", ["op"]),
+    "algo_unhashable": ("ValueError", ["algo"]),
 }
 
 
@@ -213,8 +216,12 @@ def _rank_bad_args():
     x = torch.full((1031,), float(me + 1))
     o["after_errors_all_reduce"] = outcome(lambda: pz.all_reduce(x))
     assert torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2)))
+    o["op_unhashable"] = outcome(lambda: pz.all_reduce(t, op=["sum"]))
+    o["algo_unhashable"] = outcome(lambda: pz.all_reduce(t, algo=["ring"]))
+    world = pz.comm.resolve_group(None)
     pz.destroy()
     o["after_destroy"] = outcome(lambda: pz.all_reduce(t))
+    o["destroyed_group_handle"] = outcome(lambda: pz.all_reduce(t, group=world))
     return {"outcomes": o}
 
 

@@ -35,6 +35,8 @@ TORCH_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPES.it
 OPS: dict[str, int] = dict(_C.OPS)
 ALGOS: dict[str | None, int] = {None: _C.ALGOS["auto"], **_C.ALGOS}
 INTEGER_CODES = frozenset(DTYPE_CODES[n] for n in ("int32", "int64"))
+_EVERY_DTYPE_OPS = {name: code for name, code in OPS.items() if name != "avg"}  # 'avg': floating point only
+_AUTO_ALGO = ALGOS[None]
 SUPPORTED_DTYPES = ", ".join(DTYPE_CODES)
 
 
@@ -77,6 +79,9 @@ def check_contiguous(t: torch.Tensor, arg: str) -> None:
 
 
 def check_op(op, b: Buffer) -> int:
+    code = _EVERY_DTYPE_OPS.get(op) if type(op) is str else None
+    if code is not None:  # the common case: one lookup (collectives call this on every call)
+        return code
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
     if op == "avg" and b.code in INTEGER_CODES:
@@ -84,13 +89,9 @@ def check_op(op, b: Buffer) -> int:
     return OPS[op]
 
 
-# check_op's answer where it depends on the op alone: the ops every dtype takes ('avg' is for
-# floating point only), for hot paths that look the op up and call check_op for anything else.
-EVERY_DTYPE_OPS: dict[str, int] = {name: code for name, code in OPS.items() if name != "avg"}
-AUTO_ALGO: int = ALGOS[None]
-
-
 def check_algo(algo) -> int:
+    if algo is None:
+        return _AUTO_ALGO
     if not (algo is None or isinstance(algo, str)) or algo not in ALGOS:
         raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
     return ALGOS[algo]

@@ -22,8 +22,6 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import backends, flight, topology as _topology
-from .backend import AUTO_ALGO as _AUTO_ALGO
-from .backend import EVERY_DTYPE_OPS as _EVERY_DTYPE_OPS
 from .backend import (
     Backend,
     CollectiveError,
@@ -58,14 +56,10 @@ class Group:
     _closed: bool = field(default=False, repr=False)
     symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
     flight: flight.Ring | None = field(default=None, repr=False)  # this group's last calls (pyzero.flight)
-    # The backend while calls on it may go ahead (a member, not destroyed), else None: the hot
-    # paths read this one attribute and fall back to `backend`, which raises the right error.
-    live: Backend | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.flight is None:  # a group made by hand (pz.new_group gives it a recording ring)
             self.flight = flight.NullRing(self.gid, self.ranks, self.rank, 1)
-        self.live = self._backend if self.rank >= 0 else None
 
     @property
     def size(self) -> int:
@@ -112,7 +106,6 @@ class Group:
         return work
 
     def close(self) -> None:
-        self.live = None
         if self._backend is not None and not self._closed:
             self.symmetric = None  # views of the segments the transport unmaps
             self._closed = True
@@ -332,26 +325,16 @@ def groups() -> list[Group]:
 def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None, out=None):
     """Reduce `t` across the group in place; with `out` (same numel and dtype, separate memory),
     `t` is only read and the result lands in `out`."""
-    # The in-place call is the hot path of small messages (a few microseconds in all): each
-    # step below is the cheap form of the general one, falling back to it for anything else.
-    g = _world.world if group is None and _world is not None else resolve_group(group)
-    be = g.live or g.backend
+    g = resolve_group(group)
+    be = g.backend
     if out is None or out is t:
         b = be.buffer(t, "tensor")
-        opc = _EVERY_DTYPE_OPS.get(op) if type(op) is str else None
-        if opc is None:
-            opc = check_op(op, b)
-        al = _AUTO_ALGO if algo is None else check_algo(algo)
-        fl = g.flight
-        i = fl.begin("all_reduce", b.numel, b.code, opc, al)
+        opc, al = check_op(op, b), check_algo(algo)
+        i = g.flight.begin("all_reduce", b.numel, b.code, opc, al)
         try:
             raw = be.all_reduce(b, opc, al, bool(async_op))
         except Exception as e:
-            raise fl.failed(i, e) from None
-        if raw is None:  # synchronous: done (Group.track's first case, inline)
-            if i:
-                fl.last_done = i
-            return None
+            raise g.flight.failed(i, e) from None
         return g.track(raw, (t,), b, i)
     bo, bi = be.buffer(out, "out"), be.buffer(t, "tensor", writable=False)
     check_same_dtype(bi, bo, "tensor", "out")

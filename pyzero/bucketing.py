@@ -193,15 +193,19 @@ def _device_fused(tensors, flat, offsets, scale, to_flat: bool) -> bool:
     return True
 
 
+def _device_move(tensors, flat, offsets, scale, to_flat: bool) -> None:
+    """pack (to_flat) or unpack on a GPU: one fused kernel, or torch copies for mixed dtypes."""
+    _flat_code(flat, scale)
+    tensors, offsets = list(tensors), list(offsets)
+    if not _device_fused(tensors, flat, offsets, scale, to_flat):
+        _device_copies(tensors, flat, offsets, float(scale), to_flat)
+
+
 def pack(tensors, flat: torch.Tensor, offsets, scale: float = 1.0) -> None:
     """flat[o:o + t.numel()] = (scale * t) cast to flat.dtype, for every (t, o), in one C++ pass
     (CPU tensors; CUDA tensors: one fused kernel, or torch copies for mixed dtypes)."""
     if flat.device.type != "cpu":
-        _flat_code(flat, scale)
-        tensors, offsets = list(tensors), list(offsets)
-        if not _device_fused(tensors, flat, offsets, scale, True):
-            _device_copies(tensors, flat, offsets, float(scale), True)
-        return
+        return _device_move(tensors, flat, offsets, scale, True)
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
     _C.multi_tensor_pack(ptrs, numels, codes, offs, flat.data_ptr(), code, flat.numel(), float(scale))
@@ -211,11 +215,7 @@ def unpack(flat: torch.Tensor, tensors, offsets, scale: float = 1.0) -> None:
     """t[:] = (scale * flat[o:o + t.numel()]) cast to t.dtype, for every (t, o), in one C++ pass
     (CPU tensors; CUDA tensors: one fused kernel, or torch copies for mixed dtypes)."""
     if flat.device.type != "cpu":
-        _flat_code(flat, scale)
-        tensors, offsets = list(tensors), list(offsets)
-        if not _device_fused(tensors, flat, offsets, scale, False):
-            _device_copies(tensors, flat, offsets, float(scale), False)
-        return
+        return _device_move(tensors, flat, offsets, scale, False)
     code = _flat_code(flat, scale)
     ptrs, numels, codes, offs = _table(tensors, offsets, flat, "tensors")
     _C.multi_tensor_unpack(flat.data_ptr(), code, flat.numel(), ptrs, numels, codes, offs, float(scale))

@@ -147,7 +147,7 @@ def _env_int(name: str) -> int:
         raise ValueError(f"pz.init(): {name}={value!r} is not an integer") from None
 
 
-def init(backend: str | None = None, timeout: float = 300.0, options=None) -> None:
+def init(backend: str | None = None, timeout: float = 300.0, options=None, join_timeout: float | None = None) -> None:
     """Join the job described by the torchrun environment variables.
 
     Without any of them set, starts a world of one process. ``backend`` is
@@ -157,12 +157,20 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
     and "hier" across hosts (see pyzero.topology). ``options`` (pz.Options or a
     dict of its fields) sets the transport of the world and, by default, of
     every subgroup.
+
+    ``timeout`` bounds every collective; ``join_timeout`` bounds the wait for
+    all ranks to join (their processes may start seconds apart), by default
+    the larger of ``timeout`` and 60 s.
     """
     global _world
     if _world is not None:
         raise RuntimeError("pz.init(): already initialised; call pz.destroy() first")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    if join_timeout is None:
+        join_timeout = max(float(timeout), 60.0)
+    elif not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool) or join_timeout <= 0:
+        raise ValueError(f"join_timeout: expected a positive number of seconds or None, got {join_timeout!r}")
     opts = Options.make(options)
     if backend is not None:
         backends.backend_class(backend)  # a bad name fails before any rendezvous
@@ -181,8 +189,20 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None) -> No
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
     from torch.distributed import TCPStore  # noqa: PLC0415
 
-    store = TCPStore(addr, port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout))
-    topo = _topology.exchange(store, rank, size, timeout)
+    from torch.distributed import DistError  # noqa: PLC0415
+
+    try:
+        store = TCPStore(addr, port, size, rank == 0, timeout=datetime.timedelta(seconds=join_timeout),
+                         wait_for_workers=False)
+    except DistError as e:
+        raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
+                                f"join_timeout={join_timeout:g} s: {e}") from None
+    try:
+        topo = _topology.exchange(store, rank, size, join_timeout)
+    except DistError as e:
+        raise CollectiveTimeout(f"pz.init(): rank {rank}: not every rank joined within join_timeout="
+                                f"{join_timeout:g} s ({_topology.missing(store, size)}): {e}") from None
+    store.set_timeout(datetime.timedelta(seconds=timeout))  # everyone is here: from now on, the collectives' bound
     backend = _topology.pick_backend(backend, topo, torch.cuda.is_available())
     device = backends.backend_class(backend).setup_process(local_rank)
     if rank == 0:

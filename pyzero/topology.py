@@ -110,6 +110,15 @@ def group_hosts(reports: list[tuple[str, int | None]], rank: int) -> Topology:
     return Topology(tuple(tuple(r) for _, r in ordered), tuple(n for n, _ in ordered), rank)
 
 
+def missing(store, size: int, key: str = "pz/topology") -> str:
+    """Which ranks have not published their host yet (for an error message); never raises."""
+    try:
+        absent = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+    except Exception:  # noqa: BLE001 - the store itself may be gone
+        return "the store did not answer"
+    return f"never joined: {absent}" if absent else "every rank joined, one left before the others had read"
+
+
 def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology") -> Topology:
     """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
     store.set(f"{key}/{rank}", json.dumps([host_name(), _claimed_local_size()]))

@@ -48,6 +48,7 @@ BAD_ARGS = {
     "before_init_new_group": ("RuntimeError", ["pz.init"]),
     "before_init_comm_stats": ("RuntimeError", ["pz.init"]),
     "init_bad_timeout": ("ValueError", ["timeout"]),
+    "init_bad_join_timeout": ("ValueError", ["join_timeout", "positive"]),
     "init_bad_backend": ("ValueError", ["backend"]),
     "init_twice": ("RuntimeError", ["already"]),
     "non_tensor": ("TypeError", ["tensor"]),
@@ -125,6 +126,7 @@ def _rank_bad_args():
     o["before_init_new_group"] = outcome(lambda: pz.new_group([0]))
     o["before_init_comm_stats"] = outcome(lambda: pz.comm_stats())
     o["init_bad_timeout"] = outcome(lambda: pz.init(timeout=-1))
+    o["init_bad_join_timeout"] = outcome(lambda: pz.init(timeout=30, join_timeout=0))
     o["init_bad_backend"] = outcome(lambda: pz.init(backend="gloo"))
     assert not pz.is_initialized()
     pz.init(timeout=30)
@@ -406,6 +408,34 @@ def test_dead_rank_detected_fast(how, world):
     assert isinstance(pz.CollectiveTimeout("x"), pz.CollectiveError)
     left = _segments() - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def _rank_late(delay, join_timeout):
+    """Rank 1 starts `delay` s after rank 0; the collective timeout (1 s) is shorter than that."""
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(delay)
+    start = time.monotonic()
+    try:
+        pz.init(timeout=1, join_timeout=join_timeout)
+    except pz.CollectiveError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    x = torch.full((5,), float(pz.get_rank() + 1))
+    pz.all_reduce(x)
+    return "ok", x.tolist(), None
+
+
+def test_late_rank_joins_within_join_timeout_not_the_collective_timeout():
+    res = run_ranks(_rank_late, 2, args=(2.5, None), timeout=60)
+    assert [r.value for r in res] == [("ok", [3.0] * 5, None)] * 2, [r.value for r in res]
+
+
+def test_rank_that_never_joins_is_named():
+    res = run_ranks(_rank_late, 2, args=(8.0, 1.5), timeout=60, check=False)
+    kind, msg, took = res[0].value
+    assert kind == "CollectiveTimeout" and "join_timeout=1.5 s" in msg and "never joined: [1]" in msg, msg
+    assert 1.4 < took < 6, took
+    kind, msg, took = res[1].value  # by then rank 0 and its store are gone
+    assert kind == "CollectiveTimeout" and "rank 1" in msg and "join_timeout=1.5 s" in msg, msg
 
 
 def test_missing_rank_times_out():

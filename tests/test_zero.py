@@ -308,6 +308,8 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
                            ["optimizer_class"]),
     "not_a_module": (lambda m: pz.ZeroOptimizer(list(m.parameters()), AdamW), "TypeError", ["model", "Module"]),
     "mixed_devices": (lambda m: pz.ZeroOptimizer(_on_meta(), AdamW), "ValueError", ["devices", "meta"]),
+    "wrong_device": (lambda m: pz.ZeroOptimizer(MLP().to("meta"), AdamW), "ValueError",
+                     ["group's backend works on cpu", "parameters are on meta"]),
     "bucket_zero": (lambda m: pz.ZeroOptimizer(m, AdamW, bucket_mb=0), "ValueError", ["bucket_mb"]),
     "bucket_negative": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=1, bucket_mb=-1.5), "ValueError", ["bucket_mb"]),
     "param_dtype_int8": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, param_dtype=torch.int8), "ValueError",

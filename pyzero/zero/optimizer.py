@@ -103,6 +103,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")
         self._check_devices()
+        if offload is not None and self.device.type != "cpu":
+            raise ValueError(f"offload={offload!r}: not available for CUDA models yet (the shards would need "
+                             "pyzero.zero.offload.HostShard copies around the CPU step); train without offload")
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
@@ -128,6 +131,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- set-up -------------------------------------------------------------
 
     def _check_devices(self):
+        """All trainable parameters on one device, the one the group's backend works on: the CPU
+        (shm, hier) or this rank's GPU (nccl); every buffer of the stages is made there."""
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(f"model: parameters are on different devices {sorted(map(str, devices))}; "
@@ -136,8 +141,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"model: trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; "
                              "keep the model in fp32 and use param_dtype= for mixed precision")
-        if next(iter(devices)).type != "cpu":
-            raise ValueError(f"model: the shm backend trains CPU models, got parameters on {next(iter(devices))}")
+        gpu = self.group.device
+        want = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
+        got = next(iter(devices))
+        if got != want:
+            hint = (" (use backend='nccl' for CUDA models)" if gpu is None
+                    else " (move the model to this rank's GPU: model.to(f'cuda:{pz.get_local_rank()}'))")
+            raise ValueError(f"model: the group's backend works on {want}, but the parameters are on {got}{hint}")
+        self.device = want
 
     def _assign_groups(self, param_groups):
         if param_groups is None:
@@ -176,7 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Ranks whose shard holds only padding still need a tensor per group for torch's checks.
         for g in groups[:ngroups]:
             if not g["params"]:
-                g["params"].append(nn.Parameter(torch.zeros(0), requires_grad=True))
+                g["params"].append(nn.Parameter(torch.zeros(0, device=self.device), requires_grad=True))
         self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
         self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
@@ -245,14 +256,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._require_grads("clip_grad_norm_")
         self._reduce_gradients()
         if self._check_overflow():
-            return torch.tensor(float("inf"))  # nothing clipped: step() will skip
+            return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
         grads = [self.pieces[k][2] for k in self._model_order]
         if grads:
             local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
                                              norm_type)
         else:
-            local = torch.zeros(())
+            local = torch.zeros((), device=self.device)
         if self.tp_group is not None and self.tp_group.size > 1:
             total = self._tp_norm(grads, norm_type)
         elif self.world == 1:
@@ -275,12 +286,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group, replicated ones (identical on every TP rank) counted once."""
         sharded = [getattr(self.params[self._owner[k]], "tp_sharded", False) for k in self._model_order]
         if norm_type == float("inf"):  # a max counts replicated values any number of times
-            acc = torch.tensor([max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)],
-                               dtype=torch.float64)
+            acc = torch.zeros(1, dtype=torch.float64, device=self.device)
+            for g in grads:
+                if g.numel():
+                    torch.maximum(acc, g.abs().max().to(torch.float64), out=acc)
             for g in (self.group, self.tp_group):
                 comm.all_reduce(acc, op="max", group=g)
             return acc[0].to(torch.float32)
-        acc = torch.zeros(2, dtype=torch.float64)
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         for g, is_tp in zip(grads, sharded):
             acc[0 if is_tp else 1] += g.to(torch.float64).abs().pow(norm_type).sum()
         comm.all_reduce(acc, op="sum", group=self.group)
@@ -303,8 +316,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # state). A parameter that no rank's backward reached has only zeros in its gradient shard,
         # so its pieces are hidden from the inner optimizer for this step, as torch would skip it.
         used = self._has_grad.clone()
-        if self.world > 1:
-            comm.all_reduce(used, op="max", group=self.group)
+        if self.world > 1:  # (on a GPU backend: through the device, one small read back per step)
+            if self.device.type == "cpu":
+                comm.all_reduce(used, op="max", group=self.group)
+            else:
+                dev = used.to(self.device)
+                comm.all_reduce(dev, op="max", group=self.group)
+                used = dev.cpu()
         skipped = [(leaf, g) for (_, leaf, g), i in zip(self.pieces, self._owner) if not used[i]]
         for leaf, _ in skipped:
             leaf.grad = None
@@ -337,9 +355,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             return False
         if self._overflow is None:
-            bad = torch.zeros(1)
-            if not all(bool(torch.isfinite(g).all()) for _, _, g in self.shards()):
-                bad[0] = 1
+            bad = torch.zeros(1, device=self.device)  # 1 where a shard holds inf/NaN; one read at the end
+            for _, _, g in self.shards():
+                if g.numel():
+                    torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype), out=bad)
             for g in (self.group, self.tp_group):
                 if g is not None and g.size > 1:
                     comm.all_reduce(bad, op="max", group=g)
@@ -413,10 +432,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if v.numel() != pc.numel:
                 raise ValueError(f"master: {pc.name}[{pc.start}:{pc.end}] needs {pc.numel} values, got {v.numel()}")
         self._drain()
+        group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
         for (_, leaf, _), v, st in zip(self.pieces, master, state):
             leaf.copy_(v)
             if st:
-                self.inner.state[leaf] = st
+                self.inner.state[leaf] = {k: _state_on(leaf, k, t, group_of[id(leaf)]) for k, t in st.items()}
             else:
                 self.inner.state.pop(leaf, None)
         self._publish_parameters()
@@ -441,7 +461,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gathered = {}
         first = self.group.rank == 0
         for layout, master, _ in self.shards():
-            full = torch.empty(layout.padded, dtype=torch.float32)
+            full = torch.empty(layout.padded, dtype=torch.float32, device=self.device)
             comm.all_gather(full, master, group=self.group)
             if first:
                 for p, v in zip(layout.params, layout.views(full)):
@@ -501,6 +521,21 @@ def _probe_optimizer(optimizer_class, param_groups, kwargs):
         optimizer_class(groups, **kwargs)
     except (TypeError, ValueError) as e:
         raise type(e)(f"optimizer_kwargs/param_groups: {optimizer_class.__name__} rejected them: {e}") from e
+
+
+def _state_on(leaf, key, value, group):
+    """An optimizer state value for `leaf` (a checkpoint's may come from another device), placed as
+    torch's Optimizer.load_state_dict places it: on the leaf's device in its dtype, except a CPU
+    `step`, which stays where it is unless the group is fused or capturable."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=leaf.device)
+        return value
+    if value.is_floating_point():
+        return value.to(dtype=leaf.dtype, device=leaf.device)
+    return value.to(device=leaf.device)
 
 
 def _nbytes(tensors) -> int:

@@ -32,7 +32,7 @@ def quantize(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """The packed int32 form of 1-D `x` (see the module docstring)."""
     n, qmax = x.numel(), QMAX[bits]
     nb = -(-n // BLOCK)
-    xb = torch.zeros(nb * BLOCK, dtype=torch.float32)
+    xb = torch.zeros(nb * BLOCK, dtype=torch.float32, device=x.device)
     xb[:n].copy_(x)
     xb = xb.view(nb, BLOCK)
     scale = xb.abs().amax(1) / qmax
@@ -41,11 +41,11 @@ def quantize(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     if bits == 4:
         u = (q + 8).to(torch.uint8)
         if n % 2:
-            u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
+            u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8, device=x.device)])
         data = u[0::2] | (u[1::2] << 4)
     else:
         data = q.view(torch.uint8)
-    out = torch.zeros(packed_words(n, bits), dtype=torch.int32)
+    out = torch.zeros(packed_words(n, bits), dtype=torch.int32, device=x.device)
     out[:nb] = scale.view(torch.int32)
     out[nb:].view(torch.uint8)[:data.numel()] = data
     return out

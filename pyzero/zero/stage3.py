@@ -53,11 +53,11 @@ class _Call:
 class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
-    def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered):
+    def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered, device):
         self.idx, self.tracker = idx, gathered
         self.layout = FlatLayout(params, names, world)
         off, n = self.layout.shard(rank)
-        fp32 = torch.zeros(self.layout.padded, dtype=torch.float32)
+        fp32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
         for v, p in zip(self.layout.views(fp32), params):
             v.copy_(p.detach())
         self.master = fp32[off:off + n].clone()
@@ -65,11 +65,12 @@ class _Unit:
         self.full = fp32.to(model_dtype)
         self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
         # What a freed parameter holds: its shape, every element one NaN (stride 0).
-        self.stubs = [torch.full((1,), float("nan"), dtype=model_dtype).expand(v.shape) for v in self.views]
+        self.stubs = [torch.full((1,), float("nan"), dtype=model_dtype, device=device).expand(v.shape)
+                      for v in self.views]
         for v, p in zip(self.views, params):
             p.data = v
         self.nbytes = self.full.untyped_storage().nbytes()
-        self.grad_shard = torch.zeros(n, dtype=torch.float32)
+        self.grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
         self.gather_work = None
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
@@ -130,8 +131,8 @@ class ZeroStage3(ZeroOptimizer):
             own = [p for p in m.parameters(recurse=False) if id(p) in names and id(p) not in owner]
             if own:
                 u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
-                          self._gathered)
-                u.secondary = self._plan.secondary(u.layout.padded, model_dtype)
+                          self._gathered, self.device)
+                u.secondary = self._plan.secondary(u.layout.padded, model_dtype, self.device)
                 for p in own:
                     owner[id(p)] = u
                 self.units.append(u)
@@ -269,7 +270,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _reduce_unit(self, u):
         u.reduced = True
-        staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype)
+        staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
         for v, p in zip(u.layout.views(staging), u.layout.params):
             if p.grad is not None:
                 v.copy_(p.grad)
@@ -278,7 +279,7 @@ class ZeroStage3(ZeroOptimizer):
             u.grad_shard.add_(self._qg(staging, u.layout.shard_size))
             u.free()
             return
-        out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype)
+        out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
         self._inflight.add(work, lambda: u.grad_shard.add_(out))
         u.free()

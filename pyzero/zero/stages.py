@@ -32,7 +32,7 @@ class _FlatParams(ZeroOptimizer):
         L, (shard_off, shard_n) = self.layout, self.layout.shard(self.rank)
         self._shard = slice(shard_off, shard_off + shard_n)
         model_dtype = self.param_dtype or self.params[0].dtype
-        fp32 = torch.zeros(L.padded, dtype=torch.float32)
+        fp32 = torch.zeros(L.padded, dtype=torch.float32, device=self.device)
         for v, p in zip(L.views(fp32), L.params):
             v.copy_(p.detach())
         self.flat_param = fp32 if model_dtype == torch.float32 else fp32.to(model_dtype)
@@ -75,7 +75,8 @@ class ZeroStage1(_FlatParams):
         self.flat_grad = torch.zeros_like(self.flat_param)
         self._attach_grads()
         own = self.flat_grad[self._shard]
-        self.grad_shard = own if own.dtype == torch.float32 else torch.zeros(own.numel(), dtype=torch.float32)
+        self.grad_shard = (own if own.dtype == torch.float32
+                           else torch.zeros(own.numel(), dtype=torch.float32, device=self.device))
         self._reduced = False
 
     def _held_grads(self):
@@ -126,7 +127,7 @@ class ZeroStage2(_FlatParams):
 
     def _setup(self):
         self._setup_flat()
-        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=torch.float32)
+        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=torch.float32, device=self.device)
         self._bucket_of = {}
         for b, (_, _, members) in enumerate(self.buckets):
             for i in members:
@@ -142,7 +143,7 @@ class ZeroStage2(_FlatParams):
     def _stage(self, b):
         if self._staging[b] is None:
             begin, end, _ = self.buckets[b]
-            self._staging[b] = torch.zeros(end - begin, dtype=self.comm_dtype)
+            self._staging[b] = torch.zeros(end - begin, dtype=self.comm_dtype, device=self.device)
         return self._staging[b]
 
     def _on_grad(self, p):
@@ -162,7 +163,7 @@ class ZeroStage2(_FlatParams):
         # called by self._launch_order, see [Note: bucket launch order]
         begin, end, _ = self.buckets[b]
         counts = self.layout.counts(begin, end)
-        out = torch.empty(counts[self.rank], dtype=self.comm_dtype)
+        out = torch.empty(counts[self.rank], dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, self._stage(b), op="avg", counts=counts, group=self.group,
                                    async_op=True)
         self._staging[b] = None  # the Work keeps it alive until it is waited on

@@ -95,8 +95,8 @@ class GatherPlan:
             self.partition = parts[group.rank // hpz]
         self.index = group.rank % hpz  # this rank's place in its partition
 
-    def secondary(self, padded: int, dtype) -> torch.Tensor | None:
-        return torch.empty(padded // self.hpz, dtype=dtype) if self.partition is not None else None
+    def secondary(self, padded: int, dtype, device) -> torch.Tensor | None:
+        return torch.empty(padded // self.hpz, dtype=dtype, device=device) if self.partition is not None else None
 
     def start(self, unit, backward: bool) -> _Then:
         if backward and unit.secondary_valid:
@@ -106,7 +106,7 @@ class GatherPlan:
             return _Then(comm.all_gather(unit.full, unit.shard, group=self.group, async_op=True), keep)
         n, words = unit.shard.numel(), packed_words(unit.shard.numel(), 8)
         payload = quantize(unit.shard)
-        out = torch.empty(self.group.size * words, dtype=torch.int32)
+        out = torch.empty(self.group.size * words, dtype=torch.int32, device=unit.shard.device)
         work = comm.all_gather(out, payload, group=self.group, async_op=True)
 
         def arrive():
@@ -151,7 +151,7 @@ class QuantizedReduceScatter:
         # intra: gather lane l's chunks from the host's ranks
         peers = [g for g in local if g != local[self.l]]
         sends = {g: quantize(lane(local.index(g)), bits) for g in peers}
-        recvs = {g: torch.empty(packed_words(n, bits), dtype=torch.int32) for g in peers}
+        recvs = {g: torch.empty(packed_words(n, bits), dtype=torch.int32, device=x.device) for g in peers}
         all_to_all(local, sends, recvs, self.group)
         partial = lane(self.l).clone()
         for g in local:  # fixed order: local index
@@ -162,9 +162,9 @@ class QuantizedReduceScatter:
         me = lane_ranks[self.h]
         peers = [g for g in lane_ranks if g != me]
         sends = {g: quantize(partial[i * shard:(i + 1) * shard], bits) for i, g in enumerate(lane_ranks) if g != me}
-        recvs = {g: torch.empty(packed_words(shard, bits), dtype=torch.int32) for g in peers}
+        recvs = {g: torch.empty(packed_words(shard, bits), dtype=torch.int32, device=x.device) for g in peers}
         all_to_all(lane_ranks, sends, recvs, self.group)
-        out = torch.zeros(shard, dtype=torch.float32)
+        out = torch.zeros(shard, dtype=torch.float32, device=x.device)
         for i, g in enumerate(lane_ranks):  # fixed order: host
             out.add_(partial[i * shard:(i + 1) * shard] if g == me else dequantize(recvs[g], shard, bits))
         return out.div_(self.group.size)

@@ -170,6 +170,89 @@ def test_schedules_bubble_and_memory(name):
 
 
 # ---------------------------------------------------------------------------
+# Point-to-point groups: deadlock-free where a send waits for its receiver (NCCL)
+
+
+def p2p_groups(policy, name, p, m, header):
+    """Each stage's groups of (send|recv, peer stage, message) under `policy`, with the messages
+    Pipeline exchanges: activations (and, at micro-batch 0, a header) down, gradients up."""
+    per_stage = []
+    for s in range(p):
+        acts = SCHEDULES[name](s, p, m)
+
+        def needs(i, s=s, acts=acts):
+            op, j = acts[i]
+            if op == "F":
+                return [] if s == 0 else ([("header", j)] if header and j == 0 else []) + [("act", j)]
+            return [] if s == p - 1 else [("grad", j)]
+
+        def produces(i, s=s, acts=acts):
+            op, j = acts[i]
+            if op == "F":
+                return [] if s == p - 1 else ([("header", j)] if header and j == 0 else []) + [("act", j)]
+            return [] if s == 0 else [("grad", j)]
+
+        groups = []
+        for step in policy(len(acts), needs, produces):
+            if step[0] == "p2p":
+                sends, recvs = step[1], step[2]
+                groups.append([("send", s - 1 if k[0] == "grad" else s + 1, k) for k in sends]
+                              + [("recv", s + 1 if k[0] == "grad" else s - 1, k) for k in recvs])
+        per_stage.append(groups)
+    return per_stage
+
+
+def stuck_stages(per_stage):
+    """Rendezvous semantics: a send and its receive complete together, and only while the groups
+    holding them are both active; each stage runs its groups one after another. Returns the
+    stages that can never finish (empty: no deadlock)."""
+    pos, matched = [0] * len(per_stage), [set() for _ in per_stage]
+    while True:
+        moved = False
+        for s, groups in enumerate(per_stage):
+            if pos[s] == len(groups):
+                continue
+            for k, (kind, peer, key) in enumerate(groups[pos[s]]):
+                if k in matched[s] or pos[peer] == len(per_stage[peer]):
+                    continue
+                other = per_stage[peer][pos[peer]]
+                want = ("recv" if kind == "send" else "send", s, key)
+                if want in other:
+                    matched[s].add(k)
+                    matched[peer].add(other.index(want))
+                    moved = True
+        for s, groups in enumerate(per_stage):
+            if pos[s] < len(groups) and len(matched[s]) == len(groups[pos[s]]):
+                pos[s], matched[s], moved = pos[s] + 1, set(), True
+        if not moved:
+            return [s for s in range(len(per_stage)) if pos[s] < len(per_stage[s])]
+
+
+def one_op_per_call(num_actions, needs, produces):
+    """Each receive just before its action, each send right after it, one call each (no groups)."""
+    for i in range(num_actions):
+        for r in needs(i):
+            yield "p2p", [], [r]
+        yield "run", i
+        for snd in produces(i):
+            yield "p2p", [snd], []
+
+
+def test_grouped_p2p_never_deadlocks_where_sends_wait_for_receivers():
+    from pyzero.pipeline.schedules import comm_steps
+    for name in SCHEDULES:
+        for p in range(2, 7):
+            for m in range(1, 9):
+                for header in (False, True):
+                    groups = p2p_groups(comm_steps, name, p, m, header)
+                    assert stuck_stages(groups) == [], (name, p, m, header)
+                    sent = sum(op[0] == "send" for g in groups for grp in g for op in grp)
+                    assert sent == (p - 1) * (2 * m + header)  # every message exactly once
+    # the check can fail: one call per message deadlocks 1F1B (two neighbours both send first)
+    assert stuck_stages(p2p_groups(one_op_per_call, "1f1b", 2, 2, False)) == [0, 1]
+
+
+# ---------------------------------------------------------------------------
 # Multi-rank: pipelined training vs the single-process reference
 
 

@@ -8,14 +8,21 @@ and sends the gradient of its input to stage i - 1.
 
 [Note: pipeline messages]
 On the link i -> i+1 travel activations, on i+1 -> i their gradients, each in
-micro-batch order, so plain FIFO send/recv matches them. Sends are async: the
-Work handle keeps the tensor alive and every send is waited before the step
-returns, so a stage never blocks on its successor and no buffer is reused
-while in flight (none is reused at all: a received activation is the input
-the backward needs, so it lives until then). Receives are posted one
-micro-batch ahead, so the next message is copied while this one computes.
-Shapes are not sent per message: a header (handshake.py) goes before the
-first activation of any step whose micro-batch shape changed.
+micro-batch order, so plain FIFO send/recv matches them. The sends and
+receives around each action are grouped (schedules.comm_steps): the outputs
+of one action leave in one batch_isend_irecv with the first input of the
+next. NCCL runs a rank's point-to-point calls in one order and a send waits
+for its receiver, so two neighbours that both send first would wait for each
+other forever; grouped, each side's send and receive run together. The order
+of groups is checked for deadlocks against every schedule, stage count and
+micro-batch count under exactly these rules (tests/test_pipeline.py). A
+group that only sends is not waited for until the step ends (its Work keeps
+the tensors alive), so a stage computes on while its output travels; a
+group with a receive is waited for before the action that needs it (a
+stream wait on a GPU). A received activation is the input the backward
+needs, so no buffer is reused. Shapes are not sent per message: a header
+(handshake.py) goes before the first activation of any step whose
+micro-batch shape changed.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from torch import nn
 
 from .. import comm
 from . import handshake
-from .schedules import FORWARD, SCHEDULES, bubble_fraction
+from .schedules import FORWARD, SCHEDULES, bubble_fraction, comm_steps
 
 
 @dataclass(frozen=True)
@@ -49,25 +56,6 @@ class PipelineStats:
     idle_s: float
     bubble: float
     bubble_formula: float
-
-
-class _Link:
-    """Receives from one peer, one message ahead (see [Note: pipeline messages])."""
-
-    def __init__(self, peer: int, group: comm.Group):
-        self.peer, self.group = peer, group
-        self.device = handshake.comm_device(group)
-        self.ahead = None  # (buffer, Work) of the next message
-
-    def post(self, shape, dtype) -> None:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self.ahead = (buf, comm.recv(buf, self.peer, group=self.group, async_op=True))
-
-    def take(self) -> torch.Tensor:
-        buf, work = self.ahead
-        self.ahead = None
-        work.wait()
-        return buf
 
 
 class Pipeline:
@@ -96,8 +84,9 @@ class Pipeline:
         self.stage, self.num_stages = g.rank, g.size
         self._actions = SCHEDULES[schedule](self.stage, self.num_stages, num_microbatches)
         first, last = self.stage == 0, self.stage == self.num_stages - 1
-        self._from_prev = None if first else _Link(g.ranks[self.stage - 1], g)
-        self._from_next = None if last else _Link(g.ranks[self.stage + 1], g)
+        self._prev = None if first else g.ranks[self.stage - 1]
+        self._next = None if last else g.ranks[self.stage + 1]
+        self._device = handshake.comm_device(g)
         self._signature = None  # first stage: the micro-batch (shape, dtype) last announced downstream
         self._in_meta = None    # other stages: (shape, dtype) of the activations received
         self._out_meta = None   # stages but the last: (shape, dtype) announced to the next stage
@@ -136,12 +125,36 @@ class Pipeline:
             xs = inputs.split(inputs.shape[0] // m)
         if self.is_last:
             ys = targets.split(targets.shape[0] // m)
+        header_in = not self.is_first and (changed or self._in_meta is None)
+        header_out = not self.is_last and (changed or self._out_meta is None)
+        actions = self._actions
         held: dict[int, tuple] = {}  # micro-batch -> (input activation, output or scaled loss) until its backward
-        sends: list = []
+        inbox: dict[tuple, torch.Tensor] = {}  # received messages not yet used
+        outbox: dict[tuple, torch.Tensor] = {}  # messages to send, until their group goes out
+        sends_in_flight: list = []  # Works of send-only groups, waited at the end
         busy, max_inflight, loss_sum = 0.0, 0, 0.0  # loss_sum becomes a tensor: no host sync per micro-batch
-        for op, j in self._actions:
+
+        def needs(i):
+            op, j = actions[i]
             if op == FORWARD:
-                x = xs[j] if self.is_first else self._recv_activation(j, changed)
+                if self.is_first:
+                    return []
+                return [("header", j), ("act", j)] if j == 0 and header_in else [("act", j)]
+            return [("grad", j)] if not self.is_last and self._out_meta[1].is_floating_point else []
+
+        def produces(i):
+            return list(outbox)  # what action i left there, in order
+
+        for kind, *rest in comm_steps(len(actions), needs, produces):
+            if kind == "p2p":
+                sends, recvs = rest
+                self._exchange(sends, recvs, outbox, inbox, sends_in_flight)
+                continue
+            op, j = actions[rest[0]]
+            if op == FORWARD:
+                x = xs[j] if self.is_first else inbox.pop(("act", j))
+                if not self.is_first and x.is_floating_point():
+                    x.requires_grad_()
                 t0 = time.perf_counter()
                 with torch.enable_grad():
                     out = self.module(x)
@@ -151,48 +164,62 @@ class Pipeline:
                         out = loss / m
                 busy += time.perf_counter() - t0
                 if not self.is_last:
-                    sends += self._send_activation(out, j, changed)
+                    self._post_activation(out, j, j == 0 and header_out, outbox, sends_in_flight)
                 held[j] = (x, out)
                 max_inflight = max(max_inflight, len(held))
             else:
                 x, out = held.pop(j)
-                grad = None if self.is_last else self._recv_grad(j)
+                grad = inbox.pop(("grad", j), None)
                 t0 = time.perf_counter()
                 if out.requires_grad:  # False only for a stage without parameters fed by inputs
                     torch.autograd.backward(out, grad)
                 busy += time.perf_counter() - t0
                 if not self.is_first and x.is_floating_point():
-                    dx = x.grad.contiguous() if x.grad is not None else torch.zeros_like(x)
-                    sends.append(comm.send(dx, self.group.ranks[self.stage - 1], group=self.group, async_op=True))
-        for work in sends:
+                    outbox[("grad", j)] = x.grad.contiguous() if x.grad is not None else torch.zeros_like(x)
+        for work in sends_in_flight:
             work.wait()
         step = time.perf_counter() - t_start
         self.stats = PipelineStats(self.stage, self.num_stages, m, self.schedule, max_inflight, step, busy,
                                    step - busy, (step - busy) / step, bubble_fraction(self.num_stages, m))
         return float(loss_sum) / m if self.is_last else None
 
-    def _recv_activation(self, j: int, changed: bool) -> torch.Tensor:
-        link = self._from_prev
-        if j == 0:
-            if changed or self._in_meta is None:
-                header = torch.empty(handshake.HEADER_LEN, dtype=torch.int64, device=link.device)
-                comm.recv(header, link.peer, group=self.group)
-                self._in_meta = handshake.decode_header(header, self.stage - 1)
-            link.post(*self._in_meta)
-        x = link.take()
-        if j + 1 < self.num_microbatches:
-            link.post(*self._in_meta)
-        return x.requires_grad_() if x.is_floating_point() else x
+    def _exchange(self, sends, recvs, outbox, inbox, sends_in_flight) -> None:
+        """One group: the messages `sends` (taken from outbox) and `recvs` (into inbox, fresh buffers).
+        Activations and headers go down the pipeline, gradients up."""
+        ops = []
+        for key in sends:
+            peer = self._prev if key[0] == "grad" else self._next
+            ops.append(comm.P2POp("send", outbox.pop(key), peer, self.group))
+        bufs = []
+        for key in recvs:
+            if key[0] == "header":
+                buf = torch.empty(handshake.HEADER_LEN, dtype=torch.int64, device=self._device)
+            elif key[0] == "act":
+                buf = torch.empty(self._in_meta[0], dtype=self._in_meta[1], device=self._device)
+            else:
+                buf = torch.empty(self._out_meta[0], dtype=self._out_meta[1], device=self._device)
+            peer = self._next if key[0] == "grad" else self._prev
+            ops.append(comm.P2POp("recv", buf, peer, self.group))
+            bufs.append((key, buf))
+        works = comm.batch_isend_irecv(ops)
+        if not bufs:
+            sends_in_flight.append(works[0])
+            return
+        works[0].wait()  # the whole group
+        for key, buf in bufs:
+            if key[0] == "header":
+                self._in_meta = handshake.decode_header(buf, self.stage - 1)
+            else:
+                inbox[key] = buf
 
-    def _send_activation(self, out, j: int, changed: bool) -> list:
-        """Post the header (first micro-batch of a changed step) and the activation; their Works."""
-        nxt, works = self.group.ranks[self.stage + 1], []
-        if j == 0 and (changed or self._out_meta is None):
-            header = handshake.encode_header(out, handshake.comm_device(self.group))
-            works.append(comm.send(header, nxt, group=self.group, async_op=True))
+    def _post_activation(self, out, j: int, with_header: bool, outbox, sends_in_flight) -> None:
+        """Queue the header (first micro-batch of a changed step) and the activation for the next stage."""
+        if with_header:
+            outbox[("header", j)] = handshake.encode_header(out, self._device)
             err = handshake.output_error(out, self.stage)
-            if err is not None:
-                raise err  # the header carries the error to the next stage
+            if err is not None:  # the header alone carries the error to the next stage
+                self._exchange(list(outbox), [], outbox, {}, sends_in_flight)
+                raise err
             self._out_meta = (out.shape, out.dtype)
         elif (out.shape, out.dtype) != self._out_meta:
             raise ValueError(f"the output of pipeline stage {self.stage} for micro-batch {j} has shape "
@@ -200,18 +227,7 @@ class Pipeline:
                              f"{tuple(self._out_meta[0])} and {self._out_meta[1]} (the shape of the first "
                              "micro-batch with this input shape): a stage must map equal input shapes to equal "
                              "output shapes")
-        if j == 0 and out.is_floating_point():  # the gradient of micro-batch 0's output comes back first
-            self._from_next.post(*self._out_meta)
-        works.append(comm.send(out.detach().contiguous(), nxt, group=self.group, async_op=True))
-        return works
-
-    def _recv_grad(self, j: int) -> torch.Tensor | None:
-        if not self._out_meta[1].is_floating_point:
-            return None  # integer activations carry no gradient
-        grad = self._from_next.take()
-        if j + 1 < self.num_microbatches:
-            self._from_next.post(*self._out_meta)
-        return grad
+        outbox[("act", j)] = out.detach().contiguous()
 
 
 def _check_loss(loss):

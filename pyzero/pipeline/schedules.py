@@ -53,6 +53,30 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tupl
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def comm_steps(num_actions: int, needs, produces):
+    """The point-to-point groups around a stage's actions (see [Note: pipeline messages] in
+    pipeline.py). ``needs(i)``: the messages action i receives, in order; ``produces(i)``: those it
+    sends, asked once it has run. Yields ``("p2p", sends, recvs)`` and ``("run", i)``.
+
+    The sends of action i go out in one group with the first receive of action i + 1 (or alone,
+    before it runs, when it receives nothing); every further receive of an action is a group of
+    its own (its buffer's shape may depend on the one before). Megatron-LM pairs the same way
+    (send_forward_recv_backward): two neighbours that would both send first are in one group on
+    each side, which NCCL needs. Only the order of groups matters, not whether a send is waited for."""
+    pending: list = []
+    for i in range(num_actions):
+        for r in needs(i):
+            yield "p2p", pending, [r]
+            pending = []
+        if pending:
+            yield "p2p", pending, []
+            pending = []
+        yield "run", i
+        pending = list(produces(i))
+    if pending:
+        yield "p2p", pending, []
+
+
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """Idle share of each stage's time in an ideal pipeline: (p - 1) / (m + p - 1)."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

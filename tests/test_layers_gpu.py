@@ -309,3 +309,56 @@ def _check_moved(saved, loaded, after, load_on):
     for k, want in model.state_dict().items():
         torch.testing.assert_close(after[k], want.detach().cpu(), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---- tensor parallelism and pipeline at world size 1 ----------------------------------------
+
+def _rank_tp_and_pipeline():
+    """A TP block (each overlap x sequence-parallel setting) and a one-stage pipeline on CUDA, each
+    against plain torch on the same GPU: outputs and gradients."""
+    pz.init(backend="nccl", timeout=60)
+    out = {}
+    torch.manual_seed(0)
+    block = pz.tp.TransformerBlock(32, 4).cuda()
+    x = torch.randn(8, 2, 32, device="cuda")
+    want = block(x)
+    want.square().mean().backward()
+    ref_grads = {n: p.grad.detach().cpu() for n, p in block.named_parameters()}
+    for overlap in (True, False):
+        for sp in (True, False):
+            par = pz.tp.ParallelTransformerBlock.from_block(block, sequence_parallel=sp, overlap=overlap)
+            got = par(x)
+            got.square().mean().backward()
+            out["tp", overlap, sp] = (got.detach().cpu(), want.detach().cpu(),
+                                      {n: p.grad.detach().cpu() for n, p in par.named_parameters()}, ref_grads,
+                                      {str(p.device) for p in par.parameters()})
+    model = make_model().cuda()
+    xs, ys = (t.cuda() for t in batch(0))
+    F.mse_loss(model(xs), ys).backward()
+    ref = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for schedule in ("gpipe", "1f1b"):
+        pipe = pz.pipeline.Pipeline(model, 4, schedule)
+        loss = pipe.train_step(xs, ys, F.mse_loss)
+        out["pipe", schedule] = (loss, float(F.mse_loss(model(xs), ys)), {n: p.grad.detach().cpu() for n, p in
+                                                                          model.named_parameters()}, ref)
+        model.zero_grad()
+    pz.destroy()
+    return out
+
+
+def test_tp_block_and_pipeline_on_cuda_equal_torch():
+    out = run_ranks(_rank_tp_and_pipeline, 1, start="spawn", timeout=180, env=ENV)[0].value
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for key, v in out.items():
+        if key[0] == "tp":
+            got, want, grads, ref, devices = v
+            assert devices == {"cuda:0"}, (key, devices)
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, key=key: f"{key}: {m}")
+            for n, g in grads.items():
+                torch.testing.assert_close(g, ref[n], **tol, msg=lambda m, key=key, n=n: f"{key} {n}: {m}")
+        else:
+            loss, full_loss, grads, ref = v
+            assert loss == pytest.approx(full_loss, rel=1e-5), key  # mean of the 4 micro-batch losses
+            for n, g in grads.items():
+                torch.testing.assert_close(g, ref[n], **tol, msg=lambda m, key=key, n=n: f"{key} {n}: {m}")

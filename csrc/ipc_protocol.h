@@ -1,0 +1,261 @@
+// ipc_protocol.h — the "ipc" backend's collectives as one body that runs on the
+// GPU (ipc_transport.cu: one kernel launch per call, each rank's blocks reading
+// and writing every peer's registered buffer through CUDA IPC) and on the CPU
+// (tests/ipc_protocol_on_cpu.cpp: a thread per rank and block, to check the
+// protocol without a GPU). Plain C++ plus PZ_HD; the memory-order primitives
+// come from the executor type X (see IpcExec below).
+//
+// Layout. Each rank registers one buffer: IpcSignals, then two data areas of
+// `area_bytes` (used by epochs of alternating parity). Every call has an
+// epoch e (1, 2, ...), the same on every rank of the group.
+//
+// [Note: ipc flag protocol]
+// Every kernel has the same number of blocks B on every rank (a group
+// constant, at most what can be co-resident), and block b of a call handles
+// the same elements on every rank: the range part(b) of each chunk. So block b
+// only ever synchronises with block b of each peer:
+//  * start: having written its part of this rank's data into area[e % 2],
+//    block b stores e into start[b][me] of every peer's signals (release,
+//    system scope), then waits until start[b][p] >= e in its own signals for
+//    every peer p (acquire). After that it may read part(b) of any peer's
+//    area[e % 2] and the peers' descriptors of e.
+//  * mid (two-shot all_reduce): after reducing part(b) of its own chunk into
+//    area[e % 2], block b stores e into mid[b][me] of every peer and waits
+//    for the peers' mid flags before copying their reduced chunks.
+// Why two areas suffice and no end barrier is needed: rank r overwrites
+// area[e % 2] at epoch e + 2. Its kernel of e + 1 ran only after each of its
+// blocks saw every peer's start flag of e + 1, which a peer's kernel of e + 1
+// sets; that kernel starts only when the peer's kernel of e has finished
+// entirely (a group's kernels run in call order on one stream, see
+// ipc_transport.h). So at e + 2 no peer reads area[e % 2] any more. The
+// descriptors (desc[e % 2]) live by the same rule. Flags are monotonic and
+// each has one writer: nothing is ever reset.
+//
+// Mismatched calls: before its start flags, block b writes this rank's
+// descriptor of e into desc[e % 2][b] (covered by its own release); after the
+// start barrier it compares every peer's desc[e % 2][b] with its own. If any
+// two ranks differ, every rank sees a difference, so every rank's blocks skip
+// the data phase (and the mid barrier) alike and report it in their status.
+//
+// Faults: every wait also watches a deadline (timeout_ns from the kernel's
+// start) and the host's abort word; either ends the wait, records which peer
+// never arrived in the status, and the block returns. The group is then
+// broken (the host refuses further calls).
+//
+// Numerics: each output element is reduced once, over the ranks in rank
+// order, in the accumulator type (fp32 for fp16/bf16), exactly as the shm
+// one-shot (cpu_reduce_many): bitwise the same result on every rank.
+#pragma once
+
+#include <cstdint>
+
+#include "reduce_math.h"
+
+namespace pz {
+
+constexpr int kIpcMaxRanks = 16;
+constexpr int kIpcMaxBlocks = 32;
+
+// What every rank must agree on for one call (compared after the start barrier).
+struct IpcDesc {
+  int32_t kind, dtype, op, root;
+  int64_t total;       // elements of the whole buffer (all chunks)
+  uint64_t counts_hash;
+};
+
+struct IpcSignals {
+  uint64_t start[kIpcMaxBlocks][kIpcMaxRanks];  // start[b][p]: written by peer p's block b
+  uint64_t mid[kIpcMaxBlocks][kIpcMaxRanks];
+  IpcDesc desc[2][kIpcMaxBlocks];               // this rank's descriptor of epoch e at [e % 2][block]
+};
+
+// Written by the device, read by the host after the call (host-mapped memory on a GPU).
+struct IpcStatus {
+  uint32_t code;    // kIpcOk, or the first failure
+  int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs
+  uint64_t epoch;
+};
+enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3 };
+
+enum IpcKind : int32_t {
+  kIpcAllReduceOneShot = 0,
+  kIpcAllReduceTwoShot = 1,
+  kIpcReduceScatter = 2,
+  kIpcAllGather = 3,
+  kIpcBroadcast = 4,
+  kIpcBarrier = 5,
+};
+
+// One call, by value (a kernel parameter). Chunk c of the buffer has counts[c]
+// elements at element offset offs[c]; `in` and `out` are this rank's user
+// buffers (the layouts below), `areas[p]` peer p's area of this epoch and
+// `sigs[p]` its signals (this rank's own at [rank]).
+struct IpcCall {
+  char* areas[kIpcMaxRanks];
+  IpcSignals* sigs[kIpcMaxRanks];
+  IpcStatus* status;
+  const uint32_t* abort;  // nonzero: give up waiting
+  const void* in;         // all_reduce/broadcast: the whole buffer; reduce_scatter: whole; all_gather: own chunk
+  void* out;              // all_reduce/broadcast/all_gather: the whole buffer; reduce_scatter: own chunk
+  int64_t counts[kIpcMaxRanks];
+  int64_t offs[kIpcMaxRanks];
+  uint64_t epoch;
+  uint64_t timeout_ns;
+  IpcDesc desc;
+  int32_t rank, nranks;
+};
+
+// The elements [lo, hi) of a chunk of n that block b of nb handles.
+PZ_HD void ipc_part(int64_t n, int b, int nb, int64_t& lo, int64_t& hi) {
+  lo = n * b / nb;
+  hi = n * (b + 1) / nb;
+}
+
+PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root && a.total == b.total &&
+         a.counts_hash == b.counts_hash;
+}
+
+// Executor X provides (GPU: ipc_transport.cu, CPU: the test):
+//   int block(), nblocks(), tid(), nthreads();  void sync();   (a block's threads)
+//   uint64_t now_ns();
+//   void store_release(uint64_t* p, uint64_t v);  uint64_t load_acquire(const uint64_t* p);
+//   uint32_t load_relaxed(const uint32_t* p);
+//   void fence();  (orders the block's earlier data writes before this thread's flag store, system-wide)
+//   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
+//   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch);  (first failure wins)
+
+// Waits until flags[p] >= e for every peer p != me (threads 0..n-1 each watch one);
+// false when the deadline passed or the host aborted (the status says which peer).
+template <typename X>
+PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks], uint64_t deadline) {
+  bool ok = true;
+  int b = x.block();
+  for (int p = x.tid(); p < c.nranks; p += x.nthreads()) {
+    if (p == c.rank) continue;
+    const uint64_t* f = &flags[b][p];
+    uint32_t spins = 0;
+    while (x.load_acquire(f) < c.epoch) {
+      if ((++spins & 1023u) == 0) {
+        if (x.load_relaxed(c.abort) != 0) {
+          x.fail(c.status, kIpcAborted, p, c.epoch);
+          ok = false;
+          break;
+        }
+        if (x.now_ns() > deadline) {
+          x.fail(c.status, kIpcTimeout, p, c.epoch);
+          ok = false;
+          break;
+        }
+      }
+    }
+  }
+  return x.sync_and(ok);
+}
+
+// Tells every peer that this rank's block reached `which` of epoch e.
+template <typename X>
+PZ_HD void ipc_signal(X& x, const IpcCall& c, bool mid) {
+  x.sync();  // every thread's data writes of this block are done
+  int b = x.block();
+  for (int p = x.tid(); p < c.nranks; p += x.nthreads()) {
+    if (p == c.rank) continue;
+    x.fence();
+    uint64_t* f = mid ? &c.sigs[p]->mid[b][c.rank] : &c.sigs[p]->start[b][c.rank];
+    x.store_release(f, c.epoch);
+  }
+}
+
+// The whole call as block x.block() of rank c.rank runs it; false if it failed (see c.status).
+template <typename T, RedOp OP, typename X>
+PZ_HD bool ipc_run(X& x, const IpcCall& c) {
+  using A = typename Acc<T>::type;
+  const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid(), nt = x.nthreads();
+  const uint64_t deadline = x.now_ns() + c.timeout_ns;
+  const int kind = c.desc.kind;
+  const T* in = static_cast<const T*>(c.in);
+  T* out = static_cast<T*>(c.out);
+  T* mine = reinterpret_cast<T*>(c.areas[me]);
+  auto area = [&](int p) { return reinterpret_cast<const T*>(c.areas[p]); };
+  int64_t lo, hi;
+
+  // 1. this rank's part of the data into its area, its descriptor
+  if (t0 == 0) c.sigs[me]->desc[c.epoch % 2][b] = c.desc;
+  if (kind == kIpcAllReduceOneShot || (kind == kIpcBroadcast && me == c.desc.root)) {
+    ipc_part(c.desc.total, b, nb, lo, hi);
+    for (int64_t i = lo + t0; i < hi; i += nt) mine[i] = in[i];
+  } else if (kind == kIpcAllReduceTwoShot || kind == kIpcReduceScatter) {
+    for (int k = 0; k < n; ++k) {  // the chunks the peers reduce (this rank's own is read from `in`)
+      if (k == me) continue;
+      ipc_part(c.counts[k], b, nb, lo, hi);
+      for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[k] + i] = in[c.offs[k] + i];
+    }
+  } else if (kind == kIpcAllGather) {
+    ipc_part(c.counts[me], b, nb, lo, hi);
+    for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[me] + i] = in[i];
+  }
+
+  // 2. start barrier, then the descriptors
+  ipc_signal(x, c, false);
+  if (!ipc_wait_all(x, c, c.sigs[me]->start, deadline)) return false;
+  int differs = -1;
+  for (int p = 0; p < n; ++p)
+    if (p != me && !ipc_same_desc(c.sigs[p]->desc[c.epoch % 2][b], c.desc)) differs = p;
+  if (differs >= 0) {
+    if (t0 == 0) x.fail(c.status, kIpcMismatch, differs, c.epoch);
+    return false;
+  }
+
+  // 3. the data phase
+  if (kind == kIpcAllReduceOneShot) {
+    ipc_part(c.desc.total, b, nb, lo, hi);
+    for (int64_t i = lo + t0; i < hi; i += nt) {
+      A acc = to_acc(area(0)[i]);
+      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(area(p)[i]));
+      out[i] = from_acc<T>(finish<OP>(acc, n));
+    }
+  } else if (kind == kIpcAllReduceTwoShot || kind == kIpcReduceScatter) {
+    const bool two = kind == kIpcAllReduceTwoShot;
+    const int64_t off = c.offs[me];
+    ipc_part(c.counts[me], b, nb, lo, hi);
+    for (int64_t i = lo + t0; i < hi; i += nt) {
+      A acc = to_acc(me == 0 ? in[off + i] : area(0)[off + i]);
+      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(p == me ? in[off + i] : area(p)[off + i]));
+      T v = from_acc<T>(finish<OP>(acc, n));
+      if (two) {
+        mine[off + i] = v;  // for the peers' second phase
+        out[off + i] = v;
+      } else {
+        out[i] = v;  // reduce_scatter: `out` is this rank's chunk
+      }
+    }
+    if (two) {
+      ipc_signal(x, c, true);
+      if (!ipc_wait_all(x, c, c.sigs[me]->mid, deadline)) return false;
+      for (int k = 0; k < n; ++k) {
+        if (k == me) continue;
+        ipc_part(c.counts[k], b, nb, lo, hi);
+        for (int64_t i = lo + t0; i < hi; i += nt) out[c.offs[k] + i] = area(k)[c.offs[k] + i];
+      }
+    }
+  } else if (kind == kIpcAllGather) {
+    for (int k = 0; k < n; ++k) {
+      ipc_part(c.counts[k], b, nb, lo, hi);
+      for (int64_t i = lo + t0; i < hi; i += nt) out[c.offs[k] + i] = k == me ? in[i] : area(k)[c.offs[k] + i];
+    }
+  } else if (kind == kIpcBroadcast) {
+    ipc_part(c.desc.total, b, nb, lo, hi);
+    if (me != c.desc.root) {
+      for (int64_t i = lo + t0; i < hi; i += nt) out[i] = area(c.desc.root)[i];
+    } else if (out != in) {
+      for (int64_t i = lo + t0; i < hi; i += nt) out[i] = in[i];
+    }
+  }
+  return true;
+}
+
+// Bytes of area one call needs per rank (each epoch parity): the whole buffer's
+// elements of `esize` bytes.
+inline uint64_t ipc_area_need(int64_t total, int esize) { return uint64_t(total) * uint64_t(esize); }
+
+}  // namespace pz

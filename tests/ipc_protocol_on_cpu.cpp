@@ -1,0 +1,360 @@
+// ipc_protocol_on_cpu.cpp — the ipc backend's protocol and collective bodies
+// (csrc/ipc_protocol.h) run by CPU threads: one thread per (rank, block), each
+// rank's blocks meeting at a barrier between calls as a kernel boundary does.
+// Every rank runs the same random sequence of calls (one-shot and two-shot
+// all_reduce, reduce_scatter and all_gather with uneven and zero counts,
+// broadcast, barrier; every dtype and op; in place and out of place), with
+// random pauses between the barrier and the data phase so peers run ahead,
+// and each result is compared bitwise with cpu_reduce_many (cpu_reduce.h) in
+// rank order. Then the faults: a rank that never calls (the others time out
+// naming it), a mismatched call (every rank reports it and the next call
+// works). With -DPZ_IPC_ONE_AREA the two epoch areas are one, a deliberately
+// broken ordering: the run must find wrong results.
+// Built and run by tests/test_ipc_protocol.py.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collective.h"
+#include "cpu_reduce.h"
+#include "ipc_protocol.h"
+
+using namespace pz;
+
+namespace {
+
+struct Barrier {  // the kernel boundary between a rank's calls
+  std::mutex m;
+  std::condition_variable cv;
+  int n, waiting = 0;
+  uint64_t gen = 0;
+  explicit Barrier(int n_) : n(n_) {}
+  void arrive() {
+    std::unique_lock<std::mutex> l(m);
+    uint64_t g = gen;
+    if (++waiting == n) {
+      waiting = 0;
+      ++gen;
+      cv.notify_all();
+    } else {
+      cv.wait(l, [&] { return gen != g; });
+    }
+  }
+};
+
+struct CpuX {
+  int b, nb;
+  std::mt19937* rng;
+  int pause_us;  // at most, after the start barrier (peers run ahead meanwhile)
+  int block() const { return b; }
+  int nblocks() const { return nb; }
+  int tid() const { return 0; }
+  int nthreads() const { return 1; }
+  void sync() {}
+  bool sync_and(bool v) {
+    if (pause_us && (*rng)() % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
+    return v;
+  }
+  uint64_t now_ns() const {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch()).count());
+  }
+  void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  uint64_t load_acquire(const uint64_t* p) {
+    uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    std::this_thread::yield();  // a spin loop's read: the threads outnumber the cores
+    return v;
+  }
+  uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+  void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+  void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch) {
+    uint32_t zero = 0;
+    if (__atomic_compare_exchange_n(&s->code, &zero, code, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+      s->peer = peer;
+      s->epoch = epoch;
+    }
+  }
+};
+
+constexpr int kDTypes[] = {int(DType::f32), int(DType::f64), int(DType::f16), int(DType::bf16), int(DType::i32),
+                           int(DType::i64)};
+
+struct CallSpec {
+  int kind, dt, op, root;
+  bool inplace;
+  std::vector<int64_t> counts;  // chunks
+  int64_t total() const {
+    int64_t t = 0;
+    for (auto c : counts) t += c;
+    return t;
+  }
+};
+
+template <typename T>
+T value_of(uint64_t h) {  // small exact values: sums and products of a few stay exact
+  int v = int(h % 7) - 3;
+  if (v == 0) v = 1;
+  if constexpr (std::is_integral_v<T>) return T(v);
+  else return from_acc<T>(typename Acc<T>::type(v) * typename Acc<T>::type(0.5));
+}
+
+uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xC2B2AE3D27D4EB4Full ^ c * 0x165667B19E3779F9ull;
+  return h ^ (h >> 29);
+}
+
+struct Rank {
+  std::vector<char> seg;  // IpcSignals, then the two areas
+  IpcStatus status{};
+  std::vector<char> in, out;
+};
+
+int failures = 0, cases = 0;
+
+template <typename T, RedOp OP>
+void expect(const CallSpec& s, int call, int n, int me, const Rank& rk, std::string& why) {
+  using A = typename Acc<T>::type;
+  int64_t total = s.total();
+  std::vector<int64_t> offs(n + 1, 0);
+  for (int k = 0; k < n; ++k) offs[k + 1] = offs[k] + s.counts[k];
+  auto input = [&](int r, int64_t i) { return value_of<T>(mix(call, r, i)); };
+  auto reduced = [&](int64_t i) {
+    A acc = to_acc(input(0, i));
+    for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(input(p, i)));
+    return from_acc<T>(finish<OP>(acc, n));
+  };
+  const T* got = reinterpret_cast<const T*>(s.inplace ? rk.in.data() : rk.out.data());
+  std::vector<T> want;
+  if (s.kind == kIpcAllReduceOneShot || s.kind == kIpcAllReduceTwoShot) {
+    for (int64_t i = 0; i < total; ++i) want.push_back(reduced(i));
+  } else if (s.kind == kIpcReduceScatter) {
+    got = reinterpret_cast<const T*>(rk.out.data());
+    for (int64_t i = offs[me]; i < offs[me + 1]; ++i) want.push_back(reduced(i));
+  } else if (s.kind == kIpcAllGather) {
+    got = reinterpret_cast<const T*>(rk.out.data());
+    for (int k = 0; k < n; ++k)
+      for (int64_t i = offs[k]; i < offs[k + 1]; ++i) want.push_back(input(k, i));
+  } else if (s.kind == kIpcBroadcast) {
+    for (int64_t i = 0; i < total; ++i) want.push_back(input(s.root, i));
+  }
+  if (!want.empty() && std::memcmp(got, want.data(), want.size() * sizeof(T)) != 0) {
+    size_t bad = 0;
+    while (std::memcmp(&got[bad], &want[bad], sizeof(T)) == 0) ++bad;
+    why = "element " + std::to_string(bad) + " of " + std::to_string(want.size());
+  }
+}
+
+template <typename T>
+void fill_input(const CallSpec& s, int call, int n, int me, Rank& rk) {
+  int64_t total = s.total();
+  std::vector<int64_t> offs(n + 1, 0);
+  for (int k = 0; k < n; ++k) offs[k + 1] = offs[k] + s.counts[k];
+  int64_t in_n = s.kind == kIpcAllGather ? s.counts[me] : total;
+  int64_t base = s.kind == kIpcAllGather ? offs[me] : 0;
+  rk.in.assign(size_t(std::max<int64_t>(in_n, 1)) * sizeof(T), 0);
+  T* in = reinterpret_cast<T*>(rk.in.data());
+  for (int64_t i = 0; i < in_n; ++i) in[i] = value_of<T>(mix(call, me, base + i));
+  int64_t out_n = s.kind == kIpcReduceScatter ? s.counts[me] : total;
+  rk.out.assign(size_t(std::max<int64_t>(out_n, 1)) * sizeof(T), char(0x5a));
+}
+
+#define DISPATCH(dt, op, ...) PZ_DISPATCH_DTYPE(DType(dt), T, PZ_DISPATCH_OP(RedOp(op), OP, __VA_ARGS__))
+
+struct Job {
+  int n, nb, pause_us;
+  uint64_t area_bytes, timeout_ns;
+  std::vector<CallSpec> calls;
+  std::vector<int> skip_rank;  // per call: a rank that does not call it (-1: none)
+  std::vector<int> odd_dtype;  // per call: a rank that calls it with another dtype (-1: none)
+};
+
+// Runs the job; per rank and call: status code and peer; results checked where the call succeeded.
+std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) {
+  const int n = job.n, nb = job.nb;
+  size_t sig_bytes = round_up(sizeof(IpcSignals), 64);
+  std::vector<Rank> ranks(n);
+  for (auto& r : ranks) r.seg.assign(sig_bytes + 2 * job.area_bytes, 0);
+  std::vector<std::vector<IpcStatus>> statuses(n, std::vector<IpcStatus>(job.calls.size()));
+  uint32_t abort_word = 0;
+  // The host thread of a rank prepares its buffers, then its blocks run the call, and all meet
+  // again when every block is done: the boundary between two kernels on one stream.
+  std::vector<Barrier*> host_ready;
+  for (int r = 0; r < n; ++r) host_ready.push_back(new Barrier(nb + 1));
+  std::atomic<int> wrong_count{0};
+  std::mutex print;
+
+  auto host = [&](int me) {
+    Rank& rk = ranks[me];
+    for (size_t k = 0; k < job.calls.size(); ++k) {
+      const CallSpec& s = job.calls[k];
+      if (job.skip_rank[k] == me) {
+        statuses[me][k].code = 99;  // not called
+        continue;
+      }
+      PZ_DISPATCH_DTYPE(DType(s.dt), T, { fill_input<T>(s, int(k), n, me, rk); });
+      rk.status = IpcStatus{};
+      host_ready[me]->arrive();  // blocks start
+      host_ready[me]->arrive();  // blocks done (the kernel finished)
+      statuses[me][k] = rk.status;
+      if (check && rk.status.code == kIpcOk) {
+        std::string why;
+        DISPATCH(s.dt, s.op, { expect<T, OP>(s, int(k), n, me, rk, why); });
+        if (!why.empty()) {
+          wrong_count++;
+          std::lock_guard<std::mutex> l(print);
+          if (wrong_count < 5)
+            std::printf("WRONG rank %d call %zu kind %d dtype %d op %d: %s\n", me, k, s.kind, s.dt, s.op,
+                        why.c_str());
+        }
+      }
+    }
+  };
+  auto block = [&](int me, int b) {
+    Rank& rk = ranks[me];
+    std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
+    CpuX x{b, nb, &rng, job.pause_us};
+    uint64_t epoch = 0;
+    for (size_t k = 0; k < job.calls.size(); ++k) {
+      if (job.skip_rank[k] == me) continue;
+      const CallSpec& s = job.calls[k];
+      ++epoch;
+      host_ready[me]->arrive();
+      IpcCall c{};
+      size_t par = epoch % 2;
+#ifdef PZ_IPC_ONE_AREA
+      par = 0;
+#endif
+      for (int p = 0; p < n; ++p) {
+        c.sigs[p] = reinterpret_cast<IpcSignals*>(ranks[p].seg.data());
+        c.areas[p] = ranks[p].seg.data() + sig_bytes + par * job.area_bytes;
+      }
+      c.status = &rk.status;
+      c.abort = &abort_word;
+      c.in = rk.in.data();
+      c.out = s.inplace ? rk.in.data() : rk.out.data();
+      int64_t off = 0;
+      for (int p = 0; p < n; ++p) {
+        c.counts[p] = s.counts[p];
+        c.offs[p] = off;
+        off += s.counts[p];
+      }
+      c.epoch = epoch;
+      c.timeout_ns = job.timeout_ns;
+      int dt = job.odd_dtype[k] == me ? (s.dt == int(DType::f32) ? int(DType::f64) : int(DType::f32))
+                                      : s.dt;
+      c.desc = IpcDesc{s.kind, dt, s.op, s.root, s.total(), uint64_t(s.counts.size() * 1000003u) ^ uint64_t(off)};
+      c.rank = me;
+      c.nranks = n;
+      DISPATCH(s.dt, s.op, { ipc_run<T, OP>(x, c); });
+      host_ready[me]->arrive();
+    }
+  };
+  std::vector<std::thread> th;
+  for (int r = 0; r < n; ++r) {
+    th.emplace_back(host, r);
+    for (int b = 0; b < nb; ++b) th.emplace_back(block, r, b);
+  }
+  for (auto& t : th) t.join();
+  for (auto* p : host_ready) delete p;
+  wrong = wrong_count.load();
+  return statuses;
+}
+
+std::vector<CallSpec> random_calls(int n, int count, uint64_t area_bytes, std::mt19937_64& g) {
+  std::vector<CallSpec> out;
+  for (int k = 0; k < count; ++k) {
+    CallSpec s;
+    s.kind = int(g() % 6);
+    s.dt = kDTypes[g() % 6];
+    s.op = int(g() % 5);
+    s.root = int(g() % n);
+    s.inplace = (s.kind == kIpcAllReduceOneShot || s.kind == kIpcAllReduceTwoShot || s.kind == kIpcBroadcast) &&
+                g() % 2;
+    int esize = dtype_size(DType(s.dt));
+    int64_t cap = int64_t(area_bytes / esize);
+    int64_t total = s.kind == kIpcBarrier ? 0 : int64_t(g() % std::min<int64_t>(cap + 1, 3000));
+    if (s.kind == kIpcReduceScatter || s.kind == kIpcAllGather) {
+      s.counts.assign(n, 0);  // uneven, some zero
+      for (int64_t i = 0; i < total; ++i) s.counts[g() % n] += (g() % 4 == 0) ? 0 : 1;
+    } else {
+      s.counts = split_even(total, n);
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937_64 g(12345);
+  int total_wrong = 0;
+  // 1. random calls at 2, 3 and 4 ranks, 1 and 3 blocks
+  for (int n : {2, 3, 4}) {
+    for (int nb : {1, 3}) {
+      Job job{n, nb, 200, 16 << 10, 2000000000ull, random_calls(n, 160, 16 << 10, g), {}, {}};
+      job.skip_rank.assign(job.calls.size(), -1);
+      job.odd_dtype.assign(job.calls.size(), -1);
+      int wrong = 0;
+      auto st = run(job, true, wrong);
+      int bad_status = 0;
+      for (auto& r : st)
+        for (auto& x : r) bad_status += x.code != kIpcOk;
+      cases += int(job.calls.size()) * n;
+      failures += wrong + bad_status;
+      total_wrong += wrong;
+      std::printf("ranks %d blocks %d: %zu calls, %d wrong, %d failed\n", n, nb, job.calls.size(), wrong,
+                  bad_status);
+    }
+  }
+#ifdef PZ_IPC_ONE_AREA
+  std::printf("one area: %d wrong results\n", total_wrong);
+  return 0;
+#endif
+  // 2. a rank that never calls: the others time out naming it; the rank before it in the call is fine
+  {
+    int n = 3;
+    Job job{n, 2, 0, 4 << 10, 200000000ull, {}, {}, {}};
+    for (int k = 0; k < 3; ++k) job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false,
+                                                             split_even(100, n)});
+    job.skip_rank = {-1, -1, 1};
+    job.odd_dtype = {-1, -1, -1};
+    int wrong = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto st = run(job, true, wrong);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool ok = wrong == 0 && st[0][1].code == kIpcOk && st[0][2].code == kIpcTimeout && st[0][2].peer == 1 &&
+              st[2][2].code == kIpcTimeout && st[2][2].peer == 1 && st[0][2].epoch == 3 && s < 5.0;
+    std::printf("never calls: rank 0 code %u peer %d, rank 2 code %u peer %d, %.2f s: %s\n", st[0][2].code,
+                st[0][2].peer, st[2][2].code, st[2][2].peer, s, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 3. a mismatched call (rank 2 sends another dtype): every rank reports it, the next call works
+  {
+    int n = 3;
+    Job job{n, 2, 100, 4 << 10, 2000000000ull, {}, {}, {}};
+    for (int kind : {kIpcAllReduceTwoShot, kIpcAllReduceTwoShot, kIpcAllGather})
+      job.calls.push_back(CallSpec{kind, int(DType::f32), 0, 0, false, split_even(300, n)});
+    job.skip_rank = {-1, -1, -1};
+    job.odd_dtype = {-1, 2, -1};
+    int wrong = 0;
+    auto st = run(job, true, wrong);
+    bool ok = wrong == 0;
+    for (int r = 0; r < n; ++r)
+      ok = ok && st[r][0].code == kIpcOk && st[r][1].code == kIpcMismatch && st[r][2].code == kIpcOk;
+    std::printf("mismatch: codes %u %u %u, peers %d %d %d: %s\n", st[0][1].code, st[1][1].code, st[2][1].code,
+                st[0][1].peer, st[1][1].peer, st[2][1].peer, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  std::printf("%d cases, %d failures\n", cases, failures);
+  return failures ? 1 : 0;
+}

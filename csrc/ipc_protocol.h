@@ -48,7 +48,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "collective.h"
 #include "reduce_math.h"
 
 namespace pz {
@@ -87,9 +89,10 @@ enum IpcKind : int32_t {
 };
 
 // One call, by value (a kernel parameter). Chunk c of the buffer has counts[c]
-// elements at element offset offs[c]; `in` and `out` are this rank's user
-// buffers (the layouts below), `areas[p]` peer p's area of this epoch and
-// `sigs[p]` its signals (this rank's own at [rank]).
+// elements, at element offset offs[c] in the areas and io_offs[c] in the user
+// buffers `in` / `out` (different where a large call runs in pieces, see
+// ipc_pieces); `areas[p]` is peer p's area of this epoch and `sigs[p]` its
+// signals (this rank's own at [rank]).
 struct IpcCall {
   char* areas[kIpcMaxRanks];
   IpcSignals* sigs[kIpcMaxRanks];
@@ -99,6 +102,7 @@ struct IpcCall {
   void* out;              // all_reduce/broadcast/all_gather: the whole buffer; reduce_scatter: own chunk
   int64_t counts[kIpcMaxRanks];
   int64_t offs[kIpcMaxRanks];
+  int64_t io_offs[kIpcMaxRanks];
   uint64_t epoch;
   uint64_t timeout_ns;
   IpcDesc desc;
@@ -188,7 +192,7 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
     for (int k = 0; k < n; ++k) {  // the chunks the peers reduce (this rank's own is read from `in`)
       if (k == me) continue;
       ipc_part(c.counts[k], b, nb, lo, hi);
-      for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[k] + i] = in[c.offs[k] + i];
+      for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[k] + i] = in[c.io_offs[k] + i];
     }
   } else if (kind == kIpcAllGather) {
     ipc_part(c.counts[me], b, nb, lo, hi);
@@ -216,15 +220,15 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
     }
   } else if (kind == kIpcAllReduceTwoShot || kind == kIpcReduceScatter) {
     const bool two = kind == kIpcAllReduceTwoShot;
-    const int64_t off = c.offs[me];
+    const int64_t off = c.offs[me], io = c.io_offs[me];
     ipc_part(c.counts[me], b, nb, lo, hi);
     for (int64_t i = lo + t0; i < hi; i += nt) {
-      A acc = to_acc(me == 0 ? in[off + i] : area(0)[off + i]);
-      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(p == me ? in[off + i] : area(p)[off + i]));
+      A acc = to_acc(me == 0 ? in[io + i] : area(0)[off + i]);
+      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(p == me ? in[io + i] : area(p)[off + i]));
       T v = from_acc<T>(finish<OP>(acc, n));
       if (two) {
         mine[off + i] = v;  // for the peers' second phase
-        out[off + i] = v;
+        out[io + i] = v;
       } else {
         out[i] = v;  // reduce_scatter: `out` is this rank's chunk
       }
@@ -235,13 +239,13 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
       for (int k = 0; k < n; ++k) {
         if (k == me) continue;
         ipc_part(c.counts[k], b, nb, lo, hi);
-        for (int64_t i = lo + t0; i < hi; i += nt) out[c.offs[k] + i] = area(k)[c.offs[k] + i];
+        for (int64_t i = lo + t0; i < hi; i += nt) out[c.io_offs[k] + i] = area(k)[c.offs[k] + i];
       }
     }
   } else if (kind == kIpcAllGather) {
     for (int k = 0; k < n; ++k) {
       ipc_part(c.counts[k], b, nb, lo, hi);
-      for (int64_t i = lo + t0; i < hi; i += nt) out[c.offs[k] + i] = k == me ? in[i] : area(k)[c.offs[k] + i];
+      for (int64_t i = lo + t0; i < hi; i += nt) out[c.io_offs[k] + i] = k == me ? in[i] : area(k)[c.offs[k] + i];
     }
   } else if (kind == kIpcBroadcast) {
     ipc_part(c.desc.total, b, nb, lo, hi);
@@ -254,8 +258,69 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   return true;
 }
 
-// Bytes of area one call needs per rank (each epoch parity): the whole buffer's
-// elements of `esize` bytes.
-inline uint64_t ipc_area_need(int64_t total, int esize) { return uint64_t(total) * uint64_t(esize); }
+// One kernel launch of a call: its chunks, their offsets in the area and in
+// the user buffers, and how far `in` / `out` are advanced (elements).
+struct IpcPiece {
+  std::vector<int64_t> counts, offs, io_offs;
+  int64_t in_skip = 0, out_skip = 0;
+  int64_t total() const {
+    int64_t t = 0;
+    for (int64_t c : counts) t += c;
+    return t;
+  }
+};
+
+// A call cut into pieces whose data fits one area of `area_bytes` (each piece
+// is a launch of its own epoch). `chunks`: per rank, the elements of its chunk
+// (all_reduce and broadcast: the whole buffer as one chunk per piece, split
+// evenly over the ranks for the two-shot). Each rank's chunk is cut into the
+// same number of pieces, so a piece stays a collective of the same kind.
+inline std::vector<IpcPiece> ipc_pieces(int kind, const std::vector<int64_t>& chunks, int esize, uint64_t area_bytes,
+                                        int me) {
+  const int n = int(chunks.size());
+  int64_t total = 0;
+  for (int64_t c : chunks) total += c;
+  const bool whole = kind == kIpcAllReduceOneShot || kind == kIpcAllReduceTwoShot || kind == kIpcBroadcast ||
+                     kind == kIpcBarrier;
+  const int64_t cap = int64_t(area_bytes / uint64_t(esize));
+  int64_t np = total == 0 ? 1 : (total + cap - 1) / cap;
+  for (;; ++np) {  // per-chunk rounding can add up to n elements to a piece
+    std::vector<IpcPiece> out;
+    bool fits = true;
+    for (int64_t k = 0; k < np; ++k) {
+      IpcPiece p;
+      if (whole) {
+        int64_t lo = total * k / np, hi = total * (k + 1) / np;
+        p.counts = kind == kIpcAllReduceTwoShot ? split_even(hi - lo, n) : std::vector<int64_t>(n, 0);
+        if (kind != kIpcAllReduceTwoShot) p.counts[0] = hi - lo;  // one chunk: the kernel uses desc.total
+        p.offs.assign(n, 0);
+        for (int c = 1; c < n; ++c) p.offs[c] = p.offs[c - 1] + p.counts[c - 1];
+        p.io_offs = p.offs;
+        p.in_skip = p.out_skip = lo;
+      } else {
+        p.counts.assign(n, 0);
+        p.offs.assign(n, 0);
+        p.io_offs.assign(n, 0);
+        int64_t base = 0, area_off = 0;
+        for (int c = 0; c < n; ++c) {
+          int64_t lo = chunks[c] * k / np, hi = chunks[c] * (k + 1) / np;
+          p.counts[c] = hi - lo;
+          p.offs[c] = area_off;
+          p.io_offs[c] = base + lo;
+          area_off += hi - lo;
+          base += chunks[c];
+          if (c == me) {
+            if (kind == kIpcAllGather) p.in_skip = lo;    // `in` is this rank's chunk
+            if (kind == kIpcReduceScatter) p.out_skip = lo;  // `out` is this rank's chunk
+          }
+        }
+        if (kind == kIpcAllGather) p.out_skip = 0;
+      }
+      fits = fits && uint64_t(p.total()) * uint64_t(esize) <= area_bytes;
+      out.push_back(std::move(p));
+    }
+    if (fits) return out;
+  }
+}
 
 }  // namespace pz

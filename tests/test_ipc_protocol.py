@@ -35,7 +35,8 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     assert run.returncode == 0, out[-4000:]
     m = re.search(r"(\d+) cases, (\d+) failures", out)
     assert m and int(m.group(2)) == 0 and int(m.group(1)) >= 2800, out[-2000:]
-    assert len(re.findall(r"ranks \d blocks \d: 160 calls, 0 wrong, 0 failed", out)) == 6, out
+    runs = re.findall(r"ranks \d blocks \d: 160 calls, 0 wrong, 0 failed \((\d+) launches\)", out)
+    assert len(runs) == 6 and all(int(n) > 200 for n in runs), out  # many calls ran in several pieces
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
 
 

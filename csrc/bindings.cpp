@@ -12,6 +12,7 @@
 #include "cpu_optim.h"
 #include "errors.h"
 #include "multi_tensor.h"
+#include "ipc_transport.h"
 #include "nccl_transport.h"
 #include "p2p_ring.h"
 #include "shm_comm.h"
@@ -71,6 +72,17 @@ py::object nccl_call(F f) {
   if (!w) return py::none();
   return py::cast(w);
 }
+
+template <typename F>
+py::object ipc_call(F f) {
+  IpcTransport::WorkPtr w;
+  {
+    py::gil_scoped_release nogil;
+    w = f();
+  }
+  if (!w) return py::none();
+  return py::cast(w);
+}
 #endif
 
 py::dict build_info() {
@@ -102,7 +114,7 @@ py::dict build_info() {
   d["compiler"] = std::string("unknown");
 #endif
 #ifdef PYZERO_WITH_CUDA
-  d["backends"] = py::make_tuple("shm", "nccl");
+  d["backends"] = py::make_tuple("shm", "nccl", "ipc");
 #else
   d["backends"] = py::make_tuple("shm");
 #endif
@@ -405,6 +417,59 @@ PYBIND11_MODULE(_C, m) {
         for (const auto& [buf, n, dt, peer, is_send] : ops) v.push_back({as_ptr(buf), n, DType(dt), peer, is_send});
         return nccl_call([&] { return t.batch_p2p(v, stream, async_op); });
       });
+
+  py::class_<IpcWork, std::shared_ptr<IpcWork>>(m, "IpcWork")
+      .def("wait", [](IpcWork& w, uintptr_t stream) { py::gil_scoped_release nogil; w.wait(stream); },
+           py::arg("stream"), "Make `stream` wait for the operation (no host block); raises a recorded failure")
+      .def("is_completed", [](IpcWork& w) { py::gil_scoped_release nogil; return w.completed(); })
+      .def("synchronize", [](IpcWork& w) { py::gil_scoped_release nogil; w.synchronize(); },
+           "Block the host until the operation finished");
+
+  py::class_<IpcTransport>(m, "IpcComm")
+      .def(py::init([](int rank, int size, int device, double timeout_s, uint64_t area_bytes, uint64_t oneshot_bytes) {
+             py::gil_scoped_release nogil;
+             return std::make_unique<IpcTransport>(rank, size, device, IpcConfig{timeout_s, area_bytes, oneshot_bytes});
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s"), py::arg("area_bytes"),
+           py::arg("oneshot_bytes"))
+      .def("handle", [](IpcTransport& t) { return py::bytes(t.handle()); })
+      .def("connect", [](IpcTransport& t, const std::vector<py::bytes>& hs) {
+        std::vector<std::string> v(hs.begin(), hs.end());
+        py::gil_scoped_release nogil;
+        t.connect(v);
+      })
+      .def_property_readonly("rank", &IpcTransport::rank)
+      .def_property_readonly("size", &IpcTransport::size)
+      .def_property_readonly("device", &IpcTransport::device)
+      .def_property_readonly("stream", &IpcTransport::stream)
+      .def("set_timeout", &IpcTransport::set_timeout)
+      .def("close", &IpcTransport::close, py::call_guard<py::gil_scoped_release>())
+      .def("stats", &IpcTransport::stats, py::arg("reset") = false)
+      .def("all_reduce", [](IpcTransport& t, uintptr_t buf, uintptr_t in, int64_t n, int dt, int op, int algo,
+                            uintptr_t stream, bool async_op) {
+        return ipc_call([&] {
+          return t.all_reduce(as_ptr(buf), in ? as_ptr(in) : nullptr, n, DType(dt), RedOp(op), Algo(algo), stream,
+                              async_op);
+        });
+      })
+      .def("reduce_scatter", [](IpcTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
+                                int op, int algo, uintptr_t stream, bool async_op) {
+        return ipc_call([&] {
+          return t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo), stream, async_op);
+        });
+      })
+      .def("all_gather", [](IpcTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
+                            int algo, uintptr_t stream, bool async_op) {
+        return ipc_call(
+            [&] { return t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo), stream, async_op); });
+      })
+      .def("broadcast", [](IpcTransport& t, uintptr_t buf, int64_t n, int dt, int root, int algo, uintptr_t stream,
+                           bool async_op) {
+        return ipc_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
+      })
+      .def("barrier", [](IpcTransport& t, uintptr_t stream, bool async_op) {
+        return ipc_call([&] { return t.barrier(stream, async_op); });
+      });
 #endif
 
   // Host-side logic of the CUDA backends, available in every build (tested without a GPU).
@@ -413,6 +478,11 @@ PYBIND11_MODULE(_C, m) {
     return int(nccl_resolve_algo(Coll(coll), bytes, Algo(algo), oneshot_bytes, nranks));
   }, py::arg("coll"), py::arg("bytes"), py::arg("algo"), py::arg("oneshot_bytes"), py::arg("nranks"),
      "The algorithm the nccl backend runs for a call (see csrc/nccl_transport.h)");
+  m.def("ipc_resolve_algo", [](int coll, size_t bytes, int algo, size_t oneshot_bytes, int nranks) {
+    if (coll < 0 || coll >= kNumColls) throw std::invalid_argument("coll: unknown collective code");
+    return int(ipc_resolve_algo(Coll(coll), bytes, Algo(algo), oneshot_bytes, nranks));
+  }, py::arg("coll"), py::arg("bytes"), py::arg("algo"), py::arg("oneshot_bytes"), py::arg("nranks"),
+     "The algorithm the ipc backend runs for a call (see csrc/ipc_transport.h)");
   m.def("p2p_ring_plan", [](int coll, std::vector<int64_t> counts, int rank, int nranks, int dt, int root,
                             size_t stage_bytes, bool in_is_chunk) {
     if (coll < 0 || coll >= kNumColls) throw std::invalid_argument("coll: unknown collective code");

@@ -31,9 +31,10 @@ inline const char* coll_name(Coll c) {
   return "?";
 }
 
-// native: NCCL's own collective (nccl backend only).
-enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2, native = 3 };
-constexpr int kNumAlgos = 4;
+// native: NCCL's own collective (nccl backend only); twoshot: the ipc backend's
+// reduce-scatter-then-all-gather all_reduce.
+enum class Algo : int32_t { automatic = 0, ring = 1, oneshot = 2, native = 3, twoshot = 4 };
+constexpr int kNumAlgos = 5;
 
 inline const char* algo_name(Algo a) {
   switch (a) {
@@ -41,6 +42,7 @@ inline const char* algo_name(Algo a) {
     case Algo::ring: return "ring";
     case Algo::oneshot: return "oneshot";
     case Algo::native: return "native";
+    case Algo::twoshot: return "twoshot";
   }
   return "?";
 }

@@ -87,6 +87,8 @@ inline Algo nccl_resolve_algo(Coll c, size_t bytes, Algo algo, size_t oneshot_by
                                     std::to_string(kMaxReduceSources) + " ranks, the group has " +
                                     std::to_string(nranks));
       return Algo::oneshot;
+    case Algo::twoshot:
+      break;
   }
   throw std::invalid_argument("algo: expected 'auto', 'native', 'ring' or 'oneshot'");
 }

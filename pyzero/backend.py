@@ -224,9 +224,11 @@ class Options:
     None means the backend's default, which an environment variable may set
     (in brackets); a subgroup without options inherits the world's.
 
-    - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB])
+    - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);
+      ipc: each rank's registered area, the largest piece of one call (32 MiB [PYZERO_IPC_AREA_KB])
     - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH])
-    - oneshot_bytes: largest message of the one-shot path (256 KiB [PYZERO_SHM_ONESHOT_KB / PYZERO_NCCL_ONESHOT_KB])
+    - oneshot_bytes: largest message of the one-shot path (256 KiB [PYZERO_SHM_ONESHOT_KB / PYZERO_NCCL_ONESHOT_KB /
+      PYZERO_IPC_ONESHOT_KB])
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
     """

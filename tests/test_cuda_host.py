@@ -341,7 +341,7 @@ def test_code_tables_are_the_documented_ones():
     """The tables _C exports are the codes csrc uses; pyzero.backend maps torch dtypes through them."""
     assert _C.DTYPES == {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int32": 4, "int64": 5}
     assert _C.OPS == {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
-    assert _C.ALGOS == {"auto": 0, "ring": 1, "oneshot": 2, "native": 3}
+    assert _C.ALGOS == {"auto": 0, "ring": 1, "oneshot": 2, "native": 3, "twoshot": 4}
     assert _C.SYM_KINDS == {"all_gather": 0, "reduce_scatter": 1}
     assert {k: _C.COLLS[k] for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")} == \
         {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
@@ -350,25 +350,45 @@ def test_code_tables_are_the_documented_ones():
                       torch.int64: 5}
 
 
-def test_build_info_lists_nccl_exactly_when_built_with_cuda():
+def test_build_info_lists_nccl_and_ipc_exactly_when_built_with_cuda():
     info = pz.build_info()
     assert info["backends"][0] == "shm"
     assert ("nccl" in info["backends"]) == info["cuda"]
-    assert "ipc" not in info["backends"]
-
-
-def test_init_ipc_not_built_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="backend='ipc' is not available in this build"):
-        pz.init(backend="ipc")
-    assert not pz.is_initialized()
+    assert ("ipc" in info["backends"]) == info["cuda"]
 
 
 @pytest.mark.skipif(HAS_CUDA_BUILD and _C.cuda_device_count() > 0, reason="a GPU is visible")
-def test_init_nccl_without_gpu_is_a_clear_error():
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_init_gpu_backend_without_gpu_is_a_clear_error(backend):
     want = "needs a CUDA GPU" if HAS_CUDA_BUILD else "not available in this build"
     with pytest.raises(RuntimeError, match=want):
-        pz.init(backend="nccl")
+        pz.init(backend=backend)
     assert not pz.is_initialized()
+
+
+def test_ipc_device_shares_gpus_when_ranks_outnumber_them():
+    from pyzero.backends.ipc import ipc_device
+    assert [ipc_device(r, device_count=1) for r in range(4)] == [0, 0, 0, 0]
+    assert [ipc_device(r, device_count=2) for r in range(4)] == [0, 1, 0, 1]
+    assert [ipc_device(r, device_count=8) for r in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(not HAS_CUDA_BUILD, reason="the ipc backend is built with CUDA")
+def test_ipc_algorithm_choice():
+    C = dict(_C.COLLS)
+    auto, one, two = ALGO["auto"], ALGO["oneshot"], ALGO["twoshot"]
+    # one-shot at 2 ranks (reading the one peer is all there is) and for small inputs; two-shot above at 3+
+    assert _C.ipc_resolve_algo(C["all_reduce"], 64 << 20, auto, 256 << 10, 2) == one
+    assert _C.ipc_resolve_algo(C["all_reduce"], 256 << 10, auto, 256 << 10, 4) == one
+    assert _C.ipc_resolve_algo(C["all_reduce"], (256 << 10) + 1, auto, 256 << 10, 4) == two
+    assert _C.ipc_resolve_algo(C["all_reduce"], 8, two, 256 << 10, 2) == two  # asked for: honoured
+    for coll in ("reduce_scatter", "all_gather", "broadcast"):
+        assert _C.ipc_resolve_algo(C[coll], 1 << 30, auto, 256 << 10, 8) == one
+        with pytest.raises(ValueError, match=f"{coll}: the ipc backend takes algo 'auto' or 'oneshot', got 'twoshot'"):
+            _C.ipc_resolve_algo(C[coll], 8, two, 256 << 10, 2)
+    for name in ("ring", "native"):
+        with pytest.raises(ValueError, match=f"got '{name}'"):
+            _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO[name], 256 << 10, 2)
 
 
 def test_nccl_device_is_local_rank():

@@ -13,6 +13,7 @@ from .. import _C
 _REGISTRY = {
     "shm": ("pyzero.backends.shm", "ShmBackend"),
     "nccl": ("pyzero.backends.nccl", "NcclBackend"),
+    "ipc": ("pyzero.backends.ipc", "IpcBackend"),
     "hier": ("pyzero.backends.hier", "HierBackend"),
 }
 NAMES = ("shm", "nccl", "ipc", "hier")  # every backend pyzero knows; build_info()["backends"] says which are built

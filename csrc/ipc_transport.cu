@@ -1,0 +1,376 @@
+// ipc_transport.cu — the ipc backend on the GPU: registered buffers shared
+// through CUDA IPC, one kernel per call (or per piece of a large call)
+// running ipc_protocol.h's body. See ipc_transport.h.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "collective.h"
+#include "cuda_check.h"
+#include "errors.h"
+#include "ipc_protocol.h"
+#include "ipc_transport.h"
+
+namespace pz {
+
+namespace {
+
+// The executor of ipc_protocol.h on the GPU: a block of kThreads threads.
+struct GpuX {
+  __device__ int block() const { return int(blockIdx.x); }
+  __device__ int nblocks() const { return int(gridDim.x); }
+  __device__ int tid() const { return int(threadIdx.x); }
+  __device__ int nthreads() const { return int(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
+  __device__ bool sync_and(bool v) { return __syncthreads_and(v) != 0; }
+  __device__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ void store_release(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
+  __device__ uint64_t load_acquire(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ uint32_t load_relaxed(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
+  __device__ void fence() { __threadfence_system(); }
+  // Host-mapped memory: no system-scope atomics assumed (x86 hosts often lack them), so
+  // two blocks failing at once may both write; either record names a real failure.
+  __device__ void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch) {
+    volatile IpcStatus* v = s;
+    if (v->code != 0u) return;
+    v->peer = peer;
+    v->epoch = epoch;
+    __threadfence_system();
+    v->code = code;
+    __threadfence_system();
+  }
+};
+
+template <typename T, RedOp OP>
+__global__ void ipc_kernel(IpcCall c) {
+  GpuX x;
+  ipc_run<T, OP>(x, c);
+}
+
+constexpr int kThreads = 512;
+
+size_t sig_bytes() { return round_up(sizeof(IpcSignals), 256); }
+
+struct DeviceGuard {  // the caller's device is restored on return
+  int prev = -1;
+  explicit DeviceGuard(int d) {
+    PZ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != d) PZ_CUDA_CHECK(cudaSetDevice(d));
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != prev) cudaSetDevice(prev);
+  }
+};
+
+uint64_t counts_hash(const std::vector<int64_t>& counts) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t c : counts) h = (h ^ uint64_t(c)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+struct IpcWork::State {
+  std::weak_ptr<IpcTransport::Impl> impl;
+  cudaEvent_t done = nullptr;
+  int device = 0;
+  const char* what = "";
+  uint64_t epoch = 0;  // of the call's last kernel
+  ~State() {
+    if (done) cudaEventDestroy(done);
+  }
+};
+
+struct IpcTransport::Impl {
+  int rank, size, device, nblocks = 1;
+  IpcConfig cfg;
+  char* mine = nullptr;                 // this rank's registered buffer
+  std::vector<char*> bases;             // every rank's, mapped here
+  IpcStatus* status_host = nullptr;     // host-mapped
+  IpcStatus* status_dev = nullptr;
+  uint32_t* abort_host = nullptr;       // host-mapped
+  uint32_t* abort_dev = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t last = nullptr;           // after the newest launch
+  uint64_t epoch = 0;
+  bool connected = false, closed = false;
+  std::string broken;                   // the failure that ended the group
+  std::mutex mu;
+  OpCounters counters;
+
+  void check_usable(const char* what) {
+    if (closed) throw CollectiveError(std::string(what) + ": the ipc group was closed");
+    if (!connected) throw CollectiveError(std::string(what) + ": the ipc group is not connected");
+    if (!broken.empty()) throw CollectiveTimeout(std::string(what) + ": the ipc group is unusable after: " + broken);
+    raise_status(what, 0);
+  }
+
+  // A failure a kernel recorded. A timeout or abort breaks the group: raised from then on. A
+  // mismatch is raised once, and only where every rank sees it alike: by a host wait for work
+  // whose kernels (up to epoch `upto`) all finished, so no rank raises it before the others.
+  void raise_status(const char* what, uint64_t upto) {
+    const volatile IpcStatus* v = status_host;
+    IpcStatus s;
+    s.code = v->code;  // written last by the device
+    s.peer = v->peer;
+    s.epoch = v->epoch;
+    if (s.code == kIpcOk) return;
+    std::ostringstream os;
+    os << what << " (ipc, rank " << rank << " of " << size << "): ";
+    if (s.code == kIpcMismatch) {
+      if (s.epoch > upto) return;
+      os << "the call at epoch " << s.epoch << " differs from rank " << s.peer
+         << "'s (collective, dtype, op, root or counts); every rank skipped it";
+      std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
+      throw CollectiveError(os.str());
+    }
+    if (s.code == kIpcAborted) os << "aborted while waiting for rank " << s.peer << " (epoch " << s.epoch << ")";
+    else os << "timed out after " << cfg.timeout_s << " s waiting for rank " << s.peer << " (epoch " << s.epoch
+            << "): it never arrived";
+    broken = os.str();
+    throw CollectiveTimeout(broken);
+  }
+
+  WorkPtr launch(const char* what, Coll coll, int kind, DType dt, RedOp op, int root, const void* in, void* out,
+                 const std::vector<int64_t>& chunks, uintptr_t user_stream, bool async_op, uint64_t sent_bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    check_usable(what);
+    DeviceGuard guard(device);
+    cudaStream_t caller = reinterpret_cast<cudaStream_t>(user_stream);
+    cudaEvent_t ready;
+    PZ_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    PZ_CUDA_CHECK(cudaEventRecord(ready, caller));
+    PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
+    cudaEventDestroy(ready);
+    const int esize = dtype_size(dt);
+    int64_t total = 0;
+    for (int64_t c : chunks) total += c;
+    for (const IpcPiece& pc : ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank)) {
+      IpcCall c{};
+      ++epoch;
+      for (int p = 0; p < size; ++p) {
+        c.sigs[p] = reinterpret_cast<IpcSignals*>(bases[p]);
+        c.areas[p] = bases[p] + sig_bytes() + (epoch % 2) * cfg.area_bytes;
+        c.counts[p] = pc.counts[p];
+        c.offs[p] = pc.offs[p];
+        c.io_offs[p] = pc.io_offs[p];
+      }
+      c.status = status_dev;
+      c.abort = abort_dev;
+      c.in = static_cast<const char*>(in) + pc.in_skip * esize;
+      c.out = static_cast<char*>(out) + pc.out_skip * esize;
+      c.epoch = epoch;
+      c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
+      c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
+      c.rank = rank;
+      c.nranks = size;
+      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+        ipc_kernel<T, OP><<<nblocks, kThreads, 0, stream>>>(c);
+      }));
+      PZ_CUDA_CHECK(cudaGetLastError());
+    }
+    PZ_CUDA_CHECK(cudaEventRecord(last, stream));
+    counters.add(coll, uint64_t(total), sent_bytes);
+    auto st = std::make_shared<IpcWork::State>();
+    st->impl = this_shared;
+    PZ_CUDA_CHECK(cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming));
+    PZ_CUDA_CHECK(cudaEventRecord(st->done, stream));
+    st->device = device;
+    st->what = what;
+    st->epoch = epoch;
+    auto work = std::make_shared<IpcWork>(st);
+    if (async_op) return work;
+    PZ_CUDA_CHECK(cudaStreamWaitEvent(caller, st->done, 0));
+    return nullptr;
+  }
+
+  std::weak_ptr<Impl> this_shared;
+};
+
+void IpcWork::wait(uintptr_t stream) {
+  DeviceGuard guard(s_->device);
+  PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->done, 0));
+  if (auto impl = s_->impl.lock()) {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->raise_status(s_->what, 0);  // (a mismatch: at a host wait, see raise_status)
+  }
+}
+
+bool IpcWork::completed() {
+  DeviceGuard guard(s_->device);
+  cudaError_t e = cudaEventQuery(s_->done);
+  if (e == cudaErrorNotReady) return false;
+  PZ_CUDA_CHECK(e);
+  return true;
+}
+
+void IpcWork::synchronize() {
+  DeviceGuard guard(s_->device);
+  PZ_CUDA_CHECK(cudaEventSynchronize(s_->done));
+  if (auto impl = s_->impl.lock()) {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->raise_status(s_->what, s_->epoch);
+  }
+}
+
+IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl_(std::make_shared<Impl>()) {
+  if (size < 1 || size > kIpcMaxRanks)
+    throw std::invalid_argument("the ipc backend takes groups of 1 to " + std::to_string(kIpcMaxRanks) +
+                                " ranks, got " + std::to_string(size));
+  Impl& m = *impl_;
+  m.this_shared = impl_;
+  m.rank = rank;
+  m.size = size;
+  m.device = device;
+  m.cfg = cfg;
+  m.cfg.area_bytes = round_up(std::max<uint64_t>(cfg.area_bytes, 4096), 256);
+  DeviceGuard guard(device);
+  int sms = 0;
+  PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Spin barriers need every block resident at once; several processes may share the GPU.
+  m.nblocks = std::max(1, std::min(kIpcMaxBlocks, sms / 4));
+  PZ_CUDA_CHECK(cudaMalloc(&m.mine, sig_bytes() + 2 * m.cfg.area_bytes));
+  PZ_CUDA_CHECK(cudaMemset(m.mine, 0, sig_bytes()));
+  PZ_CUDA_CHECK(cudaHostAlloc(&m.status_host, sizeof(IpcStatus), cudaHostAllocMapped));
+  std::memset(static_cast<void*>(m.status_host), 0, sizeof(IpcStatus));
+  PZ_CUDA_CHECK(cudaHostGetDevicePointer(&m.status_dev, m.status_host, 0));
+  PZ_CUDA_CHECK(cudaHostAlloc(&m.abort_host, sizeof(uint32_t), cudaHostAllocMapped));
+  *m.abort_host = 0;
+  PZ_CUDA_CHECK(cudaHostGetDevicePointer(&m.abort_dev, m.abort_host, 0));
+  PZ_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  PZ_CUDA_CHECK(cudaEventCreateWithFlags(&m.last, cudaEventDisableTiming));
+  PZ_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroed signals are visible before any peer maps them
+  m.bases.assign(size, nullptr);
+  m.bases[rank] = m.mine;
+}
+
+IpcTransport::~IpcTransport() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+std::string IpcTransport::handle() const {
+  DeviceGuard guard(impl_->device);
+  cudaIpcMemHandle_t h;
+  PZ_CUDA_CHECK(cudaIpcGetMemHandle(&h, impl_->mine));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void IpcTransport::connect(const std::vector<std::string>& handles) {
+  Impl& m = *impl_;
+  if (int(handles.size()) != m.size)
+    throw std::invalid_argument("connect: expected " + std::to_string(m.size) + " handles, got " +
+                                std::to_string(handles.size()));
+  DeviceGuard guard(m.device);
+  for (int p = 0; p < m.size; ++p) {
+    if (p == m.rank) continue;
+    if (handles[p].size() != sizeof(cudaIpcMemHandle_t))
+      throw std::invalid_argument("connect: handle of rank " + std::to_string(p) + " has the wrong size");
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[p].data(), sizeof(h));
+    void* ptr = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess)
+      throw CollectiveError("ipc backend: rank " + std::to_string(m.rank) + " cannot map rank " + std::to_string(p) +
+                            "'s buffer (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
+                            "); CUDA IPC needs both processes on one host with the GPUs visible to each other");
+    m.bases[p] = static_cast<char*>(ptr);
+  }
+  m.connected = true;
+}
+
+int IpcTransport::rank() const { return impl_->rank; }
+int IpcTransport::size() const { return impl_->size; }
+int IpcTransport::device() const { return impl_->device; }
+uintptr_t IpcTransport::stream() const { return reinterpret_cast<uintptr_t>(impl_->stream); }
+void IpcTransport::set_timeout(double s) { impl_->cfg.timeout_s = s; }
+
+IpcTransport::WorkPtr IpcTransport::all_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op,
+                                               Algo algo, uintptr_t stream, bool async_op) {
+  Impl& m = *impl_;
+  size_t bytes = size_t(count) * dtype_size(dt);
+  Algo a = ipc_resolve_algo(Coll::all_reduce, bytes, algo, m.cfg.oneshot_bytes, m.size);
+  int kind = a == Algo::twoshot ? kIpcAllReduceTwoShot : kIpcAllReduceOneShot;
+  uint64_t sent = uint64_t(bytes) * uint64_t(m.size - 1);
+  return m.launch("all_reduce", Coll::all_reduce, kind, dt, op, 0, in ? in : buf, buf, split_even(count, m.size),
+                  stream, async_op, sent);
+}
+
+IpcTransport::WorkPtr IpcTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,
+                                                   DType dt, RedOp op, Algo algo, uintptr_t stream, bool async_op) {
+  Impl& m = *impl_;
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  ipc_resolve_algo(Coll::reduce_scatter, size_t(total) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  return m.launch("reduce_scatter", Coll::reduce_scatter, kIpcReduceScatter, dt, op, 0, in, out, counts, stream,
+                  async_op, uint64_t(total - counts[m.rank]) * dtype_size(dt));
+}
+
+IpcTransport::WorkPtr IpcTransport::all_gather(void* out, const void* in, const std::vector<int64_t>& counts,
+                                               DType dt, Algo algo, uintptr_t stream, bool async_op) {
+  Impl& m = *impl_;
+  ipc_resolve_algo(Coll::all_gather, size_t(counts[m.rank]) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  return m.launch("all_gather", Coll::all_gather, kIpcAllGather, dt, RedOp::sum, 0, in, out, counts, stream,
+                  async_op, uint64_t(counts[m.rank]) * dtype_size(dt) * uint64_t(m.size - 1));
+}
+
+IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo algo,
+                                              uintptr_t stream, bool async_op) {
+  Impl& m = *impl_;
+  ipc_resolve_algo(Coll::broadcast, size_t(count) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  std::vector<int64_t> chunks(m.size, 0);
+  chunks[0] = count;
+  return m.launch("broadcast", Coll::broadcast, kIpcBroadcast, dt, RedOp::sum, root, buf, buf, chunks, stream,
+                  async_op, m.rank == root ? uint64_t(count) * dtype_size(dt) : 0);
+}
+
+IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op) {
+  Impl& m = *impl_;
+  WorkPtr w = m.launch("barrier", Coll::barrier, kIpcBarrier, DType::f32, RedOp::sum, 0, nullptr, nullptr,
+                       std::vector<int64_t>(m.size, 0), stream, true, 0);
+  if (async_op) return w;
+  w->synchronize();
+  return nullptr;
+}
+
+std::map<std::string, OpStats> IpcTransport::stats(bool reset) { return impl_->counters.read(reset); }
+
+void IpcTransport::close() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.closed) return;
+  m.closed = true;
+  DeviceGuard guard(m.device);
+  if (m.abort_host) *reinterpret_cast<volatile uint32_t*>(m.abort_host) = 1;  // kernels waiting for peers end
+  if (m.stream) cudaStreamSynchronize(m.stream);
+  for (int p = 0; p < m.size; ++p)
+    if (p != m.rank && m.bases[p]) cudaIpcCloseMemHandle(m.bases[p]);
+  if (m.last) cudaEventDestroy(m.last);
+  if (m.stream) cudaStreamDestroy(m.stream);
+  if (m.mine) cudaFree(m.mine);
+  if (m.status_host) cudaFreeHost(m.status_host);
+  if (m.abort_host) cudaFreeHost(m.abort_host);
+  m.mine = nullptr;
+  m.status_host = nullptr;
+  m.abort_host = nullptr;
+}
+
+}  // namespace pz

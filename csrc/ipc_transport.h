@@ -1,0 +1,109 @@
+// ipc_transport.h — the "ipc" backend: pyzero's own GPU collectives between the
+// processes of one host, each rank's kernel reading and writing its peers'
+// registered buffers directly (CUDA IPC: over NVLink/PCIe between GPUs, or
+// within one GPU for several processes on it). No CUDA header is needed to
+// include this file; the protocol and kernel bodies are ipc_protocol.h.
+//
+// Set-up: every rank allocates one buffer (IpcSignals + 2 areas of
+// area_bytes), exports it with cudaIpcGetMemHandle, and the Python layer
+// passes every rank's handle (through the store) to connect(), which opens
+// the peers' (cudaIpcOpenMemHandle, peer access enabled lazily by the driver).
+//
+// Streams, as the nccl backend: every call runs on the transport's own
+// stream, after an event recorded on the caller's stream, so the group's
+// kernels run one after another in call order (the protocol relies on it);
+// a synchronous call then makes the caller's stream wait for it (no host
+// block), an async call returns an IpcWork whose wait(stream) does the same.
+//
+// Failures: a kernel that waited past the timeout (a rank that never came),
+// saw the abort word, or found a peer's call different, records it in a
+// host-mapped status word and returns. A timeout or abort breaks the group:
+// the next call, wait() or synchronize() raises CollectiveTimeout. A mismatch
+// does not (every rank skipped that call alike): CollectiveError is raised by
+// the first host wait (synchronize(), a barrier) for work issued after it, on
+// every rank alike. close() sets the abort word, so kernels still waiting for
+// peers end, then frees everything.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "collective.h"
+#include "reduce_math.h"
+
+namespace pz {
+
+struct IpcConfig {
+  double timeout_s = 300.0;
+  uint64_t area_bytes = 32ull << 20;  // per epoch parity; larger calls run in pieces
+  uint64_t oneshot_bytes = 256 << 10;  // all_reduce: one-shot up to this many bytes per rank, two-shot above
+};
+
+// auto -> one-shot or two-shot for all_reduce (the only collective with a choice).
+// Thresholds: vLLM's custom all-reduce switches at 256-512 KiB for 2-8 GPUs;
+// ours are to be measured on a GPU run (pyzero-bench collectives --device cuda).
+inline Algo ipc_resolve_algo(Coll c, size_t bytes, Algo algo, size_t oneshot_bytes, int nranks) {
+  if (algo == Algo::automatic)
+    return (c == Coll::all_reduce && (bytes > oneshot_bytes && nranks > 2)) ? Algo::twoshot : Algo::oneshot;
+  if (algo == Algo::oneshot || (algo == Algo::twoshot && c == Coll::all_reduce)) return algo;
+  throw std::invalid_argument(std::string(coll_name(c)) + ": the ipc backend takes algo " +
+                              (c == Coll::all_reduce ? "'auto', 'oneshot' or 'twoshot'" : "'auto' or 'oneshot'") +
+                              ", got '" + algo_name(algo) + "'");
+}
+
+class IpcWork {
+ public:
+  struct State;
+  explicit IpcWork(std::shared_ptr<State> s) : s_(std::move(s)) {}
+  void wait(uintptr_t stream);  // `stream` waits for the operation; raises a recorded failure
+  bool completed();
+  void synchronize();  // the host waits; raises a recorded failure
+
+ private:
+  std::shared_ptr<State> s_;
+};
+
+class IpcTransport {
+ public:
+  using WorkPtr = std::shared_ptr<IpcWork>;
+
+  IpcTransport(int rank, int size, int device, IpcConfig cfg);
+  ~IpcTransport();
+  IpcTransport(const IpcTransport&) = delete;
+  IpcTransport& operator=(const IpcTransport&) = delete;
+
+  // This rank's cudaIpcMemHandle_t (bytes), for the peers.
+  std::string handle() const;
+  // Every rank's handle, in rank order (this rank's own is skipped).
+  void connect(const std::vector<std::string>& handles);
+
+  int rank() const;
+  int size() const;
+  int device() const;
+  uintptr_t stream() const;
+  void set_timeout(double s);
+
+  WorkPtr all_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, Algo algo, uintptr_t stream,
+                     bool async_op);
+  WorkPtr reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, RedOp op,
+                         Algo algo, uintptr_t stream, bool async_op);
+  WorkPtr all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, Algo algo,
+                     uintptr_t stream, bool async_op);
+  WorkPtr broadcast(void* buf, int64_t count, DType dt, int root, Algo algo, uintptr_t stream, bool async_op);
+  // A synchronous barrier returns once every rank reached it (the host waits).
+  WorkPtr barrier(uintptr_t stream, bool async_op);
+
+  std::map<std::string, OpStats> stats(bool reset);
+  void close();
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace pz

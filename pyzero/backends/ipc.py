@@ -1,0 +1,104 @@
+"""The "ipc" backend: pyzero's own GPU collectives over CUDA IPC, for the processes of one host.
+
+Every rank registers one device buffer and maps every peer's (the handles go through the store); one
+kernel per call reads and writes the peers' memory directly (csrc/ipc_transport.h, the protocol in
+csrc/ipc_protocol.h). Several processes may share one GPU: with fewer visible GPUs than local ranks,
+rank r uses cuda:(LOCAL_RANK % count). Streams and Work as the nccl backend (a call is ordered on the
+current stream, async_op on the group's own, work.wait() makes the current stream wait).
+
+all_reduce (one-shot up to ``oneshot_bytes`` per rank or at 2 ranks, two-shot above), reduce_scatter,
+all_gather (uneven counts), broadcast and barrier; sizes above the registered area run in pieces.
+Point-to-point calls are not available on this backend (a clear error): DataParallel, ZeroOptimizer
+and TP without overlap use the collectives only.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _C
+from ..backend import Backend, Buffer, GroupSetup, Work, store_barrier
+from . import cuda_buffers
+
+
+def ipc_device(local_rank: int, device_count: int | None = None) -> int:
+    """This rank's GPU: cuda:LOCAL_RANK with a GPU per rank, else shared, cuda:(LOCAL_RANK % count)."""
+    count = _C.cuda_device_count() if device_count is None else device_count
+    if count == 0:
+        raise RuntimeError("backend='ipc' needs a CUDA GPU, but this process sees none (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='shm' for CPU "
+                           "processes")
+    device = local_rank % count
+    if device_count is None and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    return device
+
+
+class IpcBackend(Backend):
+    name = "ipc"
+    has_out_of_place_all_reduce = True
+
+    def __init__(self, comm, device: int):
+        self.comm = comm
+        self.device = device
+
+    @classmethod
+    def setup_process(cls, local_rank: int) -> int:
+        return ipc_device(local_rank)
+
+    @classmethod
+    def create(cls, setup: GroupSetup) -> "IpcBackend":
+        """Each rank publishes its buffer's IPC handle; everyone maps everyone's."""
+        o = setup.options
+        comm = _C.IpcComm(setup.rank, setup.size, setup.device, setup.timeout,
+                          o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
+                          o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True))
+        setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
+        handles = [setup.store.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
+        comm.connect(handles)
+        store_barrier(setup.store, f"{setup.key}/ipc/mapped", setup.size, setup.timeout)  # all mapped before use
+        return cls(comm, setup.device)
+
+    def buffer(self, x, arg, writable=True) -> Buffer:
+        return cuda_buffers.as_buffer(x, arg, self.device, writable, self.name)
+
+    def work(self, raw, keep, b):
+        if b is None:
+            kind = "torch" if torch.cuda.is_available() else "array"
+            b = Buffer(0, 0, 1, 0, cuda_buffers.torch_stream(self.device), kind)
+        return Work(raw, keep, cuda_buffers.current_stream_fn(b, self.device))
+
+    def all_reduce(self, b, op, algo, async_op, inp=None):
+        return self.comm.all_reduce(b.ptr, 0 if inp is None else inp.ptr, b.numel, b.code, op, algo, b.stream,
+                                    async_op)
+
+    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
+        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, out.stream, async_op)
+
+    def all_gather(self, out, inp, counts, algo, async_op):
+        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, out.stream, async_op)
+
+    def broadcast(self, b, root, algo, async_op):
+        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, b.stream, async_op)
+
+    def barrier(self, async_op):
+        return self.comm.barrier(cuda_buffers.torch_stream(self.device), async_op)
+
+    def send(self, b, peer, async_op):
+        raise NotImplementedError("send: point-to-point calls are not available on the ipc backend; use the nccl "
+                                  "backend (one GPU per rank) or collectives")
+
+    def recv(self, b, peer, async_op):
+        raise NotImplementedError("recv: point-to-point calls are not available on the ipc backend; use the nccl "
+                                  "backend (one GPU per rank) or collectives")
+
+    def batch_p2p(self, ops, async_op):
+        raise NotImplementedError("batch_isend_irecv: point-to-point calls are not available on the ipc backend; "
+                                  "use the nccl backend (one GPU per rank) or collectives")
+
+    def stats(self, reset):
+        return self.comm.stats(reset)
+
+    def close(self):
+        self.comm.close()

@@ -2,8 +2,9 @@
 # GPU checks, in one command, on a machine with at least one CUDA GPU:
 #   builds pyzero from source with nvcc for the local GPU's architecture, runs the
 #   GPU tests (pytest -m gpu: kernels, the nccl backend at world size 1 and, with
-#   2+ GPUs, at world size = GPU count) and the GPU benches (kernels; collectives
-#   on every GPU: pyzero ring, native NCCL passthrough, torch), and writes what they printed,
+#   2+ GPUs, at world size = GPU count, the ipc backend with 2-4 processes on GPU 0)
+#   and the GPU benches (kernels; collectives on every GPU: pyzero ring, native NCCL
+#   passthrough, torch; the ipc backend at 1 and 2 processes), and writes what they printed,
 #   plus a JSON record, to benchmarks/results/gpu_<gpu name>_<date>.{txt,json}.
 # Works offline: it downloads nothing. It uses the current Python environment (PYTHON, default
 # python3), which must already have torch with CUDA, setuptools>=77 (torch >= 2.13 brings it),
@@ -53,5 +54,11 @@ export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
   "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
     --op all --min 8 --max 256M --factor 4 --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED"
+  echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"
+  for NP in 1 2; do
+    CUDA_VISIBLE_DEVICES=0 "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc --nproc "$NP" \
+      --backends pyzero --op all --min 8 --max 256M --factor 8 --json "${OUT}_ipc${NP}.json" \
+      || echo "IPC BENCH FAILED (nproc $NP)"
+  done
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

@@ -101,4 +101,10 @@ class IpcBackend(Backend):
         return self.comm.stats(reset)
 
     def close(self):
+        # Peers read this rank's area and write its flags: free it only once every rank got here
+        # (a barrier kernel runs after each rank's earlier ones). A broken group skips it.
+        try:
+            self.comm.barrier(cuda_buffers.torch_stream(self.device), False)
+        except Exception:  # noqa: BLE001 - the group failed before: nothing more will run
+            pass
         self.comm.close()

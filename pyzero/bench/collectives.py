@@ -56,7 +56,10 @@ def add_arguments(p) -> None:
                    help="cpu: shm backend vs gloo; cuda: one GPU per rank, nccl backend vs torch's NCCL")
     p.add_argument("--backends", default="pyzero,torch",
                    help="comma list of pyzero, torch, (cpu) torch-pyzero, (cpu) deepspeed and (cuda) nccl")
-    p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot"), help="pyzero algorithm")
+    p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
+                   help="with --device cuda: the backend of the pyzero column (ipc: several ranks may share a GPU; "
+                        "then only the pyzero column)")
+    p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot", "twoshot"), help="pyzero algorithm")
     p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
@@ -103,7 +106,7 @@ class Runner:
         per = count // self.n
         algo = None if algo == "auto" else algo
         dev = _device()
-        if dev.type == "cuda" and backend == "pyzero":
+        if dev.type == "cuda" and backend == "pyzero" and pz.get_backend() == "nccl":
             algo = algo or "ring"  # auto on the nccl backend is NCCL's own: the "nccl" column
         if op == "all_reduce":
             self.inp, self.out = pattern(count, self.rank, dtype).to(dev), torch.empty(count, dtype=dtype, device=dev)
@@ -227,7 +230,9 @@ def _device() -> torch.device:
     """This rank's buffers: its GPU on the nccl backend, else the CPU."""
     import pyzero as pz  # noqa: PLC0415
 
-    return torch.device("cuda", pz.get_local_rank()) if pz.get_backend() == "nccl" else torch.device("cpu")
+    if pz.get_backend() in ("nccl", "ipc"):
+        return torch.device("cuda", torch.cuda.current_device())  # pz.init set it (ipc: GPUs may be shared)
+    return torch.device("cpu")
 
 
 def _sync() -> None:
@@ -312,11 +317,14 @@ def rank_main(args) -> list[dict]:
                 or (b in ("torch-pyzero", "deepspeed") and cuda):
             raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
                              "(cpu) deepspeed or (with --device cuda) nccl")
+    gpu_backend = getattr(args, "gpu_backend", "nccl")
+    if cuda and gpu_backend == "ipc" and backends != ["pyzero"]:
+        raise ValueError("--gpu-backend ipc: only --backends pyzero (the ranks may share one GPU, which NCCL refuses)")
     if "deepspeed" in backends and not deepspeed_available():
         if int(os.environ.get("RANK", "0")) == 0:
             print("# backend deepspeed: not installed here (pip install deepspeed), column left out", flush=True)
         backends = [b for b in backends if b != "deepspeed"]
-    pz.init(backend="nccl" if cuda else "shm", timeout=args.timeout)
+    pz.init(backend=gpu_backend if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
     _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
     if "deepspeed" in backends:
@@ -326,6 +334,7 @@ def rank_main(args) -> list[dict]:
     ops = OPS if args.op == "all" else (args.op,)
     results = []
     for backend in backends:
+        column = "ipc" if cuda and gpu_backend == "ipc" else backend  # the results' name for it
         for op in ops:
             if backend == "deepspeed" and op != "all_reduce":
                 continue
@@ -345,7 +354,7 @@ def rank_main(args) -> list[dict]:
                     algbw = nbytes / t_us / 1e3
                     busbw = algbw * BUS_FACTOR[op](n)
                     row += [t_us, algbw, busbw, wrong]
-                    results.append({"backend": backend, "op": op, "dtype": args.dtype, "bytes": nbytes,
+                    results.append({"backend": column, "op": op, "dtype": args.dtype, "bytes": nbytes,
                                     "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
                                     "algbw": algbw, "busbw": busbw, "wrong": wrong,
                                     "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu"})
@@ -357,7 +366,7 @@ def rank_main(args) -> list[dict]:
                           "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row),
                           flush=True)
             if rank == 0:
-                wrong_total = sum(r["wrong"] for r in results if r["backend"] == backend and r["op"] == op)
+                wrong_total = sum(r["wrong"] for r in results if r["backend"] == column and r["op"] == op)
                 print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
                       f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
     if rank == 0:
@@ -378,6 +387,8 @@ def _algo(backend: str, args) -> str:
         return "deepspeed-shm"
     if backend == "nccl":
         return "native"
+    if cuda and getattr(args, "gpu_backend", "nccl") == "ipc":
+        return args.algo
     return ("ring" if args.algo == "auto" else args.algo) if cuda else args.algo
 
 
@@ -390,7 +401,7 @@ def _label(backend: str, args) -> str:
         return "torch.distributed on the 'pyzero' backend, shm, algo auto"
     if backend == "deepspeed":
         return "DeepSpeed CPU shm all-reduce, deepspeed.comm.inference_all_reduce"
-    return f"pyzero {'nccl' if cuda else 'shm'} backend, algo {_algo(backend, args)}"
+    return f"pyzero {getattr(args, 'gpu_backend', 'nccl') if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
 def print_ratios(results: list) -> None:

@@ -54,6 +54,10 @@ export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
   "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
     --op all --min 8 --max 256M --factor 4 --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED"
+  echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 \
+    --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
+    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED"
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"
   for NP in 1 2; do
     CUDA_VISIBLE_DEVICES=0 "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc --nproc "$NP" \

@@ -510,6 +510,26 @@ def test_bench_train_runs_end_to_end(tmp_path):
         assert r["hidden"] == pytest.approx(max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]))
 
 
+def test_bench_train_torch_local_is_the_one_rank_baseline(tmp_path):
+    """At world size 1 plain torch (no communication) and the wrappers train alike: equal losses."""
+    import argparse
+    import json
+
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "train.json"
+    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-local,dp,zero2", "--nproc", "1", "--iters", "2",
+                              "--warmup", "1", "--seq", "16", "--timeout", "60", "--json", str(out)])
+    assert bench.main(args) == 0
+    local, dp, zero2 = json.loads(out.read_text())["results"]
+    assert (local["run"], dp["run"], zero2["run"]) == ("torch-local", "dp", "zero2")
+    assert "comm_ms" not in local and local["step_ms"] > 0
+    for r in (dp, zero2):
+        assert r["loss"] == pytest.approx(local["loss"], rel=1e-5), (r["run"], r["loss"], local["loss"])
+
+
 class _Reentrant(nn.Module):
     """`a` runs inside a reentrant checkpoint and again outside it: its gradients are
     accumulated twice in one backward (with ckpt on)."""

@@ -25,7 +25,13 @@ rank's ru_maxrss, delta_mib its growth over the RSS before the model was built.
 Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
 and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
 torch runs use gloo (the -pyzero runs: the "pyzero" torch.distributed backend),
-set up through pyzero's store.
+set up through pyzero's store. "torch-local" is plain torch without any
+communication: the baseline the wrappers' cost is measured against.
+
+With ``--device cuda`` each rank trains on its GPU (pyzero on the nccl backend,
+torch runs on torch's NCCL, FSDP2 on a CUDA mesh, AdamW fused everywhere),
+every timed call ends with a device synchronisation, and peak_gpu_mib is
+torch.cuda.max_memory_allocated over the timed steps.
 """
 from __future__ import annotations
 
@@ -54,13 +60,28 @@ class Runner(NamedTuple):
     reduces_in_backward: bool = False  # gradient communication ends inside loss.backward()
 
 
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
+def _adamw_kwargs(model) -> dict:
+    """AdamW's settings in every run: fused on a GPU (the fastest torch has)."""
+    return dict(lr=1e-4, fused=True) if _on_cuda(model) else dict(lr=1e-4)
+
+
+def _setup_torch_local(model, args) -> Runner:
+    """Plain torch, no communication at all: what the wrappers cost is measured against it."""
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(model))
+    return Runner(model, opt, None, None)
+
+
 def _setup_dp(model, args) -> Runner:
     import pyzero as pz  # noqa: PLC0415
 
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
     dp = pz.DataParallel(model, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
                          comm_dtype=comm_dtype)
-    opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(dp.parameters(), **_adamw_kwargs(model))
     return Runner(dp, opt, dp.no_sync, dp.reducer.run_collectives, reduces_in_backward=True)
 
 
@@ -74,13 +95,14 @@ def _torch_ddp(model, args, backend: str) -> Runner:
 
     from ..bucketing import assign_buckets  # noqa: PLC0415
 
-    dist = _init_torch(backend)
+    dist = _init_torch(_torch_backend(model, backend))
     # DDP's own best CPU set-up: gradients as bucket views, the same bucket caps
     # (its first bucket is 1 MiB, like pz's default).
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(ddp.parameters(), **_adamw_kwargs(model))
     params = [p for p in model.parameters() if p.requires_grad]
-    flats = [torch.zeros(s.numel, dtype=s.dtype) for s in
+    dev = params[0].device
+    flats = [torch.zeros(s.numel, dtype=s.dtype, device=dev) for s in
              assign_buckets(params, int(args.bucket_mb * 2**20), int(args.first_bucket_mb * 2**20))]
 
     def comm_alone():
@@ -95,15 +117,15 @@ def _zero_comm_alone(opt) -> Callable:
     sizes, nothing else; the calls of one phase in flight together."""
     import pyzero as pz  # noqa: PLC0415
 
-    g, rank, world = opt.group, opt.group.rank, opt.group.size
+    g, rank, world, dev = opt.group, opt.group.rank, opt.group.size, opt.device
     phases = []
     for phase in opt.comm_plan():
         calls = []
         for c in phase:
-            full = torch.zeros(c.numel)
+            full = torch.zeros(c.numel, device=dev)
             if c.op == "reduce_scatter":
                 n = c.numel // world if c.counts is None else c.counts[rank]
-                calls.append(lambda o=torch.empty(n), i=full, c=c: pz.reduce_scatter(
+                calls.append(lambda o=torch.empty(n, device=dev), i=full, c=c: pz.reduce_scatter(
                     o, i, op="avg", counts=c.counts, group=g, async_op=True))
             else:
                 shard = full[rank * (c.numel // world):][:c.numel // world]
@@ -121,7 +143,8 @@ def _setup_zero(stage: int) -> Callable:
     def setup(model, args) -> Runner:
         import pyzero as pz  # noqa: PLC0415
 
-        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb, lr=1e-4)
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb,
+                               **_adamw_kwargs(model))
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
         # hooks and at step time, stage 3 also gathers in forward; +step counts them all.
         return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
@@ -130,6 +153,16 @@ def _setup_zero(stage: int) -> Callable:
 
 def _init_torch(backend: str = "gloo"):
     return init_torch_distributed(backend)
+
+
+def _torch_backend(model, backend: str) -> str:
+    """gloo runs use NCCL for a CUDA model; the "pyzero" torch backend runs CPU tensors only."""
+    if not _on_cuda(model):
+        return backend
+    if backend == "pyzero":
+        raise ValueError("the -pyzero runs are CPU runs (torch.distributed's 'pyzero' backend on shm); "
+                         "leave them out with --device cuda")
+    return "nccl"
 
 
 def _close_torch(dist):
@@ -142,9 +175,9 @@ def _setup_torch_zero(model, args) -> Runner:
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
-    dist = _init_torch()
+    dist = _init_torch(_torch_backend(model, "gloo"))
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **_adamw_kwargs(model))
     return Runner(ddp, opt, ddp.no_sync, None, lambda: _close_torch(dist))
 
 
@@ -157,12 +190,12 @@ def _fsdp2(model, args, backend: str) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    dist = _init_torch(backend)
-    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    dist = _init_torch(_torch_backend(model, backend))
+    mesh = init_device_mesh("cuda" if _on_cuda(model) else "cpu", (int(os.environ["WORLD_SIZE"]),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(model))
 
     @contextlib.contextmanager
     def no_sync():
@@ -177,7 +210,7 @@ def _fsdp2(model, args, backend: str) -> Runner:
 
 # torch-ddp / fsdp2 run on gloo; their -pyzero twins are the same torch code on the "pyzero"
 # torch.distributed backend (pyzero.distributed): the one-string switch.
-RUNS: dict[str, Callable] = {"torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
+RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
                              "dp": _setup_dp, "zero1": _setup_zero(1), "zero2": _setup_zero(2),
                              "zero3": _setup_zero(3), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero")}
@@ -197,6 +230,8 @@ def add_arguments(p) -> None:
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket cap, MiB")
     p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "float16"], help="pz runs only")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: shm backend and gloo; cuda: a GPU per rank, the nccl backend and torch's NCCL")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -210,12 +245,14 @@ def _rss_mib() -> float:
 def _rank_main(run: str, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
-    pz.init()
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    pz.init(backend="nccl" if cuda else None)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss0 = _rss_mib()
-    model = make_gpt(args.model)
+    model = make_gpt(args.model).to(dev)
     runner = RUNS[run](model, args)
     try:
-        x, y = random_batch(model.config, args.batch, args.seq, seed=1000 + pz.get_rank())
+        x, y = (t.to(dev) for t in random_batch(model.config, args.batch, args.seq, seed=1000 + pz.get_rank()))
         losses, marks, last_grad = [], [], [0.0]
 
         def mark(_):
@@ -234,12 +271,21 @@ def _rank_main(run: str, args) -> dict:
                     marks.append((last_grad[0], time.perf_counter()))
             runner.optimizer.step()
             losses.append(loss.item())
+            if cuda:
+                torch.cuda.synchronize(dev)  # the step's kernels, the optimizer's included, are timed
 
         # Same seed, data and steps in every run: equal losses say the runs train alike.
         out = {"run": run, "step_s": interleaved_medians([step], args.warmup, args.warmup)[0]}
         last_loss = losses[-1]
+        comm_alone = runner.comm_alone
+        if cuda and comm_alone is not None:
+            def comm_alone(f=runner.comm_alone):
+                f()
+                torch.cuda.synchronize(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
         fns = [step] + ([lambda: step(runner.no_sync)] if runner.no_sync else []) \
-            + ([runner.comm_alone] if runner.comm_alone else [])
+            + ([comm_alone] if comm_alone else [])
         timed = interleaved_medians(fns, args.iters, args.warmup)
         out["step_s"] = timed.pop(0)
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
@@ -252,6 +298,8 @@ def _rank_main(run: str, args) -> dict:
                 h.remove()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
+        if cuda:
+            out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if runner.memory is not None:
             step()  # a synced step last: its memory is what memory() reports
             stage = runner.optimizer.stage
@@ -277,6 +325,8 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
            "tokens_per_s": args.nproc * args.batch * args.seq / r0["step_s"],
            "loss": r0["loss"],
            "peak_mib": [r["peak_mib"] for r in ranks], "delta_mib": [r["delta_mib"] for r in ranks]}
+    if "peak_gpu_mib" in r0:
+        res["peak_gpu_mib"] = [r["peak_gpu_mib"] for r in ranks]
     if "model_state" in r0:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
@@ -328,13 +378,15 @@ def main(args) -> int:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
+    peak = "GPU MiB" if getattr(args, "device", "cpu") == "cuda" else "peak MiB"  # max allocated / max RSS
     print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
-          f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {'peak MiB':>9} {'states MiB':>10} {'estimate':>8} "
+          f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {peak:>9} {'states MiB':>10} {'estimate':>8} "
           f"{'+gathered':>9}")
     results = []
     for run in runs:
+        cuda = getattr(args, "device", "cpu") == "cuda"
         ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
-                                            threads=args.threads)]
+                                            threads=args.threads, start="spawn" if cuda else "fork")]
         res = _summarise(run, ranks, args)
         results.append(res)
         hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
@@ -342,7 +394,7 @@ def main(args) -> int:
         print(f"{run:>16} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
               f"{res.get('extra_step_ms', nan):9.2f} {res.get('comm_ms', nan):8.2f} {res.get('exposed_ms', nan):10.2f} "
               f"{hid} "
-              f"{res['loss']:8.4f} {max(res['peak_mib']):9.0f}"
+              f"{res['loss']:8.4f} {max(res.get('peak_gpu_mib', res['peak_mib'])):9.0f}"
               + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
                  if "model_state_mib" in res else ""), flush=True)
     if args.json:

@@ -514,3 +514,12 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "torch.distributed API on the 'pyzero' backend vs pz direct" in text
     assert text.count("Out of bounds values : 0 OK") == 8
+    out = tmp_path / "per_call.json"  # each call timed alone: the same exact results, labelled
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "4K",
+                         "--factor", "512", "--iters", "3", "--warmup", "1", "--timeout", "120", "--per-call",
+                         "--json", str(out)])
+    assert collectives.main(args) == 0
+    assert "each call timed alone, median" in capsys.readouterr().out
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
+    assert len(rows) == 4 and all(r["timing"] == "per-call median" and r["wrong"] == 0 and r["time_us"] > 0
+                                  for r in rows), rows

@@ -25,6 +25,7 @@ with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -62,6 +63,8 @@ def add_arguments(p) -> None:
     p.add_argument("--algo", default="auto", choices=("auto", "ring", "oneshot", "twoshot"), help="pyzero algorithm")
     p.add_argument("--iters", type=int, default=20, help="timed calls (more for small sizes: >= 50 ms of calls)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--per-call", action="store_true",
+                   help="time each call alone (median), not the mean of back-to-back calls")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -256,8 +259,9 @@ def _sum_over_ranks(x: int) -> int:
     return int(t)
 
 
-def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
-    """(time_us, wrong) for one configuration; every rank returns the same numbers."""
+def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False):
+    """(time_us, wrong) for one configuration; every rank returns the same numbers. The time is the
+    mean over back-to-back calls, or with `per_call` the median of the calls timed one by one."""
     import pyzero as pz  # noqa: PLC0415
 
     n, rank = pz.get_world_size(), pz.get_rank()
@@ -269,16 +273,25 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup):
     for _ in range(max(warmup, 1)):
         r.call()
     _sync()
-    per_call = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1))
+    per_call_s = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1))
     # Small messages: at least MIN_TIMED_S of timed calls, so one scheduler hiccup
     # cannot dominate a 10 us measurement (every rank derives the same count).
-    iters = int(min(max(iters, MIN_TIMED_S / max(per_call, 1e-9)), 100 * iters))
+    timed = int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters))
     _barrier(backend)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        r.call()
-    _sync()
-    elapsed = (time.perf_counter() - t0) / iters
+    if per_call:
+        times = []
+        for _ in range(timed):
+            t0 = time.perf_counter()
+            r.call()
+            _sync()
+            times.append(time.perf_counter() - t0)
+        elapsed = statistics.median(times)
+    else:
+        t0 = time.perf_counter()
+        for _ in range(timed):
+            r.call()
+        _sync()
+        elapsed = (time.perf_counter() - t0) / timed
     return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong)
 
 
@@ -340,8 +353,10 @@ def rank_main(args) -> list[dict]:
                 continue
             if rank == 0:
                 algo = f" ({_label(backend, args)})"
+                timing = "each call timed alone, median" if getattr(args, "per_call", False) else \
+                    "mean of back-to-back calls"
                 print(f"# {op}, backend {backend}{algo}, "
-                      f"{n} ranks, dtype {args.dtype}\n{HEADER}", flush=True)
+                      f"{n} ranks, dtype {args.dtype}, {timing}\n{HEADER}", flush=True)
             busbws = []
             for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
                 count = max(size // esize // n * n if op in ("reduce_scatter", "all_gather") else size // esize, 1)
@@ -350,14 +365,16 @@ def rank_main(args) -> list[dict]:
                 nbytes = count * esize
                 row = []
                 for inplace in (False, True):
-                    t_us, wrong = measure(backend, op, count, dtype, inplace, args.algo, args.iters, args.warmup)
+                    t_us, wrong = measure(backend, op, count, dtype, inplace, args.algo, args.iters, args.warmup,
+                                          getattr(args, "per_call", False))
                     algbw = nbytes / t_us / 1e3
                     busbw = algbw * BUS_FACTOR[op](n)
                     row += [t_us, algbw, busbw, wrong]
                     results.append({"backend": column, "op": op, "dtype": args.dtype, "bytes": nbytes,
                                     "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
                                     "algbw": algbw, "busbw": busbw, "wrong": wrong,
-                                    "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu"})
+                                    "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
+                                    "timing": "per-call median" if getattr(args, "per_call", False) else "loop mean"})
                 busbws.append(row[6])
                 if rank == 0:
                     redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"

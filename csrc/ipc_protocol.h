@@ -127,6 +127,7 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   uint32_t load_relaxed(const uint32_t* p);
 //   void fence();  (orders the block's earlier data writes before this thread's flag store, system-wide)
 //   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
+//   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
 //   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch);  (first failure wins)
 
 // Waits until flags[p] >= e for every peer p != me (threads 0..n-1 each watch one);
@@ -170,11 +171,84 @@ PZ_HD void ipc_signal(X& x, const IpcCall& c, bool mid) {
   }
 }
 
+// 16 bytes of T: what a thread moves at once where every pointer of a loop allows it.
+template <typename T>
+struct alignas(16) IpcVec {
+  T v[16 / sizeof(T)];
+};
+
+// Elements before the pointers reach a 16-byte boundary together; -1 if they never do (their
+// addresses differ mod 16: the loop stays scalar).
+template <typename T>
+PZ_HD int64_t ipc_head(const void* const* ptrs, int np) {
+  uintptr_t a = uintptr_t(ptrs[0]) & 15u;
+  for (int k = 1; k < np; ++k)
+    if ((uintptr_t(ptrs[k]) & 15u) != a) return -1;
+  return a % sizeof(T) ? -1 : int64_t(((16u - a) & 15u) / sizeof(T));
+}
+
+// dst[i] = src[i], i < n, by the block's threads: a scalar head, 16-byte vectors, a scalar tail.
+template <typename T, typename X>
+PZ_HD void ipc_copy(X& x, T* dst, const T* src, int64_t n) {
+  constexpr int V = 16 / sizeof(T);
+  const int t0 = x.tid(), nt = x.nthreads();
+  const void* ptrs[2] = {dst, src};
+  int64_t head = ipc_head<T>(ptrs, 2);
+  x.path(head >= 0);
+  if (head < 0 || head > n) head = n;
+  for (int64_t i = t0; i < head; i += nt) dst[i] = src[i];
+  const int64_t nv = (n - head) / V;
+  IpcVec<T>* d = reinterpret_cast<IpcVec<T>*>(dst + head);
+  const IpcVec<T>* s = reinterpret_cast<const IpcVec<T>*>(src + head);
+  for (int64_t j = t0; j < nv; j += nt) d[j] = s[j];
+  for (int64_t i = head + nv * V + t0; i < n; i += nt) dst[i] = src[i];
+}
+
+// dst[i] (and dst2[i], if set) = finish(srcs[0][i] (+) ... (+) srcs[n-1][i]), i < cnt, in source
+// order in the accumulator type: per element exactly what cpu_reduce_many computes.
+template <typename T, RedOp OP, typename X>
+PZ_HD void ipc_reduce(X& x, T* dst, T* dst2, const T* const* srcs, int n, int64_t cnt) {
+  using A = typename Acc<T>::type;
+  constexpr int V = 16 / sizeof(T);
+  const int t0 = x.tid(), nt = x.nthreads();
+  const void* ptrs[kIpcMaxRanks + 2];
+  int np = 0;
+  for (int p = 0; p < n; ++p) ptrs[np++] = srcs[p];
+  ptrs[np++] = dst;
+  if (dst2) ptrs[np++] = dst2;
+  int64_t head = ipc_head<T>(ptrs, np);
+  x.path(head >= 0);
+  if (head < 0 || head > cnt) head = cnt;
+  auto one = [&](int64_t i) {
+    A acc = to_acc(srcs[0][i]);
+    for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(srcs[p][i]));
+    T v = from_acc<T>(finish<OP>(acc, n));
+    dst[i] = v;
+    if (dst2) dst2[i] = v;
+  };
+  for (int64_t i = t0; i < head; i += nt) one(i);
+  const int64_t nv = (cnt - head) / V;
+  for (int64_t j = t0; j < nv; j += nt) {
+    const int64_t i = head + j * V;
+    IpcVec<T> in = *reinterpret_cast<const IpcVec<T>*>(srcs[0] + i);
+    A acc[V];
+    for (int l = 0; l < V; ++l) acc[l] = to_acc(in.v[l]);
+    for (int p = 1; p < n; ++p) {
+      in = *reinterpret_cast<const IpcVec<T>*>(srcs[p] + i);
+      for (int l = 0; l < V; ++l) acc[l] = combine<OP>(acc[l], to_acc(in.v[l]));
+    }
+    IpcVec<T> o;
+    for (int l = 0; l < V; ++l) o.v[l] = from_acc<T>(finish<OP>(acc[l], n));
+    *reinterpret_cast<IpcVec<T>*>(dst + i) = o;
+    if (dst2) *reinterpret_cast<IpcVec<T>*>(dst2 + i) = o;
+  }
+  for (int64_t i = head + nv * V + t0; i < cnt; i += nt) one(i);
+}
+
 // The whole call as block x.block() of rank c.rank runs it; false if it failed (see c.status).
 template <typename T, RedOp OP, typename X>
 PZ_HD bool ipc_run(X& x, const IpcCall& c) {
-  using A = typename Acc<T>::type;
-  const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid(), nt = x.nthreads();
+  const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid();
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const int kind = c.desc.kind;
   const T* in = static_cast<const T*>(c.in);
@@ -187,16 +261,16 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   if (t0 == 0) c.sigs[me]->desc[c.epoch % 2][b] = c.desc;
   if (kind == kIpcAllReduceOneShot || (kind == kIpcBroadcast && me == c.desc.root)) {
     ipc_part(c.desc.total, b, nb, lo, hi);
-    for (int64_t i = lo + t0; i < hi; i += nt) mine[i] = in[i];
+    ipc_copy(x, mine + lo, in + lo, hi - lo);
   } else if (kind == kIpcAllReduceTwoShot || kind == kIpcReduceScatter) {
     for (int k = 0; k < n; ++k) {  // the chunks the peers reduce (this rank's own is read from `in`)
       if (k == me) continue;
       ipc_part(c.counts[k], b, nb, lo, hi);
-      for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[k] + i] = in[c.io_offs[k] + i];
+      ipc_copy(x, mine + c.offs[k] + lo, in + c.io_offs[k] + lo, hi - lo);
     }
   } else if (kind == kIpcAllGather) {
     ipc_part(c.counts[me], b, nb, lo, hi);
-    for (int64_t i = lo + t0; i < hi; i += nt) mine[c.offs[me] + i] = in[i];
+    ipc_copy(x, mine + c.offs[me] + lo, in + lo, hi - lo);
   }
 
   // 2. start barrier, then the descriptors
@@ -211,49 +285,37 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   }
 
   // 3. the data phase
+  const T* srcs[kIpcMaxRanks];
   if (kind == kIpcAllReduceOneShot) {
     ipc_part(c.desc.total, b, nb, lo, hi);
-    for (int64_t i = lo + t0; i < hi; i += nt) {
-      A acc = to_acc(area(0)[i]);
-      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(area(p)[i]));
-      out[i] = from_acc<T>(finish<OP>(acc, n));
-    }
+    for (int p = 0; p < n; ++p) srcs[p] = area(p) + lo;
+    ipc_reduce<T, OP>(x, out + lo, static_cast<T*>(nullptr), srcs, n, hi - lo);
   } else if (kind == kIpcAllReduceTwoShot || kind == kIpcReduceScatter) {
     const bool two = kind == kIpcAllReduceTwoShot;
     const int64_t off = c.offs[me], io = c.io_offs[me];
     ipc_part(c.counts[me], b, nb, lo, hi);
-    for (int64_t i = lo + t0; i < hi; i += nt) {
-      A acc = to_acc(me == 0 ? in[io + i] : area(0)[off + i]);
-      for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(p == me ? in[io + i] : area(p)[off + i]));
-      T v = from_acc<T>(finish<OP>(acc, n));
-      if (two) {
-        mine[off + i] = v;  // for the peers' second phase
-        out[io + i] = v;
-      } else {
-        out[i] = v;  // reduce_scatter: `out` is this rank's chunk
-      }
-    }
+    for (int p = 0; p < n; ++p) srcs[p] = (p == me ? in + io : area(p) + off) + lo;  // own input read in place
     if (two) {
+      ipc_reduce<T, OP>(x, mine + off + lo, out + io + lo, srcs, n, hi - lo);  // mine: for the peers' phase 2
       ipc_signal(x, c, true);
       if (!ipc_wait_all(x, c, c.sigs[me]->mid, deadline)) return false;
       for (int k = 0; k < n; ++k) {
         if (k == me) continue;
         ipc_part(c.counts[k], b, nb, lo, hi);
-        for (int64_t i = lo + t0; i < hi; i += nt) out[c.io_offs[k] + i] = area(k)[c.offs[k] + i];
+        ipc_copy(x, out + c.io_offs[k] + lo, area(k) + c.offs[k] + lo, hi - lo);
       }
+    } else {
+      ipc_reduce<T, OP>(x, out + lo, static_cast<T*>(nullptr), srcs, n, hi - lo);  // `out` is this rank's chunk
     }
   } else if (kind == kIpcAllGather) {
     for (int k = 0; k < n; ++k) {
       ipc_part(c.counts[k], b, nb, lo, hi);
-      for (int64_t i = lo + t0; i < hi; i += nt) out[c.io_offs[k] + i] = k == me ? in[i] : area(k)[c.offs[k] + i];
+      ipc_copy(x, out + c.io_offs[k] + lo, k == me ? in + lo : area(k) + c.offs[k] + lo, hi - lo);
     }
   } else if (kind == kIpcBroadcast) {
     ipc_part(c.desc.total, b, nb, lo, hi);
-    if (me != c.desc.root) {
-      for (int64_t i = lo + t0; i < hi; i += nt) out[i] = area(c.desc.root)[i];
-    } else if (out != in) {
-      for (int64_t i = lo + t0; i < hi; i += nt) out[i] = in[i];
-    }
+    if (me != c.desc.root) ipc_copy(x, out + lo, area(c.desc.root) + lo, hi - lo);
+    else if (out != in) ipc_copy(x, out + lo, in + lo, hi - lo);
   }
   return true;
 }

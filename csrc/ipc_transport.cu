@@ -28,6 +28,7 @@ struct GpuX {
   __device__ int nthreads() const { return int(blockDim.x); }
   __device__ void sync() { __syncthreads(); }
   __device__ bool sync_and(bool v) { return __syncthreads_and(v) != 0; }
+  __device__ void path(bool) {}
   __device__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

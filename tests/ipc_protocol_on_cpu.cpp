@@ -53,11 +53,13 @@ struct CpuX {
   int b, nb;
   std::mt19937* rng;
   int pause_us;  // at most, after the start barrier (peers run ahead meanwhile)
+  long* paths;    // [scalar, vectorised] loops run
   int block() const { return b; }
   int nblocks() const { return nb; }
   int tid() const { return 0; }
   int nthreads() const { return 1; }
   void sync() {}
+  void path(bool vectorised) { __atomic_add_fetch(&paths[vectorised], 1, __ATOMIC_RELAXED); }
   bool sync_and(bool v) {
     if (pause_us && (*rng)() % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
     return v;
@@ -117,6 +119,7 @@ struct Rank {
 };
 
 int failures = 0, cases = 0;
+long paths[2] = {0, 0};  // loops run scalar / with 16-byte vectors
 
 template <typename T, RedOp OP>
 void expect(const CallSpec& s, int call, int n, int me, const Rank& rk, std::string& why) {
@@ -222,7 +225,7 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
   auto block = [&](int me, int b) {
     Rank& rk = ranks[me];
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
-    CpuX x{b, nb, &rng, job.pause_us};
+    CpuX x{b, nb, &rng, job.pause_us, paths};
     uint64_t epoch = 0;
     for (size_t k = 0; k < job.calls.size(); ++k) {
       if (job.skip_rank[k] == me) continue;
@@ -363,6 +366,7 @@ int main() {
     failures += !ok;
     ++cases;
   }
+  std::printf("loops: %ld scalar, %ld vectorised\n", paths[0], paths[1]);
   std::printf("%d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;
 }

@@ -2,7 +2,8 @@
 
 tests/ipc_protocol_on_cpu.cpp plays 2-4 ranks of 1-3 blocks each, a thread per block, through random
 sequences of every collective, dtype and op (uneven and zero counts, in place and out of place), with
-pauses that let peers run ahead, and compares every result bitwise with the shm one-shot's reduction
+pauses that let peers run ahead, through both the 16-byte vector loops and the scalar ones (pointers
+that share no alignment), and compares every result bitwise with the shm one-shot's reduction
 (cpu_reduce.h) in rank order; then a rank that never calls (the others time out naming it) and a
 mismatched call (every rank reports it, the next call works). Built once more with the two epoch areas
 made one, a broken ordering, it must find wrong results.
@@ -38,6 +39,8 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     runs = re.findall(r"ranks \d blocks \d: 160 calls, 0 wrong, 0 failed \((\d+) launches\)", out)
     assert len(runs) == 6 and all(int(n) > 200 for n in runs), out  # many calls ran in several pieces
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
+    m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # misaligned peers stay scalar, the rest 16-byte
+    assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
 
 
 def test_ipc_protocol_check_finds_a_broken_ordering(tmp_path):

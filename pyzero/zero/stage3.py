@@ -18,6 +18,20 @@ gradients are reduced (qgZ: QuantizedReduceScatter); the schedule above stays th
 Every rank issues the same gathers and reduce-scatters in the same order as
 long as the model runs the same code path everywhere; a rank that does not
 usually calls a collective of another size and gets pz.CollectiveError.
+
+[Note: stage 3 on a GPU: streams and freeing]
+A unit's full buffer is (re)allocated on the compute stream (resize_ of its
+storage). Its gather is issued async_op: on a GPU backend it runs on the
+group's own stream after an event of the compute stream, so prefetches
+overlap the compute queued before them; gather(wait=True) makes the compute
+stream wait for it (a stream wait, the host never blocks). free() first waits
+for a gather still in flight the same way, then returns the storage to the
+caching allocator, which hands that block only to later work on the compute
+stream, ordered after every kernel that read the parameters. The
+communication stream never touches the buffer after the compute stream
+waited for it, so no record_stream is needed (it would keep blocks alive
+until the communication stream's next sync point). The gradients' staging
+buffer of a reduce-scatter is kept by its Work until the work completed.
 """
 from __future__ import annotations
 

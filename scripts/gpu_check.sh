@@ -43,26 +43,31 @@ OUT=benchmarks/results/gpu_${GPU}_${STAMP}
 mkdir -p benchmarks/results
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
 "$PY" setup.py build_ext --inplace > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
+# Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so the whole check stays
+# under 10 minutes and a part that hangs is reported while the rest still runs.
+lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 {
   echo "# pyzero GPU check, $(date -u -Iseconds)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
   echo "## GPU tests"
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU TESTS FAILED"
+  timeout "$(lim 270)" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU TESTS FAILED (or past $(lim 270) s)"
   echo "## reduce kernel bandwidth vs device-to-device copy"
-  "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED"
+  timeout "$(lim 45)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED"
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
-  "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
+  timeout "$(lim 75)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
     --op all --min 8 --max 256M --factor 4 --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED"
   echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 \
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 75)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED"
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"
-  for NP in 1 2; do
-    CUDA_VISIBLE_DEVICES=0 "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc --nproc "$NP" \
-      --backends pyzero --op all --min 8 --max 256M --factor 8 --json "${OUT}_ipc${NP}.json" \
-      || echo "IPC BENCH FAILED (nproc $NP)"
+  for NP_MAX in 1:256M 2:16M; do  # two processes take turns on one GPU: smaller sizes
+    NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      --nproc "$NP" --backends pyzero --op all --min 8 --max "$MAX" --factor 8 --json "${OUT}_ipc${NP}.json" \
+      || echo "IPC BENCH FAILED (nproc $NP, or past $(lim 30) s)"
   done
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

@@ -60,22 +60,11 @@ py::dict code_table(int n, Name name) {
 }
 
 #ifdef PYZERO_WITH_CUDA
-// Runs one NcclComm call without the GIL: None for a synchronous call, the
-// NcclWork for an async one.
+// Runs one call of a GPU transport (NcclComm, IpcComm) without the GIL: None
+// for a synchronous call, its Work (NcclWork, IpcWork) for an async one.
 template <typename F>
-py::object nccl_call(F f) {
-  NcclTransport::WorkPtr w;
-  {
-    py::gil_scoped_release nogil;
-    w = f();
-  }
-  if (!w) return py::none();
-  return py::cast(w);
-}
-
-template <typename F>
-py::object ipc_call(F f) {
-  IpcTransport::WorkPtr w;
+py::object gpu_call(F f) {
+  decltype(f()) w;
   {
     py::gil_scoped_release nogil;
     w = f();
@@ -382,32 +371,32 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &NcclTransport::stats, py::arg("reset") = false)
       .def("all_reduce", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int op, int algo, uintptr_t stream,
                             bool async_op) {
-        return nccl_call(
+        return gpu_call(
             [&] { return t.all_reduce(as_ptr(buf), n, DType(dt), RedOp(op), Algo(algo), stream, async_op); });
       })
       .def("reduce_scatter", [](NcclTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
                                 int op, int algo, uintptr_t stream, bool async_op) {
-        return nccl_call([&] {
+        return gpu_call([&] {
           return t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo), stream, async_op);
         });
       })
       .def("all_gather", [](NcclTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
                             int algo, uintptr_t stream, bool async_op) {
-        return nccl_call(
+        return gpu_call(
             [&] { return t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo), stream, async_op); });
       })
       .def("broadcast", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int root, int algo, uintptr_t stream,
                            bool async_op) {
-        return nccl_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
+        return gpu_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
       })
       .def("barrier", [](NcclTransport& t, uintptr_t stream, bool async_op) {
-        return nccl_call([&] { return t.barrier(stream, async_op); });
+        return gpu_call([&] { return t.barrier(stream, async_op); });
       })
       .def("send", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
-        return nccl_call([&] { return t.send(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+        return gpu_call([&] { return t.send(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
       })
       .def("recv", [](NcclTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
-        return nccl_call([&] { return t.recv(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+        return gpu_call([&] { return t.recv(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
       })
       // ops: (buffer, count, dtype code, peer, is_send) each
       .def("batch_p2p", [](NcclTransport& t, const std::vector<std::tuple<uintptr_t, int64_t, int, int, bool>>& ops,
@@ -415,7 +404,7 @@ PYBIND11_MODULE(_C, m) {
         std::vector<NcclTransport::P2P> v;
         v.reserve(ops.size());
         for (const auto& [buf, n, dt, peer, is_send] : ops) v.push_back({as_ptr(buf), n, DType(dt), peer, is_send});
-        return nccl_call([&] { return t.batch_p2p(v, stream, async_op); });
+        return gpu_call([&] { return t.batch_p2p(v, stream, async_op); });
       });
 
   py::class_<IpcWork, std::shared_ptr<IpcWork>>(m, "IpcWork")
@@ -447,28 +436,28 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &IpcTransport::stats, py::arg("reset") = false)
       .def("all_reduce", [](IpcTransport& t, uintptr_t buf, uintptr_t in, int64_t n, int dt, int op, int algo,
                             uintptr_t stream, bool async_op) {
-        return ipc_call([&] {
+        return gpu_call([&] {
           return t.all_reduce(as_ptr(buf), in ? as_ptr(in) : nullptr, n, DType(dt), RedOp(op), Algo(algo), stream,
                               async_op);
         });
       })
       .def("reduce_scatter", [](IpcTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
                                 int op, int algo, uintptr_t stream, bool async_op) {
-        return ipc_call([&] {
+        return gpu_call([&] {
           return t.reduce_scatter(as_ptr(out), as_ptr(in), counts, DType(dt), RedOp(op), Algo(algo), stream, async_op);
         });
       })
       .def("all_gather", [](IpcTransport& t, uintptr_t out, uintptr_t in, std::vector<int64_t> counts, int dt,
                             int algo, uintptr_t stream, bool async_op) {
-        return ipc_call(
+        return gpu_call(
             [&] { return t.all_gather(as_ptr(out), as_ptr(in), counts, DType(dt), Algo(algo), stream, async_op); });
       })
       .def("broadcast", [](IpcTransport& t, uintptr_t buf, int64_t n, int dt, int root, int algo, uintptr_t stream,
                            bool async_op) {
-        return ipc_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
+        return gpu_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
       })
       .def("barrier", [](IpcTransport& t, uintptr_t stream, bool async_op) {
-        return ipc_call([&] { return t.barrier(stream, async_op); });
+        return gpu_call([&] { return t.barrier(stream, async_op); });
       });
 #endif
 

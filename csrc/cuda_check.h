@@ -1,5 +1,5 @@
-// cuda_check.h — CUDA error checks for the sources built with CUDA (kernels,
-// NCCL transport). llm.c's inline-function-plus-macro, but throwing: pybind11
+// cuda_check.h — CUDA error checks, a device guard and an event for the sources
+// built with CUDA (kernels, NCCL and ipc transports). llm.c's inline-function-plus-macro, but throwing: pybind11
 // turns the exception into pyzero.CollectiveError on the rank that hit it.
 #pragma once
 
@@ -20,3 +20,34 @@ inline void cuda_check_(cudaError_t err, const char* file, int line) {
 }  // namespace pz::cuda
 
 #define PZ_CUDA_CHECK(err) ::pz::cuda::cuda_check_((err), __FILE__, __LINE__)
+
+namespace pz {
+
+// Makes `device` current for a scope and restores the caller's device after:
+// a Python thread that called pyzero keeps the device it had (torch's
+// DeviceGuard). A transport's own threads just set it.
+struct DeviceGuard {
+  int prev = -1, dev;
+  explicit DeviceGuard(int d) : dev(d) {
+    PZ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != dev) PZ_CUDA_CHECK(cudaSetDevice(dev));
+  }
+  ~DeviceGuard() {
+    if (prev >= 0 && prev != dev) cudaSetDevice(prev);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+// A CUDA event (no timing) on the current device, destroyed with its owner.
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { PZ_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+}  // namespace pz

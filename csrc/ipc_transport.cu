@@ -67,18 +67,6 @@ constexpr int kThreads = 512;
 
 size_t sig_bytes() { return round_up(sizeof(IpcSignals), 256); }
 
-struct DeviceGuard {  // the caller's device is restored on return
-  int prev = -1;
-  explicit DeviceGuard(int d) {
-    PZ_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != d) PZ_CUDA_CHECK(cudaSetDevice(d));
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != prev) cudaSetDevice(prev);
-  }
-};
-
 uint64_t counts_hash(const std::vector<int64_t>& counts) {
   uint64_t h = 1469598103934665603ull;
   for (int64_t c : counts) h = (h ^ uint64_t(c)) * 1099511628211ull;
@@ -89,13 +77,10 @@ uint64_t counts_hash(const std::vector<int64_t>& counts) {
 
 struct IpcWork::State {
   std::weak_ptr<IpcTransport::Impl> impl;
-  cudaEvent_t done = nullptr;
+  Event done;  // recorded after the call's kernels
   int device = 0;
   const char* what = "";
   uint64_t epoch = 0;  // of the call's last kernel
-  ~State() {
-    if (done) cudaEventDestroy(done);
-  }
 };
 
 struct IpcTransport::Impl {
@@ -108,7 +93,8 @@ struct IpcTransport::Impl {
   uint32_t* abort_host = nullptr;       // host-mapped
   uint32_t* abort_dev = nullptr;
   cudaStream_t stream = nullptr;
-  cudaEvent_t last = nullptr;           // after the newest launch
+  std::unique_ptr<Event> queued;        // recorded on the caller's stream: the group's stream waits for it
+  std::unique_ptr<Event> finished;      // after a synchronous call: the caller's stream waits for it
   uint64_t epoch = 0;
   bool connected = false, closed = false;
   std::string broken;                   // the failure that ended the group
@@ -154,11 +140,8 @@ struct IpcTransport::Impl {
     check_usable(what);
     DeviceGuard guard(device);
     cudaStream_t caller = reinterpret_cast<cudaStream_t>(user_stream);
-    cudaEvent_t ready;
-    PZ_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    PZ_CUDA_CHECK(cudaEventRecord(ready, caller));
-    PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
-    cudaEventDestroy(ready);
+    PZ_CUDA_CHECK(cudaEventRecord(queued->e, caller));
+    PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, queued->e, 0));
     const int esize = dtype_size(dt);
     int64_t total = 0;
     for (int64_t c : chunks) total += c;
@@ -186,19 +169,19 @@ struct IpcTransport::Impl {
       }));
       PZ_CUDA_CHECK(cudaGetLastError());
     }
-    PZ_CUDA_CHECK(cudaEventRecord(last, stream));
     counters.add(coll, uint64_t(total), sent_bytes);
+    if (!async_op) {  // no handle: the caller's stream waits, as for any call on it
+      PZ_CUDA_CHECK(cudaEventRecord(finished->e, stream));
+      PZ_CUDA_CHECK(cudaStreamWaitEvent(caller, finished->e, 0));
+      return nullptr;
+    }
     auto st = std::make_shared<IpcWork::State>();
     st->impl = this_shared;
-    PZ_CUDA_CHECK(cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming));
-    PZ_CUDA_CHECK(cudaEventRecord(st->done, stream));
+    PZ_CUDA_CHECK(cudaEventRecord(st->done.e, stream));
     st->device = device;
     st->what = what;
     st->epoch = epoch;
-    auto work = std::make_shared<IpcWork>(st);
-    if (async_op) return work;
-    PZ_CUDA_CHECK(cudaStreamWaitEvent(caller, st->done, 0));
-    return nullptr;
+    return std::make_shared<IpcWork>(st);
   }
 
   std::weak_ptr<Impl> this_shared;
@@ -206,7 +189,7 @@ struct IpcTransport::Impl {
 
 void IpcWork::wait(uintptr_t stream) {
   DeviceGuard guard(s_->device);
-  PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->done, 0));
+  PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->done.e, 0));
   if (auto impl = s_->impl.lock()) {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->raise_status(s_->what, 0);  // (a mismatch: at a host wait, see raise_status)
@@ -215,7 +198,7 @@ void IpcWork::wait(uintptr_t stream) {
 
 bool IpcWork::completed() {
   DeviceGuard guard(s_->device);
-  cudaError_t e = cudaEventQuery(s_->done);
+  cudaError_t e = cudaEventQuery(s_->done.e);
   if (e == cudaErrorNotReady) return false;
   PZ_CUDA_CHECK(e);
   return true;
@@ -223,7 +206,7 @@ bool IpcWork::completed() {
 
 void IpcWork::synchronize() {
   DeviceGuard guard(s_->device);
-  PZ_CUDA_CHECK(cudaEventSynchronize(s_->done));
+  PZ_CUDA_CHECK(cudaEventSynchronize(s_->done.e));
   if (auto impl = s_->impl.lock()) {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->raise_status(s_->what, s_->epoch);
@@ -255,7 +238,8 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   *m.abort_host = 0;
   PZ_CUDA_CHECK(cudaHostGetDevicePointer(&m.abort_dev, m.abort_host, 0));
   PZ_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  PZ_CUDA_CHECK(cudaEventCreateWithFlags(&m.last, cudaEventDisableTiming));
+  m.queued = std::make_unique<Event>();
+  m.finished = std::make_unique<Event>();
   PZ_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroed signals are visible before any peer maps them
   m.bases.assign(size, nullptr);
   m.bases[rank] = m.mine;
@@ -364,7 +348,8 @@ void IpcTransport::close() {
   if (m.stream) cudaStreamSynchronize(m.stream);
   for (int p = 0; p < m.size; ++p)
     if (p != m.rank && m.bases[p]) cudaIpcCloseMemHandle(m.bases[p]);
-  if (m.last) cudaEventDestroy(m.last);
+  m.queued.reset();
+  m.finished.reset();
   if (m.stream) cudaStreamDestroy(m.stream);
   if (m.mine) cudaFree(m.mine);
   if (m.status_host) cudaFreeHost(m.status_host);

@@ -68,32 +68,6 @@ struct Backoff {
   }
 };
 
-// Makes `device` current for a scope and restores the caller's device after:
-// a Python thread that called pyzero keeps the device it had (torch's
-// DeviceGuard). The watchdog thread, pyzero's own, just sets it.
-struct DeviceGuard {
-  int prev = -1, dev;
-  explicit DeviceGuard(int d) : dev(d) {
-    PZ_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != dev) PZ_CUDA_CHECK(cudaSetDevice(dev));
-  }
-  ~DeviceGuard() {
-    if (prev >= 0 && prev != dev) cudaSetDevice(prev);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-};
-
-struct Event {
-  cudaEvent_t e = nullptr;
-  Event() { PZ_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
-  ~Event() {
-    if (e) cudaEventDestroy(e);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
-
 }  // namespace
 
 // ---------------------------------------------------------------------------

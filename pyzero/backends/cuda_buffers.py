@@ -14,7 +14,7 @@ import sys
 import torch
 
 from .. import _C
-from ..backend import Buffer, DTYPE_CODES, check_contiguous, tensor_code
+from ..backend import Backend, Buffer, DTYPE_CODES, Work, check_contiguous, tensor_code
 
 # __cuda_array_interface__ typestr (numpy's, without the byte order) -> pyzero dtype code.
 # numpy has no bfloat16, so bfloat16 travels as torch tensors only.
@@ -106,3 +106,39 @@ def current_stream_fn(b: Buffer, device: int):
 
 def torch_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream if torch.cuda.is_available() else 0
+
+
+class CudaCommBackend(Backend):
+    """What the GPU backends (nccl, ipc) share: a C++ communicator `comm` on cuda:`device` whose calls
+    take device pointers and the caller's stream, and the buffers and Work handles around it."""
+
+    def __init__(self, comm, device: int):
+        self.comm = comm
+        self.device = device
+
+    def buffer(self, x, arg, writable=True) -> Buffer:
+        return as_buffer(x, arg, self.device, writable, self.name)
+
+    def work(self, raw, keep, b):
+        if b is None:  # a barrier: ordered on torch's current stream
+            kind = "torch" if torch.cuda.is_available() else "array"
+            b = Buffer(0, 0, 1, 0, torch_stream(self.device), kind)
+        return Work(raw, keep, current_stream_fn(b, self.device))
+
+    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
+        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, out.stream, async_op)
+
+    def all_gather(self, out, inp, counts, algo, async_op):
+        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, out.stream, async_op)
+
+    def broadcast(self, b, root, algo, async_op):
+        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, b.stream, async_op)
+
+    def barrier(self, async_op):
+        return self.comm.barrier(torch_stream(self.device), async_op)
+
+    def stats(self, reset):
+        return self.comm.stats(reset)
+
+    def close(self):
+        self.comm.close()

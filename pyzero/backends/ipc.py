@@ -18,8 +18,9 @@ import os
 import torch
 
 from .. import _C
-from ..backend import Backend, Buffer, GroupSetup, Work, store_barrier
+from ..backend import GroupSetup, store_barrier
 from . import cuda_buffers
+from .cuda_buffers import CudaCommBackend
 
 
 def ipc_device(local_rank: int, device_count: int | None = None) -> int:
@@ -35,13 +36,9 @@ def ipc_device(local_rank: int, device_count: int | None = None) -> int:
     return device
 
 
-class IpcBackend(Backend):
+class IpcBackend(CudaCommBackend):
     name = "ipc"
     has_out_of_place_all_reduce = True
-
-    def __init__(self, comm, device: int):
-        self.comm = comm
-        self.device = device
 
     @classmethod
     def setup_process(cls, local_rank: int) -> int:
@@ -60,30 +57,9 @@ class IpcBackend(Backend):
         store_barrier(setup.store, f"{setup.key}/ipc/mapped", setup.size, setup.timeout)  # all mapped before use
         return cls(comm, setup.device)
 
-    def buffer(self, x, arg, writable=True) -> Buffer:
-        return cuda_buffers.as_buffer(x, arg, self.device, writable, self.name)
-
-    def work(self, raw, keep, b):
-        if b is None:
-            kind = "torch" if torch.cuda.is_available() else "array"
-            b = Buffer(0, 0, 1, 0, cuda_buffers.torch_stream(self.device), kind)
-        return Work(raw, keep, cuda_buffers.current_stream_fn(b, self.device))
-
     def all_reduce(self, b, op, algo, async_op, inp=None):
         return self.comm.all_reduce(b.ptr, 0 if inp is None else inp.ptr, b.numel, b.code, op, algo, b.stream,
                                     async_op)
-
-    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
-        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, out.stream, async_op)
-
-    def all_gather(self, out, inp, counts, algo, async_op):
-        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, out.stream, async_op)
-
-    def broadcast(self, b, root, algo, async_op):
-        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, b.stream, async_op)
-
-    def barrier(self, async_op):
-        return self.comm.barrier(cuda_buffers.torch_stream(self.device), async_op)
 
     def send(self, b, peer, async_op):
         raise NotImplementedError("send: point-to-point calls are not available on the ipc backend; use the nccl "
@@ -96,9 +72,6 @@ class IpcBackend(Backend):
     def batch_p2p(self, ops, async_op):
         raise NotImplementedError("batch_isend_irecv: point-to-point calls are not available on the ipc backend; "
                                   "use the nccl backend (one GPU per rank) or collectives")
-
-    def stats(self, reset):
-        return self.comm.stats(reset)
 
     def close(self):
         # Peers read this rank's area and write its flags: free it only once every rank got here

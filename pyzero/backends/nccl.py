@@ -20,8 +20,8 @@ import os
 import torch
 
 from .. import _C
-from ..backend import Backend, Buffer, GroupSetup, Work
-from . import cuda_buffers
+from ..backend import GroupSetup
+from .cuda_buffers import CudaCommBackend
 
 
 def nccl_device(local_rank: int, device_count: int | None = None) -> int:
@@ -45,12 +45,8 @@ def nccl_device(local_rank: int, device_count: int | None = None) -> int:
     return device
 
 
-class NcclBackend(Backend):
+class NcclBackend(CudaCommBackend):
     name = "nccl"
-
-    def __init__(self, comm, device: int):
-        self.comm = comm
-        self.device = device
 
     @classmethod
     def setup_process(cls, local_rank: int) -> int:
@@ -70,29 +66,8 @@ class NcclBackend(Backend):
                            o.get("blocking_wait", False, "PYZERO_NCCL_BLOCKING_WAIT"))
         return cls(comm, setup.device)
 
-    def buffer(self, x, arg, writable=True) -> Buffer:
-        return cuda_buffers.as_buffer(x, arg, self.device, writable, self.name)
-
-    def work(self, raw, keep, b):
-        if b is None:  # a barrier: ordered on torch's current stream
-            kind = "torch" if torch.cuda.is_available() else "array"
-            b = Buffer(0, 0, 1, 0, cuda_buffers.torch_stream(self.device), kind)
-        return Work(raw, keep, cuda_buffers.current_stream_fn(b, self.device))
-
     def all_reduce(self, b, op, algo, async_op):
         return self.comm.all_reduce(b.ptr, b.numel, b.code, op, algo, b.stream, async_op)
-
-    def reduce_scatter(self, out, inp, counts, op, algo, async_op):
-        return self.comm.reduce_scatter(out.ptr, inp.ptr, counts, out.code, op, algo, out.stream, async_op)
-
-    def all_gather(self, out, inp, counts, algo, async_op):
-        return self.comm.all_gather(out.ptr, inp.ptr, counts, out.code, algo, out.stream, async_op)
-
-    def broadcast(self, b, root, algo, async_op):
-        return self.comm.broadcast(b.ptr, b.numel, b.code, root, algo, b.stream, async_op)
-
-    def barrier(self, async_op):
-        return self.comm.barrier(cuda_buffers.torch_stream(self.device), async_op)
 
     def send(self, b, peer, async_op):
         return self.comm.send(b.ptr, b.numel, b.code, peer, b.stream, async_op)
@@ -104,9 +79,3 @@ class NcclBackend(Backend):
         stream = ops[0][0].stream  # the caller's current stream (one for all buffers)
         return self.comm.batch_p2p([(b.ptr, b.numel, b.code, peer, is_send) for b, peer, is_send in ops], stream,
                                    async_op)
-
-    def stats(self, reset):
-        return self.comm.stats(reset)
-
-    def close(self):
-        self.comm.close()

@@ -378,13 +378,13 @@ def main(args) -> int:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
-    peak = "GPU MiB" if getattr(args, "device", "cpu") == "cuda" else "peak MiB"  # max allocated / max RSS
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    peak = "GPU MiB" if cuda else "peak MiB"  # max allocated / max RSS
     print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
           f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {peak:>9} {'states MiB':>10} {'estimate':>8} "
           f"{'+gathered':>9}")
     results = []
     for run in runs:
-        cuda = getattr(args, "device", "cpu") == "cuda"
         ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
                                             threads=args.threads, start="spawn" if cuda else "fork")]
         res = _summarise(run, ranks, args)

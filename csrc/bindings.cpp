@@ -11,6 +11,7 @@
 
 #include "cpu_optim.h"
 #include "errors.h"
+#include "flight.h"
 #include "multi_tensor.h"
 #include "ipc_transport.h"
 #include "nccl_transport.h"
@@ -35,6 +36,7 @@ struct Work {
     task->wait();
   }
   bool is_completed() { return task->completed(); }
+  uint64_t flight_index() const { return task->flight_index; }
 };
 
 // Runs one ShmComm call: an async call returns its Work at once; a
@@ -138,7 +140,35 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Work>(m, "Work")
       .def("wait", &Work::wait, "Block until the operation finished; raises its error, if any")
-      .def("is_completed", &Work::is_completed);
+      .def("is_completed", &Work::is_completed)
+      .def_property_readonly("flight_index", &Work::flight_index,
+                             "The call's record in its group's flight ring (0: not recorded there)");
+
+  // Flight rings (flight.h): written by C++ transports inside their calls,
+  // and by pyzero.flight for the calls composed in Python.
+  m.attr("FLIGHT_CALLS") = code_table<FlightCall>(kFlightCalls, flight_call_name);
+  py::class_<FlightRing, std::shared_ptr<FlightRing>>(m, "FlightRing")
+      .def(py::init<size_t, bool>(), py::arg("capacity"), py::arg("timed"))
+      .def("begin", &FlightRing::begin, py::arg("call"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("algo"), py::arg("root"), py::arg("p2p"), py::arg("state") = int(kStarted))
+      .def("finish", &FlightRing::finish)
+      .def_property_readonly("n", &FlightRing::size)
+      .def_property_readonly("seq", &FlightRing::seq)
+      .def_property_readonly("capacity", &FlightRing::capacity)
+      .def_property_readonly("timed", &FlightRing::timed)
+      .def("records",  // [(index, seq, call, count, dtype, op, algo, root, t0_ns, t1_ns, state)], oldest first
+           [](const FlightRing& r) {
+             py::list out;
+             for (const FlightRecord& x : r.records())
+               out.append(py::make_tuple(x.index, x.seq, x.call, x.count, x.dtype, x.op, x.algo, x.root, x.t0,
+                                         x.t1, x.state));
+             return out;
+           })
+      .def("record", [](const FlightRing& r, uint64_t i) -> py::object {
+        FlightRecord x;
+        if (!r.read(i, x)) return py::none();
+        return py::make_tuple(x.index, x.seq, x.call, x.count, x.dtype, x.op, x.algo, x.root, x.t0, x.t1, x.state);
+      });
 
   py::class_<OpStats>(m, "OpStats")
       .def_readonly("calls", &OpStats::calls)
@@ -153,6 +183,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
            py::arg("oneshot_bytes"), py::arg("timeout_s"))
+      .def("set_flight", &ShmComm::set_flight, "Record every call in this flight ring (None: stop recording)")
       .def("attach", [](ShmComm& c) { c.transport().attach(); })
       .def("unlink", [](ShmComm& c) { c.transport().unlink(); })
       .def("close", &ShmComm::close, py::call_guard<py::gil_scoped_release>())

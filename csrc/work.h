@@ -27,6 +27,7 @@ namespace pz {
 class Task {
  public:
   explicit Task(std::function<void()> fn) : fn_(std::move(fn)) {}
+  uint64_t flight_index = 0;  // the call's record in its group's flight ring (flight.h); 0: none
   void run() {
     std::exception_ptr err;
     try { fn_(); } catch (...) { err = std::current_exception(); }

@@ -96,10 +96,12 @@ class Group:
         `rec` is the call's flight record."""
         if raw is None:
             if rec:
-                self.flight.last_done = rec  # (pyzero.flight.Ring: a synchronous call returned)
+                self.flight.done(rec)
             return None
         if rec:
             self.flight.queued(rec, raw)
+        else:  # a native backend's own record of the call, if any
+            self.flight.adopt(raw)
         work = self._backend.work(raw, keep, b)
         self._pending = [w for w in self._pending if not w.done()]
         self._pending.append(work)
@@ -350,11 +352,12 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
     if out is None or out is t:
         b = be.buffer(t, "tensor")
         opc, al = check_op(op, b), check_algo(algo)
-        i = g.flight.begin("all_reduce", b.numel, b.code, opc, al)
+        fr = g.flight
+        i = 0 if fr.native else fr.begin("all_reduce", b.numel, b.code, opc, al)
         try:
             raw = be.all_reduce(b, opc, al, bool(async_op))
         except Exception as e:
-            raise g.flight.failed(i, e) from None
+            raise fr.failed(i, e) from None
         return g.track(raw, (t,), b, i)
     bo, bi = be.buffer(out, "out"), be.buffer(t, "tensor", writable=False)
     check_same_dtype(bi, bo, "tensor", "out")
@@ -363,7 +366,8 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
     if bo.ptr != bi.ptr:
         check_alias(bo, bi, 0, "out", "tensor")  # disjoint (the same memory is the in-place form)
     opc, al = check_op(op, bo), check_algo(algo)
-    i = g.flight.begin("all_reduce", bo.numel, bo.code, opc, al)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin("all_reduce", bo.numel, bo.code, opc, al)
     try:
         if be.has_out_of_place_all_reduce:
             raw = be.all_reduce(bo, opc, al, bool(async_op), inp=bi)
@@ -374,7 +378,7 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
                 out[...] = t
             raw = be.all_reduce(bo, opc, al, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (t, out), bo, i)
 
 
@@ -388,11 +392,12 @@ def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op:
     counts = resolve_counts(counts, g.size, g.rank, bi, bo, "inp", "out")
     check_alias(bi, bo, sum(counts[:g.rank]), "inp", "out")
     al = check_algo(algo)
-    i = g.flight.begin("reduce_scatter", bi.numel, bi.code, opc, al)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin("reduce_scatter", bi.numel, bi.code, opc, al)
     try:
         raw = be.reduce_scatter(bo, bi, counts, opc, al, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (out, inp), bo, i)
 
 
@@ -405,11 +410,12 @@ def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=N
     counts = resolve_counts(counts, g.size, g.rank, bo, bi, "out", "inp")
     check_alias(bo, bi, sum(counts[:g.rank]), "out", "inp")
     al = check_algo(algo)
-    i = g.flight.begin("all_gather", bo.numel, bo.code, -1, al)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin("all_gather", bo.numel, bo.code, -1, al)
     try:
         raw = be.all_gather(bo, bi, counts, al, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (out, inp), bo, i)
 
 
@@ -420,11 +426,12 @@ def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     be = g.backend
     b = be.buffer(t, "tensor")
     al = check_algo(algo)
-    i = g.flight.begin("broadcast", b.numel, b.code, -1, al, root)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin("broadcast", b.numel, b.code, -1, al, root)
     try:
         raw = be.broadcast(b, root, al, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
 
 
@@ -432,11 +439,12 @@ def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
     g = resolve_group(group)
     be = g.backend
-    i = g.flight.begin("barrier", 0, 0)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin("barrier", 0, 0)
     try:
         raw = be.barrier(bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (), None, i)
 
 
@@ -454,11 +462,12 @@ def send(t, dst: int, group=None, async_op: bool = False):
     peer = _peer(g, dst, "dst")
     be = g.backend
     b = be.buffer(t, "tensor", writable=False)
-    i = g.flight.begin_p2p("send", b.numel, b.code, dst)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin_p2p("send", b.numel, b.code, peer)
     try:
         raw = be.send(b, peer, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
 
 
@@ -468,11 +477,12 @@ def recv(t, src: int, group=None, async_op: bool = False):
     peer = _peer(g, src, "src")
     be = g.backend
     b = be.buffer(t, "tensor")
-    i = g.flight.begin_p2p("recv", b.numel, b.code, src)
+    fr = g.flight
+    i = 0 if fr.native else fr.begin_p2p("recv", b.numel, b.code, peer)
     try:
         raw = be.recv(b, peer, bool(async_op))
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
 
 
@@ -507,12 +517,12 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
         else:
             raise ValueError(f"ops[{i}].op: expected 'send' or 'recv', got {o.op!r}")
         keep.append(o.tensor)
-    i = g.flight.begin_p2p("batch_isend_irecv", sum(b.numel for b, _, _ in batch), batch[0][0].code,
-                           g.ranks[batch[0][1]])
+    fr = g.flight  # recorded here even by a native backend (its transport records each send and recv)
+    i = fr.begin_p2p("batch_isend_irecv", sum(b.numel for b, _, _ in batch), batch[0][0].code, batch[0][1])
     try:
         raw = be.batch_p2p(batch, True)
     except Exception as e:
-        raise g.flight.failed(i, e) from None
+        raise fr.failed(i, e) from None
     work = g.track(raw, tuple(keep), batch[0][0], i)
     return [work] * len(ops)
 

@@ -4,8 +4,9 @@ Each group keeps a ring of its last ``PYZERO_FLIGHT`` calls (default 256;
 0 turns recording off): sequence number, collective, element count, dtype,
 reduce op, algorithm, root or peer, start time and state (``started`` for a
 synchronous call in progress, ``queued`` for async work not yet known
-complete, ``done``, ``failed``). Recording is a tuple stored into a
-preallocated list, no I/O.
+complete, ``done``, ``failed``). The records live in a C++ ring per group
+(csrc/flight.h): the shm transport writes them inside each call, other
+backends through :meth:`Ring.begin`; no lock, no I/O, no allocation.
 
 When a collective fails (:class:`CollectiveError` or :class:`CollectiveTimeout`),
 the rank asks every other rank of the group for its records through the
@@ -43,7 +44,7 @@ _AUTO = dict(_C.ALGOS)["auto"]
 
 QUEUED, STARTED, DONE, FAILED = 0, 1, 2, 3
 STATES = ("queued", "started", "done", "failed")
-P2P = ("send", "recv")
+P2P = ("send", "recv", "batch_isend_irecv")  # point-to-point calls: a peer, no sequence number
 
 _now = time.monotonic_ns
 _WALL0 = time.time() - time.monotonic()  # monotonic -> wall-clock seconds
@@ -69,143 +70,134 @@ def _trace_dir() -> str | None:
     return "." if raw == "1" else raw
 
 
-class Ring:
-    """One group's last calls in this process (preallocated; one tuple per call).
+# Call names by code: the C++ transports' own (csrc/flight.h), then the ones only Python records.
+CALLS: list[str] = [name for name, _ in sorted(dict(_C.FLIGHT_CALLS).items(), key=lambda kv: kv[1])]
+_CALL_CODE = {name: code for code, name in enumerate(CALLS)}
 
-    The hot path (pyzero.comm): ``i = ring.begin(...)``, then ``ring.last_done = i`` when a synchronous
-    call returns, ``ring.queued(i, raw)`` for async work, ``ring.failed(i, e)`` when the call raised.
-    A record's state is derived when read: failed; queued until its async work is complete; done once
-    ``last_done`` reached it; else started (the caller is in it).
+
+def _call_code(call: str) -> int:
+    code = _CALL_CODE.get(call)
+    if code is None:
+        code = _CALL_CODE[call] = len(CALLS)
+        CALLS.append(call)
+    return code
+
+
+class Ring:
+    """One group's last calls in this process, in a C++ ring (csrc/flight.h [Note: flight records]).
+
+    A backend that records its own calls (the shm transport, inside each call) sets ``native``: then
+    pyzero.comm does not call :meth:`begin`, and :meth:`failed` takes 0 for "the call that just
+    failed", the newest record. Otherwise the hot path (pyzero.comm) is ``i = ring.begin(...)``, then
+    ``ring.done(i)`` when a synchronous call returns, ``ring.queued(i, raw)`` for async work,
+    ``ring.failed(i, e)`` when the call raised. An async record stays queued until its work is seen
+    complete (the C++ transports mark their own).
     """
 
-    __slots__ = ("gid", "ranks", "rank", "seq", "n", "mask", "calls", "works", "failures", "last_done")
+    __slots__ = ("gid", "ranks", "rank", "c", "native", "works")
 
-    def __init__(self, gid: int, ranks: tuple[int, ...], rank: int, size: int):
-        cap = 1
-        while cap < max(size, 1):
-            cap <<= 1
+    def __init__(self, gid: int, ranks: tuple[int, ...], rank: int, size: int, timed: bool = False):
         self.gid, self.ranks, self.rank = gid, tuple(ranks), rank
-        self.seq = 0  # collectives called on this group (send/recv are not counted)
-        self.n = 0  # records written
-        self.mask = cap - 1
-        self.calls: list = [None] * cap
-        self.works: dict = {}  # record index -> raw async handle
-        self.failures: set = set()  # record indices that raised
-        self.last_done = 0  # the newest synchronous call that returned
+        self.c = _C.FlightRing(max(size, 1), timed)
+        self.native = False  # set by a backend that records its calls in self.c itself
+        # record index -> (raw async handle, whether this object still has to mark its record done),
+        # kept to find a failed work's record, until the ring overwrites the record
+        self.works: dict = {}
+
+    @property
+    def n(self) -> int:
+        """Records written so far (the newest one's index)."""
+        return self.c.n
 
     def begin(self, call: str, count: int, code: int, op: int = -1, algo: int = _AUTO, root: int = -1) -> int:
-        """Record the start of a collective; returns its record index."""
-        s = self.seq = self.seq + 1
-        i = self.n = self.n + 1
-        self.calls[i & self.mask] = (s, call, count, code, op, algo, root, _now())
-        return i
+        """Record the start of a collective (`root`: a group rank); returns its record index."""
+        if self.c.timed and self.works:
+            self._settle()
+        return self.c.begin(_call_code(call), count, code, op, algo, root, False)
 
     def begin_p2p(self, call: str, count: int, code: int, peer: int) -> int:
-        i = self.n = self.n + 1
-        self.calls[i & self.mask] = (0, call, count, code, -1, _AUTO, peer, _now())
-        return i
+        """Record the start of a point-to-point call with `peer` (a group rank)."""
+        return self.c.begin(_call_code(call), count, code, -1, _AUTO, peer, True)
 
     def done(self, i: int) -> None:
-        self.last_done = i
+        self.c.finish(i, DONE)
 
     def queued(self, i: int, raw) -> None:
+        """Call `i` (recorded by :meth:`begin`) went on as async work `raw`: queued until seen complete."""
+        self.c.finish(i, QUEUED)
+        self._keep(i, raw, True)
+
+    def adopt(self, raw) -> None:
+        """Async work of a native backend, which marks its record itself: kept to find that record
+        when the work fails."""
+        i = getattr(raw, "flight_index", 0)
+        if i:
+            self._keep(i, raw, False)
+
+    def _keep(self, i: int, raw, managed: bool) -> None:
         works = self.works
-        works[i] = raw
-        if len(works) > self.mask + 1:  # forget handles whose records were overwritten
-            for k in [k for k in works if k <= self.n - self.mask - 1]:
-                del works[k]
+        works[i] = (raw, managed)
+        if len(works) > self.c.capacity:  # forget handles whose records were overwritten
+            old = self.c.n - self.c.capacity
+            for k in [k for k in list(works) if k <= old]:
+                works.pop(k, None)
 
     def failed(self, i: int, error: BaseException) -> BaseException:
-        """Mark call `i` failed; a collective error comes back explained by every rank's records."""
-        self.failures.add(i)
+        """Mark call `i` failed (0 with a native backend: the newest record, if the transport marked it
+        failed); a collective error comes back explained by every rank's records."""
+        if not i:
+            i = self.c.n
+            rec = self.c.record(i)
+            if rec is None or rec[-1] != FAILED:
+                return error  # raised before the transport recorded the call
+        else:
+            self.c.finish(i, FAILED)
         self.works.pop(i, None)
-        if isinstance(error, _C.CollectiveError):
-            return explain(self, error, self.calls[i & self.mask])
+        rec = self.c.record(i)
+        if isinstance(error, _C.CollectiveError) and rec is not None:
+            return explain(self, error, rec)
         return error
 
     # ---- reading ----
 
-    def state(self, i: int) -> int:
-        if i in self.failures:
-            return FAILED
-        w = self.works.get(i)
-        if w is not None:
-            try:
-                return DONE if w.is_completed() else QUEUED
-            except Exception:  # noqa: BLE001 - a destroyed transport
-                return QUEUED
-        return DONE if i <= self.last_done else STARTED
+    def _settle(self) -> None:
+        """Mark the async records whose work completed done (with PYZERO_TRACE: the time seen so)."""
+        for i, (w, managed) in list(self.works.items()):  # (a copy: the answering thread reads too)
+            if managed and _completed(w):
+                self.c.finish(i, DONE)
+                self.works[i] = (w, False)
 
     def records(self) -> list[dict]:
         """The recorded calls, oldest first."""
-        out = []
-        for i in range(max(1, self.n - self.mask), self.n + 1):
-            rec = self.calls[i & self.mask]
-            if rec is not None:
-                out.append(_as_dict(rec, self.state(i), self.end_ns(i)))
-        return out
-
-    def end_ns(self, i: int) -> int:
-        return 0
+        self._settle()
+        return [_as_dict(rec, self.ranks) for rec in self.c.records()]
 
     def find_work(self, raw) -> int | None:
-        for i, w in self.works.items():
+        for i, (w, _) in list(self.works.items()):
             if w is raw:
                 return i
         return None
 
 
-class TimedRing(Ring):
-    """PYZERO_TRACE: also the time each call was seen to end (async work: when found complete)."""
-
-    __slots__ = ("ends",)
-
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.ends = [0] * (self.mask + 1)
-
-    @property
-    def last_done(self):
-        return Ring.last_done.__get__(self)
-
-    @last_done.setter
-    def last_done(self, i):
-        Ring.last_done.__set__(self, i)
-        if i:
-            self.ends[i & self.mask] = _now()
-
-    def begin(self, *a, **k) -> int:
-        self._settle()
-        i = super().begin(*a, **k)
-        self.ends[i & self.mask] = 0
-        return i
-
-    def begin_p2p(self, *a, **k) -> int:
-        i = super().begin_p2p(*a, **k)
-        self.ends[i & self.mask] = 0
-        return i
-
-    def _settle(self):
-        for i, w in list(self.works.items()):
-            if not self.ends[i & self.mask] and w.is_completed():
-                self.ends[i & self.mask] = _now()
-
-    def failed(self, i, error):
-        self.ends[i & self.mask] = _now()
-        return super().failed(i, error)
-
-    def records(self):
-        self._settle()
-        return super().records()
-
-    def end_ns(self, i: int) -> int:
-        return self.ends[i & self.mask]
+def _completed(w) -> bool:
+    try:
+        return bool(w.is_completed())
+    except Exception:  # noqa: BLE001 - a destroyed transport
+        return False
 
 
 class NullRing(Ring):
     """PYZERO_FLIGHT=0: nothing is recorded (errors are raised as they come)."""
 
     __slots__ = ()
+
+    def __init__(self, gid, ranks, rank, size=1, timed=False):
+        self.gid, self.ranks, self.rank = gid, tuple(ranks), rank
+        self.c, self.native, self.works = None, True, {}  # native: pyzero.comm calls no begin
+
+    @property
+    def n(self) -> int:
+        return 0
 
     def begin(self, call, count, code, op=-1, algo=_AUTO, root=-1) -> int:
         return 0
@@ -219,6 +211,9 @@ class NullRing(Ring):
     def queued(self, i, raw) -> None:
         pass
 
+    def adopt(self, raw) -> None:
+        pass
+
     def failed(self, i, error):
         return error
 
@@ -226,17 +221,18 @@ class NullRing(Ring):
         return []
 
 
-def _as_dict(rec, state, end_ns) -> dict:
-    seq, call, count, code, op, algo, root, t0 = rec
-    d = {"seq": seq, "call": call, "count": count, "dtype": _DTYPES.get(code, str(code)),
+def _as_dict(rec: tuple, ranks: tuple[int, ...]) -> dict:
+    """A C++ record (FlightRing.records) as pyzero.debug_dump shows it; roots and peers as global ranks."""
+    _, seq, call, count, code, op, algo, root, t0, t1, state = rec
+    name = CALLS[call] if 0 <= call < len(CALLS) else str(call)
+    d = {"seq": seq, "call": name, "count": count, "dtype": _DTYPES.get(code, str(code)),
          "op": _OPS.get(op), "algo": _ALGOS.get(algo, str(algo)), "state": STATES[state],
          "start": round(_WALL0 + t0 / 1e9, 6)}
-    if call in P2P:
-        d["peer"] = root
-    elif root >= 0:
-        d["root"] = root
-    if end_ns:
-        d["end"] = round(_WALL0 + end_ns / 1e9, 6)
+    if root >= 0:
+        g = ranks[root] if root < len(ranks) else root
+        d["peer" if name in P2P else "root"] = g
+    if t1:
+        d["end"] = round(_WALL0 + t1 / 1e9, 6)
     return d
 
 
@@ -293,7 +289,7 @@ def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:
         r = _proc.rings[gid] = NullRing(gid, ranks, rank, 1)
         return r
     if _proc.trace:
-        r = _proc.rings[gid] = TimedRing(gid, ranks, rank, max(_proc.size, 1 << 16))
+        r = _proc.rings[gid] = Ring(gid, ranks, rank, max(_proc.size, 1 << 16), timed=True)
     else:
         r = _proc.rings[gid] = Ring(gid, ranks, rank, _proc.size)
     return r
@@ -470,7 +466,7 @@ def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
             answers, note = _bounded(exchange, 2 * _proc.wait_s + 0.5)
         except Exception as e:  # noqa: BLE001 - the store host is stopped or gone
             answers, note = {g: None for g in r.ranks if g != _proc.rank}, f"the store did not answer ({e})"
-        summary = summarize(r, _as_dict(rec, FAILED, 0), {_proc.rank: {"records": mine}, **answers}, note)
+        summary = summarize(r, _as_dict(rec, r.ranks), {_proc.rank: {"records": mine}, **answers}, note)
     except Exception as e:  # noqa: BLE001 - never hide the original error
         summary = f"flight recorder: could not gather records ({type(e).__name__}: {e})"
     new = type(error)(f"{error}\n{summary}")

@@ -4,7 +4,7 @@
 #   GPU tests (pytest -m gpu: kernels, the nccl backend at world size 1 and, with
 #   2+ GPUs, at world size = GPU count, the ipc backend with 2-4 processes on GPU 0)
 #   and the GPU benches (kernels; collectives on every GPU: pyzero ring, native NCCL
-#   passthrough, torch; the ipc backend at 1 and 2 processes), and writes what they printed,
+#   passthrough, torch; the ipc backend at 1 and 2 processes; fault cells on ipc), and writes what they printed,
 #   plus a JSON record, to benchmarks/results/gpu_<gpu name>_<date>.{txt,json}.
 # Works offline: it downloads nothing. It uses the current Python environment (PYTHON, default
 # python3), which must already have torch with CUDA, setuptools>=77 (torch >= 2.13 brings it),
@@ -69,5 +69,9 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
       --nproc "$NP" --backends pyzero --op all --min 8 --max "$MAX" --factor 8 --json "${OUT}_ipc${NP}.json" \
       || echo "IPC BENCH FAILED (nproc $NP, or past $(lim 30) s)"
   done
+  echo "## fault cells on the ipc backend (2 processes on GPU 0, one try each; the full list: --backend ipc)"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
+    --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_ipc.json" \
+    || echo "IPC FAULT CELLS FAILED (or past $(lim 50) s)"
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

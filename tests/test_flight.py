@@ -154,3 +154,69 @@ def test_trace_and_off_switch(tmp_path):
     res = run_ranks(_rank_trace, 2, args=(3,), timeout=60, env={"PYZERO_FLIGHT": "0"})
     assert [r.value for r in res] == [0, 0]
     assert not os.path.exists("pyzero_trace_rank0.json")
+
+
+def test_ring_keeps_the_newest_records():
+    """The C++ ring: capacity rounded up to a power of two, the oldest records overwritten, a finish for
+    an overwritten record ignored, p2p records without a sequence number."""
+    ring = pz._C.FlightRing(3, False)
+    assert ring.capacity == 4
+    idx = [ring.begin(0, k, 0, 0, 0, -1, k % 3 == 0) for k in range(1, 11)]
+    assert idx == list(range(1, 11)) and ring.n == 10
+    ring.finish(2, 3)  # overwritten by record 6: ignored
+    ring.finish(9, 2)
+    recs = ring.records()
+    assert [r[0] for r in recs] == [7, 8, 9, 10]
+    # seq counts collectives only (k = 3, 6, 9 are point-to-point)
+    assert [(r[1], r[3]) for r in recs] == [(5, 7), (6, 8), (0, 9), (7, 10)]
+    assert [r[10] for r in recs] == [1, 1, 2, 1]
+    assert ring.record(2) is None and ring.record(9)[10] == 2
+
+
+def _rank_read_while_written(n):
+    """The main thread makes `n` synchronous all_reduces of seq % 97 + 1 elements (the transport writes
+    each record without the GIL) while a second thread reads the records over and over: every record
+    read must be whole (its count matching its seq)."""
+    import threading  # noqa: PLC0415
+
+    pz.init(timeout=20)
+    ring = pz.comm.resolve_group(None).flight
+    assert ring.native
+    stop, bad, reads = threading.Event(), [], [0]
+
+    def reader():
+        while not stop.is_set():
+            for d in ring.records():
+                reads[0] += 1
+                if d["count"] != d["seq"] % 97 + 1 or d["call"] != "all_reduce":
+                    bad.append(d)
+    th = threading.Thread(target=reader)
+    th.start()
+    for seq in range(1, n + 1):
+        pz.all_reduce(torch.ones(seq % 97 + 1))
+    stop.set()
+    th.join()
+    recs = ring.records()
+    assert [d["seq"] for d in recs] == list(range(n - 255, n + 1))
+    assert all(d["state"] == "done" for d in recs)
+    return len(bad), reads[0]
+
+
+def test_records_read_while_written():
+    for r in run_ranks(_rank_read_while_written, 2, args=(3000,), timeout=60):
+        bad, reads = r.value
+        assert bad == 0 and reads > 256, r.value
+
+
+def _rank_async_native():
+    pz.init(timeout=20)
+    works = [pz.all_reduce(torch.ones(1000 * (k + 1)), async_op=True) for k in range(3)]
+    for w in works:
+        w.wait()
+    recs = pz.debug_dump()["groups"][0]["records"]
+    return [(d["seq"], d["count"], d["state"]) for d in recs]
+
+
+def test_async_records_marked_done_by_the_transport():
+    for r in run_ranks(_rank_async_native, 2, timeout=60):
+        assert r.value == [(1, 1000, "done"), (2, 2000, "done"), (3, 3000, "done")]

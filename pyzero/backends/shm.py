@@ -25,6 +25,21 @@ class ShmBackend(Backend):
     def __init__(self, comm, oneshot_bytes: int):
         self.comm = comm
         self.oneshot_bytes = oneshot_bytes  # the largest message of the one-shot path (algo "auto")
+        self._flight = None
+
+    @property
+    def flight(self):
+        """The group's flight ring (pyzero.flight.Ring); the transport records every call in it itself,
+        inside the call (csrc/shm_comm.h), so pyzero.comm does not."""
+        return self._flight
+
+    @flight.setter
+    def flight(self, ring) -> None:
+        self._flight = ring
+        c = getattr(ring, "c", None)
+        self.comm.set_flight(c)
+        if c is not None:
+            ring.native = True
 
     @classmethod
     def create(cls, setup: GroupSetup) -> "ShmBackend":

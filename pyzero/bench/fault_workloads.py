@@ -39,6 +39,7 @@ class Ctx:
     tmp: str
     rng: random.Random
     timeout: float
+    device: torch.device = torch.device("cpu")  # where the collective workloads' tensors live
     out: dict = field(default_factory=dict)
 
 
@@ -56,7 +57,7 @@ def batch(step, n=16, width=64):
 
 
 def _w_allreduce(ctx):
-    t = torch.empty(4 << 20)
+    t = torch.empty(4 << 20, device=ctx.device)
     k = [0]
 
     def step():
@@ -178,14 +179,18 @@ def _w_tp(ctx):
     return step
 
 
-MISMATCH = {  # (rank 0's call, rank 1's call)
-    "mismatch-size": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.all_reduce(torch.ones(1001))),
-    "mismatch-op": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.all_reduce(torch.ones(1000), op="max")),
-    "mismatch-dtype": (lambda: pz.all_reduce(torch.ones(1000)),
-                       lambda: pz.all_reduce(torch.ones(1000, dtype=torch.float64))),
-    "mismatch-kind": (lambda: pz.all_reduce(torch.ones(1000)), lambda: pz.broadcast(torch.ones(1000), src=0)),
-    "mismatch-algo": (lambda: pz.all_reduce(torch.ones(1000), algo="ring"),
-                      lambda: pz.all_reduce(torch.ones(1000), algo="oneshot")),
+def _ones(n, d, dtype=torch.float32):
+    return torch.ones(n, device=d, dtype=dtype)
+
+
+MISMATCH = {  # (rank 0's call, rank 1's call), given the device
+    "mismatch-size": (lambda d: pz.all_reduce(_ones(1000, d)), lambda d: pz.all_reduce(_ones(1001, d))),
+    "mismatch-op": (lambda d: pz.all_reduce(_ones(1000, d)), lambda d: pz.all_reduce(_ones(1000, d), op="max")),
+    "mismatch-dtype": (lambda d: pz.all_reduce(_ones(1000, d)),
+                       lambda d: pz.all_reduce(_ones(1000, d, torch.float64))),
+    "mismatch-kind": (lambda d: pz.all_reduce(_ones(1000, d)), lambda d: pz.broadcast(_ones(1000, d), src=0)),
+    "mismatch-algo": (lambda d: pz.all_reduce(_ones(1000, d), algo="ring"),
+                      lambda d: pz.all_reduce(_ones(1000, d), algo="oneshot")),
 }
 
 
@@ -194,20 +199,23 @@ def _w_mismatch(ctx, name):
 
     def step():
         calls[0] += 1
-        t = torch.full((64,), float(ctx.rank))
+        t = torch.full((64,), float(ctx.rank), device=ctx.device)
         pz.all_reduce(t)  # a few good calls first: the mismatch is not the first call of the group
         if not bool((t == sum(range(ctx.world))).all()):
             return 1
         if calls[0] >= 1 + ctx.rng.randrange(3):
             ctx.out["t_fault"] = time.time()
-            MISMATCH[name][min(ctx.rank, 1)]()
+            MISMATCH[name][min(ctx.rank, 1)](ctx.device)
+            if ctx.device.type == "cuda":  # a GPU backend may report the mismatch at the next host wait
+                torch.cuda.synchronize(ctx.device)
+                pz.barrier()
             return 0
         return 0
     return step
 
 
 def _w_never_calls(ctx):
-    t = torch.ones(8)
+    t = torch.ones(8, device=ctx.device)
 
     def step():
         pz.all_reduce(t)
@@ -307,12 +315,19 @@ def touch(path, text=""):
     os.replace(path + ".tmp", path)
 
 
-def rank_main(work: str, tmp: str, seed: int, timeout: float, duration: float) -> dict:
-    """One rank of one try: set up, say ready, loop workload `work` until an error or `duration` s."""
-    pz.init(timeout=timeout)
+def rank_main(work: str, tmp: str, seed: int, timeout: float, duration: float, backend: str = "shm") -> dict:
+    """One rank of one try: set up, say ready, loop workload `work` until an error or `duration` s.
+    With backend "hier" the ranks are split into simulated hosts of two ranks (one rank each at 2
+    ranks), so every world collective crosses hosts."""
+    if backend == "hier":
+        r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.environ["PYZERO_HOST"] = f"host{r // 2 if n >= 4 else r}"
+    pz.init(backend=backend, timeout=timeout)
     rank = pz.get_rank()
     touch(os.path.join(tmp, f"pid{rank}"), str(os.getpid()))
-    ctx = Ctx(rank, pz.get_world_size(), tmp, random.Random(seed * 1000 + 1), timeout)
+    dev = pz.comm.resolve_group(None).device
+    ctx = Ctx(rank, pz.get_world_size(), tmp, random.Random(seed * 1000 + 1), timeout,
+              torch.device("cpu") if dev is None else torch.device("cuda", dev))
     step = WORKLOADS[work](ctx)
     out = ctx.out
     out.update(rank=rank, steps=0, wrong=0, error=None)

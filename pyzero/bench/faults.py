@@ -84,6 +84,13 @@ CELLS = {c.name: c for c in [
 ]}
 FAST = ["allreduce-kill", "dp-backward-stop", "mismatch-kind", "never-calls", "save-enospc", "load-corrupt",
         "clip-inf"]
+# The cells each backend runs (--backend): every cell on shm; on the others the collective cells, whose
+# workloads put their tensors on the backend's device (ipc: processes sharing GPU 0; hier: simulated hosts
+# of two ranks, one each at 2 ranks, gloo between them).
+_COLLECTIVE = ["allreduce-kill", "allreduce-stop", "allreduce-kill-4ranks", "mismatch-size", "mismatch-op",
+               "mismatch-dtype", "mismatch-kind", "mismatch-algo", "never-calls"]
+BACKEND_CELLS = {"shm": list(CELLS), "hier": _COLLECTIVE + ["dp-backward-kill", "dp-backward-stop"],
+                 "ipc": _COLLECTIVE}
 
 
 # ---------------------------------------------------------------------------
@@ -153,7 +160,7 @@ def _read_only(path: str) -> None:
         time.sleep(0.001)
 
 
-def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float) -> dict:
+def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float, backend: str = "shm") -> dict:
     """One try of `cell`: returns {"outcome", "fault_to_error": [s per surviving rank], "leftovers", "wrong",
     "messages"}."""
     tmp = tempfile.mkdtemp(prefix="pyzero-faults-")
@@ -169,7 +176,7 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float)
     duration = window + timeout + margin + 5
     results: list = []
     holder = threading.Thread(target=lambda: results.extend(run_ranks(
-        rank_main, n, args=(cell.work, tmp, seed, timeout, duration), check=False,
+        rank_main, n, args=(cell.work, tmp, seed, timeout, duration, backend), check=False,
         timeout=duration + 60)), daemon=True)
     holder.start()
     has_victim = cell.fault in ("kill", "stop") or cell.work == "never-calls"
@@ -293,13 +300,13 @@ def _rmtree(path):
 
 
 def run_cell(cell: Cell, tries: int, seed: int = 0, timeout: float = 3.0, margin: float = 10.0,
-             window: float = 1.0) -> dict:
+             window: float = 1.0, backend: str = "shm") -> dict:
     """`tries` tries of `cell`; the row of the table."""
     reference_params(1)  # the first optimizer step imports much of torch: once here, not in every rank
     rows, setup_failures, i = [], [], 0
     while len(rows) < tries and len(setup_failures) < 3 + tries:
         try:
-            r = run_try(cell, seed * 100003 + i, timeout, margin, window)
+            r = run_try(cell, seed * 100003 + i, timeout, margin, window, backend)
         except Skip as e:
             return {"cell": cell.name, "tries": 0, "expected": 0, "hangs": 0, "median_s": None, "max_s": None,
                     "leftovers": 0, "wrong": 0, "messages": [], "restarts": 0, "unexpected": [],
@@ -346,27 +353,33 @@ def _rank_overhead(iters: int, rounds: int) -> dict:
     times = {"on": [], "off": []}
     for _ in range(iters):
         pz.all_reduce(t)
+    recorded = 0
     for r in range(rounds):
         for mode in (("on", "off") if r % 2 else ("off", "on")):
             g.flight = g.backend.flight = on if mode == "on" else off
             pz.barrier()
+            n0 = on.n
             t0 = time.perf_counter()
             for _ in range(iters):
                 pz.all_reduce(t)
             times[mode].append((time.perf_counter() - t0) / iters)
+            recorded += on.n - n0
     g.flight = g.backend.flight = on
-    # The recording alone, without communication.
-    ring = flight.Ring(99, (0,), 0, 256)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        ring.last_done = ring.begin("all_reduce", 2, 0, 0, 0)
-    record = (time.perf_counter() - t0) / iters
-    return {"on": statistics.median(times["on"]), "off": statistics.median(times["off"]), "record": record}
+    if recorded != rounds * iters:  # every timed call of the "on" rounds, none of the "off" ones
+        raise RuntimeError(f"the flight ring recorded {recorded} calls, expected {rounds * iters}")
+    return {"on": statistics.median(times["on"]), "off": statistics.median(times["off"]),
+            "on_all": times["on"], "off_all": times["off"], "recorded": recorded}
 
 
-def overhead(nproc: int = 2, iters: int = 20000, rounds: int = 10) -> dict:
+def overhead(nproc: int = 2, iters: int = 5000, rounds: int = 40) -> dict:
+    """Rounds of `iters` 8 B all_reduces alternate recorder on and off; the overhead is the median over
+    rounds of on/off in each adjacent pair (a 2-core machine drifts more than the effect between
+    rounds far apart), and the spread is its interquartile range."""
     res = run_ranks(_rank_overhead, nproc, args=(iters, rounds), timeout=600)[0].value
-    res["overhead_pct"] = 100.0 * (res["on"] - res["off"]) / res["off"]
+    ratios = sorted(a / b for a, b in zip(res["on_all"], res["off_all"]))
+    q = statistics.quantiles(ratios, n=4)
+    res["overhead_pct"] = 100.0 * (statistics.median(ratios) - 1)
+    res["overhead_iqr_pct"] = (100.0 * (q[0] - 1), 100.0 * (q[2] - 1))
     return res
 
 
@@ -375,38 +388,52 @@ def overhead(nproc: int = 2, iters: int = 20000, rounds: int = 10) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tries", type=int, default=20, help="tries per cell (default 20)")
-    p.add_argument("--cells", default="all", help="comma-separated cell names, 'all' or 'fast' (default all)")
+    p.add_argument("--cells", default="all", help="comma-separated cell names, 'all' or 'fast' (default all: "
+                   "the backend's cells)")
+    p.add_argument("--backend", default="shm", choices=sorted(BACKEND_CELLS),
+                   help="the backend every cell runs on (default shm; ipc needs a GPU)")
     p.add_argument("--timeout", type=float, default=3.0, help="pz.init collective timeout in s (default 3)")
     p.add_argument("--margin", type=float, default=10.0, help="a run outliving timeout + margin is a hang")
     p.add_argument("--window", type=float, default=1.0, help="the fault lands at uniform(0, window) s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--overhead", action="store_true", help="measure the flight recorder on an 8 B all_reduce")
-    p.add_argument("--iters", type=int, default=20000, help="--overhead: all_reduces per round")
+    p.add_argument("--iters", type=int, default=5000, help="--overhead: all_reduces per round")
+    p.add_argument("--rounds", type=int, default=40, help="--overhead: rounds per mode, interleaved")
 
 
 def main(args) -> int:
     if args.overhead:
-        res = overhead(iters=args.iters)
-        print(f"8 B all_reduce, 2 ranks: recorder off {res['off'] * 1e6:.2f} us, on {res['on'] * 1e6:.2f} us "
-              f"({res['overhead_pct']:+.2f} %); recording alone {res['record'] * 1e9:.0f} ns per call")
+        res = overhead(iters=args.iters, rounds=args.rounds)
+        lo, hi = res["overhead_iqr_pct"]
+        print(f"8 B all_reduce, 2 ranks, {args.iters} calls x {len(res['on_all'])} interleaved rounds per mode: "
+              f"recorder off {res['off'] * 1e6:.3f} us, on {res['on'] * 1e6:.3f} us (medians); on/off per pair of "
+              f"rounds: median {res['overhead_pct']:+.2f} % (quartiles {lo:+.2f} % .. {hi:+.2f} %); "
+              f"{res['recorded']} calls recorded")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
         return 0
-    names = list(CELLS) if args.cells == "all" else FAST if args.cells == "fast" else args.cells.split(",")
-    unknown = [n for n in names if n not in CELLS]
+    mine = BACKEND_CELLS[args.backend]
+    names = mine if args.cells == "all" else [n for n in FAST if n in mine] if args.cells == "fast" else \
+        args.cells.split(",")
+    unknown = [n for n in names if n not in mine]
     if unknown:
-        raise SystemExit(f"--cells: unknown {unknown}; expected some of {list(CELLS)}")
+        raise SystemExit(f"--cells: {unknown} not run on backend {args.backend}; expected some of {mine}")
+    if args.backend == "ipc":
+        if not torch.cuda.is_available():
+            raise SystemExit("--backend ipc: no CUDA device here")
+        if "ipc" not in pz.backends.available():
+            raise SystemExit("--backend ipc: this build of pyzero has no CUDA backends (build with PYZERO_CUDA=1)")
     if args.tries < 1:
         raise SystemExit(f"--tries: expected >= 1, got {args.tries}")
-    print(f"pyzero fault matrix: {args.tries} tries per cell, collective timeout {args.timeout} s, "
+    print(f"pyzero fault matrix, backend {args.backend}: {args.tries} tries per cell, collective timeout {args.timeout} s, "
           f"hang = no error within timeout + {args.margin} s, fault at uniform(0, {args.window}) s")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
     rows = []
     for name in names:
-        row = run_cell(CELLS[name], args.tries, args.seed, args.timeout, args.margin, args.window)
+        row = run_cell(CELLS[name], args.tries, args.seed, args.timeout, args.margin, args.window, args.backend)
         rows.append(row)
         print(format_row(row), flush=True)
     notes = [(r["cell"], m) for r in rows for m in (r["unexpected"] or r["messages"]) if r["wrong"] or r["hangs"]

@@ -231,6 +231,8 @@ class Options:
       PYZERO_IPC_ONESHOT_KB])
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
+    - check_calls: hier, compare every collective's arguments across the group before it runs, so a
+      mismatch is an error on every rank (True [PYZERO_HIER_CHECK])
     """
 
     slice_bytes: int | None = None
@@ -238,6 +240,7 @@ class Options:
     oneshot_bytes: int | None = None
     symmetric: bool | None = None
     blocking_wait: bool | None = None
+    check_calls: bool | None = None
 
     def __post_init__(self):
         for name in ("slice_bytes", "depth", "oneshot_bytes"):
@@ -248,7 +251,7 @@ class Options:
             raise ValueError(f"options.depth: expected at least 2 slots, got {self.depth}")
         if self.slice_bytes is not None and self.slice_bytes < 64:
             raise ValueError(f"options.slice_bytes: expected at least 64 bytes, got {self.slice_bytes}")
-        for name in ("symmetric", "blocking_wait"):
+        for name in ("symmetric", "blocking_wait", "check_calls"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"options.{name}: expected True, False or None, got {v!r}")

@@ -39,7 +39,8 @@ for w in $WHAT; do
         --json "$(tag plan_validate).json" ;;
     faults)
       run faults $PY -m pyzero.bench faults --tries "${TRIES:-5}" --json "$(tag faults).json"
-      run faults_overhead $PY -m pyzero.bench faults --overhead
+      run faults_hier $PY -m pyzero.bench faults --backend hier --tries "${TRIES:-5}" --json "$(tag faults_hier).json"
+      run faults_overhead $PY -m pyzero.bench faults --overhead --json "$(tag faults_overhead).json"
       run soak $PY -m pyzero.bench soak --seconds "${SOAK_SECONDS:-20}" --nproc 2 3 4 ;;
     hier)
       run hier $PY -m pyzero.bench hier --model gpt-nano --steps 200 --throttle 200 --json "$(tag hier).json" ;;

@@ -264,6 +264,45 @@ def test_dead_rank_on_another_host_is_named():
         assert r.value["again"][0] == "CollectiveError" and "unusable" in r.value["again"][1], r.value
 
 
+HIER_MISMATCH = {  # case: (what ranks 0-1 call, what ranks 2-3 call, the field the error names)
+    "count": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_reduce(torch.ones(9)), "element count"),
+    "op": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_reduce(torch.ones(8), op="max"), "op or root"),
+    "dtype": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.all_reduce(torch.ones(8, dtype=torch.bfloat16)),
+              "dtype (float32 .. bfloat16)"),
+    "kind": (lambda: pz.all_reduce(torch.ones(8)), lambda: pz.broadcast(torch.ones(8), src=0), "collective"),
+    "root": (lambda: pz.broadcast(torch.ones(8), src=0), lambda: pz.broadcast(torch.ones(8), src=1), "op or root"),
+    "counts": (lambda: pz.all_gather(torch.zeros(8), torch.ones([2, 2, 2, 2][pz.get_rank()]), counts=[2, 2, 2, 2]),
+               lambda: pz.all_gather(torch.zeros(8), torch.ones([1, 3, 2, 2][pz.get_rank()]), counts=[1, 3, 2, 2]),
+               "counts per rank"),
+    "algo": (lambda: pz.all_reduce(torch.ones(8), algo="ring"), lambda: pz.all_reduce(torch.ones(8), algo="oneshot"),
+             "algo"),
+}
+
+
+def _rank_mismatch():
+    pz.init(timeout=20)
+    out = {}
+    for case, (a, b, _) in HIER_MISMATCH.items():
+        out[case] = outcome(a if pz.get_rank() < 2 else b)
+        t = torch.full((5,), float(pz.get_rank()))
+        pz.all_reduce(t)  # the group goes on after a mismatch
+        out[case + "/after"] = t.tolist()
+    # "auto" matches an explicit algo (it may pick it), as on one host
+    out["auto"] = outcome(lambda: pz.all_reduce(torch.ones(8), algo="ring" if pz.get_rank() else None))
+    return out
+
+
+def test_mismatched_calls_raise_on_every_rank():
+    """Ranks of the two hosts make different calls: every rank raises CollectiveError naming the field
+    (gloo alone would read past a buffer, mix reductions or hang), and the next call works."""
+    for r in run_ranks(simulated, 4, args=(_rank_mismatch,), timeout=90):
+        for case, (_, _, field) in HIER_MISMATCH.items():
+            etype, msg = r.value[case]
+            assert etype == "CollectiveError" and f"the ranks differ in {field}" in msg, (r.rank, case, msg)
+            assert r.value[case + "/after"] == [6.0] * 5, (r.rank, case)
+        assert r.value["auto"][0] == "ok", r.value["auto"]
+
+
 # ---------------------------------------------------------------------------
 # Training over 2 x 2 equals one process (the single-host suites' models and references)
 

@@ -22,6 +22,13 @@ Hosts may hold different numbers of ranks; lanes are then the local indices
 that every host has, and reduce_scatter/all_gather fall back to simpler
 (correct, less economical) paths.
 
+Every collective first checks that the group's ranks made the same call (collective, element count,
+the counts per rank, dtype, op or root, algo) with one small gloo all_reduce (MAX of the descriptor and
+its negation) over the group: gloo itself checks nothing, and a mismatch would otherwise read past a
+buffer, mix reductions or hang. A mismatch raises CollectiveError on every rank at once, naming the
+fields that differ, and the group stays usable (options check_calls / PYZERO_HIER_CHECK=0 skip the
+check: one inter-host round trip less per call).
+
 Collectives run in order on one worker thread per group (an async call
 returns at once; the shm and gloo calls inside release the GIL); send/recv
 bypass it (see HierBackend.send). A failure (a dead or stuck peer) is raised
@@ -63,6 +70,10 @@ from ..topology import host_name
 from .shm import ShmBackend
 
 _AUTO = 0  # algo "auto" of the shm transport
+
+
+def _algo(algo: int) -> int:
+    return _UNSET if algo == _AUTO else algo
 _OP_NAMES = {code: name for name, code in OPS.items()}
 _GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
@@ -70,7 +81,30 @@ _COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": tor
 _STAT_KEYS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv",
               "intra_host", "inter_host")
 _WIDE = (torch.float16, torch.bfloat16)  # reduced in fp32, rounded once
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+_FIELDS = ("collective", "element count", "counts per rank", "dtype", "op or root", "algo")
+_UNSET = -(1 << 60)  # a descriptor field that matches anything (algo "auto")
 _PROBE_S = 3.0  # at most this long a failed rank waits for its peers to report in (see [Note: hier failure probe])
+
+
+class _Mismatch(Exception):
+    """The ranks of a group made different calls (found by HierBackend._check_call on every rank)."""
+
+
+def _show(field: int, v: int) -> str:
+    if field == 0 and 0 <= v < len(_KINDS):
+        return _KINDS[v]
+    if field == 3 and v in TORCH_DTYPES:
+        return str(TORCH_DTYPES[v]).replace("torch.", "")
+    return str(v)
+
+
+def _counts_hash(counts) -> int:
+    """Counts per rank as one number that differs when any count does (mod 2**40)."""
+    h = 0
+    for c in counts:
+        h = (h * 1000003 + int(c) + 1) % (1 << 40)
+    return h
 
 
 @dataclass
@@ -173,6 +207,7 @@ class HierBackend(Backend):
         self.stat_lock = threading.Lock()
         self.broken: str | None = None
         self.closed = False
+        self.check_calls = setup.options.get("check_calls", True, "PYZERO_HIER_CHECK")
         self.current = ""  # the collective running on the worker thread (its bytes are counted under it)
         # One daemon worker runs the calls in order (a ThreadPoolExecutor's worker would be joined at
         # interpreter exit, holding it up for the timeout behind a call stuck on a dead peer).
@@ -227,20 +262,29 @@ class HierBackend(Backend):
             raise ValueError(f"{arg}: the hier backend takes CPU tensors, got a tensor on {x.device}")
         return Buffer(x.data_ptr(), x.numel(), x.element_size(), code)
 
-    def _run(self, what: str, elements: int, fn, async_op: bool):
+    def _run(self, what: str, elements: int, fn, async_op: bool, desc=()):
+        """Run collective `what` on the worker; `desc` (dtype, counts hash, op or root, algo) is
+        compared across the group first."""
         if self.broken is not None:
             raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
         self._count(what, elements, 0)
-        fut = self._submit(lambda: self._guarded(what, fn))
+        fut = self._submit(lambda: self._guarded(what, fn, (_KINDS.index(what), elements, *desc)))
         if async_op:
             return _Pending(fut)
         fut.result()
         return None
 
-    def _guarded(self, what: str, fn) -> None:
+    def _guarded(self, what: str, fn, desc: tuple) -> None:
         self.current = what
         if self.broken is not None:  # a send/recv failed after this call was queued
             raise CollectiveError(f"{what}: the group is unusable after an earlier failure: {self.broken}")
+        try:
+            self._check_call(what, desc)
+        except _Mismatch as e:
+            raise CollectiveError(str(e)) from None  # every rank raises it: the group stays usable
+        except RuntimeError as e:
+            self.broken = f"{what}: {e}"
+            raise self._failed(what, e) from e
         try:
             fn()
         except (CollectiveError, RuntimeError) as e:  # shm errors are CollectiveErrors; gloo's RuntimeErrors
@@ -293,6 +337,25 @@ class HierBackend(Backend):
         return CollectiveTimeout(f"{where}: an inter-host transfer failed; {who} did not respond "
                                  f"(dead or stuck): {err}")
 
+    def _check_call(self, what: str, desc: tuple) -> None:
+        """Raise _Mismatch on every rank if the ranks' descriptors of this call differ (field by field:
+        the MAX of d and of -d over the group agree only if every rank gave the same d)."""
+        if not self.check_calls or self.full is None or self.size == 1:
+            return
+        d = list(desc) + [_UNSET] * (len(_FIELDS) - len(desc))
+        v = torch.tensor(d + [_UNSET if x == _UNSET else -x for x in d], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.full.allreduce([v], opts).wait()
+        n = len(_FIELDS)
+        hi, lo = v[:n].tolist(), [-x for x in v[n:].tolist()]
+        bad = [f"{_FIELDS[i]} ({_show(i, lo[i])} .. {_show(i, hi[i])})" for i in range(n)
+               if hi[i] != _UNSET and hi[i] != lo[i]]
+        if bad:
+            mine = _show(0, desc[0])
+            raise _Mismatch(f"{what}: mismatched calls across the group: the ranks differ in {', '.join(bad)}; "
+                            f"this rank (group rank {self.rank}) called {mine} with element count {desc[1]}")
+
     def _shutdown_gloo(self) -> None:
         # Dropping the last reference closes the sockets at once (abort() and shutdown() leave them
         # open until the process exits, and the peers would wait for the timeout).
@@ -343,7 +406,8 @@ class HierBackend(Backend):
 
     def all_reduce(self, b, op, algo, async_op):
         x = tensor_of(b)
-        return self._run("all_reduce", x.numel(), lambda: self._all_reduce(x, _OP_NAMES[op]), async_op)
+        return self._run("all_reduce", x.numel(), lambda: self._all_reduce(x, _OP_NAMES[op]), async_op,
+                         (_UNSET, b.code, op, _algo(algo)))
 
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         w = x.float() if x.dtype in _WIDE else x
@@ -363,7 +427,8 @@ class HierBackend(Backend):
     def reduce_scatter(self, out, inp, counts, op, algo, async_op):
         o, i = tensor_of(out), tensor_of(inp)
         counts = list(counts)
-        return self._run("reduce_scatter", i.numel(), lambda: self._reduce_scatter(o, i, counts, _OP_NAMES[op]), async_op)
+        return self._run("reduce_scatter", i.numel(), lambda: self._reduce_scatter(o, i, counts, _OP_NAMES[op]),
+                         async_op, (_counts_hash(counts), out.code, op, _algo(algo)))
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int], op: str) -> None:
         wide = torch.float32 if inp.dtype in _WIDE else inp.dtype
@@ -399,7 +464,8 @@ class HierBackend(Backend):
     def all_gather(self, out, inp, counts, algo, async_op):
         o, i = tensor_of(out), tensor_of(inp)
         counts = list(counts)
-        return self._run("all_gather", o.numel(), lambda: self._all_gather(o, i, counts), async_op)
+        return self._run("all_gather", o.numel(), lambda: self._all_gather(o, i, counts), async_op,
+                         (_counts_hash(counts), out.code, _UNSET, _algo(algo)))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int]) -> None:
         starts = [sum(counts[:r]) for r in range(self.size)]
@@ -438,7 +504,8 @@ class HierBackend(Backend):
 
     def broadcast(self, b, root, algo, async_op):
         x = tensor_of(b)
-        return self._run("broadcast", x.numel(), lambda: self._broadcast(x, root), async_op)
+        return self._run("broadcast", x.numel(), lambda: self._broadcast(x, root), async_op,
+                         (_UNSET, b.code, root, _algo(algo)))
 
     def _broadcast(self, x: torch.Tensor, root: int) -> None:
         hr = self._host_of(root)

@@ -321,7 +321,8 @@ def rank_main(work: str, tmp: str, seed: int, timeout: float, duration: float, b
     ranks), so every world collective crosses hosts."""
     if backend == "hier":
         r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        os.environ["PYZERO_HOST"] = f"host{r // 2 if n >= 4 else r}"
+        per = 2 if n >= 4 else 1
+        os.environ.update(PYZERO_HOST=f"host{r // per}", LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per))
     pz.init(backend=backend, timeout=timeout)
     rank = pz.get_rank()
     touch(os.path.join(tmp, f"pid{rank}"), str(os.getpid()))

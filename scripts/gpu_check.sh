@@ -73,5 +73,11 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
     --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_ipc.json" \
     || echo "IPC FAULT CELLS FAILED (or past $(lim 50) s)"
+  if [ "$NGPU" -ge 2 ]; then
+    echo "## fault cells on the nccl backend (a GPU per rank, one try each)"
+    timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
+      --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl.json" \
+      || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
+  fi
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

@@ -32,6 +32,19 @@ def test_fault_cell(name):
         assert any("rank 1 is behind" in m or "never arrived: [1]" in m for m in row["messages"]), row
 
 
+@pytest.mark.parametrize("name", ["mismatch-op", "allreduce-kill"])
+def test_fault_cell_on_hier(name):
+    """Cells on the hier backend (two simulated hosts, gloo between them): a mismatched op is an error on
+    both ranks (gloo alone would mix a sum and a max silently); a killed rank is named, without a hang."""
+    row = faults.run_cell(faults.CELLS[name], tries=1, seed=3, timeout=TIMEOUT, margin=8.0, window=0.5,
+                          backend="hier")
+    assert (row["expected"], row["hangs"], row["wrong"], row["leftovers"]) == (1, 0, 0, 0), row
+    if name == "mismatch-op":
+        assert all("the ranks differ in op or root" in m for m in row["messages"]), row
+    else:
+        assert any("rank 1 (host 'host1') did not respond" in m for m in row["messages"]), row
+
+
 @pytest.mark.parametrize("name", ["save-disk-full", "save-read-only"])
 def test_fault_cell_tmpfs(name):
     """A real full / read-only file system under the checkpoint (mounting a tmpfs needs root)."""

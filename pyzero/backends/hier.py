@@ -23,11 +23,11 @@ that every host has, and reduce_scatter/all_gather fall back to simpler
 (correct, less economical) paths.
 
 Every collective first checks that the group's ranks made the same call (collective, element count,
-the counts per rank, dtype, op or root, algo) with one small gloo all_reduce (MAX of the descriptor and
-its negation) over the group: gloo itself checks nothing, and a mismatch would otherwise read past a
+the counts per rank, dtype, op or root, algo) with a MAX all_reduce of the descriptor and its negation
+(inside the host over shm, then across hosts in the lane over gloo): gloo itself checks nothing, and a mismatch would otherwise read past a
 buffer, mix reductions or hang. A mismatch raises CollectiveError on every rank at once, naming the
 fields that differ, and the group stays usable (options check_calls / PYZERO_HIER_CHECK=0 skip the
-check: one inter-host round trip less per call).
+check: one small inter-host message less per call).
 
 Collectives run in order on one worker thread per group (an async call
 returns at once; the shm and gloo calls inside release the GIL); send/recv
@@ -339,14 +339,25 @@ class HierBackend(Backend):
 
     def _check_call(self, what: str, desc: tuple) -> None:
         """Raise _Mismatch on every rank if the ranks' descriptors of this call differ (field by field:
-        the MAX of d and of -d over the group agree only if every rank gave the same d)."""
-        if not self.check_calls or self.full is None or self.size == 1:
+        the MAX of d and of -d over the group agree only if every rank gave the same d). Two levels, so
+        that one small message crosses hosts: MAX inside the host (shm), then across hosts in each lane
+        (gloo; every lane combines the same host values, so every lane gets the group's), and with
+        uneven hosts a broadcast from the host's lane 0 to its ranks outside the lanes."""
+        if not self.check_calls or self.size == 1:
             return
         d = list(desc) + [_UNSET] * (len(_FIELDS) - len(desc))
         v = torch.tensor(d + [_UNSET if x == _UNSET else -x for x in d], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        self.full.allreduce([v], opts).wait()
+        if self.intra is not None:
+            self._fold_intra(self.current)  # what came before, then the check's bytes are dropped:
+            self.intra.all_reduce(self.intra.buffer(v, "v"), OPS["max"], _AUTO, False)
+        if self.lane is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.lane.allreduce([v], opts).wait()
+        if not self.even and self.intra is not None:
+            self.intra.broadcast(self.intra.buffer(v, "v"), 0, _AUTO, False)
+        if self.intra is not None:
+            self.intra.stats(True)  # comm_stats() counts the collectives' data, not these checks
         n = len(_FIELDS)
         hi, lo = v[:n].tolist(), [-x for x in v[n:].tolist()]
         bad = [f"{_FIELDS[i]} ({_show(i, lo[i])} .. {_show(i, hi[i])})" for i in range(n)

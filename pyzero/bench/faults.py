@@ -85,12 +85,13 @@ CELLS = {c.name: c for c in [
 FAST = ["allreduce-kill", "dp-backward-stop", "mismatch-kind", "never-calls", "save-enospc", "load-corrupt",
         "clip-inf"]
 # The cells each backend runs (--backend): every cell on shm; on the others the collective cells, whose
-# workloads put their tensors on the backend's device (ipc: processes sharing GPU 0; hier: simulated hosts
-# of two ranks, one each at 2 ranks, gloo between them).
+# workloads put their tensors on the backend's device (ipc: processes sharing GPU 0; nccl: a GPU per rank,
+# so 2 GPUs at least, and 4 for the 4-rank cell; hier: simulated hosts of two ranks, one each at 2 ranks,
+# gloo between them).
 _COLLECTIVE = ["allreduce-kill", "allreduce-stop", "allreduce-kill-4ranks", "mismatch-size", "mismatch-op",
                "mismatch-dtype", "mismatch-kind", "mismatch-algo", "never-calls"]
 BACKEND_CELLS = {"shm": list(CELLS), "hier": _COLLECTIVE + ["dp-backward-kill", "dp-backward-stop"],
-                 "ipc": _COLLECTIVE}
+                 "ipc": _COLLECTIVE, "nccl": _COLLECTIVE}
 
 
 # ---------------------------------------------------------------------------
@@ -420,11 +421,14 @@ def main(args) -> int:
     unknown = [n for n in names if n not in mine]
     if unknown:
         raise SystemExit(f"--cells: {unknown} not run on backend {args.backend}; expected some of {mine}")
-    if args.backend == "ipc":
-        if not torch.cuda.is_available():
-            raise SystemExit("--backend ipc: no CUDA device here")
-        if "ipc" not in pz.backends.available():
-            raise SystemExit("--backend ipc: this build of pyzero has no CUDA backends (build with PYZERO_CUDA=1)")
+    if args.backend in ("ipc", "nccl"):
+        need = max(CELLS[n].nproc for n in names) if args.backend == "nccl" else 1
+        if torch.cuda.device_count() < need:
+            raise SystemExit(f"--backend {args.backend}: {need} CUDA device(s) needed for these cells, "
+                             f"found {torch.cuda.device_count()}")
+        if args.backend not in pz.backends.available():
+            raise SystemExit(f"--backend {args.backend}: this build of pyzero has no CUDA backends "
+                             "(build with PYZERO_CUDA=1)")
     if args.tries < 1:
         raise SystemExit(f"--tries: expected >= 1, got {args.tries}")
     print(f"pyzero fault matrix, backend {args.backend}: {args.tries} tries per cell, collective timeout {args.timeout} s, "

@@ -124,6 +124,27 @@ def test_pipeline_bubble_and_compute():
     assert 24 * b * s * h * h * 3 == 6 * (12 * h * h) * b * s
 
 
+def test_overlap_hides_communication_only_where_the_device_can():
+    """Cluster.overlap: 1 hides an overlapped collective behind its compute (max(0, comm - compute)), 0 (CPU
+    ranks with a core each) exposes all of it; computed by hand from the Link's alpha-beta time."""
+    spec = ModelSpec(layers=4, hidden=512, heads=8, vocab=1024, seq=256, batch=8, embedding_tp=False)
+    link = Link(2e9, alpha=0.0)
+    lay = Layout(dp=2, micro_batch=4)
+    F = 1e12
+    ar = link.time("all_reduce", spec.params * 2, 2)
+    tail = link.time("all_reduce", 1 << 20, 2)
+    b, s, h, V = 4, 256, 512, 1024
+    bwd = 2 * (4 * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * V) / F
+    for overlap, want in ((1.0, max(0.0, ar - bwd) + tail), (0.0, ar + tail), (0.5, ar - 0.5 * min(ar, bwd) + tail)):
+        c = Cluster(world=2, gpus_per_host=2, device_memory=80 * GB, flops=F, intra=link, inter=link,
+                    overlap=overlap)
+        assert estimate(spec, c, lay).time["dp"] == pytest.approx(want), overlap
+    assert ar > bwd / 10  # the case is not trivial: hiding changes the result
+    for bad in (-0.1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="overlap"):
+            Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, overlap=bad)
+
+
 def test_collective_tables_and_links():
     path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
     table = Table.from_json(path)

@@ -44,6 +44,11 @@ Time per step (seconds):
   them as its layers do: without SP the forward all-reduce is exposed and the
   backward one overlaps the weight-gradient matmul; with SP each ring
   overlaps its own matmul, so each edge costs max(0, comm - matmul).
+* Overlap needs something to run the communication beside the compute: a
+  GPU's copy engines and spare SMs (``Cluster.overlap`` 1, the default), not
+  CPU ranks with a core each, whose copies and reductions take the core that
+  computes (``overlap`` 0). An overlapped comm of C seconds beside W seconds
+  of compute costs C - overlap x min(C, W).
 * Pipeline: (m + p - 1) slots of one micro-batch's forward and backward on
   the slowest stage, i.e. a bubble of (p-1)/(m+p-1) of the step, plus the
   activation sends of the fill and drain, 2(p-1) sends of sbh values.
@@ -93,12 +98,19 @@ class Cluster:
     optimizer_bytes: float = 12
     reserved: float = 0.0
     bucket_bytes: float = 1 << 20  # DataParallel's first (last reduced) bucket
+    # The fraction of overlappable communication the device really hides behind compute: 1 on a GPU
+    # (copy engines and spare SMs move the data), 0 for CPU ranks with a core each (the copies and
+    # reductions run on the core that computes; nothing is left to overlap with).
+    overlap: float = 1.0
 
     def __post_init__(self):
         for arg in ("world", "gpus_per_host"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg}: expected a positive int, got {v!r}")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) \
+                or not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap: expected a number in [0, 1], got {self.overlap!r}")
         for arg in ("device_memory", "flops", "mem_bw", "host_memory", "pcie_bw", "cpu_adam"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
@@ -115,6 +127,11 @@ class Cluster:
 
     def comm(self, op: str, nbytes: float, stride: int, n: int) -> float:
         return self.link(stride, n).time(op, nbytes, n)
+
+    def exposed(self, comm: float, window: float) -> float:
+        """What is left of `comm` seconds of communication overlapped with `window` seconds of compute:
+        max(0, comm - window) when the device hides it fully, all of it when it cannot (``overlap``)."""
+        return comm - self.overlap * min(comm, window)
 
 
 @dataclass
@@ -171,12 +188,12 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
             ag = c.comm("all_gather", act, 1, t)
             rs = c.comm("reduce_scatter", act, 1, t)
             edge = [ag, rs, ag, rs]
-            fwd_exp = sum(max(0.0, e - x) for e, x in zip(edge, mm))
-            bwd_exp = sum(max(0.0, e - x) for e, x in zip(edge[::-1], mm))  # wgrad matmuls as long as forward's
+            fwd_exp = sum(c.exposed(e, x) for e, x in zip(edge, mm))
+            bwd_exp = sum(c.exposed(e, x) for e, x in zip(edge[::-1], mm))  # wgrad matmuls as long as forward's
         else:
             ar = c.comm("all_reduce", act, 1, t)
             fwd_exp = 2 * ar
-            bwd_exp = max(0.0, ar - mm[0]) + max(0.0, ar - mm[2])
+            bwd_exp = c.exposed(ar, mm[0]) + c.exposed(ar, mm[2])
         rc_exp = fwd_exp if lay.recompute == "full" else 0.0
         tp_time = layers * (fwd_exp + bwd_exp + rc_exp)
 
@@ -200,14 +217,14 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
         if p > 1:
             dp_time = ar if lay.stage == 0 else rs + ag
         elif lay.stage == 0:
-            dp_time = max(0.0, ar - last_bwd) + tail
+            dp_time = c.exposed(ar, last_bwd) + tail
         elif lay.stage == 1:
             dp_time = rs + ag
         elif lay.stage == 2:
-            dp_time = max(0.0, rs - last_bwd) + tail + ag
+            dp_time = c.exposed(rs, last_bwd) + tail + ag
         else:
             first_layer = c.comm("all_gather", spec.layer_params / t * pb, stride, d)
-            dp_time = m * (max(0.0, ag - fwd / F) + first_layer + max(0.0, ag + rs - last_bwd)) + tail
+            dp_time = m * (c.exposed(ag, fwd / F) + first_layer + c.exposed(ag + rs, last_bwd)) + tail
 
     shard = psi / (d if lay.stage >= 1 else 1)
     if lay.offload == "cpu":

@@ -6,8 +6,12 @@ training steps and read its model-state memory, and compare with the cost model.
 Prediction inputs, measured once here: the device throughput (one rank's fp32
 matmul FLOP/s at the shape each layout runs: micro-batch tokens x hidden x
 4 hidden/tp, scaled by cores/ranks when the ranks outnumber the cores), the memory bandwidth (a large copy) and the
-collectives (``--table``, the JSON of ``pyzero-bench collectives``; by
-default the newest benchmarks/results/collectives_all_cpu2_*.json).
+collectives (``--table``, the JSON of ``pyzero-bench collectives``, one per
+group size where measured, comma-separated: each rank count takes the table
+of its own size, else the first; by default the newest
+benchmarks/results/collectives_all_cpu2_*.json and
+collectives_all_4ranks_cpu2_*.json). CPU ranks with at most a core each
+cannot overlap communication with compute (``Cluster.overlap`` 0).
 Reported: per layout the predicted and measured step time and model states,
 Spearman's rank correlation of the step times, and the largest model-state
 error.
@@ -25,6 +29,7 @@ import time
 
 import torch
 
+from .comm_model import Table
 from .cost import Cluster, Layout, estimate
 from .spec import to_spec
 
@@ -157,8 +162,10 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def _default_table():
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    found = sorted(glob.glob(os.path.join(here, "benchmarks", "results", "collectives_all_cpu2_*.json")))
-    return found[-1] if found else None
+    res = os.path.join(here, "benchmarks", "results")
+    found = [sorted(glob.glob(os.path.join(res, pat)))
+             for pat in ("collectives_all_cpu2_*.json", "collectives_all_4ranks_cpu2_*.json")]
+    return ",".join(f[-1] for f in found if f) or None
 
 
 def main(argv=None) -> int:
@@ -169,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--table", default=None, help="collectives JSON (pyzero-bench collectives --json)")
+    ap.add_argument("--table", default=None, help="collectives JSON (pyzero-bench collectives --json), one per "
+                    "group size, comma-separated: a rank count takes the table of its size, else the first")
     ap.add_argument("--layouts", default=None, help="only these layouts, ';'-separated as printed (smoke tests)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default=None, help="write the comparison here")
@@ -189,6 +197,11 @@ def main(argv=None) -> int:
     table = args.table or _default_table()
     if table is None:
         ap.error("--table: no collectives JSON given and none recorded in benchmarks/results/")
+    try:
+        tables = [Table.from_json(path) for path in table.split(",")]
+    except (OSError, ValueError) as e:
+        ap.error(f"--table: {e}")
+    by_size = {t.world: t for t in reversed(tables)}
     config = PRESETS[args.model]
     spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False, fused_attention=True)
     cores = os.cpu_count() or 1
@@ -200,8 +213,11 @@ def main(argv=None) -> int:
     rows = []
     for n in nprocs:
         share = min(1.0, cores / n)
-        c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=flops1 * share, intra=table, inter=table,
-                    mem_bw=mem_bw * share, param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8)
+        # CPU ranks with at most a core each: communication runs on the core that computes (overlap 0)
+        tab = by_size.get(n, tables[0])
+        c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=flops1 * share, intra=tab, inter=tab,
+                    mem_bw=mem_bw * share, param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8,
+                    overlap=0.0 if n >= cores else 1.0)
         lays = runnable_layouts(n, config.n_layer, config.n_head, args.batch)
         if args.layouts:
             lays = [lay for lay in lays if str(lay) in args.layouts.split(";")]
@@ -219,7 +235,8 @@ def main(argv=None) -> int:
             pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
             row = {"nproc": n, "layout": str(lay), "predicted_s": e.time["total"], "measured_s": step,
                    "predicted_states_bytes": pred_states, "measured_states_bytes": states,
-                   "states_error": states / pred_states - 1, "predicted": e.time}
+                   "states_error": states / pred_states - 1, "predicted": e.time,
+                   "table": tab.source, "overlap": c.overlap}
             rows.append(row)
             print(f"{n:>3}  {str(lay):<36} predicted {e.time['total'] * 1e3:8.1f} ms  measured {step * 1e3:8.1f} ms"
                   f"   states {pred_states / 2**20:7.2f} / {states / 2**20:7.2f} MiB ({row['states_error']:+.1%})",

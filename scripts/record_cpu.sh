@@ -26,17 +26,29 @@ for w in $WHAT; do
   case $w in
     collectives)
       run collectives_all_reduce $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 4 \
-        --nproc 2 --backends pyzero,torch,torch-pyzero,deepspeed --json "$(tag collectives_all_reduce).json" ;;
+        --nproc 2 --backends pyzero,torch,torch-pyzero,deepspeed --json "$(tag collectives_all_reduce).json"
+      for n in 3 4; do  # oversubscribed on 2 cores: recorded, not judged
+        run collectives_vs_deepspeed_${n}ranks $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M \
+          --factor 4 --nproc $n --backends pyzero,deepspeed --json "$(tag collectives_vs_deepspeed_${n}ranks).json"
+      done ;;
     train)
       run train $PY -m pyzero.bench train --runs torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2,fsdp2-pyzero \
-        --nproc 2 --iters 30 --json "$(tag train).json" ;;
+        --nproc 2 --iters 30 --json "$(tag train).json"
+      for i in 1 2 3; do  # ZeRO-3 against torch DDP, repeated for the spread
+        run train_zero3_repeat$i $PY -m pyzero.bench train --runs torch-ddp,zero2,zero3 --nproc 2 --iters 30 \
+          --json "$(tag train_zero3_repeat$i).json"
+      done ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
     optim)
       run optim $PY -m pyzero.bench optim --min 1M --max 64M --factor 4 --threads 1,2 --json "$(tag optim).json" ;;
-    plan)
+    plan)  # the 4-rank table first: validation takes a table per group size
+      run collectives_all_4ranks $PY -m pyzero.bench collectives --op all --min 8 --max 64M --factor 4 --nproc 4 \
+        --backends pyzero --json "$(tag collectives_all_4ranks).json"
       run plan_validate $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 10 --warmup 2 \
-        --json "$(tag plan_validate).json" ;;
+        --json "$(tag plan_validate).json"
+      run plan_validate_30steps $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 30 --warmup 3 \
+        --json "$(tag plan_validate_30steps).json" ;;
     faults)
       run faults $PY -m pyzero.bench faults --tries "${TRIES:-5}" --json "$(tag faults).json"
       run faults_hier $PY -m pyzero.bench faults --backend hier --tries "${TRIES:-5}" --json "$(tag faults_hier).json"

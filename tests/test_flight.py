@@ -220,3 +220,40 @@ def _rank_async_native():
 def test_async_records_marked_done_by_the_transport():
     for r in run_ranks(_rank_async_native, 2, timeout=60):
         assert r.value == [(1, 1000, "done"), (2, 2000, "done"), (3, 3000, "done")]
+
+
+class _FakeWork:
+    """An async handle as a GPU backend returns it (no flight_index: pyzero.comm records the call)."""
+
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_python_recorded_ring_states():
+    """The path of the backends that do not record natively (nccl, ipc, hier): begin / done / queued /
+    failed through pyzero.flight.Ring, states derived as the calls go, roots and peers as global ranks."""
+    from pyzero import flight
+
+    ring = flight.Ring(7, (4, 5, 6), 1, 8)
+    assert not ring.native
+    a = ring.begin("all_reduce", 10, 0, 0)
+    ring.done(a)
+    b = ring.begin("broadcast", 3, 0, -1, root=2)
+    w = _FakeWork()
+    ring.queued(b, w)
+    c = ring.begin_p2p("send", 4, 0, peer=0)
+    recs = ring.records()
+    assert [(d["seq"], d["call"], d["state"]) for d in recs] == [
+        (1, "all_reduce", "done"), (2, "broadcast", "queued"), (0, "send", "started")]
+    assert recs[1]["root"] == 6 and recs[2]["peer"] == 4  # group ranks 2 and 0 of (4, 5, 6)
+    w.done = True
+    assert ring.records()[1]["state"] == "done"
+    assert ring.find_work(w) == b
+    err = ring.failed(c, ValueError("not a collective error"))
+    assert isinstance(err, ValueError) and ring.records()[2]["state"] == "failed"
+    for _ in range(10):  # wraps the 8-record ring
+        ring.done(ring.begin("barrier", 0, 0))
+    assert len(ring.records()) == 8 and ring.records()[-1]["seq"] == 12

@@ -53,6 +53,11 @@ py::object shm_call(bool async_op, F f) {
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// One flight record as pyzero.flight reads it.
+py::tuple flight_tuple(const FlightRecord& x) {
+  return py::make_tuple(x.index, x.seq, x.call, x.count, x.dtype, x.op, x.algo, x.root, x.t0, x.t1, x.state);
+}
+
 // {name: code} for codes 0 .. n-1 of enum E, named by the C++ name table.
 template <typename E, typename Name>
 py::dict code_table(int n, Name name) {
@@ -153,21 +158,18 @@ PYBIND11_MODULE(_C, m) {
            py::arg("algo"), py::arg("root"), py::arg("p2p"), py::arg("state") = int(kStarted))
       .def("finish", &FlightRing::finish)
       .def_property_readonly("n", &FlightRing::size)
-      .def_property_readonly("seq", &FlightRing::seq)
       .def_property_readonly("capacity", &FlightRing::capacity)
       .def_property_readonly("timed", &FlightRing::timed)
       .def("records",  // [(index, seq, call, count, dtype, op, algo, root, t0_ns, t1_ns, state)], oldest first
            [](const FlightRing& r) {
              py::list out;
-             for (const FlightRecord& x : r.records())
-               out.append(py::make_tuple(x.index, x.seq, x.call, x.count, x.dtype, x.op, x.algo, x.root, x.t0,
-                                         x.t1, x.state));
+             for (const FlightRecord& x : r.records()) out.append(flight_tuple(x));
              return out;
            })
       .def("record", [](const FlightRing& r, uint64_t i) -> py::object {
         FlightRecord x;
         if (!r.read(i, x)) return py::none();
-        return py::make_tuple(x.index, x.seq, x.call, x.count, x.dtype, x.op, x.algo, x.root, x.t0, x.t1, x.state);
+        return flight_tuple(x);
       });
 
   py::class_<OpStats>(m, "OpStats")

@@ -40,7 +40,6 @@ class ShmComm {
 
   // The ring this group's calls are recorded in (null: none).
   void set_flight(std::shared_ptr<FlightRing> ring) { flight_ = std::move(ring); }
-  const std::shared_ptr<FlightRing>& flight() const { return flight_; }
 
   // Collectives on the collective worker; buffers already validated by the caller.
   TaskPtr all_reduce(void* buf, int64_t n, DType dt, RedOp op, Algo algo, bool async_op, const void* in = nullptr) {

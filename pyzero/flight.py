@@ -145,16 +145,15 @@ class Ring:
     def failed(self, i: int, error: BaseException) -> BaseException:
         """Mark call `i` failed (0 with a native backend: the newest record, if the transport marked it
         failed); a collective error comes back explained by every rank's records."""
-        if not i:
-            i = self.c.n
-            rec = self.c.record(i)
-            if rec is None or rec[-1] != FAILED:
-                return error  # raised before the transport recorded the call
-        else:
+        if i:
             self.c.finish(i, FAILED)
-        self.works.pop(i, None)
+        else:
+            i = self.c.n
         rec = self.c.record(i)
-        if isinstance(error, _C.CollectiveError) and rec is not None:
+        if rec is None or rec[-1] != FAILED:
+            return error  # a native backend raised before recording the call (or the ring moved on)
+        self.works.pop(i, None)
+        if isinstance(error, _C.CollectiveError):
             return explain(self, error, rec)
         return error
 

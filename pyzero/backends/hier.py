@@ -293,13 +293,14 @@ class HierBackend(Backend):
         finally:
             self._fold_intra(what)
 
-    def _fold_intra(self, what: str) -> None:
+    def _fold_intra(self, what: str, collectives: bool = True) -> None:
         """Count the shm group's bytes since the last fold: its send/recv under their own names, the
-        rest under the collective `what` that used them (worker thread)."""
+        rest under the collective `what` that used them (worker thread); `collectives` False drops the
+        rest (the call checks' bytes)."""
         if self.intra is None or self.closed:
             return
         for op, st in self.intra.stats(True).items():
-            if st.calls:
+            if st.calls and (collectives or op in ("send", "recv")):
                 self._count("intra_host", st.elements, st.sent_bytes, calls=st.calls)
                 self._count(op if op in ("send", "recv") or not what else what, 0, st.sent_bytes, calls=0)
 
@@ -348,7 +349,6 @@ class HierBackend(Backend):
         d = list(desc) + [_UNSET] * (len(_FIELDS) - len(desc))
         v = torch.tensor(d + [_UNSET if x == _UNSET else -x for x in d], dtype=torch.int64)
         if self.intra is not None:
-            self._fold_intra(self.current)  # what came before, then the check's bytes are dropped:
             self.intra.all_reduce(self.intra.buffer(v, "v"), OPS["max"], _AUTO, False)
         if self.lane is not None:
             opts = dist.AllreduceOptions()
@@ -356,8 +356,7 @@ class HierBackend(Backend):
             self.lane.allreduce([v], opts).wait()
         if not self.even and self.intra is not None:
             self.intra.broadcast(self.intra.buffer(v, "v"), 0, _AUTO, False)
-        if self.intra is not None:
-            self.intra.stats(True)  # comm_stats() counts the collectives' data, not these checks
+        self._fold_intra(self.current, collectives=False)  # comm_stats() counts data, not these checks
         n = len(_FIELDS)
         hi, lo = v[:n].tolist(), [-x for x in v[n:].tolist()]
         bad = [f"{_FIELDS[i]} ({_show(i, lo[i])} .. {_show(i, hi[i])})" for i in range(n)

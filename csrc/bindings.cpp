@@ -297,6 +297,9 @@ PYBIND11_MODULE(_C, m) {
   };
   m.def("cpu_optim_isa", [] { return std::string(isa_name(best_isa())); },
         "The vector instruction set the CPU optimizers use here: avx512, avx2 or scalar");
+  m.def("cpu_optim_threading", [] { return std::string(threading_name()); },
+        "Where multi-threaded CPU optimizer steps run: 'openmp' (the process's OpenMP team, torch's) or "
+        "'threads' (threads started per step: no OpenMP runtime loaded, or a forked child)");
   m.def(
       "cpu_adam_step",
       [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> exp_avg,

@@ -16,12 +16,18 @@
 #include <immintrin.h>
 #endif
 
+#include <dlfcn.h>
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <stdexcept>
 #include <string>
 #include <thread>
+
+
 
 namespace pz {
 
@@ -196,9 +202,88 @@ void check(const std::vector<OptimSlot>& slots, DType copy_dtype, int threads, b
   }
 }
 
+// The OpenMP runtime already in the process (torch's libgomp; an LLVM or
+// Intel runtime exports the same GOMP entry points), found at run time so
+// that _C links against none. A step's pieces run on that runtime's thread
+// team, the threads torch's own CPU kernels use: after a torch op they are
+// awake (OpenMP workers spin a while before sleeping) and take a piece at
+// once, where a thread of our own would first be created, then compete with
+// them for the cores. Without a runtime, or in a child forked from this
+// process (an OpenMP team does not survive fork: the child's runtime would
+// wait for threads that are not there), the pieces run on std::threads.
+struct OmpRuntime {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;  // GOMP_parallel
+  int (*thread_num)() = nullptr;                                           // omp_get_thread_num
+  int (*num_threads)() = nullptr;                                          // omp_get_num_threads
+};
+
+std::atomic<bool> g_forked{false};
+
+const OmpRuntime* omp_runtime() {
+  static const OmpRuntime rt = [] {
+    pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
+    OmpRuntime r;
+    for (const char* name : {"libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.so.5"}) {
+      void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);  // only one already loaded; never loads one
+      if (!h) continue;
+      r.parallel = reinterpret_cast<decltype(r.parallel)>(dlsym(h, "GOMP_parallel"));
+      r.thread_num = reinterpret_cast<decltype(r.thread_num)>(dlsym(h, "omp_get_thread_num"));
+      r.num_threads = reinterpret_cast<decltype(r.num_threads)>(dlsym(h, "omp_get_num_threads"));
+      if (r.parallel && r.thread_num && r.num_threads) return r;
+      r = OmpRuntime{};
+    }
+    return r;
+  }();
+  if (!rt.parallel || g_forked.load(std::memory_order_relaxed)) return nullptr;
+  return &rt;
+}
+
+}  // namespace
+
+const char* threading_name() { return omp_runtime() ? "openmp" : "threads"; }
+
+namespace {
+
+// Runs piece(0..pieces-1) on pieces threads, the calling thread among them;
+// the first exception of any piece is rethrown.
+template <typename F>
+void run_pieces(int pieces, const F& piece) {
+  std::vector<std::exception_ptr> errors(pieces);
+  auto guarded = [&](int j) {
+    try {
+      piece(j);
+    } catch (...) {
+      errors[j] = std::current_exception();
+    }
+  };
+  if (const OmpRuntime* omp = omp_runtime()) {
+    struct Ctx {
+      const OmpRuntime* omp;
+      decltype(guarded)* run;
+      int pieces;
+    } ctx{omp, &guarded, pieces};
+    // The team may be smaller than asked (nested regions, OMP_THREAD_LIMIT):
+    // its members then take the pieces round-robin.
+    omp->parallel(
+        [](void* data) {
+          const Ctx& c = *static_cast<const Ctx*>(data);
+          const int team = std::max(1, c.omp->num_threads());
+          for (int j = c.omp->thread_num(); j < c.pieces; j += team) (*c.run)(j);
+        },
+        &ctx, unsigned(pieces), 0);
+  } else {
+    std::vector<std::thread> pool;
+    pool.reserve(pieces - 1);
+    for (int j = 0; j < pieces - 1; ++j) pool.emplace_back(guarded, j);
+    guarded(pieces - 1);
+    for (auto& th : pool) th.join();
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 // Splits the elements of all slots into `threads` contiguous pieces of about
-// equal size (cut at kAlign boundaries) and runs them, the calling thread
-// taking the last piece. The first exception of any thread is rethrown.
+// equal size (cut at kAlign boundaries) and runs them (run_pieces).
 template <typename Scalars>
 void run_all(const std::vector<OptimSlot>& slots, const Scalars& s, DType copy_dtype, int threads, Isa isa,
              LoopFn<Scalars> scalar, LoopFn<Scalars> avx2, LoopFn<Scalars> avx512) {
@@ -232,25 +317,7 @@ void run_all(const std::vector<OptimSlot>& slots, const Scalars& s, DType copy_d
     piece(0);
     return;
   }
-  std::vector<std::thread> pool;
-  std::vector<std::exception_ptr> errors(threads);
-  pool.reserve(threads - 1);
-  for (int j = 0; j < threads - 1; ++j)
-    pool.emplace_back([&, j] {
-      try {
-        piece(j);
-      } catch (...) {
-        errors[j] = std::current_exception();
-      }
-    });
-  try {
-    piece(threads - 1);
-  } catch (...) {
-    errors[threads - 1] = std::current_exception();
-  }
-  for (auto& th : pool) th.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  run_pieces(threads, piece);
 }
 
 }  // namespace

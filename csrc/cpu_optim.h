@@ -33,6 +33,9 @@ namespace pz {
 enum class Isa : int32_t { scalar = 0, avx2 = 1, avx512 = 2, best = -1 };
 const char* isa_name(Isa isa);
 Isa best_isa();  // the widest one this CPU (and OS) supports
+// Where a multi-threaded step's pieces run: "openmp" (the OpenMP runtime already
+// in the process, torch's) or "threads" (threads started per step).
+const char* threading_name();
 
 // One tensor of a step: all fp32 and `n` elements long. `state2` is Adam's
 // max_exp_avg_sq (amsgrad) and otherwise unused; `copy` (may be null) gets

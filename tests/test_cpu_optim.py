@@ -124,6 +124,34 @@ def test_every_isa_and_thread_count_bitwise_equal_to_scalar(isa, threads):
         assert torch.equal(a, b)
 
 
+def _adamw_threads(n, threads):
+    """(threading used, p after three AdamW steps with `threads` threads) on fixed data."""
+    gen = torch.Generator().manual_seed(5)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step in (1, 2, 3):
+        F.adam_step([p], [g], [m], [v], step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.1, decoupled=True, amsgrad=False, threads=threads)
+    return pz.optim.cpu_threading(), p
+
+
+def test_steps_run_on_torch_openmp_team_and_fall_back_after_fork():
+    """In this process (torch loaded) the pieces run on torch's OpenMP team; a child forked
+    after that team ran must not use it (it would wait for threads that are not there): it
+    starts its own threads, with the same result, and does not hang."""
+    from pyzero.launch import run_ranks
+
+    n = 4 * 65536 + 3
+    torch.ones(1 << 20).mul_(2)  # make sure torch's team exists before the fork
+    where, ref = _adamw_threads(n, 1)
+    assert where == "openmp"
+    assert torch.equal(_adamw_threads(n, 2)[1], ref)
+    assert torch.equal(_adamw_threads(n, 3)[1], ref)  # a team larger than the cores
+    (child,) = run_ranks(_adamw_threads, 1, args=(n, 2), timeout=30, threads=None)
+    assert child.value[0] == "threads"
+    assert torch.equal(child.value[1], ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_copy_equals_param_cast(dtype):
     n = 70_001

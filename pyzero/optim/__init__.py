@@ -1,7 +1,7 @@
 """Fast fused CPU optimizers with the torch.optim API (``pz.optim.AdamW``, ``Adam``, ``SGD``, ``Adagrad``).
 
 One vectorised pass per element (AVX-512 / AVX2 chosen at run time, a portable
-path elsewhere), multi-threaded over chunks, with an optional gradient scale
+path elsewhere), multi-threaded over chunks (on torch's OpenMP threads where loaded), with an optional gradient scale
 and a 16-bit copy of the updated parameters written in the same pass. Results
 are torch.optim's (foreach=False) op for op; they differ only where torch's
 MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and the README).
@@ -9,12 +9,12 @@ MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and the README).
 """
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
-from .functional import adagrad_step, adam_step, cpu_isa, sgd_step
+from .functional import adagrad_step, adam_step, cpu_isa, cpu_threading, sgd_step
 from .nvme import NvmeAdam, NvmeAdamW
 from .sgd import SGD
 
 __all__ = ["Adagrad", "Adam", "AdamW", "SGD", "NvmeAdam", "NvmeAdamW", "adagrad_step", "adam_step", "sgd_step",
-           "cpu_isa", "fast_equivalent"]
+           "cpu_isa", "cpu_threading", "fast_equivalent"]
 
 
 def fast_equivalent(optimizer_class):

@@ -24,6 +24,14 @@ def cpu_isa() -> str:
     return _C.cpu_optim_isa()
 
 
+def cpu_threading() -> str:
+    """Where a multi-threaded step runs: "openmp" (the OpenMP thread team already in the
+    process, torch's, which is awake after torch's own kernels) or "threads" (threads started
+    per step: no OpenMP runtime loaded, or a child forked from this process, where an
+    OpenMP team from before the fork would wait forever)."""
+    return _C.cpu_optim_threading()
+
+
 def default_threads() -> int:
     """torch's intra-op thread count, so ``torch.set_num_threads`` governs both."""
     return max(1, torch.get_num_threads())

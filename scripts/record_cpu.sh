@@ -41,14 +41,14 @@ for w in $WHAT; do
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
     optim)
-      run optim $PY -m pyzero.bench optim --min 1M --max 64M --factor 4 --threads 1,2 --json "$(tag optim).json" ;;
+      run optim $PY -m pyzero.bench optim --min 1M --max 256M --factor 4 --threads 1,2 --json "$(tag optim).json" ;;
     plan)  # the 4-rank table first: validation takes a table per group size
       run collectives_all_4ranks $PY -m pyzero.bench collectives --op all --min 8 --max 64M --factor 4 --nproc 4 \
         --backends pyzero --json "$(tag collectives_all_4ranks).json"
-      run plan_validate $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 10 --warmup 2 \
-        --json "$(tag plan_validate).json"
-      run plan_validate_30steps $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 30 --warmup 3 \
-        --json "$(tag plan_validate_30steps).json" ;;
+      for i in 1 2 3; do  # every layout 3 times, interleaved; the whole validation repeated for the spread
+        run plan_validate_rounds3_run$i $PY -m pyzero.plan.cli validate --nproc 2,4 --model gpt-tiny --steps 10 \
+          --warmup 2 --rounds 3 --json "$(tag plan_validate_rounds3_run$i).json"
+      done ;;
     faults)
       run faults $PY -m pyzero.bench faults --tries "${TRIES:-5}" --json "$(tag faults).json"
       run faults_hier $PY -m pyzero.bench faults --backend hier --tries "${TRIES:-5}" --json "$(tag faults_hier).json"

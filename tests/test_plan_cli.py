@@ -38,6 +38,24 @@ def test_cli_bad_input():
     assert proc.returncode == 2 and "--tflops" in proc.stderr
     proc = run("validate", "--nproc", "two")
     assert proc.returncode == 2 and "--nproc" in proc.stderr
+    proc = run("--model", "gpt2-1.5b", "--world", "8", "--ranks-per-core", "0.5")
+    assert proc.returncode == 2 and "ranks_per_core" in proc.stderr
+    proc = run("validate", "--rounds", "0")
+    assert proc.returncode == 2 and "--rounds" in proc.stderr
+
+
+def test_cli_ranks_per_core_lengthens_compute(tmp_path):
+    """--ranks-per-core 2: the same best layout's compute term doubles (two ranks take turns on a core)."""
+    times = {}
+    for k in ("1", "2"):
+        out = tmp_path / f"plan{k}.json"
+        proc = run("--model", "gpt-nano", "--batch", "8", "--world", "2", "--gpus-per-host", "2", "--top", "1",
+                   "--stages", "0", "--no-offload", "--ranks-per-core", k, "--json", str(out))
+        assert proc.returncode == 0, proc.stderr
+        best = json.loads(out.read_text())["ranked"][0]
+        times[k] = (best["layout"], best["time"]["compute"])
+    assert times["1"][0] == times["2"][0]
+    assert times["2"][1] == pytest.approx(2 * times["1"][1])
 
 
 def test_measured_throughput_feeds_the_plan():
@@ -53,11 +71,12 @@ def test_validate_smoke(tmp_path):
     """Two tiny layouts, one short step each: model states measured equal the prediction."""
     out = tmp_path / "v.json"
     proc = run("validate", "--nproc", "2", "--model", "gpt-nano", "--seq", "32", "--steps", "1", "--warmup", "1",
-               "--layouts", "dp2 tp1 pp1 zero2 b4x1;dp1 tp2 pp1 zero0 b8x1 sp", "--json", str(out), timeout=180)
+               "--rounds", "2", "--layouts", "dp2 tp1 pp1 zero2 b4x1;dp1 tp2 pp1 zero0 b8x1 sp", "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     d = json.loads(out.read_text())
     assert sorted(r["layout"] for r in d["results"]) == ["dp1 tp2 pp1 zero0 b8x1 sp", "dp2 tp1 pp1 zero2 b4x1"]
     for r in d["results"]:
         assert abs(r["states_error"]) < 0.01, r
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
+        assert len(r["measured_runs_s"]) == 2 and r["measured_s"] == pytest.approx(sum(r["measured_runs_s"]) / 2)
     assert d["spearman"] in (-1.0, 1.0)

@@ -145,6 +145,30 @@ def test_overlap_hides_communication_only_where_the_device_can():
             Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, overlap=bad)
 
 
+def test_ranks_sharing_a_core_take_turns_and_fill_the_bubble():
+    """Cluster.ranks_per_core k: a rank's compute takes k times as long; a pipeline takes max(m + p - 1, k m)
+    slots (its bubble goes to the other ranks of the core). Slot from the FLOP count by hand, no communication."""
+    spec = ModelSpec(layers=4, hidden=256, heads=4, vocab=512, seq=64, batch=8, embedding_tp=False)
+    F = 1e11
+    b, s, h, V = 1, 64, 256, 512
+
+    def slot(layers):  # forward + backward of one micro-batch over `layers` layers and the logits
+        return 3 * (layers * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * V) / F
+
+    free = Link(1e30, alpha=0.0)
+    for k, p, m, slots in ((1, 4, 8, 11), (2, 4, 8, 16), (2, 4, 2, 5), (1.5, 1, 8, 12)):
+        lay = Layout(pp=p, micro_batch=1, micro_batches=m)
+        c = Cluster(world=p, gpus_per_host=p, device_memory=80 * GB, flops=F, intra=free, inter=free,
+                    ranks_per_core=k)
+        t = estimate(spec, c, lay).time
+        one = slot(4 // p)
+        assert t["compute"] + t["bubble"] == pytest.approx(slots * one), (k, p, m)
+        assert t["compute"] == pytest.approx(k * m * one)
+    for bad in (0.5, 0, True, "2", math.inf):
+        with pytest.raises(ValueError, match="ranks_per_core"):
+            Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, ranks_per_core=bad)
+
+
 def test_collective_tables_and_links():
     path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
     table = Table.from_json(path)

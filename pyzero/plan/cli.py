@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", type=float, default=1.0,
                     help="fraction of overlappable communication hidden behind compute: 1 for GPUs (default), "
                          "0 for CPU ranks with a core each")
+    ap.add_argument("--ranks-per-core", type=float, default=1.0,
+                    help="CPU ranks sharing each core (>= 1; default 1): they take turns, and a pipeline's idle "
+                         "stages give their core to the others")
     ap.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
     ap.add_argument("--no-offload", action="store_true")
     ap.add_argument("--top", type=int, default=8)
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
         p = plan(spec, world=args.world, gpus_per_host=args.gpus_per_host, device_memory=args.gpu_gb * GB,
                  flops=flops, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
                  intra=args.table_intra or args.intra_gbps * GB, inter=args.table_inter or args.inter_gbps * GB,
-                 reserved=args.reserved_gb * GB, overlap=args.overlap)
+                 reserved=args.reserved_gb * GB, overlap=args.overlap,
+                 ranks_per_core=args.ranks_per_core)
     except (TypeError, ValueError, OSError) as e:
         ap.error(str(e))
     print(p.table(args.top))

@@ -52,6 +52,11 @@ Time per step (seconds):
 * Pipeline: (m + p - 1) slots of one micro-batch's forward and backward on
   the slowest stage, i.e. a bubble of (p-1)/(m+p-1) of the step, plus the
   activation sends of the fill and drain, 2(p-1) sends of sbh values.
+* Ranks sharing a core (``Cluster.ranks_per_core`` k > 1: CPU ranks that
+  outnumber the cores; ``flops`` is then one rank alone on a core): the core
+  runs its k ranks' work in turn, so a rank's m slots take k x m slots of
+  time, but a stage's idle slots (the bubble) go to the other ranks on its
+  core: the pipeline takes max(m + p - 1, k x m) slots.
 * Data parallel (after the m micro-batches): gradients of Psi parameters,
   all-reduced (stage 0) or reduce-scattered (stages 1-3), and stages 1-2 all-gather the updated
   parameters. Stage 0 and 2 reduce during the last backward (exposed:
@@ -102,6 +107,8 @@ class Cluster:
     # (copy engines and spare SMs move the data), 0 for CPU ranks with a core each (the copies and
     # reductions run on the core that computes; nothing is left to overlap with).
     overlap: float = 1.0
+    # Ranks per core (> 1 only for CPU ranks that outnumber the cores): they share its time.
+    ranks_per_core: float = 1.0
 
     def __post_init__(self):
         for arg in ("world", "gpus_per_host"):
@@ -111,6 +118,9 @@ class Cluster:
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) \
                 or not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap: expected a number in [0, 1], got {self.overlap!r}")
+        if isinstance(self.ranks_per_core, bool) or not isinstance(self.ranks_per_core, (int, float)) \
+                or not 1.0 <= self.ranks_per_core < math.inf:
+            raise ValueError(f"ranks_per_core: expected a number >= 1, got {self.ranks_per_core!r}")
         for arg in ("device_memory", "flops", "mem_bw", "host_memory", "pcie_bw", "cpu_adam"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
@@ -198,8 +208,9 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
         tp_time = layers * (fwd_exp + bwd_exp + rc_exp)
 
     slot = compute + tp_time
-    pipe = (m + p - 1) * slot
-    bubble = (p - 1) * slot
+    k = c.ranks_per_core
+    pipe = max(m + p - 1, k * m) * slot
+    bubble = pipe - k * m * slot
     send = 0.0
     if p > 1:
         send = 2 * (p - 1) * c.comm("send", b * s * h * pb / (t if lay.sp else 1), d * t, p)
@@ -232,7 +243,7 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
     else:
         opt = shard * (2 * c.optimizer_bytes + 4 + pb) / c.mem_bw
     total = pipe + send + dp_time + opt
-    return {"compute": m * compute, "tp": m * tp_time, "bubble": bubble, "pp": send, "dp": dp_time,
+    return {"compute": k * m * compute, "tp": k * m * tp_time, "bubble": bubble, "pp": send, "dp": dp_time,
             "optimizer": opt, "total": total}
 
 

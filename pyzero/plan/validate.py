@@ -5,13 +5,18 @@ training steps and read its model-state memory, and compare with the cost model.
 
 Prediction inputs, measured once here: the device throughput (one rank's fp32
 matmul FLOP/s at the shape each layout runs: micro-batch tokens x hidden x
-4 hidden/tp, scaled by cores/ranks when the ranks outnumber the cores), the memory bandwidth (a large copy) and the
+4 hidden/tp; ranks that outnumber the cores share them, ``Cluster.ranks_per_core``), the memory bandwidth (a
+large copy, scaled by cores/ranks) and the
 collectives (``--table``, the JSON of ``pyzero-bench collectives``, one per
 group size where measured, comma-separated: each rank count takes the table
 of its own size, else the first; by default the newest
 benchmarks/results/collectives_all_cpu2_*.json and
 collectives_all_4ranks_cpu2_*.json). CPU ranks with at most a core each
 cannot overlap communication with compute (``Cluster.overlap`` 0).
+Measured: the median step of each run (the slowest rank's time per step);
+with ``--rounds R`` every layout runs once per round, rounds one after the
+other, and the layout's time is the median of its R runs, so that a slow
+spell of the machine does not fall on a few layouts only.
 Reported: per layout the predicted and measured step time and model states,
 Spearman's rank correlation of the step times, and the largest model-state
 error.
@@ -160,6 +165,20 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def _report(rows: list, n: int, lay, c, e, runs: list) -> None:
+    step = statistics.median(t for t, _ in runs)
+    states = max(m for _, m in runs)
+    pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
+    row = {"nproc": n, "layout": str(lay), "predicted_s": e.time["total"], "measured_s": step,
+           "measured_runs_s": [t for t, _ in runs], "predicted_states_bytes": pred_states,
+           "measured_states_bytes": states, "states_error": states / pred_states - 1, "predicted": e.time,
+           "table": c.intra.source, "overlap": c.overlap, "ranks_per_core": c.ranks_per_core}
+    rows.append(row)
+    spread = f" ({min(t for t, _ in runs) * 1e3:.0f}-{max(t for t, _ in runs) * 1e3:.0f})" if len(runs) > 1 else ""
+    print(f"{n:>3}  {str(lay):<36} predicted {e.time['total'] * 1e3:8.1f} ms  measured {step * 1e3:8.1f} ms{spread}"
+          f"   states {pred_states / 2**20:7.2f} / {states / 2**20:7.2f} MiB ({row['states_error']:+.1%})", flush=True)
+
+
 def _default_table():
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = os.path.join(here, "benchmarks", "results")
@@ -176,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every layout, interleaved (median taken)")
     ap.add_argument("--table", default=None, help="collectives JSON (pyzero-bench collectives --json), one per "
                     "group size, comma-separated: a rank count takes the table of its size, else the first")
     ap.add_argument("--layouts", default=None, help="only these layouts, ';'-separated as printed (smoke tests)")
@@ -211,36 +231,32 @@ def main(argv=None) -> int:
     print(f"# {args.model}: {spec.params / 1e6:.2f}M parameters, batch {args.batch} x seq {args.seq}; "
           f"{cores} cores, one rank {flops1 / 1e9:.1f} GFLOP/s, copy {mem_bw / 1e9:.1f} GB/s; table {table}")
     rows = []
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
+    plan = []  # (n, layout, cluster, estimate)
     for n in nprocs:
-        share = min(1.0, cores / n)
         # CPU ranks with at most a core each: communication runs on the core that computes (overlap 0)
         tab = by_size.get(n, tables[0])
-        c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=flops1 * share, intra=tab, inter=tab,
-                    mem_bw=mem_bw * share, param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8,
-                    overlap=0.0 if n >= cores else 1.0)
         lays = runnable_layouts(n, config.n_layer, config.n_head, args.batch)
         if args.layouts:
             lays = [lay for lay in lays if str(lay) in args.layouts.split(";")]
-        for lay in lays:  # each shape measured before the ranks of this count start
+        for lay in lays:  # each shape measured before any ranks start
             key = (lay.micro_batch * args.seq, lay.tp)
             if key not in shapes:
                 shapes[key] = _measure_flops(config.n_embd, *key)
-        for lay in lays:
-            c.flops = shapes[(lay.micro_batch * args.seq, lay.tp)] * share
-            e = estimate(spec, c, lay)
+            c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=shapes[key], intra=tab, inter=tab,
+                        mem_bw=mem_bw * min(1.0, cores / n), param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8,
+                        overlap=0.0 if n >= cores else 1.0, ranks_per_core=max(1.0, n / cores))
+            plan.append((n, lay, c, estimate(spec, c, lay)))
+    runs = [[] for _ in plan]
+    for rnd in range(args.rounds):
+        for j, (n, lay, c, e) in enumerate(plan):
             res = [r.value for r in run_ranks(_rank, n, args=(args.model, lay, args.batch, args.seq, args.steps,
                                                               args.warmup), timeout=args.timeout)]
             step = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
-            states = max(r["states"] for r in res)
-            pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
-            row = {"nproc": n, "layout": str(lay), "predicted_s": e.time["total"], "measured_s": step,
-                   "predicted_states_bytes": pred_states, "measured_states_bytes": states,
-                   "states_error": states / pred_states - 1, "predicted": e.time,
-                   "table": tab.source, "overlap": c.overlap}
-            rows.append(row)
-            print(f"{n:>3}  {str(lay):<36} predicted {e.time['total'] * 1e3:8.1f} ms  measured {step * 1e3:8.1f} ms"
-                  f"   states {pred_states / 2**20:7.2f} / {states / 2**20:7.2f} MiB ({row['states_error']:+.1%})",
-                  flush=True)
+            runs[j].append((step, max(r["states"] for r in res)))
+            if rnd == args.rounds - 1:
+                _report(rows, n, lay, c, e, runs[j])
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 1 else None
     worst = max((abs(r["states_error"]) for r in rows), default=0.0)
     print(f"# Spearman rank correlation (step time) {rho if rho is None else round(rho, 3)} over {len(rows)} "

@@ -24,6 +24,7 @@ with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
 """
 from __future__ import annotations
 
+import glob
 import os
 import statistics
 import time
@@ -207,6 +208,22 @@ def _init_deepspeed(timeout: float) -> None:
     TORCH_GROUPS["deepspeed"] = None
 
 
+def _remove_deepspeed_buffers(rank: int) -> None:
+    """DeepSpeed's shm all-reduce never unlinks its buffers (/dev/shm/deepspeed_allreduce_buffer_*
+    named by MASTER_ADDR and MASTER_PORT): once every rank is done with them, unlink this job's, which
+    would otherwise keep their memory until the machine restarts."""
+    import pyzero as pz  # noqa: PLC0415
+
+    pz.barrier()
+    if rank == 0:
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def _init_torch_groups(backends, torch_backend: str, timeout: float) -> None:
     if "torch" in backends:
         dist = init_torch_distributed(torch_backend, timeout)
@@ -386,6 +403,8 @@ def rank_main(args) -> list[dict]:
                 wrong_total = sum(r["wrong"] for r in results if r["backend"] == column and r["op"] == op)
                 print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
                       f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
+    if "deepspeed" in backends:
+        _remove_deepspeed_buffers(rank)
     if rank == 0:
         for size in sorted({r["bytes"] for r in results}):
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,

@@ -55,7 +55,11 @@ for w in $WHAT; do
       run faults_overhead $PY -m pyzero.bench faults --overhead --json "$(tag faults_overhead).json"
       run soak $PY -m pyzero.bench soak --seconds "${SOAK_SECONDS:-20}" --nproc 2 3 4 ;;
     hier)
-      run hier $PY -m pyzero.bench hier --model gpt-nano --steps 200 --throttle 200 --json "$(tag hier).json" ;;
+      run hier $PY -m pyzero.bench hier --model gpt-nano --steps 200 --throttle 200 --json "$(tag hier).json"
+      for i in 1 2 3; do  # a faster link: the collectives alone, repeated for the spread
+        run hier_2gbit_run$i $PY -m pyzero.bench hier --parts collectives --throttle 2000 \
+          --json "$(tag hier_2gbit_run$i).json"
+      done ;;
     *) echo "unknown bench $w" >&2; exit 2 ;;
   esac
 done

@@ -169,6 +169,38 @@ def test_ranks_sharing_a_core_take_turns_and_fill_the_bubble():
             Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, ranks_per_core=bad)
 
 
+def test_collective_calls_cost_op_overhead_each():
+    """Calls per step, counted by hand from the implementation (ZeRO-3: a forward gather, a backward gather
+    and a reduce-scatter per module with parameters and micro-batch; TP with SP: 4 + 4 per layer and
+    micro-batch; a pipeline stage: 4 per micro-batch; DataParallel: one per 25 MiB bucket), each adding
+    op_overhead to the step."""
+    from pyzero.plan.cost import collective_calls
+
+    spec = ModelSpec(layers=8, hidden=1024, heads=8, vocab=1024, seq=256, batch=16, embedding_tp=False)
+    free = Link(1e30, alpha=0.0)
+    c = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e12, intra=free, inter=free)
+    assert collective_calls(spec, c, Layout(dp=2, stage=3, micro_batch=2, micro_batches=4)) == 3 * 4 * (6 * 8 + 3)
+    half = math.ceil(stage_params(spec, 1, 2) * 2 / (25 << 20))  # a stage's fp16 gradients in 25 MiB buckets
+    assert collective_calls(spec, c, Layout(dp=2, pp=2, stage=0, micro_batch=2, micro_batches=4)) == 4 * 4 + half
+    assert collective_calls(spec, c, Layout(tp=2, sp=True, micro_batch=4, micro_batches=2)) == 2 * 8 * 8
+    assert collective_calls(spec, c, Layout(tp=2, micro_batch=4, micro_batches=2)) == 2 * 8 * 4
+    grads = spec.params * 2  # fp16 gradients: more than one 25 MiB bucket
+    buckets = math.ceil(grads / (25 << 20))
+    assert buckets > 1
+    assert collective_calls(spec, c, Layout(dp=2, stage=0, micro_batch=8)) == buckets
+    assert collective_calls(spec, c, Layout(dp=2, stage=1, micro_batch=8)) == 2 * buckets
+    lay = Layout(dp=2, stage=3, micro_batch=8)
+    base = estimate(spec, c, lay).time
+    c2 = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e12, intra=free, inter=free,
+                 op_overhead=1e-4)
+    t = estimate(spec, c2, lay).time
+    assert t["calls"] == pytest.approx(3 * (6 * 8 + 3) * 1e-4)
+    assert t["total"] == pytest.approx(base["total"] + t["calls"])
+    for bad in (-1e-6, True, "1", math.inf):
+        with pytest.raises(ValueError, match="op_overhead"):
+            Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, op_overhead=bad)
+
+
 def test_collective_tables_and_links():
     path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
     table = Table.from_json(path)

@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks-per-core", type=float, default=1.0,
                     help="CPU ranks sharing each core (>= 1; default 1): they take turns, and a pipeline's idle "
                          "stages give their core to the others")
+    ap.add_argument("--op-overhead-us", type=float, default=0.0,
+                    help="fixed cost of a collective call beyond its transfer, microseconds (default 0; "
+                         "`pyzero-plan validate` measures it for CPU ranks)")
     ap.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider")
     ap.add_argument("--no-offload", action="store_true")
     ap.add_argument("--top", type=int, default=8)
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
                  flops=flops, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
                  intra=args.table_intra or args.intra_gbps * GB, inter=args.table_inter or args.inter_gbps * GB,
                  reserved=args.reserved_gb * GB, overlap=args.overlap,
-                 ranks_per_core=args.ranks_per_core)
+                 ranks_per_core=args.ranks_per_core, op_overhead=args.op_overhead_us * 1e-6)
     except (TypeError, ValueError, OSError) as e:
         ap.error(str(e))
     print(p.table(args.top))

@@ -64,6 +64,15 @@ Time per step (seconds):
   gathers parameters in every micro-batch's forward and backward, overlapped
   with them. With p > 1 the gradients are reduced after the pipeline flush,
   fully exposed (ZeRO 2/3 is not combined with pipelining, as in DeepSpeed).
+* Calls: besides its transfer (the tables), every collective costs the
+  device's core some fixed time to issue, hand to the communication thread
+  and wake for (``Cluster.op_overhead`` seconds a call; 0 by default, measured
+  by ``pyzero-plan validate``). Calls per step: DataParallel one per 25 MiB
+  bucket (stages 0 and 2; stage 1 also gathers each), ZeRO-3 three per module
+  with parameters and micro-batch (a GPT block has six: qkv, proj, fc,
+  fc_proj, two LayerNorms; plus wte, wpe, ln_f), TP four per layer and
+  micro-batch in forward and four in backward with SP (two and two without),
+  a pipeline stage four sends/receives per micro-batch.
 * Optimizer: a memory-bound pass over this rank's shard, (2K + 4 + 2) bytes
   per parameter at the device memory bandwidth; offloaded, CPU Adam at
   ``cpu_adam`` parameters/s plus gradients down and parameters up over PCIe.
@@ -109,6 +118,9 @@ class Cluster:
     overlap: float = 1.0
     # Ranks per core (> 1 only for CPU ranks that outnumber the cores): they share its time.
     ranks_per_core: float = 1.0
+    # Seconds of the computing core's time per collective call beyond its transfer (issue, hand-off, wake-up).
+    op_overhead: float = 0.0
+    dp_bucket_bytes: float = 25 << 20  # DataParallel's bucket cap (bucket_mb=25)
 
     def __post_init__(self):
         for arg in ("world", "gpus_per_host"):
@@ -121,6 +133,9 @@ class Cluster:
         if isinstance(self.ranks_per_core, bool) or not isinstance(self.ranks_per_core, (int, float)) \
                 or not 1.0 <= self.ranks_per_core < math.inf:
             raise ValueError(f"ranks_per_core: expected a number >= 1, got {self.ranks_per_core!r}")
+        if isinstance(self.op_overhead, bool) or not isinstance(self.op_overhead, (int, float)) \
+                or not 0.0 <= self.op_overhead < math.inf:
+            raise ValueError(f"op_overhead: expected seconds >= 0, got {self.op_overhead!r}")
         for arg in ("device_memory", "flops", "mem_bw", "host_memory", "pcie_bw", "cpu_adam"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
@@ -242,9 +257,32 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
         opt = shard / c.cpu_adam + shard * (4 + pb) / c.pcie_bw
     else:
         opt = shard * (2 * c.optimizer_bytes + 4 + pb) / c.mem_bw
-    total = pipe + send + dp_time + opt
+    calls = collective_calls(spec, c, lay)
+    total = pipe + send + dp_time + opt + calls * c.op_overhead
     return {"compute": k * m * compute, "tp": k * m * tp_time, "bubble": bubble, "pp": send, "dp": dp_time,
-            "optimizer": opt, "total": total}
+            "optimizer": opt, "calls": calls * c.op_overhead, "total": total}
+
+
+GPT_BLOCK_MODULES = 6  # modules with parameters in a GPT block: qkv, proj, fc, fc_proj and two LayerNorms
+GPT_OUTER_MODULES = 3  # the token and position embeddings and the final LayerNorm (the head is tied)
+
+
+def collective_calls(spec: ModelSpec, c: Cluster, lay: Layout) -> int:
+    """Collective calls one rank of the slowest stage makes per step (see the module docstring)."""
+    t, p, d, m = lay.tp, lay.pp, lay.dp, lay.micro_batches
+    layers = math.ceil(spec.layers / p)
+    n = 0
+    if t > 1:
+        n += m * layers * (8 if lay.sp else 4)
+    if p > 1:
+        n += 4 * m
+    if d > 1:
+        if lay.stage == 3:
+            n += 3 * m * (GPT_BLOCK_MODULES * layers + GPT_OUTER_MODULES)
+        else:
+            buckets = math.ceil(stage_params(spec, t, p) * c.grad_comm_bytes / c.dp_bucket_bytes)
+            n += buckets * (2 if lay.stage == 1 else 1)
+    return n
 
 
 def estimate(spec: ModelSpec, c: Cluster, lay: Layout) -> Estimate:
@@ -258,5 +296,5 @@ def model_flops(spec: ModelSpec) -> float:
     return 3 * (spec.layers * (2 * b * s * (4 + 2 * spec.ffn) * h * h + 4 * b * s * s * h) + 2 * b * s * h * spec.vocab)
 
 
-__all__ = ["Cluster", "Estimate", "Layout", "Link", "Table", "activation_memory", "estimate", "layer_activation_bytes", "memory",
-           "model_flops", "stage_params", "step_time"]
+__all__ = ["Cluster", "Estimate", "Layout", "Link", "Table", "activation_memory", "collective_calls", "estimate",
+           "layer_activation_bytes", "memory", "model_flops", "stage_params", "step_time"]

@@ -12,7 +12,10 @@ group size where measured, comma-separated: each rank count takes the table
 of its own size, else the first; by default the newest
 benchmarks/results/collectives_all_cpu2_*.json and
 collectives_all_4ranks_cpu2_*.json). CPU ranks with at most a core each
-cannot overlap communication with compute (``Cluster.overlap`` 0).
+cannot overlap communication with compute (``Cluster.overlap`` 0). The
+fixed cost of a collective call beside compute (``Cluster.op_overhead``),
+measured per rank count: an async all_gather of a block weight's shard while
+a layer's matmul runs, minus the matmul alone and the all_gather alone.
 Measured: the median step of each run (the slowest rank's time per step);
 with ``--rounds R`` every layout runs once per round, rounds one after the
 other, and the layout's time is the median of its R runs, so that a slow
@@ -144,6 +147,49 @@ def _rank(model_name: str, lay: Layout, batch: int, seq: int, steps: int, warmup
     return {"times": times, "states": states}
 
 
+def _op_overhead_rank(hidden: int, tokens: int, rounds: int, reps: int) -> float:
+    import pyzero as pz  # noqa: PLC0415
+
+    pz.init(timeout=120)
+    n = pz.get_world_size()
+    a, w = torch.randn(tokens, hidden), torch.randn(4 * hidden, hidden)
+    x = torch.randn(4 * hidden * hidden // n)
+    out = torch.empty(x.numel() * n)
+
+    def loop(kind):
+        pz.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if kind == "both":
+                work = pz.all_gather(out, x, async_op=True)
+                a @ w.t()
+                work.wait()
+            elif kind == "comm":
+                pz.all_gather(out, x)
+            else:
+                a @ w.t()
+        pz.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    times = {"compute": [], "comm": [], "both": []}
+    for _ in range(rounds):
+        for kind in times:
+            times[kind].append(loop(kind))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med["both"] - med["compute"] - med["comm"]
+
+
+def measure_op_overhead(nproc: int, hidden: int, tokens: int, rounds: int = 5, reps: int = 40,
+                        timeout: float = 300) -> float:
+    """Seconds a collective call costs beyond its transfer when it runs beside compute, on `nproc` local
+    ranks (>= 0): an async all_gather of a (4h x h)/n weight shard during a (tokens x h) x (h x 4h)
+    matmul, minus the matmul alone and the all_gather alone, medians of `rounds` interleaved loops."""
+    from pyzero.launch import run_ranks  # noqa: PLC0415
+
+    res = run_ranks(_op_overhead_rank, nproc, args=(hidden, tokens, rounds, reps), timeout=timeout)
+    return max(0.0, max(r.value for r in res))
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -172,7 +218,8 @@ def _report(rows: list, n: int, lay, c, e, runs: list) -> None:
     row = {"nproc": n, "layout": str(lay), "predicted_s": e.time["total"], "measured_s": step,
            "measured_runs_s": [t for t, _ in runs], "predicted_states_bytes": pred_states,
            "measured_states_bytes": states, "states_error": states / pred_states - 1, "predicted": e.time,
-           "table": c.intra.source, "overlap": c.overlap, "ranks_per_core": c.ranks_per_core}
+           "table": c.intra.source, "overlap": c.overlap, "ranks_per_core": c.ranks_per_core,
+           "op_overhead": c.op_overhead}
     rows.append(row)
     spread = f" ({min(t for t, _ in runs) * 1e3:.0f}-{max(t for t, _ in runs) * 1e3:.0f})" if len(runs) > 1 else ""
     print(f"{n:>3}  {str(lay):<36} predicted {e.time['total'] * 1e3:8.1f} ms  measured {step * 1e3:8.1f} ms{spread}"
@@ -234,6 +281,10 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error(f"--rounds: expected >= 1, got {args.rounds}")
     plan = []  # (n, layout, cluster, estimate)
+    overheads = {}
+    for n in nprocs:
+        overheads[n] = measure_op_overhead(n, config.n_embd, args.batch * args.seq // n, timeout=args.timeout)
+        print(f"# {n} ranks: a collective call beside compute costs {overheads[n] * 1e6:.0f} us", flush=True)
     for n in nprocs:
         # CPU ranks with at most a core each: communication runs on the core that computes (overlap 0)
         tab = by_size.get(n, tables[0])
@@ -246,7 +297,8 @@ def main(argv=None) -> int:
                 shapes[key] = _measure_flops(config.n_embd, *key)
             c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=shapes[key], intra=tab, inter=tab,
                         mem_bw=mem_bw * min(1.0, cores / n), param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8,
-                        overlap=0.0 if n >= cores else 1.0, ranks_per_core=max(1.0, n / cores))
+                        overlap=0.0 if n >= cores else 1.0, ranks_per_core=max(1.0, n / cores),
+                        op_overhead=overheads[n])
             plan.append((n, lay, c, estimate(spec, c, lay)))
     runs = [[] for _ in plan]
     for rnd in range(args.rounds):
@@ -267,6 +319,7 @@ def main(argv=None) -> int:
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": "plan validate", "args": vars(args), "flops_per_rank": flops1,
                "flops_by_shape": {f"tokens={k[0]} tp={k[1]}": v for k, v in shapes.items()}, "mem_bw": mem_bw,
+               "op_overhead_s": overheads,
                "table": table, "spearman": rho, "max_states_error": worst, "results": rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -27,8 +27,6 @@
 #include <string>
 #include <thread>
 
-
-
 namespace pz {
 
 const char* isa_name(Isa isa) {
@@ -217,11 +215,12 @@ struct OmpRuntime {
   int (*num_threads)() = nullptr;                                          // omp_get_num_threads
 };
 
+// Set in every child forked after _C was loaded, whoever started an OpenMP team before the fork.
 std::atomic<bool> g_forked{false};
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
 
 const OmpRuntime* omp_runtime() {
   static const OmpRuntime rt = [] {
-    pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
     OmpRuntime r;
     for (const char* name : {"libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.so.5"}) {
       void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);  // only one already loaded; never loads one

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -200,6 +201,20 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
         raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
                                 f"join_timeout={join_timeout:g} s: {e}") from None
     try:
+        _join(store, rank, size, local_rank, backend, timeout, join_timeout, opts)
+    except BaseException:
+        _settle(store, rank, size, join_timeout, failed=True)
+        raise
+    _settle(store, rank, size, join_timeout, failed=False)
+    flight.listen(store)
+
+
+def _join(store, rank: int, size: int, local_rank: int, backend, timeout: float, join_timeout: float, opts) -> None:
+    """pz.init after the store: topology, backend, the world group."""
+    global _world
+    from torch.distributed import DistError  # noqa: PLC0415
+
+    try:
         topo = _topology.exchange(store, rank, size, join_timeout)
     except DistError as e:
         raise CollectiveTimeout(f"pz.init(): rank {rank}: not every rank joined within join_timeout="
@@ -218,7 +233,22 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     except BaseException:
         _world = None
         raise
-    flight.listen(store)
+
+
+def _settle(store, rank: int, size: int, join_timeout: float, failed: bool) -> None:
+    """Every rank reports the end of its init; after a failure rank 0, which hosts the store, waits (at
+    most join_timeout) until every rank that joined has, so that each gets its own error rather than a
+    lost store."""
+    key = "pz/init/settled"
+    try:
+        store.add(key, 1)
+        if failed and rank == 0:
+            joined = sum(store.check([f"pz/topology/{r}"]) for r in range(size))
+            deadline = time.monotonic() + join_timeout
+            while store.add(key, 0) < joined and time.monotonic() < deadline:
+                time.sleep(0.005)
+    except Exception:  # noqa: BLE001 - the store may be gone already; the caller raises its own error
+        pass
 
 
 def _make_group(ranks: tuple[int, ...], options: Options) -> Group:

@@ -118,9 +118,7 @@ def test_disagreeing_host_fails_init_on_every_rank():
 
 def _rank_engine_cannot_start():
     os.environ["GLOO_SOCKET_IFNAME"] = "pz-no-such-if"
-    got = outcome(lambda: pz.init(timeout=30))
-    time.sleep(1)  # rank 0 hosts the store: let the others get their own error first
-    return got
+    return outcome(lambda: pz.init(timeout=30))  # rank 0, the store's host, waits for the others' errors
 
 
 def test_inter_host_engine_that_cannot_start_fails_init():

@@ -217,7 +217,8 @@ struct OmpRuntime {
 
 // Set in every child forked after _C was loaded, whoever started an OpenMP team before the fork.
 std::atomic<bool> g_forked{false};
-[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
+[[maybe_unused]] const int g_atfork =
+    pthread_atfork(nullptr, nullptr, [] { g_forked.store(true, std::memory_order_relaxed); });
 
 const OmpRuntime* omp_runtime() {
   static const OmpRuntime rt = [] {

@@ -243,7 +243,7 @@ def _settle(store, rank: int, size: int, join_timeout: float, failed: bool) -> N
     try:
         store.add(key, 1)
         if failed and rank == 0:
-            joined = sum(store.check([f"pz/topology/{r}"]) for r in range(size))
+            joined = len(_topology.joined(store, size))
             deadline = time.monotonic() + join_timeout
             while store.add(key, 0) < joined and time.monotonic() < deadline:
                 time.sleep(0.005)

@@ -110,12 +110,18 @@ def group_hosts(reports: list[tuple[str, int | None]], rank: int) -> Topology:
     return Topology(tuple(tuple(r) for _, r in ordered), tuple(n for n, _ in ordered), rank)
 
 
+def joined(store, size: int, key: str = "pz/topology") -> list[int]:
+    """The ranks that have published their host (exchange's first step)."""
+    return [r for r in range(size) if store.check([f"{key}/{r}"])]
+
+
 def missing(store, size: int, key: str = "pz/topology") -> str:
     """Which ranks have not published their host yet (for an error message); never raises."""
     try:
-        absent = [r for r in range(size) if not store.check([f"{key}/{r}"])]
+        present = set(joined(store, size, key))
     except Exception:  # noqa: BLE001 - the store itself may be gone
         return "the store did not answer"
+    absent = [r for r in range(size) if r not in present]
     return f"never joined: {absent}" if absent else "every rank joined, one left before the others had read"
 
 

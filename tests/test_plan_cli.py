@@ -71,7 +71,8 @@ def test_validate_smoke(tmp_path):
     """Two tiny layouts, one short step each: model states measured equal the prediction."""
     out = tmp_path / "v.json"
     proc = run("validate", "--nproc", "2", "--model", "gpt-nano", "--seq", "32", "--steps", "1", "--warmup", "1",
-               "--rounds", "2", "--layouts", "dp2 tp1 pp1 zero2 b4x1;dp1 tp2 pp1 zero0 b8x1 sp", "--json", str(out), timeout=180)
+               "--rounds", "2", "--layouts", "dp2 tp1 pp1 zero2 b4x1;dp1 tp2 pp1 zero0 b8x1 sp", "--json", str(out),
+               timeout=180)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     d = json.loads(out.read_text())
     assert sorted(r["layout"] for r in d["results"]) == ["dp1 tp2 pp1 zero0 b8x1 sp", "dp2 tp1 pp1 zero2 b4x1"]

@@ -437,7 +437,8 @@ class HierBackend(Backend):
         self._ar_finish(*pending)
 
     def _ar_start(self, x: torch.Tensor, w: torch.Tensor, op: str):
-        """Reduce-scatter `w` (x, or its fp32 copy) inside the host, start the lane's all_reduce of this rank's chunk."""
+        """Reduce-scatter `w` (x, or its fp32 copy) inside the host; start the lane's all_reduce of this
+        rank's chunk."""
         parts = _split(w.numel(), self.lanes)
         counts = [parts[i] if i < self.lanes else 0 for i in range(self.L)]
         off = sum(counts[:self.l])

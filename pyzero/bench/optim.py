@@ -5,8 +5,9 @@ the median of --iters after --warmup, each optimizer on its own tensors. The
 runs of one size are interleaved (one step of each in turn, the order rotated
 every round) so that all see the same machine; where their tensors together
 would take more than half the available memory they run one after another.
-Every optimizer runs the same AdamW (weight_decay 0.01, torch's default). params/s = n / t; GB/s counts the bytes the step must move: AdamW
-reads p, g, m, v and writes p, m, v (28 bytes per parameter). "frac" is that
+Every optimizer runs the same AdamW (weight_decay 0.01, torch's default).
+params/s = n / t; GB/s counts the bytes the step must move: AdamW reads p, g,
+m, v and writes p, m, v (28 bytes per parameter). "frac" is that
 GB/s over the machine's memory bandwidth measured in the same run by a
 STREAM-like probe at the same thread count: the best of copy (a = b, 8 bytes
 per element), triad (a = b + s*c, 12) and in-place add (b += s*c, 12; the

@@ -1,8 +1,9 @@
 """Fast fused CPU optimizers with the torch.optim API (``pz.optim.AdamW``, ``Adam``, ``SGD``, ``Adagrad``).
 
 One vectorised pass per element (AVX-512 / AVX2 chosen at run time, a portable
-path elsewhere), multi-threaded over chunks (on torch's OpenMP threads where loaded), with an optional gradient scale
-and a 16-bit copy of the updated parameters written in the same pass. Results
+path elsewhere), multi-threaded over chunks (on torch's OpenMP threads where
+loaded), with an optional gradient scale and a 16-bit copy of the updated
+parameters written in the same pass. Results
 are torch.optim's (foreach=False) op for op; they differ only where torch's
 MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and the README).
 ``NvmeAdam``/``NvmeAdamW`` keep the optimizer state in swap files on a local disk.

@@ -252,6 +252,8 @@ def main(argv=None) -> int:
     from pyzero.bench.gpt import PRESETS, make_gpt  # noqa: PLC0415
     from pyzero.launch import run_ranks  # noqa: PLC0415
 
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
     if args.warmup < 1 or args.steps < 1:
         ap.error(f"--warmup/--steps: expected >= 1 each (model states are read in the first, untimed step), "
                  f"got {args.warmup}/{args.steps}")
@@ -278,15 +280,12 @@ def main(argv=None) -> int:
     print(f"# {args.model}: {spec.params / 1e6:.2f}M parameters, batch {args.batch} x seq {args.seq}; "
           f"{cores} cores, one rank {flops1 / 1e9:.1f} GFLOP/s, copy {mem_bw / 1e9:.1f} GB/s; table {table}")
     rows = []
-    if args.rounds < 1:
-        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
     plan = []  # (n, layout, cluster, estimate)
     overheads = {}
     for n in nprocs:
         overheads[n] = measure_op_overhead(n, config.n_embd, args.batch * args.seq // n, timeout=args.timeout)
         print(f"# {n} ranks: a collective call beside compute costs {overheads[n] * 1e6:.0f} us", flush=True)
     for n in nprocs:
-        # CPU ranks with at most a core each: communication runs on the core that computes (overlap 0)
         tab = by_size.get(n, tables[0])
         lays = runnable_layouts(n, config.n_layer, config.n_head, args.batch)
         if args.layouts:
@@ -295,6 +294,7 @@ def main(argv=None) -> int:
             key = (lay.micro_batch * args.seq, lay.tp)
             if key not in shapes:
                 shapes[key] = _measure_flops(config.n_embd, *key)
+            # CPU ranks with at most a core each: communication runs on the core that computes (overlap 0)
             c = Cluster(world=n, gpus_per_host=n, device_memory=1e12, flops=shapes[key], intra=tab, inter=tab,
                         mem_bw=mem_bw * min(1.0, cores / n), param_bytes=4, grad_comm_bytes=4, optimizer_bytes=8,
                         overlap=0.0 if n >= cores else 1.0, ranks_per_core=max(1.0, n / cores),

@@ -219,6 +219,15 @@ def _rank_ops():
     fut = work.get_future().then(lambda f: f.value()[0] * 2)
     ck.check("get_future().then", fut.wait(), torch.full((1000,), 2 * (tri - n)))
     ck.check("work.wait after the future", torch.tensor(work.wait()), torch.tensor(True))
+    # a synchronous call's work (complete when returned) still carries the result to its future
+    sync = dist.AllreduceOptions()
+    sync.asyncOp = False
+    t = torch.full((5,), float(me + 1))
+    work = dist.distributed_c10d._get_default_group().allreduce([t], sync)
+    ck.check("synchronous work is complete", torch.tensor([work.is_completed(), work.is_success()]),
+             torch.tensor([True, True]))
+    ck.check("synchronous work's future", work.get_future().then(lambda f: f.value()[0] + 1).wait(),
+             torch.full((5,), tri + 1))
     x = torch.ones(3)
     dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5))
     ck.check("all_reduce PREMUL_SUM(0.5)", x, torch.full((3,), 0.5 * n))
@@ -514,6 +523,9 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "torch.distributed API on the 'pyzero' backend vs pz direct" in text
     assert text.count("Out of bounds values : 0 OK") == 8
+    # the floor column: torch's API over its fake backend, measured in a fresh interpreter
+    row = next(line.split() for line in text.splitlines() if line.split()[:2] == ["all_reduce", "8"])
+    assert 0 < float(row[5]) < 1000 and float(row[6]) == pytest.approx(float(row[2]) + float(row[5]), abs=0.11)
     out = tmp_path / "per_call.json"  # each call timed alone: the same exact results, labelled
     args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "4K",
                          "--factor", "512", "--iters", "3", "--warmup", "1", "--timeout", "120", "--per-call",

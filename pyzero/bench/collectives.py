@@ -17,7 +17,8 @@ synchronisation.
 
 On the CPU, ``torch-pyzero`` is torch.distributed's API on pyzero's own
 "pyzero" backend (pyzero.distributed): beside ``pyzero`` it measures what
-going through torch's API costs on the same transport. ``deepspeed`` is
+going through torch's API costs on the same transport, beside the API's own floor (the same
+call over torch's fake backend, which does nothing). ``deepspeed`` is
 DeepSpeed's CPU shared-memory all-reduce (deepspeed.comm.inference_all_reduce
 with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
 (its shm op compiles with ninja on first use, about a minute).
@@ -25,8 +26,11 @@ with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
 from __future__ import annotations
 
 import glob
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -440,6 +444,44 @@ def _label(backend: str, args) -> str:
     return f"pyzero {getattr(args, 'gpu_backend', 'nccl') if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
+# torch.distributed's API over torch's fake backend (a C++ ProcessGroup whose all_reduce and broadcast do
+# nothing; its gathers and scatters copy data, so they are left out): what the API itself costs per call,
+# the least any backend reached through it can take. In a fresh interpreter, whose default group it becomes.
+# torch.testing._internal is not a stable API: None where it is missing.
+_FLOOR_SCRIPT = r"""
+import json, statistics, sys, time
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+n, dtype, ops = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3].split(",")
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+one = torch.ones(2, dtype=dtype)
+calls = {"all_reduce": lambda: dist.all_reduce(one), "broadcast": lambda: dist.broadcast(one, 0)}
+out = {}
+for op in [op for op in ops if op in calls]:
+    f = calls[op]
+    for _ in range(500):
+        f()
+    rounds = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            f()
+        rounds.append((time.perf_counter() - t0) / 2000 * 1e6)
+    out[op] = statistics.median(rounds)
+print(json.dumps(out))
+"""
+
+
+def torch_api_floor(ops, nranks: int, dtype: str) -> dict | None:
+    """{op: us per call} of torch.distributed's API over a backend that does nothing (see _FLOOR_SCRIPT)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT, str(nranks), dtype, ",".join(ops)],
+                              capture_output=True, text=True, timeout=120)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
 def print_ratios(results: list) -> None:
     """In-place, per op and size: pyzero's speed-up over torch (gloo), time(torch) / time(pyzero) (= busbw
     ratio), and what torch.distributed's API on the "pyzero" backend adds over calling pz directly."""
@@ -455,11 +497,15 @@ def print_ratios(results: list) -> None:
     rows = [(op, b, key[("pyzero", op, b)]["time_us"], key[("torch-pyzero", op, b)]["time_us"])
             for (be, op, b) in ordered if be == "pyzero" and ("torch-pyzero", op, b) in key]
     if rows:
-        print("# torch.distributed API on the 'pyzero' backend vs pz direct, in-place")
-        print("#{:>15} {:>12} {:>10} {:>12} {:>10}".format("op", "size (B)", "pz (us)", "torch (us)", "overhead"))
+        floor = {r["op"]: r["time_us"] for r in results if r["backend"] == "torch-api-floor"}
+        print("# torch.distributed API on the 'pyzero' backend vs pz direct, in-place; floor: the same torch "
+              "call over torch's fake backend (C++, does nothing), the API's own cost with any backend")
+        print("#{:>15} {:>12} {:>10} {:>12} {:>10} {:>11} {:>14}".format(
+            "op", "size (B)", "pz (us)", "torch (us)", "overhead", "floor (us)", "pz+floor (us)"))
         for op, b, t_pz, t_torch in rows:
-            print(" {:>15} {:>12} {:>10.1f} {:>12.1f} {:>9.1f}%".format(op, b, t_pz, t_torch,
-                                                                        100 * (t_torch / t_pz - 1)))
+            f = floor.get(op, float("nan"))
+            print(" {:>15} {:>12} {:>10.1f} {:>12.1f} {:>9.1f}% {:>11.1f} {:>14.1f}".format(
+                op, b, t_pz, t_torch, 100 * (t_torch / t_pz - 1), f, t_pz + f))
     rows = [(op, b, key[("pyzero", op, b)]["time_us"], key[("deepspeed", op, b)]["time_us"])
             for (be, op, b) in ordered if be == "pyzero" and ("deepspeed", op, b) in key]
     if rows:
@@ -479,7 +525,7 @@ def plot(results: list, path: str) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.2), squeeze=False)
     mem = sorted((r["bytes"], r["busbw"]) for r in results if r["backend"] == "memcpy")
     for ax, op in zip(axes[0], ops):
-        for backend in sorted({r["backend"] for r in results if r["op"] == op}):
+        for backend in sorted({r["backend"] for r in results if r["op"] == op and "busbw" in r}):
             pts = sorted((r["bytes"], r["busbw"]) for r in results
                          if r["op"] == op and r["backend"] == backend and r["inplace"])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
@@ -510,6 +556,16 @@ def main(args) -> int:
         pz.destroy()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
+    backends = [b.strip() for b in args.backends.split(",")]
+    if "torch-pyzero" in backends and getattr(args, "device", "cpu") == "cpu":
+        ops = sorted({r["op"] for r in results if r["backend"] == "torch-pyzero"})
+        n = next(r["world_size"] for r in results if r["backend"] == "torch-pyzero")
+        floor = torch_api_floor(ops, n, args.dtype)
+        if floor is None:
+            print("# torch API floor: torch's fake backend (torch.testing._internal) is not available here")
+        for op, us in (floor or {}).items():
+            results.append({"backend": "torch-api-floor", "op": op, "dtype": args.dtype, "world_size": n,
+                            "time_us": us, "algo": "fake", "device": "cpu"})
     print_ratios(results)
     if args.json:
         write_json(args.json, results, {"command": "collectives", "args": vars(args)})

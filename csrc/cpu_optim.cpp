@@ -68,6 +68,7 @@ struct V {
   static T neg(T a) { return -a; }
   static void store_f16(half_t* p, T x) { *p = float_to_half(x); }
   static void store_bf16(bf16_t* p, T x) { *p = float_to_bf16(x); }
+  static void store_copy(float* p, T x) { *p = x; }
 };
 #include "cpu_optim.inc"
 }  // namespace isa_scalar
@@ -96,8 +97,14 @@ struct V {
   static T sqrt(T a) { return _mm256_sqrt_ps(a); }
   static T max(T a, T b) { return _mm256_max_ps(b, a); }  // a > b ? a : b
   static T neg(T a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
-  static void store_f16(half_t* p, T x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  static void store_f16(half_t* p, T x) { put128(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+  static void store_copy(float* p, T x) {
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_ps(p, x);
+    else _mm256_storeu_ps(p, x);
+  }
+  static void put128(void* p, __m128i x) {  // 8 halves: streamed where aligned (see store_copy in the .inc)
+    if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) _mm_stream_si128(static_cast<__m128i*>(p), x);
+    else _mm_storeu_si128(static_cast<__m128i*>(p), x);
   }
   // Round to nearest even as float_to_bf16; NaN keeps its sign and becomes quiet.
   static void store_bf16(bf16_t* p, T x) {
@@ -107,8 +114,7 @@ struct V {
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    put128(p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
   }
 };
 #include "cpu_optim.inc"
@@ -144,9 +150,7 @@ struct V {
   static T neg(T a) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
   }
-  static void store_f16(half_t* p, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  }
+  static void store_f16(half_t* p, T x) { put256(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
   static void store_bf16(bf16_t* p, T x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -154,7 +158,15 @@ struct V {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    put256(p, _mm512_cvtepi32_epi16(r));
+  }
+  static void store_copy(float* p, T x) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm512_stream_ps(p, x);
+    else _mm512_storeu_ps(p, x);
+  }
+  static void put256(void* p, __m256i x) {  // 16 halves: streamed where aligned (see store_copy in the .inc)
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_si256(static_cast<__m256i*>(p), x);
+    else _mm256_storeu_si256(static_cast<__m256i*>(p), x);
   }
 };
 #include "cpu_optim.inc"
@@ -182,6 +194,9 @@ template <typename Scalars>
 void run_range(LoopFn<Scalars> vec, LoopFn<Scalars> scalar, const OptimSlot& t, int64_t begin, int64_t end,
                const Scalars& s, DType copy_dtype) {
   const int64_t done = vec(t, begin, end, s, copy_dtype);
+#if defined(__x86_64__)
+  if (t.copy) _mm_sfence();  // the copy's streaming stores, ordered before the step returns
+#endif
   if (begin + done < end) scalar(t, begin + done, end, s, copy_dtype);
 }
 

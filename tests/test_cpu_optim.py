@@ -164,6 +164,26 @@ def test_copy_equals_param_cast(dtype):
     assert torch.equal(copy, p.detach().to(dtype))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copy_at_every_alignment_and_thread_count(isa, dtype):
+    """The vector paths stream a copy's stores where its address is aligned and store normally
+    elsewhere: every offset of the copy, every optimizer, 1 and 2 threads, equal to the cast."""
+    n = 3 * 65536 + 37
+    for offset in (0, 1, 3, 8, 15, 16):
+        for make in (lambda q: pz.optim.AdamW([q], lr=1e-3, isa=isa, threads=threads),
+                     lambda q: pz.optim.SGD([q], lr=1e-2, momentum=0.9, isa=isa, threads=threads),
+                     lambda q: pz.optim.Adagrad([q], lr=1e-2, isa=isa, threads=threads)):
+            for threads in (1, 2):
+                p, _, gen = pair(n, 6 + offset)
+                copy = torch.full((n + offset,), 7.0, dtype=dtype)[offset:]  # 7: not any cast value
+                opt = make(p)
+                for _ in range(2):
+                    p.grad = torch.randn(n, generator=gen)
+                    opt.step(copies={p: copy})
+                assert torch.equal(copy, p.detach().to(dtype)), (offset, type(opt).__name__, threads)
+
+
 def test_grad_scale_equals_prescaled_grad():
     n = 50_001
     p, q, gen = pair(n, 5)

@@ -4,7 +4,8 @@ One flat fp32 parameter of n elements (as a ZeRO shard), the step timed as
 the median of --iters after --warmup, each optimizer on its own tensors. The
 runs of one size are interleaved (one step of each in turn, the order rotated
 every round) so that all see the same machine; where their tensors together
-would take more than half the available memory they run one after another.
+would take more than half the available memory they run one after another,
+in three rounds of rotated order, each on new tensors (the median is kept).
 Every optimizer runs the same AdamW (weight_decay 0.01, torch's default).
 params/s = n / t; GB/s counts the bytes the step must move: AdamW reads p, g,
 m, v and writes p, m, v (28 bytes per parameter). "frac" is that
@@ -46,6 +47,7 @@ RUNS = ("pz", "torch-foreach", "torch-fused", "deepspeed")
 BYTES = {"plain": 28, "offload": 30}
 LR, WD, SCALE = 1e-3, 1e-2, 0.5
 RUN_BYTES = 4 * 4 + 2 + 3 * 4  # p, g, m, v, the bf16 copy and foreach's temporaries, per parameter
+ALONE_ROUNDS = 3  # rounds of the runs timed one at a time (sizes too large to interleave)
 
 
 def add_arguments(p) -> None:
@@ -139,12 +141,17 @@ def _available_bytes() -> int:
 def time_runs(runs, step, n, threads, ds_cls, iters, warmup) -> tuple[dict, bool]:
     """({run: median seconds}, interleaved?) for one size."""
     if len(runs) * RUN_BYTES * n > _available_bytes() // 2:
-        row = {}
-        for run in runs:
-            fn = make_step(run, step, n, threads, ds_cls)
-            row[run] = _median_s(fn, iters, warmup)
-            del fn
-        return row, False
+        # One at a time, each on freshly allocated tensors: the machine's state (which pages the
+        # kernel hands out, other load) varies between allocations by tens of percent at this size,
+        # so every run is timed in ALONE_ROUNDS rounds, the order rotated, and the median taken.
+        ts = {run: [] for run in runs}
+        for i in range(ALONE_ROUNDS):
+            for k in range(len(runs)):
+                run = runs[(i + k) % len(runs)]
+                fn = make_step(run, step, n, threads, ds_cls)
+                ts[run].append(_median_s(fn, iters, warmup))
+                del fn
+        return {run: statistics.median(ts[run]) for run in runs}, False
     fns = {run: make_step(run, step, n, threads, ds_cls) for run in runs}
     for _ in range(warmup):
         for fn in fns.values():

@@ -32,8 +32,12 @@ for w in $WHAT; do
           --factor 4 --nproc $n --backends pyzero,deepspeed --json "$(tag collectives_vs_deepspeed_${n}ranks).json"
       done ;;
     train)
-      run train $PY -m pyzero.bench train --runs torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2,fsdp2-pyzero \
+      run train $PY -m pyzero.bench train --runs torch-local,torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2,fsdp2-pyzero \
         --nproc 2 --iters 30 --json "$(tag train).json"
+      for i in 1 2 3; do  # torch's DDP and FSDP2 on gloo and on "pyzero", beside no communication at all
+        run train_torch_backend_repeat$i $PY -m pyzero.bench train --runs torch-local,torch-ddp,torch-ddp-pyzero,fsdp2,fsdp2-pyzero \
+          --nproc 2 --iters 30 --json "$(tag train_torch_backend_repeat$i).json"
+      done
       for i in 1 2 3; do  # ZeRO-3 against torch DDP, repeated for the spread
         run train_zero3_repeat$i $PY -m pyzero.bench train --runs torch-ddp,zero2,zero3 --nproc 2 --iters 30 \
           --json "$(tag train_zero3_repeat$i).json"

@@ -7,6 +7,8 @@ With arbitrary gradients the one difference is sqrt: torch's (MKL vsSqrt) is
 faithfully rounded, not correctly rounded, so a step may differ by a few ulps
 of the operands; the state tensors stay bitwise equal.
 """
+import copy
+
 import pytest
 import torch
 
@@ -212,6 +214,46 @@ def test_state_dict_loads_into_torch_and_back():
         assert torch.equal(ref.state[q][key], ours.state[p][key])
         assert torch.equal(back.state[p][key], ours.state[p][key])
     assert back.state[p]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adagrad"])
+def test_step_counts_of_many_params_with_gaps_and_reload(cls):
+    """Step counts (bumped together, as views of one tensor per list) follow torch's per parameter
+    while the parameters with gradients change, survive a state_dict round trip through torch and
+    an in-place reload, and every step moves the parameters as torch's (foreach=False) does, to
+    the rounding of sqrt (compared per step from the same state, as above); the counts enter the
+    update through Adam's bias corrections and Adagrad's lr_decay."""
+    gen = torch.Generator().manual_seed(11)
+    ps = [torch.randn(17 + i, generator=gen) for i in range(12)]
+    ours_p = [p.clone().requires_grad_() for p in ps]
+    ref_p = [p.clone().requires_grad_() for p in ps]
+    kw = dict(lr=1e-2) if cls == "AdamW" else dict(lr=1e-2, lr_decay=0.5)
+    ours = getattr(pz.optim, cls)(ours_p, **kw)
+    ref = getattr(torch.optim, cls)(ref_p, foreach=False, **kw)
+    for step in range(12):
+        if step == 7:  # torch -> ours, mid-run
+            ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # as from a file: no tensor shared
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            if step in (3, 4, 9) and (i + step) % 3 == 0:  # no gradient this step (all have one otherwise)
+                a.grad = b.grad = None
+                continue
+            a.grad = dyadic_grad(a.numel(), gen)
+            b.grad = a.grad.clone()
+        olds = [b.detach().clone() for b in ref_p]
+        ours.step(), ref.step()
+        for a, b, old in zip(ours_p, ref_p, olds):
+            if b in ref.state:
+                assert ours.state[a]["step"].item() == ref.state[b]["step"].item()
+                assert ours.state[a]["step"].dtype == torch.float32 and ours.state[a]["step"].dim() == 0
+            mag = torch.maximum(old.abs(), b.detach().abs())
+            spacing = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+            assert ((a.detach() - b.detach()).abs() / spacing).max().item() <= 4.0, (cls, step)
+            with torch.no_grad():
+                a.copy_(b)
+    saved = torch.optim.AdamW if cls == "AdamW" else torch.optim.Adagrad
+    back = saved([p.detach().clone().requires_grad_() for p in ours_p], **kw)
+    back.load_state_dict(ours.state_dict())  # ours -> torch: the counts as torch keeps them
+    assert [st["step"].item() for st in back.state.values()] == [ref.state[b]["step"].item() for b in ref_p]
 
 
 def test_param_groups_and_params_without_grad():

@@ -37,14 +37,14 @@ class Adagrad(torch.optim.Optimizer):
         loss = F.run_closure(closure)
         for group in self.param_groups:
             by_step: dict[float, list] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
-                st = self.state[p]
-                st["step"] += 1
-                by_step.setdefault(st["step"].item(), []).append(p)
+            ps = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in ps):
+                raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
+            if not ps:
+                continue
+            links = self.__dict__.setdefault("_step_links", {})
+            for p, step in zip(ps, F.bump_steps([self.state[p] for p in ps], links, id(group))):
+                by_step.setdefault(step, []).append(p)
             for step, ps in by_step.items():
                 F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],
                                [copies.get(p) for p in ps] if copies else None, step=step,

@@ -64,9 +64,9 @@ class Adam(torch.optim.Optimizer):
     def _step_group(self, group, grad_scale, copies):
         beta1, beta2 = (F.as_float(b, "betas") for b in group["betas"])
         by_step: dict[float, list] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        ps, amsgrad = [p for p in group["params"] if p.grad is not None], group["amsgrad"]
+        states = []
+        for p in ps:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self.state[p]
@@ -74,12 +74,15 @@ class Adam(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
+                if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif group["amsgrad"] and "max_exp_avg_sq" not in state:
+            elif amsgrad and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            by_step.setdefault(state["step"].item(), []).append(p)
+            states.append(state)
+        if not ps:
+            return
+        for p, step in zip(ps, F.bump_steps(states, self.__dict__.setdefault("_step_links", {}), id(group))):
+            by_step.setdefault(step, []).append(p)
         for step, ps in by_step.items():
             states = [self.state[p] for p in ps]
             F.adam_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],

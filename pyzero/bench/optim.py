@@ -60,6 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stream-mib", type=int, default=256, help="array size of the bandwidth probe")
+    p.add_argument("--tensors", type=int, default=1,
+                   help="split the parameters into this many tensors (a model's many small ones: per-tensor costs)")
     p.add_argument("--nvme-path", default=None, help="directory on the disk to bench NvmeAdamW on (optional)")
     p.add_argument("--sub-group", default="8M", help="NvmeAdamW sub-group size in elements")
     p.add_argument("--json", default=None)
@@ -99,30 +101,33 @@ def _deepspeed_factory():
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def make_step(run: str, step: str, n: int, threads: int, ds_cls):
-    """(callable doing one step, tensors to keep alive) for one optimizer run."""
+def make_step(run: str, step: str, n: int, threads: int, ds_cls, tensors: int = 1):
+    """A callable doing one step of one optimizer run over n parameters in `tensors` tensors."""
     from .. import optim as pz_optim  # noqa: PLC0415
 
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    copy = torch.empty(n, dtype=torch.bfloat16)
+    sizes = [n // tensors + (i < n % tensors) for i in range(tensors)]
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in sizes]
+    for p in ps:
+        p.grad = torch.randn(p.numel())
+    copies = {p: torch.empty(p.numel(), dtype=torch.bfloat16) for p in ps}
     if run == "pz":
-        opt = pz_optim.AdamW([p], lr=LR, weight_decay=WD, threads=threads)
+        opt = pz_optim.AdamW(ps, lr=LR, weight_decay=WD, threads=threads)
         if step == "plain":
             return opt.step
-        return lambda: opt.step(grad_scale=SCALE, copies={p: copy})
+        return lambda: opt.step(grad_scale=SCALE, copies=copies)
     if run == "deepspeed":
-        opt = ds_cls([p], lr=LR, weight_decay=WD, adamw_mode=True)
+        opt = ds_cls(ps, lr=LR, weight_decay=WD, adamw_mode=True)
     else:
-        opt = torch.optim.AdamW([p], lr=LR, weight_decay=WD, foreach=run == "torch-foreach",
+        opt = torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=run == "torch-foreach",
                                 fused=run == "torch-fused" or None)
     if step == "plain":
         return opt.step
+    grads, params, outs = [p.grad for p in ps], [p.detach() for p in ps], list(copies.values())
 
     def offload_step():
-        p.grad.mul_(SCALE)
+        torch._foreach_mul_(grads, SCALE)
         opt.step()
-        copy.copy_(p.detach())
+        torch._foreach_copy_(outs, params)
 
     return offload_step
 
@@ -138,7 +143,7 @@ def _available_bytes() -> int:
     return 1 << 62
 
 
-def time_runs(runs, step, n, threads, ds_cls, iters, warmup) -> tuple[dict, bool]:
+def time_runs(runs, step, n, threads, ds_cls, iters, warmup, tensors: int = 1) -> tuple[dict, bool]:
     """({run: median seconds}, interleaved?) for one size."""
     if len(runs) * RUN_BYTES * n > _available_bytes() // 2:
         # One at a time, each on freshly allocated tensors: the machine's state (which pages the
@@ -148,11 +153,11 @@ def time_runs(runs, step, n, threads, ds_cls, iters, warmup) -> tuple[dict, bool
         for i in range(ALONE_ROUNDS):
             for k in range(len(runs)):
                 run = runs[(i + k) % len(runs)]
-                fn = make_step(run, step, n, threads, ds_cls)
+                fn = make_step(run, step, n, threads, ds_cls, tensors)
                 ts[run].append(_median_s(fn, iters, warmup))
                 del fn
         return {run: statistics.median(ts[run]) for run in runs}, False
-    fns = {run: make_step(run, step, n, threads, ds_cls) for run in runs}
+    fns = {run: make_step(run, step, n, threads, ds_cls, tensors) for run in runs}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -204,6 +209,8 @@ def main(args) -> int:
         raise SystemExit(f"--steps: expected a comma list of {tuple(BYTES)}, got {args.steps!r}")
     thread_counts = [int(t) for t in args.threads.split(",")]
     sizes = size_steps(parse_size(args.min), parse_size(args.max), args.factor)
+    if args.tensors < 1 or args.tensors > min(sizes):
+        raise SystemExit(f"--tensors: expected 1 to {min(sizes)} (the smallest size), got {args.tensors}")
     from .. import optim as pz_optim  # noqa: PLC0415
 
     skipped = {}
@@ -217,7 +224,8 @@ def main(args) -> int:
     saved_threads = torch.get_num_threads()
     results, probes = [], {}
     print(f"# pz.optim isa: {pz_optim.cpu_isa()}, threads: {pz_optim.cpu_threading()}; "
-          f"bytes/param: plain 28, offload 30; AdamW lr {LR}, weight_decay {WD}")
+          f"bytes/param: plain 28, offload 30; AdamW lr {LR}, weight_decay {WD}; "
+          f"parameters in {args.tensors} tensor(s)")
     print(f"#{'threads':>7} {'step':>8} {'params':>10} {'run':>14} {'ms':>9} {'Mparams/s':>10} {'GB/s':>7} "
           f"{'frac':>5} {'vs fused':>8}")
     try:
@@ -229,11 +237,13 @@ def main(args) -> int:
                   + ", ".join(f"{k} {v:.1f}" for k, v in probes[threads].items()) + f" -> {bw:.1f}")
             for step in steps:
                 for n in sizes:
-                    row, interleaved = time_runs(runs, step, n, threads, ds_cls, args.iters, args.warmup)
+                    row, interleaved = time_runs(runs, step, n, threads, ds_cls, args.iters, args.warmup,
+                                                 args.tensors)
                     for run, t in row.items():
                         gbps = BYTES[step] * n / t / 1e9
                         rel = row["torch-fused"] / t if "torch-fused" in row else float("nan")
-                        results.append({"threads": threads, "step": step, "params": n, "run": run, "ms": t * 1e3,
+                        results.append({"threads": threads, "step": step, "params": n, "tensors": args.tensors,
+                                        "run": run, "ms": t * 1e3,
                                         "params_per_s": n / t, "gbps": gbps, "bandwidth_gbps": bw,
                                         "fraction": gbps / bw, "speedup_vs_torch_fused": rel,
                                         "interleaved": interleaved})

@@ -350,3 +350,29 @@ def test_maximize_and_torch_switches(cls):
     assert torch.equal(p, q)
     with pytest.raises(ValueError, match="differentiable: not supported"):
         getattr(pz.optim, cls)([p], differentiable=True)
+
+
+def test_optim_bench_runs_with_many_tensors(tmp_path, capsys):
+    """pyzero-bench optim at a tiny size, the parameters in several tensors, both steps: a row per
+    run and step, the ratios against torch's fused AdamW from the times printed beside them."""
+    import argparse
+    import json
+
+    from pyzero.bench import optim as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "optim.json"
+    args = p.parse_args(["--min", "4K", "--max", "4K", "--tensors", "5", "--runs", "pz,torch-fused", "--threads", "1",
+                         "--iters", "2", "--warmup", "1", "--stream-mib", "1", "--json", str(out)])
+    assert bench.main(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert sorted((r["step"], r["run"]) for r in rows) == [("offload", "pz"), ("offload", "torch-fused"),
+                                                           ("plain", "pz"), ("plain", "torch-fused")]
+    for step in ("plain", "offload"):
+        pz_row, ref = (next(r for r in rows if r["step"] == step and r["run"] == run) for run in ("pz", "torch-fused"))
+        assert pz_row["tensors"] == 5 and pz_row["params"] == 4096
+        assert pz_row["speedup_vs_torch_fused"] == pytest.approx(ref["ms"] / pz_row["ms"])
+    assert "parameters in 5 tensor(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--tensors"):
+        bench.main(p.parse_args(["--min", "4K", "--max", "4K", "--tensors", "5000"]))

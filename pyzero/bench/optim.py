@@ -20,7 +20,8 @@ Two steps are timed:
   offload  the step ZeRO-Offload runs: gradient scale (1/loss_scale x clip
            coefficient) applied and a bf16 copy of the new parameters written.
            pz.optim does both in the step's one pass (step(grad_scale=,
-           copies=)); torch and DeepSpeed do g.mul_(s), step, copy.copy_(p).
+           copies=)); torch and DeepSpeed do g.mul_(s), step, copy.copy_(p)
+           (each as one foreach call over the tensors).
            Bytes counted: 30 per parameter (the 28 plus the bf16 write).
 Threads: pz.optim's threads=; torch.set_num_threads for torch's optimizers,
 the probe and DeepSpeed (its OpenMP loop follows torch's thread count).

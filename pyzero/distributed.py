@@ -83,6 +83,7 @@ class PyzeroWork(dist.Work):
     def __init__(self, works, result, finish=None, completer=None):
         super().__init__()
         self._works = [w for w in works if w is not None]  # None: a synchronous call, already done
+        # (a call whose works are all synchronous gets a _DoneWork instead: see ProcessGroupPyzero._work)
         self._result = result  # the future's value: the output tensors
         self._finish = finish
         self._completer = completer
@@ -90,11 +91,6 @@ class PyzeroWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: Exception | None = None
-        if not self._works:  # synchronous: done (the common case of a torch caller that waits at once)
-            if finish is not None:
-                finish()
-            self._done = True
-            self._finish = None
 
     def _complete(self) -> None:
         with self._lock:

@@ -556,11 +556,10 @@ def main(args) -> int:
         pz.destroy()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
-    backends = [b.strip() for b in args.backends.split(",")]
-    if "torch-pyzero" in backends and getattr(args, "device", "cpu") == "cpu":
-        ops = sorted({r["op"] for r in results if r["backend"] == "torch-pyzero"})
-        n = next(r["world_size"] for r in results if r["backend"] == "torch-pyzero")
-        floor = torch_api_floor(ops, n, args.dtype)
+    via_torch = [r for r in results if r["backend"] == "torch-pyzero"]  # a CPU column only
+    if via_torch:
+        n = via_torch[0]["world_size"]
+        floor = torch_api_floor(sorted({r["op"] for r in via_torch}), n, args.dtype)
         if floor is None:
             print("# torch API floor: torch's fake backend (torch.testing._internal) is not available here")
         for op, us in (floor or {}).items():

@@ -42,8 +42,7 @@ class Adagrad(torch.optim.Optimizer):
                 raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
             if not ps:
                 continue
-            links = self.__dict__.setdefault("_step_links", {})
-            for p, step in zip(ps, F.bump_steps([self.state[p] for p in ps], links, id(group))):
+            for p, step in zip(ps, F.bump_steps(self, group, [self.state[p] for p in ps])):
                 by_step.setdefault(step, []).append(p)
             for step, ps in by_step.items():
                 F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],

@@ -81,7 +81,7 @@ class Adam(torch.optim.Optimizer):
             states.append(state)
         if not ps:
             return
-        for p, step in zip(ps, F.bump_steps(states, self.__dict__.setdefault("_step_links", {}), id(group))):
+        for p, step in zip(ps, F.bump_steps(self, group, states)):
             by_step.setdefault(step, []).append(p)
         for step, ps in by_step.items():
             states = [self.state[p] for p in ps]

@@ -55,13 +55,13 @@ def _check_fp32(t, arg: str, i: int, numel: int | None = None) -> int:
     return t.numel()
 
 
+_F32, _STRIDED = torch.float32, torch.strided
+
+
 def _fp32_ok(t) -> bool:
     """The common case of _check_fp32 in a few attribute reads (about 0.3 us a tensor)."""
     return isinstance(t, torch.Tensor) and t.dtype is _F32 and t.is_cpu and t.layout is _STRIDED \
         and t.is_contiguous()
-
-
-_F32, _STRIDED = torch.float32, torch.strided
 
 
 def _table(params, grads, states: dict[str, Sequence | None], copies):
@@ -158,17 +158,19 @@ def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], mome
                     _threads(threads), _isa_code(isa))
 
 
-def bump_steps(states: list[dict], links: dict, key) -> list[float]:
-    """torch's ``state["step"] += 1`` for every state in `states`; returns the new counts.
+def bump_steps(opt: torch.optim.Optimizer, group: dict, states: list[dict]) -> list[float]:
+    """torch's ``state["step"] += 1`` for every state in `states` (of `opt`'s param group `group`);
+    returns the new counts.
 
     The step counts stay what torch keeps (a float32 0-d tensor per parameter) but are views
     of one tensor per list of parameters, so that one add bumps them all: adding 1 to a
     hundred separate 0-d tensors costs about 150 us, more than the step of a hundred small
-    parameters. `links[key]` remembers the shared tensor and the views handed out; when a
-    state's step is no longer one of them (a new parameter, load_state_dict), the list is
-    linked again from the current values."""
+    parameters. The optimizer remembers, per group, the shared tensor and the views handed out;
+    when a state's step is no longer one of them (a new parameter, load_state_dict), the list
+    is linked again from the current values."""
+    links = opt.__dict__.setdefault("_step_links", {})  # not in torch's pickled state: rebuilt on use
     steps = [s["step"] for s in states]
-    linked = links.get(key)
+    linked = links.get(id(group))
     if linked is not None and len(linked[1]) == len(steps) and all(a is b for a, b in zip(linked[1], steps)):
         linked[0].add_(1)
         return linked[0].tolist()
@@ -176,7 +178,7 @@ def bump_steps(states: list[dict], links: dict, key) -> list[float]:
     views = tuple(shared[i] for i in range(len(states)))
     for state, view in zip(states, views):
         state["step"] = view
-    links[key] = (shared, views)
+    links[id(group)] = (shared, views)
     return shared.tolist()
 
 

@@ -492,9 +492,9 @@ PYBIND11_MODULE(_C, m) {
                            bool async_op) {
         return gpu_call([&] { return t.broadcast(as_ptr(buf), n, DType(dt), root, Algo(algo), stream, async_op); });
       })
-      .def("barrier", [](IpcTransport& t, uintptr_t stream, bool async_op) {
-        return gpu_call([&] { return t.barrier(stream, async_op); });
-      });
+      .def("barrier", [](IpcTransport& t, uintptr_t stream, bool async_op, bool closing) {
+        return gpu_call([&] { return t.barrier(stream, async_op, closing); });
+      }, py::arg("stream"), py::arg("async_op"), py::arg("closing") = false);
 #endif
 
   // Host-side logic of the CUDA backends, available in every build (tested without a GPU).

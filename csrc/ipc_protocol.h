@@ -36,6 +36,9 @@
 // start barrier it compares every peer's desc[e % 2][b] with its own. If any
 // two ranks differ, every rank sees a difference, so every rank's blocks skip
 // the data phase (and the mid barrier) alike and report it in their status.
+// A peer whose call is its closing barrier (kIpcClose) while this rank's is
+// not has left the group: reported as kIpcPeerClosed, which breaks the group
+// (that peer runs no further call).
 //
 // Faults: every wait also watches a deadline (timeout_ns from the kernel's
 // start) and the host's abort word; either ends the wait, records which peer
@@ -77,7 +80,8 @@ struct IpcStatus {
   int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs
   uint64_t epoch;
 };
-enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3 };
+// kIpcPeerClosed: the peer's call was its closing barrier (kIpcClose) while this rank's was not.
+enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3, kIpcPeerClosed = 4 };
 
 enum IpcKind : int32_t {
   kIpcAllReduceOneShot = 0,
@@ -86,6 +90,7 @@ enum IpcKind : int32_t {
   kIpcAllGather = 3,
   kIpcBroadcast = 4,
   kIpcBarrier = 5,
+  kIpcClose = 6,  // the barrier a rank runs as it closes the group: peers still in a call learn it left
 };
 
 // One call, by value (a kernel parameter). Chunk c of the buffer has counts[c]
@@ -276,11 +281,15 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   // 2. start barrier, then the descriptors
   ipc_signal(x, c, false);
   if (!ipc_wait_all(x, c, c.sigs[me]->start, deadline)) return false;
-  int differs = -1;
-  for (int p = 0; p < n; ++p)
-    if (p != me && !ipc_same_desc(c.sigs[p]->desc[c.epoch % 2][b], c.desc)) differs = p;
+  int differs = -1, closed = -1;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const IpcDesc& d = c.sigs[p]->desc[c.epoch % 2][b];
+    if (!ipc_same_desc(d, c.desc)) differs = p;
+    if (d.kind == kIpcClose && kind != kIpcClose) closed = p;
+  }
   if (differs >= 0) {
-    if (t0 == 0) x.fail(c.status, kIpcMismatch, differs, c.epoch);
+    if (t0 == 0) x.fail(c.status, closed >= 0 ? kIpcPeerClosed : kIpcMismatch, closed >= 0 ? closed : differs, c.epoch);
     return false;
   }
 
@@ -343,7 +352,7 @@ inline std::vector<IpcPiece> ipc_pieces(int kind, const std::vector<int64_t>& ch
   int64_t total = 0;
   for (int64_t c : chunks) total += c;
   const bool whole = kind == kIpcAllReduceOneShot || kind == kIpcAllReduceTwoShot || kind == kIpcBroadcast ||
-                     kind == kIpcBarrier;
+                     kind == kIpcBarrier || kind == kIpcClose;
   const int64_t cap = int64_t(area_bytes / uint64_t(esize));
   int64_t np = total == 0 ? 1 : (total + cap - 1) / cap;
   for (;; ++np) {  // per-chunk rounding can add up to n elements to a piece

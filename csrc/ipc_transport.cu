@@ -128,6 +128,9 @@ struct IpcTransport::Impl {
       throw CollectiveError(os.str());
     }
     if (s.code == kIpcAborted) os << "aborted while waiting for rank " << s.peer << " (epoch " << s.epoch << ")";
+    else if (s.code == kIpcPeerClosed)
+      os << "rank " << s.peer << " closed the group (pz.destroy() or the end of its process) while this rank was "
+         << "waiting for rank " << s.peer << " in this call (epoch " << s.epoch << "); the group is unusable";
     else os << "timed out after " << cfg.timeout_s << " s waiting for rank " << s.peer << " (epoch " << s.epoch
             << "): it never arrived";
     broken = os.str();
@@ -327,9 +330,9 @@ IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt
                   async_op, m.rank == root ? uint64_t(count) * dtype_size(dt) : 0);
 }
 
-IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op) {
+IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, bool closing) {
   Impl& m = *impl_;
-  WorkPtr w = m.launch("barrier", Coll::barrier, kIpcBarrier, DType::f32, RedOp::sum, 0, nullptr, nullptr,
+  WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0, nullptr, nullptr,
                        std::vector<int64_t>(m.size, 0), stream, true, 0);
   if (async_op) return w;
   w->synchronize();

@@ -94,8 +94,10 @@ class IpcTransport {
   WorkPtr all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, Algo algo,
                      uintptr_t stream, bool async_op);
   WorkPtr broadcast(void* buf, int64_t count, DType dt, int root, Algo algo, uintptr_t stream, bool async_op);
-  // A synchronous barrier returns once every rank reached it (the host waits).
-  WorkPtr barrier(uintptr_t stream, bool async_op);
+  // A synchronous barrier returns once every rank reached it (the host waits). `closing`: the
+  // barrier a rank runs as it closes the group; a peer meeting it in another call learns that
+  // this rank left (an error naming it) instead of mistaking it for a mismatched call.
+  WorkPtr barrier(uintptr_t stream, bool async_op, bool closing = false);
 
   std::map<std::string, OpStats> stats(bool reset);
   void close();

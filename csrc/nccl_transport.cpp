@@ -596,7 +596,11 @@ NcclTransport::WorkPtr NcclTransport::reduce_scatter(void* out, const void* in, 
   uint64_t sent = 0;
   auto w = t.run(what, stream, async_op, true, false, [&](cudaStream_t s) {
     if (L.total() == 0) return;
-    if (algo == Algo::native) {
+    if (t.n == 1 && op == RedOp::avg) {
+      // The average of one contribution is the input: copied. NCCL 2.28.9 at one rank wrote a wrong
+      // last element for out-of-place float64 avg of odd counts (seen on an H200, 4099 and 65537).
+      if (out != in) PZ_CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(L.total()) * es, cudaMemcpyDeviceToDevice, s));
+    } else if (algo == Algo::native) {
       if (all_equal(counts)) {
         t.check(ncclReduceScatter(in, out, size_t(counts[0]), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
       } else {

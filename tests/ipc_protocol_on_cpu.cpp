@@ -176,6 +176,7 @@ struct Job {
   std::vector<CallSpec> calls;
   std::vector<int> skip_rank;  // per call: a rank that does not call it (-1: none)
   std::vector<int> odd_dtype;  // per call: a rank that calls it with another dtype (-1: none)
+  std::vector<int> close_rank = {};  // per call: a rank that runs its closing barrier instead (-1: none)
 };
 
 // Runs the job; per rank and call: status code and peer; results checked where the call succeeded.
@@ -258,6 +259,7 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
         c.timeout_ns = job.timeout_ns;
         int dt = job.odd_dtype[k] == me ? (s.dt == int(DType::f32) ? int(DType::f64) : int(DType::f32)) : s.dt;
         c.desc = IpcDesc{s.kind, dt, s.op, s.root, pc.total(), h};
+        if (k < job.close_rank.size() && job.close_rank[k] == me) c.desc = IpcDesc{kIpcClose, dt, 0, 0, 0, 0};
         c.rank = me;
         c.nranks = n;
         DISPATCH(s.dt, s.op, { ipc_run<T, OP>(x, c); });
@@ -363,6 +365,29 @@ int main() {
       ok = ok && st[r][0].code == kIpcOk && st[r][1].code == kIpcMismatch && st[r][2].code == kIpcOk;
     std::printf("mismatch: codes %u %u %u, peers %d %d %d: %s\n", st[0][1].code, st[1][1].code, st[2][1].code,
                 st[0][1].peer, st[1][1].peer, st[2][1].peer, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 4. rank 2 closes the group (its closing barrier) while the others all_reduce: they learn it
+  //    left (kIpcPeerClosed, naming rank 2), it sees a mismatch, nobody waits for the timeout
+  {
+    int n = 3;
+    Job job{n, 2, 100, 4 << 10, 2000000000ull, {}, {}, {}};
+    for (int k = 0; k < 2; ++k)
+      job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, {300, 0, 0}});
+    job.skip_rank = {-1, -1};
+    job.odd_dtype = {-1, -1};
+    job.close_rank = {-1, 2};
+    int wrong = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto st = run(job, true, wrong);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool ok = wrong == 0 && s < 1.5;
+    for (int r = 0; r < n; ++r) ok = ok && st[r][0].code == kIpcOk;
+    ok = ok && st[0][1].code == kIpcPeerClosed && st[0][1].peer == 2 && st[1][1].code == kIpcPeerClosed &&
+         st[1][1].peer == 2 && st[2][1].code == kIpcMismatch;
+    std::printf("close: codes %u %u %u, peers %d %d %d, %.2f s: %s\n", st[0][1].code, st[1][1].code, st[2][1].code,
+                st[0][1].peer, st[1][1].peer, st[2][1].peer, s, ok ? "ok" : "FAILED");
     failures += !ok;
     ++cases;
   }

@@ -39,6 +39,7 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     runs = re.findall(r"ranks \d blocks \d: 160 calls, 0 wrong, 0 failed \((\d+) launches\)", out)
     assert len(runs) == 6 and all(int(n) > 200 for n in runs), out  # many calls ran in several pieces
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
+    assert "close: codes 4 4 2, peers 2 2" in out, out  # peers learn that rank 2 left; it sees a mismatch
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # misaligned peers stay scalar, the rest 16-byte
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
 

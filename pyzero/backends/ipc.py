@@ -75,9 +75,10 @@ class IpcBackend(CudaCommBackend):
 
     def close(self):
         # Peers read this rank's area and write its flags: free it only once every rank got here
-        # (a barrier kernel runs after each rank's earlier ones). A broken group skips it.
+        # (a barrier kernel runs after each rank's earlier ones). It is a closing barrier: a peer
+        # still in another call learns that this rank left. A broken group skips it.
         try:
-            self.comm.barrier(cuda_buffers.torch_stream(self.device), False)
+            self.comm.barrier(cuda_buffers.torch_stream(self.device), False, closing=True)
         except Exception:  # noqa: BLE001 - the group failed before: nothing more will run
             pass
         self.comm.close()

@@ -46,9 +46,17 @@ def interleaved_medians(fns, iters: int, warmup: int, before=None) -> list[float
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64, device=comm_device())
     comm.all_reduce(t, op="max")
     return t.tolist()
+
+
+def comm_device():
+    """Where the default group's collectives take their tensors: its GPU (nccl, ipc) or the CPU."""
+    from .. import comm  # noqa: PLC0415
+
+    dev = comm.resolve_group(None).device
+    return "cpu" if dev is None else f"cuda:{dev}"
 
 
 def machine_info() -> dict:

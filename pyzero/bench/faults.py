@@ -176,9 +176,12 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float,
     n = cell.nproc
     duration = window + timeout + margin + 5
     results: list = []
+    # GPU ranks start as fresh interpreters: this process has asked CUDA for its devices, and a fork
+    # of it sees none.
+    start = "spawn" if backend in ("ipc", "nccl") else "fork"
     holder = threading.Thread(target=lambda: results.extend(run_ranks(
         rank_main, n, args=(cell.work, tmp, seed, timeout, duration, backend), check=False,
-        timeout=duration + 60)), daemon=True)
+        timeout=duration + 60, start=start)), daemon=True)
     holder.start()
     has_victim = cell.fault in ("kill", "stop") or cell.work == "never-calls"
     victim = cell.victim if cell.fault in ("kill", "stop") else VICTIM

@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .common import init_torch_distributed, interleaved_medians, write_json
+from .common import comm_device, init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
 
@@ -291,7 +291,8 @@ def _rank_main(run: str, args) -> dict:
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
         out["comm_s"] = timed.pop(0) if runner.comm_alone else None
         if hooks:  # per timed synced step: last rank's backward end - last rank's last gradient; median
-            t = torch.tensor(marks[-args.iters:], dtype=torch.float64)  # (iters, 2): last gradient, end
+            # (iters, 2): last gradient, end
+            t = torch.tensor(marks[-args.iters:], dtype=torch.float64, device=comm_device())
             pz.all_reduce(t, op="max")
             out["exposed_s"] = float((t[:, 1] - t[:, 0]).median())
             for h in hooks:

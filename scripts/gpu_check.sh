@@ -28,10 +28,7 @@ if not os.environ.get("PYZERO_NCCL_ROOT") and nccl is None:
 if missing:
     sys.exit(f"gpu_check.sh: {sys.executable} lacks {', '.join(missing)}; install them (this script "
              "downloads nothing)")
-import setuptools, torch
-if int(setuptools.__version__.split(".")[0]) < 77:
-    sys.exit(f"gpu_check.sh: setuptools {setuptools.__version__} < 77 cannot read pyproject.toml; "
-             "pip install 'setuptools>=77'")
+import torch
 if not torch.cuda.is_available():
     sys.exit(f"gpu_check.sh: no CUDA GPU visible to torch {torch.__version__}")
 PY
@@ -42,7 +39,31 @@ STAMP=$(date -u +%Y%m%d)
 OUT=benchmarks/results/gpu_${GPU}_${STAMP}
 mkdir -p benchmarks/results
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
-"$PY" setup.py build_ext --inplace > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
+# setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
+# then the same CMake configure + build runs directly (the module lands in pyzero/ either way).
+build() {
+  if "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"; then
+    "$PY" setup.py build_ext --inplace
+  else
+    echo "setuptools < 77: building with CMake directly"
+    local bd=build/gpu-check lib
+    lib=$(pwd)/$bd/lib
+    cmake -S . -B "$bd" -G Ninja -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$lib" -DPython_EXECUTABLE="$(command -v "$PY")" \
+      -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" -DPYZERO_CUDA=ON \
+      -DPYZERO_CUDA_ARCH="$ARCH" -DPYZERO_NCCL_ROOT="${PYZERO_NCCL_ROOT:-$("$PY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')}" \
+      -DCMAKE_BUILD_TYPE=Release && cmake --build "$bd" -j "$(nproc)" && cp "$lib"/_C*.so "$lib"/_build_config.py pyzero/
+  fi
+}
+SECONDS=0
+build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
+echo "built in ${SECONDS} s"
+# GPU_CHECK_PARTS picks parts (default all): tests kernels collectives train ipc faults.
+# GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
+# runs (default "1:256M 2:16M": processes:largest size).
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train ipc faults} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
+TIMEOUT_ARGS=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so the whole check stays
 # under 10 minutes and a part that hangs is reported while the rest still runs.
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
@@ -50,25 +71,38 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
   echo "# pyzero GPU check, $(date -u -Iseconds)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
+  if part tests; then
   echo "## GPU tests"
-  timeout "$(lim 270)" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU TESTS FAILED (or past $(lim 270) s)"
+  # shellcheck disable=SC2086
+  timeout "$(lim 270)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
+    --junitxml "${OUT}_tests.xml" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 270) s)"
+  fi
+  if part kernels; then
   echo "## reduce kernel bandwidth vs device-to-device copy"
   timeout "$(lim 45)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED"
+  fi
+  if part collectives; then
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
   timeout "$(lim 75)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
     --op all --min 8 --max 256M --factor 4 --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED"
+  fi
+  if part train; then
   echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim 75)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
     --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED"
+  fi
+  if part ipc; then
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"
-  for NP_MAX in 1:256M 2:16M; do  # two processes take turns on one GPU: smaller sizes
+  for NP_MAX in ${GPU_CHECK_IPC:-1:256M 2:16M}; do  # two processes take turns on one GPU: smaller sizes
     NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
     CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
       --nproc "$NP" --backends pyzero --op all --min 8 --max "$MAX" --factor 8 --json "${OUT}_ipc${NP}.json" \
       || echo "IPC BENCH FAILED (nproc $NP, or past $(lim 30) s)"
   done
+  fi
+  if part faults; then
   echo "## fault cells on the ipc backend (2 processes on GPU 0, one try each; the full list: --backend ipc)"
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
     --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_ipc.json" \
@@ -78,6 +112,7 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
     timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
       --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl.json" \
       || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
+  fi
   fi
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

@@ -77,7 +77,8 @@ struct IpcSignals {
 // Written by the device, read by the host after the call (host-mapped memory on a GPU).
 struct IpcStatus {
   uint32_t code;    // kIpcOk, or the first failure
-  int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs
+  int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs;
+                    // peer closed: the peer that closed the group
   uint64_t epoch;
 };
 // kIpcPeerClosed: the peer's call was its closing barrier (kIpcClose) while this rank's was not.

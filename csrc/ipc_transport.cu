@@ -332,8 +332,8 @@ IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt
 
 IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, bool closing) {
   Impl& m = *impl_;
-  WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0, nullptr, nullptr,
-                       std::vector<int64_t>(m.size, 0), stream, true, 0);
+  WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0,
+                       nullptr, nullptr, std::vector<int64_t>(m.size, 0), stream, true, 0);
   if (async_op) return w;
   w->synchronize();
   return nullptr;

@@ -115,22 +115,28 @@ def test_fused_pack_unpack_kernel_equals_torch_copies(flat_dtype, scale):
 INF_STEP = 2
 
 
-def _rank_zero(clip, param_dtype, loss_scale):
-    """Stages 1-3 in one process (each GPU process start costs seconds): the reference and each stage's run."""
+def _rank_zero(clip, param_dtype, loss_scale, offload=None):
+    """Stages 1-3 in one process (each GPU process start costs seconds): the reference and each stage's run.
+    offload="cpu": ZeroOptimizer(offload="cpu"), and stage 3 once more with offload_params (key "3p")."""
     pz.init(backend="nccl", timeout=60)
     ref = (mixed_reference(param_dtype) if param_dtype is not None
            else torch_reference(clip, skip={INF_STEP} if loss_scale else ()))
-    out = {stage: _train_zero(stage, clip, param_dtype, loss_scale) for stage in (1, 2, 3)}
+    out = {stage: _train_zero(stage, clip, param_dtype, loss_scale, offload) for stage in (1, 2, 3)}
+    if offload:
+        out["3p"] = _train_zero(3, clip, param_dtype, loss_scale, offload, offload_params=True)
     pz.destroy()
     return ref, out
 
 
-def _train_zero(stage, clip, param_dtype, loss_scale):
+def _train_zero(stage, clip, param_dtype, loss_scale, offload=None, offload_params=False):
     """ZeroOptimizer on a CUDA model (small buckets: several reductions in flight during backward).
     With loss_scale, step INF_STEP's gradients get an inf and that step must be skipped."""
     model = make_model().cuda()
+    extra = {"offload": offload} if offload else {}
+    if offload_params:
+        extra["offload_params"] = True
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, bucket_mb=0.0005,
-                           param_dtype=param_dtype, loss_scale=loss_scale)
+                           param_dtype=param_dtype, loss_scale=loss_scale, **extra)
     devices = {str(t.device) for _, t, g in opt.pieces} | {str(g.device) for _, t, g in opt.pieces}
     norms, scales = [], []
     for step in range(STEPS):
@@ -149,7 +155,8 @@ def _train_zero(stage, clip, param_dtype, loss_scale):
     sd = opt.full_state_dict() if stage == 3 else model.state_dict()
     got = {k: v.detach().cpu() for k, v in sd.items()}
     stats = opt.memory_stats()
-    return {"got": got, "devices": devices, "norms": norms, "scales": scales, "stats": stats}
+    inner = type(opt.inner).__module__
+    return {"got": got, "devices": devices, "norms": norms, "scales": scales, "stats": stats, "inner": inner}
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
@@ -217,7 +224,7 @@ def _rank_zero_refusals():
     out = {}
     for case, make in {"cpu_model": lambda: pz.ZeroOptimizer(make_model(), torch.optim.AdamW, stage=2, lr=1e-2),
                        "offload": lambda: pz.ZeroOptimizer(make_model().cuda(), torch.optim.AdamW, stage=2,
-                                                           lr=1e-2, offload="cpu")}.items():
+                                                           lr=1e-2, offload="cpu", offload_params=True)}.items():
         try:
             make()
             out[case] = None
@@ -227,11 +234,40 @@ def _rank_zero_refusals():
     return out
 
 
-def test_zero_optimizer_on_nccl_refuses_a_cpu_model_and_offload():
+def test_zero_optimizer_on_nccl_refuses_a_cpu_model_and_offload_params_below_stage_3():
     msgs = run_ranks(_rank_zero_refusals, 1, start="spawn", timeout=120, env=ENV)[0].value
     msg = msgs["cpu_model"]
     assert msg is not None and "model" in msg and "cuda:0" in msg and "cpu" in msg, msg
-    assert msgs["offload"] is not None and "offload='cpu'" in msgs["offload"], msgs
+    assert msgs["offload"] is not None and "offload_params: needs stage=3" in msgs["offload"], msgs
+
+
+@pytest.mark.parametrize("case", ["clip", "loss_scale", "bf16"])
+def test_zero_offload_cuda_model_equals_torch(case):
+    """offload="cpu" (and stage 3 with offload_params) on a CUDA model: the masters and AdamW state in
+    host memory, stepped by pz.optim's CPU kernel, clipping and the overflow check on the GPU;
+    the same weights as plain torch on the GPU (bf16: the mixed-precision recipe by hand)."""
+    args = {"clip": (0.05, None, None), "loss_scale": (10.0, None, {"growth_interval": 2}),
+            "bf16": (None, torch.bfloat16, None)}[case]
+    ref, runs = run_ranks(_rank_zero, 1, args=(*args, "cpu"), start="spawn", timeout=240, env=ENV)[0].value
+    assert set(runs) == {1, 2, 3, "3p"}
+    for stage, v in runs.items():
+        assert v["devices"] == {"cpu"} and v["inner"] == "pyzero.optim.adam", (stage, v["devices"], v["inner"])
+        st = v["stats"]
+        assert st["optimizer"] == 0 and st["host"] > 0 and st["total"] == st["params"] + st["grads"], (stage, st)
+        if stage == "3p":
+            assert st["params"] == 0, st  # the parameter shards live in host memory
+        for k, want in ref.items():
+            got = v["got"][k]
+            if case == "bf16" and stage in (1, 2):  # the model's bf16 weights: the reference rounded
+                torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-4,
+                                           msg=lambda m, k=k, stage=stage: f"stage {stage}, {k}: {m}")
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, k=k, stage=stage: f"stage {stage}, {k}: {m}")
+        if case == "clip":
+            assert all(n > 0.05 for n in v["norms"]), (stage, v["norms"])
+        if case == "loss_scale":
+            assert v["norms"][INF_STEP] == float("inf") and v["scales"] == [2.0**16, 2.0**17, 2.0**16, 2.0**16], v
 
 
 CKPT_STAGES = (2, 3)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pyzero as pz
+import pyzero.zero.optimizer as zero_optimizer
 from pyzero.optim import functional as F
 from pyzero.optim import swap
 
@@ -203,9 +204,10 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None):
+def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_params=False):
     """Train `steps` steps; with `ckpt`, the first half runs without offload, is saved, and a
-    fresh model and ZeroOptimizer(offload=...) load it and finish."""
+    fresh model and ZeroOptimizer(offload=...) load it and finish. Returns the weights, the inner
+    optimizer's class name and memory_stats() with the shards' element count."""
     torch.manual_seed(0)
     model = Net()
     kw = dict(lr=1e-2, weight_decay=0.1)
@@ -214,6 +216,8 @@ def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None):
         extra["offload"] = offload
     if offload == "nvme":
         extra.update(nvme_path=nvme_dir, offload_params=stage == 3)
+    if offload_params:
+        extra["offload_params"] = True
     opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **({} if ckpt else extra), **kw)
     rank, world = pz.get_rank(), pz.get_world_size()
     for step in range(steps):
@@ -231,7 +235,12 @@ def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None):
         opt.clip_grad_norm_(0.5)
         opt.step()
     state = opt.full_state_dict() if stage == 3 else model.state_dict()
-    return state and {k: v.clone() for k, v in state.items()}, type(opt.inner).__name__
+    storage = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    leaves = [p for g in opt.inner.param_groups for p in g["params"]]
+    mem = dict(opt.memory_stats(), shard_elems=sum(layout.shard_size for layout, _, _ in opt.shards()),
+               shares=any(p.untyped_storage().data_ptr() in storage for p in leaves + [p.grad for p in leaves]
+                          if p is not None and p.numel()))
+    return state and {k: v.clone() for k, v in state.items()}, type(opt.inner).__name__, mem
 
 
 def _zero_ranks(stage, nvme_dir):
@@ -242,6 +251,12 @@ def _zero_ranks(stage, nvme_dir):
             "nvme": _zero_run(stage, torch.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}")),
             "nvme_ckpt": _zero_run(stage, pz.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}"),
                                    ckpt=os.path.join(nvme_dir, "ckpt"))}
+    # The path a CUDA model takes (host masters and gradient copies beside the device shards),
+    # here with the CPU as the "device".
+    zero_optimizer._host_copies = lambda device: True
+    runs["host_cpu"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, offload_params=stage == 3)
+    runs["host_nvme_ckpt"] = _zero_run(stage, pz.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}"),
+                                       ckpt=os.path.join(nvme_dir, "ckpt_host"))
     return runs
 
 
@@ -257,12 +272,19 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
     results = run_ranks(_zero_ranks, world, args=(stage, str(tmp_path)), timeout=120)
     for res in results[:1] if stage == 3 else results:  # stage 3: the full state is on rank 0
         runs = res.value
-        assert runs["cpu"][1] == runs["nvme"][1] == runs["nvme_ckpt"][1] == "AdamW"
+        assert runs["cpu"][1] == runs["nvme"][1] == runs["nvme_ckpt"][1] == runs["host_cpu"][1] == "AdamW"
         for name, ref in runs["pz"][0].items():
-            assert torch.equal(runs["cpu"][0][name], ref), name
-            assert torch.equal(runs["nvme"][0][name], ref), name
-            assert torch.equal(runs["nvme_ckpt"][0][name], ref), name
+            for run in ("cpu", "nvme", "nvme_ckpt", "host_cpu", "host_nvme_ckpt"):
+                assert torch.equal(runs[run][0][name], ref), (run, name)
             assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
+    for res in results:
+        # host copies: no optimizer bytes on the device; in host memory the masters and the
+        # gradient copies (fp32, a shard each) beside the optimizer state
+        plain, host = res.value["cpu"][2], res.value["host_cpu"][2]
+        assert host["optimizer"] == 0 and host["total"] == host["params"] + host["grads"], host
+        assert not host["shares"], "the inner optimizer's tensors share memory with the model's"
+        assert host["grads"] == plain["grads"] and plain["shard_elems"] == host["shard_elems"], (plain, host)
+        assert host["host"] == plain["optimizer"] + 8 * plain["shard_elems"], (plain, host)
 
 
 def _bad_offload_args(tmp):

@@ -9,11 +9,12 @@ What moves where:
   offload_params  (stage 3) parameter shards in host memory as well.
 
 For a CPU model host memory *is* the device: "cpu" keeps every tensor where it is and
-only changes the kernel, "nvme" takes the optimizer state out of RAM. For CUDA models
-:class:`HostShard` is the transfer machinery a stage uses: pinned host master and
-gradient shards, device-to-host copies of each reduced bucket on a side stream as
-backward produces it, and host-to-device copies of the updated (16-bit) parameters
-written by the fused step, ordered by CUDA events, not host syncs.
+only changes the kernel, "nvme" takes the optimizer state out of RAM. For a CUDA model
+ZeroOptimizer keeps the masters, the gradient copies the step reads and the state in
+pinned host memory and copies at step time (see [Note: offload of a CUDA model] in
+optimizer.py). :class:`HostShard` is the overlapped form of those copies (each reduced
+bucket device-to-host on a side stream as backward produces it, the fused step's 16-bit
+output host-to-device, ordered by CUDA events, not host syncs), not used by the stages yet.
 
 ZeroOptimizer calls :func:`resolve` in ``__init__`` (bad arguments fail before the model is
 touched) and :meth:`Offload.build_optimizer` where it builds its inner optimizer.

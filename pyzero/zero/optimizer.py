@@ -103,9 +103,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")
         self._check_devices()
-        if offload is not None and self.device.type != "cpu":
-            raise ValueError(f"offload={offload!r}: not available for CUDA models yet (the shards would need "
-                             "pyzero.zero.offload.HostShard copies around the CPU step); train without offload")
+        # [Note: offload of a CUDA model]
+        # The fp32 master shards (and with offload_params the stage 3 parameter shards) live in
+        # pinned host memory, the inner optimizer (pz.optim's fused CPU step) steps them there.
+        # The device keeps what backward and the collectives need: the model-dtype parameters and
+        # the fp32 gradient shards, reduced, unscaled and clipped on the device; step() copies them
+        # to host buffers the inner optimizer reads (one device-to-host copy of the shard) and
+        # publishes the updated masters back (one host-to-device copy, then the stage's gather).
+        # For a CPU model host memory is the device: nothing is copied (see offload.py).
+        self._host = offload is not None and _host_copies(self.device)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
@@ -167,18 +173,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_groups: trainable parameters missing from every group: {missing[:5]}")
         return out
 
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of `t`, pinned where CUDA is (offload of a CUDA model: DMA copies)."""
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        out.copy_(t)
+        return out
+
     def _build_inner(self, optimizer_class, param_groups, kwargs):
         """One leaf tensor per piece, sharing memory with the fp32 master shard."""
         ngroups = 1 if param_groups is None else len(param_groups)
         groups = [dict(g, params=[]) for g in (param_groups or [{"params": []}])]
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
         self._owner = []  # per piece: its parameter's index in self.params (model order)
-        for layout, master, grad in self.shards():
+        # The gradient pieces clipping reads: the device shards' (with host copies, the inner
+        # optimizer's leaves have host gradients, see [Note: offload of a CUDA model]).
+        self._device_grads: list[torch.Tensor] = []
+        self._host_grads = [self._to_host(torch.zeros_like(grad)) for _, _, grad in self.shards()] \
+            if self._host else []
+        for k, (layout, master, grad) in enumerate(self.shards()):
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
                 lo = pc.offset - shard_off
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
-                leaf.grad = grad[lo:lo + pc.numel]
+                leaf.grad = (self._host_grads[k] if self._host else grad)[lo:lo + pc.numel]
+                self._device_grads.append(grad[lo:lo + pc.numel])
                 self.pieces.append((pc, leaf, leaf.grad))
                 self._owner.append(self._param_index[id(layout.params[pc.index])])
                 groups[self._group_of[id(layout.params[pc.index])]]["params"].append(leaf)
@@ -187,7 +205,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Ranks whose shard holds only padding still need a tensor per group for torch's checks.
         for g in groups[:ngroups]:
             if not g["params"]:
-                g["params"].append(nn.Parameter(torch.zeros(0, device=self.device), requires_grad=True))
+                g["params"].append(nn.Parameter(torch.zeros(0, device="cpu" if self._host else self.device),
+                                                requires_grad=True))
         self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
         self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
@@ -258,7 +277,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._check_overflow():
             return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
-        grads = [self.pieces[k][2] for k in self._model_order]
+        grads = [self._device_grads[k] for k in self._model_order]
         if grads:
             local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
                                              norm_type)
@@ -326,6 +345,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         skipped = [(leaf, g) for (_, leaf, g), i in zip(self.pieces, self._owner) if not used[i]]
         for leaf, _ in skipped:
             leaf.grad = None
+        for (_, _, g), host in zip(self.shards(), self._host_grads):
+            # Device to host, blocking: every copy and collective queued before has run once it
+            # returns (offload_params' gathers read host shards the step now changes).
+            host.copy_(g)
         try:
             self.inner.step()
         finally:
@@ -462,7 +485,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         first = self.group.rank == 0
         for layout, master, _ in self.shards():
             full = torch.empty(layout.padded, dtype=torch.float32, device=self.device)
-            comm.all_gather(full, master, group=self.group)
+            comm.all_gather(full, master.to(self.device), group=self.group)  # (host masters: offload)
             if first:
                 for p, v in zip(layout.params, layout.views(full)):
                     gathered[id(p)] = v.clone()
@@ -478,7 +501,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         weights); `total` is their sum. Stage 3 adds `peak_gathered_params`, the most full
         parameters allocated at once during forward/backward. With offload="nvme" the
         optimizer state counted is what is in memory (the swap buffers) and `disk` gives
-        the bytes of the swap files."""
+        the bytes of the swap files. A CUDA model with offload counts device bytes in
+        params/grads/optimizer/total and adds `host`: the pinned masters, gradient copies,
+        optimizer state in memory (and with offload_params the parameter shards)."""
         params = self._held_params()
         grads = self._held_grads()
         on_disk = self.offload.state_bytes(self.inner)  # offload="nvme": (swap buffers, swap files)
@@ -488,13 +513,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optim = on_disk[0]
         if self._master_is_separate():
             optim += _nbytes(m for _, m, _ in self.shards())
-        out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        if self._host:  # the optimizer's side is in host memory (see [Note: offload of a CUDA model])
+            host = optim + _nbytes(self._host_grads) + self._host_params()
+            out = {"params": params, "grads": grads, "optimizer": 0, "total": params + grads, "host": host}
+        else:
+            out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
         if on_disk is not None:
             out["disk"] = on_disk[1]
         return out
 
     def _master_is_separate(self) -> bool:
-        return (self.param_dtype or self.params[0].dtype) != torch.float32
+        return self._host or (self.param_dtype or self.params[0].dtype) != torch.float32
+
+    def _host_params(self) -> int:
+        """Bytes of parameter shards kept in host memory (stage 3 with offload_params)."""
+        return 0
 
     def _held_params(self) -> int:
         raise NotImplementedError
@@ -505,6 +538,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
                 f"params={sum(p.numel() for p in self.params)})")
+
+
+def _host_copies(device: torch.device) -> bool:
+    """Whether offload keeps the optimizer's side in separate host buffers: for a CUDA model
+    (see [Note: offload of a CUDA model]). The tests also turn it on for CPU models, to run
+    that path where there is no GPU."""
+    return device.type == "cuda"
 
 
 def _owner_of(p):

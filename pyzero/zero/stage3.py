@@ -67,15 +67,23 @@ class _Call:
 class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
-    def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered, device):
+    def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered, device, to_host=None,
+                 host_params=False):
         self.idx, self.tracker = idx, gathered
         self.layout = FlatLayout(params, names, world)
         off, n = self.layout.shard(rank)
         fp32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
         for v, p in zip(self.layout.views(fp32), params):
             v.copy_(p.detach())
-        self.master = fp32[off:off + n].clone()
-        self.shard = self.master if model_dtype == torch.float32 else self.master.to(model_dtype)
+        if to_host is None:
+            self.master = fp32[off:off + n].clone()
+            self.shard = self.master if model_dtype == torch.float32 else self.master.to(model_dtype)
+        else:  # offload of a CUDA model: host masters (and shards), see [Note: offload of a CUDA model]
+            self.master = to_host(fp32[off:off + n])
+            if not host_params:
+                self.shard = fp32[off:off + n].to(model_dtype, copy=True)
+            else:
+                self.shard = self.master if model_dtype == torch.float32 else to_host(fp32[off:off + n].to(model_dtype))
         self.full = fp32.to(model_dtype)
         self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
         # What a freed parameter holds: its shape, every element one NaN (stride 0).
@@ -91,6 +99,13 @@ class _Unit:
         self.gathered = True  # full holds the initial values until the first free
         gathered.add(self.nbytes)
         self.pending = len(params)
+
+    def gather_input(self) -> torch.Tensor:
+        """The shard as a gather reads it: on the device (offload_params: a copy of the host shard,
+        which changes only in step(), after step's blocking device-to-host copy)."""
+        if self.shard.device == self.full.device:
+            return self.shard
+        return self.shard.to(self.full.device, non_blocking=True)
 
     def free(self):
         if self.gather_work is not None:
@@ -145,7 +160,8 @@ class ZeroStage3(ZeroOptimizer):
             own = [p for p in m.parameters(recurse=False) if id(p) in names and id(p) not in owner]
             if own:
                 u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
-                          self._gathered, self.device)
+                          self._gathered, self.device, self._to_host if self._host else None,
+                          self.offload.offload_params)
                 u.secondary = self._plan.secondary(u.layout.padded, model_dtype, self.device)
                 for p in own:
                     owner[id(p)] = u
@@ -179,9 +195,18 @@ class ZeroStage3(ZeroOptimizer):
         return gather + [phase for pair in zip(gather[::-1], reduce[::-1]) for phase in pair]
 
     def _held_params(self):
+        if self._host:  # the device's shards only (see _host_params)
+            on_device = [] if self.offload.offload_params else [u.shard for u in self.units]
+            return _nbytes(on_device) + self._secondary_bytes()
         shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
         return (_nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
                 + self._secondary_bytes())
+
+    def _host_params(self):
+        # offload_params: the shards in host memory, unless they are the (fp32) masters themselves
+        if not (self._host and self.offload.offload_params):
+            return 0
+        return _nbytes(u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr())
 
     def _secondary_bytes(self):
         return _nbytes(u.secondary for u in self.units if u.secondary is not None)

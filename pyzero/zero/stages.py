@@ -36,8 +36,12 @@ class _FlatParams(ZeroOptimizer):
         for v, p in zip(L.views(fp32), L.params):
             v.copy_(p.detach())
         self.flat_param = fp32 if model_dtype == torch.float32 else fp32.to(model_dtype)
-        # The master shard aliases the model's own shard when both are fp32.
-        self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
+        # The master shard aliases the model's own shard when both are fp32 (with offload of a CUDA
+        # model it is a host copy: see [Note: offload of a CUDA model]).
+        if self._host:
+            self.master = self._to_host(fp32[self._shard])
+        else:
+            self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
         for v, p in zip(L.views(self.flat_param), L.params):
             p.data = v
         self.buckets = flat_buckets(L, self.bucket_elems)

@@ -103,10 +103,10 @@ class GatherPlan:
             return _Then(comm.all_gather(unit.full, unit.secondary, group=self.partition, async_op=True), None)
         keep = self._keep_secondary(unit) if unit.secondary is not None else None
         if not self.qw:
-            return _Then(comm.all_gather(unit.full, unit.shard, group=self.group, async_op=True), keep)
+            return _Then(comm.all_gather(unit.full, unit.gather_input(), group=self.group, async_op=True), keep)
         n, words = unit.shard.numel(), packed_words(unit.shard.numel(), 8)
-        payload = quantize(unit.shard)
-        out = torch.empty(self.group.size * words, dtype=torch.int32, device=unit.shard.device)
+        payload = quantize(unit.gather_input())
+        out = torch.empty(self.group.size * words, dtype=torch.int32, device=unit.full.device)
         work = comm.all_gather(out, payload, group=self.group, async_op=True)
 
         def arrive():

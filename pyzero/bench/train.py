@@ -139,12 +139,15 @@ def _zero_comm_alone(opt) -> Callable:
     return run
 
 
-def _setup_zero(stage: int) -> Callable:
+def _setup_zero(stage: int, offload: str | None = None) -> Callable:
+    """ZeroOptimizer at `stage`; offload="cpu": masters and AdamW state in host memory, the step on
+    the CPU (stage 3: the parameter shards too)."""
     def setup(model, args) -> Runner:
         import pyzero as pz  # noqa: PLC0415
 
+        extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3}
         opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb,
-                               **_adamw_kwargs(model))
+                               **_adamw_kwargs(model), **extra)
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
         # hooks and at step time, stage 3 also gathers in forward; +step counts them all.
         return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
@@ -212,7 +215,8 @@ def _fsdp2(model, args, backend: str) -> Runner:
 # torch.distributed backend (pyzero.distributed): the one-string switch.
 RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
                              "dp": _setup_dp, "zero1": _setup_zero(1), "zero2": _setup_zero(2),
-                             "zero3": _setup_zero(3), "torch-zero": _setup_torch_zero,
+                             "zero3": _setup_zero(3), "zero2-offload": _setup_zero(2, "cpu"),
+                             "zero3-offload": _setup_zero(3, "cpu"), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero")}
 
 

@@ -204,13 +204,13 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_params=False):
+def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_params=False, loss_scale=None):
     """Train `steps` steps; with `ckpt`, the first half runs without offload, is saved, and a
     fresh model and ZeroOptimizer(offload=...) load it and finish. Returns the weights, the inner
     optimizer's class name and memory_stats() with the shards' element count."""
     torch.manual_seed(0)
     model = Net()
-    kw = dict(lr=1e-2, weight_decay=0.1)
+    kw = dict(lr=1e-2, weight_decay=0.1, loss_scale=loss_scale)
     extra = {}
     if offload:
         extra["offload"] = offload
@@ -231,7 +231,7 @@ def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_p
         x, y = torch.randn(12, 16, generator=g), torch.randn(12, 5, generator=g)
         lo, hi = rank * 12 // world, (rank + 1) * 12 // world
         loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") / 12 * world
-        loss.backward()
+        opt.scale_loss(loss).backward()
         opt.clip_grad_norm_(0.5)
         opt.step()
     state = opt.full_state_dict() if stage == 3 else model.state_dict()
@@ -257,6 +257,14 @@ def _zero_ranks(stage, nvme_dir):
     runs["host_cpu"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, offload_params=stage == 3)
     runs["host_nvme_ckpt"] = _zero_run(stage, pz.optim.AdamW, "nvme", os.path.join(nvme_dir, f"r{pz.get_rank()}"),
                                        ckpt=os.path.join(nvme_dir, "ckpt_host"))
+    # the clip and unscale factor applied on the host: in pz.optim's pass, or (RMSprop, run as
+    # given) by a separate multiply; loss scale 2^4 growing every 2 steps
+    scaling = {"init_scale": 16.0, "growth_interval": 2}
+    runs["host_scaled"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, loss_scale=scaling)
+    runs["host_rmsprop"] = _zero_run(stage, torch.optim.RMSprop, "cpu", None)
+    zero_optimizer._host_copies = lambda device: device.type == "cuda"
+    runs["scaled"] = _zero_run(stage, pz.optim.AdamW, None, None, loss_scale=scaling)
+    runs["rmsprop"] = _zero_run(stage, torch.optim.RMSprop, None, None)
     return runs
 
 
@@ -274,9 +282,14 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
         runs = res.value
         assert runs["cpu"][1] == runs["nvme"][1] == runs["nvme_ckpt"][1] == runs["host_cpu"][1] == "AdamW"
         for name, ref in runs["pz"][0].items():
-            for run in ("cpu", "nvme", "nvme_ckpt", "host_cpu", "host_nvme_ckpt"):
+            for run in ("cpu", "nvme", "nvme_ckpt", "host_cpu", "host_nvme_ckpt", "scaled"):
                 assert torch.equal(runs[run][0][name], ref), (run, name)
             assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
+        # (a power-of-two scale unscales exactly: "scaled" equals "pz"; unscaled twice or not at all it would not)
+        assert not torch.equal(runs["rmsprop"][0]["fc1.weight"], runs["pz"][0]["fc1.weight"])
+        for run in ("scaled", "rmsprop"):
+            for name, ref in runs[run][0].items():
+                assert torch.equal(runs["host_" + run][0][name], ref), (run, name)
     for res in results:
         # host copies: no optimizer bytes on the device; in host memory the masters and the
         # gradient copies (fp32, a shard each) beside the optimizer state

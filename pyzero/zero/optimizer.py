@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import comm
 from ..bucketing import InFlight
+from .. import optim as pz_optim
 from . import offload as _offload
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
@@ -107,11 +108,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The fp32 master shards (and with offload_params the stage 3 parameter shards) live in
         # pinned host memory, the inner optimizer (pz.optim's fused CPU step) steps them there.
         # The device keeps what backward and the collectives need: the model-dtype parameters and
-        # the fp32 gradient shards, reduced, unscaled and clipped on the device; step() copies them
-        # to host buffers the inner optimizer reads (one device-to-host copy of the shard) and
-        # publishes the updated masters back (one host-to-device copy, then the stage's gather).
-        # For a CPU model host memory is the device: nothing is copied (see offload.py).
+        # the fp32 gradient shards. As a stage finishes a slice of a gradient shard (a bucket's or
+        # unit's reduction, during backward in stages 2-3) it calls _grad_ready, which copies
+        # that slice to the host on a side stream, overlapping the rest of backward. The device
+        # still checks for overflow, unscales and clips its shards; the host copies stay raw and
+        # the step applies the same factor (1/scale times the clip coefficient) in its own pass
+        # (pz.optim's grad_scale; a separate multiply for other optimizers), the same product the
+        # device computed. step() then publishes the updated masters (host to device, then the
+        # stage's gather). For a CPU model host memory is the device: nothing is copied.
         self._host = offload is not None and _host_copies(self.device)
+        self._copies = _HostCopies(self.device) if self._host else None
+        self._clip_coef = None  # with host copies: this step's clip coefficient (a device scalar)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
@@ -190,6 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._device_grads: list[torch.Tensor] = []
         self._host_grads = [self._to_host(torch.zeros_like(grad)) for _, _, grad in self.shards()] \
             if self._host else []
+        self._shard_grads = [grad for _, _, grad in self.shards()]
         for k, (layout, master, grad) in enumerate(self.shards()):
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
@@ -234,6 +242,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _start_backward(self):
         """Get ready for the next backward (stages that reduce during backward)."""
 
+    def _grad_ready(self, shard: int, lo: int, hi: int) -> None:
+        """Stages call this once [lo, hi) of gradient shard `shard` (self.shards() order) holds its
+        reduced value, as queued on the current stream: with host copies it goes to the host now
+        (see [Note: offload of a CUDA model])."""
+        if self._host and hi > lo:
+            self._copies.copy(self._host_grads[shard][lo:hi], self._shard_grads[shard][lo:hi])
+
+    def _finish_gradients(self):
+        """The gradient shards reduced; with host copies, those copies landed too."""
+        self._reduce_gradients()
+        if self._host:
+            self._copies.wait()
+
     def comm_plan(self) -> list[list[CollectiveCall]]:
         """The collectives one synchronised training step issues on this group, in order, as
         phases: the calls of one phase may be in flight together, a phase starts when the one
@@ -273,7 +294,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type: expected a positive p (or inf), got {norm_type!r}")
         self._require_grads("clip_grad_norm_")
-        self._reduce_gradients()
+        self._finish_gradients()
         if self._check_overflow():
             return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
@@ -298,6 +319,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
+        if self._host:  # the host copies are raw: the step applies it (see _host_factor)
+            self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total
 
     def _tp_norm(self, grads, norm_type):
@@ -325,7 +348,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step())")
         self._require_grads("step")
-        self._reduce_gradients()
+        self._finish_gradients()
         if self._check_overflow():
             self.scaler.update(overflow=True)
             self.zero_grad()
@@ -345,12 +368,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         skipped = [(leaf, g) for (_, leaf, g), i in zip(self.pieces, self._owner) if not used[i]]
         for leaf, _ in skipped:
             leaf.grad = None
-        for (_, _, g), host in zip(self.shards(), self._host_grads):
-            # Device to host, blocking: every copy and collective queued before has run once it
-            # returns (offload_params' gathers read host shards the step now changes).
-            host.copy_(g)
         try:
-            self.inner.step()
+            if self._host:
+                self._host_step()
+            else:
+                self.inner.step()
         finally:
             for leaf, g in skipped:
                 leaf.grad = g
@@ -360,6 +382,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The gradients are consumed: a stage's shards mix reduced and local values, and
         # model.zero_grad() cannot reach them, so start the next step from zero either way.
         self.zero_grad()
+
+    def _host_step(self):
+        """The inner step on the host copies, with the factor the device applied to its shards.
+        With offload_params the device is idle first: gathers read host shards this step changes."""
+        if self.offload.offload_params and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        if self._clip_coef is not None:
+            factor *= float(self._clip_coef)
+        if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
+            self.inner.step(grad_scale=factor)
+            return
+        if factor != 1.0:
+            for h in self._host_grads:
+                h.mul_(factor)
+        self.inner.step()
 
     # ---- loss scaling (fp16) ---------------------------------------------------
 
@@ -407,12 +445,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
+        self._forget_host_copies()
         for _, _, g in self.shards():
             g.zero_()
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
         self._overflow = None
         self._has_grad.fill_(0 if set_to_none else 1)  # torch steps zero (not None) gradients
+
+    def _forget_host_copies(self):
+        """Before the gradient shards are zeroed: no copy to the host may still read them, and
+        the next step's clip coefficient starts afresh."""
+        if self._host:
+            self._copies.wait()
+            self._clip_coef = None
 
     def _zero_model_grads(self, set_to_none):
         for p in self.params:
@@ -538,6 +584,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
                 f"params={sum(p.numel() for p in self.params)})")
+
+
+class _HostCopies:
+    """Device-to-host copies of gradient slices as they are ready (see [Note: offload of a CUDA
+    model]): on a side stream, after the work queued so far on the current one; wait() blocks
+    until all have landed. On the CPU (the tests' host-copy path) a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._done: list = []
+
+    def copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        if self.stream is None:
+            host.copy_(dev)
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            host.copy_(dev, non_blocking=True)  # pinned: a DMA the host does not wait for
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._done.append(done)
+
+    def wait(self) -> None:
+        for e in self._done:
+            e.synchronize()
+        self._done.clear()
+
+
+_SCALED_STEP = (pz_optim.Adam, pz_optim.SGD, pz_optim.Adagrad)  # step(grad_scale=) in the kernel's pass
 
 
 def _host_copies(device: torch.device) -> bool:

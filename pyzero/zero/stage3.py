@@ -316,11 +316,16 @@ class ZeroStage3(ZeroOptimizer):
                 p.grad = None
         if self._qg is not None:  # synchronous: two quantised all-to-alls (zeropp.py)
             u.grad_shard.add_(self._qg(staging, u.layout.shard_size))
+            self._grad_ready(u.idx, 0, u.grad_shard.numel())
             u.free()
             return
         out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
-        self._inflight.add(work, lambda: u.grad_shard.add_(out))
+
+        def arrived():
+            u.grad_shard.add_(out)
+            self._grad_ready(u.idx, 0, u.grad_shard.numel())
+        self._inflight.add(work, arrived)
         u.free()
 
     def _start_backward(self):

@@ -113,10 +113,12 @@ class ZeroStage1(_FlatParams):
             w.wait()
         if self.grad_shard.data_ptr() != self.flat_grad[self._shard].data_ptr():
             self.grad_shard.copy_(self.flat_grad[self._shard])
+        self._grad_ready(0, 0, self.grad_shard.numel())
         self._reduced = True
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes the flat gradient buffer; the parameters keep their gradient views."""
+        self._forget_host_copies()
         self.flat_grad.zero_()
         self.grad_shard.zero_()
         self._attach_grads()
@@ -172,7 +174,11 @@ class ZeroStage2(_FlatParams):
                                    async_op=True)
         self._staging[b] = None  # the Work keeps it alive until it is waited on
         lo, hi = self._my_part(begin, end)
-        self._inflight.add(work, lambda: self.grad_shard[lo:hi].add_(out))
+
+        def arrived():
+            self.grad_shard[lo:hi].add_(out)
+            self._grad_ready(0, lo, hi)
+        self._inflight.add(work, arrived)
 
     def _end_backward(self):
         """Buckets holding unused parameters launch now, with zeros for the missing gradients."""

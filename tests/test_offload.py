@@ -204,13 +204,14 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_params=False, loss_scale=None):
+def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_params=False, loss_scale=None,
+              param_dtype=None):
     """Train `steps` steps; with `ckpt`, the first half runs without offload, is saved, and a
     fresh model and ZeroOptimizer(offload=...) load it and finish. Returns the weights, the inner
     optimizer's class name and memory_stats() with the shards' element count."""
     torch.manual_seed(0)
     model = Net()
-    kw = dict(lr=1e-2, weight_decay=0.1, loss_scale=loss_scale)
+    kw = dict(lr=1e-2, weight_decay=0.1, loss_scale=loss_scale, param_dtype=param_dtype)
     extra = {}
     if offload:
         extra["offload"] = offload
@@ -228,7 +229,8 @@ def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_p
             opt = pz.ZeroOptimizer(model, optimizer, stage=stage, **extra, **kw)
             assert pz.checkpoint.load(ckpt, model, opt) == step
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 5, generator=g)
+        x, y = (t.to(param_dtype or torch.float32) for t in (torch.randn(12, 16, generator=g),
+                                                              torch.randn(12, 5, generator=g)))
         lo, hi = rank * 12 // world, (rank + 1) * 12 // world
         loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") / 12 * world
         opt.scale_loss(loss).backward()
@@ -262,9 +264,15 @@ def _zero_ranks(stage, nvme_dir):
     scaling = {"init_scale": 16.0, "growth_interval": 2}
     runs["host_scaled"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, loss_scale=scaling)
     runs["host_rmsprop"] = _zero_run(stage, torch.optim.RMSprop, "cpu", None)
+    # a bf16 model: the step writes the bf16 copies the device gets (stage 3: the host shards)
+    runs["host_bf16"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
+                                  offload_params=stage == 3)
+    runs["host_bf16_ckpt"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
+                                       ckpt=os.path.join(nvme_dir, "ckpt_bf16"))
     zero_optimizer._host_copies = lambda device: device.type == "cuda"
     runs["scaled"] = _zero_run(stage, pz.optim.AdamW, None, None, loss_scale=scaling)
     runs["rmsprop"] = _zero_run(stage, torch.optim.RMSprop, None, None)
+    runs["bf16"] = _zero_run(stage, pz.optim.AdamW, None, None, param_dtype=torch.bfloat16)
     return runs
 
 
@@ -287,9 +295,11 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
             assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
         # (a power-of-two scale unscales exactly: "scaled" equals "pz"; unscaled twice or not at all it would not)
         assert not torch.equal(runs["rmsprop"][0]["fc1.weight"], runs["pz"][0]["fc1.weight"])
-        for run in ("scaled", "rmsprop"):
+        for run in ("scaled", "rmsprop", "bf16"):
             for name, ref in runs[run][0].items():
                 assert torch.equal(runs["host_" + run][0][name], ref), (run, name)
+        for name, ref in runs["bf16"][0].items():
+            assert torch.equal(runs["host_bf16_ckpt"][0][name], ref), name
     for res in results:
         # host copies: no optimizer bytes on the device; in host memory the masters and the
         # gradient copies (fp32, a shard each) beside the optimizer state
@@ -298,6 +308,9 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
         assert not host["shares"], "the inner optimizer's tensors share memory with the model's"
         assert host["grads"] == plain["grads"] and plain["shard_elems"] == host["shard_elems"], (plain, host)
         assert host["host"] == plain["optimizer"] + 8 * plain["shard_elems"], (plain, host)
+        # bf16: the masters are separate either way; host adds the fp32 gradient copies and the bf16 copies
+        plain, host = res.value["bf16"][2], res.value["host_bf16"][2]
+        assert host["host"] == plain["optimizer"] + 6 * plain["shard_elems"], (plain, host)
 
 
 def _bad_offload_args(tmp):

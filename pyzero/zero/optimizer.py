@@ -114,8 +114,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # still checks for overflow, unscales and clips its shards; the host copies stay raw and
         # the step applies the same factor (1/scale times the clip coefficient) in its own pass
         # (pz.optim's grad_scale; a separate multiply for other optimizers), the same product the
-        # device computed. step() then publishes the updated masters (host to device, then the
-        # stage's gather). For a CPU model host memory is the device: nothing is copied.
+        # device computed. A 16-bit model gets its new parameters from 16-bit host copies of the
+        # masters (_host_low): pz.optim's step writes them in the same pass (copies=), other
+        # optimizers convert after; step() copies them to the device (half the bytes of the fp32
+        # masters, and no fp32 temporary there), then the stage gathers. For a CPU model host
+        # memory is the device: nothing is copied.
         self._host = offload is not None and _host_copies(self.device)
         self._copies = _HostCopies(self.device) if self._host else None
         self._clip_coef = None  # with host copies: this step's clip coefficient (a device scalar)
@@ -186,6 +189,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out.copy_(t)
         return out
 
+    def _low_buffer(self, k: int, master: torch.Tensor, dtype) -> torch.Tensor:
+        """The 16-bit host copy of master shard `k` (see [Note: offload of a CUDA model])."""
+        return self._to_host(master.to(dtype))
+
+    def _refresh_low(self):
+        """The 16-bit host copies from the masters (after a load, or an optimizer without copies=)."""
+        for (_, master, _), low in zip(self.shards(), self._host_low):
+            if low.data_ptr() != master.data_ptr():
+                low.copy_(master)
+
+    def _publish_source(self, k: int, master: torch.Tensor) -> torch.Tensor:
+        """What a stage copies into its device parameters for master shard `k`: the 16-bit host
+        copy where there is one, else the master."""
+        return self._host_low[k] if self._host_low else master
+
     def _build_inner(self, optimizer_class, param_groups, kwargs):
         """One leaf tensor per piece, sharing memory with the fp32 master shard."""
         ngroups = 1 if param_groups is None else len(param_groups)
@@ -198,6 +216,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._host_grads = [self._to_host(torch.zeros_like(grad)) for _, _, grad in self.shards()] \
             if self._host else []
         self._shard_grads = [grad for _, _, grad in self.shards()]
+        low = self.param_dtype or self.params[0].dtype
+        self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
+            if self._host and low != torch.float32 else []
+        # per piece: its view of the 16-bit copy, for the step's copies=
+        self._low_of = {}
+        if self._host_low:
+            for k, (layout, _, _) in enumerate(self.shards()):
+                shard_off = layout.shard(self.rank).offset
+                for pc in layout.pieces(self.rank):
+                    lo = pc.offset - shard_off
+                    self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
         for k, (layout, master, grad) in enumerate(self.shards()):
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
@@ -392,12 +421,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._clip_coef is not None:
             factor *= float(self._clip_coef)
         if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
-            self.inner.step(grad_scale=factor)
+            copies = {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces} if self._host_low else None
+            self.inner.step(grad_scale=factor, copies=copies)
             return
         if factor != 1.0:
             for h in self._host_grads:
                 h.mul_(factor)
         self.inner.step()
+        self._refresh_low()
 
     # ---- loss scaling (fp16) ---------------------------------------------------
 
@@ -508,6 +539,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.inner.state[leaf] = {k: _state_on(leaf, k, t, group_of[id(leaf)]) for k, t in st.items()}
             else:
                 self.inner.state.pop(leaf, None)
+        self._refresh_low()
         self._publish_parameters()
 
     def load_state_dict(self, sd: dict) -> None:
@@ -521,6 +553,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(sd["inner"])
         if self.scaler is not None and "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
+        self._refresh_low()
         self._publish_parameters()
 
     @torch.no_grad()
@@ -549,7 +582,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer state counted is what is in memory (the swap buffers) and `disk` gives
         the bytes of the swap files. A CUDA model with offload counts device bytes in
         params/grads/optimizer/total and adds `host`: the pinned masters, gradient copies,
-        optimizer state in memory (and with offload_params the parameter shards)."""
+        optimizer state in memory, the 16-bit copies of a 16-bit model (and with offload_params
+        the parameter shards)."""
         params = self._held_params()
         grads = self._held_grads()
         on_disk = self.offload.state_bytes(self.inner)  # offload="nvme": (swap buffers, swap files)
@@ -560,7 +594,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._master_is_separate():
             optim += _nbytes(m for _, m, _ in self.shards())
         if self._host:  # the optimizer's side is in host memory (see [Note: offload of a CUDA model])
-            host = optim + _nbytes(self._host_grads) + self._host_params()
+            counted, extra = {m.data_ptr() for _, m, _ in self.shards()}, []
+            for t in self._host_grads + self._host_low + self._host_param_shards():
+                if t.data_ptr() not in counted:  # (offload_params: a 16-bit copy is the shard itself)
+                    counted.add(t.data_ptr())
+                    extra.append(t)
+            host = optim + _nbytes(extra)
             out = {"params": params, "grads": grads, "optimizer": 0, "total": params + grads, "host": host}
         else:
             out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
@@ -571,9 +610,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _master_is_separate(self) -> bool:
         return self._host or (self.param_dtype or self.params[0].dtype) != torch.float32
 
-    def _host_params(self) -> int:
-        """Bytes of parameter shards kept in host memory (stage 3 with offload_params)."""
-        return 0
+    def _host_param_shards(self) -> list[torch.Tensor]:
+        """Parameter shards kept in host memory (stage 3 with offload_params)."""
+        return []
 
     def _held_params(self) -> int:
         raise NotImplementedError

@@ -195,18 +195,21 @@ class ZeroStage3(ZeroOptimizer):
         return gather + [phase for pair in zip(gather[::-1], reduce[::-1]) for phase in pair]
 
     def _held_params(self):
-        if self._host:  # the device's shards only (see _host_params)
+        if self._host:  # the device's shards only (see _host_param_shards)
             on_device = [] if self.offload.offload_params else [u.shard for u in self.units]
             return _nbytes(on_device) + self._secondary_bytes()
         shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
         return (_nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
                 + self._secondary_bytes())
 
-    def _host_params(self):
-        # offload_params: the shards in host memory, unless they are the (fp32) masters themselves
-        if not (self._host and self.offload.offload_params):
-            return 0
-        return _nbytes(u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr())
+    def _low_buffer(self, k, master, dtype):
+        u = self.units[k]  # offload_params: the 16-bit host shard is the copy the step writes
+        if u.shard.device.type == "cpu" and u.shard.dtype == dtype and u.shard.data_ptr() != master.data_ptr():
+            return u.shard
+        return super()._low_buffer(k, master, dtype)
+
+    def _host_param_shards(self):
+        return [u.shard for u in self.units] if self._host and self.offload.offload_params else []
 
     def _secondary_bytes(self):
         return _nbytes(u.secondary for u in self.units if u.secondary is not None)
@@ -350,8 +353,9 @@ class ZeroStage3(ZeroOptimizer):
     def _publish_parameters(self):
         for u in self.units:
             u.secondary_valid = False  # hpZ: the next forward's gathers refresh it
-            if u.shard.data_ptr() != u.master.data_ptr():
-                u.shard.copy_(u.master)
+            src = self._publish_source(u.idx, u.master)
+            if u.shard.data_ptr() != src.data_ptr():
+                u.shard.copy_(src)
 
 
 def _on_grad_ready(t, order, fn):

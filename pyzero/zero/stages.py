@@ -55,7 +55,7 @@ class _FlatParams(ZeroOptimizer):
 
     def _publish_parameters(self):
         if self.master.data_ptr() != self.flat_param[self._shard].data_ptr():
-            self.flat_param[self._shard].copy_(self.master)
+            self.flat_param[self._shard].copy_(self._publish_source(0, self.master))
         comm.all_gather(self.flat_param, self.flat_param[self._shard], group=self.group)
 
     def shards(self):

@@ -267,6 +267,8 @@ def _zero_ranks(stage, nvme_dir):
     # a bf16 model: the step writes the bf16 copies the device gets (stage 3: the host shards)
     runs["host_bf16"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
                                   offload_params=stage == 3)
+    if stage == 3:  # bf16 shards on the device, bf16 host copies beside the masters
+        runs["host_bf16_device_shards"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16)
     runs["host_bf16_ckpt"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
                                        ckpt=os.path.join(nvme_dir, "ckpt_bf16"))
     zero_optimizer._host_copies = lambda device: device.type == "cuda"
@@ -299,7 +301,8 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
             for name, ref in runs[run][0].items():
                 assert torch.equal(runs["host_" + run][0][name], ref), (run, name)
         for name, ref in runs["bf16"][0].items():
-            assert torch.equal(runs["host_bf16_ckpt"][0][name], ref), name
+            for run in ("host_bf16_ckpt", "host_bf16_device_shards") if stage == 3 else ("host_bf16_ckpt",):
+                assert torch.equal(runs[run][0][name], ref), (run, name)
     for res in results:
         # host copies: no optimizer bytes on the device; in host memory the masters and the
         # gradient copies (fp32, a shard each) beside the optimizer state

@@ -82,8 +82,10 @@ class _Unit:
             self.master = to_host(fp32[off:off + n])
             if not host_params:
                 self.shard = fp32[off:off + n].to(model_dtype, copy=True)
+            elif model_dtype == torch.float32:
+                self.shard = self.master
             else:
-                self.shard = self.master if model_dtype == torch.float32 else to_host(fp32[off:off + n].to(model_dtype))
+                self.shard = to_host(fp32[off:off + n].to(model_dtype))
         self.full = fp32.to(model_dtype)
         self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
         # What a freed parameter holds: its shape, every element one NaN (stride 0).
@@ -102,7 +104,7 @@ class _Unit:
 
     def gather_input(self) -> torch.Tensor:
         """The shard as a gather reads it: on the device (offload_params: a copy of the host shard,
-        which changes only in step(), after step's blocking device-to-host copy)."""
+        which changes only in step(), once the device is idle: see ZeroOptimizer._host_step)."""
         if self.shard.device == self.full.device:
             return self.shard
         return self.shard.to(self.full.device, non_blocking=True)
@@ -204,7 +206,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _low_buffer(self, k, master, dtype):
         u = self.units[k]  # offload_params: the 16-bit host shard is the copy the step writes
-        if u.shard.device.type == "cpu" and u.shard.dtype == dtype and u.shard.data_ptr() != master.data_ptr():
+        if self.offload.offload_params and u.shard.dtype == dtype and u.shard.data_ptr() != master.data_ptr():
             return u.shard
         return super()._low_buffer(k, master, dtype)
 

@@ -143,3 +143,21 @@ def test_reduce_many_rejects_too_many_sources():
         _C.cuda_reduce_many([x.data_ptr()] * 17, x.data_ptr(), 4, 0, 0, 17, 0)
     with pytest.raises(ValueError, match="1 to 16 sources"):
         _C.cuda_reduce_many([], x.data_ptr(), 4, 0, 0, 1, 0)
+
+
+def test_fp16_every_value_converts_as_torch():
+    """Every fp16 bit pattern through the reduce kernel (a + b, a * 1 and a + (-a) style pairs), against
+    torch's IEEE conversions on the CPU: subnormals, the overflow to inf at 65520, signed zeros. NaN
+    stays NaN (payloads are not compared)."""
+    a = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for b in (torch.zeros_like(a), a.roll(1), a.roll(12345), -a.roll(7), torch.full_like(a, 2.0**-14)):
+        for op in ("sum", "prod", "max"):
+            out = torch.empty(a.numel(), dtype=torch.float16, device="cuda")
+            ga, gb = a.cuda(), b.cuda()
+            _C.cuda_reduce2(ga.data_ptr(), gb.data_ptr(), out.data_ptr(), a.numel(), _DTYPES[torch.float16],
+                            _OPS[op], 2, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            got, want = out.cpu(), _reference(a, b, op, 2)
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan), op
+            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), op

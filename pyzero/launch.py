@@ -11,6 +11,7 @@ prints every thread's stack).
 """
 from __future__ import annotations
 
+import codecs
 import faulthandler
 import os
 import pickle
@@ -107,7 +108,8 @@ def _spawn(spec: tuple, spec_path: str) -> int:
 
 
 def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=None,
-              check: bool = True, threads: int | None = 1, start: str = "fork") -> list[RankResult]:
+              check: bool = True, threads: int | None = 1, start: str = "fork",
+              echo: int | None = None) -> list[RankResult]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` forked ranks; return their results in rank order.
 
     ``fn`` returns a picklable value. ``threads`` sets torch's intra-op threads
@@ -117,12 +119,16 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     time; without, return whatever happened (exit codes, outputs).
     ``start="spawn"`` runs each rank in a fresh interpreter (``fn`` must be
     importable by module and name, its arguments picklable): what GPU ranks
-    need once the parent has initialised CUDA.
+    need once the parent has initialised CUDA. ``echo``: a rank whose output this process
+    copies to its own stdout as the rank writes it (a bench's table, shown even if this process
+    is stopped before the ranks end); the rank's RankResult.output still holds all of it.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs: expected >= 1, got {nprocs}")
     if start not in ("fork", "spawn"):
         raise ValueError(f"start: expected 'fork' or 'spawn', got {start!r}")
+    if echo is not None and not (isinstance(echo, int) and 0 <= echo < nprocs):
+        raise ValueError(f"echo: expected None or a rank in [0, {nprocs}), got {echo!r}")
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")
     pids = {}
@@ -139,7 +145,24 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     codes: dict[int, int | None] = {}
     deadline = time.monotonic() + timeout
     failed = False
+    echoed, decoder = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")  # rank `echo`'s output so far
+
+    def copy_echo():
+        nonlocal echoed
+        try:
+            with open(os.path.join(tmp, f"rank{echo}.out"), "rb") as f:
+                f.seek(echoed)
+                new = f.read()
+        except FileNotFoundError:
+            return
+        echoed += len(new)
+        if new:
+            sys.stdout.write(decoder.decode(new))
+            sys.stdout.flush()
+
     while len(codes) < nprocs:
+        if echo is not None:
+            copy_echo()
         for pid, r in pids.items():
             if r in codes:
                 continue
@@ -150,6 +173,8 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
         if len(codes) == nprocs or time.monotonic() > deadline or (failed and check):
             break
         time.sleep(0.005)
+    if echo is not None:
+        copy_echo()
     timed_out = len(codes) < nprocs and not failed
     if timed_out:  # stacks of the ranks still running (see _child), then kill them
         for pid, r in pids.items():

@@ -64,3 +64,56 @@ def test_deadline_kills_hung_ranks():
 def test_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs"):
         run_ranks(_hang_on_rank_zero, 0)
+
+
+
+def _print_slowly():
+    for k in range(3):
+        print(f"row {k} of rank {os.environ['RANK']}", flush=True)
+        time.sleep(0.05)
+    return 7
+
+
+def test_echo_copies_one_ranks_output_once_and_whole(capfd):
+    results = run_ranks(_print_slowly, 2, timeout=30, echo=1)
+    out = capfd.readouterr().out
+    assert out == "row 0 of rank 1\nrow 1 of rank 1\nrow 2 of rank 1\n", out
+    assert [r.value for r in results] == [7, 7] and "row 2 of rank 0" in results[0].output
+    with pytest.raises(ValueError, match="echo: expected None or a rank in"):
+        run_ranks(_print_slowly, 2, timeout=30, echo=2)
+
+
+ECHO_PARENT = """
+import time
+from pyzero.launch import run_ranks
+
+def rank():
+    print("measured row", flush=True)
+    time.sleep(60)
+
+run_ranks(rank, 1, timeout=60, echo=0)
+"""
+
+
+def test_echo_shows_a_ranks_output_while_it_runs():
+    """The parent prints what rank 0 wrote while the rank still runs: a bench stopped by a time
+    limit still shows its rows (the parent here is killed before its ranks end)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_PARENT], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    import threading
+
+    guard = threading.Timer(20, lambda: os.killpg(proc.pid, 9))  # no echo: readline ends at the kill
+    guard.start()
+    try:
+        line = proc.stdout.readline()  # the rank sleeps 60 s after printing: only an echo arrives sooner
+        assert line == "measured row\n", line
+    finally:
+        guard.cancel()
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

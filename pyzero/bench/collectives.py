@@ -546,8 +546,8 @@ def main(args) -> int:
     if args.nproc:
         # GPU ranks start as fresh interpreters (CUDA does not survive fork)
         start = "spawn" if getattr(args, "device", "cpu") == "cuda" else "fork"
-        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start)
-        print(res[0].output, end="")
+        # rank 0's table as it prints it: a run stopped part-way still shows the rows it measured
+        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start, echo=0)
         results = res[0].value
     else:
         import pyzero as pz  # noqa: PLC0415

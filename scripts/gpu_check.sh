@@ -74,28 +74,28 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
   if part tests; then
   echo "## GPU tests"
   # shellcheck disable=SC2086
-  timeout "$(lim 210)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
-    --junitxml "${OUT}_tests.xml" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 210) s)"
+  timeout "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
+    --junitxml "${OUT}_tests.xml" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
   fi
   if part kernels; then
   echo "## reduce kernel bandwidth vs device-to-device copy"
-  timeout "$(lim 40)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED (or past $(lim 40) s)"
+  timeout "$(lim 30)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED (or past $(lim 30) s)"
   fi
   if part collectives; then
   echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
   # One GPU: world size 1 moves nothing between ranks, so only all_reduce (the per-call floor of each
   # path); the full matrix on 2+ GPUs. (On an H200 the full matrix at world size 1 took over 75 s.)
   if [ "$NGPU" -ge 2 ]; then COLL=(--op all --max 256M --factor 4); else COLL=(--op all_reduce --max 64M --factor 8); fi
-  timeout "$(lim 60)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
-    --min 8 "${COLL[@]}" --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED (or past $(lim 60) s)"
+  timeout "$(lim 45)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
+    --min 8 "${COLL[@]}" --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED (or past $(lim 45) s)"
   fi
   if part train; then
   echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
   # (about 15 s per run on an H200: 8 runs need about 120 s)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 140)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
     --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
-    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 150) s)"
+    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
   fi
   if part ipc; then
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"

@@ -99,12 +99,20 @@ class _Unit:
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
         self.gathered = True  # full holds the initial values until the first free
+        self.pending_update = None  # offload: host values the device shard takes at its next gather
         gathered.add(self.nbytes)
         self.pending = len(params)
 
     def gather_input(self) -> torch.Tensor:
         """The shard as a gather reads it: on the device (offload_params: a copy of the host shard,
-        which changes only in step(), once the device is idle: see ZeroOptimizer._host_step)."""
+        which changes only in step(), once the device is idle: see ZeroOptimizer._host_step).
+        Offload without offload_params: the device shard first takes the step's values from the
+        host, here rather than in step(), so the copy overlaps the forward of the units before."""
+        if self.pending_update is not None:
+            # (the host values change again only in the next step, after the device is done with
+            # this copy: step() waits for the gradient copies queued after it)
+            self.shard.copy_(self.pending_update, non_blocking=True)
+            self.pending_update = None
         if self.shard.device == self.full.device:
             return self.shard
         return self.shard.to(self.full.device, non_blocking=True)
@@ -356,7 +364,11 @@ class ZeroStage3(ZeroOptimizer):
         for u in self.units:
             u.secondary_valid = False  # hpZ: the next forward's gathers refresh it
             src = self._publish_source(u.idx, u.master)
-            if u.shard.data_ptr() != src.data_ptr():
+            if u.shard.data_ptr() == src.data_ptr():
+                continue
+            if self._host and not self.offload.offload_params:
+                u.pending_update = src  # copied at the unit's next gather (see _Unit.gather_input)
+            else:
                 u.shard.copy_(src)
 
 

@@ -199,6 +199,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if low.data_ptr() != master.data_ptr():
                 low.copy_(master)
 
+    def _before_host_writes(self):
+        """Before a load writes the host masters (and 16-bit copies): no copy to the device still
+        reads them (stage 3 copies them at its gathers, see _Unit.gather_input)."""
+        if self._host and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _publish_source(self, k: int, master: torch.Tensor) -> torch.Tensor:
         """What a stage copies into its device parameters for master shard `k`: the 16-bit host
         copy where there is one, else the master."""
@@ -532,6 +538,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if v.numel() != pc.numel:
                 raise ValueError(f"master: {pc.name}[{pc.start}:{pc.end}] needs {pc.numel} values, got {v.numel()}")
         self._drain()
+        self._before_host_writes()
         group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
         for (_, leaf, _), v, st in zip(self.pieces, master, state):
             leaf.copy_(v)
@@ -547,6 +554,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if sd.get("pieces") != mine:
             raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model); "
                              "use pz.checkpoint.load to reshard")
+        self._before_host_writes()
         with torch.no_grad():
             for (_, leaf, _), t in zip(self.pieces, sd["master"]):
                 leaf.copy_(t)

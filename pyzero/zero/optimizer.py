@@ -116,9 +116,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # (pz.optim's grad_scale; a separate multiply for other optimizers), the same product the
         # device computed. A 16-bit model gets its new parameters from 16-bit host copies of the
         # masters (_host_low): pz.optim's step writes them in the same pass (copies=), other
-        # optimizers convert after; step() copies them to the device (half the bytes of the fp32
-        # masters, and no fp32 temporary there), then the stage gathers. For a CPU model host
-        # memory is the device: nothing is copied.
+        # optimizers convert after; they go to the device (half the bytes of the fp32 masters,
+        # and no fp32 temporary there) at the end of step() in stages 1-2, at each unit's next
+        # gather in stage 3. For a CPU model host memory is the device: nothing is copied.
         self._host = offload is not None and _host_copies(self.device)
         self._copies = _HostCopies(self.device) if self._host else None
         self._clip_coef = None  # with host copies: this step's clip coefficient (a device scalar)
@@ -354,7 +354,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
-        if self._host:  # the host copies are raw: the step applies it (see _host_factor)
+        if self._host:  # the host copies are raw: the step applies it (see _host_step)
             self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total
 

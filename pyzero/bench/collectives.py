@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from .common import init_torch_distributed, parse_size, size_steps, write_json
+from .common import comm_device, init_torch_distributed, parse_size, size_steps, write_json
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 MIN_TIMED_S = 0.05
@@ -113,7 +113,7 @@ class Runner:
         self.rank = pz.get_rank()
         per = count // self.n
         algo = None if algo == "auto" else algo
-        dev = _device()
+        dev = comm_device()
         if dev.type == "cuda" and backend == "pyzero" and pz.get_backend() == "nccl":
             algo = algo or "ring"  # auto on the nccl backend is NCCL's own: the "nccl" column
         if op == "all_reduce":
@@ -250,24 +250,15 @@ def _barrier(backend):
         pz.barrier()
 
 
-def _device() -> torch.device:
-    """This rank's buffers: its GPU on the nccl backend, else the CPU."""
-    import pyzero as pz  # noqa: PLC0415
-
-    if pz.get_backend() in ("nccl", "ipc"):
-        return torch.device("cuda", torch.cuda.current_device())  # pz.init set it (ipc: GPUs may be shared)
-    return torch.device("cpu")
-
-
 def _sync() -> None:
-    if _device().type == "cuda":
+    if comm_device().type == "cuda":
         torch.cuda.synchronize()
 
 
 def _max_over_ranks(x: float) -> float:
     import pyzero as pz  # noqa: PLC0415
 
-    t = torch.tensor([x], dtype=torch.float64, device=_device())
+    t = torch.tensor([x], dtype=torch.float64, device=comm_device())
     pz.all_reduce(t, op="max")
     return float(t)
 
@@ -275,7 +266,7 @@ def _max_over_ranks(x: float) -> float:
 def _sum_over_ranks(x: int) -> int:
     import pyzero as pz  # noqa: PLC0415
 
-    t = torch.tensor([x], dtype=torch.int64, device=_device())
+    t = torch.tensor([x], dtype=torch.int64, device=comm_device())
     pz.all_reduce(t, op="sum")
     return int(t)
 
@@ -318,7 +309,7 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
 
 def memcpy_gbps(nbytes: int, iters: int) -> float:
     """Copy bandwidth of one buffer on this rank's device (host memcpy, or device to device)."""
-    a = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=_device())
+    a = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=comm_device())
     b = torch.empty_like(a)
     b.copy_(a)
     _sync()

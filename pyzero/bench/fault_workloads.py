@@ -21,6 +21,8 @@ from torch import nn
 
 import pyzero as pz
 
+from .common import comm_device
+
 VICTIM = 1
 
 
@@ -326,9 +328,7 @@ def rank_main(work: str, tmp: str, seed: int, timeout: float, duration: float, b
     pz.init(backend=backend, timeout=timeout)
     rank = pz.get_rank()
     touch(os.path.join(tmp, f"pid{rank}"), str(os.getpid()))
-    dev = pz.comm.resolve_group(None).device
-    ctx = Ctx(rank, pz.get_world_size(), tmp, random.Random(seed * 1000 + 1), timeout,
-              torch.device("cpu") if dev is None else torch.device("cuda", dev))
+    ctx = Ctx(rank, pz.get_world_size(), tmp, random.Random(seed * 1000 + 1), timeout, comm_device())
     step = WORKLOADS[work](ctx)
     out = ctx.out
     out.update(rank=rank, steps=0, wrong=0, error=None)

@@ -225,14 +225,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         low = self.param_dtype or self.params[0].dtype
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
             if self._host and low != torch.float32 else []
-        # per piece: its view of the 16-bit copy, for the step's copies=
-        self._low_of = {}
-        if self._host_low:
-            for k, (layout, _, _) in enumerate(self.shards()):
-                shard_off = layout.shard(self.rank).offset
-                for pc in layout.pieces(self.rank):
-                    lo = pc.offset - shard_off
-                    self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
+        self._low_of = {}  # per piece: its view of the 16-bit copy, for the step's copies=
         for k, (layout, master, grad) in enumerate(self.shards()):
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
@@ -240,6 +233,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
                 leaf.grad = (self._host_grads[k] if self._host else grad)[lo:lo + pc.numel]
                 self._device_grads.append(grad[lo:lo + pc.numel])
+                if self._host_low:
+                    self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
                 self.pieces.append((pc, leaf, leaf.grad))
                 self._owner.append(self._param_index[id(layout.params[pc.index])])
                 groups[self._group_of[id(layout.params[pc.index])]]["params"].append(leaf)

@@ -243,8 +243,9 @@ def test_zero_optimizer_on_nccl_refuses_a_cpu_model_and_offload_params_below_sta
 
 @pytest.mark.parametrize("case", ["clip", "loss_scale", "bf16"])
 def test_zero_offload_cuda_model_equals_torch(case):
-    """offload="cpu" (and stage 3 with offload_params) on a CUDA model: the masters and AdamW state in
-    host memory, stepped by pz.optim's CPU kernel, clipping and the overflow check on the GPU;
+    """offload="cpu" (and stage 3 with offload_params) on a CUDA model: the masters, gradient shards
+    and AdamW state in host memory, stepped by pz.optim's CPU kernel, clipping and the overflow
+    check on the host;
     the same weights as plain torch on the GPU (bf16: the mixed-precision recipe by hand)."""
     args = {"clip": (0.05, None, None), "loss_scale": (10.0, None, {"growth_interval": 2}),
             "bf16": (None, torch.bfloat16, None)}[case]
@@ -254,6 +255,8 @@ def test_zero_offload_cuda_model_equals_torch(case):
         assert v["devices"] == {"cpu"} and v["inner"] == "pyzero.optim.adam", (stage, v["devices"], v["inner"])
         st = v["stats"]
         assert st["optimizer"] == 0 and st["host"] > 0 and st["total"] == st["params"] + st["grads"], (stage, st)
+        if stage != 1:  # the reduced gradient shards go to host memory: none on the device
+            assert st["grads"] == 0, (stage, st)
         if stage == "3p":
             assert st["params"] == 0, st  # the parameter shards live in host memory
         for k, want in ref.items():

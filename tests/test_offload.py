@@ -304,16 +304,88 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
             for run in ("host_bf16_ckpt", "host_bf16_device_shards") if stage == 3 else ("host_bf16_ckpt",):
                 assert torch.equal(runs[run][0][name], ref), (run, name)
     for res in results:
-        # host copies: no optimizer bytes on the device; in host memory the masters and the
-        # gradient copies (fp32, a shard each) beside the optimizer state
+        # host copies: no optimizer bytes on the device, nor gradient shards (stage 1 keeps its
+        # full gradients); in host memory the masters and the gradient shards (fp32) beside the
+        # optimizer state
         plain, host = res.value["cpu"][2], res.value["host_cpu"][2]
         assert host["optimizer"] == 0 and host["total"] == host["params"] + host["grads"], host
         assert not host["shares"], "the inner optimizer's tensors share memory with the model's"
-        assert host["grads"] == plain["grads"] and plain["shard_elems"] == host["shard_elems"], (plain, host)
+        full_grads = 4 * world * plain["shard_elems"]  # (the flat buffer, padded to a multiple of world)
+        assert plain["grads"] == (full_grads if stage == 1 else 4 * plain["shard_elems"]), plain
+        assert host["grads"] == (full_grads if stage == 1 else 0), host
+        assert plain["shard_elems"] == host["shard_elems"], (plain, host)
         assert host["host"] == plain["optimizer"] + 8 * plain["shard_elems"], (plain, host)
         # bf16: the masters are separate either way; host adds the fp32 gradient copies and the bf16 copies
         plain, host = res.value["bf16"][2], res.value["host_bf16"][2]
         assert host["host"] == plain["optimizer"] + 6 * plain["shard_elems"], (plain, host)
+
+
+class NetWithUnused(Net):
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(7, 3)  # never in forward: its gradients stay zero
+
+
+def _accumulate_run(stage, host, comm_dtype):
+    """Three steps, each of three backwards: one under no_sync, then two synchronised (stage 2-3
+    reduce during each, so the second adds to what the first reduced); the weights."""
+    zero_optimizer._host_copies = (lambda device: True) if host else (lambda device: device.type == "cuda")
+    try:
+        torch.manual_seed(0)
+        model = NetWithUnused()
+        opt = pz.ZeroOptimizer(model, pz.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1,
+                               comm_dtype=comm_dtype, loss_scale={"init_scale": 8.0, "growth_interval": 2},
+                               **({"offload": "cpu"} if host else {}))
+        rank, world = pz.get_rank(), pz.get_world_size()
+        for step in range(3):
+            for micro in range(3):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+                lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+                loss = torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum")
+                if micro == 0:
+                    with opt.no_sync():
+                        opt.scale_loss(loss).backward()
+                else:
+                    opt.scale_loss(loss).backward()
+            opt.clip_grad_norm_(0.3)
+            opt.step()
+        state = opt.full_state_dict() if stage == 3 else model.state_dict()
+        return state and {k: v.clone() for k, v in state.items()}
+    finally:
+        zero_optimizer._host_copies = lambda device: device.type == "cuda"
+
+
+def _accumulate_ranks(stage):
+    pz.init()
+    return {(host, str(cd)): _accumulate_run(stage, host, cd)
+            for host in (False, True) for cd in (None, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_offload_host_gradients_accumulate_like_the_device(stage):
+    """The host gradient shards of a CUDA model's offload (here with the CPU as the device):
+    gradients of several synchronised backwards (and a no_sync one) accumulated on the host,
+    bf16 reductions widened there, a parameter without gradients zero, clipping and loss scaling:
+    bitwise the weights of the run that keeps the shards on the device."""
+    from pyzero.launch import run_ranks
+
+    results = run_ranks(_accumulate_ranks, 2, args=(stage,), timeout=120)
+    runs = results[0].value
+    for cd in ("None", "torch.bfloat16"):
+        ref, got = runs[(False, cd)], runs[(True, cd)]
+        assert set(ref) == set(got)
+        for name, want in ref.items():
+            assert torch.equal(got[name], want), (cd, name)
+    # bf16 reductions round (stages 2-3; stage 1 reduces in the model's dtype); the unused layer
+    # is skipped as torch skips a parameter without .grad
+    if stage > 1:
+        assert not torch.equal(runs[(False, "None")]["fc1.weight"], runs[(False, "torch.bfloat16")]["fc1.weight"])
+    torch.manual_seed(0)
+    init = NetWithUnused()
+    for run in runs.values():
+        assert torch.equal(run["unused.weight"], init.unused.weight.detach())
+        assert not torch.equal(run["fc1.weight"], init.fc1.weight.detach())
 
 
 def _bad_offload_args(tmp):
@@ -379,6 +451,43 @@ def test_host_shard_round_trip_and_step_match_cpu_reference():
     dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     hs.params_to_device(dst)
     assert torch.equal(dst.cpu(), ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_grads_take_device_slices_in_order(device):
+    """_HostGrads, the host gradient shards of offload: fp32 slices into new ranges land in the
+    shard, 16-bit ones are widened, later ones add in the order they came, what nothing wrote
+    reads zero; a slice's device buffer freed and its memory rewritten at once changes nothing
+    (the copy is still queued on the side stream)."""
+    from pyzero.zero.optimizer import _HostGrads
+
+    n, half = 100_003, 50_001
+    pin = device == "cuda"
+    shards = [torch.full((n,), 7.0).pin_memory() if pin else torch.full((n,), 7.0), torch.full((9,), 7.0)]
+    hg = _HostGrads(torch.device(device, 0) if pin else torch.device("cpu"), shards)
+    hg.restart()  # (the shards' old values are not gradients)
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, generator=gen) for _ in range(3)]
+    ref = torch.zeros(n)
+    puts = [(0, half, parts[0][:half]), (half, n - 3, parts[0][half:n - 3].bfloat16()),  # backward 1
+            (0, half, parts[1][:half].bfloat16()), (half, n - 3, parts[1][half:n - 3]),  # backward 2: adds
+            (0, half, parts[2][:half])]
+    for lo, hi, t in puts:
+        d = t.to(device)
+        hg.put(0, lo, hi, d)
+        del d
+        torch.full((hi - lo,), float("nan"), dtype=t.dtype, device=device)  # the freed memory, rewritten
+        ref[lo:hi] += t.float()
+    hg.finish()
+    assert torch.equal(shards[0], ref)  # (the last 3 elements: nothing wrote them, zero)
+    assert torch.equal(shards[1], torch.zeros(9))
+    hg.put(1, 0, 9, torch.ones(9, device=device))  # after finish(): every range holds values, this adds
+    hg.finish()
+    assert torch.equal(shards[1], torch.ones(9))
+    hg.restart()
+    hg.put(1, 2, 4, torch.full((2,), 5.0, device=device))
+    hg.finish()
+    assert shards[1].tolist() == [0, 0, 5, 5, 0, 0, 0, 0, 0]
 
 
 # ---- estimate_memory with offload (hand-computed) -------------------------------------

@@ -10,10 +10,10 @@ What moves where:
 
 For a CPU model host memory *is* the device: "cpu" keeps every tensor where it is and
 only changes the kernel, "nvme" takes the optimizer state out of RAM. For a CUDA model
-ZeroOptimizer keeps the masters, the gradient copies the step reads and the state in
-pinned host memory, copying each reduced slice to the host as it is ready and the step's
-16-bit copies back (see [Note: offload of a CUDA model] in optimizer.py). :class:`HostShard`
-is a standalone form of the same copies for one shard, ordered by CUDA events.
+ZeroOptimizer keeps the masters, the gradient shards and the state in pinned host memory,
+copying each reduced slice to the host as it is ready and the step's 16-bit copies back
+(see [Note: offload of a CUDA model] in optimizer.py). :class:`HostShard` is a standalone
+form of such copies for one shard, ordered by CUDA events.
 
 ZeroOptimizer calls :func:`resolve` in ``__init__`` (bad arguments fail before the model is
 touched) and :meth:`Offload.build_optimizer` where it builds its inner optimizer.

@@ -107,20 +107,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # [Note: offload of a CUDA model]
         # The fp32 master shards (and with offload_params the stage 3 parameter shards) live in
         # pinned host memory, the inner optimizer (pz.optim's fused CPU step) steps them there.
-        # The device keeps what backward and the collectives need: the model-dtype parameters and
-        # the fp32 gradient shards. As a stage finishes a slice of a gradient shard (a bucket's or
-        # unit's reduction, during backward in stages 2-3) it calls _grad_ready, which copies
-        # that slice to the host on a side stream, overlapping the rest of backward. The device
-        # still checks for overflow, unscales and clips its shards; the host copies stay raw and
-        # the step applies the same factor (1/scale times the clip coefficient) in its own pass
-        # (pz.optim's grad_scale; a separate multiply for other optimizers), the same product the
-        # device computed. A 16-bit model gets its new parameters from 16-bit host copies of the
-        # masters (_host_low): pz.optim's step writes them in the same pass (copies=), other
-        # optimizers convert after; they go to the device (half the bytes of the fp32 masters,
-        # and no fp32 temporary there) at the end of step() in stages 1-2, at each unit's next
-        # gather in stage 3. For a CPU model host memory is the device: nothing is copied.
+        # So do the fp32 gradient shards: the device keeps only what backward and the collectives
+        # need, the model-dtype parameters (stage 1 also its full gradients). As a stage finishes
+        # a reduced slice of a gradient shard (a bucket's or unit's reduce-scatter, during
+        # backward in stages 2-3) it hands it to _add_grad, which queues its copy to the host on
+        # a side stream (_HostGrads), overlapping the rest of backward; the first slice into a
+        # range lands in the host shard itself, a later one (several synchronised backwards
+        # before a step) or a 16-bit one is added on the host once it is there. The host shards
+        # stay raw: the overflow check and the clipping norm read them on the host (the norm
+        # unscaled by 1/scale), and the step applies the factor (1/scale times the clip
+        # coefficient) in its own pass (pz.optim's grad_scale; a separate multiply for other
+        # optimizers), the same product the device path applies in two exact steps. A 16-bit
+        # model gets its new parameters from 16-bit host copies of the masters (_host_low):
+        # pz.optim's step writes them in the same pass (copies=), other optimizers convert
+        # after; they go to the device (half the bytes of the fp32 masters, and no fp32
+        # temporary there) at the end of step() in stages 1-2, at each unit's next gather in
+        # stage 3. For a CPU model host memory is the device: nothing is copied.
         self._host = offload is not None and _host_copies(self.device)
-        self._copies = _HostCopies(self.device) if self._host else None
         self._clip_coef = None  # with host copies: this step's clip coefficient (a device scalar)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
@@ -189,6 +192,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out.copy_(t)
         return out
 
+    def _grad_buffer(self, n: int) -> torch.Tensor:
+        """A zeroed fp32 gradient shard of n elements: in host memory with host copies (see
+        [Note: offload of a CUDA model]), else on the device."""
+        if self._host:
+            return torch.zeros(n, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
     def _low_buffer(self, k: int, master: torch.Tensor, dtype) -> torch.Tensor:
         """The 16-bit host copy of master shard `k` (see [Note: offload of a CUDA model])."""
         return self._to_host(master.to(dtype))
@@ -216,12 +226,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = [dict(g, params=[]) for g in (param_groups or [{"params": []}])]
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
         self._owner = []  # per piece: its parameter's index in self.params (model order)
-        # The gradient pieces clipping reads: the device shards' (with host copies, the inner
-        # optimizer's leaves have host gradients, see [Note: offload of a CUDA model]).
-        self._device_grads: list[torch.Tensor] = []
-        self._host_grads = [self._to_host(torch.zeros_like(grad)) for _, _, grad in self.shards()] \
-            if self._host else []
         self._shard_grads = [grad for _, _, grad in self.shards()]
+        # With host copies the gradient shards are in host memory (see [Note: offload of a CUDA model]).
+        self._host_grads = list(self._shard_grads) if self._host else []
+        self._hgrads = _HostGrads(self.device, self._shard_grads) if self._host else None
         low = self.param_dtype or self.params[0].dtype
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
             if self._host and low != torch.float32 else []
@@ -231,8 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for pc in layout.pieces(self.rank):
                 lo = pc.offset - shard_off
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
-                leaf.grad = (self._host_grads[k] if self._host else grad)[lo:lo + pc.numel]
-                self._device_grads.append(grad[lo:lo + pc.numel])
+                leaf.grad = grad[lo:lo + pc.numel]
                 if self._host_low:
                     self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
                 self.pieces.append((pc, leaf, leaf.grad))
@@ -272,18 +279,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _start_backward(self):
         """Get ready for the next backward (stages that reduce during backward)."""
 
-    def _grad_ready(self, shard: int, lo: int, hi: int) -> None:
-        """Stages call this once [lo, hi) of gradient shard `shard` (self.shards() order) holds its
-        reduced value, as queued on the current stream: with host copies it goes to the host now
-        (see [Note: offload of a CUDA model])."""
-        if self._host and hi > lo:
-            self._copies.copy(self._host_grads[shard][lo:hi], self._shard_grads[shard][lo:hi])
+    def _add_grad(self, shard: int, lo: int, hi: int, reduced: torch.Tensor) -> None:
+        """Stages call this once `reduced` (on the device, as queued on the current stream) holds
+        the reduced gradients of [lo, hi) of gradient shard `shard` (self.shards() order): added
+        into the shard, with host copies on the host (see [Note: offload of a CUDA model])."""
+        if self._host:
+            self._hgrads.put(shard, lo, hi, reduced)
+        else:
+            self._shard_grads[shard][lo:hi].add_(reduced)
 
     def _finish_gradients(self):
-        """The gradient shards reduced; with host copies, those copies landed too."""
+        """The gradient shards reduced; with host copies, those landed and were added too."""
         self._reduce_gradients()
         if self._host:
-            self._copies.wait()
+            self._hgrads.finish()
 
     def comm_plan(self) -> list[list[CollectiveCall]]:
         """The collectives one synchronised training step issues on this group, in order, as
@@ -328,49 +337,61 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._check_overflow():
             return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
-        grads = [self._device_grads[k] for k in self._model_order]
+        grads = [self.pieces[k][2] for k in self._model_order]
+        where = self._shard_grads[0].device if self._shard_grads else self.device  # (host copies: the host)
         if grads:
             local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
                                              norm_type)
         else:
-            local = torch.zeros((), device=self.device)
+            local = torch.zeros((), device=where)
         if self.tp_group is not None and self.tp_group.size > 1:
-            total = self._tp_norm(grads, norm_type)
+            total = self._tp_norm(grads, norm_type, where)
         elif self.world == 1:
             total = local
         elif norm_type == float("inf"):
-            total = local.reshape(1).clone()
-            comm.all_reduce(total, op="max", group=self.group)
-            total = total[0]
+            total = self._all_reduce_small(local.reshape(1).clone(), "max", self.group)[0]
         else:
-            acc = local.to(torch.float64).pow(norm_type).reshape(1)
-            comm.all_reduce(acc, op="sum", group=self.group)
+            acc = self._all_reduce_small(local.to(torch.float64).pow(norm_type).reshape(1), "sum", self.group)
             total = acc[0].pow(1.0 / norm_type).to(torch.float32)
+        if self._host and self.scaler is not None:
+            # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
+            # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
+            total = total * (1.0 / self.scaler.scale)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if self._host:  # the step applies it (see _host_step)
+            self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+            return total.to(self.device)
         for g in grads:
             g.mul_(coef)
-        if self._host:  # the host copies are raw: the step applies it (see _host_step)
-            self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total
 
-    def _tp_norm(self, grads, norm_type):
+    def _all_reduce_small(self, t: torch.Tensor, op: str, group) -> torch.Tensor:
+        """all_reduce of a few values held where the gradient shards are: through the group's
+        device when that is not where they are (host copies of a CUDA model)."""
+        if t.device == self.device:
+            comm.all_reduce(t, op=op, group=group)
+            return t
+        dev = t.to(self.device)
+        comm.all_reduce(dev, op=op, group=group)
+        return dev.to(t.device)
+
+    def _tp_norm(self, grads, norm_type, where):
         """Norm over the DP shards and the TP parts: TP-sharded parameters summed over the TP
         group, replicated ones (identical on every TP rank) counted once."""
         sharded = [getattr(self.params[self._owner[k]], "tp_sharded", False) for k in self._model_order]
         if norm_type == float("inf"):  # a max counts replicated values any number of times
-            acc = torch.zeros(1, dtype=torch.float64, device=self.device)
+            acc = torch.zeros(1, dtype=torch.float64, device=where)
             for g in grads:
                 if g.numel():
                     torch.maximum(acc, g.abs().max().to(torch.float64), out=acc)
             for g in (self.group, self.tp_group):
-                comm.all_reduce(acc, op="max", group=g)
+                acc = self._all_reduce_small(acc, "max", g)
             return acc[0].to(torch.float32)
-        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        acc = torch.zeros(2, dtype=torch.float64, device=where)
         for g, is_tp in zip(grads, sharded):
             acc[0 if is_tp else 1] += g.to(torch.float64).abs().pow(norm_type).sum()
-        comm.all_reduce(acc, op="sum", group=self.group)
-        part = acc[:1].clone()
-        comm.all_reduce(part, op="sum", group=self.tp_group)
+        acc = self._all_reduce_small(acc, "sum", self.group)
+        part = self._all_reduce_small(acc[:1].clone(), "sum", self.tp_group)
         return (part[0] + acc[1]).pow(1.0 / norm_type).to(torch.float32)
 
     @torch.no_grad()
@@ -444,19 +465,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _check_overflow(self) -> bool:
         """Once per step, on the reduced shards: inf/NaN on any rank (of the DP and TP groups)?
-        If none, unscale the gradients in place (exact: the scale is a power of two)."""
+        If none, unscale the gradients in place (exact: the scale is a power of two); the host
+        shards of host copies stay raw, the step unscales them (see _host_step)."""
         if self.scaler is None:
             return False
         if self._overflow is None:
-            bad = torch.zeros(1, device=self.device)  # 1 where a shard holds inf/NaN; one read at the end
-            for _, _, g in self.shards():
+            where = self._shard_grads[0].device if self._shard_grads else self.device
+            bad = torch.zeros(1, device=where)  # 1 where a shard holds inf/NaN; one read at the end
+            for g in self._shard_grads:
                 if g.numel():
                     torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype), out=bad)
             for g in (self.group, self.tp_group):
                 if g is not None and g.size > 1:
-                    comm.all_reduce(bad, op="max", group=g)
+                    bad = self._all_reduce_small(bad, "max", g)
             self._overflow = bool(bad[0])
-            if not self._overflow:
+            if not self._overflow and not self._host:  # (host copies stay raw: see _host_step)
                 inv = 1.0 / self.scaler.scale
                 for _, _, g in self.shards():
                     g.mul_(inv)
@@ -478,18 +501,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
         self._forget_host_copies()
-        for _, _, g in self.shards():
-            g.zero_()
+        if not self._host:  # (host copies: _HostGrads zeroes what no reduction writes)
+            for g in self._shard_grads:
+                g.zero_()
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
         self._overflow = None
         self._has_grad.fill_(0 if set_to_none else 1)  # torch steps zero (not None) gradients
 
     def _forget_host_copies(self):
-        """Before the gradient shards are zeroed: no copy to the host may still read them, and
-        the next step's clip coefficient starts afresh."""
+        """Before the gradients start afresh: no copy to the host may still be landing, the host
+        shards take the next backward's values as new, and so does the clip coefficient."""
         if self._host:
-            self._copies.wait()
+            self._hgrads.restart()
             self._clip_coef = None
 
     def _zero_model_grads(self, set_to_none):
@@ -621,24 +645,44 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _held_grads(self) -> int:
-        return _nbytes(g for _, _, g in self.shards())
+        """Bytes of gradients on the device (host copies: the shards are in host memory)."""
+        return 0 if self._host else _nbytes(self._shard_grads)
 
     def __repr__(self):
         return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, inner={type(self.inner).__name__}, "
                 f"params={sum(p.numel() for p in self.params)})")
 
 
-class _HostCopies:
-    """Device-to-host copies of gradient slices as they are ready (see [Note: offload of a CUDA
-    model]): on a side stream, after the work queued so far on the current one; wait() blocks
-    until all have landed. On the CPU (the tests' host-copy path) a plain copy."""
+class _HostGrads:
+    """The fp32 gradient shards of host copies (see [Note: offload of a CUDA model]), fed with
+    reduced device slices as they are ready. put() copies a slice to the host on a side stream,
+    after the work queued so far on the current one (on the CPU, the tests' host-copy path, at
+    once). An fp32 slice into a range nothing has written since restart() lands in the shard
+    itself; any other goes to a staging buffer, added (or, into a new range, copied) into the
+    shard by finish(), in the order the slices came, once the copies have landed. finish() also
+    zeroes what nothing wrote (the device path zeroes whole shards at zero_grad; here each
+    backward's slices overwrite the shards, so most steps zero nothing)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, shards: list[torch.Tensor]):
+        self.device, self.shards = device, shards
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._done: list = []
+        self._done: list = []  # events of the copies queued
+        self._staged: list[tuple[int, int, int, torch.Tensor, bool]] = []  # (shard, lo, hi, host, add?)
+        self._written: list[list[tuple[int, int]]] = [[] for _ in shards]  # ranges with values since restart()
 
-    def copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+    def put(self, k: int, lo: int, hi: int, dev: torch.Tensor) -> None:
+        if hi <= lo:
+            return
+        new = not any(a < hi and lo < b for a, b in self._written[k])
+        self._written[k].append((lo, hi))
+        if new and dev.dtype == torch.float32:
+            self._copy(self.shards[k][lo:hi], dev)
+            return
+        host = torch.empty(hi - lo, dtype=dev.dtype, pin_memory=self.stream is not None)
+        self._copy(host, dev)
+        self._staged.append((k, lo, hi, host, not new))
+
+    def _copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         if self.stream is None:
             host.copy_(dev)
             return
@@ -649,12 +693,38 @@ class _HostCopies:
             host.copy_(dev, non_blocking=True)  # pinned: a DMA the host does not wait for
             done = torch.cuda.Event()
             done.record(self.stream)
+        dev.record_stream(self.stream)  # a stage's reduced buffer is freed after put(): not reused before this
         self._done.append(done)
 
-    def wait(self) -> None:
+    def _wait(self) -> None:
         for e in self._done:
             e.synchronize()
         self._done.clear()
+
+    def finish(self) -> None:
+        """Every slice put so far is in the shards; ranges nothing wrote are zero."""
+        self._wait()
+        for k, lo, hi, host, add in self._staged:
+            if add:
+                self.shards[k][lo:hi].add_(host)
+            else:
+                self.shards[k][lo:hi].copy_(host)
+        self._staged.clear()
+        for k, shard in enumerate(self.shards):
+            at = 0
+            for lo, hi in sorted(self._written[k]):
+                if lo > at:
+                    shard[at:lo].zero_()
+                at = max(at, hi)
+            if at < shard.numel():
+                shard[at:].zero_()
+            self._written[k] = [(0, shard.numel())]  # all defined: later slices add
+
+    def restart(self) -> None:
+        """Forget the slices so far (the next ones are new values); no copy is still landing."""
+        self._wait()
+        self._staged.clear()
+        self._written = [[] for _ in self.shards]
 
 
 _SCALED_STEP = (pz_optim.Adam, pz_optim.SGD, pz_optim.Adagrad)  # step(grad_scale=) in the kernel's pass

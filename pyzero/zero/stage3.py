@@ -68,7 +68,7 @@ class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
     def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered, device, to_host=None,
-                 host_params=False):
+                 host_params=False, grad_buffer=None):
         self.idx, self.tracker = idx, gathered
         self.layout = FlatLayout(params, names, world)
         off, n = self.layout.shard(rank)
@@ -94,7 +94,9 @@ class _Unit:
         for v, p in zip(self.views, params):
             p.data = v
         self.nbytes = self.full.untyped_storage().nbytes()
-        self.grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
+        # (offload of a CUDA model: in host memory, see [Note: offload of a CUDA model])
+        self.grad_shard = (grad_buffer(n) if grad_buffer is not None
+                           else torch.zeros(n, dtype=torch.float32, device=device))
         self.gather_work = None
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
@@ -171,7 +173,7 @@ class ZeroStage3(ZeroOptimizer):
             if own:
                 u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
                           self._gathered, self.device, self._to_host if self._host else None,
-                          self.offload.offload_params)
+                          self.offload.offload_params, self._grad_buffer)
                 u.secondary = self._plan.secondary(u.layout.padded, model_dtype, self.device)
                 for p in own:
                     owner[id(p)] = u
@@ -328,16 +330,14 @@ class ZeroStage3(ZeroOptimizer):
                 v.copy_(p.grad)
                 p.grad = None
         if self._qg is not None:  # synchronous: two quantised all-to-alls (zeropp.py)
-            u.grad_shard.add_(self._qg(staging, u.layout.shard_size))
-            self._grad_ready(u.idx, 0, u.grad_shard.numel())
+            self._add_grad(u.idx, 0, u.grad_shard.numel(), self._qg(staging, u.layout.shard_size))
             u.free()
             return
         out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
 
         def arrived():
-            u.grad_shard.add_(out)
-            self._grad_ready(u.idx, 0, u.grad_shard.numel())
+            self._add_grad(u.idx, 0, u.grad_shard.numel(), out)
         self._inflight.add(work, arrived)
         u.free()
 

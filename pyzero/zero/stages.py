@@ -32,10 +32,12 @@ class _FlatParams(ZeroOptimizer):
         L, (shard_off, shard_n) = self.layout, self.layout.shard(self.rank)
         self._shard = slice(shard_off, shard_off + shard_n)
         model_dtype = self.param_dtype or self.params[0].dtype
-        fp32 = torch.zeros(L.padded, dtype=torch.float32, device=self.device)
+        # The fp32 values of every parameter, once: with offload of a CUDA model built in host
+        # memory, so the device never holds 4 bytes per parameter (the 16-bit model's buffer only)
+        fp32 = torch.zeros(L.padded, dtype=torch.float32, device="cpu" if self._host else self.device)
         for v, p in zip(L.views(fp32), L.params):
             v.copy_(p.detach())
-        self.flat_param = fp32 if model_dtype == torch.float32 else fp32.to(model_dtype)
+        self.flat_param = fp32.to(device=self.device, dtype=model_dtype)  # (itself: fp32 where it was built)
         # The master shard aliases the model's own shard when both are fp32 (with offload of a CUDA
         # model it is a host copy: see [Note: offload of a CUDA model]).
         if self._host:
@@ -79,12 +81,11 @@ class ZeroStage1(_FlatParams):
         self.flat_grad = torch.zeros_like(self.flat_param)
         self._attach_grads()
         own = self.flat_grad[self._shard]
-        self.grad_shard = (own if own.dtype == torch.float32
-                           else torch.zeros(own.numel(), dtype=torch.float32, device=self.device))
+        self.grad_shard = own if own.dtype == torch.float32 and not self._host else self._grad_buffer(own.numel())
         self._reduced = False
 
     def _held_grads(self):
-        return _nbytes([self.flat_grad, self.grad_shard])
+        return _nbytes([self.flat_grad] if self._host else [self.flat_grad, self.grad_shard])
 
     def _attach_grads(self):
         self._grad_views = {}
@@ -111,16 +112,19 @@ class ZeroStage1(_FlatParams):
                                              group=self.group, async_op=True))
         for w in works:
             w.wait()
-        if self.grad_shard.data_ptr() != self.flat_grad[self._shard].data_ptr():
+        if self._host:  # the reduced shard replaces what the host holds (see [Note: offload of a CUDA model])
+            self._hgrads.restart()
+            self._add_grad(0, 0, self.grad_shard.numel(), self.flat_grad[self._shard])
+        elif self.grad_shard.data_ptr() != self.flat_grad[self._shard].data_ptr():
             self.grad_shard.copy_(self.flat_grad[self._shard])
-        self._grad_ready(0, 0, self.grad_shard.numel())
         self._reduced = True
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes the flat gradient buffer; the parameters keep their gradient views."""
         self._forget_host_copies()
         self.flat_grad.zero_()
-        self.grad_shard.zero_()
+        if not self._host:  # (host copies: the next reduction replaces the host shard)
+            self.grad_shard.zero_()
         self._attach_grads()
         self._grads_ready = self._reduced = False
         self._overflow = None
@@ -133,7 +137,7 @@ class ZeroStage2(_FlatParams):
 
     def _setup(self):
         self._setup_flat()
-        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=torch.float32, device=self.device)
+        self.grad_shard = self._grad_buffer(self.layout.shard_size)
         self._bucket_of = {}
         for b, (_, _, members) in enumerate(self.buckets):
             for i in members:
@@ -176,8 +180,7 @@ class ZeroStage2(_FlatParams):
         lo, hi = self._my_part(begin, end)
 
         def arrived():
-            self.grad_shard[lo:hi].add_(out)
-            self._grad_ready(0, lo, hi)
+            self._add_grad(0, lo, hi, out)
         self._inflight.add(work, arrived)
 
     def _end_backward(self):

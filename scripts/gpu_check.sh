@@ -57,7 +57,9 @@ build() {
 SECONDS=0
 build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 echo "built in ${SECONDS} s"
-# GPU_CHECK_PARTS picks parts (default all): tests kernels collectives train ipc faults.
+# GPU_CHECK_PARTS picks parts (default all but capacity): tests kernels collectives train ipc faults capacity.
+# capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
+# only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:16M": processes:largest size).
 PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train ipc faults} "
@@ -96,6 +98,12 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
     --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
+  fi
+  if part capacity; then
+  echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
+    --runs "${GPU_CHECK_CAPACITY_RUNS:-torch,zero2-offload,zero3-offload}" --attempts 2 --steps 3 --timeout 200 \
+    --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
   fi
   if part ipc; then
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 rank, then 2 processes sharing GPU 0"

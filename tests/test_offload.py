@@ -4,6 +4,7 @@ References: pz.optim.AdamW in memory (itself tested against torch.optim in
 test_cpu_optim.py); the nvme path must give bitwise the same weights.
 """
 import errno
+import math
 import os
 import subprocess
 import sys
@@ -490,6 +491,61 @@ def test_host_grads_take_device_slices_in_order(device):
     assert shards[1].tolist() == [0, 0, 5, 5, 0, 0, 0, 0, 0]
 
 
+def test_pinned_pages_unregister_once_after_the_last_view(monkeypatch):
+    """pinned_empty's exact-size page-locked memory: CUDA's registration is undone once, when
+    the last tensor using the pages is gone (here with the CUDA call recorded, not made)."""
+    import gc
+
+    from pyzero.zero import offload
+
+    calls = []
+
+    class Cudart:
+        def cudaHostUnregister(self, ptr):
+            calls.append(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    pages = offload._PinnedPages(-1, 1 << 16)
+    pages.ptr = 4096
+    t = torch.frombuffer(pages, dtype=torch.float32, count=1 << 14)
+    del pages
+    t.fill_(2.0)
+    view = t[100:200]
+    del t
+    gc.collect()
+    assert calls == [] and float(view.sum()) == 200.0
+    del view
+    gc.collect()
+    assert calls == [4096]
+
+
+@pytest.mark.gpu
+def test_pinned_empty_is_page_locked_at_its_exact_size():
+    """From 64 MiB up pinned_empty locks exactly the tensor's bytes (torch's pin_memory=True would
+    take the next power of two); DMA copies both ways; freeing it leaves CUDA usable."""
+    import gc
+
+    from pyzero.zero.offload import pinned_empty
+
+    n = (96 << 20) // 4  # 96 MiB: pin_memory=True would lock 128 MiB
+    t = pinned_empty(n, torch.float32)
+    assert t.is_pinned() and t.numel() == n and t.untyped_storage().nbytes() == 96 << 20
+    src = torch.arange(n, dtype=torch.float32, device="cuda")
+    t.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(t[-5:], torch.arange(n - 5, n, dtype=torch.float32))
+    back = torch.empty(n, device="cuda")
+    back.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    small = pinned_empty(1000, torch.bfloat16)
+    assert small.is_pinned() and small.dtype == torch.bfloat16
+    del t, small
+    gc.collect()
+    assert float(pinned_empty(n, torch.float32).zero_().sum()) == 0.0
+
+
 # ---- estimate_memory with offload (hand-computed) -------------------------------------
 
 def test_estimate_memory_offload_hand_computed():
@@ -606,3 +662,52 @@ def test_nvme_bad_grad_raises_before_any_change(tmp_path):
     with pytest.raises(ValueError, match=r"params\[3\].grad: expected a dense contiguous float32 CPU tensor"):
         opt.step()
     assert len(opt.state) == 0 and all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
+# ---- pyzero-bench capacity ------------------------------------------------------------
+
+@pytest.mark.parametrize("limit,start,attempts,want", [
+    (37, 30, 10, 37),    # up by a quarter (30, 38 fails), then bisecting
+    (37, 60, 10, 37),    # down by a quarter first
+    (37, 30, 2, 30),     # out of attempts: the largest that fit so far
+    (0, 5, 10, None),    # nothing fits
+    (500, 90, 10, 100),  # everything fits: stops at max_layers
+])
+def test_capacity_search_finds_the_largest_size_that_fits(limit, start, attempts, want):
+    from pyzero.bench.capacity import search
+
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= limit
+
+    best, tried = search(fits, start, 100, attempts)
+    assert best == want
+    assert len(calls) == len(set(calls)) <= attempts and calls[0] == start
+    assert tried == {n: n <= limit for n in calls} and all(1 <= n <= 100 for n in calls)
+
+
+def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
+    """The bench end to end on CPU processes (a tiny GPT): every run trains the largest size
+    allowed, with finite falling losses, and its parameter count is the model's."""
+    import json
+
+    from pyzero.bench import __main__ as bench
+    from pyzero.bench.capacity import GPT, config, gpt_params
+
+    out = tmp_path / "cap.json"
+    assert bench.main(["capacity", "--device", "cpu", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+                       "--seq", "16", "--steps", "4", "--max-layers", "2", "--attempts", "2",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["run"] for r in rows] == ["torch", "zero2", "zero2-offload", "zero3-offload"]
+
+    class Args:
+        vocab, seq, n_head, n_embd = 64, 16, 2, 32
+
+    n = sum(p.numel() for p in GPT(config(Args, 2)).parameters())
+    for r in rows:
+        assert r["ok"] and r["layers"] == 2 and r["params"] == gpt_params(config(Args, 2)) == n, r
+        assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
+        assert r["tokens_per_s"] > 0 and [t["layers"] for t in r["tried"]] == [2], r

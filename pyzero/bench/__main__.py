@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | tp | pipeline | ps | optim | hier | faults | soak.
+"""pyzero-bench: collectives | train | capacity | tp | pipeline | ps | optim | hier | faults | soak.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "collectives": "nccl-tests style table for all_reduce / reduce_scatter / all_gather / broadcast",
     "train": "training step time, tokens/s and memory: torch DDP vs pyzero",
+    "capacity": "the largest GPT one device trains, with and without offload, and its tokens/s",
     "tp": "tensor-parallel all-gather+matmul and matmul+reduce-scatter, overlapped vs not",
     "pipeline": "pipeline utilisation vs micro-batch count for GPipe and 1F1B",
     "ps": "parameter-server training (sync, bounded, async) vs DataParallel, with and without a straggler",

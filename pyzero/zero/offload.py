@@ -20,12 +20,16 @@ touched) and :meth:`Offload.build_optimizer` where it builds its inner optimizer
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import torch
 
 from .. import optim as pz_optim
 from ..optim import swap
 
 MODES = (None, "cpu", "nvme")
+_EXACT_PIN_BYTES = 1 << 26  # from 64 MiB up, page-locked memory of the exact size (see pinned_empty)
 # torch.optim class -> (pz.optim class for offload="cpu", class for offload="nvme" or None)
 _FAST = {torch.optim.AdamW: (pz_optim.AdamW, pz_optim.NvmeAdamW), torch.optim.Adam: (pz_optim.Adam, pz_optim.NvmeAdam),
          torch.optim.SGD: (pz_optim.SGD, None), torch.optim.Adagrad: (pz_optim.Adagrad, None),
@@ -102,6 +106,40 @@ def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, 
         shard = -(-numel // world)
         swap.check_path(nvme_path, shard * 4 * state_elems_per_param(optimizer_class, kwargs))
     return Offload(offload, nvme_path, offload_params, sub_group_elems)
+
+
+class _PinnedPages(mmap.mmap):
+    """Anonymous pages registered with CUDA (page-locked); unregistered before they are unmapped,
+    when the last tensor using them is gone."""
+
+    ptr = 0
+
+    def __del__(self):
+        if self.ptr:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = 0
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host tensor for copies to and from a GPU: page-locked where CUDA is, else plain.
+    torch's pin_memory=True takes a block of the next power of two bytes (a 20 GiB master shard
+    would lock 32 GiB), so from 64 MiB up the tensor gets exactly its own pages instead:
+    anonymous memory registered with cudaHostRegister (plain torch pinning where that fails).
+    Its memory lives while any tensor or view of it does; the caller keeps it alive until the
+    copies it queued have finished (ZeroOptimizer waits for them in step() and zero_grad())."""
+    if not torch.cuda.is_available():
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < _EXACT_PIN_BYTES:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    pages = _PinnedPages(-1, nbytes)
+    view = (ctypes.c_char * nbytes).from_buffer(pages)
+    ptr = ctypes.addressof(view)
+    del view  # (an export of the buffer would keep it from being released)
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    pages.ptr = ptr
+    return torch.frombuffer(pages, dtype=dtype, count=numel)
 
 
 class HostShard:

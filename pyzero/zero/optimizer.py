@@ -187,8 +187,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of `t`, pinned where CUDA is (offload of a CUDA model: DMA copies)."""
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        """A host copy of `t`, page-locked where CUDA is (offload of a CUDA model: DMA copies; see
+        offload.pinned_empty)."""
+        out = _offload.pinned_empty(t.numel(), t.dtype).view(t.shape)
         out.copy_(t)
         return out
 
@@ -196,7 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """A zeroed fp32 gradient shard of n elements: in host memory with host copies (see
         [Note: offload of a CUDA model]), else on the device."""
         if self._host:
-            return torch.zeros(n, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+            return _offload.pinned_empty(n, torch.float32).zero_()
         return torch.zeros(n, dtype=torch.float32, device=self.device)
 
     def _low_buffer(self, k: int, master: torch.Tensor, dtype) -> torch.Tensor:

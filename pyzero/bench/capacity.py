@@ -1,0 +1,258 @@
+"""pyzero-bench capacity: the largest GPT-style model one device trains, with and without
+offload, and the tokens/s at that size.
+
+The model is bench/gpt.py's GPT with --n-embd / --n-head fixed and the number of layers
+searched. Runs (--runs, each on one device, world size 1):
+    torch          plain torch: fp32 parameters and gradients, AdamW (fused on a GPU)
+                   -- 16 bytes per parameter on the device
+    zero2          pz.ZeroOptimizer stage 2, bf16 parameters, fp32 masters and AdamW state
+                   on the device
+    zero2-offload  the same with offload="cpu": masters, gradient shards and AdamW state in
+                   host memory, the step on the CPU (pz.optim's fused AdamW)
+    zero3-offload  stage 3 with offload="cpu" and offload_params=True: the parameter shards in
+                   host memory too; the device holds a unit's gathered parameters at a time
+Each size is tried in a fresh process (an out-of-memory error there cannot poison the next
+try): build the model on the device, train --steps steps on random tokens, report tokens/s
+(median step after the first), the device's peak allocated bytes and the process's peak
+RSS. The search starts at the size pyzero.zero.estimate_memory predicts fits the device
+(--device-gb, default its total memory) and the host (--host-gb, default MemAvailable), then
+grows or shrinks by a quarter, then bisects, --attempts sizes at most per run. A size whose
+estimated host bytes exceed the host is not tried (the kernel's OOM killer is no error to
+catch). On the CPU (--device cpu) the same runs train a CPU model, for checking the bench.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+from .common import write_json
+from .gpt import GPT, GPTConfig
+
+RUNS = {
+    "torch": {},
+    "zero2": {"stage": 2},
+    "zero2-offload": {"stage": 2, "offload": "cpu"},
+    "zero3-offload": {"stage": 3, "offload": "cpu", "offload_params": True},
+}
+GB = 1e9
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--n-embd", type=int, default=2048, help="hidden size")
+    p.add_argument("--n-head", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--steps", type=int, default=3, help="training steps per try (the first is not timed)")
+    p.add_argument("--max-layers", type=int, default=512)
+    p.add_argument("--attempts", type=int, default=3, help="sizes tried per run at most")
+    p.add_argument("--device-gb", type=float, default=None, help="device memory the search plans with")
+    p.add_argument("--host-gb", type=float, default=None, help="host memory the search plans with")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per try")
+    p.add_argument("--json", default=None)
+
+
+def config(args, layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.n_head,
+                     n_embd=args.n_embd)
+
+
+def gpt_params(c: GPTConfig) -> int:
+    """GPT's parameter count (the head is tied to the token embedding)."""
+    h = c.n_embd
+    per_layer = 12 * h * h + 13 * h  # qkv, proj, fc, fc_proj with biases, two LayerNorms
+    return c.vocab_size * h + c.block_size * h + c.n_layer * per_layer + 2 * h
+
+
+def estimate(run: str, c: GPTConfig, batch: int) -> dict:
+    """{"device", "host"} bytes pyzero.zero.estimate_memory gives `run` at config `c`."""
+    from ..zero import estimate_memory  # noqa: PLC0415
+
+    spec = {"layers": c.n_layer, "hidden": c.n_embd, "heads": c.n_head, "vocab": c.vocab_size, "seq": c.block_size,
+            "batch": batch, "fused_attention": True}
+    n = gpt_params(c)
+    opts = RUNS[run]
+    if not opts:  # fp32 parameters and gradients, AdamW's two fp32 moments
+        m = estimate_memory(n, 1, 0, optimizer_state_bytes_per_param=8, mixed_precision=False, model=spec,
+                            micro_batch=batch, seq=c.block_size)
+    else:
+        m = estimate_memory(n, 1, opts["stage"], optimizer_state_bytes_per_param=12, mixed_precision=True,
+                            model=spec, micro_batch=batch, seq=c.block_size, offload=opts.get("offload"),
+                            offload_params=opts.get("offload_params", False))
+    return {"device": m.get("device", m["total"]), "host": m.get("host", 0.0)}
+
+
+def search(fits, start: int, max_layers: int, attempts: int) -> tuple[int | None, dict]:
+    """(largest n with fits(n) found, {n: fits(n)} of the sizes tried): from `start`, up by a
+    quarter while sizes fit, down by a quarter while they do not, then bisecting between the
+    largest fit and the smallest failure; at most `attempts` sizes, none above max_layers."""
+    tried: dict[int, bool] = {}
+    n = min(max(1, start), max_layers)
+    while len(tried) < attempts:
+        tried[n] = fits(n)
+        ok = [k for k, v in tried.items() if v]
+        bad = [k for k, v in tried.items() if not v]
+        lo, hi = max(ok, default=0), min(bad, default=max_layers + 1)
+        if hi - lo <= 1:
+            break
+        if not bad:
+            n = min(max_layers, max(lo + 1, math.ceil(lo * 1.25)))
+        elif not ok:
+            n = max(1, min(hi - 1, math.floor(hi * 0.75)))
+        else:
+            n = (lo + hi) // 2
+    ok = [k for k, v in tried.items() if v]
+    return (max(ok) if ok else None), tried
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+
+
+def _try(run: str, c: GPTConfig, args) -> dict:
+    """One rank (world size 1): build, train args.steps steps; what it measured, or why it failed."""
+    import pyzero as pz  # noqa: PLC0415
+
+    cuda = args.device == "cuda"
+    pz.init(backend="nccl" if cuda else None)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    out = {"run": run, "layers": c.n_layer, "params": gpt_params(c)}
+    try:
+        torch.manual_seed(0)
+        with dev:
+            model = GPT(c)
+        opts = RUNS[run]
+        if opts:
+            opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=opts["stage"], lr=1e-4, bucket_mb=64,
+                                   param_dtype=torch.bfloat16, offload=opts.get("offload"),
+                                   offload_params=opts.get("offload_params", False))
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, c.vocab_size, (args.batch, c.block_size + 1), generator=g).to(dev)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        times, losses = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))  # (a read of the device: the step's kernels are done)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times[1:] or times)
+        out.update(ok=True, step_s=step_s, tokens_per_s=args.batch * c.block_size / step_s, losses=losses)
+    except torch.OutOfMemoryError as e:
+        out.update(ok=False, why="device out of memory: " + str(e).splitlines()[0][:160])
+    finally:
+        out["peak_device_gb"] = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
+        out["peak_rss_gb"] = _peak_rss_gb()
+        pz.destroy()
+    return out
+
+
+def _memory(args) -> tuple[float, float]:
+    """(device bytes, host bytes) the search plans with."""
+    if args.device_gb is not None:
+        device = args.device_gb * GB
+    elif args.device == "cuda":
+        device = torch.cuda.get_device_properties(0).total_memory
+    else:
+        device = _mem_available()
+    host = args.host_gb * GB if args.host_gb is not None else _mem_available()
+    return device, host
+
+
+def _mem_available() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo: no MemAvailable")
+
+
+def predicted_layers(run: str, args, device: float, host: float) -> int:
+    """The most layers (1..max_layers) whose estimate fits 90% of the device and 80% of the host."""
+    best = 1
+    for n in range(1, args.max_layers + 1):
+        e = estimate(run, config(args, n), args.batch)
+        if e["device"] > 0.9 * device or e["host"] > 0.8 * host:
+            break
+        best = n
+    return best
+
+
+def main(args) -> int:
+    from ..launch import RankFailure, run_ranks  # noqa: PLC0415
+
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs:
+        raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+    for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        raise SystemExit(f"--n-head: {args.n_head} does not divide --n-embd {args.n_embd}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU visible")
+    device, host = _memory(args)
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"# capacity: GPT n_embd {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, {args.batch} x {args.seq} "
+          f"tokens per step, AdamW; {where} ({device / GB:.1f} GB planned), host {host / GB:.1f} GB planned")
+    print(f"{'run':>14} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "
+          f"{'rss GB':>7} {'est host':>8}  tried (layers: fits)")
+    results = []
+    for run in runs:
+        tries = {}
+
+        def fits(n, run=run, tries=tries):
+            c = config(args, n)
+            est = estimate(run, c, args.batch)
+            if est["host"] > 0.85 * host:
+                tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
+                            "why": f"host: the estimate {est['host'] / GB:.1f} GB exceeds 85% of the host"}
+            else:
+                try:
+                    tries[n] = run_ranks(_try, 1, args=(run, c, args), timeout=args.timeout,
+                                         start="spawn" if args.device == "cuda" else "fork")[0].value
+                except RankFailure as e:  # a crash or a deadline: the size does not train
+                    tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
+                                "why": str(e).splitlines()[0][:200]}
+            tries[n].update(estimate_device_gb=est["device"] / GB, estimate_host_gb=est["host"] / GB)
+            return tries[n]["ok"]
+
+        best, tried = search(fits, predicted_layers(run, args, device, host), args.max_layers, args.attempts)
+        row = dict(tries[best]) if best is not None else {"run": run, "layers": None, "params": None, "ok": False}
+        row["tried"] = [tries[n] for n in tried]
+        results.append(row)
+        trail = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in tried.items())
+        if best is None:
+            print(f"{run:>14} {'-':>6} {'-':>10} {'-':>9} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  {trail}"
+                  f"  ({tries[min(tried)].get('why', '')})", flush=True)
+            continue
+        dev_gb = row["peak_device_gb"]
+        print(f"{run:>14} {best:6d} {row['params']:10.3e} {row['tokens_per_s']:9.0f} "
+              f"{dev_gb if dev_gb is not None else float('nan'):7.1f} {row['estimate_device_gb']:7.1f} "
+              f"{row['peak_rss_gb']:7.1f} {row['estimate_host_gb']:8.1f}  {trail}", flush=True)
+    if args.json:
+        write_json(args.json, results, {"bench": "capacity", "args": vars(args),
+                                        "device_bytes": device, "host_bytes": host})
+    return 0
+
+
+if __name__ == "__main__":  # python -m pyzero.bench.capacity
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="pyzero-bench capacity", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    raise SystemExit(main(ap.parse_args()))

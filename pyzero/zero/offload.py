@@ -116,8 +116,11 @@ class _PinnedPages(mmap.mmap):
 
     def __del__(self):
         if self.ptr:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
-            self.ptr = 0
+            ptr, self.ptr = self.ptr, 0
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except Exception:  # noqa: BLE001 -- at interpreter exit CUDA may be gone; the pages go anyway
+                pass
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -139,7 +139,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     view = (ctypes.c_char * nbytes).from_buffer(pages)
     ptr = ctypes.addressof(view)
     del view  # (an export of the buffer would keep it from being released)
-    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) != 0:
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     pages.ptr = ptr
     return torch.frombuffer(pages, dtype=dtype, count=numel)

@@ -124,7 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # temporary there) at the end of step() in stages 1-2, at each unit's next gather in
         # stage 3. For a CPU model host memory is the device: nothing is copied.
         self._host = offload is not None and _host_copies(self.device)
-        self._clip_coef = None  # with host copies: this step's clip coefficient (a device scalar)
+        self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,

@@ -241,6 +241,7 @@ def _zero_run(stage, optimizer, offload, nvme_dir, steps=4, ckpt=None, offload_p
     storage = {t.untyped_storage().data_ptr() for t in model.parameters()}
     leaves = [p for g in opt.inner.param_groups for p in g["params"]]
     mem = dict(opt.memory_stats(), shard_elems=sum(layout.shard_size for layout, _, _ in opt.shards()),
+               chunks=len(opt._step_chunks()),
                shares=any(p.untyped_storage().data_ptr() in storage for p in leaves + [p.grad for p in leaves]
                           if p is not None and p.numel()))
     return state and {k: v.clone() for k, v in state.items()}, type(opt.inner).__name__, mem
@@ -272,8 +273,20 @@ def _zero_ranks(stage, nvme_dir):
         runs["host_bf16_device_shards"] = _zero_run(stage, torch.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16)
     runs["host_bf16_ckpt"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
                                        ckpt=os.path.join(nvme_dir, "ckpt_bf16"))
+    # the host step in chunks of whole pieces, each sent to the device as the next one steps
+    # (stages 1-2; see [Note: chunked host step])
+    chunk = zero_optimizer._STEP_CHUNK_ELEMS
+    zero_optimizer._STEP_CHUNK_ELEMS = 100
+    try:
+        runs["host_chunked"] = _zero_run(stage, torch.optim.AdamW, "cpu", None)
+        runs["host_chunked_bf16"] = _zero_run(stage, pz.optim.AdamW, "cpu", None, param_dtype=torch.bfloat16,
+                                              loss_scale=scaling)
+    finally:
+        zero_optimizer._STEP_CHUNK_ELEMS = chunk
     zero_optimizer._host_copies = lambda device: device.type == "cuda"
     runs["scaled"] = _zero_run(stage, pz.optim.AdamW, None, None, loss_scale=scaling)
+    runs["bf16_scaled"] = _zero_run(stage, pz.optim.AdamW, None, None, param_dtype=torch.bfloat16,
+                                    loss_scale=scaling)
     runs["rmsprop"] = _zero_run(stage, torch.optim.RMSprop, None, None)
     runs["bf16"] = _zero_run(stage, pz.optim.AdamW, None, None, param_dtype=torch.bfloat16)
     return runs
@@ -293,7 +306,7 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
         runs = res.value
         assert runs["cpu"][1] == runs["nvme"][1] == runs["nvme_ckpt"][1] == runs["host_cpu"][1] == "AdamW"
         for name, ref in runs["pz"][0].items():
-            for run in ("cpu", "nvme", "nvme_ckpt", "host_cpu", "host_nvme_ckpt", "scaled"):
+            for run in ("cpu", "nvme", "nvme_ckpt", "host_cpu", "host_nvme_ckpt", "scaled", "host_chunked"):
                 assert torch.equal(runs[run][0][name], ref), (run, name)
             assert torch.allclose(runs["torch"][0][name], ref, rtol=1e-5, atol=2e-6), name
         # (a power-of-two scale unscales exactly: "scaled" equals "pz"; unscaled twice or not at all it would not)
@@ -304,6 +317,11 @@ def test_zero_offload_same_weights_as_no_offload(tmp_path, world, stage):
         for name, ref in runs["bf16"][0].items():
             for run in ("host_bf16_ckpt", "host_bf16_device_shards") if stage == 3 else ("host_bf16_ckpt",):
                 assert torch.equal(runs[run][0][name], ref), (run, name)
+        for name, ref in runs["bf16_scaled"][0].items():
+            assert torch.equal(runs["host_chunked_bf16"][0][name], ref), name
+    if stage < 3:  # (a rank whose shard holds one piece steps it in one chunk)
+        assert max(r.value["host_chunked"][2]["chunks"] for r in results) > 1
+        assert all(r.value["host_cpu"][2]["chunks"] == 1 for r in results)
     for res in results:
         # host copies: no optimizer bytes on the device, nor gradient shards (stage 1 keeps its
         # full gradients); in host memory the masters and the gradient shards (fp32) beside the

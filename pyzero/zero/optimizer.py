@@ -231,6 +231,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # With host copies the gradient shards are in host memory (see [Note: offload of a CUDA model]).
         self._host_grads = list(self._shard_grads) if self._host else []
         self._hgrads = _HostGrads(self.device, self._shard_grads) if self._host else None
+        self._to_device = _ToDevice(self.device)
         low = self.param_dtype or self.params[0].dtype
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
             if self._host and low != torch.float32 else []
@@ -440,18 +441,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         With offload_params the device is idle first: gathers read host shards this step changes."""
         if self.offload.offload_params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._to_device.wait_sources_free()  # the last step's copies to the device have read them
         factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
         if self._clip_coef is not None:
             factor *= float(self._clip_coef)
         if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
             copies = {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces} if self._host_low else None
-            self.inner.step(grad_scale=factor, copies=copies)
+            chunks = self._step_chunks()
+            if len(chunks) == 1:
+                self.inner.step(grad_scale=factor, copies=copies)
+                return
+            # [Note: chunked host step] Pieces in chunks, each chunk's new values on their way to the
+            # device while the next chunk steps (the other pieces' gradients hidden from the inner
+            # optimizer, which steps only parameters with a gradient; each piece keeps its own step
+            # count, so the chunks together are the one step, bit for bit).
+            for a, b in chunks:
+                hidden = [(leaf, g) for i, (_, leaf, g) in enumerate(self.pieces)
+                          if not a <= i < b and leaf.grad is not None]
+                for leaf, _ in hidden:
+                    leaf.grad = None
+                try:
+                    self.inner.step(grad_scale=factor, copies=copies)
+                finally:
+                    for leaf, g in hidden:
+                        leaf.grad = g
+                self._stepped(a, b)
             return
         if factor != 1.0:
             for h in self._host_grads:
                 h.mul_(factor)
         self.inner.step()
         self._refresh_low()
+
+    def _step_chunks(self) -> list[tuple[int, int]]:
+        """Ranges of self.pieces the host step runs one after the other (see [Note: chunked host
+        step]): one range unless a stage sends each chunk's values to the device as it is done."""
+        return [(0, len(self.pieces))]
+
+    def _stepped(self, a: int, b: int) -> None:
+        """The host step finished pieces [a, b) (see [Note: chunked host step])."""
 
     # ---- loss scaling (fp16) ---------------------------------------------------
 
@@ -729,6 +757,44 @@ class _HostGrads:
 
 
 _SCALED_STEP = (pz_optim.Adam, pz_optim.SGD, pz_optim.Adagrad)  # step(grad_scale=) in the kernel's pass
+_STEP_CHUNK_ELEMS = 1 << 26  # a chunk of the host step that sends its values on (see [Note: chunked host step])
+
+
+class _ToDevice:
+    """Host-to-device copies on a side stream, started after the work queued so far on the
+    current stream (which may still read the destinations); join() makes the current stream wait
+    for them. On the CPU (the tests' host-copy path) plain copies."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._open = False
+        self.done = None  # the last join's event: the host sources may change once it has passed
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        if not self._open:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(ready)
+            self._open = True
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)  # pinned source: a DMA the host does not wait for
+
+    def join(self) -> None:
+        if self.stream is not None and self._open:
+            self.done = torch.cuda.Event()
+            self.done.record(self.stream)
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+        self._open = False
+
+    def wait_sources_free(self) -> None:
+        """Before the host overwrites what the copies read."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
 
 
 def _host_copies(device: torch.device) -> bool:

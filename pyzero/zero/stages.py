@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from .. import optim as pz_optim
 from ..bucketing import OrderedLaunch, flat_buckets
+from . import optimizer as zero_optimizer
 from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
 
@@ -47,6 +49,7 @@ class _FlatParams(ZeroOptimizer):
         for v, p in zip(L.views(self.flat_param), L.params):
             p.data = v
         self.buckets = flat_buckets(L, self.bucket_elems)
+        self._sent_pieces = 0  # pieces the chunked host step sent to the device (see _stepped)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -55,8 +58,37 @@ class _FlatParams(ZeroOptimizer):
         lo, hi = max(begin, self._shard.start), min(end, self._shard.stop)
         return lo - self._shard.start, max(lo, hi) - self._shard.start
 
+    def _step_chunks(self):
+        """With host copies, chunks of at least _STEP_CHUNK_ELEMS elements (whole pieces): each
+        goes to the device as the next one steps (see [Note: chunked host step]). Not with NVMe
+        state, whose own sub-groups pipeline the step with the disk."""
+        if not self._host or isinstance(self.inner, pz_optim.NvmeAdam):
+            return super()._step_chunks()
+        limit = zero_optimizer._STEP_CHUNK_ELEMS
+        chunks, a, n = [], 0, 0
+        for i, (pc, _, _) in enumerate(self.pieces):
+            n += pc.numel
+            if n >= limit:
+                chunks.append((a, i + 1))
+                a, n = i + 1, 0
+        if a < len(self.pieces) or not chunks:
+            chunks.append((a, len(self.pieces)))
+        return chunks
+
+    def _stepped(self, a, b):
+        if a == b:
+            return
+        shard_off = self._shard.start
+        lo = self.pieces[a][0].offset - shard_off
+        hi = self.pieces[b - 1][0].offset + self.pieces[b - 1][0].numel - shard_off
+        self._to_device.copy(self.flat_param[self._shard][lo:hi], self._publish_source(0, self.master)[lo:hi])
+        self._sent_pieces += b - a
+
     def _publish_parameters(self):
-        if self.master.data_ptr() != self.flat_param[self._shard].data_ptr():
+        sent, self._sent_pieces = self._sent_pieces, 0
+        self._to_device.join()
+        # (when the chunked host step sent every piece there is nothing left: the padding stays zero)
+        if sent != len(self.pieces) and self.master.data_ptr() != self.flat_param[self._shard].data_ptr():
             self.flat_param[self._shard].copy_(self._publish_source(0, self.master))
         comm.all_gather(self.flat_param, self.flat_param[self._shard], group=self.group)
 

@@ -63,6 +63,7 @@ struct V {
   static T sub(T a, T b) { return a - b; }
   static T mul(T a, T b) { return a * b; }
   static T div(T a, T b) { return a / b; }
+  static T div_by(T a, T b, T) { return a / b; }
   static T fma(T a, T b, T c) { return std::fma(a, b, c); }
   static T sqrt(T a) { return std::sqrt(a); }
   static T max(T a, T b) { return a > b ? a : b; }  // as _mm*_max_ps
@@ -94,6 +95,12 @@ struct V {
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T div_by(T a, T b, T rb) {  // see div_by in the .inc
+    const T q = _mm256_mul_ps(a, rb);
+    const T q2 = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, b, a), rb, q);
+    const T inf = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q), _mm256_set1_ps(INFINITY), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(q2, q, inf);
+  }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T sqrt(T a) { return _mm256_sqrt_ps(a); }
   static T max(T a, T b) { return _mm256_max_ps(b, a); }  // a > b ? a : b
@@ -145,6 +152,11 @@ struct V {
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T div_by(T a, T b, T rb) {  // see div_by in the .inc
+    const T q = _mm512_mul_ps(a, rb);
+    const T q2 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, b, a), rb, q);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(q), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), q2, q);
+  }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T sqrt(T a) { return _mm512_sqrt_ps(a); }
   static T max(T a, T b) { return _mm512_max_ps(b, a); }  // a > b ? a : b

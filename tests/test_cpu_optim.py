@@ -126,6 +126,32 @@ def test_every_isa_and_thread_count_bitwise_equal_to_scalar(isa, threads):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_adam_bias_correction_division_is_exact_at_every_step_and_scale(isa):
+    """The vector loops divide by the bias correction without the divider (a reciprocal and one
+    FMA correction): bitwise the scalar loop's true division over 64 steps (every bias correction
+    from 0.0447 to 0.25 and on), second moments spanning 1e-36..1e36, zeros and an infinite one."""
+    n = 4096 + 5
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-18, 18, (n,), generator=gen).float())
+    g[:7] = 0.0
+    g[7] = float("inf")
+
+    def run(isa_):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 65):
+            F.adam_step([p], [g], [m], [v], step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.0, decoupled=True, isa=isa_)
+        return p, m, v
+
+    got, want = run(isa), run("scalar")
+    assert want[2][7] == float("inf") and want[2][:7].eq(0).all()  # the cases are there
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
 def _adamw_threads(n, threads):
     """(threading used, p after three AdamW steps with `threads` threads) on fixed data."""
     gen = torch.Generator().manual_seed(5)

@@ -455,17 +455,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # device while the next chunk steps (the other pieces' gradients hidden from the inner
             # optimizer, which steps only parameters with a gradient; each piece keeps its own step
             # count, so the chunks together are the one step, bit for bit).
-            for a, b in chunks:
-                hidden = [(leaf, g) for i, (_, leaf, g) in enumerate(self.pieces)
-                          if not a <= i < b and leaf.grad is not None]
-                for leaf, _ in hidden:
-                    leaf.grad = None
-                try:
-                    self.inner.step(grad_scale=factor, copies=copies)
-                finally:
-                    for leaf, g in hidden:
-                        leaf.grad = g
-                self._stepped(a, b)
+            try:
+                for a, b in chunks:
+                    hidden = [(leaf, g) for i, (_, leaf, g) in enumerate(self.pieces)
+                              if not a <= i < b and leaf.grad is not None]
+                    for leaf, _ in hidden:
+                        leaf.grad = None
+                    try:
+                        self.inner.step(grad_scale=factor, copies=copies)
+                    finally:
+                        for leaf, g in hidden:
+                            leaf.grad = g
+                    self._stepped(a, b)
+            except BaseException:
+                self._to_device.join()  # (the copies started stay ordered before later device work)
+                raise
             return
         if factor != 1.0:
             for h in self._host_grads:

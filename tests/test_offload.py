@@ -729,3 +729,16 @@ def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
         assert r["ok"] and r["layers"] == 2 and r["params"] == gpt_params(config(Args, 2)) == n, r
         assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
         assert r["tokens_per_s"] > 0 and [t["layers"] for t in r["tried"]] == [2], r
+
+
+def test_capacity_reads_the_gpu_from_nvidia_smi(tmp_path, monkeypatch):
+    """The bench plans with nvidia-smi's GPU 0 (no CUDA context in the parent process)."""
+    from pyzero.bench.capacity import _gpu0
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\necho 'NVIDIA H100 80GB HBM3, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert _gpu0() == ("NVIDIA H100 80GB HBM3", 81559 * 2**20)
+    assert (tmp_path / "args").read_text().split()[-2:] == ["-i", "3"]

@@ -160,16 +160,28 @@ def _try(run: str, c: GPTConfig, args) -> dict:
     return out
 
 
-def _memory(args) -> tuple[float, float]:
-    """(device bytes, host bytes) the search plans with."""
+def _gpu0() -> tuple[str, float]:
+    """(name, total bytes) of GPU 0, from nvidia-smi where it runs: a CUDA context in this
+    process would hold device memory the tries cannot use (torch's query, else)."""
+    import subprocess  # noqa: PLC0415
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
+                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        name, mib = out.rsplit(",", 1)
+        return name.strip(), float(mib) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return torch.cuda.get_device_name(0), float(torch.cuda.get_device_properties(0).total_memory)
+
+
+def _memory(args) -> tuple[str, float, float]:
+    """(device name, device bytes, host bytes) the search plans with."""
+    name, device = _gpu0() if args.device == "cuda" else ("cpu", _mem_available())
     if args.device_gb is not None:
         device = args.device_gb * GB
-    elif args.device == "cuda":
-        device = torch.cuda.get_device_properties(0).total_memory
-    else:
-        device = _mem_available()
     host = args.host_gb * GB if args.host_gb is not None else _mem_available()
-    return device, host
+    return name, device, host
 
 
 def _mem_available() -> float:
@@ -205,8 +217,7 @@ def main(args) -> int:
         raise SystemExit(f"--n-head: {args.n_head} does not divide --n-embd {args.n_embd}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible")
-    device, host = _memory(args)
-    where = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    where, device, host = _memory(args)
     print(f"# capacity: GPT n_embd {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, {args.batch} x {args.seq} "
           f"tokens per step, AdamW; {where} ({device / GB:.1f} GB planned), host {host / GB:.1f} GB planned")
     print(f"{'run':>14} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "

@@ -742,3 +742,48 @@ def test_capacity_reads_the_gpu_from_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert _gpu0() == ("NVIDIA H100 80GB HBM3", 81559 * 2**20)
     assert (tmp_path / "args").read_text().split()[-2:] == ["-i", "3"]
+
+
+def _chunk_order_rank():
+    pz.init()
+    zero_optimizer._host_copies = lambda device: True
+    chunk = zero_optimizer._STEP_CHUNK_ELEMS
+    zero_optimizer._STEP_CHUNK_ELEMS = 100
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        opt = pz.ZeroOptimizer(model, pz.optim.AdamW, stage=2, lr=1e-2, offload="cpu", param_dtype=torch.bfloat16)
+        log = []
+        inner_step, copy = opt.inner.step, opt._to_device.copy
+
+        def step(*a, **k):
+            log.append(("step", sorted(i for i, (_, leaf, _) in enumerate(opt.pieces) if leaf.grad is not None)))
+            return inner_step(*a, **k)
+
+        def copy_(dst, src):
+            log.append(("copy", dst.numel()))
+            return copy(dst, src)
+
+        opt.inner.step, opt._to_device.copy = step, copy_
+        model(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+        return log, [pc.numel for pc, _, _ in opt.pieces], opt.layout.shard_size
+    finally:
+        zero_optimizer._STEP_CHUNK_ELEMS = chunk
+        zero_optimizer._host_copies = lambda device: device.type == "cuda"
+
+
+def test_chunked_host_step_sends_each_chunk_before_the_next_steps():
+    """Offload stages 1-2 (see [Note: chunked host step]): the inner step runs chunk by chunk,
+    each seeing only its own pieces' gradients, and each chunk's copy to the device is started
+    before the next chunk steps; the copies cover every piece once."""
+    from pyzero.launch import run_ranks
+
+    log, numels, shard = run_ranks(_chunk_order_rank, 1, timeout=60)[0].value
+    kinds = [k for k, _ in log]
+    assert len(kinds) >= 4 and kinds == ["step", "copy"] * (len(kinds) // 2), kinds
+    steps = [v for k, v in log if k == "step"]
+    assert sorted(i for s in steps for i in s) == list(range(len(numels)))  # each piece in one chunk
+    assert all(s == list(range(s[0], s[-1] + 1)) for s in steps)  # consecutive pieces
+    assert [n for k, n in log if k == "copy"] == [sum(numels[i] for i in s) for s in steps]
+    assert sum(numels) <= shard

@@ -228,10 +228,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
         self._owner = []  # per piece: its parameter's index in self.params (model order)
         self._shard_grads = [grad for _, _, grad in self.shards()]
-        # With host copies the gradient shards are in host memory (see [Note: offload of a CUDA model]).
-        self._host_grads = list(self._shard_grads) if self._host else []
         self._hgrads = _HostGrads(self.device, self._shard_grads) if self._host else None
-        self._to_device = _ToDevice(self.device)
+        self._to_device = _SideCopies(self.device)  # the chunked host step's new values (stages 1-2)
         low = self.param_dtype or self.params[0].dtype
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
             if self._host and low != torch.float32 else []
@@ -340,7 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
         grads = [self.pieces[k][2] for k in self._model_order]
-        where = self._shard_grads[0].device if self._shard_grads else self.device  # (host copies: the host)
+        where = self._grads_device()
         if grads:
             local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
                                              norm_type)
@@ -366,6 +364,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in grads:
             g.mul_(coef)
         return total
+
+    def _grads_device(self) -> torch.device:
+        """Where the gradient shards are: the host with host copies (see [Note: offload of a CUDA
+        model]), else the group's device."""
+        return torch.device("cpu") if self._host else self.device
 
     def _all_reduce_small(self, t: torch.Tensor, op: str, group) -> torch.Tensor:
         """all_reduce of a few values held where the gradient shards are: through the group's
@@ -437,11 +440,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.zero_grad()
 
     def _host_step(self):
-        """The inner step on the host copies, with the factor the device applied to its shards.
-        With offload_params the device is idle first: gathers read host shards this step changes."""
+        """The inner step on the host copies, applying 1/scale times the clip coefficient to the
+        raw host gradients. With offload_params the device is idle first: gathers read host shards
+        this step changes."""
         if self.offload.offload_params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._to_device.wait_sources_free()  # the last step's copies to the device have read them
+        self._to_device.wait()  # the last step's copies to the device have read what this step changes
         factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
         if self._clip_coef is not None:
             factor *= float(self._clip_coef)
@@ -472,7 +476,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise
             return
         if factor != 1.0:
-            for h in self._host_grads:
+            for h in self._shard_grads:  # (in host memory: see [Note: offload of a CUDA model])
                 h.mul_(factor)
         self.inner.step()
         self._refresh_low()
@@ -503,8 +507,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             return False
         if self._overflow is None:
-            where = self._shard_grads[0].device if self._shard_grads else self.device
-            bad = torch.zeros(1, device=where)  # 1 where a shard holds inf/NaN; one read at the end
+            bad = torch.zeros(1, device=self._grads_device())  # 1 where a shard holds inf/NaN; one read at the end
             for g in self._shard_grads:
                 if g.numel():
                     torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype), out=bad)
@@ -641,7 +644,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters allocated at once during forward/backward. With offload="nvme" the
         optimizer state counted is what is in memory (the swap buffers) and `disk` gives
         the bytes of the swap files. A CUDA model with offload counts device bytes in
-        params/grads/optimizer/total and adds `host`: the pinned masters, gradient copies,
+        params/grads/optimizer/total and adds `host`: the pinned masters, gradient shards,
         optimizer state in memory, the 16-bit copies of a 16-bit model (and with offload_params
         the parameter shards)."""
         params = self._held_params()
@@ -655,7 +658,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optim += _nbytes(m for _, m, _ in self.shards())
         if self._host:  # the optimizer's side is in host memory (see [Note: offload of a CUDA model])
             counted, extra = {m.data_ptr() for _, m, _ in self.shards()}, []
-            for t in self._host_grads + self._host_low + self._host_param_shards():
+            for t in self._shard_grads + self._host_low + self._host_param_shards():
                 if t.data_ptr() not in counted:  # (offload_params: a 16-bit copy is the shard itself)
                     counted.add(t.data_ptr())
                     extra.append(t)
@@ -686,20 +689,50 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"params={sum(p.numel() for p in self.params)})")
 
 
+class _SideCopies:
+    """Copies between host and device on a side stream of their own, each after the work queued
+    so far on the current stream (which made the source, or may still read the destination). On
+    the CPU (the tests' host-copy path) plain copies. wait(): the host waits until all have
+    landed; join(): the current stream does."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)  # pinned host side: a DMA the host does not wait for
+        for t in (dst, src):
+            if t.is_cuda:  # (a stage frees its reduced buffer after the call: not reused before the copy)
+                t.record_stream(self.stream)
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 class _HostGrads:
     """The fp32 gradient shards of host copies (see [Note: offload of a CUDA model]), fed with
-    reduced device slices as they are ready. put() copies a slice to the host on a side stream,
-    after the work queued so far on the current one (on the CPU, the tests' host-copy path, at
-    once). An fp32 slice into a range nothing has written since restart() lands in the shard
-    itself; any other goes to a staging buffer, added (or, into a new range, copied) into the
-    shard by finish(), in the order the slices came, once the copies have landed. finish() also
-    zeroes what nothing wrote (the device path zeroes whole shards at zero_grad; here each
-    backward's slices overwrite the shards, so most steps zero nothing)."""
+    reduced device slices as they are ready. put() copies a slice to the host (_SideCopies). An
+    fp32 slice into a range nothing has written since restart() lands in the shard itself; any
+    other goes to a staging buffer, added (or, into a new range, copied) into the shard by
+    finish(), in the order the slices came, once the copies have landed. finish() also zeroes
+    what nothing wrote (the device path zeroes whole shards at zero_grad; here each backward's
+    slices overwrite the shards, so most steps zero nothing)."""
 
     def __init__(self, device: torch.device, shards: list[torch.Tensor]):
-        self.device, self.shards = device, shards
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._done: list = []  # events of the copies queued
+        self.shards = shards
+        self._copies = _SideCopies(device)
         self._staged: list[tuple[int, int, int, torch.Tensor, bool]] = []  # (shard, lo, hi, host, add?)
         self._written: list[list[tuple[int, int]]] = [[] for _ in shards]  # ranges with values since restart()
 
@@ -709,34 +742,15 @@ class _HostGrads:
         new = not any(a < hi and lo < b for a, b in self._written[k])
         self._written[k].append((lo, hi))
         if new and dev.dtype == torch.float32:
-            self._copy(self.shards[k][lo:hi], dev)
+            self._copies.copy(self.shards[k][lo:hi], dev)
             return
-        host = torch.empty(hi - lo, dtype=dev.dtype, pin_memory=self.stream is not None)
-        self._copy(host, dev)
+        host = torch.empty(hi - lo, dtype=dev.dtype, pin_memory=self._copies.stream is not None)
+        self._copies.copy(host, dev)
         self._staged.append((k, lo, hi, host, not new))
-
-    def _copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        if self.stream is None:
-            host.copy_(dev)
-            return
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            host.copy_(dev, non_blocking=True)  # pinned: a DMA the host does not wait for
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        dev.record_stream(self.stream)  # a stage's reduced buffer is freed after put(): not reused before this
-        self._done.append(done)
-
-    def _wait(self) -> None:
-        for e in self._done:
-            e.synchronize()
-        self._done.clear()
 
     def finish(self) -> None:
         """Every slice put so far is in the shards; ranges nothing wrote are zero."""
-        self._wait()
+        self._copies.wait()
         for k, lo, hi, host, add in self._staged:
             if add:
                 self.shards[k][lo:hi].add_(host)
@@ -755,50 +769,13 @@ class _HostGrads:
 
     def restart(self) -> None:
         """Forget the slices so far (the next ones are new values); no copy is still landing."""
-        self._wait()
+        self._copies.wait()
         self._staged.clear()
         self._written = [[] for _ in self.shards]
 
 
 _SCALED_STEP = (pz_optim.Adam, pz_optim.SGD, pz_optim.Adagrad)  # step(grad_scale=) in the kernel's pass
 _STEP_CHUNK_ELEMS = 1 << 26  # a chunk of the host step that sends its values on (see [Note: chunked host step])
-
-
-class _ToDevice:
-    """Host-to-device copies on a side stream, started after the work queued so far on the
-    current stream (which may still read the destinations); join() makes the current stream wait
-    for them. On the CPU (the tests' host-copy path) plain copies."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._open = False
-        self.done = None  # the last join's event: the host sources may change once it has passed
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.stream is None:
-            dst.copy_(src)
-            return
-        if not self._open:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            self.stream.wait_event(ready)
-            self._open = True
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)  # pinned source: a DMA the host does not wait for
-
-    def join(self) -> None:
-        if self.stream is not None and self._open:
-            self.done = torch.cuda.Event()
-            self.done.record(self.stream)
-            torch.cuda.current_stream(self.device).wait_event(self.done)
-        self._open = False
-
-    def wait_sources_free(self) -> None:
-        """Before the host overwrites what the copies read."""
-        if self.done is not None:
-            self.done.synchronize()
-            self.done = None
 
 
 def _host_copies(device: torch.device) -> bool:

@@ -12,8 +12,7 @@ For a CPU model host memory *is* the device: "cpu" keeps every tensor where it i
 only changes the kernel, "nvme" takes the optimizer state out of RAM. For a CUDA model
 ZeroOptimizer keeps the masters, the gradient shards and the state in pinned host memory,
 copying each reduced slice to the host as it is ready and the step's 16-bit copies back
-(see [Note: offload of a CUDA model] in optimizer.py). :class:`HostShard` is a standalone
-form of such copies for one shard, ordered by CUDA events.
+(see [Note: offload of a CUDA model] in optimizer.py).
 
 ZeroOptimizer calls :func:`resolve` in ``__init__`` (bad arguments fail before the model is
 touched) and :meth:`Offload.build_optimizer` where it builds its inner optimizer.
@@ -143,58 +142,3 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     pages.ptr = ptr
     return torch.frombuffer(pages, dtype=dtype, count=numel)
-
-
-class HostShard:
-    """Pinned host copies of one device shard and the copies between them (CUDA models).
-
-    ``master``/``grad`` are fp32 host tensors of ``numel``; ``low`` is a pinned 16-bit host
-    buffer the fused step writes the new parameters into (``copies=``). Gradient buckets
-    go device -> host on ``stream`` as soon as their reduction is recorded; updated
-    parameters go host -> device on ``stream`` and the compute stream waits on an event.
-    """
-
-    def __init__(self, numel: int, device, param_dtype=torch.bfloat16):
-        if not torch.cuda.is_available():
-            raise RuntimeError("HostShard: offload of CUDA shards needs CUDA")
-        self.device = torch.device(device)
-        self.master = torch.zeros(numel, dtype=torch.float32, pin_memory=True)
-        self.grad = torch.zeros(numel, dtype=torch.float32, pin_memory=True)
-        self.low = torch.empty(numel, dtype=param_dtype, pin_memory=True)
-        self.stream = torch.cuda.Stream(self.device)
-        self._grad_events: list[torch.cuda.Event] = []
-        self._keep: list[torch.Tensor] = []
-
-    def grad_to_host(self, reduced: torch.Tensor, lo: int) -> None:
-        """Copy a reduced bucket's part of this shard (device, fp32 or 16-bit) into grad[lo:...],
-        after the work already queued on the current stream (the reduction); does not block."""
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            src = reduced if reduced.dtype == torch.float32 else reduced.float()
-            self.grad[lo:lo + src.numel()].copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._keep.append(src)  # alive until the copy is done (wait_grads)
-        self._grad_events.append(done)
-
-    def wait_grads(self) -> None:
-        """Block the host until every gradient copy has landed (before the CPU step)."""
-        for e in self._grad_events:
-            e.synchronize()
-        self._grad_events.clear()
-        self._keep.clear()
-
-    def params_to_device(self, dst: torch.Tensor) -> torch.cuda.Event:
-        """Copy ``low`` (the fused step's 16-bit output) into the device shard `dst` on the side
-        stream; the current stream waits on the returned event before it reads `dst`."""
-        free = torch.cuda.Event()
-        free.record(torch.cuda.current_stream(self.device))  # work queued so far may still read dst
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(free)
-            dst.copy_(self.low[:dst.numel()], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_event(done)
-        return done

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .common import write_json
+from .common import mem_available, write_json
 from .gpt import GPT, GPTConfig
 
 RUNS = {
@@ -185,11 +185,10 @@ def _memory(args) -> tuple[str, float, float]:
 
 
 def _mem_available() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo: no MemAvailable")
+    available = mem_available()
+    if available is None:
+        raise RuntimeError("/proc/meminfo: no MemAvailable; give --host-gb (and on the CPU --device-gb)")
+    return float(available)
 
 
 def predicted_layers(run: str, args, device: float, host: float) -> int:

@@ -100,6 +100,18 @@ def record(results: list, extra: dict | None = None) -> dict:
     return out
 
 
+def mem_available() -> int | None:
+    """The kernel's MemAvailable in bytes (/proc/meminfo), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def write_json(path: str, results: list, extra: dict | None = None) -> None:
     with open(path, "w") as f:
         json.dump(record(results, extra), f, indent=1, default=str)

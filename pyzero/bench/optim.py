@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .common import parse_size, size_steps, write_json
+from .common import mem_available, parse_size, size_steps, write_json
 
 RUNS = ("pz", "torch-foreach", "torch-fused", "deepspeed")
 BYTES = {"plain": 28, "offload": 30}
@@ -133,20 +133,10 @@ def make_step(run: str, step: str, n: int, threads: int, ds_cls, tensors: int = 
     return offload_step
 
 
-def _available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
 def time_runs(runs, step, n, threads, ds_cls, iters, warmup, tensors: int = 1) -> tuple[dict, bool]:
     """({run: median seconds}, interleaved?) for one size."""
-    if len(runs) * RUN_BYTES * n > _available_bytes() // 2:
+    available = mem_available()
+    if available is not None and len(runs) * RUN_BYTES * n > available // 2:
         # One at a time, each on freshly allocated tensors: the machine's state (which pages the
         # kernel hands out, other load) varies between allocations by tens of percent at this size,
         # so every run is timed in ALONE_ROUNDS rounds, the order rotated, and the median taken.

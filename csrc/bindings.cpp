@@ -301,6 +301,15 @@ PYBIND11_MODULE(_C, m) {
         "Where multi-threaded CPU optimizer steps run: 'openmp' (the process's OpenMP team, torch's) or "
         "'threads' (threads started per step: no OpenMP runtime loaded, or a forked child)");
   m.def(
+      "cpu_bump_f32",
+      [](uintptr_t ptr, int64_t n) {
+        float* x = static_cast<float*>(as_ptr(ptr));
+        std::vector<float> out(size_t(std::max<int64_t>(n, 0)));
+        for (int64_t i = 0; i < n; ++i) out[size_t(i)] = x[i] += 1.0f;
+        return out;
+      },
+      "x[i] += 1 for n float32s at a CPU pointer (an optimizer's step counts); returns the new values");
+  m.def(
       "cpu_adam_step",
       [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> exp_avg,
                     std::vector<uintptr_t> exp_avg_sq, std::vector<uintptr_t> max_exp_avg_sq,

@@ -130,13 +130,15 @@ def test_every_isa_and_thread_count_bitwise_equal_to_scalar(isa, threads):
 def test_adam_bias_correction_division_is_exact_at_every_step_and_scale(isa):
     """The vector loops divide by the bias correction without the divider (a reciprocal and one
     FMA correction): bitwise the scalar loop's true division over 64 steps (every bias correction
-    from 0.0447 to 0.25 and on), second moments spanning 1e-36..1e36, zeros and an infinite one."""
-    n = 4096 + 5
+    from 0.0447 to 0.25 and on), second moments spanning 1e-36..1e36, zeros and an infinite one;
+    an odd number of vectors and a tail, so every loop (unrolled, single vector, scalar) runs."""
+    n = 4096 + 16 + 5
     gen = torch.Generator().manual_seed(7)
     p0 = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-18, 18, (n,), generator=gen).float())
     g[:7] = 0.0
     g[7] = float("inf")
+    g[8] = 1e30  # a finite first moment over an infinite second: the step is -0, p stays
 
     def run(isa_):
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
@@ -147,6 +149,7 @@ def test_adam_bias_correction_division_is_exact_at_every_step_and_scale(isa):
 
     got, want = run(isa), run("scalar")
     assert want[2][7] == float("inf") and want[2][:7].eq(0).all()  # the cases are there
+    assert want[2][8] == float("inf") and want[1][8].isfinite() and want[0][8] == p0[8]
     for a, b in zip(got, want):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
@@ -280,6 +283,71 @@ def test_step_counts_of_many_params_with_gaps_and_reload(cls):
     back = saved([p.detach().clone().requires_grad_() for p in ours_p], **kw)
     back.load_state_dict(ours.state_dict())  # ours -> torch: the counts as torch keeps them
     assert [st["step"].item() for st in back.state.values()] == [ref.state[b]["step"].item() for b in ref_p]
+
+
+def test_unchanged_tensors_skip_checks_moved_and_replaced_ones_are_checked_again():
+    """A step over the parameters and states the last step checked skips their checks; a
+    parameter whose data moved, a state replaced by a good tensor, a wrong dtype or a wrong size
+    is checked again (the bad ones raise naming the list), and nothing the optimizer no longer
+    uses stays alive: not last step's gradients, not the states a load_state_dict replaced."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(12)
+    ours_p = [torch.randn(40 + i, generator=gen).requires_grad_() for i in range(3)]
+    ref_p = [p.detach().clone().requires_grad_() for p in ours_p]
+    ours, ref = pz.optim.AdamW(ours_p, lr=1e-2), torch.optim.AdamW(ref_p, lr=1e-2, foreach=False)
+
+    def step():
+        for a, b in zip(ours_p, ref_p):
+            a.grad = dyadic_grad(a.numel(), gen)
+            b.grad = a.grad.clone()
+        olds = [b.detach().clone() for b in ref_p]
+        ours.step(), ref.step()
+        for a, b, old in zip(ours_p, ref_p, olds):
+            mag = torch.maximum(old.abs(), b.detach().abs())
+            spacing = torch.nextafter(mag, torch.tensor(float("inf"))) - mag
+            assert ((a.detach() - b.detach()).abs() / spacing).max().item() <= 4.0
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours.state[a][key], ref.state[b][key])
+            with torch.no_grad():
+                a.copy_(b)
+
+    step(), step()
+    ours_p[1].data = ours_p[1].data.clone()  # the same parameter, its data elsewhere
+    step()
+    kept = ours_p[1].data
+    ours_p[1].data = kept.double()  # the same parameter object, no longer float32
+    with pytest.raises(ValueError, match=r"params\[1\]: expected a dense float32 CPU tensor"):
+        ours.step()
+    ours_p[1].data = kept
+    for p in ours_p:  # the failed step counted (as torch's would have, failing mid-step); the reference did not
+        ours.state[p]["step"] -= 1
+    step()
+    a = ours_p[0]
+    ours.state[a]["exp_avg"] = ours.state[a]["exp_avg"].clone()  # a new state tensor, same values
+    step()
+    good = ours.state[a]["exp_avg_sq"]
+    ours.state[a]["exp_avg_sq"] = good.double()
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\]: expected a dense float32 CPU tensor"):
+        ours.step()
+    ours.state[a]["exp_avg_sq"] = good[1:].clone()
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\]: has 39 elements, the parameter has 40"):
+        ours.step()
+    ours.state[a]["exp_avg_sq"] = good
+    for p in ours_p:  # the failed steps counted (as torch's would have, failing mid-step); the reference did not
+        ours.state[p]["step"] -= 2
+    step()
+    grad = weakref.ref(ours_p[2].grad)
+    old_state = weakref.ref(ours.state[ours_p[2]]["exp_avg"])
+    for p in ours_p:
+        p.grad = None
+    gc.collect()
+    assert grad() is None
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    gc.collect()
+    assert old_state() is None
+    step()
 
 
 def test_param_groups_and_params_without_grad():

@@ -31,6 +31,10 @@ class Adagrad(torch.optim.Optimizer):
                 state["sum"] = torch.full_like(p, group["initial_accumulator_value"],
                                                memory_format=torch.preserve_format)
 
+    def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
+        super().__setstate__(state)
+        F.forget_checked(self)
+
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
@@ -44,10 +48,11 @@ class Adagrad(torch.optim.Optimizer):
                 continue
             for p, step in zip(ps, F.bump_steps(self, group, [self.state[p] for p in ps])):
                 by_step.setdefault(step, []).append(p)
+            checked = F.checked_for(self, group) if len(by_step) == 1 else None
             for step, ps in by_step.items():
                 F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],
                                [copies.get(p) for p in ps] if copies else None, step=step,
                                lr=F.as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                               grad_scale=float(grad_scale), threads=self.threads, isa=self.isa)
+                               grad_scale=float(grad_scale), threads=self.threads, isa=self.isa, checked=checked)
         return loss

@@ -42,8 +42,9 @@ class Adam(torch.optim.Optimizer):
                         decoupled_weight_decay=self._decoupled)
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
         super().__setstate__(state)
+        F.forget_checked(self)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -61,38 +62,52 @@ class Adam(torch.optim.Optimizer):
             self._step_group(group, float(grad_scale), copies)
         return loss
 
+    def _init_state(self, p, state, amsgrad):
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def _step_group(self, group, grad_scale, copies):
-        beta1, beta2 = (F.as_float(b, "betas") for b in group["betas"])
-        by_step: dict[float, list] = {}
-        ps, amsgrad = [p for p in group["params"] if p.grad is not None], group["amsgrad"]
-        states = []
-        for p in ps:
-            if p.grad.is_sparse:
+        amsgrad, all_state = group["amsgrad"], self.state
+        ps, gs, states = [], [], []
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif amsgrad and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = all_state[p]
+            if not state or amsgrad and "max_exp_avg_sq" not in state:
+                self._init_state(p, state, amsgrad)
+            ps.append(p)
+            gs.append(g)
             states.append(state)
         if not ps:
             return
-        for p, step in zip(ps, F.bump_steps(self, group, states)):
-            by_step.setdefault(step, []).append(p)
-        for step, ps in by_step.items():
-            states = [self.state[p] for p in ps]
-            F.adam_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                        [s["exp_avg_sq"] for s in states],
-                        [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
-                        [copies.get(p) for p in ps] if copies else None,
-                        step=step, lr=F.as_float(group["lr"], "lr"), beta1=beta1, beta2=beta2,
-                        eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                        amsgrad=group["amsgrad"], maximize=group["maximize"], grad_scale=grad_scale,
-                        threads=self.threads, isa=self.isa)
+        steps = F.bump_steps(self, group, states)
+        if steps.count(steps[0]) == len(steps):  # the usual case: one step count for the group
+            self._step_list(group, ps, gs, states, steps[0], grad_scale, copies, F.checked_for(self, group))
+            return
+        by_step: dict[float, list] = {}
+        for i, step in enumerate(steps):
+            by_step.setdefault(step, []).append(i)
+        for step, idx in by_step.items():
+            self._step_list(group, [ps[i] for i in idx], [gs[i] for i in idx], [states[i] for i in idx], step,
+                            grad_scale, copies, None)
+
+    def _step_list(self, group, ps, gs, states, step, grad_scale, copies, checked):
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        F.adam_step(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                    [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
+                    [copies.get(p) for p in ps] if copies else None,
+                    step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
+                    beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
+                    decoupled=self._decoupled, amsgrad=amsgrad, maximize=group["maximize"], grad_scale=grad_scale,
+                    threads=self.threads, isa=self.isa, checked=checked)
 
 
 class AdamW(Adam):

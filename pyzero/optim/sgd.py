@@ -30,8 +30,9 @@ class SGD(torch.optim.Optimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=False, fused=fused)
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
         super().__setstate__(state)
+        F.forget_checked(self)
         for group in self.param_groups:
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
@@ -61,5 +62,6 @@ class SGD(torch.optim.Optimizer):
                            lr=F.as_float(group["lr"], "lr"), momentum=momentum, dampening=group["dampening"],
                            weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                            maximize=group["maximize"], first_step=first, grad_scale=float(grad_scale),
-                           threads=self.threads, isa=self.isa)
+                           threads=self.threads, isa=self.isa,
+                           checked=None if first else F.checked_for(self, group))
         return loss

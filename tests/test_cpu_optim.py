@@ -350,6 +350,55 @@ def test_unchanged_tensors_skip_checks_moved_and_replaced_ones_are_checked_again
     step()
 
 
+@pytest.mark.parametrize("cls", ["AdamW", "SGD", "Adagrad"])
+def test_step_hooks_profiler_and_lr_scheduler_as_torch(cls):
+    """pz.optim's step skips torch's step wrapper when nothing listens, and only then: step
+    pre/post hooks (per optimizer and global) run around it as torch runs them (a pre-hook's
+    (args, kwargs) replace the call's), the profiler records "Optimizer.step#<class>.step" as for
+    torch's own optimizers, and an lr scheduler sees the step (no out-of-order warning)."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(mod):
+        p = torch.ones(8, requires_grad=True)
+        opt = getattr(mod, cls)([p], lr=0.5)
+        calls = []
+        h = [opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt, a == (opt,), dict(k)))),
+             opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, a == (opt,), dict(k)))),
+             register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", o is opt))),
+             register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", o is opt)))]
+        p.grad = torch.full_like(p, 0.25)
+        opt.step()
+        for handle in h:
+            handle.remove()
+        p.grad = torch.full_like(p, 0.25)
+        opt.step()  # no hook now: the direct path
+        double = opt.register_step_pre_hook(lambda o, a, k: (a, {"closure": lambda: 7.0}))
+        p.grad = torch.full_like(p, 0.25)
+        loss = opt.step()
+        double.remove()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            p.grad = torch.full_like(p, 0.25)
+            opt.step()
+        names = {e.name for e in prof.events()}
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            p.grad = torch.full_like(p, 0.25)
+            opt.step()
+            sched.step()
+        return calls, loss, f"Optimizer.step#{cls}.step" in names, opt.param_groups[0]["lr"], p.detach()
+
+    ours, ref = run(pz.optim), run(torch.optim)
+    assert ours[0] == ref[0] == [("global pre", True), ("pre", True, True, {}), ("post", True, True, {}),
+                                 ("global post", True)]
+    assert ours[1] == ref[1] == 7.0
+    assert ours[2] and ref[2]
+    assert ours[3] == ref[3] == 0.25
+    assert torch.allclose(ours[4], ref[4], rtol=1e-6, atol=0)
+
+
 def test_param_groups_and_params_without_grad():
     a, b, c = (torch.randn(33, requires_grad=True) for _ in range(3))
     ta, tb, tc = (t.detach().clone().requires_grad_() for t in (a, b, c))

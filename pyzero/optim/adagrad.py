@@ -35,6 +35,7 @@ class Adagrad(torch.optim.Optimizer):
         super().__setstate__(state)
         F.forget_checked(self)
 
+    @F.hooked_step
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""

@@ -54,6 +54,7 @@ class Adam(torch.optim.Optimizer):
                 if s and not torch.is_tensor(s["step"]):
                     s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
 
+    @F.hooked_step
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""

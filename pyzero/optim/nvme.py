@@ -164,6 +164,7 @@ class NvmeAdam(Adam):
         for p, st in loaded.items():
             self.state[p] = st
 
+    @F.hooked_step
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         loss = F.run_closure(closure)

@@ -37,6 +37,7 @@ class SGD(torch.optim.Optimizer):
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
 
+    @F.hooked_step
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""

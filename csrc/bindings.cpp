@@ -179,12 +179,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
-                       size_t oneshot_bytes, double timeout_s) {
+                       size_t oneshot_bytes, double timeout_s, size_t stream_bytes) {
              return std::make_unique<ShmComm>(prefix, rank, size,
-                                              ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s});
+                                              ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes});
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
-           py::arg("oneshot_bytes"), py::arg("timeout_s"))
+           py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = size_t(8 << 20))
       .def("set_flight", &ShmComm::set_flight, "Record every call in this flight ring (None: stop recording)")
       .def("attach", [](ShmComm& c) { c.transport().attach(); })
       .def("unlink", [](ShmComm& c) { c.transport().unlink(); })

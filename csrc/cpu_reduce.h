@@ -7,6 +7,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define PZ_STREAMING_STORES 1
+#endif
 
 #include "reduce_math.h"
 
@@ -45,6 +53,78 @@ inline void cpu_reduce_final(const W* __restrict in, const T* own, T* dst, T* __
     for (size_t i = 0; i < n; ++i)
       dst[i] = from_acc<T>(finish<OP>(combine<OP>(to_acc(in[i]), to_acc(own[i])), nranks));
   }
+}
+
+// [Note: streamed output]
+// An out-of-place collective writes every line of its output buffer without
+// reading it, but a normal store first reads the line from memory (read for
+// ownership): 3 bytes move per 2 that an in-place call moves. The *_streamed
+// forms below write the whole 64-byte lines of `dst` with non-temporal stores,
+// which skip that read and leave the line out of the cache; they pay off only
+// for outputs too large to stay cached (the caller decides, see
+// stream_output() in shm_transport.cpp) and need stream_fence() before the
+// output is handed on. Each line is computed and stored at once: computing a
+// slice into a cached buffer and streaming it out afterwards moves the same
+// bytes but serialises the read and write streams (1.5x slower in a model of
+// the loop on two cores).
+constexpr size_t kStreamLine = 64;
+
+inline void stream_fence() {
+#ifdef PZ_STREAMING_STORES
+  _mm_sfence();
+#endif
+}
+
+// One 64-byte line from `src` (any alignment) to the 64-byte aligned `dst`.
+inline void stream_line(void* dst, const void* src) {
+#ifdef PZ_STREAMING_STORES
+  const __m128i* s = static_cast<const __m128i*>(src);
+  __m128i* d = static_cast<__m128i*>(dst);
+  __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1), c = _mm_loadu_si128(s + 2),
+          e = _mm_loadu_si128(s + 3);
+  _mm_stream_si128(d, a);
+  _mm_stream_si128(d + 1, b);
+  _mm_stream_si128(d + 2, c);
+  _mm_stream_si128(d + 3, e);
+#else
+  std::memcpy(dst, src, kStreamLine);
+#endif
+}
+
+// Bytes before `p` reaches a line boundary.
+inline size_t to_line(const void* p) {
+  return (kStreamLine - (reinterpret_cast<uintptr_t>(p) & (kStreamLine - 1))) & (kStreamLine - 1);
+}
+
+// memcpy whose whole destination lines are streamed.
+inline void copy_streamed(void* dst, const void* src, size_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  size_t head = to_line(d) < n ? to_line(d) : n;
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= kStreamLine; n -= kStreamLine, d += kStreamLine, s += kStreamLine) stream_line(d, s);
+  std::memcpy(d, s, n);
+}
+
+// cpu_reduce_final with `dst` streamed (`own` may alias it); `dst2` stays cached.
+template <RedOp OP, typename T, typename W>
+inline void cpu_reduce_final_streamed(const W* __restrict in, const T* own, T* dst,
+                                      T* __restrict dst2, size_t n, int nranks) {
+  constexpr size_t L = kStreamLine / sizeof(T);
+  size_t head = to_line(dst);
+  if (head % sizeof(T)) return cpu_reduce_final<OP, T, W>(in, own, dst, dst2, n, nranks);  // misaligned elements
+  head = head / sizeof(T) < n ? head / sizeof(T) : n;
+  cpu_reduce_final<OP, T, W>(in, own, dst, dst2, head, nranks);
+  size_t i = head;
+  for (; i + L <= n; i += L) {
+    alignas(kStreamLine) T v[L];
+    for (size_t j = 0; j < L; ++j)
+      v[j] = from_acc<T>(finish<OP>(combine<OP>(to_acc(in[i + j]), to_acc(own[i + j])), nranks));
+    if (dst2) std::memcpy(dst2 + i, v, kStreamLine);
+    stream_line(dst + i, v);
+  }
+  cpu_reduce_final<OP, T, W>(in + i, own + i, dst + i, dst2 ? dst2 + i : nullptr, n - i, nranks);
 }
 
 // dst[i] = finish(src[0][i] (+) src[1][i] (+) ... ) in rank order, accumulating

@@ -229,6 +229,8 @@ class Options:
     - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH])
     - oneshot_bytes: largest message of the one-shot path (256 KiB [PYZERO_SHM_ONESHOT_KB / PYZERO_NCCL_ONESHOT_KB /
       PYZERO_IPC_ONESHOT_KB])
+    - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
+      written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
     - check_calls: hier, compare every collective's arguments across the group before it runs, so a
@@ -238,12 +240,13 @@ class Options:
     slice_bytes: int | None = None
     depth: int | None = None
     oneshot_bytes: int | None = None
+    stream_bytes: int | None = None
     symmetric: bool | None = None
     blocking_wait: bool | None = None
     check_calls: bool | None = None
 
     def __post_init__(self):
-        for name in ("slice_bytes", "depth", "oneshot_bytes"):
+        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")

@@ -130,6 +130,34 @@ def _rank_all_reduce_matrix():
                 ck.check(f"all_reduce(n={n}, small slices, {dtype}, op={op}, size={size})", t,
                          reference(inputs, op, dtype))
 
+    # Streamed outputs ([Note: streamed output], csrc/cpu_reduce.h): a group that streams every
+    # out-of-place ring output, with small slices so slices start mid-line; outputs at a line
+    # boundary and one element past it, sizes around a 64-byte line.
+    streamed = pz.new_group(range(n), options=pz.Options(stream_bytes=0, slice_bytes=4096, depth=2))
+    for dtype in DTYPES:
+        esize = torch.tensor([], dtype=dtype).element_size()
+        line = 64 // esize
+        for op in ["sum", "avg", "max"] if dtype.is_floating_point else ["sum", "max"]:
+            for size in [1, line - 1, line, line + 1, 3 * line + 5, 40009]:
+                for shift in [0, 1]:
+                    seed += 1
+                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                    want = reference(inputs, op, dtype)
+                    base = torch.full((size + line,), 7, dtype=dtype)
+                    start = (-base.data_ptr() // esize) % line + shift  # 64-byte aligned, then `shift` past it
+                    out = base[start:start + size]
+                    pz.all_reduce(inputs[me], op=op, algo="ring", out=out, group=streamed)
+                    what = f"streamed all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, shift={shift})"
+                    ck.check(what, out, want)
+                    ck.check(what + " left the rest of out's buffer alone", torch.cat([base[:start], base[start + size:]]),
+                             torch.full((line,), 7, dtype=dtype))
+                    if n > 1:
+                        k = size // n
+                        rs_out = base[start:start + k]
+                        pz.reduce_scatter(rs_out, inputs[me][:n * k], op=op, algo="ring", group=streamed)
+                        ck.check(what.replace("all_reduce", "reduce_scatter"), rs_out,
+                                 reference([x[:n * k] for x in inputs], op, dtype)[me * k:(me + 1) * k])
+
     # > 1M elements: several ring rounds per chunk at the default slice size.
     for dtype, op, algo in [(torch.float32, "sum", "ring"), (torch.bfloat16, "avg", "auto")]:
         seed += 1

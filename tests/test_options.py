@@ -26,6 +26,8 @@ def test_options_validate_and_merge():
         pz.Options(slice_bytes=-1)
     with pytest.raises(ValueError, match="options.oneshot_bytes: expected a non-negative int"):
         pz.Options(oneshot_bytes=1.5)
+    with pytest.raises(ValueError, match="options.stream_bytes: expected a non-negative int"):
+        pz.Options(stream_bytes=-1)
     with pytest.raises(ValueError, match="options.symmetric: expected True, False or None"):
         pz.Options(symmetric="no")
 

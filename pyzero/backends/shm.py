@@ -47,7 +47,8 @@ class ShmBackend(Backend):
         oneshot = o.get("oneshot_bytes", 256 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True)
         comm = _C.ShmComm(setup.name, setup.rank, setup.size,
                           o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True),
-                          o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout)
+                          o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout,
+                          o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True))
         try:
             store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)
             comm.attach()

@@ -535,3 +535,15 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
     assert len(rows) == 4 and all(r["timing"] == "per-call median" and r["wrong"] == 0 and r["time_us"] > 0
                                   for r in rows), rows
+    out = tmp_path / "rounds.json"  # rounds alternating the forms: the median of each form's rounds
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8K", "--max", "8K",
+                         "--iters", "2", "--warmup", "1", "--timeout", "120", "--rounds", "3", "--json", str(out)])
+    assert collectives.main(args) == 0
+    assert "median of 3 rounds alternating out-of-place and in-place" in capsys.readouterr().out
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
+    assert sorted(r["inplace"] for r in rows) == [False, True]
+    for r in rows:
+        assert len(r["rounds_time_us"]) == 3 and r["wrong"] == 0
+        assert r["time_us"] == sorted(r["rounds_time_us"])[1], r
+    with pytest.raises(ValueError, match="--rounds: expected a positive int, got 0"):
+        collectives.main(p.parse_args(["--rounds", "0", "--nproc", "2"]))

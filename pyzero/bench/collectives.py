@@ -70,6 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--per-call", action="store_true",
                    help="time each call alone (median), not the mean of back-to-back calls")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each size this many times, alternating out-of-place and in-place, and report the "
+                        "median (the spread is in the json): a slow phase of the machine then hits both forms")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -336,6 +339,7 @@ def rank_main(args) -> list[dict]:
     import pyzero as pz  # noqa: PLC0415
 
     cuda = getattr(args, "device", "cpu") == "cuda"
+    rounds = _rounds(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed") or (b == "nccl" and not cuda) \
@@ -367,6 +371,8 @@ def rank_main(args) -> list[dict]:
                 algo = f" ({_label(backend, args)})"
                 timing = "each call timed alone, median" if getattr(args, "per_call", False) else \
                     "mean of back-to-back calls"
+                if rounds > 1:
+                    timing += f"; median of {rounds} rounds alternating out-of-place and in-place"
                 print(f"# {op}, backend {backend}{algo}, "
                       f"{n} ranks, dtype {args.dtype}, {timing}\n{HEADER}", flush=True)
             busbws = []
@@ -376,9 +382,14 @@ def rank_main(args) -> list[dict]:
                     count = max(count, n)
                 nbytes = count * esize
                 row = []
+                runs = {False: [], True: []}
+                for _ in range(rounds):
+                    for inplace in (False, True):
+                        runs[inplace].append(measure(backend, op, count, dtype, inplace, args.algo, args.iters,
+                                                     args.warmup, getattr(args, "per_call", False)))
                 for inplace in (False, True):
-                    t_us, wrong = measure(backend, op, count, dtype, inplace, args.algo, args.iters, args.warmup,
-                                          getattr(args, "per_call", False))
+                    times = [t for t, _ in runs[inplace]]
+                    t_us, wrong = statistics.median(times), sum(w for _, w in runs[inplace])
                     algbw = nbytes / t_us / 1e3
                     busbw = algbw * BUS_FACTOR[op](n)
                     row += [t_us, algbw, busbw, wrong]
@@ -386,7 +397,8 @@ def rank_main(args) -> list[dict]:
                                     "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
                                     "algbw": algbw, "busbw": busbw, "wrong": wrong,
                                     "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
-                                    "timing": "per-call median" if getattr(args, "per_call", False) else "loop mean"})
+                                    "timing": "per-call median" if getattr(args, "per_call", False) else "loop mean",
+                                    "rounds_time_us": times})
                 busbws.append(row[6])
                 if rank == 0:
                     redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
@@ -531,9 +543,17 @@ def plot(results: list, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _rounds(args) -> int:
+    rounds = getattr(args, "rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"--rounds: expected a positive int, got {rounds!r}")
+    return rounds
+
+
 def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
+    _rounds(args)  # bad input fails here, before any rank starts
     if args.nproc:
         # GPU ranks start as fresh interpreters (CUDA does not survive fork)
         start = "spawn" if getattr(args, "device", "cpu") == "cuda" else "fork"

@@ -48,7 +48,7 @@ size_t oneshot_limit(Coll c) {
 //   all_reduce      0.67-1.08  0.80-1.44  1.08-1.36  1.09-1.27  1.17-1.34  1.17-1.28
 //   reduce_scatter  0.82-0.98  1.02-1.10  0.99-1.26  1.03-1.21  1.07-1.25
 //   all_gather      0.70-0.94             0.98-1.32  1.02-1.08  0.92-1.09  0.97-1.08
-// Out-of-place all_reduce / in place went from 0.61-0.73 to 0.78-0.92 at
+// Out-of-place all_reduce / in place went from 0.62-0.73 to 0.78-0.92 at
 // 16-64 MiB. Smaller outputs of back-to-back calls stay in the L3, and
 // streaming them out costs more than the reads it saves. all_gather is not
 // streamed: its gain is within the noise, and a gathered output is usually

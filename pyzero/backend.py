@@ -227,8 +227,8 @@ class Options:
     - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);
       ipc: each rank's registered area, the largest piece of one call (32 MiB [PYZERO_IPC_AREA_KB])
     - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH])
-    - oneshot_bytes: largest message of the one-shot path (256 KiB [PYZERO_SHM_ONESHOT_KB / PYZERO_NCCL_ONESHOT_KB /
-      PYZERO_IPC_ONESHOT_KB])
+    - oneshot_bytes: largest message of the one-shot path (shm 512 KiB [PYZERO_SHM_ONESHOT_KB]; nccl, ipc 256 KiB
+      [PYZERO_NCCL_ONESHOT_KB / PYZERO_IPC_ONESHOT_KB])
     - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
       written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])

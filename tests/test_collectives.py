@@ -662,9 +662,10 @@ def test_comm_stats(world):
 def _rank_all_gather_uneven_algo():
     pz.init(timeout=30)
     n, me = pz.get_world_size(), pz.get_rank()
-    # rank 0's chunk (280 KB) is above auto's one-shot limit and above the
-    # one-shot cap (256 KiB); the other ranks' chunks are tiny
-    counts = [70001] + [3] * (n - 1)
+    # rank 0's chunk (560 KB) is above auto's one-shot limit and above the
+    # one-shot cap (512 KiB); the other ranks' chunks are tiny
+    assert pz.comm.resolve_group(None).backend.oneshot_bytes == 512 << 10
+    counts = [140001] + [3] * (n - 1)
     chunks = [make_input("max", torch.float32, c, r, 3) for r, c in enumerate(counts)]
     out = {}
     for algo in [None, "auto"]:

@@ -189,8 +189,9 @@ def _rank_bad_args():
     rbuf = torch.ones(n * k)
     o["rs_in_place_ok"] = outcome(lambda: pz.reduce_scatter(rbuf[me * k:(me + 1) * k], rbuf))
     assert torch.equal(rbuf[me * k:(me + 1) * k], torch.full((k,), float(n)))
-    # one-shot takes at most 256 KiB of input per rank
-    too_big = (256 << 10) // 4 + 1
+    # one-shot takes at most oneshot_bytes (512 KiB) of input per rank
+    assert pz.comm.resolve_group(None).backend.oneshot_bytes == 512 << 10
+    too_big = (512 << 10) // 4 + 1
     o["oneshot_too_big_all_reduce"] = outcome(lambda: pz.all_reduce(torch.ones(too_big), algo="oneshot"))
     o["oneshot_too_big_reduce_scatter"] = outcome(
         lambda: pz.reduce_scatter(torch.zeros(too_big), torch.ones(n * too_big), algo="oneshot"))

@@ -44,7 +44,7 @@ class ShmBackend(Backend):
     @classmethod
     def create(cls, setup: GroupSetup) -> "ShmBackend":
         o = setup.options
-        oneshot = o.get("oneshot_bytes", 256 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True)
+        oneshot = o.get("oneshot_bytes", 512 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True)
         comm = _C.ShmComm(setup.name, setup.rank, setup.size,
                           o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True),
                           o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout,

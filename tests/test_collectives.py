@@ -149,8 +149,8 @@ def _rank_all_reduce_matrix():
                     pz.all_reduce(inputs[me], op=op, algo="ring", out=out, group=streamed)
                     what = f"streamed all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, shift={shift})"
                     ck.check(what, out, want)
-                    ck.check(what + " left the rest of out's buffer alone", torch.cat([base[:start], base[start + size:]]),
-                             torch.full((line,), 7, dtype=dtype))
+                    rest = torch.cat([base[:start], base[start + size:]])
+                    ck.check(what + " left the rest of out's buffer alone", rest, torch.full((line,), 7, dtype=dtype))
                     if n > 1:
                         k = size // n
                         rs_out = base[start:start + k]
@@ -211,7 +211,8 @@ def _rank_one_shot_many_sources():
         inputs = [make_input("sum", dtype, n * 700, r, seed) for r in range(n)]
         out = torch.empty(700, dtype=dtype)
         pz.reduce_scatter(out, inputs[me], algo="oneshot")
-        ck.check(f"reduce_scatter(n={n}, {dtype}, oneshot)", out, reference(inputs, "sum", dtype)[me * 700:(me + 1) * 700])
+        want = reference(inputs, "sum", dtype)[me * 700:(me + 1) * 700]
+        ck.check(f"reduce_scatter(n={n}, {dtype}, oneshot)", out, want)
     return ck.result()
 
 

@@ -184,7 +184,7 @@ PYBIND11_MODULE(_C, m) {
                                               ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes});
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
-           py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = size_t(8 << 20))
+           py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = ShmConfig{}.stream_bytes)
       .def("set_flight", &ShmComm::set_flight, "Record every call in this flight ring (None: stop recording)")
       .def("attach", [](ShmComm& c) { c.transport().attach(); })
       .def("unlink", [](ShmComm& c) { c.transport().unlink(); })

@@ -38,20 +38,25 @@ inline void cpu_reduce_send(const W* __restrict in, const T* own, W* __restrict 
   for (size_t i = 0; i < n; ++i) out[i] = W(combine<OP>(to_acc(in[i]), to_acc(own[i])));
 }
 
-// dst = finish(in (+) own) rounded once to T; also written to `dst2` when set
-// (the first all-gather step of an all-reduce). `own` may alias `dst`.
+// finish(in (+) own) rounded once to T: one element of the last reduce step.
+template <RedOp OP, typename T, typename W>
+inline T final_value(W in, T own, int nranks) {
+  return from_acc<T>(finish<OP>(combine<OP>(to_acc(in), to_acc(own)), nranks));
+}
+
+// dst = final_value(in, own); also written to `dst2` when set (the first
+// all-gather step of an all-reduce). `own` may alias `dst`.
 template <RedOp OP, typename T, typename W>
 inline void cpu_reduce_final(const W* __restrict in, const T* own, T* dst, T* __restrict dst2,
                              size_t n, int nranks) {
   if (dst2) {
     for (size_t i = 0; i < n; ++i) {
-      T v = from_acc<T>(finish<OP>(combine<OP>(to_acc(in[i]), to_acc(own[i])), nranks));
+      T v = final_value<OP, T, W>(in[i], own[i], nranks);
       dst[i] = v;
       dst2[i] = v;
     }
   } else {
-    for (size_t i = 0; i < n; ++i)
-      dst[i] = from_acc<T>(finish<OP>(combine<OP>(to_acc(in[i]), to_acc(own[i])), nranks));
+    for (size_t i = 0; i < n; ++i) dst[i] = final_value<OP, T, W>(in[i], own[i], nranks);
   }
 }
 
@@ -119,8 +124,7 @@ inline void cpu_reduce_final_streamed(const W* __restrict in, const T* own, T* d
   size_t i = head;
   for (; i + L <= n; i += L) {
     alignas(kStreamLine) T v[L];
-    for (size_t j = 0; j < L; ++j)
-      v[j] = from_acc<T>(finish<OP>(combine<OP>(to_acc(in[i + j]), to_acc(own[i + j])), nranks));
+    for (size_t j = 0; j < L; ++j) v[j] = final_value<OP, T, W>(in[i + j], own[i + j], nranks);
     if (dst2) std::memcpy(dst2 + i, v, kStreamLine);
     stream_line(dst + i, v);
   }

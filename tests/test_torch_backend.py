@@ -535,15 +535,29 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
     assert len(rows) == 4 and all(r["timing"] == "per-call median" and r["wrong"] == 0 and r["time_us"] > 0
                                   for r in rows), rows
-    out = tmp_path / "rounds.json"  # rounds alternating the forms: the median of each form's rounds
-    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8K", "--max", "8K",
-                         "--iters", "2", "--warmup", "1", "--timeout", "120", "--rounds", "3", "--json", str(out)])
+    out = tmp_path / "rounds.json"  # rounds alternating the forms and the backends: each one's median
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero,torch-pyzero", "--min", "8K",
+                         "--max", "16K", "--iters", "2", "--warmup", "1", "--timeout", "120", "--rounds", "3",
+                         "--json", str(out)])
     assert collectives.main(args) == 0
-    assert "median of 3 rounds alternating out-of-place and in-place" in capsys.readouterr().out
-    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
-    assert sorted(r["inplace"] for r in rows) == [False, True]
+    text = capsys.readouterr().out
+    assert text.count("median of 3 rounds alternating out-of-place and in-place, the backends in turn") == 2
+    assert text.count("Out of bounds values : 0 OK") == 2
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") in ("pyzero", "torch-pyzero")]
+    assert len(rows) == 8
     for r in rows:
         assert len(r["rounds_time_us"]) == 3 and r["wrong"] == 0
         assert r["time_us"] == sorted(r["rounds_time_us"])[1], r
+    for size in (8192, 16384):  # round k: pyzero's two forms, then torch-pyzero's, then round k + 1
+        start = {(r["backend"], r["inplace"]): r["rounds_start_s"] for r in rows if r["bytes"] == size}
+        order = sorted((t, k, b, ip) for (b, ip), ts in start.items() for k, t in enumerate(ts))
+        assert [(k, b, ip) for _, k, b, ip in order] == [
+            (k, b, ip) for k in range(3) for b in ("pyzero", "torch-pyzero") for ip in (False, True)], order
+    # the tables print once every size is measured, each backend's rows under its own heading
+    lines = text.splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("# all_reduce, backend ")]
+    assert [lines[i].split()[3] for i in head] == ["pyzero", "torch-pyzero"]
+    assert [lines[i + 5].split()[0] for i in head] == ["8192", "8192"]
+    assert [lines[i + 6].split()[0] for i in head] == ["16384", "16384"]
     with pytest.raises(ValueError, match="--rounds: expected a positive int, got 0"):
         collectives.main(p.parse_args(["--rounds", "0", "--nproc", "2"]))

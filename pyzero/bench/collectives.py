@@ -8,6 +8,8 @@ all_gather (n-1)/n, broadcast 1. pyzero's out-of-place all_reduce is
 ``pz.all_reduce(inp, out=out)`` (the shm transport reads inp and writes out; a
 backend without that copies first); torch has none, so its out-of-place
 column is copy-then-reduce, as a user would write it. The time reported is the slowest rank's mean.
+Each size runs every backend in turn (with ``--rounds``, round by round), so a slow phase of the
+machine falls on all of them alike; with several backends the tables print once the sizes are done.
 
 With ``--device cuda`` every rank uses one GPU (cuda:LOCAL_RANK) and the
 backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
@@ -71,8 +73,9 @@ def add_arguments(p) -> None:
     p.add_argument("--per-call", action="store_true",
                    help="time each call alone (median), not the mean of back-to-back calls")
     p.add_argument("--rounds", type=int, default=1,
-                   help="measure each size this many times, alternating out-of-place and in-place, and report the "
-                        "median (the spread is in the json): a slow phase of the machine then hits both forms")
+                   help="measure each size this many times, alternating out-of-place and in-place and the backends, "
+                        "and report the median (every round's time and start in the json): a slow phase of the "
+                        "machine then hits every form and backend")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -362,51 +365,58 @@ def rank_main(args) -> list[dict]:
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)
     results = []
-    for backend in backends:
-        column = "ipc" if cuda and gpu_backend == "ipc" else backend  # the results' name for it
-        for op in ops:
-            if backend == "deepspeed" and op != "all_reduce":
-                continue
-            if rank == 0:
-                algo = f" ({_label(backend, args)})"
-                timing = "each call timed alone, median" if getattr(args, "per_call", False) else \
-                    "mean of back-to-back calls"
-                if rounds > 1:
-                    timing += f"; median of {rounds} rounds alternating out-of-place and in-place"
-                print(f"# {op}, backend {backend}{algo}, "
-                      f"{n} ranks, dtype {args.dtype}, {timing}\n{HEADER}", flush=True)
-            busbws = []
-            for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
-                count = max(size // esize // n * n if op in ("reduce_scatter", "all_gather") else size // esize, 1)
-                if op in ("reduce_scatter", "all_gather"):
-                    count = max(count, n)
-                nbytes = count * esize
-                row = []
-                runs = {False: [], True: []}
-                for _ in range(rounds):
+    t_start = time.perf_counter()
+    per_call = getattr(args, "per_call", False)
+    for op in ops:
+        cols = [b for b in backends if b != "deepspeed" or op == "all_reduce"]
+        # every size measures all the columns in turn, round by round: a slow phase of the
+        # machine lands on every backend alike, not on whichever ran at that moment
+        live = len(cols) == 1  # one column prints its rows as they come; several, once the sizes are done
+        tables = {b: [] for b in cols}
+        if live and rank == 0:
+            print(_heading(op, cols[0], n, args, rounds, per_call, False), flush=True)
+        for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
+            count = max(size // esize // n * n if op in ("reduce_scatter", "all_gather") else size // esize, 1)
+            if op in ("reduce_scatter", "all_gather"):
+                count = max(count, n)
+            nbytes = count * esize
+            runs = {(b, inplace): [] for b in cols for inplace in (False, True)}
+            starts = {key: [] for key in runs}
+            for _ in range(rounds):
+                for backend in cols:
                     for inplace in (False, True):
-                        runs[inplace].append(measure(backend, op, count, dtype, inplace, args.algo, args.iters,
-                                                     args.warmup, getattr(args, "per_call", False)))
+                        starts[(backend, inplace)].append(time.perf_counter() - t_start)
+                        runs[(backend, inplace)].append(measure(backend, op, count, dtype, inplace, args.algo,
+                                                                args.iters, args.warmup, per_call))
+            for backend in cols:
+                row = []
                 for inplace in (False, True):
-                    times = [t for t, _ in runs[inplace]]
-                    t_us, wrong = statistics.median(times), sum(w for _, w in runs[inplace])
+                    times = [t for t, _ in runs[(backend, inplace)]]
+                    t_us, wrong = statistics.median(times), sum(w for _, w in runs[(backend, inplace)])
                     algbw = nbytes / t_us / 1e3
                     busbw = algbw * BUS_FACTOR[op](n)
                     row += [t_us, algbw, busbw, wrong]
-                    results.append({"backend": column, "op": op, "dtype": args.dtype, "bytes": nbytes,
-                                    "count": count, "world_size": n, "inplace": inplace, "time_us": t_us,
-                                    "algbw": algbw, "busbw": busbw, "wrong": wrong,
+                    results.append({"backend": _column(backend, args), "op": op, "dtype": args.dtype,
+                                    "bytes": nbytes, "count": count, "world_size": n, "inplace": inplace,
+                                    "time_us": t_us, "algbw": algbw, "busbw": busbw, "wrong": wrong,
                                     "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
-                                    "timing": "per-call median" if getattr(args, "per_call", False) else "loop mean",
-                                    "rounds_time_us": times})
-                busbws.append(row[6])
-                if rank == 0:
-                    redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
-                    root = 0 if op == "broadcast" else -1
-                    print(" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
-                          "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row),
-                          flush=True)
-            if rank == 0:
+                                    "timing": "per-call median" if per_call else "loop mean",
+                                    "rounds_time_us": times,
+                                    "rounds_start_s": starts[(backend, inplace)]})
+                redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
+                root = 0 if op == "broadcast" else -1
+                line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
+                        "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row))
+                tables[backend].append((line, row[6]))
+                if live and rank == 0:
+                    print(line, flush=True)
+        if rank == 0:
+            for backend in cols:
+                if not live:
+                    print(_heading(op, backend, n, args, rounds, per_call, True), flush=True)
+                    print("\n".join(line for line, _ in tables[backend]), flush=True)
+                column = _column(backend, args)
+                busbws = [b for _, b in tables[backend]]
                 wrong_total = sum(r["wrong"] for r in results if r["backend"] == column and r["op"] == op)
                 print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
                       f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
@@ -417,6 +427,22 @@ def rank_main(args) -> list[dict]:
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,
                             "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
     return results
+
+
+def _column(backend: str, args) -> str:
+    """The results' name for a backend column."""
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    return "ipc" if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" else backend
+
+
+def _heading(op: str, backend: str, n: int, args, rounds: int, per_call: bool, several: bool) -> str:
+    """A backend's table heading: what runs, how it is timed, then the column names."""
+    timing = "each call timed alone, median" if per_call else "mean of back-to-back calls"
+    if rounds > 1:
+        timing += f"; median of {rounds} rounds alternating out-of-place and in-place"
+    if several:
+        timing += ", the backends in turn at each size"
+    return f"# {op}, backend {backend} ({_label(backend, args)}), {n} ranks, dtype {args.dtype}, {timing}\n{HEADER}"
 
 
 def _algo(backend: str, args) -> str:

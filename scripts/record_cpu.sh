@@ -2,7 +2,8 @@
 # Records the CPU benchmarks into benchmarks/results/<name>_cpu<cores>_<date>.{txt,json} on a quiet
 # machine (nothing else running: the numbers are side-by-side ratios, but a busy machine still adds
 # noise). Run inside the project's venv. Arguments: the benches to record (default: all), among
-#   collectives train ps optim plan faults hier
+#   collectives train ps optim plan faults hier peers
+# (peers: the side-by-side set against DeepSpeed, gloo, torch DDP and FSDP2, three times each)
 # DeepSpeed's CPU all-reduce joins the collectives table when deepspeed is importable
 # (PYTHONPATH may point at a separate install of it).
 set -uo pipefail
@@ -21,7 +22,7 @@ run() {  # name, then the command
   local rc=$?
   echo "   exit $rc, $((SECONDS - t0)) s -> $(tag "$name").txt"
 }
-WHAT=${*:-collectives train ps optim plan faults hier}
+WHAT=${*:-collectives train ps optim plan faults hier peers}
 for w in $WHAT; do
   case $w in
     collectives)
@@ -41,6 +42,18 @@ for w in $WHAT; do
       for i in 1 2 3; do  # ZeRO-3 against torch DDP, repeated for the spread
         run train_zero3_repeat$i $PY -m pyzero.bench train --runs torch-ddp,zero2,zero3 --nproc 2 --iters 30 \
           --json "$(tag train_zero3_repeat$i).json"
+      done ;;
+    peers)  # every backend in turn at each size, rounds for the medians; each set three times for the spread
+      for i in 1 2 3; do
+        run collectives_peers_run$i $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 4 \
+          --nproc 2 --backends pyzero,torch,deepspeed --rounds 3 --json "$(tag collectives_peers_run$i).json"
+        run collectives_peers_mid_run$i $PY -m pyzero.bench collectives --op all_reduce --min 64K --max 1M \
+          --factor 2 --nproc 2 --backends pyzero,deepspeed --rounds 5 --json "$(tag collectives_peers_mid_run$i).json"
+        run collectives_peers_percall_run$i $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 1M \
+          --factor 4 --nproc 2 --backends pyzero,deepspeed --per-call --rounds 3 \
+          --json "$(tag collectives_peers_percall_run$i).json"
+        run train_peers_run$i $PY -m pyzero.bench train --runs torch-ddp,fsdp2,dp,zero2,zero3 --nproc 2 --iters 30 \
+          --json "$(tag train_peers_run$i).json"
       done ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;

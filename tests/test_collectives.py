@@ -174,7 +174,9 @@ def _rank_all_reduce_matrix():
     for what, call, words in [("numel", lambda: pz.all_reduce(x, out=torch.empty(9)), "out: expected 8"),
                               ("dtype", lambda: pz.all_reduce(x, out=torch.empty(8, dtype=torch.float64)),
                                "does not match"),
-                              ("overlap", lambda: pz.all_reduce(x[:6], out=x[2:]), "overlaps")]:
+                              ("overlap", lambda: pz.all_reduce(x[:6], out=x[2:]), "out overlaps tensor"),
+                              ("overlap below", lambda: pz.all_reduce(x[2:], out=x[:6]), "out overlaps tensor"),
+                              ("overlap by one", lambda: pz.all_reduce(x[:4], out=x[3:7]), "out overlaps tensor")]:
         try:
             call()
             ck.fail(f"all_reduce(out=) with bad {what} did not raise")
@@ -183,6 +185,9 @@ def _rank_all_reduce_matrix():
                 ck.fail(f"all_reduce(out=) bad {what}: {e}")
     pz.all_reduce(x)  # the group is still usable
     ck.check("all_reduce after out= errors", x, torch.full((8,), float(n)))
+    y = torch.ones(8)  # memory right next to the input is separate memory
+    pz.all_reduce(y[:4], out=y[4:])
+    ck.check("all_reduce(out=) adjacent to tensor", y, torch.cat([torch.ones(4), torch.full((4,), float(n))]))
     return ck.result()
 
 

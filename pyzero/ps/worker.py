@@ -13,12 +13,14 @@ read, so the servers work in parallel.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from ..zero.partition import FlatLayout, trainable
 from . import wire
-from .server import describe
+from .server import MODES, describe
 
 
 class ServerLost(RuntimeError):
@@ -33,23 +35,29 @@ class Worker:
     """One worker of a parameter-server job (see the module docstring)."""
 
     def __init__(self, model: nn.Module, servers=None, num_servers: int | None = None, wid: int | None = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, key: bytes | str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        params, names = trainable(model)
+        bad = [n for n, p in zip(names, params) if p.dtype != torch.float32 or p.device.type != "cpu"]
+        if bad:
+            raise ValueError(f"model: parameter-server workers train fp32 CPU parameters, got {bad[:3]} "
+                             f"({params[names.index(bad[0])].dtype})")
+        key = wire.resolve_key(key)
         if servers is None:
             if num_servers is None:
                 raise ValueError("servers/num_servers: give the servers' (host, port) list or their number "
                                  "(then they are looked up in the job's store, MASTER_ADDR/MASTER_PORT)")
-            from .rendezvous import lookup  # noqa: PLC0415
+            from .rendezvous import job_key, lookup  # noqa: PLC0415
 
             servers = lookup(num_servers, timeout)
+            key = key or job_key(create=False, timeout=timeout)
+        elif key is None:
+            raise ValueError("key: servers given by address need the job's key: key=server.key, or the same "
+                             "PYZERO_PS_KEY as the servers'")
         self.servers = [tuple(a) for a in servers]
-        self.model, self.timeout = model, timeout
-        self.params, self.names = trainable(model)
-        bad = [n for n, p in zip(self.names, self.params) if p.dtype != torch.float32 or p.device.type != "cpu"]
-        if bad:
-            raise ValueError(f"model: parameter-server workers train fp32 CPU parameters, got {bad[:3]} "
-                             f"({self.params[self.names.index(bad[0])].dtype})")
+        self.model, self.timeout, self._key = model, timeout, key
+        self.params, self.names = params, names
         n = len(self.servers)
         self.layout = FlatLayout(self.params, self.names, n)
         self.flat = torch.zeros(self.layout.padded, dtype=torch.float32)
@@ -62,31 +70,51 @@ class Worker:
         self.conns = []
         try:
             for host, port in self.servers:
-                self.conns.append(wire.connect(host, port))
+                self.conns.append(wire.connect(host, port, key, timeout))
+        except wire.AuthError:
+            self._close_conns()
+            raise
         except OSError as e:
             self._close_conns()
             raise ServerLost(f"servers: cannot connect to {host}:{port}: {e}") from e
-        signature = [(name, list(shape)) for name, shape in describe(self.params, self.names)]
+        signature = [[name, list(shape)] for name, shape in describe(self.params, self.names)]
         replies = []
         for s in range(n):  # server 0 names the worker, the others take that id
             join = {"op": "join", "signature": signature, "num_servers": n,
                     "wid": wid if s == 0 else replies[0][0]["wid"]}
             try:
                 wire.send(self.conns[s], join)
-                replies.append(wire.recv(self.conns[s], timeout=None))
-            except wire.PeerLost as e:
+                replies.append(wire.recv(self.conns[s], self._expect_join(s), timeout=None))
+            except (wire.PeerLost, wire.BadMessage) as e:
                 self._close_conns()
                 raise ServerLost(f"server {s} at {self.servers[s][0]}:{self.servers[s][1]} went away during "
                                  f"join: {e}") from e
-            if not replies[-1][0].get("ok"):
+            if not replies[-1][0]["ok"]:
                 self._close_conns()
                 raise JoinRefused(replies[-1][0]["error"])
         self.wid = replies[0][0]["wid"]
-        self.mode, self.staleness = replies[0][0]["mode"], replies[0][0]["staleness"]
+        staleness = replies[0][0]["staleness"]
+        self.mode, self.staleness = replies[0][0]["mode"], math.inf if staleness is None else staleness
         for s, (h, ts) in enumerate(replies):
             self._take(s, h, ts[0])
 
     # ---- plumbing ----------------------------------------------------------------------
+
+    # What a server's replies may hold (wire.recv checks them before allocating anything).
+    def _shard_spec(self, s: int):
+        return [(torch.float32, self.layout.shard(s).size)]
+
+    def _expect_join(self, s: int):
+        return wire.replies({"ok": wire.TRUE, "wid": wire.Field("an integer in [0, 2**31)", lambda v: type(v) is int
+                                                                 and 0 <= v < 1 << 31),
+                             "version": wire.COUNT, "mode": wire.one_of(*MODES), "staleness": wire.optional(wire.COUNT),
+                             "done": wire.BOOL}, lambda h: self._shard_spec(s))
+
+    def _expect(self, op: str, s: int):
+        if op == "pull":
+            return wire.replies({"version": wire.COUNT, "changed": wire.BOOL, "done": wire.BOOL,
+                                 "clock_gap": wire.INT}, lambda h: self._shard_spec(s) if h["changed"] else [])
+        return wire.replies({"accepted": wire.BOOL, "done": wire.BOOL})  # push
 
     def _shard(self, s: int) -> torch.Tensor:
         off, size = self.layout.shard(s)
@@ -104,10 +132,14 @@ class Worker:
         out = []
         for s, conn in enumerate(self.conns):
             try:
-                out.append(wire.recv(conn, timeout=None))
-            except wire.PeerLost as e:
+                h, ts = wire.recv(conn, self._expect(what, s), timeout=None)
+            except (wire.PeerLost, wire.BadMessage) as e:
                 raise ServerLost(f"server {s} at {self.servers[s][0]}:{self.servers[s][1]} went away during "
                                  f"{what}: {e}") from e
+            if h.get("ok") is False:
+                raise ServerLost(f"server {s} at {self.servers[s][0]}:{self.servers[s][1]} refused the {what}: "
+                                 f"{h['error']}")
+            out.append((h, ts))
         return out
 
     def _take(self, s: int, header, shard) -> None:
@@ -156,8 +188,6 @@ class Worker:
                         lambda s: [grad[self.layout.shard(s).offset:][:self.layout.shard_size]])
         accepted = True
         for s, (h, _) in enumerate(self._gather("push")):
-            if "error" in h:
-                raise ValueError(h["error"])
             if not self.finished[s]:
                 accepted &= bool(h["accepted"])
             self.finished[s] |= bool(h.get("done"))
@@ -168,8 +198,8 @@ class Worker:
         for conn in self.conns:
             try:
                 wire.send(conn, {"op": "leave"})
-                wire.recv(conn, timeout=5.0)
-            except (wire.PeerLost, TimeoutError):
+                wire.recv(conn, wire.replies({"ok": wire.TRUE}), timeout=5.0)
+            except (wire.PeerLost, wire.BadMessage, TimeoutError):
                 pass
         self._close_conns()
 
@@ -185,11 +215,21 @@ class Worker:
         self.close()
 
 
-def request(address, op: str, timeout: float = 30.0) -> dict:
-    """Send a control request ("stats" or "stop") to the server at `address` without joining."""
-    conn = wire.connect(*address)
+def request(address, op: str, timeout: float = 30.0, key: bytes | str | None = None) -> dict:
+    """Send a control request ("stats" or "stop") to the server at `address` without joining.
+    ``key``: the job's key (default PYZERO_PS_KEY, else the one in the job's store)."""
+    if op not in ("stats", "stop"):
+        raise ValueError(f"op: expected 'stats' or 'stop', got {op!r}")
+    key = wire.resolve_key(key)
+    if key is None:
+        from .rendezvous import job_key  # noqa: PLC0415
+
+        key = job_key(create=False, timeout=timeout)
+    conn = wire.connect(*address, key, timeout)
+    expect = (lambda h: (wire.check_any(h, "stats reply"), [])[1]) if op == "stats" else \
+        wire.replies({"stopped": wire.TRUE})
     try:
         wire.send(conn, {"op": op})
-        return wire.recv(conn, timeout=timeout)[0]
+        return wire.recv(conn, expect, timeout=timeout)[0]
     finally:
         conn.close()

@@ -275,11 +275,58 @@ def _read_meta(step_dir: str) -> dict:
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        meta["world"], meta["params"]  # noqa: B018 - the keys every format has
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointCorrupt(f"checkpoint file {meta_path!r} is unreadable ({type(e).__name__}: {e}); "
                                 "nothing was loaded") from e
+    bad = _meta_problem(meta)
+    if bad:
+        raise CheckpointCorrupt(f"checkpoint file {meta_path!r} is not a pyzero checkpoint's meta.json ({bad}); "
+                                "nothing was loaded")
     return meta
+
+
+def _is_count(v, hi=1 << 62) -> bool:
+    return type(v) is int and 0 <= v <= hi
+
+
+def _is_setting(v) -> bool:
+    """A param group's saved hyperparameter: a JSON scalar or a list of numbers (betas)."""
+    return v is None or type(v) in (bool, int, float, str) or (
+        type(v) is list and len(v) <= 64 and all(type(x) in (int, float) for x in v))
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a meta.json's fields (every field used is checked before use), or None."""
+    if type(meta) is not dict:
+        return f"expected a JSON object, got a {type(meta).__name__}"
+    checks = [
+        ("format", lambda v: type(v) is int and 1 <= v <= FORMAT, f"an integer in [1, {FORMAT}]"),
+        ("step", _is_count, "an integer >= 0"),
+        ("world", lambda v: _is_count(v, 1 << 20) and v >= 1, "an integer in [1, 2**20]"),
+        ("optimizer", lambda v: type(v) is str, "the optimizer's class name"),
+        ("param_groups", lambda v: type(v) is list and all(
+            type(g) is dict and all(type(k) is str and _is_setting(x) for k, x in g.items()) for g in v),
+         "a list of {name: number, string, boolean, null or list of numbers}"),
+        ("params", lambda v: type(v) is list and all(
+            type(p) is dict and type(p.get("name")) is str and type(p.get("dtype")) is str
+            and type(p.get("shape")) is list and len(p["shape"]) <= 64 and all(_is_count(d) for d in p["shape"])
+            for p in v), "a list of {name, shape, dtype}"),
+    ]
+    for key, ok, what in checks:
+        if key not in meta:
+            return f"no {key!r}"
+        if not ok(meta[key]):
+            return f"{key!r}: expected {what}, got {repr(meta[key])[:60]}"
+    names = {p["name"] for p in meta["params"]}
+    aliases = meta.get("aliases", {})
+    if type(aliases) is not dict or not all(type(k) is str and v in names for k, v in aliases.items()):
+        return "'aliases': expected {alias: the name of a saved parameter}"
+    files = meta.get("files")
+    if files is not None and (type(files) is not dict or not all(
+            type(k) is str and type(v) is dict and _is_count(v.get("bytes")) and _is_count(v.get("crc32"), 1 << 32)
+            for k, v in files.items())):
+        return "'files': expected {file name: {bytes, crc32}}"
+    return None
 
 
 def _data_files(meta: dict) -> list[str]:
@@ -428,7 +475,7 @@ def consolidate(path: str) -> dict:
         for s in p["shape"]:
             numel *= s
         out[p["name"]] = _gather(shards, p["name"], 0, numel, lambda sh, i: sh["master"][i]).reshape(p["shape"]).clone()
-    for alias, canonical in meta["aliases"].items():
+    for alias, canonical in meta.get("aliases", {}).items():
         out.setdefault(alias, out[canonical])
     out.update(_torch_load(os.path.join(step_dir, "extra.pt")))
     return out

@@ -36,6 +36,7 @@ import threading
 import time
 
 from . import _C
+from .topology import peer_json
 
 _DTYPES = {code: name for name, code in dict(_C.DTYPES).items()}
 _OPS = {code: name for name, code in dict(_C.OPS).items()}
@@ -406,6 +407,8 @@ def _answer_loop(store, prefix: str, rank: int) -> None:
         n += 1
         if req == "bye":
             return
+        if not (req.isdigit() and len(req) <= 18):  # a group id; anything else is not answered
+            continue
         try:
             st.set(f"{prefix}/{rank}/dump{n}", json.dumps(_answer(int(req))))
         except Exception:  # noqa: BLE001
@@ -434,7 +437,9 @@ def collect(r: Ring, wait_s: float | None = None, skip=()) -> tuple[dict[int, di
             for g, n in list(asked.items()):
                 for key in (f"{pre}/{g}/dump{n}", f"{pre}/{g}/posted{r.gid}"):
                     if st.check([key]):
-                        out[g] = json.loads(st.get(key))
+                        out[g] = peer_json(st.get(key), key, lambda v: type(v) is dict and type(v.get("records"))
+                                           is list and type(v.get("other_groups")) is dict,
+                                           "a rank's flight records", max_bytes=64 << 20)
                         del asked[g]
                         break
             if not asked or time.monotonic() > deadline:

@@ -71,7 +71,7 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
 
             torch.set_num_threads(threads)
         value = fn(*args, **kwargs)
-        with open(res_path, "wb") as f:
+        with _private(res_path) as f:
             pickle.dump(value, f)
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         traceback.print_exc()
@@ -89,6 +89,12 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
         os._exit(code)  # never run the parent's atexit handlers (pytest's) in a fork
 
 
+def _private(path: str):
+    """A new file only this user can read (0600), in the run's private (0700) folder: the parent
+    unpickles what its own ranks wrote there, and nobody else can write or swap it."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+
+
 def _spawned(spec_path: str) -> None:
     """Entry point of a spawned rank: load what _child needs, then run it."""
     with open(spec_path, "rb") as f:
@@ -99,7 +105,7 @@ def _spawned(spec_path: str) -> None:
 
 def _spawn(spec: tuple, spec_path: str) -> int:
     """Start a fresh interpreter running _child(*spec); `fn` travels by reference (module + name)."""
-    with open(spec_path, "wb") as f:
+    with _private(spec_path) as f:
         pickle.dump(spec, f)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)  # the parent's imports resolve alike
@@ -130,7 +136,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     if echo is not None and not (isinstance(echo, int) and 0 <= echo < nprocs):
         raise ValueError(f"echo: expected None or a rank in [0, {nprocs}), got {echo!r}")
     port = free_port()
-    tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")
+    tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")  # 0700: the ranks' outputs and results are private
     pids = {}
     for r in range(nprocs):
         spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,

@@ -125,12 +125,33 @@ def missing(store, size: int, key: str = "pz/topology") -> str:
     return f"never joined: {absent}" if absent else "every rank joined, one left before the others had read"
 
 
+def peer_json(raw: bytes, what: str, ok, expected: str, max_bytes: int = 1 << 20):
+    """A value another rank wrote to the job's store, parsed as JSON (never unpickled) and checked
+    with ``ok`` before use; ValueError naming `what` otherwise."""
+    if len(raw) > max_bytes:
+        raise ValueError(f"{what}: {len(raw)} bytes in the store, expected at most {max_bytes}")
+    try:
+        value = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError(f"{what}: the store holds {raw[:40]!r}, not {expected}") from None
+    if not ok(value):
+        raise ValueError(f"{what}: the store holds {repr(value)[:60]}, not {expected}")
+    return value
+
+
+def host_report(raw: bytes, what: str) -> list:
+    """[host name, ranks claimed on that host or null], as exchange() publishes it."""
+    return peer_json(raw, what, lambda v: type(v) is list and len(v) == 2 and type(v[0]) is str
+                     and 0 < len(v[0]) <= 255 and (v[1] is None or (type(v[1]) is int and 1 <= v[1] <= 1 << 20)),
+                     "[host name, local world size]")
+
+
 def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology") -> Topology:
     """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
     store.set(f"{key}/{rank}", json.dumps([host_name(), _claimed_local_size()]))
     keys = [f"{key}/{r}" for r in range(size)]
     store.wait(keys, datetime.timedelta(seconds=timeout))
-    reports = [tuple(json.loads(store.get(k).decode())) for k in keys]
+    reports = [tuple(host_report(store.get(k), k)) for k in keys]
     # Everyone has read before anyone may fail: rank 0 hosts the store and must outlive the reads.
     if store.add(f"{key}/read", 1) == size:
         store.set(f"{key}/read/done", "1")

@@ -433,6 +433,26 @@ def test_damaged_consolidate_and_old_format(kept, tmp_path):
         pz.checkpoint.consolidate(newest)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("world", 10**9), ("world", "2"), ("step", -1), ("format", 99), ("params", [{"name": "w", "shape": [-1],
+                                                                            "dtype": "float32"}]),
+    ("param_groups", [{"lr": {"__class__": "os.system"}}]), ("aliases", {"x": "not-a-parameter"}),
+    ("files", {"rank00000.pt": {"bytes": "12", "crc32": 0}}), ("optimizer", None),
+])
+def test_meta_json_fields_are_checked_before_use(kept, tmp_path, field, value):
+    """meta.json is read from disk another process wrote: every field it is used for is checked first."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(kept[0], ckpt)
+    newest = os.path.join(ckpt, f"step_{STEPS:08d}")
+    with open(os.path.join(newest, "meta.json")) as f:
+        meta = json.load(f)
+    meta[field] = value
+    with open(os.path.join(newest, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match=f"meta.json.*'{field}'"):
+        pz.checkpoint.consolidate(ckpt)
+
+
 def _rank_save_fails(ckpt, mode):
     """Save step 1; then step 2 with a fault; every rank reports its error, then loads what `latest` names."""
     pz.init(timeout=20)

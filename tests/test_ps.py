@@ -200,7 +200,8 @@ def test_workers_die_and_join_the_job_finishes(seed):
     assert kills >= 2  # killed before finishing (the job takes longer than the three lifetimes)
     for s in servers:
         assert s["version"] == 80  # the job finished: no hang, no lost version
-        assert s["joined"] == 5 and s["died"] == kills and s["left"] == 5 - kills
+        # the three children vanish without leaving (killed, or exited at the job's end without close())
+        assert s["joined"] == 5 and s["died"] == 3 and s["left"] == 2
     assert workers[2]["applied"] > 0  # the worker that joined mid-run contributed
     # the surviving workers end with the same (final) parameters
     for k, v in workers[0]["state"].items():

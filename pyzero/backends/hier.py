@@ -68,7 +68,7 @@ from ..backend import (
     check_contiguous,
     tensor_code,
 )
-from ..topology import host_name
+from ..topology import host_name, peer_json
 from .shm import ShmBackend
 
 _AUTO = 0  # algo "auto" of the shm transport
@@ -230,7 +230,9 @@ class HierBackend(Backend):
         s.set(f"{key}/host/{setup.rank}", json.dumps([host_name(), me]))
         keys = [f"{key}/host/{r}" for r in range(setup.size)]
         s.wait(keys, datetime.timedelta(seconds=t))
-        reports = [json.loads(s.get(k).decode()) for k in keys]
+        reports = [peer_json(s.get(k), k, lambda v: type(v) is list and len(v) == 2 and type(v[0]) is str
+                             and 0 < len(v[0]) <= 255 and type(v[1]) is int and 0 <= v[1] < 1 << 31,
+                             "[host name, global rank]") for k in keys]
         by_name: dict[str, list[int]] = {}
         for r, (name, _) in enumerate(reports):
             by_name.setdefault(name, []).append(r)

@@ -179,12 +179,17 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
-                       size_t oneshot_bytes, double timeout_s, size_t stream_bytes) {
+                       size_t oneshot_bytes, double timeout_s, size_t stream_bytes, size_t twoshot_bytes) {
              return std::make_unique<ShmComm>(prefix, rank, size,
-                                              ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes});
+                                              ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes,
+                                                        twoshot_bytes});
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
-           py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = ShmConfig{}.stream_bytes)
+           py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = ShmConfig{}.stream_bytes,
+           py::arg("twoshot_bytes") = ShmConfig{}.twoshot_bytes)
+      .def("probe_exchange", &ShmComm::probe_exchange, py::arg("bytes") = size_t(256) << 10, py::arg("reps") = 9,
+           py::call_guard<py::gil_scoped_release>(),
+           "ns per 64-byte line to read lines the ring predecessor has just written (median of reps; collective)")
       .def("set_flight", &ShmComm::set_flight, "Record every call in this flight ring (None: stop recording)")
       .def("attach", [](ShmComm& c) { c.transport().attach(); })
       .def("unlink", [](ShmComm& c) { c.transport().unlink(); })

@@ -66,6 +66,12 @@ class ShmComm {
   TaskPtr barrier(bool async_op) {
     return run(Rec{FlightCall::barrier, 0, DType(0), -1, 0, -1}, async_op, [t = t_.get()] { t->barrier(); });
   }
+  // The exchange probe (shm_transport.cpp), synchronously, ordered with the group's other collectives.
+  double probe_exchange(size_t bytes, int reps) {
+    double ns = 0;
+    run(Rec{FlightCall(-1)}, false, [t = t_.get(), bytes, reps, &ns] { ns = t->probe_exchange(bytes, reps); });
+    return ns;
+  }
   // Enter a fused symmetric op, synchronously, ordered with the group's other collectives.
   void sym_arrive(int kind, int64_t count, DType dt, std::vector<int64_t> dims) {
     run(Rec{FlightCall(-1)}, false,  // recorded by pyzero.symmetric as a fused op

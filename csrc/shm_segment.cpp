@@ -1,6 +1,7 @@
 // shm_segment.cpp — see shm_segment.h and [Note: shared-memory flag protocol].
 #include "shm_segment.h"
 
+#include <algorithm>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -92,7 +93,7 @@ ShmSegments::ShmSegments(std::string prefix, int rank, int size, ShmConfig cfg)
   if (cfg_.depth < 2 || cfg_.slice_bytes < 4096 || cfg_.slice_bytes % 64)
     throw std::invalid_argument("ShmTransport: depth >= 2 and slice_bytes a multiple of 64, >= 4096");
   ctrl_bytes_ = round_up(sizeof(RankCtrl) + (n_ + 1) * sizeof(ChanCtrl), 4096);
-  area_bytes_ = round_up(cfg_.oneshot_bytes, 4096);
+  area_bytes_ = round_up(std::max(cfg_.oneshot_bytes, cfg_.twoshot_bytes), 4096);
   seg_bytes_ = ctrl_bytes_ + 2 * area_bytes_ + size_t(n_ + 1) * cfg_.depth * cfg_.slice_bytes;
 
   maps_[rank_] = shm_create_segment(shm_segment_name(prefix_, rank_), seg_bytes_);
@@ -244,6 +245,18 @@ void ShmSegments::arrive(const CallDesc& d, const char* what) {
       throw CollectiveError(where(what) + ": mismatched collective: this rank called " + describe(d) +
                             ", rank " + std::to_string(p) + " called " + describe(o) + note);
     }
+  }
+}
+
+void ShmSegments::exchange_reduced(uint64_t seq, const char* what) {
+  RankCtrl* me = ctrl(rank_);
+  me->reduced.store(seq, std::memory_order_release);
+  notify(me->reduced, me->reduced_waiters);
+  for (int p = 0; p < n_; ++p) {
+    if (p == rank_) continue;
+    RankCtrl* c = ctrl(p);
+    wait_for([&] { return c->reduced.load(std::memory_order_acquire) >= seq; }, p, what, &c->reduced,
+             &c->reduced_waiters);
   }
 }
 

@@ -90,10 +90,14 @@ struct alignas(64) RankCtrl {
   int32_t pid;
   CallDesc desc[2];
   char abort_reason[384];  // written before `aborted`, so peers can pass the cause on
+  // The two-shot all_reduce's second step: the last call whose reduced chunk is in the area.
+  alignas(64) std::atomic<uint64_t> reduced;
+  std::atomic<uint32_t> reduced_waiters;
 };
-static_assert(sizeof(RankCtrl) == 2 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
-static_assert(alignof(RankCtrl) == 64 && offsetof(RankCtrl, aborted) == 64 && offsetof(RankCtrl, desc) == 128,
-              "RankCtrl: `arrived` and `aborted` on cache lines of their own");
+static_assert(sizeof(RankCtrl) == 3 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
+static_assert(alignof(RankCtrl) == 64 && offsetof(RankCtrl, aborted) == 64 && offsetof(RankCtrl, desc) == 128 &&
+              offsetof(RankCtrl, reduced) % 64 == 0,
+              "RankCtrl: `arrived`, `aborted` and `reduced` on cache lines of their own");
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
@@ -148,6 +152,7 @@ struct ShmConfig {
   size_t oneshot_bytes = 512 << 10;  // largest per-rank input the one-shot path takes
   double timeout_s = 300.0;
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
+  size_t twoshot_bytes = 4 << 20;  // largest all_reduce the two-shot path takes (per-rank input bytes)
 };
 
 // ----------------------------------------------------------------------------
@@ -205,9 +210,12 @@ class ShmSegments {
   // Enter collective `d`: publish the descriptor (and one-shot data already
   // written), wait for every peer, compare descriptors.
   void arrive(const CallDesc& d, const char* what);
+  // The two-shot all_reduce's second step: publish that this rank's reduced
+  // chunk of call `seq` is in its area, then wait until every peer's is.
+  void exchange_reduced(uint64_t seq, const char* what);
   // Throws if an earlier failure left the group unusable.
   void check_usable(const char* what);
-  // Rank r's one-shot area for collective `seq`.
+  // Rank r's one-shot (and two-shot) area for collective `seq`: max(oneshot_bytes, twoshot_bytes).
   char* area(int r, uint64_t seq) const { return maps_[r] + ctrl_bytes_ + (seq % 2) * area_bytes_; }
 
   // Wait until ready(); `word`/`waiters`: the counter ready() watches and its

@@ -3,6 +3,7 @@
 #include "shm_transport.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -79,11 +80,17 @@ Algo ShmTransport::resolve(Coll c, size_t bytes, Algo algo) const {
     throw std::invalid_argument(std::string(coll_name(c)) + ": algo='oneshot' takes at most " +
                                 std::to_string(config().oneshot_bytes) + " bytes of input per rank, got " +
                                 std::to_string(bytes) + "; use algo='ring' or 'auto'");
+  if (algo == Algo::twoshot && c != Coll::all_reduce)
+    throw std::invalid_argument(std::string(coll_name(c)) + ": algo='twoshot' is an all_reduce algorithm; use "
+                                "'auto', 'ring' or 'oneshot'");
+  if (algo == Algo::twoshot && bytes > config().twoshot_bytes)
+    throw std::invalid_argument("all_reduce: algo='twoshot' takes at most " + std::to_string(config().twoshot_bytes) +
+                                " bytes of input per rank, got " + std::to_string(bytes) + "; use algo='ring' or 'auto'");
   if (algo == Algo::native)
     throw std::invalid_argument(std::string(coll_name(c)) + ": algo='native' is NCCL's own collective, for the "
-                                "nccl backend; the shm backend takes 'auto', 'ring' or 'oneshot'");
-  if (algo != Algo::ring && algo != Algo::oneshot)
-    throw std::invalid_argument("algo: expected 'auto', 'ring' or 'oneshot'");
+                                "nccl backend; the shm backend takes 'auto', 'ring', 'oneshot' or 'twoshot'");
+  if (algo != Algo::ring && algo != Algo::oneshot && algo != Algo::twoshot)
+    throw std::invalid_argument("algo: expected 'auto', 'ring', 'oneshot' or 'twoshot'");
   return algo;
 }
 
@@ -232,6 +239,37 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
       cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(buf), size_t(count), n_);
     }));
     sent = uint64_t(bytes) * (n_ - 1);
+  } else if (algo == Algo::twoshot) {
+    // [Note: two-shot all_reduce] Two synchronisations whatever the size: every rank
+    // puts the chunks the others reduce into its area and arrives; reduces its own
+    // chunk from the peers' areas and its input into its output and its area; then,
+    // once every peer's reduced chunk is in, copies them into its output. Each rank
+    // reads (n-1)/n of the message from its peers twice, as the ring does, without
+    // the ring's handoff per slice. The areas alternate by call: a rank rewrites one
+    // only after every peer has arrived at the next call, i.e. finished this one.
+    ChunkLayout L(split_even(count, n_));
+    size_t es = dtype_size(dt);
+    char* mine = seg_.area(rank_, seq);
+    for (int p = 0; p < n_; ++p)
+      if (p != rank_ && L.counts[p])
+        std::memcpy(mine + size_t(L.offsets[p]) * es, static_cast<const char*>(in) + size_t(L.offsets[p]) * es,
+                    size_t(L.counts[p]) * es);
+    seg_.arrive(d, what);
+    size_t off = size_t(L.offsets[rank_]) * es, mine_bytes = size_t(L.counts[rank_]) * es;
+    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+      std::vector<const T*> srcs(n_);
+      for (int r = 0; r < n_; ++r)  // rank order, this rank's own part from `in`, as in the one-shot
+        srcs[r] = reinterpret_cast<const T*>((r == rank_ ? static_cast<const char*>(in) : seg_.area(r, seq)) + off);
+      cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(static_cast<char*>(buf) + off),
+                             size_t(L.counts[rank_]), n_);
+    }));
+    std::memcpy(mine + off, static_cast<const char*>(buf) + off, mine_bytes);
+    seg_.exchange_reduced(seq, what);
+    for (int p = 0; p < n_; ++p)
+      if (p != rank_ && L.counts[p])
+        std::memcpy(static_cast<char*>(buf) + size_t(L.offsets[p]) * es, seg_.area(p, seq) + size_t(L.offsets[p]) * es,
+                    size_t(L.counts[p]) * es);
+    sent = uint64_t(bytes - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
   } else {
     seg_.arrive(d, what);
     ChunkLayout L(split_even(count, n_));
@@ -347,6 +385,38 @@ void ShmTransport::barrier() {
   CallDesc d{seq, int32_t(Coll::barrier), 0, 0, 0, 0, 0, 0, 0};
   seg_.arrive(d, "barrier");
   counters_.add(Coll::barrier, 0, 0);
+}
+
+// [Note: exchange probe]
+// Ranks of one host pass freshly written cache lines between cores at very
+// different costs: neighbours on one core complex fast, cores across complexes
+// or sockets (or a VM's vCPUs placed there) several times slower, and the
+// mode a process pair lands in can differ from one pair to the next. Each
+// round, every rank writes one word into each line of its one-shot area (the
+// lines are then modified in its cache, as a slot is after a ring step),
+// arrives, and times reading one word of each line of its predecessor's area.
+// The areas alternate by call, so a rank rewrites an area only after every
+// peer has arrived at the next call, i.e. finished reading it.
+double ShmTransport::probe_exchange(size_t bytes, int reps) {
+  bytes = std::min(bytes, config().oneshot_bytes) / 64 * 64;
+  if (n_ == 1 || bytes == 0 || reps < 1) return 0.0;
+  std::vector<double> per_line;
+  uint64_t sink = 0;
+  for (int i = 0; i < reps; ++i) {
+    uint64_t seq = seg_.begin("probe_exchange");
+    char* mine = seg_.area(rank_, seq);
+    for (size_t o = 0; o < bytes; o += 64) *reinterpret_cast<volatile uint64_t*>(mine + o) = seq + o;
+    CallDesc d{seq, int32_t(Coll::barrier), 0, 0, 0, 0, 0, 0, 0};
+    seg_.arrive(d, "probe_exchange");
+    const char* theirs = seg_.area((rank_ + n_ - 1) % n_, seq);
+    auto t0 = std::chrono::steady_clock::now();
+    for (size_t o = 0; o < bytes; o += 64) sink += *reinterpret_cast<const volatile uint64_t*>(theirs + o);
+    auto t1 = std::chrono::steady_clock::now();
+    per_line.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / double(bytes / 64));
+  }
+  if (sink == 1) per_line[0] += 0.0;  // keeps the reads
+  std::sort(per_line.begin(), per_line.end());
+  return per_line[per_line.size() / 2];
 }
 
 // ---------------------------------------------------------------------------

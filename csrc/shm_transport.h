@@ -60,6 +60,9 @@ class ShmTransport {
   void all_gather(void* out, const void* in, const std::vector<int64_t>& counts, DType dt, Algo algo);
   void broadcast(void* buf, int64_t count, DType dt, int root, Algo algo);
   void barrier();
+  // [Note: exchange probe] The time, in ns per 64-byte line, a rank takes to read lines its ring
+  // predecessor has just written (median of `reps` rounds of `bytes`; a collective; 0 for one rank).
+  double probe_exchange(size_t bytes, int reps);
   void send(const void* buf, int64_t count, DType dt, int dst);
   void recv(void* buf, int64_t count, DType dt, int src);
 

@@ -93,7 +93,8 @@ def check_algo(algo) -> int:
     if algo is None:
         return _AUTO_ALGO
     if not (algo is None or isinstance(algo, str)) or algo not in ALGOS:
-        raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot' or (nccl backend) 'native', got {algo!r}")
+        raise ValueError(f"algo: expected 'auto', 'ring', 'oneshot', 'twoshot' or (nccl backend) 'native', "
+                         f"got {algo!r}")
     return ALGOS[algo]
 
 
@@ -230,6 +231,8 @@ class Options:
       [PYZERO_NCCL_ONESHOT_KB / PYZERO_IPC_ONESHOT_KB])
     - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
       written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
+    - twoshot_bytes: shm, largest all_reduce of the two-shot path (4 MiB [PYZERO_SHM_TWOSHOT_KB]); with
+      oneshot_bytes it sizes each rank's two areas
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
     - check_calls: hier, compare every collective's arguments across the group before it runs, so a
@@ -240,12 +243,13 @@ class Options:
     depth: int | None = None
     oneshot_bytes: int | None = None
     stream_bytes: int | None = None
+    twoshot_bytes: int | None = None
     symmetric: bool | None = None
     blocking_wait: bool | None = None
     check_calls: bool | None = None
 
     def __post_init__(self):
-        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes"):
+        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")

@@ -2,8 +2,9 @@
 # Records the CPU benchmarks into benchmarks/results/<name>_cpu<cores>_<date>.{txt,json} on a quiet
 # machine (nothing else running: the numbers are side-by-side ratios, but a busy machine still adds
 # noise). Run inside the project's venv. Arguments: the benches to record (default: all), among
-#   collectives train ps optim plan faults hier peers
-# (peers: the side-by-side set against DeepSpeed, gloo, torch DDP and FSDP2, three times each)
+#   collectives train ps optim plan faults hier peers pairs
+# (peers: the side-by-side set against DeepSpeed, gloo, torch DDP and FSDP2, three times each;
+#  pairs: all_reduce per call against DeepSpeed in PAIRS (default 8) fresh pairs of ranks)
 # DeepSpeed's CPU all-reduce joins the collectives table when deepspeed is importable
 # (PYTHONPATH may point at a separate install of it).
 set -uo pipefail
@@ -22,7 +23,7 @@ run() {  # name, then the command
   local rc=$?
   echo "   exit $rc, $((SECONDS - t0)) s -> $(tag "$name").txt"
 }
-WHAT=${*:-collectives train ps optim plan faults hier peers}
+WHAT=${*:-collectives train ps optim plan faults hier peers pairs}
 for w in $WHAT; do
   case $w in
     collectives)
@@ -59,6 +60,10 @@ for w in $WHAT; do
         run collectives_peers_${n}ranks_run$i $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M \
           --factor 4 --nproc $n --backends pyzero,deepspeed --rounds 3 --json "$(tag collectives_peers_${n}ranks_run$i).json"
       done; done ;;
+    pairs)  # fresh pairs of ranks, each with its exchange probe: both modes of a machine in one record
+      run collectives_pairs $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 4 \
+        --nproc 2 --backends pyzero,deepspeed --per-call --rounds 3 --pairs "${PAIRS:-8}" \
+        --json "$(tag collectives_pairs).json" ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
     optim)

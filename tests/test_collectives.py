@@ -228,6 +228,64 @@ def test_one_shot_of_five_ranks():
     assert_ranks_ok(run_ranks(_rank_one_shot_many_sources, 5, timeout=60), min_cases=3 * 4 * 3)
 
 
+def _rank_two_shot():
+    """The two-shot all_reduce (csrc [Note: two-shot all_reduce]): every dtype and op, uneven chunks
+    (sizes below and around n), in and out of place, back to back (the areas alternate by call:
+    a rank that ran ahead must never overwrite what a peer still reads), a bf16 message of 2 MiB,
+    and its limits raise the same error on every rank."""
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    seed = 70_000
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for size in [0, 1, n - 1, n + 1, 1031, 65537]:
+                seed += 1
+                inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                want = reference(inputs, op, dtype)
+                t = inputs[me].clone()
+                pz.all_reduce(t, op=op, algo="twoshot")
+                ck.check(f"all_reduce(n={n}, {dtype}, op={op}, size={size}, twoshot)", t, want)
+                src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
+                pz.all_reduce(src, op=op, algo="twoshot", out=out)
+                ck.check(f"all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, twoshot)", out, want)
+                ck.check(f"all_reduce(out=) input untouched, {dtype}, size={size}, twoshot", src, inputs[me])
+    seed += 1
+    inputs = [make_input("avg", torch.bfloat16, BIG, r, seed) for r in range(n)]  # 2 MiB
+    t = inputs[me].clone()
+    pz.all_reduce(t, op="avg", algo="twoshot", async_op=True).wait()
+    ck.check(f"all_reduce(n={n}, bfloat16, avg, size={BIG}, twoshot)", t, reference(inputs, "avg", torch.bfloat16))
+    # rank r works slowly on odd calls: the others run ahead into the next calls
+    for i in range(12):
+        seed += 1
+        inputs = [make_input("sum", torch.float32, 40009, r, seed) for r in range(n)]
+        if i % 2 and me == i % n:
+            time.sleep(0.01)
+        t = inputs[me].clone()
+        pz.all_reduce(t, algo="twoshot")
+        ck.check(f"back-to-back twoshot call {i}", t, reference(inputs, "sum", torch.float32))
+    limit = 4 << 20
+    for what, call, words in [
+        ("too large", lambda: pz.all_reduce(torch.ones(limit // 4 + 1), algo="twoshot"), "takes at most"),
+        ("reduce_scatter", lambda: pz.reduce_scatter(torch.empty(2), torch.ones(2 * n), algo="twoshot"),
+         "all_reduce algorithm")]:
+        try:
+            call()
+            ck.fail(f"twoshot {what} did not raise")
+        except ValueError as e:
+            if words not in str(e):
+                ck.fail(f"twoshot {what}: {e}")
+    x = torch.ones(8)
+    pz.all_reduce(x, algo="twoshot")  # the group is still usable
+    ck.check("twoshot after errors", x, torch.full((8,), float(n)))
+    return ck.result()
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_two_shot_all_reduce(world):
+    assert_ranks_ok(run_ranks(_rank_two_shot, world, timeout=90), min_cases=28 * 6 * 3)
+
+
 # ---------------------------------------------------------------------------
 # fp32 accumulation of fp16/bf16 sums
 

@@ -561,3 +561,40 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert [lines[i + 6].split()[0] for i in head] == ["16384", "16384"]
     with pytest.raises(ValueError, match="--rounds: expected a positive int, got 0"):
         collectives.main(p.parse_args(["--rounds", "0", "--nproc", "2"]))
+    out = tmp_path / "pairs.json"  # fresh sets of ranks, each with its exchange probe and per-call percentiles
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "64K",
+                         "--factor", "8192", "--iters", "20", "--warmup", "1", "--timeout", "120", "--per-call",
+                         "--rounds", "2", "--pairs", "2", "--json", str(out)])
+    assert collectives.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.count("# exchange probe: ") == 2 and text.count("per call (us; each the slowest rank's)") == 2
+    rows = json.loads(out.read_text())["results"]
+    probes = [r for r in rows if r["backend"] == "exchange-probe"]
+    assert [r["pair"] for r in probes] == [0, 1]
+    for r in probes:
+        assert 0 < r["ns_per_line"] < 1000 and r["mode"] == ("slow" if r["ns_per_line"] > 2.5 else "fast"), r
+    timed = [r for r in rows if r["backend"] == "pyzero"]
+    assert sorted((r["pair"], r["bytes"], r["inplace"]) for r in timed) == [
+        (k, b, ip) for k in (0, 1) for b in (8, 65536) for ip in (False, True)]
+    for r in timed:  # the calls of both rounds pooled: at least 40 per form and rank
+        assert r["wrong"] == 0 and 0 < r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"], r
+    summary = text[text.index("# every set of ranks"):].splitlines()[2:6]
+    assert [line.split()[:5] for line in summary] == [
+        [str(k), probes[k - 1]["mode"], f"{probes[k - 1]['ns_per_line']:.2f}", "all_reduce", str(b)]
+        for k in (1, 2) for b in (8, 65536)]
+    with pytest.raises(ValueError, match="--pairs: expected a positive int, got 0"):
+        collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--pairs: needs --nproc"):
+        collectives.main(p.parse_args(["--pairs", "2"]))
+
+
+@pytest.mark.parametrize("q", [0.01, 0.5, 0.9, 0.99, 1.0])
+def test_bench_percentiles_are_nearest_rank(q):
+    """pyzero-bench's per-call percentiles against numpy's nearest-rank definition ('inverted_cdf')."""
+    import numpy as np
+
+    from pyzero.bench.collectives import nearest_rank
+
+    for n in (1, 2, 7, 100, 101):
+        values = list(np.random.default_rng(n).permutation(np.arange(n) * 1.5 + 3))
+        assert nearest_rank(values, q) == np.percentile(values, 100 * q, method="inverted_cdf")

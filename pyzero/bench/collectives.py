@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -76,7 +77,11 @@ def add_arguments(p) -> None:
                    help="measure each size this many times, alternating out-of-place and in-place and the backends, "
                         "and report the median (every round's time and start in the json): a slow phase of the "
                         "machine then hits every form and backend")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="with --nproc: run the whole comparison this many times, each in fresh rank processes (each "
+                        "set of processes lands in its own exchange mode, see the exchange probe), then a summary "
+                        "per set; the json's rows carry their set's index ('pair')")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each run")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
 
@@ -278,8 +283,9 @@ def _sum_over_ranks(x: int) -> int:
 
 
 def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False):
-    """(time_us, wrong) for one configuration; every rank returns the same numbers. The time is the
-    mean over back-to-back calls, or with `per_call` the median of the calls timed one by one."""
+    """(time_us, wrong, calls) for one configuration; every rank returns the same time_us and wrong. The
+    time is the mean over back-to-back calls, or with `per_call` the median of the calls timed one by
+    one (the slowest rank's); `calls` then holds this rank's per-call times in seconds (else empty)."""
     import pyzero as pz  # noqa: PLC0415
 
     n, rank = pz.get_world_size(), pz.get_rank()
@@ -296,8 +302,8 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
     # cannot dominate a 10 us measurement (every rank derives the same count).
     timed = int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters))
     _barrier(backend)
+    times = []
     if per_call:
-        times = []
         for _ in range(timed):
             t0 = time.perf_counter()
             r.call()
@@ -310,7 +316,40 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
             r.call()
         _sync()
         elapsed = (time.perf_counter() - t0) / timed
-    return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong)
+    return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong), times
+
+
+PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+
+
+def nearest_rank(values, q: float):
+    """The q-quantile of `values` by the nearest-rank rule: the smallest value with at least q of them at or
+    below it (q=1: the maximum)."""
+    s = sorted(values)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def percentiles(calls) -> dict:
+    """{p50, p90, p99, max} in us of this rank's per-call times, the slowest rank's each."""
+    return {f"{name}_us": _max_over_ranks(nearest_rank(calls, q)) * 1e6 for name, q in PERCENTILES}
+
+
+# [Note: exchange probe] in csrc/shm_transport.cpp: what one rank pays per cache line to read lines its
+# ring predecessor has just written. Pairs of ranks on this 2-vCPU VM measured 0.7-1.5 ns per line;
+# a pair above this bound is labelled "slow".
+SLOW_EXCHANGE_NS = 2.5
+
+
+def exchange_probe() -> dict | None:
+    """The shm transport's exchange probe of the world group (CPU only; None elsewhere)."""
+    import pyzero as pz  # noqa: PLC0415
+    from .. import comm  # noqa: PLC0415
+
+    if comm_device().type != "cpu" or pz.get_backend() != "shm" or pz.get_world_size() < 2:
+        return None
+    ns = _max_over_ranks(comm._require_init().groups[0].backend.comm.probe_exchange(256 << 10, 15))
+    return {"backend": "exchange-probe", "op": "exchange", "ns_per_line": ns,
+            "mode": "slow" if ns > SLOW_EXCHANGE_NS else "fast"}
 
 
 def memcpy_gbps(nbytes: int, iters: int) -> float:
@@ -367,6 +406,12 @@ def rank_main(args) -> list[dict]:
     results = []
     t_start = time.perf_counter()
     per_call = getattr(args, "per_call", False)
+    probe = exchange_probe()
+    if probe is not None:
+        results.append(probe)
+        if rank == 0:
+            print(f"# exchange probe: {probe['ns_per_line']:.2f} ns per 64-byte line read from the ring predecessor "
+                  f"just after it wrote it ({probe['mode']}; slow above {SLOW_EXCHANGE_NS} ns)", flush=True)
     for op in ops:
         cols = [b for b in backends if b != "deepspeed" or op == "all_reduce"]
         # every size measures all the columns in turn, round by round: a slow phase of the
@@ -382,12 +427,15 @@ def rank_main(args) -> list[dict]:
             nbytes = count * esize
             runs = {(b, inplace): [] for b in cols for inplace in (False, True)}
             starts = {key: [] for key in runs}
+            calls = {key: [] for key in runs}
             for _ in range(rounds):
                 for backend in cols:
                     for inplace in (False, True):
                         starts[(backend, inplace)].append(time.perf_counter() - t_start)
-                        runs[(backend, inplace)].append(measure(backend, op, count, dtype, inplace, args.algo,
-                                                                args.iters, args.warmup, per_call))
+                        t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters,
+                                                     args.warmup, per_call)
+                        runs[(backend, inplace)].append((t_us, wrong))
+                        calls[(backend, inplace)] += times
             for backend in cols:
                 row = []
                 for inplace in (False, True):
@@ -402,7 +450,8 @@ def rank_main(args) -> list[dict]:
                                     "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
                                     "timing": "per-call median" if per_call else "loop mean",
                                     "rounds_time_us": times,
-                                    "rounds_start_s": starts[(backend, inplace)]})
+                                    "rounds_start_s": starts[(backend, inplace)],
+                                    **(percentiles(calls[(backend, inplace)]) if per_call else {})})
                 redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
                 root = 0 if op == "broadcast" else -1
                 line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
@@ -420,13 +469,30 @@ def rank_main(args) -> list[dict]:
                 wrong_total = sum(r["wrong"] for r in results if r["backend"] == column and r["op"] == op)
                 print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
                       f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
+            if per_call:
+                print_percentiles([r for r in results if r.get("op") == op and "p99_us" in r], cols, args)
     if "deepspeed" in backends:
         _remove_deepspeed_buffers(rank)
     if rank == 0:
-        for size in sorted({r["bytes"] for r in results}):
+        for size in sorted({r["bytes"] for r in results if "bytes" in r}):
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,
                             "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
     return results
+
+
+def print_percentiles(rows: list, cols: list, args) -> None:
+    """Each call timed alone: median, p90, p99 and max (us, the slowest rank's each) per size and backend."""
+    names = [_column(b, args) for b in cols]
+    print("# per call (us; each the slowest rank's), in-place / out-of-place: p50 p90 p99 max")
+    print("#{:>11} ".format("size (B)") + " ".join("{:>41}".format(n) for n in names))
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        cells = []
+        for n in names:
+            got = {r["inplace"]: r for r in rows if r["bytes"] == nbytes and r["backend"] == n}
+            cells.append(" / ".join(" ".join(f"{got[ip][k]:.0f}" for k in ("p50_us", "p90_us", "p99_us", "max_us"))
+                                    if ip in got else "-" for ip in (True, False)))
+        print(" {:>11} ".format(nbytes) + " ".join("{:>41}".format(c) for c in cells))
+    print("#", flush=True)
 
 
 def _column(backend: str, args) -> str:
@@ -544,13 +610,40 @@ def print_ratios(results: list) -> None:
             print(" {:>15} {:>12} {:>10.1f} {:>10.1f} {:>10.2f}".format(op, b, t_pz, t_ds, t_ds / t_pz))
 
 
+def print_pairs(results: list) -> None:
+    """One line per set of ranks and size: its exchange probe, pyzero's in-place per-call median and p99
+    (and DeepSpeed's, with their ratios time(deepspeed) / time(pyzero)) where measured per call."""
+    probes = {r["pair"]: r for r in results if r["backend"] == "exchange-probe"}
+    rows = {(r["pair"], r["op"], r["bytes"], r["backend"]): r for r in results
+            if r.get("inplace") and "p99_us" in r and r["backend"] in ("pyzero", "deepspeed")}
+    if not rows:
+        return
+    ds = any(k[3] == "deepspeed" for k in rows)
+    print("# every set of ranks, in place, each call timed alone (us): pyzero p50 p99" +
+          (", deepspeed p50 p99, time(deepspeed) / time(pyzero) at p50 and p99" if ds else ""))
+    print("#{:>4} {:>5} {:>8} {:>11} {:>12} {:>8} {:>8}".format("set", "mode", "ns/line", "op", "size (B)", "pz p50",
+                                                                  "pz p99") +
+          (" {:>8} {:>8} {:>7} {:>7}".format("ds p50", "ds p99", "p50 x", "p99 x") if ds else ""))
+    for pair, op, nbytes, backend in sorted(k for k in rows if k[3] == "pyzero"):
+        pz, pr = rows[(pair, op, nbytes, "pyzero")], probes.get(pair, {})
+        line = " {:>4} {:>5} {:>8} {:>11} {:>12} {:>8.1f} {:>8.1f}".format(
+            pair + 1, pr.get("mode", "-"), f"{pr['ns_per_line']:.2f}" if pr else "-", op, nbytes, pz["p50_us"],
+            pz["p99_us"])
+        d = rows.get((pair, op, nbytes, "deepspeed"))
+        if d:
+            line += " {:>8.1f} {:>8.1f} {:>7.2f} {:>7.2f}".format(d["p50_us"], d["p99_us"], d["p50_us"] / pz["p50_us"],
+                                                                d["p99_us"] / pz["p99_us"])
+        print(line)
+    print("#", flush=True)
+
+
 def plot(results: list, path: str) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    ops = sorted({r["op"] for r in results if r["op"] != "memcpy"})
+    ops = sorted({r["op"] for r in results if r["op"] != "memcpy" and "busbw" in r})
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.2), squeeze=False)
     mem = sorted((r["bytes"], r["busbw"]) for r in results if r["backend"] == "memcpy")
     for ax, op in zip(axes[0], ops):
@@ -580,12 +673,25 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     _rounds(args)  # bad input fails here, before any rank starts
+    pairs = getattr(args, "pairs", 1)
+    if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
+        raise ValueError(f"--pairs: expected a positive int, got {pairs!r}")
+    if pairs > 1 and not args.nproc:
+        raise ValueError("--pairs: needs --nproc (each set of ranks is started afresh by this process)")
     if args.nproc:
         # GPU ranks start as fresh interpreters (CUDA does not survive fork)
         start = "spawn" if getattr(args, "device", "cpu") == "cuda" else "fork"
-        # rank 0's table as it prints it: a run stopped part-way still shows the rows it measured
-        res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start, echo=0)
-        results = res[0].value
+        results = []
+        for i in range(pairs):
+            if pairs > 1:
+                print(f"# ---- set of ranks {i + 1} of {pairs} (fresh processes) ----", flush=True)
+            # rank 0's table as it prints it: a run stopped part-way still shows the rows it measured
+            res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start, echo=0)
+            if pairs > 1:
+                print_ratios(res[0].value)
+            results += [dict(r, pair=i) for r in res[0].value]
+        if pairs > 1:
+            print_pairs(results)
     else:
         import pyzero as pz  # noqa: PLC0415
 
@@ -602,7 +708,8 @@ def main(args) -> int:
         for op, us in (floor or {}).items():
             results.append({"backend": "torch-api-floor", "op": op, "dtype": args.dtype, "world_size": n,
                             "time_us": us, "algo": "fake", "device": "cpu"})
-    print_ratios(results)
+    if pairs == 1:
+        print_ratios(results)
     if args.json:
         write_json(args.json, results, {"command": "collectives", "args": vars(args)})
     if args.plot:

@@ -47,8 +47,7 @@ MAX_HANDSHAKES = 64  # connections authenticating at once; more are closed at on
 # be one float32 shard of this server's size; nothing else carries tensors.
 REQUESTS = {
     "join": {"op": wire.one_of("join"), "signature": wire.SIGNATURE, "num_servers": wire.COUNT,
-             "wid": wire.optional(wire.Field("an integer in [0, 2**31)", lambda v: type(v) is int and
-                                             0 <= v < 1 << 31))},
+             "wid": wire.optional(wire.WID)},
     "pull": {"op": wire.one_of("pull"), "have": wire.COUNT},
     "push": {"op": wire.one_of("push"), "version": wire.COUNT},
     "leave": {"op": wire.one_of("leave")},

@@ -104,6 +104,7 @@ INT = Field("an integer in [-2**62, 2**62]", _int_in(-(1 << 62), 1 << 62))
 BOOL = Field("true or false", lambda v: type(v) is bool)
 TEXT = Field("a string of at most 4096 characters", lambda v: type(v) is str and len(v) <= 4096)
 TRUE = Field("true", lambda v: v is True)
+WID = Field("an integer in [0, 2**31)", _int_in(0, (1 << 31) - 1))  # a worker's id
 FALSE = Field("false", lambda v: v is False)
 
 

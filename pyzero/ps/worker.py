@@ -56,7 +56,7 @@ class Worker:
             raise ValueError("key: servers given by address need the job's key: key=server.key, or the same "
                              "PYZERO_PS_KEY as the servers'")
         self.servers = [tuple(a) for a in servers]
-        self.model, self.timeout, self._key = model, timeout, key
+        self.model, self.timeout = model, timeout
         self.params, self.names = params, names
         n = len(self.servers)
         self.layout = FlatLayout(self.params, self.names, n)
@@ -105,9 +105,7 @@ class Worker:
         return [(torch.float32, self.layout.shard(s).size)]
 
     def _expect_join(self, s: int):
-        return wire.replies({"ok": wire.TRUE, "wid": wire.Field("an integer in [0, 2**31)", lambda v: type(v) is int
-                                                                 and 0 <= v < 1 << 31),
-                             "version": wire.COUNT, "mode": wire.one_of(*MODES), "staleness": wire.optional(wire.COUNT),
+        return wire.replies({"ok": wire.TRUE, "wid": wire.WID, "version": wire.COUNT, "mode": wire.one_of(*MODES), "staleness": wire.optional(wire.COUNT),
                              "done": wire.BOOL}, lambda h: self._shard_spec(s))
 
     def _expect(self, op: str, s: int):

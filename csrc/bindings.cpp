@@ -177,16 +177,43 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("elements", &OpStats::elements)
       .def_readonly("sent_bytes", &OpStats::sent_bytes);
 
+  py::class_<AdaptTwoShot>(m, "AdaptTwoShot", "auto's ring/two-shot controller (shm_adapt.h), for tests")
+      .def(py::init<>())
+      .def_static("size_class", &AdaptTwoShot::size_class)
+      .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"))
+      .def("want_twoshot", &AdaptTwoShot::want_twoshot)
+      .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
+      .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; });
+
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
-                       size_t oneshot_bytes, double timeout_s, size_t stream_bytes, size_t twoshot_bytes) {
+                       size_t oneshot_bytes, double timeout_s, size_t stream_bytes, size_t twoshot_bytes,
+                       bool adaptive) {
              return std::make_unique<ShmComm>(prefix, rank, size,
                                               ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes,
-                                                        twoshot_bytes});
+                                                        twoshot_bytes, adaptive});
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
            py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = ShmConfig{}.stream_bytes,
-           py::arg("twoshot_bytes") = ShmConfig{}.twoshot_bytes)
+           py::arg("twoshot_bytes") = ShmConfig{}.twoshot_bytes, py::arg("adaptive") = ShmConfig{}.adaptive)
+      .def("adapt_state",
+           [](ShmComm& c) {
+             auto& t = c.transport();
+             py::dict out;
+             for (int k = 0; k < AdaptTwoShot::kClasses; ++k) {
+               const auto& s = t.adapt().state(k);
+               if (s.level[0] == 0.0 && s.level[1] == 0.0) continue;
+               py::dict e;
+               e["algo"] = s.twoshot ? "twoshot" : "ring";
+               e["ring_ns_per_byte"] = s.level[0];
+               e["twoshot_ns_per_byte"] = s.level[1];
+               e["switches"] = s.switches;
+               e["explored"] = s.explored;
+               out[py::int_(size_t(1) << (k + 17))] = e;  // the class's largest size
+             }
+             return out;
+           },
+           "{largest bytes of a size class: rank 0's state} of auto's ring/two-shot choice (empty on other ranks)")
       .def("probe_exchange", &ShmComm::probe_exchange, py::arg("bytes") = size_t(256) << 10, py::arg("reps") = 9,
            py::call_guard<py::gil_scoped_release>(),
            "ns per 64-byte line to read lines the ring predecessor has just written (median of reps; collective)")

@@ -248,15 +248,18 @@ void ShmSegments::arrive(const CallDesc& d, const char* what) {
   }
 }
 
-void ShmSegments::exchange_reduced(uint64_t seq, const char* what) {
+void ShmSegments::exchange_step(Step step, uint64_t seq, const char* what) {
+  auto word = [step](RankCtrl* c) -> std::atomic<uint64_t>& { return step == Step::staged ? c->staged : c->reduced; };
+  auto waiters = [step](RankCtrl* c) -> std::atomic<uint32_t>& {
+    return step == Step::staged ? c->staged_waiters : c->reduced_waiters;
+  };
   RankCtrl* me = ctrl(rank_);
-  me->reduced.store(seq, std::memory_order_release);
-  notify(me->reduced, me->reduced_waiters);
+  word(me).store(seq, std::memory_order_release);
+  notify(word(me), waiters(me));
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
     RankCtrl* c = ctrl(p);
-    wait_for([&] { return c->reduced.load(std::memory_order_acquire) >= seq; }, p, what, &c->reduced,
-             &c->reduced_waiters);
+    wait_for([&] { return word(c).load(std::memory_order_acquire) >= seq; }, p, what, &word(c), &waiters(c));
   }
 }
 

@@ -90,14 +90,18 @@ struct alignas(64) RankCtrl {
   int32_t pid;
   CallDesc desc[2];
   char abort_reason[384];  // written before `aborted`, so peers can pass the cause on
-  // The two-shot all_reduce's second step: the last call whose reduced chunk is in the area.
+  // The two-shot all_reduce's steps after the arrival (shm_transport.cpp): the last call
+  // whose input chunks (`staged`, when auto chose it after the arrival) and whose reduced
+  // chunk (`reduced`) are in this rank's area.
+  alignas(64) std::atomic<uint64_t> staged;
+  std::atomic<uint32_t> staged_waiters;
   alignas(64) std::atomic<uint64_t> reduced;
   std::atomic<uint32_t> reduced_waiters;
 };
-static_assert(sizeof(RankCtrl) == 3 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
+static_assert(sizeof(RankCtrl) == 4 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
 static_assert(alignof(RankCtrl) == 64 && offsetof(RankCtrl, aborted) == 64 && offsetof(RankCtrl, desc) == 128 &&
-              offsetof(RankCtrl, reduced) % 64 == 0,
-              "RankCtrl: `arrived`, `aborted` and `reduced` on cache lines of their own");
+              offsetof(RankCtrl, staged) % 64 == 0 && offsetof(RankCtrl, reduced) == offsetof(RankCtrl, staged) + 64,
+              "RankCtrl: `arrived`, `aborted`, `staged` and `reduced` on cache lines of their own");
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
@@ -153,6 +157,7 @@ struct ShmConfig {
   double timeout_s = 300.0;
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
   size_t twoshot_bytes = 4 << 20;  // largest all_reduce the two-shot path takes (per-rank input bytes)
+  bool adaptive = true;            // auto picks ring or two-shot up to twoshot_bytes by measurement (shm_adapt.h)
 };
 
 // ----------------------------------------------------------------------------
@@ -210,9 +215,13 @@ class ShmSegments {
   // Enter collective `d`: publish the descriptor (and one-shot data already
   // written), wait for every peer, compare descriptors.
   void arrive(const CallDesc& d, const char* what);
-  // The two-shot all_reduce's second step: publish that this rank's reduced
-  // chunk of call `seq` is in its area, then wait until every peer's is.
-  void exchange_reduced(uint64_t seq, const char* what);
+  // A two-shot all_reduce step after the arrival: publish that this rank's
+  // staged input chunks (or its reduced chunk) of call `seq` are in its area,
+  // then wait until every peer's are.
+  enum class Step { staged, reduced };
+  void exchange_step(Step step, uint64_t seq, const char* what);
+  // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
+  int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }
   // Throws if an earlier failure left the group unusable.
   void check_usable(const char* what);
   // Rank r's one-shot (and two-shot) area for collective `seq`: max(oneshot_bytes, twoshot_bytes).

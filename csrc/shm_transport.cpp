@@ -219,9 +219,20 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   const char* what = "all_reduce";
   if (in == nullptr) in = buf;
   size_t bytes = size_t(count) * dtype_size(dt);
+  const bool automatic = algo == Algo::automatic;
   algo = resolve(Coll::all_reduce, bytes, algo);
+  // [Note: adaptive two-shot]: auto between the one-shot's sizes and twoshot_bytes takes
+  // the ring or the two-shot as rank 0 says in its descriptor, read after the arrival.
+  const bool adaptive =
+      automatic && algo == Algo::ring && n_ > 1 && config().adaptive && bytes <= config().twoshot_bytes;
+  const int cls = adaptive ? AdaptTwoShot::size_class(bytes) : -1;
+  using clock = std::chrono::steady_clock;
+  const bool timed = adaptive && rank_ == 0;
+  const clock::time_point t0 = timed ? clock::now() : clock::time_point();
   uint64_t seq = seg_.begin(what);
-  CallDesc d{seq, int32_t(Coll::all_reduce), int32_t(op), int32_t(dt), 0, int32_t(algo), 0, count, 0};
+  CallDesc d{seq, int32_t(Coll::all_reduce), int32_t(op), int32_t(dt), 0,
+             int32_t(adaptive ? Algo::automatic : algo), rank_ == 0 && adaptive && adapt_.want_twoshot(cls),
+             count, 0};
   uint64_t sent = 0;
   if (n_ == 1) {
     seg_.arrive(d, what);  // the reduction of one contribution is itself (avg divides by 1)
@@ -239,48 +250,77 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
       cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(buf), size_t(count), n_);
     }));
     sent = uint64_t(bytes) * (n_ - 1);
-  } else if (algo == Algo::twoshot) {
-    // [Note: two-shot all_reduce] Two synchronisations whatever the size: every rank
-    // puts the chunks the others reduce into its area and arrives; reduces its own
-    // chunk from the peers' areas and its input into its output and its area; then,
-    // once every peer's reduced chunk is in, copies them into its output. Each rank
-    // reads (n-1)/n of the message from its peers twice, as the ring does, without
-    // the ring's handoff per slice. The areas alternate by call: a rank rewrites one
-    // only after every peer has arrived at the next call, i.e. finished this one.
-    ChunkLayout L(split_even(count, n_));
-    size_t es = dtype_size(dt);
-    char* mine = seg_.area(rank_, seq);
-    for (int p = 0; p < n_; ++p)
-      if (p != rank_ && L.counts[p])
-        std::memcpy(mine + size_t(L.offsets[p]) * es, static_cast<const char*>(in) + size_t(L.offsets[p]) * es,
-                    size_t(L.counts[p]) * es);
-    seg_.arrive(d, what);
-    size_t off = size_t(L.offsets[rank_]) * es, mine_bytes = size_t(L.counts[rank_]) * es;
-    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      std::vector<const T*> srcs(n_);
-      for (int r = 0; r < n_; ++r)  // rank order, this rank's own part from `in`, as in the one-shot
-        srcs[r] = reinterpret_cast<const T*>((r == rank_ ? static_cast<const char*>(in) : seg_.area(r, seq)) + off);
-      cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(static_cast<char*>(buf) + off),
-                             size_t(L.counts[rank_]), n_);
-    }));
-    std::memcpy(mine + off, static_cast<const char*>(buf) + off, mine_bytes);
-    seg_.exchange_reduced(seq, what);
-    for (int p = 0; p < n_; ++p)
-      if (p != rank_ && L.counts[p])
-        std::memcpy(static_cast<char*>(buf) + size_t(L.offsets[p]) * es, seg_.area(p, seq) + size_t(L.offsets[p]) * es,
-                    size_t(L.counts[p]) * es);
-    sent = uint64_t(bytes - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
   } else {
-    seg_.arrive(d, what);
-    ChunkLayout L(split_even(count, n_));
-    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      bool stream = stream_output(bytes, in == buf, config().stream_bytes);
-      sent = with_ring_prims<T, OP>(seg_, what, L.longest(), stream, [&](ShmRingPrims<T, OP>& p) {
-        ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems());
-      });
-    }));
+    if (algo == Algo::twoshot) {
+      stage_twoshot(in, count, dt, seq);  // before the arrival, which announces it
+      seg_.arrive(d, what);
+    } else {
+      seg_.arrive(d, what);
+      if (adaptive && seg_.leader_word(seq)) {
+        algo = Algo::twoshot;
+        stage_twoshot(in, count, dt, seq);
+        seg_.exchange_step(ShmSegments::Step::staged, seq, what);
+      }
+    }
+    if (algo == Algo::twoshot) {
+      sent = finish_twoshot(buf, in, count, dt, op, seq);
+    } else {
+      ChunkLayout L(split_even(count, n_));
+      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+        bool stream = stream_output(bytes, in == buf, config().stream_bytes);
+        sent = with_ring_prims<T, OP>(seg_, what, L.longest(), stream, [&](ShmRingPrims<T, OP>& p) {
+          ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems());
+        });
+      }));
+    }
   }
+  if (timed)  // whole calls: excluding the arrival would favour the ring, whose waits for a
+              // peer still finishing the previous call fall into its arrival
+    adapt_.observe(cls, algo == Algo::twoshot,
+                   std::chrono::duration<double, std::nano>(clock::now() - t0).count() / double(bytes));
   counters_.add(Coll::all_reduce, uint64_t(count), sent);
+}
+
+// [Note: two-shot all_reduce] Every rank puts the chunks the others reduce into its
+// area (stage_twoshot) and announces it (the arrival, or for auto's choice made after
+// the arrival a step of its own); reduces its own chunk from the peers' areas and its
+// input into its output and its area; then, once every peer's reduced chunk is in,
+// copies them into its output. Each rank reads (n-1)/n of the message from its peers
+// twice, as the ring does, without the ring's handoff per slice. A chunk is reduced in
+// the ring's order (from the rank after its owner round to the owner), so the results
+// are bitwise the ring's. The areas alternate by call: a rank rewrites one only after
+// every peer has arrived at the next call, i.e. finished this one.
+void ShmTransport::stage_twoshot(const void* in, int64_t count, DType dt, uint64_t seq) {
+  ChunkLayout L(split_even(count, n_));
+  size_t es = dtype_size(dt);
+  char* mine = seg_.area(rank_, seq);
+  for (int p = 0; p < n_; ++p)
+    if (p != rank_ && L.counts[p])
+      std::memcpy(mine + size_t(L.offsets[p]) * es, static_cast<const char*>(in) + size_t(L.offsets[p]) * es,
+                  size_t(L.counts[p]) * es);
+}
+
+uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq) {
+  ChunkLayout L(split_even(count, n_));
+  size_t es = dtype_size(dt);
+  char* mine = seg_.area(rank_, seq);
+  size_t off = size_t(L.offsets[rank_]) * es, mine_bytes = size_t(L.counts[rank_]) * es;
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    std::vector<const T*> srcs(n_);
+    for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, rank + 2, ..., rank
+      int r = (rank_ + 1 + i) % n_;
+      srcs[i] = reinterpret_cast<const T*>((r == rank_ ? static_cast<const char*>(in) : seg_.area(r, seq)) + off);
+    }
+    cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(static_cast<char*>(buf) + off),
+                           size_t(L.counts[rank_]), n_);
+  }));
+  std::memcpy(mine + off, static_cast<const char*>(buf) + off, mine_bytes);
+  seg_.exchange_step(ShmSegments::Step::reduced, seq, "all_reduce");
+  for (int p = 0; p < n_; ++p)
+    if (p != rank_ && L.counts[p])
+      std::memcpy(static_cast<char*>(buf) + size_t(L.offsets[p]) * es, seg_.area(p, seq) + size_t(L.offsets[p]) * es,
+                  size_t(L.counts[p]) * es);
+  return uint64_t(size_t(count) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
 }
 
 void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,

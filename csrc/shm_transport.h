@@ -32,6 +32,7 @@
 
 #include "collective.h"
 #include "reduce_math.h"
+#include "shm_adapt.h"
 #include "shm_segment.h"
 
 namespace pz {
@@ -85,11 +86,18 @@ class ShmTransport {
   // `algo` as given, or auto's choice; rejects one-shot for too large inputs.
   Algo resolve(Coll c, size_t bytes, Algo algo) const;
   std::map<std::string, OpStats> stats(bool reset) { return counters_.read(reset); }
+  // Rank 0's view of auto's choice per size class ([Note: adaptive two-shot]; empty elsewhere).
+  const AdaptTwoShot& adapt() const { return adapt_; }
+
 
  private:
   ShmSegments seg_;
   const int rank_, n_;
   OpCounters counters_;
+  AdaptTwoShot adapt_;  // rank 0 measures and decides ([Note: adaptive two-shot])
+  // The two-shot all_reduce's halves (shm_transport.cpp).
+  void stage_twoshot(const void* in, int64_t count, DType dt, uint64_t seq);
+  uint64_t finish_twoshot(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
   // symmetric buffers: current generation's maps, older generations (kept mapped)
   std::vector<char*> sym_maps_;
   std::vector<std::pair<char*, size_t>> sym_old_;

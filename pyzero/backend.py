@@ -233,6 +233,8 @@ class Options:
       written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
     - twoshot_bytes: shm, largest all_reduce of the two-shot path (4 MiB [PYZERO_SHM_TWOSHOT_KB]); with
       oneshot_bytes it sizes each rank's two areas
+    - adaptive: shm, auto all_reduce between the one-shot's sizes and twoshot_bytes takes the ring or the
+      two-shot by measured times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
     - check_calls: hier, compare every collective's arguments across the group before it runs, so a
@@ -244,6 +246,7 @@ class Options:
     oneshot_bytes: int | None = None
     stream_bytes: int | None = None
     twoshot_bytes: int | None = None
+    adaptive: bool | None = None
     symmetric: bool | None = None
     blocking_wait: bool | None = None
     check_calls: bool | None = None
@@ -257,7 +260,7 @@ class Options:
             raise ValueError(f"options.depth: expected at least 2 slots, got {self.depth}")
         if self.slice_bytes is not None and self.slice_bytes < 64:
             raise ValueError(f"options.slice_bytes: expected at least 64 bytes, got {self.slice_bytes}")
-        for name in ("symmetric", "blocking_wait", "check_calls"):
+        for name in ("adaptive", "symmetric", "blocking_wait", "check_calls"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"options.{name}: expected True, False or None, got {v!r}")

@@ -264,6 +264,16 @@ def _rank_two_shot():
         t = inputs[me].clone()
         pz.all_reduce(t, algo="twoshot")
         ck.check(f"back-to-back twoshot call {i}", t, reference(inputs, "sum", torch.float32))
+    # random floats, where the order of a sum shows: the two-shot reduces in the ring's order, so
+    # auto may take either (see test_auto_between_ring_and_two_shot) without changing a bit
+    for dtype in FLOATS:
+        for op in ("sum", "avg", "prod"):
+            g = torch.Generator().manual_seed(1000 * n + me)
+            x = torch.randn(50021, generator=g).to(dtype)
+            a, b = x.clone(), x.clone()
+            pz.all_reduce(a, op=op, algo="ring")
+            pz.all_reduce(b, op=op, algo="twoshot")
+            ck.check(f"twoshot == ring bitwise, random {dtype}, {op}, n={n}", b, a)
     limit = 4 << 20
     for what, call, words in [
         ("too large", lambda: pz.all_reduce(torch.ones(limit // 4 + 1), algo="twoshot"), "takes at most"),
@@ -284,6 +294,90 @@ def _rank_two_shot():
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_two_shot_all_reduce(world):
     assert_ranks_ok(run_ranks(_rank_two_shot, world, timeout=90), min_cases=28 * 6 * 3)
+
+
+def _rank_auto_adaptive():
+    """auto between the one-shot's sizes and twoshot_bytes: rank 0 tries the two-shot and tells the
+    others in its descriptor; every rank runs the same algorithm (a mismatch would fail the call),
+    the results equal the ring's bitwise, and only rank 0 keeps the measurements."""
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    sizes = [(600 << 10) // 4 + 7, (3 << 20) // 4 + 1, (1 << 20) // 4]  # classes of 1, 4 and 1 MiB
+    for i in range(40):
+        count = sizes[i % len(sizes)]
+        g = torch.Generator().manual_seed(7 * i + me)
+        x = torch.randn(count, generator=g)
+        want = x.clone()
+        pz.all_reduce(want, algo="ring")
+        got = x.clone()
+        pz.all_reduce(got)  # auto
+        ck.check(f"auto call {i} ({count * 4} B) == ring bitwise", got, want)
+        out = torch.empty_like(x)
+        pz.all_reduce(x, out=out)
+        ck.check(f"auto out= call {i} == ring bitwise", out, want)
+    state = pz.comm.resolve_group(None).backend.comm.adapt_state()
+    if me == 0:
+        if sorted(state) != [1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()):
+            ck.fail(f"rank 0's adaptive state: {state}")
+        ck.cases += 1
+    elif state:
+        ck.fail(f"rank {me} keeps adaptive state: {state}")
+    # adaptive=False: auto is the ring, nothing measured
+    fixed = pz.new_group(range(n), options=pz.Options(adaptive=False))
+    x = torch.ones((1 << 20) // 4)
+    for _ in range(6):
+        pz.all_reduce(x, group=fixed)
+    ck.check("adaptive=False all_reduce", x, torch.full_like(x, float(n) ** 6))
+    if fixed.backend.comm.adapt_state():
+        ck.fail("adaptive=False measured")
+    return ck.result()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_between_ring_and_two_shot(world):
+    assert_ranks_ok(run_ranks(_rank_auto_adaptive, world, timeout=90), min_cases=80)
+
+
+def _simulate(cost, calls):
+    """Drive auto's controller (csrc/shm_adapt.h) with per-call costs cost(i, twoshot) for one size
+    class; returns the algorithm it picked at each call (True: two-shot) and the controller."""
+    from pyzero import _C
+
+    a, picks = _C.AdaptTwoShot(), []
+    for i in range(calls):
+        two = a.want_twoshot(3)
+        picks.append(two)
+        a.observe(3, two, cost(i, two))
+    return picks, a
+
+
+def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
+    from pyzero import _C
+
+    for b in (600 << 10, 1 << 20, (1 << 20) + 1, 3 << 20, 4 << 20, (4 << 20) + 1):
+        assert _C.AdaptTwoShot.size_class(b) == (b - 1).bit_length() - 1 - 16, b
+    # fast mode throughout (the ring twice as fast): tries only, ever rarer
+    picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 3000)
+    assert a.switches(3) == 0 and 7 <= a.explored(3) <= 20 and sum(picks) <= 70, (a.explored(3), sum(picks))
+    assert sum(picks[1000:]) <= 3 * (2000 // 256 + 1)  # a try of 3 calls every 256 calls at most
+    # slow mode from the start, where a fifth of the ring's calls still run fast: the two-shot
+    # within the first tries, and kept
+    picks, a = _simulate(lambda i, two: 5.0 if two else (1.0 if i % 5 == 0 else 10.0), 2000)
+    first = picks.index(True)
+    assert first <= 3 and all(picks[first + 1:first + 8]) and sum(picks[100:]) >= 0.97 * 1900, sum(picks[100:])
+    # fast, then slow from call 400, then fast again from call 1000
+    def cost(i, two):
+        slow = 400 <= i < 1000
+        return (5.0 if slow else 2.0) if two else (10.0 if slow else 1.0)
+
+    picks, a = _simulate(cost, 1600)
+    assert sum(picks[300:400]) <= 4  # fast: the ring
+    to_two = picks.index(True, 400)  # the ring's calls got 10x slower: the two-shot within a few calls
+    assert to_two <= 410 and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
+    back = picks.index(False, 1000)
+    assert back <= 1000 + 10 and sum(picks[1100:]) <= 10, back  # the two-shot's calls got 2.5x faster: the ring
+    assert a.switches(3) == 2
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+// shm_adapt.h — which all_reduce algorithm `auto` takes between the one-shot
+// and the ring's sizes, chosen from measured times ([Note: adaptive two-shot]).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+namespace pz {
+
+// [Note: adaptive two-shot]
+// On a 2-vCPU VM the same pair of processes moves data between its cores in
+// one of two modes, and the mode can change while the pair runs. Measured
+// there (2 ranks, fp32, in place, medians of 24 calls, 16 process pairs;
+// 2 of them were in the slow mode), in us:
+//                  1 MiB            4 MiB
+//   fast: ring     52-69            188-238
+//         twoshot  55-69            377-608
+//   slow: ring     825-857          3218-4347
+//         twoshot  491-555          1308-1482
+// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depth 2 - 8 all
+// collapse alike in the slow mode.) Neither wins in both modes, and the mode
+// cannot be read off beforehand (an exchange probe at group creation did not
+// tell the slow pairs from the others), so rank 0 measures, per size class (a
+// power of two of bytes), whole calls of the algorithm in use, and tries the
+// other one now and then: after 2 calls, then at intervals doubling from 16
+// to 256 calls while it loses, and at once when the one in use runs over 3x
+// or under 0.5x its average 3 calls in a row (a change of mode). A try is 3 calls (one more the first time: an
+// algorithm's first call in a class warms its buffers and is not counted);
+// it switches when their median is under 0.9x the median of the last 16
+// calls of the one in use (medians, since in the slow mode a part of the
+// ring's calls still run fast). Rank 0 puts its choice for a call in its
+// descriptor (CallDesc::pad), which every rank reads after the
+// arrival, so all ranks run the same algorithm (the two-shot then stages its
+// input after the arrival, with one more step); and the two-shot reduces each
+// chunk in the ring's order, so the results are bitwise the same whichever
+// runs.
+class AdaptTwoShot {
+ public:
+  static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16
+  static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
+  static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25;
+  static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;
+
+  static int size_class(size_t bytes) {
+    int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - 16;
+    return c < 0 ? 0 : (c >= kClasses ? kClasses - 1 : c);
+  }
+
+  // Whether rank 0 wants the two-shot for the next call of class c.
+  bool want_twoshot(int c) const {
+    const State& s = st_[c];
+    return s.trying > 0 ? !s.twoshot : s.twoshot;
+  }
+
+  // A call of class c ran the two-shot (or the ring) at `ns_per_byte`.
+  void observe(int c, bool twoshot, double ns_per_byte) {
+    State& s = st_[c];
+    bool warm = s.seen[twoshot];
+    s.seen[twoshot] = true;
+    if (twoshot != s.twoshot) {
+      if (s.trying == 0) return;
+      if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
+      if (--s.trying > 0) return;
+      ++s.explored;
+      s.since = 0;
+      s.spikes = 0;
+      double t = median(s.tried, s.ntried);
+      s.ntried = 0;
+      if (t < kBetter * median(s.recent, s.nrecent)) {
+        s.twoshot = twoshot;
+        s.level[twoshot] = t;
+        s.nrecent = 0;
+        s.every = kEvery;
+        ++s.switches;
+      } else {
+        if (t > 0.0) s.level[twoshot] = t;
+        s.level[s.twoshot] = median(s.recent, s.nrecent);  // the one in use, as it runs now
+        s.every = s.every < kEvery ? kEvery : (s.every * 2 > kMaxEvery ? kMaxEvery : s.every * 2);
+      }
+      return;
+    }
+    if (!warm) return;
+    double& lvl = s.level[twoshot];
+    bool jump = lvl > 0.0 && (ns_per_byte > kSpike * lvl || ns_per_byte < kDrop * lvl);
+    s.spikes = jump ? s.spikes + 1 : 0;
+    if (!jump) lvl = lvl > 0.0 ? lvl + kAlpha * (ns_per_byte - lvl) : ns_per_byte;  // (held during a jump)
+    if (s.nrecent == kRecent) std::copy(s.recent + 1, s.recent + kRecent, s.recent);
+    s.recent[s.nrecent < kRecent ? s.nrecent++ : kRecent - 1] = ns_per_byte;
+    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls)) {
+      if (s.spikes >= kSpikeCalls) {  // judged against the calls since the change only
+        std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
+        s.nrecent = s.spikes;
+      }
+      s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
+    }
+  }
+
+  struct State {
+    bool twoshot = false;
+    bool seen[2] = {false, false};
+    double level[2] = {0.0, 0.0};  // average ns per byte: ring, two-shot (0: not measured)
+    double recent[kRecent] = {};   // the last calls of the one in use (ns per byte), oldest first
+    int nrecent = 0;
+    double tried[kTry] = {};       // the calls of the one being tried
+    int ntried = 0, trying = 0;    // and how many of them are still to run
+    uint32_t since = 0, every = kFirst;
+    int spikes = 0;
+    uint64_t switches = 0, explored = 0;
+  };
+  const State& state(int c) const { return st_[c]; }
+
+ private:
+  static double median(const double* v, int n) {  // of the first n; 0 for none
+    if (n == 0) return 0.0;
+    std::array<double, kRecent> w{};
+    std::copy(v, v + n, w.begin());
+    std::sort(w.begin(), w.begin() + n);
+    return n % 2 ? w[n / 2] : 0.5 * (w[n / 2 - 1] + w[n / 2]);
+  }
+  std::array<State, kClasses> st_{};
+};
+
+}  // namespace pz

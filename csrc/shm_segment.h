@@ -156,7 +156,7 @@ struct ShmConfig {
   size_t oneshot_bytes = 512 << 10;  // largest per-rank input the one-shot path takes
   double timeout_s = 300.0;
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
-  size_t twoshot_bytes = 4 << 20;  // largest all_reduce the two-shot path takes (per-rank input bytes)
+  size_t twoshot_bytes = 8 << 20;  // largest all_reduce the two-shot path takes (per-rank input bytes)
   bool adaptive = true;            // auto picks ring or two-shot up to twoshot_bytes by measurement (shm_adapt.h)
 };
 

@@ -231,7 +231,7 @@ class Options:
       [PYZERO_NCCL_ONESHOT_KB / PYZERO_IPC_ONESHOT_KB])
     - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
       written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
-    - twoshot_bytes: shm, largest all_reduce of the two-shot path (4 MiB [PYZERO_SHM_TWOSHOT_KB]); with
+    - twoshot_bytes: shm, largest all_reduce of the two-shot path (8 MiB [PYZERO_SHM_TWOSHOT_KB]); with
       oneshot_bytes it sizes each rank's two areas
     - adaptive: shm, auto all_reduce between the one-shot's sizes and twoshot_bytes takes the ring or the
       two-shot by measured times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)

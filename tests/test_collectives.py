@@ -274,7 +274,7 @@ def _rank_two_shot():
             pz.all_reduce(a, op=op, algo="ring")
             pz.all_reduce(b, op=op, algo="twoshot")
             ck.check(f"twoshot == ring bitwise, random {dtype}, {op}, n={n}", b, a)
-    limit = 4 << 20
+    limit = 8 << 20
     for what, call, words in [
         ("too large", lambda: pz.all_reduce(torch.ones(limit // 4 + 1), algo="twoshot"), "takes at most"),
         ("reduce_scatter", lambda: pz.reduce_scatter(torch.empty(2), torch.ones(2 * n), algo="twoshot"),

@@ -49,7 +49,7 @@ class ShmBackend(Backend):
                           o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True),
                           o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout,
                           o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True),
-                          o.get("twoshot_bytes", 4 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
+                          o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
                           o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE"))
         try:
             store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)

@@ -285,6 +285,8 @@ class PyzeroTrainer(transformers.Trainer):
     weights as ``save_pretrained`` does; a Trainer checkpoint holds that, the LR scheduler, RNG
     states and trainer state, and resuming loads it with pz.checkpoint.load (any world size or
     stage). With "dp" checkpoints are the Trainer's own (every rank holds the same state).
+    With ZeRO every rank calls save_model (as the Trainer's own checkpoints do): it is collective,
+    and called on one rank only it fails with a pyzero collective error instead of saving.
     """
 
     def __init__(self, *args, strategy: str | None = None, strategy_options: dict | None = None, **kwargs):

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, wrappers
 from .backend import DTYPES
 from .bucketing import BucketReducer, BucketSpec, pack, unpack
 
@@ -144,6 +144,7 @@ class DataParallel(nn.Module):
                                 "broadcast; expected a float, int, bool or complex dtype")
 
     def forward(self, *args, **kwargs):
+        wrappers.refuse_ddp("pz.DataParallel")
         if self.broadcast_buffers and self.module.training and self._buffer_list:
             broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
         if torch.is_grad_enabled():

@@ -299,6 +299,14 @@ def _on_meta():
     return model
 
 
+def _moved_after_build(stage):
+    """model.to() with a device index copies even CPU parameters out of the flat buffer."""
+    model = MLP()
+    pz.ZeroOptimizer(model, AdamW, stage=stage)
+    model.to("cpu:0")
+    model(torch.zeros(2, IN))
+
+
 AdamW = torch.optim.AdamW
 CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message must contain)
     "stage4": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=4), "ValueError", ["stage", "4"]),
@@ -319,6 +327,10 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "unknown_kwarg": (lambda m: pz.ZeroOptimizer(m, AdamW, betaz=(0.9, 0.99)), "TypeError", ["betaz", "AdamW"]),
     "group_missing_param": (lambda m: pz.ZeroOptimizer(m, AdamW, param_groups=[{"params": [m.fc1.weight]}]),
                             "ValueError", ["param_groups", "fc1.bias"]),
+    "data_parallel_model": (lambda m: pz.ZeroOptimizer(pz.DataParallel(MLP()), AdamW), "ValueError",
+                            ["model", "pz.DataParallel"]),
+    "moved_after_build_stage1": (lambda m: _moved_after_build(1), "RuntimeError", ["flat buffer", "model.to"]),
+    "moved_after_build_stage2": (lambda m: _moved_after_build(2), "RuntimeError", ["flat buffer", "model.to"]),
 }
 MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, exception type, words)
     "step_before_backward": (lambda o: o.step(), "RuntimeError", ["step", "backward"]),

@@ -19,9 +19,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, wrappers
 from ..bucketing import InFlight
 from .. import optim as pz_optim
+from ..parallel import DataParallel
 from . import offload as _offload
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
@@ -74,6 +75,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  nvme_path=None, offload_params=False, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if any(isinstance(m, DataParallel) for m in model.modules()):
+            raise ValueError("model: it is (or holds) a pz.DataParallel, which reduces the gradients itself; give "
+                             "ZeroOptimizer the module without DataParallel (ZeRO does the data parallelism)")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
@@ -146,6 +150,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:
             p._pz_zero_owner = weakref.ref(self)
+        model.register_forward_pre_hook(self._before_forward)
 
     # ---- set-up -------------------------------------------------------------
 
@@ -259,7 +264,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
+    def _before_forward(self, module, args):
+        """Forward pre-hook on the model: refuse a second data-parallel layer (see pyzero.wrappers) and
+        parameters that no longer live where this optimizer keeps them."""
+        wrappers.refuse_ddp("pz.ZeroOptimizer")
+        wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
+        self._check_home()
+
     # ---- what a stage provides ----------------------------------------------
+
+    def _check_home(self):
+        """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put)."""
 
     def _setup(self):
         raise NotImplementedError
@@ -790,6 +805,15 @@ def _owner_of(p):
     ref = getattr(p, "_pz_zero_owner", None)
     opt = ref() if ref is not None else None
     return opt if opt is not None and id(p) in opt._param_index else None
+
+
+def owner(obj) -> ZeroOptimizer | None:
+    """The live ZeroOptimizer managing `obj`: a parameter, or a module whose trainable parameters
+    it manages (judged by the first one), else None. Integrations use it to tell whose gradients
+    a model's are."""
+    if isinstance(obj, nn.Module):
+        obj = next((p for p in obj.parameters() if p.requires_grad), None)
+    return None if obj is None else _owner_of(obj)
 
 
 def _probe_optimizer(optimizer_class, param_groups, kwargs):

@@ -48,10 +48,23 @@ class _FlatParams(ZeroOptimizer):
             self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
         for v, p in zip(L.views(self.flat_param), L.params):
             p.data = v
+        first = next((p for p in L.params if p.numel()), L.params[0])
+        self._home = (first, first.data_ptr())  # see _check_home
         self.buckets = flat_buckets(L, self.bucket_elems)
         self._sent_pieces = 0  # pieces the chunked host step sent to the device (see _stepped)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _check_home(self):
+        """The model computes with its parameters, the step writes the flat buffer: once something
+        replaced a parameter's storage (``model.to("cpu:0")`` copies even CPU tensors) the two part
+        ways and training silently stops updating the model. One pointer compare per forward."""
+        p, ptr = self._home
+        if p.data_ptr() != ptr:
+            raise RuntimeError("model: its parameters no longer live in the ZeroOptimizer's flat buffer (something "
+                               "replaced their storage after the optimizer was built, e.g. model.to(device) with a "
+                               "device index, which copies even CPU tensors); move the model first, then build the "
+                               "ZeroOptimizer")
 
     def _my_part(self, begin, end):
         """This rank's part of the flat range [begin, end), relative to its shard start."""

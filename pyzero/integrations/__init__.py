@@ -1,0 +1,5 @@
+"""pyzero inside other training frameworks.
+
+``pyzero.integrations.hf``: transformers.Trainer and accelerate (imports both; the rest of pyzero
+does not need them).
+"""

@@ -1,0 +1,41 @@
+"""Refusing a second data-parallel layer around a model that pyzero already reduces.
+
+pz.ZeroOptimizer and pz.DataParallel reduce the gradients themselves. If torch's
+DistributedDataParallel also wraps the model (transformers.Trainer and accelerate's
+``Accelerator.prepare`` do in every distributed job), each gradient is reduced twice; with ZeRO,
+code that clips ``model.parameters()`` also finds none of the gradients (they were moved into the
+shards), so clipping does nothing and the logged norm is 0. At world size 1 accelerate does not
+wrap, but its clipping misses the shards all the same. Both are caught at the first forward,
+before any gradient is touched, by two attribute reads per forward; the error names what to use
+instead. pyzero's own integrations mark the models they prepared (``INTEGRATED``).
+"""
+from __future__ import annotations
+
+INTEGRATED = "pyzero_integration"  # set on a module by a pyzero integration that prepared it (e.g. "hf")
+
+USE_INSTEAD = ("with transformers.Trainer use pyzero.integrations.hf.PyzeroTrainer, with accelerate "
+               "pyzero.integrations.hf.PyzeroAccelerator")
+
+try:
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+except ImportError:  # a torch build without torch.distributed has no DDP to run inside
+    _DDP = None
+
+
+def refuse_ddp(what: str) -> None:
+    """Raise if the caller's forward runs inside torch DDP's forward (which marks itself active)."""
+    if _DDP is not None and _DDP._get_active_ddp_module() is not None:
+        raise RuntimeError(f"{what}: this model runs inside torch DistributedDataParallel, which reduces every "
+                           f"gradient a second time (pyzero already reduces them), and clipping model.parameters() "
+                           f"there misses the gradients ZeRO keeps in its shards; {USE_INSTEAD}; elsewhere, do "
+                           "not wrap the model in DistributedDataParallel")
+
+
+def refuse_accelerate(module, what: str) -> None:
+    """Raise if accelerate prepared `module` without a pyzero integration (its clipping and
+    checkpoints would see neither ZeRO's gradient shards nor the other ranks' state)."""
+    if getattr(module, "_is_accelerate_prepared", False) and getattr(module, INTEGRATED, None) is None:
+        raise RuntimeError(f"{what}: accelerate prepared this model without pyzero's integration: its gradient "
+                           "clipping (accelerator.clip_grad_norm_(model.parameters()), which transformers.Trainer "
+                           "calls) does not see the gradients ZeRO keeps in its shards, so it reports a norm of 0 "
+                           f"and clips nothing, and its checkpoints hold one rank's shard; {USE_INSTEAD}")

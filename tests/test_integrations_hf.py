@@ -1,0 +1,388 @@
+"""pyzero.integrations.hf against the frameworks' own runs: transformers.Trainer and accelerate
+with torch DDP and torch AdamW, on 2 CPU ranks.
+
+Each test is one launch of ranks that trains a tiny GPT-2 (random tokens) several ways, the
+framework's own DDP run first, and returns what the parent compares: the losses and gradient
+norms the framework logged, and the final weights. Clipping is on (MAX_NORM is far below the
+gradient norms, and a run without it ends measurably elsewhere), so a norm that misses ZeRO's
+shards cannot pass.
+"""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import default_data_collator  # noqa: E402
+
+import pyzero as pz  # noqa: E402
+from pyzero.integrations import hf  # noqa: E402
+from pyzero.launch import run_ranks  # noqa: E402
+
+from outcomes import outcome  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 4  # BATCH: per rank
+LR, WD, MAX_NORM = 1e-2, 0.1, 0.05  # the gradient norms are about 1: every step is clipped
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the order of the gradient reduction differs (Adam amplifies it
+# where a gradient element is near 0: up to 1e-6 seen, against updates of LR = 1e-2 a step)
+BF16_SHARE = 0.01  # bf16: pyzero's distance to DDP's bf16 run, at most this share of bf16's own error
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0))
+
+
+def dataset(n=64):
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def weights(model):
+    """Full fp32 weights (every rank calls it; a ZeroOptimizer gathers them on the first rank)."""
+    zero = pz.zero.owner(model)
+    sd = zero.full_state_dict() if zero is not None else model.state_dict()
+    return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
+
+
+def comm_calls() -> dict:
+    """pyzero collectives since the last call: {op: calls}."""
+    return {op: s["calls"] for op, s in pz.comm_stats(reset=True).items() if s["calls"]}
+
+
+def reductions(calls: dict) -> int:
+    """Gradient reductions among `calls` (stage 3 also gathers parameters on every micro-step)."""
+    return sum(n for op, n in calls.items() if op != "all_gather")
+
+
+class CommCounter(TrainerCallback):
+    """pyzero collectives per accumulation micro-step (no sync) and per synchronised one."""
+
+    def __init__(self):
+        self.micro, self.synced = [], []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        comm_calls()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.micro.append(comm_calls())
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.synced.append(comm_calls())
+
+
+def train(out, cls=transformers.Trainer, steps=STEPS, max_norm=MAX_NORM, accum=1, bf16=False, save_steps=None,
+          resume=None, model=None, callbacks=(), args=None, **kwargs):
+    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True, seed=0, max_steps=steps,
+                             per_device_train_batch_size=BATCH, gradient_accumulation_steps=accum, logging_steps=1,
+                             learning_rate=LR, weight_decay=WD, max_grad_norm=max_norm, bf16=bf16,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                             **(args or {}))
+    trainer = cls(model=model or gpt(), args=args, train_dataset=dataset(), callbacks=list(callbacks), **kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "weights": weights(trainer.model), "best": trainer.state.best_model_checkpoint}
+
+
+def close(a, b, **tol):
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **(tol or TOL))
+
+
+def assert_same_run(got, ref, what, bitwise=False):
+    tol = dict(rtol=0, atol=0) if bitwise else TOL
+    close(got["loss"], ref["loss"], **tol)
+    close(got["grad_norm"], ref["grad_norm"], **tol)
+    assert got["weights"].keys() == ref["weights"].keys(), what
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][k], v, **tol, msg=lambda m, k=k: f"{what}, {k}: {m}")
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def decay_groups(model):
+    """The Trainer's weight-decay split (none on biases and LayerNorms), for an optimizer built by hand."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight") and ".ln_" not in n and "ln_f" not in n]
+    return [{"params": decay, "weight_decay": WD},
+            {"params": [p for _, p in named if all(p is not q for q in decay)], "weight_decay": 0.0}]
+
+
+def finish(value):
+    """End of a rank function: torch.distributed down before pyzero; the first rank's value."""
+    torch.distributed.destroy_process_group()
+    return value if pz.get_rank() == 0 else None
+
+
+# ---------------------------------------------------------------------------
+# transformers.Trainer
+
+
+def _rank_trainer(out):
+    hf.init(timeout=60)
+    runs = {"ddp": train(out), "ddp_unclipped": train(out, max_norm=0.0)}
+    for strategy in hf.STRATEGIES:
+        runs[strategy] = train(out, hf.PyzeroTrainer, strategy=strategy)
+    runs["zero2_offload"] = train(out, hf.PyzeroTrainer, strategy="zero2", strategy_options={"offload": "cpu"})
+    model = gpt()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, param_groups=decay_groups(model), lr=LR)
+    runs["own_zero3"] = train(out, hf.PyzeroTrainer, model=model, optimizers=(opt, None))
+    return finish(runs)
+
+
+def test_trainer_matches_ddp(tmp_path):
+    runs = run_ranks(_rank_trainer, 2, args=(str(tmp_path),), timeout=120)[0].value
+    ref = runs.pop("ddp")
+    unclipped = runs.pop("ddp_unclipped")
+    assert min(ref["grad_norm"]) > 5 * MAX_NORM  # every step clipped, by a factor of 5 or more
+    close(unclipped["grad_norm"][0], ref["grad_norm"][0])  # the same first step; without clipping ...
+    assert max_diff(unclipped["weights"], ref["weights"]) > 100 * TOL["atol"]  # ... it ends far away
+    assert set(runs) == {"dp", "zero1", "zero2", "zero3", "zero2_offload", "own_zero3"}
+    for name, got in runs.items():
+        assert_same_run(got, ref, name)
+
+
+def _rank_accumulation_bf16(out):
+    hf.init(timeout=60)
+    runs = {"ddp": train(out, accum=2)}
+    counters = {}
+    for strategy in ("dp", "zero1", "zero2", "zero3"):
+        counters[strategy] = CommCounter()
+        runs[strategy] = train(out, hf.PyzeroTrainer, accum=2, strategy=strategy, callbacks=[counters[strategy]])
+    bf16 = {"ddp_fp32": train(out, steps=3), "ddp": train(out, steps=3, bf16=True),
+            "zero2": train(out, hf.PyzeroTrainer, steps=3, bf16=True, strategy="zero2"),
+            "zero3": train(out, hf.PyzeroTrainer, steps=3, bf16=True, strategy="zero3")}
+    return finish({"accum": runs, "calls": {k: (c.micro, c.synced) for k, c in counters.items()}, "bf16": bf16})
+
+
+def test_trainer_accumulation_and_bf16(tmp_path):
+    got = run_ranks(_rank_accumulation_bf16, 2, args=(str(tmp_path),), timeout=120)[0].value
+    ref = got["accum"].pop("ddp")
+    for name, run in got["accum"].items():
+        assert_same_run(run, ref, f"{name}, 2 micro-steps")
+        micro, synced = got["calls"][name]
+        if name == "zero3":  # its parameters are gathered for every forward and backward, reduced on sync only
+            assert all(set(m) == {"all_gather"} for m in micro), micro
+        else:
+            assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
+        assert min(map(reductions, synced)) > 0, f"{name}: no reduction on the synchronised micro-step: {synced}"
+    bf16 = got["bf16"]
+    fp32 = bf16.pop("ddp_fp32")["weights"]
+    ref = bf16.pop("ddp")
+    own_error = max_diff(ref["weights"], fp32)  # what bf16 autocast changes in DDP's own run
+    assert own_error > 1e-4
+    for name, run in bf16.items():
+        assert max_diff(run["weights"], fp32) > 0.5 * own_error, f"{name}: did not compute in bf16"
+        assert max_diff(run["weights"], ref["weights"]) <= BF16_SHARE * own_error, name
+        close(run["loss"], ref["loss"], rtol=1e-3, atol=0)
+        close(run["grad_norm"], ref["grad_norm"], rtol=1e-2, atol=0)
+
+
+def _rank_resume(out):
+    hf.init(timeout=60)
+    full = train(out, hf.PyzeroTrainer, strategy="zero3", save_steps=2)
+    resumed = train(out, hf.PyzeroTrainer, strategy="zero3", resume=os.path.join(out, "checkpoint-2"))
+    # the same checkpoint into stage 2 (pz.checkpoint reshards)
+    as_zero2 = train(out, hf.PyzeroTrainer, strategy="zero2", resume=os.path.join(out, "checkpoint-2"))
+    # load_best_model_at_end: the best checkpoint's shards back into the ZeroOptimizer
+    best_out = os.path.join(out, "best")
+    # ("best" = the highest eval loss: an early checkpoint, so loading it changes the weights)
+    best = train(best_out, hf.PyzeroTrainer, strategy="zero3", save_steps=1, eval_dataset=dataset(8),
+                 args=dict(eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                           metric_for_best_model="loss", greater_is_better=True))
+    return finish({"full": full, "resumed": resumed, "as_zero2": as_zero2,
+                   "files": sorted(os.listdir(os.path.join(out, "checkpoint-2"))), "best": best})
+
+
+def test_trainer_checkpoint_resume(tmp_path):
+    got = run_ranks(_rank_resume, 2, args=(str(tmp_path),), timeout=120)[0].value
+    full, resumed = got["full"], got["resumed"]
+    assert {"pyzero", "model.safetensors", "config.json", "scheduler.pt", "trainer_state.json"} <= set(got["files"])
+    assert "optimizer.pt" not in got["files"]  # the optimizer state is in the shards
+    assert len(resumed["loss"]) == STEPS  # the log restored with the trainer state, then steps 3 and 4
+    assert_same_run(resumed, full, "resumed from checkpoint-2", bitwise=True)
+    assert_same_run(got["as_zero2"], full, "checkpoint-2 resumed as stage 2")
+    # save_model's weights in the usual layout: from_pretrained gives the final weights
+    loaded = GPT2LMHeadModel.from_pretrained(os.path.join(tmp_path, f"checkpoint-{STEPS}"))
+    sd = loaded.state_dict()
+    for k, v in full["weights"].items():
+        assert torch.equal(sd[k], v), k
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied
+    best = got["best"]
+    assert best["best"] is not None and not best["best"].endswith(f"checkpoint-{STEPS}"), best["best"]
+    sd = GPT2LMHeadModel.from_pretrained(best["best"]).state_dict()
+    for k, v in best["weights"].items():
+        assert torch.equal(sd[k], v), f"load_best_model_at_end, {k}"
+
+
+# ---------------------------------------------------------------------------
+# accelerate
+
+
+def accelerate_run(cls, make_opt, out, steps=STEPS, accum=2, bf16=False, save_at=None, load=None):
+    """A plain accelerate loop: accumulate, backward, clip, step. Returns the local micro-step losses,
+    the clipping norms, the final weights and the pyzero calls of each accumulation micro-step."""
+    AcceleratorState._reset_state(reset_partial_state=False)  # each run its own mixed precision
+    GradientState._reset_state()
+    acc = cls(cpu=True, gradient_accumulation_steps=accum, mixed_precision="bf16" if bf16 else "no")
+    model = gpt()
+    opt = make_opt(model)
+    loader = DataLoader(dataset(), batch_size=BATCH, collate_fn=default_data_collator)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    done = 0
+    if load is not None:
+        acc.load_state(load)
+        done = steps // 2
+        loader = acc.skip_first_batches(loader, done * accum)
+    losses, norms, micro = [], [], []
+    batches = iter(loader)
+    for step in range(done, steps):
+        for _ in range(accum):
+            comm_calls()
+            with acc.accumulate(model):
+                loss = model(**next(batches)).loss
+                acc.backward(loss)
+                losses.append(loss.item())
+                if not acc.sync_gradients:
+                    micro.append(comm_calls())
+                    continue
+                norms.append(acc.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+                opt.step()
+                opt.zero_grad()
+        if save_at == step + 1:
+            acc.save_state(os.path.join(out, "state"))
+    return {"loss": losses, "grad_norm": norms, "weights": weights(acc.unwrap_model(model)), "micro": micro}
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+
+def zero(stage):
+    return lambda model: pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD)
+
+
+def _rank_accelerate(out):
+    hf.init(timeout=60)
+    Plain, Ours = accelerate.Accelerator, hf.PyzeroAccelerator
+    runs = {"ddp": accelerate_run(Plain, adamw, out), "dp": accelerate_run(Ours, adamw, out),
+            "zero1": accelerate_run(Ours, zero(1), out), "zero3": accelerate_run(Ours, zero(3), out),
+            "zero2": accelerate_run(Ours, zero(2), out, save_at=STEPS // 2)}
+    resumed = accelerate_run(Ours, zero(2), out, load=os.path.join(out, "state"))
+    bf16 = {"ddp_fp32": accelerate_run(Plain, adamw, out, steps=3),
+            "ddp": accelerate_run(Plain, adamw, out, steps=3, bf16=True),
+            "zero2": accelerate_run(Ours, zero(2), out, steps=3, bf16=True)}
+    local = {"runs": runs, "resumed": resumed, "bf16": bf16}
+    return torch.distributed.destroy_process_group() or local  # losses are local: every rank's
+
+
+def test_accelerate_matches_ddp(tmp_path):
+    ranks = [r.value for r in run_ranks(_rank_accelerate, 2, args=(str(tmp_path),), timeout=120)]
+    for rank, got in enumerate(ranks):
+        runs = got["runs"]
+        ref = runs.pop("ddp")
+        if rank == 0:
+            assert min(ref["grad_norm"]) > 5 * MAX_NORM
+        for name, run in runs.items():
+            if rank == 0:
+                assert_same_run(run, ref, f"accelerate {name}")
+            close(run["loss"], ref["loss"])
+            assert [reductions(m) for m in run["micro"]] == [0] * STEPS, f"{name}: reductions on micro-steps"
+            if name != "zero3":
+                assert run["micro"] == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps"
+        resumed, full = got["resumed"], runs["zero2"]
+        assert resumed["loss"] == full["loss"][len(full["loss"]) // 2:]  # bitwise, every rank
+        assert resumed["grad_norm"] == full["grad_norm"][STEPS // 2:]
+        if rank == 0:
+            for k, v in full["weights"].items():
+                assert torch.equal(resumed["weights"][k], v), k
+            bf16 = got["bf16"]
+            fp32, ref = bf16["ddp_fp32"]["weights"], bf16["ddp"]["weights"]
+            own_error = max_diff(ref, fp32)
+            assert own_error > 1e-4
+            assert max_diff(bf16["zero2"]["weights"], fp32) > 0.5 * own_error
+            assert max_diff(bf16["zero2"]["weights"], ref) <= BF16_SHARE * own_error
+
+
+# ---------------------------------------------------------------------------
+# misuse and bad arguments
+
+
+def _rank_misuse(out):
+    hf.init(timeout=60)
+    found = {}
+    model = gpt()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR)
+    found["trainer_zero"] = outcome(lambda: train(out, model=model, optimizers=(opt, None)))
+    # (the Trainer reads the input names off DataParallel.forward(*args, **kwargs): keep every column)
+    found["trainer_dp"] = outcome(lambda: train(out, model=pz.DataParallel(gpt()),
+                                                args=dict(remove_unused_columns=False)))
+
+    def plain_accelerate():
+        m = gpt()
+        o = pz.ZeroOptimizer(m, torch.optim.AdamW, stage=2, lr=LR)
+        m, o = accelerate.Accelerator(cpu=True).prepare(m, o)
+        m(**default_data_collator(dataset(BATCH))).loss.backward()
+    found["accelerate_zero"] = outcome(plain_accelerate)
+    m = gpt()
+    o = pz.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=LR)
+    found["stage_mismatch"] = outcome(lambda: train(out, hf.PyzeroTrainer, model=m, optimizers=(o, None),
+                                                   strategy="zero2"))
+    found["plain_with_zero"] = outcome(lambda: train(out, hf.PyzeroTrainer, strategy="zero1",
+                                                    optimizers=(adamw(gpt()), None)))
+
+    def zero_fp16():
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+        hf.PyzeroAccelerator(cpu=True, mixed_precision="fp16").prepare(zero(2)(gpt()))
+    found["fp16"] = outcome(zero_fp16)
+    return finish(found)
+
+
+def _rank_misuse_one_process(out):
+    """A plain single-process script: no DDP anywhere, so the accelerate mark is what gives it away."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)
+    hf.init()
+    model = gpt()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_groups=decay_groups(model), lr=LR, fused=True)
+    found = {"trainer_zero": outcome(lambda: train(out, model=model, optimizers=(opt, None)))}
+    found["ours"] = train(out, hf.PyzeroTrainer, strategy="zero2", steps=2)
+    found["plain"] = train(out, steps=2)
+    return found
+
+
+def test_misuse_raises_and_names_the_integration(tmp_path):
+    found = run_ranks(_rank_misuse, 2, args=(str(tmp_path),), timeout=120)[0].value
+    for case in ("trainer_zero", "trainer_dp"):
+        kind, msg = found[case]
+        assert kind == "RuntimeError" and "DistributedDataParallel" in msg and "PyzeroTrainer" in msg, (case, msg)
+    kind, msg = found["accelerate_zero"]
+    assert kind == "RuntimeError" and "PyzeroAccelerator" in msg, msg
+    assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
+    assert found["plain_with_zero"][0] == "ValueError" and "optimizers" in found["plain_with_zero"][1]
+    assert found["fp16"][0] == "ValueError" and "mixed_precision: 'fp16'" in found["fp16"][1]
+
+    one = run_ranks(_rank_misuse_one_process, 1, args=(str(tmp_path),), timeout=60)[0].value
+    kind, msg = one["trainer_zero"]
+    assert kind == "RuntimeError" and "clips nothing" in msg and "PyzeroTrainer" in msg, msg
+    assert_same_run(one["ours"], one["plain"], "one process")
+
+
+def test_bad_arguments_name_the_argument():
+    for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
+                          (dict(strategy="zero2", strategy_options={"stage": 3}), "strategy_options: 'stage'"),
+                          (dict(strategy="dp", strategy_options={"offload": "cpu"}), "strategy_options: 'offload'"),
+                          (dict(strategy_options={"bucket_mb": 1}), "strategy_options: they configure"),
+                          (dict(strategy="zero2", strategy_options=[1]), "strategy_options: expected a dict")]:
+        with pytest.raises((ValueError, TypeError), match=words):
+            hf.PyzeroTrainer(**kwargs)

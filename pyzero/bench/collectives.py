@@ -347,7 +347,7 @@ def exchange_probe() -> dict | None:
 
     if comm_device().type != "cpu" or pz.get_backend() != "shm" or pz.get_world_size() < 2:
         return None
-    ns = _max_over_ranks(comm._require_init().groups[0].backend.comm.probe_exchange(256 << 10, 15))
+    ns = _max_over_ranks(comm.resolve_group(None).backend.comm.probe_exchange(256 << 10, 15))
     return {"backend": "exchange-probe", "op": "exchange", "ns_per_line": ns,
             "mode": "slow" if ns > SLOW_EXCHANGE_NS else "fast"}
 

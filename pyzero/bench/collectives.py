@@ -379,6 +379,7 @@ HEADER = ("#\n#{:>61}{:>32}\n".format("out-of-place", "in-place") +
 
 def rank_main(args) -> list[dict]:
     import pyzero as pz  # noqa: PLC0415
+    from .. import comm  # noqa: PLC0415
 
     cuda = getattr(args, "device", "cpu") == "cuda"
     rounds = _rounds(args)
@@ -473,6 +474,11 @@ def rank_main(args) -> list[dict]:
                 print_percentiles([r for r in results if r.get("op") == op and "p99_us" in r], cols, args)
     if "deepspeed" in backends:
         _remove_deepspeed_buffers(rank)
+    if rank == 0 and probe is not None:  # where auto's ring / two-shot choice ended, per size class
+        for nbytes, st in sorted(comm.resolve_group(None).backend.comm.adapt_state().items()):
+            results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, **st})
+            print(f"# auto up to {nbytes} B: {st['algo']} (tries {st['explored']}, switches {st['switches']})",
+                  flush=True)
     if rank == 0:
         for size in sorted({r["bytes"] for r in results if "bytes" in r}):
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,

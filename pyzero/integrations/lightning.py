@@ -194,12 +194,14 @@ class PyzeroStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         """pyzero first (on MASTER_PORT), then torch.distributed on pyzero's store (Lightning's own
         collectives); Lightning's ranks and pyzero's must agree."""
+        reset_seed()  # (as DDPStrategy does: seed_everything's seed again in every process)
         self.set_world_ranks()
         rank, world = self.global_rank, self.world_size
         if not comm.is_initialized():
             if dist.is_initialized():
-                raise RuntimeError("PyzeroStrategy: torch.distributed is already initialised and holds the port "
-                                   "pyzero's store needs; let the strategy start both")
+                raise RuntimeError("PyzeroStrategy: torch.distributed is already initialised (by another strategy?) "
+                                   "and holds the port pyzero's store needs; call "
+                                   "pyzero.integrations.lightning.init() before the first Trainer.fit")
             env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": self.local_rank,
                    "MASTER_ADDR": self.cluster_environment.main_address,
                    "MASTER_PORT": self.cluster_environment.main_port}
@@ -344,8 +346,9 @@ class PyzeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise ValueError("storage_options: not supported for ZeRO checkpoints (pz.checkpoint writes them)")
         folder = str(filepath)
+        # every rank its shard; keep=1: the folder is one checkpoint, its checkpoint.pt goes with the newest step
         pz_checkpoint.save(os.path.join(folder, CHECKPOINT_DIR), self.lightning_module, zero,
-                           step=int(checkpoint.get("global_step", 0)))  # every rank, its shard
+                           step=int(checkpoint.get("global_step", 0)), keep=1)
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
             self.checkpoint_io.save_checkpoint(rest, os.path.join(folder, LIGHTNING_FILE))

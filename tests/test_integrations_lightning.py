@@ -24,6 +24,7 @@ from outcomes import outcome  # noqa: E402
 N, DIM, BATCH, STEPS = 64, 8, 4, 4  # BATCH: per rank; N samples: 8 steps per epoch on 2 ranks
 LR, WD, MAX_NORM = 1e-2, 0.1, 0.05  # the gradient norms are about 1 or more: every step is clipped
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the order of the gradient reduction differs
+BF16_SHARE = 0.01  # bf16: pyzero's distance to DDP's bf16 run, at most this share of bf16's own error
 
 
 class Net(L.LightningModule):
@@ -142,13 +143,17 @@ def _rank_matches_ddp():
     for strategy in pzl.STRATEGIES:
         counters[strategy] = CommCounter()
         accum[strategy] = fit(pzl.PyzeroStrategy(strategy), accum=2, callbacks=[counters[strategy]])
-    return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}})
+    bf16 = {"ddp": fit("ddp", precision="bf16-mixed")}
+    for strategy in ("dp", "zero2", "zero3"):
+        bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
+    return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16})
 
 
-def test_matches_ddp_with_clipping_and_accumulation():
+def test_matches_ddp_with_clipping_accumulation_and_bf16():
     got = run_ranks(_rank_matches_ddp, 2, timeout=120)[0].value
     runs = got["runs"]
     ref, unclipped = runs.pop("ddp"), runs.pop("ddp_unclipped")
+    fp32 = ref["weights"]
     assert len(ref["grad_norm"]) == STEPS and min(ref["grad_norm"]) > 5 * MAX_NORM  # every step clipped
     close(unclipped["grad_norm"][0], ref["grad_norm"][0])  # the same first step; without clipping ...
     assert max_diff(unclipped["weights"], ref["weights"]) > 100 * TOL["atol"]  # ... it ends far away
@@ -165,6 +170,15 @@ def test_matches_ddp_with_clipping_and_accumulation():
         else:
             assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
         assert all(set(s) - {"all_gather"} for s in synced), f"{name}: no reduction when synchronised: {synced}"
+    bf16 = got["bf16"]
+    ref = bf16.pop("ddp")
+    own_error = max_diff(ref["weights"], fp32)  # what bf16 autocast changes in DDP's own run
+    assert own_error > 1e-4
+    for name, run in bf16.items():
+        assert max_diff(run["weights"], fp32) > 0.5 * own_error, f"{name}: did not compute in bf16"
+        assert max_diff(run["weights"], ref["weights"]) <= BF16_SHARE * own_error, name
+        close(run["loss"], ref["loss"], rtol=1e-3, atol=0)
+        close(run["grad_norm"], ref["grad_norm"], rtol=1e-2, atol=0)
 
 
 # ---------------------------------------------------------------------------
@@ -188,6 +202,8 @@ def _rank_resume_and_misuse(out):
     # ModelCheckpoint repeats loop steps and does not continue like its uninterrupted run either)
     epochs, saver = EpochWeights(), ModelCheckpoint(dirpath=os.path.join(out, "every"), save_top_k=-1)
     full = fit(pzl.PyzeroStrategy("zero2"), epochs=2, callbacks=[saver, epochs])
+    ddp_epochs = EpochWeights()
+    ddp = fit("ddp", epochs=2, callbacks=[ddp_epochs])
     first = os.path.join(out, "first.ckpt")
     fit(pzl.PyzeroStrategy("zero2"), epochs=1, save=first)
     resumed = fit(pzl.PyzeroStrategy("zero2"), epochs=2, ckpt_path=first)
@@ -207,13 +223,15 @@ def _rank_resume_and_misuse(out):
     found["stage_mismatch"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=Net(zero_stage=3)))
     found["bf16_true"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), precision="bf16-true"))
     found["clip_value"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero1"), gradient_clip_algorithm="value"))
-    return finish({"full": full, "resumed": resumed, "as_zero3": as_zero3, "epochs": epochs.weights,
+    return finish({"full": full, "ddp": ddp, "ddp_epochs": ddp_epochs.weights, "resumed": resumed,
+                   "as_zero3": as_zero3, "epochs": epochs.weights,
                    "files": files, "loaded": loaded, "found": found})
 
 
 def test_resume_bitwise_and_misuse_raises(tmp_path):
     got = run_ranks(_rank_resume_and_misuse, 2, args=(str(tmp_path),), timeout=120)[0].value
     full, resumed = got["full"], got["resumed"]
+    assert_same_run(full, got["ddp"], "two epochs with checkpoints")
     half = len(full["grad_norm"]) // 2
     for name, files in got["files"].items():
         assert files == sorted([pzl.CHECKPOINT_DIR, pzl.LIGHTNING_FILE]), (name, files)
@@ -225,6 +243,8 @@ def test_resume_bitwise_and_misuse_raises(tmp_path):
     for name, loaded in got["loaded"].items():
         for k, v in got["epochs"][0].items():
             assert torch.equal(loaded[k], v), (name, k)
+        for k, v in got["ddp_epochs"][0].items():
+            torch.testing.assert_close(loaded[k], v, **TOL)
     found = got["found"]
     # Lightning's DDPStrategy steps with a closure, which ZeroOptimizer refuses before anything runs
     kind, msg = found["ddp_zero"]

@@ -6,7 +6,11 @@ logged (before clipping), and the final weights. Clipping is on (MAX_NORM is far
 gradient norms, and a run without it ends measurably elsewhere), and an LR schedule runs, so a
 norm that misses ZeRO's shards or a schedule left on the wrong optimizer cannot pass.
 """
+import ast
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,7 +96,7 @@ def weights(module):
 
 def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callbacks=(), ckpt_path=None, epochs=None,
         save=None, **kwargs):
-    """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs; `save`: then trainer.save_checkpoint there."""
+    """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs; then trainer.save_checkpoint(save)."""
     module = module or Net()
     steps = {"max_steps": steps} if epochs is None else {"max_epochs": epochs}
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, **steps, logger=False,
@@ -269,3 +273,34 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="precision: '16-mixed'"):
         pzl.PyzeroStrategy("zero2").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     pzl.PyzeroStrategy("dp").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+
+
+# ---------------------------------------------------------------------------
+# Lightning's own launcher
+
+
+def test_example_started_by_lightning(tmp_path):
+    """examples/lightning_train.py with devices=2 and no launcher of ours: Lightning starts the second
+    process (its subprocess launcher), PyzeroStrategy starts pyzero in both from Lightning's ranks."""
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "lightning_train.py")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, example, "--devices", "2", "--epochs", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # (its own process group: a hang kills Lightning's child too)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"examples/lightning_train.py --devices 2 did not finish in 90 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    summary = ast.literal_eval(out.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["steps"] == 8192 // (2 * 32), summary
+    # the data's variance is about 0.4: the weights reloaded from the checkpoint fit it
+    assert summary["reloaded_eval_loss"] < 0.02, summary
+    sharded = os.path.join(tmp_path, "last.ckpt", pzl.CHECKPOINT_DIR)
+    with open(os.path.join(sharded, "latest")) as f:
+        step_dir = os.path.join(sharded, f.read().strip())
+    assert {"rank00000.pt", "rank00001.pt"} <= set(os.listdir(step_dir))  # both processes wrote their shard

@@ -41,6 +41,7 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (precision='bf16-mixed')")
     ap.add_argument("--resume", action="store_true", help="continue from --out/last.ckpt")
+    ap.add_argument("--no-print", action="store_true", help=argparse.SUPPRESS)  # (--nproc's ranks: the parent prints)
     return ap.parse_args(argv)
 
 
@@ -79,13 +80,13 @@ def main(argv=None):
     if args.nproc:
         from pyzero.launch import run_ranks
 
-        res = run_ranks(main, args.nproc, args=(_without_nproc(sys.argv[1:] if argv is None else argv),),
-                        timeout=900)
+        rank_argv = _without_nproc(sys.argv[1:] if argv is None else argv) + ["--no-print"]
+        res = run_ranks(main, args.nproc, args=(rank_argv,), timeout=900)
         print(res[0].value)
         return res[0].value
     L.seed_everything(0, verbose=False)
-    external = "RANK" in os.environ  # run_ranks or torchrun started the processes
-    devices = int(os.environ["WORLD_SIZE"]) if external else (args.devices or 1)
+    # run_ranks or torchrun started the processes, else Lightning starts --devices of them
+    devices = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.devices or 1)
     trainer = L.Trainer(strategy=PyzeroStrategy(args.strategy), accelerator="cpu", devices=devices,
                         max_epochs=args.epochs, gradient_clip_val=1.0, accumulate_grad_batches=args.accum,
                         precision="bf16-mixed" if args.bf16 else "32-true", logger=False,
@@ -108,7 +109,7 @@ def main(argv=None):
                    "train_loss": round(trainer.callback_metrics["loss"].item(), 4),
                    "grad_norm": round(trainer.callback_metrics["grad_norm"].item(), 4),
                    "reloaded_eval_loss": round(loss, 4), "steps": trainer.global_step}
-        if not external:
+        if not args.no_print:
             print(summary)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

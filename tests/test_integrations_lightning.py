@@ -63,6 +63,15 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))}
 
 
+class Unscheduled(Net):
+    """Net without the LR schedule, so a pz.ZeroOptimizer built in configure_optimizers compares with DDP."""
+
+    def configure_optimizers(self):
+        if self.zero_stage is not None:
+            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD)
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+
+
 def loader():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, DIM, generator=g)
@@ -147,10 +156,14 @@ def _rank_matches_ddp():
     for strategy in pzl.STRATEGIES:
         counters[strategy] = CommCounter()
         accum[strategy] = fit(pzl.PyzeroStrategy(strategy), accum=2, callbacks=[counters[strategy]])
+    # configure_optimizers returning its own pz.ZeroOptimizer
+    own = {"ddp": fit("ddp", module=Unscheduled()),
+           "zero3": fit(pzl.PyzeroStrategy("zero3"), module=Unscheduled(zero_stage=3))}
     bf16 = {"ddp": fit("ddp", precision="bf16-mixed")}
     for strategy in ("dp", "zero2", "zero3"):
         bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
-    return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16})
+    return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16,
+                   "own": own})
 
 
 def test_matches_ddp_with_clipping_accumulation_and_bf16():
@@ -174,6 +187,7 @@ def test_matches_ddp_with_clipping_accumulation_and_bf16():
         else:
             assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
         assert all(set(s) - {"all_gather"} for s in synced), f"{name}: no reduction when synchronised: {synced}"
+    assert_same_run(got["own"]["zero3"], got["own"]["ddp"], "configure_optimizers' own ZeroOptimizer")
     bf16 = got["bf16"]
     ref = bf16.pop("ddp")
     own_error = max_diff(ref["weights"], fp32)  # what bf16 autocast changes in DDP's own run

@@ -1,8 +1,8 @@
 """Refusing a second data-parallel layer around a model that pyzero already reduces.
 
 pz.ZeroOptimizer and pz.DataParallel reduce the gradients themselves. If torch's
-DistributedDataParallel also wraps the model (transformers.Trainer and accelerate's
-``Accelerator.prepare`` do in every distributed job), each gradient is reduced twice; with ZeRO,
+DistributedDataParallel also wraps the model (transformers.Trainer, accelerate's
+``Accelerator.prepare`` and Lightning's DDPStrategy do in every distributed job), each gradient is reduced twice; with ZeRO,
 code that clips ``model.parameters()`` also finds none of the gradients (they were moved into the
 shards), so clipping does nothing and the logged norm is 0. At world size 1 accelerate does not
 wrap, but its clipping misses the shards all the same. Both are caught at the first forward,
@@ -11,10 +11,11 @@ instead. pyzero's own integrations mark the models they prepared (``INTEGRATED``
 """
 from __future__ import annotations
 
-INTEGRATED = "pyzero_integration"  # set on a module by a pyzero integration that prepared it (e.g. "hf")
+INTEGRATED = "pyzero_integration"  # set on a module by a pyzero integration that prepared it ("hf", "lightning")
 
 USE_INSTEAD = ("with transformers.Trainer use pyzero.integrations.hf.PyzeroTrainer, with accelerate "
-               "pyzero.integrations.hf.PyzeroAccelerator")
+               "pyzero.integrations.hf.PyzeroAccelerator, with lightning.Trainer "
+               "pyzero.integrations.lightning.PyzeroStrategy")
 
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP

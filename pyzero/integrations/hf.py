@@ -54,7 +54,6 @@ raises at its first forward (see pyzero.wrappers).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import os
 
@@ -66,6 +65,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from .. import checkpoint, comm, wrappers
+from . import _dist
 from ..parallel import DataParallel
 from ..zero import ZeroOptimizer, owner
 
@@ -93,18 +93,7 @@ def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str 
                                "Accelerator(...) do that) and holds the port pyzero's store needs: call "
                                "pyzero.integrations.hf.init() before creating TrainingArguments or an Accelerator")
         comm.init(backend=backend, timeout=timeout)
-    world, rank = comm.get_world_size(), comm.get_rank()
-    if world == 1:
-        return
-    if dist.is_initialized():
-        if (dist.get_world_size(), dist.get_rank()) != (world, rank):
-            raise RuntimeError(f"init(): torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, "
-                               f"pyzero rank {rank} of {world}; both must describe the same job")
-        return
-    if torch_backend is None:
-        torch_backend = "cpu:gloo,cuda:nccl" if comm.get_backend() in ("nccl", "ipc") else "gloo"
-    dist.init_process_group(torch_backend, store=dist.PrefixStore("torch/", comm.get_store()), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=comm.get_timeout()))
+    _dist.init_torch(torch_backend)
 
 
 def _options(options, allowed: tuple[str, ...], what: str) -> dict:

@@ -417,7 +417,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step())")
+            raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step()); "
+                             "lightning.Trainer steps with a closure unless its strategy is "
+                             "pyzero.integrations.lightning.PyzeroStrategy")
         self._require_grads("step")
         self._finish_gradients()
         if self._check_overflow():

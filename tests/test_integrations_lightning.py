@@ -1,0 +1,320 @@
+"""pyzero.integrations.lightning against Lightning's own DDPStrategy with torch AdamW, on 2 CPU ranks.
+
+Each test is one launch of ranks that trains a tiny MLP (random data) several ways, Lightning's
+DDP run first, and returns what the parent compares: the losses and the gradient norms the module
+logged (before clipping), and the final weights. Clipping is on (MAX_NORM is far below the
+gradient norms, and a run without it ends measurably elsewhere), and an LR schedule runs, so a
+norm that misses ZeRO's shards or a schedule left on the wrong optimizer cannot pass.
+"""
+import ast
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import pyzero as pz  # noqa: E402
+from pyzero.integrations import lightning as pzl  # noqa: E402
+from pyzero.launch import run_ranks  # noqa: E402
+
+from outcomes import outcome  # noqa: E402
+
+N, DIM, BATCH, STEPS = 64, 8, 4, 4  # BATCH: per rank; N samples: 8 steps per epoch on 2 ranks
+LR, WD, MAX_NORM = 1e-2, 0.1, 0.05  # the gradient norms are about 1 or more: every step is clipped
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the order of the gradient reduction differs
+BF16_SHARE = 0.01  # bf16: pyzero's distance to DDP's bf16 run, at most this share of bf16's own error
+
+
+class Net(L.LightningModule):
+    """An MLP with a decaying LR; records its local losses and, before clipping, the global gradient
+    norm: from the parameters' .grad under DDP, from the strategy under pyzero (ZeRO's shards)."""
+
+    def __init__(self, zero_stage=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.zero_stage = zero_stage  # configure_optimizers builds a pz.ZeroOptimizer itself (misuse cases)
+        self.losses, self.norms = [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        strategy = self.trainer.strategy
+        if isinstance(strategy, pzl.PyzeroStrategy):
+            norm = strategy.grad_norm()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.norms.append(norm.item())
+
+    def configure_optimizers(self):
+        if self.zero_stage is not None:
+            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD)
+        opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))}
+
+
+class Unscheduled(Net):
+    """Net without the LR schedule, so a pz.ZeroOptimizer built in configure_optimizers compares with DDP."""
+
+    def configure_optimizers(self):
+        if self.zero_stage is not None:
+            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD)
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+
+
+def loader():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    return DataLoader(TensorDataset(x, (x * torch.arange(DIM)).sum(1, keepdim=True)), batch_size=BATCH)
+
+
+def comm_calls() -> dict:
+    """pyzero collectives since the last call: {op: calls}."""
+    return {op: s["calls"] for op, s in pz.comm_stats(reset=True).items() if s["calls"]}
+
+
+class CommCounter(L.Callback):
+    """pyzero collectives of each batch (accumulation micro-steps and synchronised ones)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        comm_calls()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.calls.append(comm_calls())
+
+
+def weights(module):
+    """Full fp32 weights (every rank calls it; a ZeroOptimizer gathers them on the first rank)."""
+    zero = pz.zero.owner(module)
+    sd = zero.full_state_dict() if zero is not None else module.state_dict()
+    return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
+
+
+def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callbacks=(), ckpt_path=None, epochs=None,
+        save=None, **kwargs):
+    """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs; then trainer.save_checkpoint(save)."""
+    module = module or Net()
+    steps = {"max_steps": steps} if epochs is None else {"max_epochs": epochs}
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, **steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=max_norm,
+                        accumulate_grad_batches=accum, callbacks=list(callbacks),
+                        enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint)
+                                                 for c in callbacks), **kwargs)
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {"loss": module.losses, "grad_norm": module.norms, "weights": weights(module)}
+
+
+def close(a, b, **tol):
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **(tol or TOL))
+
+
+def assert_same_run(got, ref, what, bitwise=False):
+    tol = dict(rtol=0, atol=0) if bitwise else TOL
+    close(got["loss"], ref["loss"], **tol)
+    close(got["grad_norm"], ref["grad_norm"], **tol)
+    assert got["weights"].keys() == ref["weights"].keys(), what
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][k], v, **tol, msg=lambda m, k=k: f"{what}, {k}: {m}")
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def finish(value):
+    """End of a rank function: torch.distributed down before pyzero; the first rank's value."""
+    torch.distributed.destroy_process_group()
+    return value if pz.get_rank() == 0 else None
+
+
+# ---------------------------------------------------------------------------
+# against Lightning's DDP: clipping, accumulation
+
+
+def _rank_matches_ddp():
+    pzl.init(timeout=60)  # before Lightning's DDPStrategy starts torch.distributed on the same port
+    runs = {"ddp": fit("ddp"), "ddp_unclipped": fit("ddp", max_norm=None)}
+    for strategy in pzl.STRATEGIES:
+        runs[strategy] = fit(pzl.PyzeroStrategy(strategy))
+    accum = {"ddp": fit("ddp", accum=2)}
+    counters = {}
+    for strategy in pzl.STRATEGIES:
+        counters[strategy] = CommCounter()
+        accum[strategy] = fit(pzl.PyzeroStrategy(strategy), accum=2, callbacks=[counters[strategy]])
+    # configure_optimizers returning its own pz.ZeroOptimizer
+    own = {"ddp": fit("ddp", module=Unscheduled()),
+           "zero3": fit(pzl.PyzeroStrategy("zero3"), module=Unscheduled(zero_stage=3))}
+    bf16 = {"ddp": fit("ddp", precision="bf16-mixed")}
+    for strategy in ("dp", "zero2", "zero3"):
+        bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
+    return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16,
+                   "own": own})
+
+
+def test_matches_ddp_with_clipping_accumulation_and_bf16():
+    got = run_ranks(_rank_matches_ddp, 2, timeout=120)[0].value
+    runs = got["runs"]
+    ref, unclipped = runs.pop("ddp"), runs.pop("ddp_unclipped")
+    fp32 = ref["weights"]
+    assert len(ref["grad_norm"]) == STEPS and min(ref["grad_norm"]) > 5 * MAX_NORM  # every step clipped
+    close(unclipped["grad_norm"][0], ref["grad_norm"][0])  # the same first step; without clipping ...
+    assert max_diff(unclipped["weights"], ref["weights"]) > 100 * TOL["atol"]  # ... it ends far away
+    for name, run in runs.items():
+        assert_same_run(run, ref, name)
+    ref = got["accum"].pop("ddp")
+    assert len(ref["loss"]) == 2 * STEPS and len(ref["grad_norm"]) == STEPS
+    for name, run in got["accum"].items():
+        assert_same_run(run, ref, f"{name}, 2 micro-steps")
+        calls = got["calls"][name]
+        micro, synced = calls[0::2], calls[1::2]
+        if name == "zero3":  # its parameters are gathered for every forward and backward, reduced on sync only
+            assert all(set(m) == {"all_gather"} for m in micro), micro
+        else:
+            assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
+        assert all(set(s) - {"all_gather"} for s in synced), f"{name}: no reduction when synchronised: {synced}"
+    assert_same_run(got["own"]["zero3"], got["own"]["ddp"], "configure_optimizers' own ZeroOptimizer")
+    bf16 = got["bf16"]
+    ref = bf16.pop("ddp")
+    own_error = max_diff(ref["weights"], fp32)  # what bf16 autocast changes in DDP's own run
+    assert own_error > 1e-4
+    for name, run in bf16.items():
+        assert max_diff(run["weights"], fp32) > 0.5 * own_error, f"{name}: did not compute in bf16"
+        assert max_diff(run["weights"], ref["weights"]) <= BF16_SHARE * own_error, name
+        close(run["loss"], ref["loss"], rtol=1e-3, atol=0)
+        close(run["grad_norm"], ref["grad_norm"], rtol=1e-2, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# checkpoints, misuse
+
+
+class EpochWeights(L.Callback):
+    """The full weights at the end of each epoch (every rank calls it)."""
+
+    def __init__(self):
+        self.weights = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.weights.append(weights(module))
+
+
+def _rank_resume_and_misuse(out):
+    pzl.init(timeout=60)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    # (resuming from a checkpoint written at a finished fit: Lightning's own DDP run resumed from an epoch-end
+    # ModelCheckpoint repeats loop steps and does not continue like its uninterrupted run either)
+    epochs, saver = EpochWeights(), ModelCheckpoint(dirpath=os.path.join(out, "every"), save_top_k=-1)
+    full = fit(pzl.PyzeroStrategy("zero2"), epochs=2, callbacks=[saver, epochs])
+    ddp_epochs = EpochWeights()
+    ddp = fit("ddp", epochs=2, callbacks=[ddp_epochs])
+    first = os.path.join(out, "first.ckpt")
+    fit(pzl.PyzeroStrategy("zero2"), epochs=1, save=first)
+    resumed = fit(pzl.PyzeroStrategy("zero2"), epochs=2, ckpt_path=first)
+    # the same checkpoint into stage 3 (pz.checkpoint reshards)
+    as_zero3 = fit(pzl.PyzeroStrategy("zero3"), epochs=2, ckpt_path=first)
+    per_epoch = N // (2 * BATCH)
+    every = os.path.join(out, "every", f"epoch=0-step={per_epoch}.ckpt")
+    files = {"first": sorted(os.listdir(first)), "every": sorted(os.listdir(every))}
+    loaded = {name: Net.load_from_checkpoint(os.path.join(path, pzl.LIGHTNING_FILE)).state_dict()
+              for name, path in (("first", first), ("every", every))}
+
+    found = {}
+    found["ddp_zero"] = outcome(lambda: fit("ddp", module=Net(zero_stage=2)))
+    dp_net = Net()
+    dp_net.net = pz.DataParallel(dp_net.net)
+    found["ddp_dataparallel"] = outcome(lambda: fit("ddp", module=dp_net))
+    found["stage_mismatch"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=Net(zero_stage=3)))
+    found["bf16_true"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), precision="bf16-true"))
+    found["clip_value"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero1"), gradient_clip_algorithm="value"))
+    return finish({"full": full, "ddp": ddp, "ddp_epochs": ddp_epochs.weights, "resumed": resumed,
+                   "as_zero3": as_zero3, "epochs": epochs.weights,
+                   "files": files, "loaded": loaded, "found": found})
+
+
+def test_resume_bitwise_and_misuse_raises(tmp_path):
+    got = run_ranks(_rank_resume_and_misuse, 2, args=(str(tmp_path),), timeout=120)[0].value
+    full, resumed = got["full"], got["resumed"]
+    assert_same_run(full, got["ddp"], "two epochs with checkpoints")
+    half = len(full["grad_norm"]) // 2
+    for name, files in got["files"].items():
+        assert files == sorted([pzl.CHECKPOINT_DIR, pzl.LIGHTNING_FILE]), (name, files)
+    assert len(resumed["grad_norm"]) == half  # the second epoch only, with the schedule where it was
+    tail = {"loss": full["loss"][half:], "grad_norm": full["grad_norm"][half:], "weights": full["weights"]}
+    assert_same_run(resumed, tail, "resumed from epoch 0", bitwise=True)
+    assert_same_run(got["as_zero3"], tail, "epoch 0 resumed as stage 3")
+    # the consolidated weights in Lightning's file (trainer.save_checkpoint, ModelCheckpoint): the first epoch's
+    for name, loaded in got["loaded"].items():
+        for k, v in got["epochs"][0].items():
+            assert torch.equal(loaded[k], v), (name, k)
+        for k, v in got["ddp_epochs"][0].items():
+            torch.testing.assert_close(loaded[k], v, **TOL)
+    found = got["found"]
+    # Lightning's DDPStrategy steps with a closure, which ZeroOptimizer refuses before anything runs
+    kind, msg = found["ddp_zero"]
+    assert kind == "ValueError" and "closure" in msg and "PyzeroStrategy" in msg, msg
+    kind, msg = found["ddp_dataparallel"]
+    assert kind == "RuntimeError" and "DistributedDataParallel" in msg and "PyzeroStrategy" in msg, msg
+    assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
+    assert found["bf16_true"][0] == "ValueError" and "precision:" in found["bf16_true"][1], found["bf16_true"]
+    assert found["clip_value"][0] == "ValueError" and "gradient_clip_algorithm" in found["clip_value"][1]
+
+
+def test_bad_arguments_name_the_argument():
+    for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
+                          (dict(strategy="zero2", stage=3), "stage: not a pz.ZeroOptimizer option"),
+                          (dict(strategy="dp", offload="cpu"), "offload: not a pz.DataParallel option"),
+                          (dict(strategy="zero2", zero_hpz_partition_size=2), "zero_hpz_partition_size: not a"),
+                          (dict(strategy="zero2", timeout=0), "timeout: expected a positive")]:
+        with pytest.raises(ValueError, match=words):
+            pzl.PyzeroStrategy(**kwargs)
+    # (on CPU Lightning turns precision="16-mixed" into bf16; a GradScaler given to ZeRO must be refused)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    with pytest.raises(ValueError, match="precision: '16-mixed'"):
+        pzl.PyzeroStrategy("zero2").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    pzl.PyzeroStrategy("dp").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+
+
+# ---------------------------------------------------------------------------
+# Lightning's own launcher
+
+
+def test_example_started_by_lightning(tmp_path):
+    """examples/lightning_train.py with devices=2 and no launcher of ours: Lightning starts the second
+    process (its subprocess launcher), PyzeroStrategy starts pyzero in both from Lightning's ranks."""
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "lightning_train.py")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, example, "--devices", "2", "--epochs", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # (its own process group: a hang kills Lightning's child too)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"examples/lightning_train.py --devices 2 did not finish in 90 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    summary = ast.literal_eval(out.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["steps"] == 8192 // (2 * 32), summary
+    # the data's variance is about 0.4: the weights reloaded from the checkpoint fit it
+    assert summary["reloaded_eval_loss"] < 0.02, summary
+    sharded = os.path.join(tmp_path, "last.ckpt", pzl.CHECKPOINT_DIR)
+    with open(os.path.join(sharded, "latest")) as f:
+        step_dir = os.path.join(sharded, f.read().strip())
+    assert {"rank00000.pt", "rank00001.pt"} <= set(os.listdir(step_dir))  # both processes wrote their shard

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,10 @@ def run_example(code: str, nproc: int, tmp_path: Path) -> list[str]:
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(nproc)] or [env]
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=e, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for e in ranks]
-    outputs = []
+    outputs, deadline = [], time.monotonic() + TIMEOUT  # one deadline for all the processes
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT)[0])
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()

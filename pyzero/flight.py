@@ -45,6 +45,8 @@ _AUTO = dict(_C.ALGOS)["auto"]
 
 QUEUED, STARTED, DONE, FAILED = 0, 1, 2, 3
 STATES = ("queued", "started", "done", "failed")
+# pz.destroy() waits at most this long for the answering thread to finish connecting (see stop()).
+CONNECT_WAIT_S = 5.0
 P2P = ("send", "recv", "batch_isend_irecv")  # point-to-point calls: a peer, no sequence number
 
 _now = time.monotonic_ns
@@ -316,6 +318,11 @@ def stop() -> None:
     """At pz.destroy(): write the trace (PYZERO_TRACE), stop the answering thread."""
     if _proc.trace and _proc.rings:
         write_trace()
+    if _proc.thread is not None:
+        # A thread still opening its store connections (right after pz.init) is inside a C++ store
+        # call; if the interpreter exits then, finalisation unwinds it through C++ and the process
+        # aborts ("terminate called without an active exception"). Let it connect, then tell it to end.
+        _proc.connected.wait(CONNECT_WAIT_S)
     if _proc.thread is not None and _proc.store is not None:
         # A stopped store host never answers (a plain store call would block for good): bounded.
         try:  # rank 0 waits up to 1 s for the others (see _leave); a store op takes milliseconds
@@ -571,7 +578,15 @@ def write_trace(path: str | None = None) -> str:
 
 @atexit.register
 def _at_exit():
-    if _proc.trace and _proc.rings and os.getpid() == _proc.pid:
+    if os.getpid() != _proc.pid:
+        return
+    if _proc.thread is not None:  # a script that ends without pz.destroy(): end the answering thread
+        try:  # as destroy does (a daemon thread left in a C++ store call aborts the exit; see stop())
+            stop()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        return
+    if _proc.trace and _proc.rings:
         try:
             write_trace()
         except OSError:

@@ -24,7 +24,7 @@ fi
 # Already satisfied requirements are not fetched again.
 python -m pip install -q "${TORCH[@]}" "setuptools>=77" "pybind11>=2.12" "cmake>=3.24" ninja numpy pytest \
   matplotlib "nvidia-nccl-cu13; platform_system == 'Linux'" transformers==5.24.0 accelerate==1.15.0 \
-  lightning==2.6.6
+  lightning==2.6.6 mkdocs==1.6.1
 if [ "${PYZERO_CUDA:-}" != 0 ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; } &&
    ! command -v cuobjdump >/dev/null && [ ! -x /usr/local/cuda/bin/cuobjdump ] &&
    ! python -m pip show -q nvidia-cuda-cuobjdump >/dev/null 2>&1; then

@@ -328,7 +328,7 @@ def test_worker_refuses_non_fp32_models():
 
 
 def test_example_trains_and_checkpoints(tmp_path):
-    """examples/ps_train.py as the README runs it: 1 server, 2 workers, bounded staleness."""
+    """examples/ps_train.py as docs/parameter-server.md runs it: 1 server, 2 workers, bounded staleness."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ps_train", os.path.join(os.path.dirname(__file__), "..",

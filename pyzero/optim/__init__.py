@@ -5,7 +5,7 @@ path elsewhere), multi-threaded over chunks (on torch's OpenMP threads where
 loaded), with an optional gradient scale and a 16-bit copy of the updated
 parameters written in the same pass. Results
 are torch.optim's (foreach=False) op for op; they differ only where torch's
-MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and the README).
+MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and docs/offload.md).
 Step hooks and the profiler see a step as torch's own optimizers' (functional.hooked_step);
 with neither present torch's step wrapper is skipped, and a step rechecks only the tensors
 that changed since the last one (functional.Checked).

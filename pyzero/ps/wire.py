@@ -1,7 +1,7 @@
 """Messages between parameter-server workers and servers.
 
 Nothing that arrives on a parameter-server connection is executed, unpickled, or allocated for
-before it is checked (the threat model is in README, "What pyzero trusts"):
+before it is checked (the threat model is in docs/security.md, "What pyzero trusts"):
 
 - **Handshake**: a mutual HMAC-SHA256 challenge-response over fresh 32-byte nonces, keyed by the
   job's key (made at random for each job by server 0 and handed out through the job's store, or

@@ -60,9 +60,9 @@ def counting(n: int, seed: int = 0) -> list[dict]:
 def main(argv=None):
     args = parse(argv)
     if args.nproc:
-        from pyzero.launch import run_ranks
+        from pyzero.launch import run_ranks, without_nproc
 
-        res = run_ranks(main, args.nproc, args=(_without_nproc(sys.argv[1:] if argv is None else argv),),
+        res = run_ranks(main, args.nproc, args=(without_nproc(sys.argv[1:] if argv is None else argv),),
                         timeout=900)
         print(res[0].value)
         return res[0].value
@@ -89,18 +89,6 @@ def main(argv=None):
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return summary
-
-
-def _without_nproc(argv):
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ def data(n: int, seed: int) -> TensorDataset:
 def main(argv=None):
     args = parse(argv)
     if args.nproc:
-        from pyzero.launch import run_ranks
+        from pyzero.launch import run_ranks, without_nproc
 
-        rank_argv = _without_nproc(sys.argv[1:] if argv is None else argv) + ["--no-print"]
+        rank_argv = without_nproc(sys.argv[1:] if argv is None else argv) + ["--no-print"]
         res = run_ranks(main, args.nproc, args=(rank_argv,), timeout=900)
         print(res[0].value)
         return res[0].value
@@ -114,18 +114,6 @@ def main(argv=None):
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return summary
-
-
-def _without_nproc(argv):
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
 
 
 if __name__ == "__main__":

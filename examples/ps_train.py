@@ -43,9 +43,9 @@ def main(argv=None):
     ap.add_argument("--ckpt", default=None)
     args = ap.parse_args(argv)
     if args.nproc:
-        from pyzero.launch import run_ranks
+        from pyzero.launch import run_ranks, without_nproc
 
-        res = run_ranks(main, args.nproc, args=(_without_nproc(sys.argv[1:] if argv is None else argv),),
+        res = run_ranks(main, args.nproc, args=(without_nproc(sys.argv[1:] if argv is None else argv),),
                         timeout=600)
         for r in res:
             print(f"rank {r.rank}: {r.value}")
@@ -67,21 +67,6 @@ def main(argv=None):
         step += 1
     w.close()
     return {"worker": w.wid, "steps": step, "last_loss": None if loss is None else round(float(loss), 4)}
-
-
-def _without_nproc(argv):
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
 
 
 if __name__ == "__main__":

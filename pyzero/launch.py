@@ -42,6 +42,19 @@ class RankFailure(RuntimeError):
         super().__init__("\n".join(parts))
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less ``--nproc N`` / ``--nproc=N``: what the ranks of a script's own ``--nproc`` launch parse."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -24,12 +24,11 @@ import pyzero as pz  # noqa: E402
 from pyzero.integrations import hf  # noqa: E402
 from pyzero.launch import run_ranks  # noqa: E402
 
+from compare_runs import TOL, assert_same_run, close, max_diff  # noqa: E402,F401
 from outcomes import outcome  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 4  # BATCH: per rank
 LR, WD, MAX_NORM = 1e-2, 0.1, 0.05  # the gradient norms are about 1: every step is clipped
-TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the order of the gradient reduction differs (Adam amplifies it
-# where a gradient element is near 0: up to 1e-6 seen, against updates of LR = 1e-2 a step)
 BF16_SHARE = 0.01  # bf16: pyzero's distance to DDP's bf16 run, at most this share of bf16's own error
 
 
@@ -90,23 +89,6 @@ def train(out, cls=transformers.Trainer, steps=STEPS, max_norm=MAX_NORM, accum=1
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
             "weights": weights(trainer.model), "best": trainer.state.best_model_checkpoint}
-
-
-def close(a, b, **tol):
-    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **(tol or TOL))
-
-
-def assert_same_run(got, ref, what, bitwise=False):
-    tol = dict(rtol=0, atol=0) if bitwise else TOL
-    close(got["loss"], ref["loss"], **tol)
-    close(got["grad_norm"], ref["grad_norm"], **tol)
-    assert got["weights"].keys() == ref["weights"].keys(), what
-    for k, v in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][k], v, **tol, msg=lambda m, k=k: f"{what}, {k}: {m}")
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def decay_groups(model):

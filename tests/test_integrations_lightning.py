@@ -23,11 +23,11 @@ import pyzero as pz  # noqa: E402
 from pyzero.integrations import lightning as pzl  # noqa: E402
 from pyzero.launch import run_ranks  # noqa: E402
 
+from compare_runs import TOL, assert_same_run, close, max_diff  # noqa: E402,F401
 from outcomes import outcome  # noqa: E402
 
 N, DIM, BATCH, STEPS = 64, 8, 4, 4  # BATCH: per rank; N samples: 8 steps per epoch on 2 ranks
 LR, WD, MAX_NORM = 1e-2, 0.1, 0.05  # the gradient norms are about 1 or more: every step is clipped
-TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the order of the gradient reduction differs
 BF16_SHARE = 0.01  # bf16: pyzero's distance to DDP's bf16 run, at most this share of bf16's own error
 
 
@@ -117,23 +117,6 @@ def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callback
     if save is not None:
         trainer.save_checkpoint(save)
     return {"loss": module.losses, "grad_norm": module.norms, "weights": weights(module)}
-
-
-def close(a, b, **tol):
-    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **(tol or TOL))
-
-
-def assert_same_run(got, ref, what, bitwise=False):
-    tol = dict(rtol=0, atol=0) if bitwise else TOL
-    close(got["loss"], ref["loss"], **tol)
-    close(got["grad_norm"], ref["grad_norm"], **tol)
-    assert got["weights"].keys() == ref["weights"].keys(), what
-    for k, v in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][k], v, **tol, msg=lambda m, k=k: f"{what}, {k}: {m}")
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def finish(value):

@@ -117,3 +117,11 @@ def test_echo_shows_a_ranks_output_while_it_runs():
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
+
+
+def test_without_nproc_drops_only_the_launch_count():
+    from pyzero.launch import without_nproc
+
+    assert without_nproc(["--a", "1", "--nproc", "2", "--b", "--nproc=3", "--nprocs", "4"]) == \
+        ["--a", "1", "--b", "--nprocs", "4"]
+    assert without_nproc([]) == []

@@ -23,3 +23,16 @@ def assert_same_run(got, ref, what, bitwise=False):
 
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_bf16_tracks(runs, ref, fp32_weights, share):
+    """Each bf16 run of `runs` ({name: run}) computed in bf16 (it moved from the fp32 weights by more than
+    half of what bf16 autocast changes in the reference's own run) and ended within `share` of that
+    change from the reference bf16 run; losses and norms close."""
+    own_error = max_diff(ref["weights"], fp32_weights)
+    assert own_error > 1e-4
+    for name, run in runs.items():
+        assert max_diff(run["weights"], fp32_weights) > 0.5 * own_error, f"{name}: did not compute in bf16"
+        assert max_diff(run["weights"], ref["weights"]) <= share * own_error, name
+        close(run["loss"], ref["loss"], rtol=1e-3, atol=0)
+        close(run["grad_norm"], ref["grad_norm"], rtol=1e-2, atol=0)

@@ -12,15 +12,18 @@ namespace pz {
 // [Note: adaptive two-shot]
 // On a 2-vCPU VM the same pair of processes moves data between its cores in
 // one of two modes, and the mode can change while the pair runs. Measured
-// there (2 ranks, fp32, in place, medians of 24 calls, 16 process pairs;
-// 2 of them were in the slow mode), in us:
+// there (2 ranks, fp32, in place, medians of 40 calls, 40 fresh process
+// pairs, 3 of them in the slow mode; allreduce_ring_twoshot_auto_pairs_*
+// in benchmarks/results), in us:
 //                  1 MiB            4 MiB
-//   fast: ring     52-69            188-238
-//         twoshot  55-69            377-608
-//   slow: ring     825-857          3218-4347
-//         twoshot  491-555          1308-1482
-// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depth 2 - 8 all
-// collapse alike in the slow mode.) Neither wins in both modes, and the mode
+//   fast: ring     52-135           172-389
+//         twoshot  53-112           354-777
+//   slow: ring     311-1313         3078
+//         twoshot  231-596          1606
+// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are
+// no faster in the fast mode, and in an earlier run of the same comparison
+// collapsed alike in its 2 slow pairs: 821-907 us at 1 MiB.) Neither wins in
+// both modes, and the mode
 // cannot be read off beforehand (an exchange probe at group creation did not
 // tell the slow pairs from the others), so rank 0 measures, per size class (a
 // power of two of bytes), whole calls of the algorithm in use, and tries the

@@ -20,25 +20,24 @@ namespace pz {
 //         twoshot  53-112           354-777
 //   slow: ring     311-1313         3078
 //         twoshot  231-596          1606
-// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are
-// no faster in the fast mode, and in an earlier run of the same comparison
+// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no
+// faster in the fast mode, and in an earlier run of the same comparison
 // collapsed alike in its 2 slow pairs: 821-907 us at 1 MiB.) Neither wins in
-// both modes, and the mode
-// cannot be read off beforehand (an exchange probe at group creation did not
-// tell the slow pairs from the others), so rank 0 measures, per size class (a
-// power of two of bytes), whole calls of the algorithm in use, and tries the
-// other one now and then: after 2 calls, then at intervals doubling from 16
-// to 256 calls while it loses, and at once when the one in use runs over 3x
-// or under 0.5x its average 3 calls in a row (a change of mode). A try is 3 calls (one more the first time: an
-// algorithm's first call in a class warms its buffers and is not counted);
-// it switches when their median is under 0.9x the median of the last 16
-// calls of the one in use (medians, since in the slow mode a part of the
-// ring's calls still run fast). Rank 0 puts its choice for a call in its
-// descriptor (CallDesc::pad), which every rank reads after the
-// arrival, so all ranks run the same algorithm (the two-shot then stages its
-// input after the arrival, with one more step); and the two-shot reduces each
-// chunk in the ring's order, so the results are bitwise the same whichever
-// runs.
+// both modes, and the mode cannot be read off beforehand (an exchange probe at
+// group creation did not tell the slow pairs from the others), so rank 0
+// measures, per size class (a power of two of bytes), whole calls of the
+// algorithm in use, and tries the other one now and then: after 2 calls, then
+// at intervals doubling from 16 to 256 calls while it loses, and at once when
+// the one in use runs over 3x or under 0.5x its average 3 calls in a row (a
+// change of mode). A try is 3 calls (one more the first time: an algorithm's
+// first call in a class warms its buffers and is not counted); it switches when
+// their median is under 0.9x the median of the last 16 calls of the one in use
+// (medians, since in the slow mode a part of the ring's calls still run fast).
+// Rank 0 puts its choice for a call in its descriptor (CallDesc::pad), which
+// every rank reads after the arrival, so all ranks run the same algorithm (the
+// two-shot then stages its input after the arrival, with one more step); and
+// the two-shot reduces each chunk in the ring's order, so the results are
+// bitwise the same whichever runs.
 class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16

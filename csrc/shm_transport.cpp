@@ -251,21 +251,21 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     }));
     sent = uint64_t(bytes) * (n_ - 1);
   } else {
+    ChunkLayout L(split_even(count, n_));
     if (algo == Algo::twoshot) {
-      stage_twoshot(in, count, dt, seq);  // before the arrival, which announces it
+      stage_twoshot(in, L, dt, seq);  // before the arrival, which announces it
       seg_.arrive(d, what);
     } else {
       seg_.arrive(d, what);
       if (adaptive && seg_.leader_word(seq)) {
         algo = Algo::twoshot;
-        stage_twoshot(in, count, dt, seq);
+        stage_twoshot(in, L, dt, seq);
         seg_.exchange_step(ShmSegments::Step::staged, seq, what);
       }
     }
     if (algo == Algo::twoshot) {
-      sent = finish_twoshot(buf, in, count, dt, op, seq);
+      sent = finish_twoshot(buf, in, L, dt, op, seq);
     } else {
-      ChunkLayout L(split_even(count, n_));
       PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
         bool stream = stream_output(bytes, in == buf, config().stream_bytes);
         sent = with_ring_prims<T, OP>(seg_, what, L.longest(), stream, [&](ShmRingPrims<T, OP>& p) {
@@ -290,8 +290,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
 // the ring's order (from the rank after its owner round to the owner), so the results
 // are bitwise the ring's. The areas alternate by call: a rank rewrites one only after
 // every peer has arrived at the next call, i.e. finished this one.
-void ShmTransport::stage_twoshot(const void* in, int64_t count, DType dt, uint64_t seq) {
-  ChunkLayout L(split_even(count, n_));
+void ShmTransport::stage_twoshot(const void* in, const ChunkLayout& L, DType dt, uint64_t seq) {
   size_t es = dtype_size(dt);
   char* mine = seg_.area(rank_, seq);
   for (int p = 0; p < n_; ++p)
@@ -300,8 +299,8 @@ void ShmTransport::stage_twoshot(const void* in, int64_t count, DType dt, uint64
                   size_t(L.counts[p]) * es);
 }
 
-uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq) {
-  ChunkLayout L(split_even(count, n_));
+uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op,
+                                      uint64_t seq) {
   size_t es = dtype_size(dt);
   char* mine = seg_.area(rank_, seq);
   size_t off = size_t(L.offsets[rank_]) * es, mine_bytes = size_t(L.counts[rank_]) * es;
@@ -320,7 +319,7 @@ uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, int64_t count, 
     if (p != rank_ && L.counts[p])
       std::memcpy(static_cast<char*>(buf) + size_t(L.offsets[p]) * es, seg_.area(p, seq) + size_t(L.offsets[p]) * es,
                   size_t(L.counts[p]) * es);
-  return uint64_t(size_t(count) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
+  return uint64_t(size_t(L.total()) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
 }
 
 void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,
@@ -441,7 +440,6 @@ double ShmTransport::probe_exchange(size_t bytes, int reps) {
   bytes = std::min(bytes, config().oneshot_bytes) / 64 * 64;
   if (n_ == 1 || bytes == 0 || reps < 1) return 0.0;
   std::vector<double> per_line;
-  uint64_t sink = 0;
   for (int i = 0; i < reps; ++i) {
     uint64_t seq = seg_.begin("probe_exchange");
     char* mine = seg_.area(rank_, seq);
@@ -450,11 +448,10 @@ double ShmTransport::probe_exchange(size_t bytes, int reps) {
     seg_.arrive(d, "probe_exchange");
     const char* theirs = seg_.area((rank_ + n_ - 1) % n_, seq);
     auto t0 = std::chrono::steady_clock::now();
-    for (size_t o = 0; o < bytes; o += 64) sink += *reinterpret_cast<const volatile uint64_t*>(theirs + o);
+    for (size_t o = 0; o < bytes; o += 64) (void)*reinterpret_cast<const volatile uint64_t*>(theirs + o);
     auto t1 = std::chrono::steady_clock::now();
     per_line.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / double(bytes / 64));
   }
-  if (sink == 1) per_line[0] += 0.0;  // keeps the reads
   std::sort(per_line.begin(), per_line.end());
   return per_line[per_line.size() / 2];
 }

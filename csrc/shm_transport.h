@@ -32,6 +32,7 @@
 
 #include "collective.h"
 #include "reduce_math.h"
+#include "ring.h"
 #include "shm_adapt.h"
 #include "shm_segment.h"
 
@@ -96,8 +97,8 @@ class ShmTransport {
   OpCounters counters_;
   AdaptTwoShot adapt_;  // rank 0 measures and decides ([Note: adaptive two-shot])
   // The two-shot all_reduce's halves (shm_transport.cpp).
-  void stage_twoshot(const void* in, int64_t count, DType dt, uint64_t seq);
-  uint64_t finish_twoshot(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
+  void stage_twoshot(const void* in, const ChunkLayout& L, DType dt, uint64_t seq);
+  uint64_t finish_twoshot(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op, uint64_t seq);
   // symmetric buffers: current generation's maps, older generations (kept mapped)
   std::vector<char*> sym_maps_;
   std::vector<std::pair<char*, size_t>> sym_old_;

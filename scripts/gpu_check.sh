@@ -57,12 +57,13 @@ build() {
 SECONDS=0
 build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 echo "built in ${SECONDS} s"
-# GPU_CHECK_PARTS picks parts (default all but capacity): tests kernels collectives train ipc faults capacity.
+# GPU_CHECK_PARTS picks parts (default all but capacity): tests kernels collectives train offload ipc faults
+# capacity.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
 # only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:16M": processes:largest size).
-PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train ipc faults} "
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
@@ -98,6 +99,21 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
     --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
+  fi
+  if part offload; then
+  echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed"
+  # DeepSpeed from build/wheels (scripts/gpu_wheels.sh) where it is not installed; its CPUAdam builds
+  # on first use (about a minute), not timed.
+  DSPATH=""
+  if ! "$PY" -c "import deepspeed" 2>/dev/null && ls build/wheels/deepspeed-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target build/dsenv build/wheels/*.whl && DSPATH=$(pwd)/build/dsenv
+  fi
+  OFFLOAD_RUNS=torch-local,zero2-offload
+  PYTHONPATH=".${DSPATH:+:$DSPATH}" "$PY" -c "import deepspeed" 2>/dev/null && OFFLOAD_RUNS+=",ds-zero2-offload" \
+    || echo "(no deepspeed: its row is left out; run scripts/gpu_wheels.sh where there is a package index)"
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 240)" "$PY" -m pyzero.bench train \
+    --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$OFFLOAD_RUNS" --bucket-mb 25 \
+    --first-bucket-mb 1 --iters 10 --warmup 3 --json "${OUT}_offload.json" || echo "OFFLOAD BENCH FAILED (or past $(lim 240) s)"
   fi
   if part capacity; then
   echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"

@@ -26,7 +26,9 @@ Runs are a dict name -> set-up function (RUNS); a set-up returns a Runner
 and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
 torch runs use gloo (the -pyzero runs: the "pyzero" torch.distributed backend),
 set up through pyzero's store. "torch-local" is plain torch without any
-communication: the baseline the wrappers' cost is measured against.
+communication: the baseline the wrappers' cost is measured against. "ds-zero2"
+and "ds-zero2-offload" are DeepSpeed's stage 2 and ZeRO-Offload (bench/ds_runs.py),
+where deepspeed is importable.
 
 With ``--device cuda`` each rank trains on its GPU (pyzero on the nccl backend,
 torch runs on torch's NCCL, FSDP2 on a CUDA mesh, AdamW fused everywhere),
@@ -44,6 +46,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import ds_runs
 from .common import comm_device, init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
@@ -58,6 +61,7 @@ class Runner(NamedTuple):
     close: Callable = lambda: None
     memory: Callable | None = None  # -> dict of model-state bytes (ZeRO's memory_stats)
     reduces_in_backward: bool = False  # gradient communication ends inside loss.backward()
+    backward: Callable | None = None  # loss -> None in place of loss.backward() (DeepSpeed's engine)
 
 
 def _on_cuda(model) -> bool:
@@ -217,7 +221,8 @@ RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _se
                              "dp": _setup_dp, "zero1": _setup_zero(1), "zero2": _setup_zero(2),
                              "zero3": _setup_zero(3), "zero2-offload": _setup_zero(2, "cpu"),
                              "zero3-offload": _setup_zero(3, "cpu"), "torch-zero": _setup_torch_zero,
-                             "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero")}
+                             "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero"),
+                             "ds-zero2": ds_runs.setup(offload=False), "ds-zero2-offload": ds_runs.setup(offload=True)}
 
 
 def add_arguments(p) -> None:
@@ -266,11 +271,13 @@ def _rank_main(run: str, args) -> dict:
         hooks = [p.register_post_accumulate_grad_hook(mark) for p in model.parameters() if p.requires_grad] \
             if runner.reduces_in_backward else []
 
+        backward = runner.backward or torch.Tensor.backward
+
         def step(ctx=contextlib.nullcontext):
             runner.optimizer.zero_grad(set_to_none=True)
             with ctx():
                 loss = runner.model(x, y)
-                loss.backward()
+                backward(loss)
                 if hooks and ctx is contextlib.nullcontext:
                     marks.append((last_grad[0], time.perf_counter()))
             runner.optimizer.step()

@@ -1,0 +1,69 @@
+"""DeepSpeed runs for ``pyzero-bench train``, where deepspeed is importable.
+
+``ds-zero2-offload`` is DeepSpeed ZeRO-Offload as its documentation sets it up: ZeRO stage 2,
+``offload_optimizer: {device: cpu, pin_memory: true}`` (pinned on a GPU), its CPUAdam in AdamW
+mode, with pyzero's zero2-offload settings (lr 1e-4, torch AdamW's betas, eps and weight decay
+0.01; fp32 parameters; the same bucket cap). ``ds-zero2`` is the same without offload. The
+engine replaces ``loss.backward()`` and ``optimizer.step()`` (``engine.backward`` /
+``engine.step``), which the Runner's ``backward`` / ``step`` carry. DeepSpeed builds CPUAdam
+with ninja the first time it runs (about a minute) and caches it in ~/.cache/torch_extensions.
+
+A machine without a package index (the GPU machine) gets deepspeed from the wheels that
+``scripts/gpu_wheels.sh`` makes on a machine with one.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+
+def available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+class _EngineStep:
+    """The optimizer the timing loop drives: engine.step() steps and zeroes the gradients."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # engine.step() has zeroed them
+
+    def step(self) -> None:
+        self.engine.step()
+
+
+def setup(offload: bool) -> Callable:
+    def run(model, args):
+        return _setup(model, args, offload)
+    return run
+
+
+def _setup(model, args, offload: bool):
+    if not available():
+        raise SystemExit("--runs ds-*: deepspeed is not importable here (pip install deepspeed, or on a "
+                         "machine without an index the wheels of scripts/gpu_wheels.sh)")
+    import deepspeed  # noqa: PLC0415
+
+    from .train import Runner, _close_torch, _init_torch, _on_cuda, _torch_backend  # noqa: PLC0415
+
+    dist = _init_torch(_torch_backend(model, "gloo"))
+    cuda = _on_cuda(model)
+    bucket = int(args.bucket_mb * 2**20 / 4)  # DeepSpeed counts bucket sizes in elements
+    zero = {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
+            "contiguous_gradients": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 0.01}},
+           "zero_optimization": zero, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                           dist_init_required=False)
+
+    def close():
+        engine.destroy()
+        _close_torch(dist)
+
+    return Runner(engine, _EngineStep(engine), None, None, close, backward=engine.backward)

@@ -530,6 +530,41 @@ def test_bench_train_torch_local_is_the_one_rank_baseline(tmp_path):
         assert r["loss"] == pytest.approx(local["loss"], rel=1e-5), (r["run"], r["loss"], local["loss"])
 
 
+def test_bench_train_deepspeed_runs_need_deepspeed(monkeypatch):
+    """--runs ds-*: where deepspeed is not importable, a clear error before any rank starts."""
+    import argparse
+
+    from pyzero.bench import ds_runs
+    from pyzero.bench import train as bench
+
+    monkeypatch.setattr(ds_runs, "available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--runs", "zero2-offload,ds-zero2-offload", "--nproc", "1"])
+    with pytest.raises(SystemExit, match="--runs ds-zero2-offload: deepspeed is not importable"):
+        bench.main(args)
+
+
+def test_bench_train_deepspeed_offload_trains_as_plain_torch(tmp_path):
+    """Where deepspeed is installed: its ZeRO-Offload row trains the model as plain torch does
+    (world size 1, the same AdamW settings: equal losses). Its CPUAdam builds on first use."""
+    pytest.importorskip("deepspeed")
+    import argparse
+    import json
+
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "train.json"
+    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-local,ds-zero2-offload", "--nproc", "1",
+                              "--iters", "2", "--warmup", "1", "--seq", "16", "--timeout", "600", "--json", str(out)])
+    assert bench.main(args) == 0
+    local, ds = json.loads(out.read_text())["results"]
+    assert ds["run"] == "ds-zero2-offload"
+    assert ds["loss"] == pytest.approx(local["loss"], rel=1e-5), (ds["loss"], local["loss"])
+
+
 class _Reentrant(nn.Module):
     """`a` runs inside a reentrant checkpoint and again outside it: its gradients are
     accumulated twice in one backward (with ckpt on)."""

@@ -384,6 +384,10 @@ def main(args) -> int:
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs:
         raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+    if any(r.startswith("ds-") for r in runs) and not ds_runs.available():
+        raise SystemExit(f"--runs {','.join(r for r in runs if r.startswith('ds-'))}: deepspeed is not importable "
+                         "here (pip install deepspeed; for a machine without a package index, see "
+                         "scripts/gpu_wheels.sh)")
     if args.model not in PRESETS:
         raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     if args.nproc < 1 or args.iters < 1 or args.batch < 1:

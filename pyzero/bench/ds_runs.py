@@ -14,14 +14,13 @@ A machine without a package index (the GPU machine) gets deepspeed from the whee
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
 
 
 def available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-class _EngineStep:
+class EngineStep:
     """The optimizer the timing loop drives: engine.step() steps and zeroes the gradients."""
 
     def __init__(self, engine):
@@ -34,22 +33,13 @@ class _EngineStep:
         self.engine.step()
 
 
-def setup(offload: bool) -> Callable:
-    def run(model, args):
-        return _setup(model, args, offload)
-    return run
-
-
-def _setup(model, args, offload: bool):
+def initialize(model, args, offload: bool, cuda: bool):
+    """DeepSpeed's engine for `model` over the torch.distributed group already initialised."""
     if not available():
         raise SystemExit("--runs ds-*: deepspeed is not importable here (pip install deepspeed, or on a "
                          "machine without an index the wheels of scripts/gpu_wheels.sh)")
     import deepspeed  # noqa: PLC0415
 
-    from .train import Runner, _close_torch, _init_torch, _on_cuda, _torch_backend  # noqa: PLC0415
-
-    dist = _init_torch(_torch_backend(model, "gloo"))
-    cuda = _on_cuda(model)
     bucket = int(args.bucket_mb * 2**20 / 4)  # DeepSpeed counts bucket sizes in elements
     zero = {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
             "contiguous_gradients": True}
@@ -61,9 +51,4 @@ def _setup(model, args, offload: bool):
            "zero_optimization": zero, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                            dist_init_required=False)
-
-    def close():
-        engine.destroy()
-        _close_torch(dist)
-
-    return Runner(engine, _EngineStep(engine), None, None, close, backward=engine.backward)
+    return engine

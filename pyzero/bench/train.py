@@ -215,6 +215,19 @@ def _fsdp2(model, args, backend: str) -> Runner:
     return Runner(model, opt, no_sync, None, lambda: _close_torch(dist))
 
 
+def _setup_ds(offload: bool) -> Callable:
+    """DeepSpeed's ZeRO stage 2, with its optimizer offloaded to the CPU or not (bench/ds_runs.py)."""
+    def setup(model, args) -> Runner:
+        dist = _init_torch(_torch_backend(model, "gloo"))
+        engine = ds_runs.initialize(model, args, offload, _on_cuda(model))
+
+        def close():
+            engine.destroy()
+            _close_torch(dist)
+        return Runner(engine, ds_runs.EngineStep(engine), None, None, close, backward=engine.backward)
+    return setup
+
+
 # torch-ddp / fsdp2 run on gloo; their -pyzero twins are the same torch code on the "pyzero"
 # torch.distributed backend (pyzero.distributed): the one-string switch.
 RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
@@ -222,7 +235,7 @@ RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _se
                              "zero3": _setup_zero(3), "zero2-offload": _setup_zero(2, "cpu"),
                              "zero3-offload": _setup_zero(3, "cpu"), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero"),
-                             "ds-zero2": ds_runs.setup(offload=False), "ds-zero2-offload": ds_runs.setup(offload=True)}
+                             "ds-zero2": _setup_ds(offload=False), "ds-zero2-offload": _setup_ds(offload=True)}
 
 
 def add_arguments(p) -> None:

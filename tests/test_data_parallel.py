@@ -530,17 +530,20 @@ def test_bench_train_torch_local_is_the_one_rank_baseline(tmp_path):
         assert r["loss"] == pytest.approx(local["loss"], rel=1e-5), (r["run"], r["loss"], local["loss"])
 
 
-def test_bench_train_deepspeed_runs_need_deepspeed(monkeypatch):
-    """--runs ds-*: where deepspeed is not importable, a clear error before any rank starts."""
+@pytest.mark.parametrize("bench_name", ["train", "capacity"])
+def test_bench_deepspeed_runs_need_deepspeed(monkeypatch, bench_name):
+    """--runs ds-zero2-offload (train and capacity): where deepspeed is not importable, a clear
+    error before any rank starts."""
     import argparse
+    import importlib
 
     from pyzero.bench import ds_runs
-    from pyzero.bench import train as bench
 
+    bench = importlib.import_module(f"pyzero.bench.{bench_name}")
     monkeypatch.setattr(ds_runs, "available", lambda: False)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--runs", "zero2-offload,ds-zero2-offload", "--nproc", "1"])
+    args = parser.parse_args(["--runs", "zero2-offload,ds-zero2-offload", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--runs ds-zero2-offload: deepspeed is not importable"):
         bench.main(args)
 

@@ -11,6 +11,8 @@ searched. Runs (--runs, each on one device, world size 1):
                    host memory, the step on the CPU (pz.optim's fused AdamW)
     zero3-offload  stage 3 with offload="cpu" and offload_params=True: the parameter shards in
                    host memory too; the device holds a unit's gathered parameters at a time
+    ds-zero2-offload  DeepSpeed ZeRO-Offload (stage 2, bf16, offload_optimizer cpu, pinned, its
+                   CPUAdam; bench/ds_runs.py), where deepspeed is importable
 Each size is tried in a fresh process (an out-of-memory error there cannot poison the next
 try): build the model on the device, train --steps steps on random tokens, report tokens/s
 (median step after the first), the device's peak allocated bytes and the process's peak
@@ -38,6 +40,8 @@ RUNS = {
     "zero2": {"stage": 2},
     "zero2-offload": {"stage": 2, "offload": "cpu"},
     "zero3-offload": {"stage": 3, "offload": "cpu", "offload_params": True},
+    # planned with pyzero's zero2-offload estimate (the same placement of the same bytes)
+    "ds-zero2-offload": {"stage": 2, "offload": "cpu", "deepspeed": True},
 }
 GB = 1e9
 
@@ -129,7 +133,15 @@ def _try(run: str, c: GPTConfig, args) -> dict:
         with dev:
             model = GPT(c)
         opts = RUNS[run]
-        if opts:
+        if opts.get("deepspeed"):
+            from . import ds_runs  # noqa: PLC0415
+            from .common import init_torch_distributed  # noqa: PLC0415
+
+            init_torch_distributed("nccl" if cuda else "gloo")
+            engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=64 << 20, offload=True, cuda=cuda,
+                                        bf16=True)
+            model, opt = engine, ds_runs.EngineStep(engine)
+        elif opts:
             opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=opts["stage"], lr=1e-4, bucket_mb=64,
                                    param_dtype=torch.bfloat16, offload=opts.get("offload"),
                                    offload_params=opts.get("offload_params", False))
@@ -142,7 +154,7 @@ def _try(run: str, c: GPTConfig, args) -> dict:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             loss = model(x, y)
-            loss.backward()
+            model.backward(loss) if opts.get("deepspeed") else loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss))  # (a read of the device: the step's kernels are done)
@@ -156,6 +168,8 @@ def _try(run: str, c: GPTConfig, args) -> dict:
     finally:
         out["peak_device_gb"] = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
         out["peak_rss_gb"] = _peak_rss_gb()
+        if torch.distributed.is_initialized():  # the DeepSpeed run's group
+            torch.distributed.destroy_process_group()
         pz.destroy()
     return out
 
@@ -209,6 +223,11 @@ def main(args) -> int:
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs:
         raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+    from . import ds_runs  # noqa: PLC0415
+
+    if any(RUNS[r].get("deepspeed") for r in runs) and not ds_runs.available():
+        raise SystemExit("--runs ds-zero2-offload: deepspeed is not importable here (pip install deepspeed; for a "
+                         "machine without a package index, see scripts/gpu_wheels.sh)")
     for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
@@ -219,7 +238,7 @@ def main(args) -> int:
     where, device, host = _memory(args)
     print(f"# capacity: GPT n_embd {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, {args.batch} x {args.seq} "
           f"tokens per step, AdamW; {where} ({device / GB:.1f} GB planned), host {host / GB:.1f} GB planned")
-    print(f"{'run':>14} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "
+    print(f"{'run':>16} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "
           f"{'rss GB':>7} {'est host':>8}  tried (layers: fits)")
     results = []
     for run in runs:
@@ -247,11 +266,11 @@ def main(args) -> int:
         results.append(row)
         trail = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in tried.items())
         if best is None:
-            print(f"{run:>14} {'-':>6} {'-':>10} {'-':>9} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  {trail}"
+            print(f"{run:>16} {'-':>6} {'-':>10} {'-':>9} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  {trail}"
                   f"  ({tries[min(tried)].get('why', '')})", flush=True)
             continue
         dev_gb = row["peak_device_gb"]
-        print(f"{run:>14} {best:6d} {row['params']:10.3e} {row['tokens_per_s']:9.0f} "
+        print(f"{run:>16} {best:6d} {row['params']:10.3e} {row['tokens_per_s']:9.0f} "
               f"{dev_gb if dev_gb is not None else float('nan'):7.1f} {row['estimate_device_gb']:7.1f} "
               f"{row['peak_rss_gb']:7.1f} {row['estimate_host_gb']:8.1f}  {trail}", flush=True)
     if args.json:

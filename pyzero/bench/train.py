@@ -219,7 +219,8 @@ def _setup_ds(offload: bool) -> Callable:
     """DeepSpeed's ZeRO stage 2, with its optimizer offloaded to the CPU or not (bench/ds_runs.py)."""
     def setup(model, args) -> Runner:
         dist = _init_torch(_torch_backend(model, "gloo"))
-        engine = ds_runs.initialize(model, args, offload, _on_cuda(model))
+        engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=int(args.bucket_mb * 2**20),
+                                    offload=offload, cuda=_on_cuda(model))
 
         def close():
             engine.destroy()

@@ -70,6 +70,19 @@ TIMEOUT_ARGS=()
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so the whole check stays
 # under 10 minutes and a part that hangs is reported while the rest still runs.
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
+# DeepSpeed for its rows (offload, capacity): the installed one, else build/wheels (scripts/gpu_wheels.sh)
+# installed into build/dsenv, which DSPATH then puts on those parts' PYTHONPATH. Its CPUAdam builds on
+# first use (about a minute, not timed).
+DSPATH=""
+deepspeed_here() {
+  "$PY" -c "import deepspeed" 2>/dev/null && return 0
+  if [ -z "$DSPATH" ] && ls build/wheels/deepspeed-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target build/dsenv build/wheels/*.whl && DSPATH=$(pwd)/build/dsenv
+  fi
+  [ -n "$DSPATH" ] && PYTHONPATH=".:$DSPATH" "$PY" -c "import deepspeed" 2>/dev/null && return 0
+  echo "(no deepspeed: its rows are left out; scripts/gpu_wheels.sh makes its wheels where there is a package index)"
+  return 1
+}
 {
   echo "# pyzero GPU check, $(date -u -Iseconds)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -102,23 +115,18 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
   fi
   if part offload; then
   echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed"
-  # DeepSpeed from build/wheels (scripts/gpu_wheels.sh) where it is not installed; its CPUAdam builds
-  # on first use (about a minute), not timed.
-  DSPATH=""
-  if ! "$PY" -c "import deepspeed" 2>/dev/null && ls build/wheels/deepspeed-*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target build/dsenv build/wheels/*.whl && DSPATH=$(pwd)/build/dsenv
-  fi
   OFFLOAD_RUNS=torch-local,zero2-offload
-  PYTHONPATH=".${DSPATH:+:$DSPATH}" "$PY" -c "import deepspeed" 2>/dev/null && OFFLOAD_RUNS+=",ds-zero2-offload" \
-    || echo "(no deepspeed: its row is left out; run scripts/gpu_wheels.sh where there is a package index)"
+  if deepspeed_here; then OFFLOAD_RUNS+=",ds-zero2-offload"; fi
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 240)" "$PY" -m pyzero.bench train \
     --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$OFFLOAD_RUNS" --bucket-mb 25 \
     --first-bucket-mb 1 --iters 10 --warmup 3 --json "${OUT}_offload.json" || echo "OFFLOAD BENCH FAILED (or past $(lim 240) s)"
   fi
   if part capacity; then
   echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
-    --runs "${GPU_CHECK_CAPACITY_RUNS:-torch,zero2-offload,zero3-offload}" --attempts 2 --steps 3 --timeout 200 \
+  CAP_RUNS=torch,zero2-offload,zero3-offload
+  if [ -z "${GPU_CHECK_CAPACITY_RUNS:-}" ] && deepspeed_here; then CAP_RUNS+=",ds-zero2-offload"; fi
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
+    --runs "${GPU_CHECK_CAPACITY_RUNS:-$CAP_RUNS}" --attempts 2 --steps 3 --timeout 200 \
     --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
   fi
   if part ipc; then

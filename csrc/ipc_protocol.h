@@ -9,6 +9,17 @@
 // `area_bytes` (used by epochs of alternating parity). Every call has an
 // epoch e (1, 2, ...), the same on every rank of the group.
 //
+// [Note: ipc epochs live on the device]
+// Block b of a rank keeps its calls' count in its own signals (epoch[b], which
+// no other block or rank touches) and takes e = ++epoch[b] as its first step.
+// Every block of every rank runs every call of the group in the same order, so
+// all of them agree on e without the host passing it: a call's kernel
+// parameters hold nothing that changes from call to call but the user's
+// pointers and sizes, so a kernel captured in a CUDA graph and replayed any
+// number of times (interleaved with eager calls) runs each time with a fresh
+// epoch, flags and area parity. The host only numbers its launches (`seq`),
+// to tell which failures a host wait may report.
+//
 // [Note: ipc flag protocol]
 // Every kernel has the same number of blocks B on every rank (a group
 // constant, at most what can be co-resident), and block b of a call handles
@@ -72,6 +83,7 @@ struct IpcSignals {
   uint64_t start[kIpcMaxBlocks][kIpcMaxRanks];  // start[b][p]: written by peer p's block b
   uint64_t mid[kIpcMaxBlocks][kIpcMaxRanks];
   IpcDesc desc[2][kIpcMaxBlocks];               // this rank's descriptor of epoch e at [e % 2][block]
+  uint64_t epoch[kIpcMaxBlocks];                // epoch[b]: the last epoch this rank's block b ran
 };
 
 // Written by the device, read by the host after the call (host-mapped memory on a GPU).
@@ -79,7 +91,8 @@ struct IpcStatus {
   uint32_t code;    // kIpcOk, or the first failure
   int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs;
                     // peer closed: the peer that closed the group
-  uint64_t epoch;
+  uint64_t epoch;   // the failed call's epoch (device)
+  uint64_t seq;     // and the host's number of its launch (see IpcCall::seq)
 };
 // kIpcPeerClosed: the peer's call was its closing barrier (kIpcClose) while this rank's was not.
 enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3, kIpcPeerClosed = 4 };
@@ -97,8 +110,10 @@ enum IpcKind : int32_t {
 // One call, by value (a kernel parameter). Chunk c of the buffer has counts[c]
 // elements, at element offset offs[c] in the areas and io_offs[c] in the user
 // buffers `in` / `out` (different where a large call runs in pieces, see
-// ipc_pieces); `areas[p]` is peer p's area of this epoch and `sigs[p]` its
-// signals (this rank's own at [rank]).
+// ipc_pieces); `areas[p]` is peer p's first area (epoch e uses the one at
+// areas[p] + (e % 2) * area_stride) and `sigs[p]` its signals (this rank's own
+// at [rank]). Nothing in it depends on the epoch: see [Note: ipc epochs live on
+// the device].
 struct IpcCall {
   char* areas[kIpcMaxRanks];
   IpcSignals* sigs[kIpcMaxRanks];
@@ -109,7 +124,8 @@ struct IpcCall {
   int64_t counts[kIpcMaxRanks];
   int64_t offs[kIpcMaxRanks];
   int64_t io_offs[kIpcMaxRanks];
-  uint64_t epoch;
+  uint64_t area_stride;   // bytes from a rank's first area to its second
+  uint64_t seq;           // the host's number of this launch (reported with a failure)
   uint64_t timeout_ns;
   IpcDesc desc;
   int32_t rank, nranks;
@@ -134,27 +150,28 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   void fence();  (orders the block's earlier data writes before this thread's flag store, system-wide)
 //   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
 //   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
-//   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch);  (first failure wins)
+//   uint64_t next_epoch(uint64_t* counter);  (++*counter by one thread, the new value to every thread)
+//   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq);  (first failure wins)
 
 // Waits until flags[p] >= e for every peer p != me (threads 0..n-1 each watch one);
 // false when the deadline passed or the host aborted (the status says which peer).
 template <typename X>
-PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks], uint64_t deadline) {
+PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks], uint64_t e, uint64_t deadline) {
   bool ok = true;
   int b = x.block();
   for (int p = x.tid(); p < c.nranks; p += x.nthreads()) {
     if (p == c.rank) continue;
     const uint64_t* f = &flags[b][p];
     uint32_t spins = 0;
-    while (x.load_acquire(f) < c.epoch) {
+    while (x.load_acquire(f) < e) {
       if ((++spins & 1023u) == 0) {
         if (x.load_relaxed(c.abort) != 0) {
-          x.fail(c.status, kIpcAborted, p, c.epoch);
+          x.fail(c.status, kIpcAborted, p, e, c.seq);
           ok = false;
           break;
         }
         if (x.now_ns() > deadline) {
-          x.fail(c.status, kIpcTimeout, p, c.epoch);
+          x.fail(c.status, kIpcTimeout, p, e, c.seq);
           ok = false;
           break;
         }
@@ -166,14 +183,14 @@ PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks],
 
 // Tells every peer that this rank's block reached `which` of epoch e.
 template <typename X>
-PZ_HD void ipc_signal(X& x, const IpcCall& c, bool mid) {
+PZ_HD void ipc_signal(X& x, const IpcCall& c, uint64_t e, bool mid) {
   x.sync();  // every thread's data writes of this block are done
   int b = x.block();
   for (int p = x.tid(); p < c.nranks; p += x.nthreads()) {
     if (p == c.rank) continue;
     x.fence();
     uint64_t* f = mid ? &c.sigs[p]->mid[b][c.rank] : &c.sigs[p]->start[b][c.rank];
-    x.store_release(f, c.epoch);
+    x.store_release(f, e);
   }
 }
 
@@ -256,15 +273,17 @@ template <typename T, RedOp OP, typename X>
 PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid();
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
+  const uint64_t e = x.next_epoch(&c.sigs[me]->epoch[b]);
+  const uint64_t parity = (e % 2) * c.area_stride;
   const int kind = c.desc.kind;
   const T* in = static_cast<const T*>(c.in);
   T* out = static_cast<T*>(c.out);
-  T* mine = reinterpret_cast<T*>(c.areas[me]);
-  auto area = [&](int p) { return reinterpret_cast<const T*>(c.areas[p]); };
+  T* mine = reinterpret_cast<T*>(c.areas[me] + parity);
+  auto area = [&](int p) { return reinterpret_cast<const T*>(c.areas[p] + parity); };
   int64_t lo, hi;
 
   // 1. this rank's part of the data into its area, its descriptor
-  if (t0 == 0) c.sigs[me]->desc[c.epoch % 2][b] = c.desc;
+  if (t0 == 0) c.sigs[me]->desc[e % 2][b] = c.desc;
   if (kind == kIpcAllReduceOneShot || (kind == kIpcBroadcast && me == c.desc.root)) {
     ipc_part(c.desc.total, b, nb, lo, hi);
     ipc_copy(x, mine + lo, in + lo, hi - lo);
@@ -280,17 +299,17 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   }
 
   // 2. start barrier, then the descriptors
-  ipc_signal(x, c, false);
-  if (!ipc_wait_all(x, c, c.sigs[me]->start, deadline)) return false;
+  ipc_signal(x, c, e, false);
+  if (!ipc_wait_all(x, c, c.sigs[me]->start, e, deadline)) return false;
   int differs = -1, closed = -1;
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    const IpcDesc& d = c.sigs[p]->desc[c.epoch % 2][b];
+    const IpcDesc& d = c.sigs[p]->desc[e % 2][b];
     if (!ipc_same_desc(d, c.desc)) differs = p;
     if (d.kind == kIpcClose && kind != kIpcClose) closed = p;
   }
   if (differs >= 0) {
-    if (t0 == 0) x.fail(c.status, closed >= 0 ? kIpcPeerClosed : kIpcMismatch, closed >= 0 ? closed : differs, c.epoch);
+    if (t0 == 0) x.fail(c.status, closed >= 0 ? kIpcPeerClosed : kIpcMismatch, closed >= 0 ? closed : differs, e, c.seq);
     return false;
   }
 
@@ -307,8 +326,8 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
     for (int p = 0; p < n; ++p) srcs[p] = (p == me ? in + io : area(p) + off) + lo;  // own input read in place
     if (two) {
       ipc_reduce<T, OP>(x, mine + off + lo, out + io + lo, srcs, n, hi - lo);  // mine: for the peers' phase 2
-      ipc_signal(x, c, true);
-      if (!ipc_wait_all(x, c, c.sigs[me]->mid, deadline)) return false;
+      ipc_signal(x, c, e, true);
+      if (!ipc_wait_all(x, c, c.sigs[me]->mid, e, deadline)) return false;
       for (int k = 0; k < n; ++k) {
         if (k == me) continue;
         ipc_part(c.counts[k], b, nb, lo, hi);

@@ -44,13 +44,25 @@ struct GpuX {
   }
   __device__ uint32_t load_relaxed(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
   __device__ void fence() { __threadfence_system(); }
+  // The block's epoch (see [Note: ipc epochs live on the device]): counted in the rank's own signals,
+  // which only this block of this rank writes; the kernel boundary orders it between calls.
+  __device__ uint64_t next_epoch(uint64_t* counter) {
+    __shared__ uint64_t e;
+    if (threadIdx.x == 0) {
+      e = *counter + 1;
+      *counter = e;
+    }
+    __syncthreads();
+    return e;
+  }
   // Host-mapped memory: no system-scope atomics assumed (x86 hosts often lack them), so
   // two blocks failing at once may both write; either record names a real failure.
-  __device__ void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch) {
+  __device__ void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
     volatile IpcStatus* v = s;
     if (v->code != 0u) return;
     v->peer = peer;
     v->epoch = epoch;
+    v->seq = seq;
     __threadfence_system();
     v->code = code;
     __threadfence_system();
@@ -80,7 +92,8 @@ struct IpcWork::State {
   Event done;  // recorded after the call's kernels
   int device = 0;
   const char* what = "";
-  uint64_t epoch = 0;  // of the call's last kernel
+  uint64_t seq = 0;  // the host's number of the call's last launch
+  bool captured = false;  // issued into a CUDA graph capture: no host wait can see it
 };
 
 struct IpcTransport::Impl {
@@ -95,7 +108,7 @@ struct IpcTransport::Impl {
   cudaStream_t stream = nullptr;
   std::unique_ptr<Event> queued;        // recorded on the caller's stream: the group's stream waits for it
   std::unique_ptr<Event> finished;      // after a synchronous call: the caller's stream waits for it
-  uint64_t epoch = 0;
+  uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
   bool connected = false, closed = false;
   std::string broken;                   // the failure that ended the group
   std::mutex mu;
@@ -110,18 +123,20 @@ struct IpcTransport::Impl {
 
   // A failure a kernel recorded. A timeout or abort breaks the group: raised from then on. A
   // mismatch is raised once, and only where every rank sees it alike: by a host wait for work
-  // whose kernels (up to epoch `upto`) all finished, so no rank raises it before the others.
+  // whose kernels (launches up to `upto`) all finished, so no rank raises it before the others.
+  // (A replayed graph's kernel reports the number its launch got at capture: not later than now.)
   void raise_status(const char* what, uint64_t upto) {
     const volatile IpcStatus* v = status_host;
     IpcStatus s;
     s.code = v->code;  // written last by the device
     s.peer = v->peer;
     s.epoch = v->epoch;
+    s.seq = v->seq;
     if (s.code == kIpcOk) return;
     std::ostringstream os;
     os << what << " (ipc, rank " << rank << " of " << size << "): ";
     if (s.code == kIpcMismatch) {
-      if (s.epoch > upto) return;
+      if (s.seq > upto) return;
       os << "the call at epoch " << s.epoch << " differs from rank " << s.peer
          << "'s (collective, dtype, op, root or counts); every rank skipped it";
       std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
@@ -137,12 +152,24 @@ struct IpcTransport::Impl {
     throw CollectiveTimeout(broken);
   }
 
+  // Whether `caller` is capturing into a CUDA graph (the call then becomes graph nodes; see
+  // [Note: ipc epochs live on the device]). A capture the CUDA runtime invalidated is an error.
+  static bool capturing(const char* what, cudaStream_t caller) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    PZ_CUDA_CHECK(cudaStreamIsCapturing(caller, &cs));
+    if (cs == cudaStreamCaptureStatusInvalidated)
+      throw CollectiveError(std::string(what) + " (ipc): the CUDA graph capture on the current stream was "
+                            "invalidated before this call; end it and capture again");
+    return cs == cudaStreamCaptureStatusActive;
+  }
+
   WorkPtr launch(const char* what, Coll coll, int kind, DType dt, RedOp op, int root, const void* in, void* out,
                  const std::vector<int64_t>& chunks, uintptr_t user_stream, bool async_op, uint64_t sent_bytes) {
     std::lock_guard<std::mutex> lock(mu);
     check_usable(what);
     DeviceGuard guard(device);
     cudaStream_t caller = reinterpret_cast<cudaStream_t>(user_stream);
+    const bool captured = capturing(what, caller);
     PZ_CUDA_CHECK(cudaEventRecord(queued->e, caller));
     PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, queued->e, 0));
     const int esize = dtype_size(dt);
@@ -150,10 +177,10 @@ struct IpcTransport::Impl {
     for (int64_t c : chunks) total += c;
     for (const IpcPiece& pc : ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank)) {
       IpcCall c{};
-      ++epoch;
+      ++seq;
       for (int p = 0; p < size; ++p) {
         c.sigs[p] = reinterpret_cast<IpcSignals*>(bases[p]);
-        c.areas[p] = bases[p] + sig_bytes() + (epoch % 2) * cfg.area_bytes;
+        c.areas[p] = bases[p] + sig_bytes();
         c.counts[p] = pc.counts[p];
         c.offs[p] = pc.offs[p];
         c.io_offs[p] = pc.io_offs[p];
@@ -162,7 +189,8 @@ struct IpcTransport::Impl {
       c.abort = abort_dev;
       c.in = static_cast<const char*>(in) + pc.in_skip * esize;
       c.out = static_cast<char*>(out) + pc.out_skip * esize;
-      c.epoch = epoch;
+      c.area_stride = cfg.area_bytes;
+      c.seq = seq;
       c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
       c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
       c.rank = rank;
@@ -183,7 +211,8 @@ struct IpcTransport::Impl {
     PZ_CUDA_CHECK(cudaEventRecord(st->done.e, stream));
     st->device = device;
     st->what = what;
-    st->epoch = epoch;
+    st->seq = seq;
+    st->captured = captured;
     return std::make_shared<IpcWork>(st);
   }
 
@@ -199,7 +228,17 @@ void IpcWork::wait(uintptr_t stream) {
   }
 }
 
+namespace {
+void refuse_host_wait(const IpcWork::State& s, const char* how) {
+  if (s.captured)
+    throw CollectiveError(std::string(s.what) + " (ipc): " + how + " on the host is not possible for a call captured "
+                          "into a CUDA graph; work.wait() inside the capture makes the stream wait for it, and "
+                          "the graph's replays are waited for as any stream work (e.g. torch.cuda.synchronize())");
+}
+}  // namespace
+
 bool IpcWork::completed() {
+  refuse_host_wait(*s_, "is_completed()");
   DeviceGuard guard(s_->device);
   cudaError_t e = cudaEventQuery(s_->done.e);
   if (e == cudaErrorNotReady) return false;
@@ -208,11 +247,12 @@ bool IpcWork::completed() {
 }
 
 void IpcWork::synchronize() {
+  refuse_host_wait(*s_, "synchronize()");
   DeviceGuard guard(s_->device);
   PZ_CUDA_CHECK(cudaEventSynchronize(s_->done.e));
   if (auto impl = s_->impl.lock()) {
     std::lock_guard<std::mutex> lock(impl->mu);
-    impl->raise_status(s_->what, s_->epoch);
+    impl->raise_status(s_->what, s_->seq);
   }
 }
 
@@ -332,6 +372,11 @@ IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt
 
 IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, bool closing) {
   Impl& m = *impl_;
+  if (!async_op && Impl::capturing("barrier", reinterpret_cast<cudaStream_t>(stream))) {
+    DeviceGuard guard(m.device);
+    throw CollectiveError("barrier (ipc): a synchronous barrier waits on the host, which a CUDA graph capture "
+                          "cannot do; pass async_op=True and wait() its work inside the capture");
+  }
   WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0,
                        nullptr, nullptr, std::vector<int64_t>(m.size, 0), stream, true, 0);
   if (async_op) return w;

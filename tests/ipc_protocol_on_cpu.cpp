@@ -76,11 +76,13 @@ struct CpuX {
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
   void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-  void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch) {
+  uint64_t next_epoch(uint64_t* counter) { return ++*counter; }  // one thread per block here
+  void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
     uint32_t zero = 0;
     if (__atomic_compare_exchange_n(&s->code, &zero, code, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
       s->peer = peer;
       s->epoch = epoch;
+      s->seq = seq;
     }
   }
 };
@@ -177,7 +179,12 @@ struct Job {
   std::vector<int> skip_rank;  // per call: a rank that does not call it (-1: none)
   std::vector<int> odd_dtype;  // per call: a rank that calls it with another dtype (-1: none)
   std::vector<int> close_rank = {};  // per call: a rank that runs its closing barrier instead (-1: none)
+  // Every call the same (a captured graph replayed): its launches' parameters must be byte-identical
+  // to the first call's, as a CUDA graph's kernel nodes are; counted in replay_differs.
+  bool replay = false;
 };
+
+int replay_differs = 0;
 
 // Runs the job; per rank and call: status code and peer; results checked where the call succeeded.
 std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) {
@@ -227,23 +234,25 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
     Rank& rk = ranks[me];
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
     CpuX x{b, nb, &rng, job.pause_us, paths};
-    uint64_t epoch = 0;
+    uint64_t seq = 0;
+    std::vector<IpcCall> first;  // the first call's launches (a replay job compares the others with them)
     for (size_t k = 0; k < job.calls.size(); ++k) {
       if (job.skip_rank[k] == me) continue;
       const CallSpec& s = job.calls[k];
       const int esize = dtype_size(DType(s.dt));
+      size_t piece = 0;
       for (const IpcPiece& pc : ipc_pieces(s.kind, s.counts, esize, job.area_bytes, me)) {
-        ++epoch;
+        ++seq;
         host_ready[me]->arrive();
         IpcCall c{};
-        size_t par = epoch % 2;
-#ifdef PZ_IPC_ONE_AREA
-        par = 0;
-#endif
         for (int p = 0; p < n; ++p) {
           c.sigs[p] = reinterpret_cast<IpcSignals*>(ranks[p].seg.data());
-          c.areas[p] = ranks[p].seg.data() + sig_bytes + par * job.area_bytes;
+          c.areas[p] = ranks[p].seg.data() + sig_bytes;
         }
+        c.area_stride = job.area_bytes;
+#ifdef PZ_IPC_ONE_AREA
+        c.area_stride = 0;
+#endif
         c.status = &rk.status;
         c.abort = &abort_word;
         c.in = rk.in.data() + pc.in_skip * esize;
@@ -255,15 +264,21 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
           c.io_offs[p] = pc.io_offs[p];
           h = h * 1000003u + uint64_t(pc.counts[p]);
         }
-        c.epoch = epoch;
+        c.seq = job.replay ? piece + 1 : seq;  // a replay: the numbers given at capture
         c.timeout_ns = job.timeout_ns;
         int dt = job.odd_dtype[k] == me ? (s.dt == int(DType::f32) ? int(DType::f64) : int(DType::f32)) : s.dt;
         c.desc = IpcDesc{s.kind, dt, s.op, s.root, pc.total(), h};
         if (k < job.close_rank.size() && job.close_rank[k] == me) c.desc = IpcDesc{kIpcClose, dt, 0, 0, 0, 0};
         c.rank = me;
         c.nranks = n;
+        if (job.replay) {
+          if (k == 0) first.push_back(c);
+          else if (piece >= first.size() || std::memcmp(&c, &first[piece], sizeof c) != 0)
+            __atomic_add_fetch(&replay_differs, 1, __ATOMIC_RELAXED);
+        }
         DISPATCH(s.dt, s.op, { ipc_run<T, OP>(x, c); });
         host_ready[me]->arrive();
+        ++piece;
       }
     }
   };
@@ -327,6 +342,30 @@ int main() {
                   wrong, bad_status, launches);
     }
   }
+  // 1b. replays: one call's launches, byte-identical each time (a CUDA graph replayed), with fresh
+  //     inputs written between them; in place and out of place, one piece and several
+  for (int n : {2, 3}) {
+    for (const CallSpec& base : {CallSpec{kIpcAllReduceTwoShot, int(DType::f32), 0, 0, true, split_even(5000, n)},
+                                 CallSpec{kIpcAllReduceOneShot, int(DType::bf16), 0, 0, false, split_even(700, n)},
+                                 CallSpec{kIpcAllGather, int(DType::f64), 0, 0, false, std::vector<int64_t>(n, 300)}}) {
+      Job job{n, 2, 100, 6 << 10, 2000000000ull, std::vector<CallSpec>(40, base), {}, {}};
+      job.skip_rank.assign(job.calls.size(), -1);
+      job.odd_dtype.assign(job.calls.size(), -1);
+      job.replay = true;
+      int wrong = 0;
+      auto st = run(job, true, wrong);
+      int bad_status = 0;
+      for (auto& r : st)
+        for (auto& x : r) bad_status += x.code != kIpcOk;
+      cases += int(job.calls.size()) * n;
+      failures += wrong + bad_status;
+      total_wrong += wrong;
+      std::printf("replay ranks %d kind %d: %zu calls, %d wrong, %d failed\n", n, base.kind, job.calls.size(), wrong,
+                  bad_status);
+    }
+  }
+  std::printf("replayed launches whose parameters differ: %d\n", replay_differs);
+  failures += replay_differs != 0;
 #ifdef PZ_IPC_ONE_AREA
   std::printf("one area: %d wrong results\n", total_wrong);
   return 0;

@@ -4,8 +4,8 @@ Every collective, dtype and op, uneven counts, in place and out of place, sizes 
 pieces of the registered area; results equal the torch reference (reference_data.reference, on the
 CPU) and bitwise equal across ranks. Then the faults: a rank that never calls (the others raise
 CollectiveTimeout naming it, and the GPU stays usable), a mismatched call (CollectiveError on every
-rank at the next host wait, the group usable after), and DataParallel / ZeroOptimizer over ipc at 2
-ranks against one process.
+rank at the next host wait, the group usable after), DataParallel / ZeroOptimizer over ipc at 2
+ranks against one process, and calls captured into CUDA graphs and replayed (a DataParallel step too).
 """
 import pytest
 import torch
@@ -197,3 +197,151 @@ def test_data_parallel_and_zero_over_ipc_equal_one_process():
             for k, want in ref.items():
                 torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, k=k, key=key, r=r: f"rank {r.rank} {key} {k}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs: ipc calls captured into a graph and replayed (the epochs advance on the device)
+
+
+def _rank_graph():
+    pz.init(backend="ipc", timeout=120, options={"slice_bytes": AREA})
+    n, me = pz.get_world_size(), pz.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    size = 70001  # several pieces of the 64 KiB area: several kernel nodes
+    inp = torch.zeros(size, device=dev)
+    res = torch.zeros(size, device=dev)
+    small = torch.zeros(1031, dtype=torch.bfloat16, device=dev)
+    gathered = torch.zeros(1031 * n, dtype=torch.float64, device=dev)
+    own = torch.zeros(1031, dtype=torch.float64, device=dev)
+    side = torch.zeros(257, device=dev)
+    # warm up on a side stream, as torch.cuda.graph asks
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pz.all_reduce(inp, out=res)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    errors = {}
+    with torch.cuda.graph(g):
+        pz.all_reduce(inp, out=res)                      # out of place, two-shot pieces
+        pz.all_reduce(small, op="max")                   # in place, one-shot
+        w = pz.all_gather(gathered, own, async_op=True)  # async: waited inside the capture
+        w.wait()
+        try:  # a host wait cannot be captured: a clear error, and the capture goes on unharmed
+            pz.barrier()
+        except pz.CollectiveError as e:
+            errors["barrier"] = str(e)
+        try:
+            w.synchronize()
+        except pz.CollectiveError as e:
+            errors["synchronize"] = str(e)
+    out = []
+    for i in range(4):  # replays with fresh inputs, eager calls between them
+        inp.copy_(make_input("sum", torch.float32, size, me, 100 + i).to(dev))
+        small.copy_(make_input("max", torch.bfloat16, 1031, me, 200 + i).to(dev))
+        own.copy_(make_input("sum", torch.float64, 1031, me, 300 + i).to(dev))
+        g.replay()
+        side.copy_(make_input("sum", torch.float32, 257, me, 400 + i).to(dev))
+        pz.all_reduce(side)
+        torch.cuda.synchronize()
+        out.append((res.cpu(), small.cpu(), gathered.cpu(), side.cpu()))
+    pz.barrier()  # eager again after the replays: the group is in step
+    pz.destroy()
+    return out, errors
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_captured_calls_replay_like_eager_calls(nprocs):
+    """all_reduce (pieces, out of place; one-shot in place) and an async all_gather captured in one
+    graph, replayed 4 times with fresh inputs and eager calls between replays: every replay equals
+    the torch reference; host waits inside the capture raise a clear error instead of breaking it."""
+    res = run_ranks(_rank_graph, nprocs, start="spawn", timeout=300, env=ENV)
+    n = nprocs
+    for r in res:
+        out, errors = r.value
+        assert "CUDA graph capture" in errors["barrier"] and "async_op=True" in errors["barrier"], errors
+        assert "captured into a CUDA graph" in errors["synchronize"], errors
+        for i, (got, small, gathered, side) in enumerate(out):
+            want = reference([make_input("sum", torch.float32, 70001, p, 100 + i) for p in range(n)], "sum",
+                             torch.float32)
+            assert torch.equal(got, want), f"rank {r.rank} replay {i}: all_reduce"
+            want = reference([make_input("max", torch.bfloat16, 1031, p, 200 + i) for p in range(n)], "max",
+                             torch.bfloat16)
+            assert torch.equal(small, want), f"rank {r.rank} replay {i}: in-place max"
+            want = torch.cat([make_input("sum", torch.float64, 1031, p, 300 + i) for p in range(n)])
+            assert torch.equal(gathered, want), f"rank {r.rank} replay {i}: all_gather"
+            want = reference([make_input("sum", torch.float32, 257, p, 400 + i) for p in range(n)], "sum",
+                             torch.float32)
+            assert torch.equal(side, want), f"rank {r.rank} replay {i}: the eager call between replays"
+
+
+def _rank_dp_graph(steps):
+    """A DataParallel step (forward, backward with the bucket hooks, a capturable AdamW step)
+    captured once and replayed; the loss of each replay, and the parameters after."""
+    pz.init(backend="ipc", timeout=120)
+    n, me = pz.get_world_size(), pz.get_rank()
+    per = 8 // n
+    model = make_model().cuda()
+    dp = pz.DataParallel(model, bucket_mb=0.001)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    x_static = torch.zeros(per, 16, device="cuda")
+    y_static = torch.zeros(per, 4, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(dp(x_static), y_static)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up steps, eager, on a side stream: they train too
+        for k in range(2):
+            x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(k))
+            x_static.copy_(x)
+            y_static.copy_(y)
+            losses.append(float(step()))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        loss_static = step()
+    for k in range(2, steps):
+        x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(k))
+        x_static.copy_(x)
+        y_static.copy_(y)
+        g.replay()
+        losses.append(float(loss_static))
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    pz.destroy()
+    return losses, state
+
+
+def test_captured_data_parallel_step_equals_eager_training():
+    """The whole DataParallel step in a CUDA graph (its bucket all_reduces inside the graph) trains
+    as one process does eagerly: the same losses and parameters."""
+    steps = 6
+    model = make_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_losses = []
+    for k in range(steps):
+        x, y = (t.cuda() for t in batch(k))
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss)
+    ref = {k: v.cpu() for k, v in model.state_dict().items()}
+    res = run_ranks(_rank_dp_graph, 2, args=(steps,), start="spawn", timeout=300, env=ENV)
+    for r in res:
+        losses, state = r.value
+        # each rank's loss is of its half of the batch; their mean is the full batch's loss
+        assert len(losses) == steps
+    mean = [(a + b) / 2 for a, b in zip(res[0].value[0], res[1].value[0])]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor([float(v) for v in ref_losses]), rtol=1e-5, atol=1e-6)
+    for r in res:
+        for k, want in ref.items():
+            torch.testing.assert_close(r.value[1][k], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k, r=r: f"rank {r.rank} {k}: {m}")

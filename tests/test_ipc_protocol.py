@@ -5,8 +5,10 @@ sequences of every collective, dtype and op (uneven and zero counts, in place an
 pauses that let peers run ahead, through both the 16-byte vector loops and the scalar ones (pointers
 that share no alignment), and compares every result bitwise with the shm one-shot's reduction
 (cpu_reduce.h) in rank order; then a rank that never calls (the others time out naming it) and a
-mismatched call (every rank reports it, the next call works). Built once more with the two epoch areas
-made one, a broken ordering, it must find wrong results.
+mismatched call (every rank reports it, the next call works). Then replays: one call's launches run 40
+times with byte-identical parameters, as a CUDA graph replays its kernels (the epoch lives on the device),
+with fresh inputs each time. Built once more with the two epoch areas made one, a broken ordering, it must
+find wrong results.
 """
 import re
 import shutil
@@ -38,6 +40,8 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     assert m and int(m.group(2)) == 0 and int(m.group(1)) >= 2800, out[-2000:]
     runs = re.findall(r"ranks \d blocks \d: 160 calls, 0 wrong, 0 failed \((\d+) launches\)", out)
     assert len(runs) == 6 and all(int(n) > 200 for n in runs), out  # many calls ran in several pieces
+    replays = re.findall(r"replay ranks \d kind \d: 40 calls, 0 wrong, 0 failed", out)
+    assert len(replays) == 6 and "replayed launches whose parameters differ: 0" in out, out
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
     assert "close: codes 4 4 2, peers 2 2" in out, out  # peers learn that rank 2 left; it sees a mismatch
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # misaligned peers stay scalar, the rest 16-byte

@@ -24,7 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import pyzero  # noqa: F401  (registers the backend)
 from pyzero.launch import run_ranks
 
-TIMEOUT = datetime.timedelta(seconds=20)
+# A pyzero call that fails on one rank leaves the others waiting for it until pyzero's timeout; gloo's,
+# longer, keeps the gloo groups usable meanwhile, so every case after a failure still runs and reports.
+TIMEOUT = datetime.timedelta(seconds=10)
+GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 R = dist.ReduceOp
 # every dtype either backend might take; where gloo raises, pyzero must raise too
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
@@ -102,13 +105,14 @@ class Groups:
 
     def __init__(self, backend: str | None, world):
         n, me = dist.get_world_size(), dist.get_rank()
+        timeout = TIMEOUT if backend is None else GLOO_TIMEOUT
         self.name = backend or "pyzero"
         self.world = world
-        self.pair = dist.new_group([0, n - 1], backend=backend, timeout=TIMEOUT)  # ranks 0 and n-1
+        self.pair = dist.new_group([0, n - 1], backend=backend, timeout=timeout)  # ranks 0 and n-1
         # one subgroup per rank from new_subgroups_by_enumeration (a one-rank group at 2 ranks)
         lists = [[0, 2], [1]] if n == 3 else [[0], [1]]
-        self.enum, _ = dist.new_subgroups_by_enumeration(lists, backend=backend, timeout=TIMEOUT)
-        self.whole, _ = dist.new_subgroups(group_size=n, backend=backend, timeout=TIMEOUT)
+        self.enum, _ = dist.new_subgroups_by_enumeration(lists, backend=backend, timeout=timeout)
+        self.whole, _ = dist.new_subgroups(group_size=n, backend=backend, timeout=timeout)
         if backend is None:
             self.mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("x",))
         else:
@@ -253,6 +257,12 @@ def reductions(s: Suite):
         dist._reduce_scatter_base(out, val(torch.float32, (4 * n,), 9, me), group=g.world)
         return out
     s.case("_reduce_scatter_base", rs_base)
+
+    def rs_single(g):
+        out = torch.zeros(2, 2, dtype=torch.float64)
+        dist.reduce_scatter_single(out, val(torch.float64, (2 * n, 2), 21, me), op=R.MIN, group=g.world)
+        return out
+    s.case("reduce_scatter_single", rs_single)
 
     def rs_empty(g):
         out = torch.zeros(0)
@@ -409,6 +419,12 @@ def gathers(s: Suite):
         return out
     s.case("all_gather_into_tensor non-contiguous input", agt_noncontig)
 
+    def ag_single(g):
+        out = torch.zeros(2 * n, 2, dtype=torch.bfloat16)
+        dist.all_gather_single(out, val(torch.bfloat16, (2, 2), 820, me), group=g.world)
+        return out
+    s.case("all_gather_single", ag_single)
+
     def agt_base(g):
         out = torch.zeros(2 * n, dtype=torch.int32)
         dist._all_gather_base(out, val(torch.int32, (2,), 806, me), group=g.world)
@@ -465,10 +481,12 @@ def gathers(s: Suite):
 
         # gloo checks sizes on the root alone (the other ranks would hang); pyzero, like NCCL, carries
         # every rank's own size: checked against the inputs
-        outs = [torch.zeros(r + 1) for r in range(n)] if me == root else None
-        dist.gather(val(torch.float32, (me + 1,), 813, me), outs, dst=root, group=s.pz.world)
-        s.check(f"gather uneven dst={root}", outs,
-                [val(torch.float32, (r + 1,), 813, r) for r in range(n)] if me == root else None)
+        def gather_uneven(g, root=root):
+            outs = [torch.zeros(r + 1) for r in range(n)] if me == root else None
+            dist.gather(val(torch.float32, (me + 1,), 813, me), outs, dst=root, group=g.world)
+            return outs
+        s.case(f"gather uneven dst={root}", gather_uneven,
+               ref=lambda g, root=root: [val(torch.float32, (r + 1,), 813, r) for r in range(n)] if me == root else None)
 
         def gather_noncontig(g, root=root):
             outs = [torch.zeros(2, 3).t() for r in range(n)] if me == root else None
@@ -482,10 +500,12 @@ def gathers(s: Suite):
             return outs
         s.case(f"gather empty dst={root}", gather_empty)
 
-        out = torch.zeros(me + 1)
-        ins = [val(torch.float32, (r + 1,), 815, r) for r in range(n)] if me == root else None
-        dist.scatter(out, ins, src=root, group=s.pz.world)
-        s.check(f"scatter uneven src={root}", out, val(torch.float32, (me + 1,), 815, me))
+        def scatter_uneven(g, root=root):
+            out = torch.zeros(me + 1)
+            ins = [val(torch.float32, (r + 1,), 815, r) for r in range(n)] if me == root else None
+            dist.scatter(out, ins, src=root, group=g.world)
+            return out
+        s.case(f"scatter uneven src={root}", scatter_uneven, ref=lambda g: val(torch.float32, (me + 1,), 815, me))
 
         def scatter_noncontig(g, root=root):
             out = torch.zeros(3, 2).t()
@@ -720,6 +740,8 @@ def point_to_point(s: Suite):
                   ["recv", "tag=3", "tag=0"])
     s.unsupported("recv from any source", lambda g: dist.recv(torch.zeros(2), group=g.world),
                   ["recv", "src=None", "sender"])
+    s.unsupported("irecv from any source", lambda g: dist.irecv(torch.zeros(2), group=g.world),
+                  ["recv", "src=None", "sender"])
 
 
 def barriers(s: Suite):
@@ -870,6 +892,8 @@ def subgroups(s: Suite):
         dist.broadcast(torch.zeros(2), src=n, group=g.world)
     s.case("broadcast src out of range raises", bad_rank)
 
+    s.case("shrink_group", lambda g: dist.shrink_group([n - 1], group=g.world) and "shrunk")
+
     def split(g):
         return dist.split_group(g.world, [[0]] + ([list(range(1, n))] if n > 1 else []))
     s.case("split_group (needs a bound device: raises on CPU)", split)
@@ -877,14 +901,14 @@ def subgroups(s: Suite):
 
 def _rank_conformance():
     dist.init_process_group("pyzero", timeout=TIMEOUT)
-    gloo_world = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    gloo_world = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
     pz = Groups(None, dist.group.WORLD)
     gl = Groups("gloo", gloo_world)
     s = Suite(pz, gl)
     for part in (reductions, gathers, all_to_all, objects, point_to_point, barriers, async_work, functional,
                  subgroups):
         part(s)
-        dist.barrier()  # a part's failure stays in that part
+        dist.barrier(group=gloo_world)  # a part's failure stays in that part
     dist.destroy_process_group()
     return {"failures": s.failures, "cases": s.cases}
 

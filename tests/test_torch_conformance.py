@@ -8,7 +8,8 @@ both must raise. Calls pyzero deliberately does not carry (message tags, receivi
 from any source) must raise an error naming the call and what is supported.
 
 All cases of one world size run in one ``run_ranks`` call; each rank returns the
-names of the cases that differ, with both outcomes.
+names of the cases that differ, with both outcomes. With PYZERO_CONFORMANCE_LOG=path
+set, each rank appends every case's two outcomes to path.<rank>.
 """
 from __future__ import annotations
 
@@ -143,8 +144,8 @@ class Suite:
             ref = lambda g: cast(fn(g, dtype=WIDER[dtype]), dtype)  # noqa: E731
         want = self.outcome(ref or fn, self.gl)
         got = self.outcome(fn, self.pz)
-        if os.environ.get("CONF_TRACE"):
-            with open(f"{os.environ['CONF_TRACE']}.{self.me}", "a") as f:
+        if os.environ.get("PYZERO_CONFORMANCE_LOG"):
+            with open(f"{os.environ['PYZERO_CONFORMANCE_LOG']}.{self.me}", "a") as f:
                 print(name, "| pz:", show(got), "| gloo:", show(want), file=f)
         if not same(got, want):
             if isinstance(got, dict) and isinstance(want, dict) and got.keys() == want.keys():
@@ -486,7 +487,8 @@ def gathers(s: Suite):
             dist.gather(val(torch.float32, (me + 1,), 813, me), outs, dst=root, group=g.world)
             return outs
         s.case(f"gather uneven dst={root}", gather_uneven,
-               ref=lambda g, root=root: [val(torch.float32, (r + 1,), 813, r) for r in range(n)] if me == root else None)
+               ref=lambda g, root=root: [val(torch.float32, (r + 1,), 813, r) for r in range(n)] if me == root
+               else None)
 
         def gather_noncontig(g, root=root):
             outs = [torch.zeros(2, 3).t() for r in range(n)] if me == root else None

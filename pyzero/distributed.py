@@ -40,7 +40,10 @@ __all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
 NAME = "pyzero"
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
-        ReduceOp.PRODUCT: "prod", ReduceOp.PREMUL_SUM: "sum"}
+        ReduceOp.PRODUCT: "prod", ReduceOp.PREMUL_SUM: "sum", ReduceOp.BAND: "band", ReduceOp.BOR: "bor",
+        ReduceOp.BXOR: "bxor"}
+# Bitwise reductions pyzero's core has no code for: an all_gather, reduced here with torch's function.
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 # Dtypes pyzero has no code for, carried as a wider one (exact for every value of the narrow type).
 _WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -245,16 +248,37 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     return buf, (lambda: base.copy_(buf))
 
 
+# send/recv only move bytes: a dtype pyzero has no code for (uint16/32/64, float8) travels as one of its size
+_BITS = {2: torch.float16, 4: torch.int32, 8: torch.int64}
+
+
+def _stage_bytes(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
+    """_stage for send/recv, which also carry every other dtype bit for bit (as gloo does)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_complex() or t.dtype in DTYPES \
+            or t.dtype in _WIDEN:
+        return _stage(t, op, arg, copy_in)
+    carrier = _BITS.get(t.element_size(), torch.uint8)  # 1-byte dtypes as uint8 (widened by _stage)
+    if t.is_contiguous():
+        return _stage(t.view(carrier), op, arg, copy_in)
+    dense = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+    buf, back = _stage(dense.view(carrier), op, arg, copy_in)
+    return buf, _chain(back, lambda: t.copy_(dense))
+
+
 def _reduction_error(kind, op: str, dtype: torch.dtype) -> str | None:
     """Why reduce op `kind` (a ReduceOp.RedOpType) cannot reduce `dtype` here, or None."""
     name = _OPS.get(kind)
     if name is None:
         return f"{op}: reduce op {kind} is not supported by the {NAME!r} backend; expected SUM, AVG, MIN, MAX, " \
-               "PRODUCT or PREMUL_SUM"
+               "PRODUCT, PREMUL_SUM, BAND, BOR or BXOR"
     if dtype.is_complex and name not in ("sum", "avg"):
         return f"{op}: reduce op {kind} is not defined for complex tensors ({dtype})"
     if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         return f"{op}: ReduceOp.AVG needs a floating-point tensor, got {dtype} (use SUM and divide)"
+    if kind == ReduceOp.PREMUL_SUM and not (dtype.is_floating_point or dtype.is_complex):
+        return f"{op}: ReduceOp.PREMUL_SUM needs a floating-point tensor, got {dtype}"
+    if name in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        return f"{op}: reduce op {kind} needs an integer or bool tensor, got {dtype}"
     return None
 
 
@@ -269,7 +293,8 @@ _SUM = ReduceOp.SUM
 
 
 def _reduction(reduce_op, op: str, t: torch.Tensor):
-    """(pyzero's op name, the PREMUL_SUM factor or None) of torch's `reduce_op` on `t`."""
+    """(pyzero's op name, None) of torch's `reduce_op` on `t`; for the ops pyzero's core lacks, the second
+    item is PREMUL_SUM's factor (applied before a sum) or BAND/BOR/BXOR's torch function."""
     if reduce_op == _SUM and t.dtype in DTYPES:  # the common case: one comparison of torch's enums
         return "sum", None
     kind = reduce_op.op if isinstance(reduce_op, ReduceOp) else reduce_op
@@ -280,7 +305,7 @@ def _reduction(reduce_op, op: str, t: torch.Tensor):
             raise ValueError(error)
         found = (_OPS[kind], kind == ReduceOp.PREMUL_SUM)  # a dtype pyzero cannot carry: _stage says so
     name, premul = found
-    return name, (reduce_op.factor if premul else None)
+    return name, (reduce_op.factor if premul else _BITWISE.get(name))
 
 
 def _chain(*fns):
@@ -398,13 +423,35 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         raise ValueError(f"device map {config!r}: backend {name!r} for {kind} tensors beside {NAME!r} is not "
                          "supported; expected nccl or gloo")
 
-    def _reduce_buffer(self, t, reduce_op, op: str, arg: str):
-        """(buffer, pz op name, copy-back) for reducing `t` in place."""
-        name, factor = _reduction(reduce_op, op, t)
+    def _allreduce_one(self, t, reduce_op, op: str, arg: str, async_op: bool):
+        """(pyzero work or None when done, copy-back) reducing `t` in place."""
+        name, extra = _reduction(reduce_op, op, t)
+        if extra is not None:
+            return self._allreduce_special(t, name, extra, op, arg, async_op)
         buf, back = _stage(t, op, arg)
-        if factor is not None:
-            buf.mul_(factor)
-        return buf, name, back
+        return comm.all_reduce(buf, name, self.group, async_op=async_op), back
+
+    def _allreduce_special(self, t, name: str, extra, op: str, arg: str, async_op: bool):
+        """_allreduce_one for PREMUL_SUM (`extra` the factor) and the bitwise ops (`extra` torch's function)."""
+        if name in _BITWISE:
+            result = self._bitwise(t, extra, op, arg)
+            return None, (lambda: t.copy_(result))
+        buf, back = _stage(t, op, arg)
+        buf.mul_(extra)
+        return comm.all_reduce(buf, name, self.group, async_op=async_op), back
+
+    def _bitwise(self, t, fn, op: str, arg: str) -> torch.Tensor:
+        """fn (torch.bitwise_and/or/xor) over every rank's `t`, elementwise, as a new tensor of t's shape:
+        one all_gather, reduced here (synchronous)."""
+        rows = torch.empty((self.group.size, t.numel()), dtype=t.dtype)
+        issue, back = self._all_gather_flat(rows, t.reshape(-1), op, False)
+        issue()
+        if back is not None:
+            back()
+        out = rows[0].clone()
+        for row in rows[1:]:
+            fn(out, row, out=out)
+        return out.view(t.shape)
 
     # ---- all_reduce ----
 
@@ -413,7 +460,11 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         t = _one(tensors, "allreduce", "tensors")
         if (w := self._other(t, "allreduce", tensors, opts)) is not None:
             return w
-        buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce", "tensors[0]")
+        name, extra = _reduction(opts.reduceOp, "allreduce", t)
+        if extra is not None:  # PREMUL_SUM, BAND, BOR, BXOR
+            work, back = self._allreduce_special(t, name, extra, "allreduce", "tensors[0]", opts.asyncOp)
+            return self._work([work], tensors, back)
+        buf, back = _stage(t, "allreduce", "tensors[0]")
         return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -436,8 +487,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, finish)
         works, backs = [], []
         for i, t in enumerate(tensors):
-            buf, name, back = self._reduce_buffer(t, opts.reduceOp, "allreduce_coalesced", f"tensors[{i}]")
-            works.append(comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp))
+            work, back = self._allreduce_one(t, opts.reduceOp, "allreduce_coalesced", f"tensors[{i}]", opts.asyncOp)
+            works.append(work)
             backs.append(back)
         return self._work(works, tensors, _chain(*backs))
 
@@ -493,8 +544,42 @@ class ProcessGroupPyzero(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        works = [self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list, strict=True)]
-        return self._work(works, output_lists)
+        """output_lists[r][i] receives rank r's input_list[i]: one all_gather of every rank's inputs
+        end to end (each rank's total may differ)."""
+        opts = _OPTIONS.AllgatherOptions() if opts is None else opts
+        if input_list and (w := self._other(input_list[0], "allgather_coalesced", output_lists, input_list,
+                                            opts)) is not None:
+            return w
+        op, n = "allgather_coalesced", self.group.size
+        if len(output_lists) != n:
+            raise ValueError(f"{op}: output_tensor_lists must hold {n} lists (one per rank), got {len(output_lists)}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_list):
+                raise ValueError(f"{op}: output_tensor_lists[{r}] must hold {len(input_list)} tensors (one per "
+                                 f"input tensor), got {len(outs)}")
+            for i, (o, t) in enumerate(zip(outs, input_list)):
+                if o.dtype != t.dtype:
+                    raise TypeError(f"{op}: output_tensor_lists[{r}][{i}] has dtype {o.dtype}, input_tensor_list[{i}] "
+                                    f"{t.dtype}")
+                if r == self.group.rank and o.numel() != t.numel():
+                    raise ValueError(f"{op}: output_tensor_lists[{r}][{i}] holds {o.numel()} elements, this rank's "
+                                     f"input_tensor_list[{i}] {t.numel()}")
+        if not input_list:
+            return self._work([], output_lists)
+        real = [torch.view_as_real(t) if t.is_complex() else t for t in input_list]  # counts of real elements
+        outs = [[torch.view_as_real(o) if o.is_complex() else o for o in row] for row in output_lists]
+        sizes = [[o.numel() for o in row] for row in outs]
+        counts = [sum(row) for row in sizes]
+        if len({t.dtype for t in real}) != 1:
+            raise TypeError(f"{op}: input_tensor_list must hold tensors of one dtype, got {[t.dtype for t in real]}")
+        flat = torch.empty(sum(counts), dtype=real[0].dtype)
+
+        def finish():
+            for row, row_sizes, part in zip(outs, sizes, flat.split(counts)):
+                for o, piece in zip(row, part.split(row_sizes)):
+                    o.copy_(piece.view(o.shape))
+        issue, back = self._all_gather_flat(flat, torch.cat([t.reshape(-1) for t in real]), op, opts.asyncOp, counts)
+        return self._work([issue()], output_lists, _chain(back, finish))
 
     # ---- reduce_scatter ----
 
@@ -503,12 +588,29 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if out.dtype != inp.dtype:
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         name, factor = _reduction(reduce_op, op, inp)
+        if name in _BITWISE:
+            return self._bitwise_scatter(out, inp, factor, op, counts), None
         bo, back = _stage(out, op, "output", copy_in=False)
         if factor is not None:
             bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
         else:
             bi = _stage(inp, op, "input")[0]
         return lambda: comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
+
+    def _bitwise_scatter(self, out, inp, fn, op: str, counts):
+        """The issue function of a bitwise reduce_scatter: this rank's chunk of _bitwise over `inp`."""
+        n, me = self.group.size, self.group.rank
+        counts = [out.numel()] * n if counts is None else counts
+        if sum(counts) != inp.numel() or counts[me] != out.numel():
+            raise ValueError(f"{op}: input holds {inp.numel()} elements and output {out.numel()}; expected "
+                             f"{sum(counts)} and {counts[me]} (chunks of {counts} elements, one per rank)")
+        _stage(out, op, "output", copy_in=False)  # checks the output's dtype and device before anything is issued
+
+        def issue():
+            whole = self._bitwise(inp, fn, op, "input").reshape(-1)
+            start = sum(counts[:me])
+            out.copy_(whole[start:start + out.numel()].view(out.shape))
+        return issue
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
@@ -565,12 +667,9 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(t, "reduce", tensors, opts)) is not None:
             return w
         self._global(opts.rootRank, "reduce", "dst")
-        if opts.rootRank == self.group.rank:
-            buf, name, back = self._reduce_buffer(t, opts.reduceOp, "reduce", "tensors[0]")
-        else:
-            buf, name, back = self._reduce_buffer(t.clone(), opts.reduceOp, "reduce", "tensors[0]")
-            back = None
-        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
+        target = t if opts.rootRank == self.group.rank else t.clone()
+        work, back = self._allreduce_one(target, opts.reduceOp, "reduce", "tensors[0]", opts.asyncOp)
+        return self._work([work], tensors, back if target is t else None)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """Every other rank sends its tensor to the root (pyzero's point-to-point channels)."""
@@ -656,12 +755,18 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         opts = _OPTIONS.BarrierOptions() if opts is None else opts
         return self._work([comm.barrier(self.group, async_op=opts.asyncOp)], [])
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        """A barrier (ProcessGroup.monitored_barrier; torch's dist.monitored_barrier takes only gloo groups).
+        A rank that does not arrive within the group's timeout is named by pyzero's CollectiveTimeout on
+        every rank, so `timeout` and `wait_all_ranks` change nothing."""
+        comm.barrier(self.group)
+
     def send(self, tensors, dst: int, tag: int = 0):
         t = _one(tensors, "send", "tensors")
         if (w := self._other(t, "send", tensors, dst, tag)) is not None:
             return w
         _check_tag(tag, "send")
-        buf, _ = _stage(t, "send", "tensor")
+        buf, _ = _stage_bytes(t, "send", "tensor")
         return self._work([comm.send(buf, self._global(dst, "send", "dst"), self.group, async_op=True)], tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
@@ -669,7 +774,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(t, "recv", tensors, src, tag)) is not None:
             return w
         _check_tag(tag, "recv")
-        buf, back = _stage(t, "recv", "tensor", copy_in=False)
+        buf, back = _stage_bytes(t, "recv", "tensor", copy_in=False)
         return self._work([comm.recv(buf, self._global(src, "recv", "src"), self.group, async_op=True)], tensors,
                           back)
 

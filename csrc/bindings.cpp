@@ -426,6 +426,7 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", [](NcclWork& w, uintptr_t stream) { py::gil_scoped_release nogil; w.wait(stream); },
            py::arg("stream"), "Make `stream` wait for the operation (no host block); raises the group's failure")
       .def("is_completed", [](NcclWork& w) { py::gil_scoped_release nogil; return w.completed(); })
+      .def_property_readonly("captured", &NcclWork::captured, "Issued into a CUDA graph capture")
       .def("synchronize", [](NcclWork& w) { py::gil_scoped_release nogil; w.synchronize(); },
            "Block the host until the operation finished");
 
@@ -488,6 +489,7 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", [](IpcWork& w, uintptr_t stream) { py::gil_scoped_release nogil; w.wait(stream); },
            py::arg("stream"), "Make `stream` wait for the operation (no host block); raises a recorded failure")
       .def("is_completed", [](IpcWork& w) { py::gil_scoped_release nogil; return w.completed(); })
+      .def_property_readonly("captured", &IpcWork::captured, "Issued into a CUDA graph capture")
       .def("synchronize", [](IpcWork& w) { py::gil_scoped_release nogil; w.synchronize(); },
            "Block the host until the operation finished");
 

@@ -237,6 +237,8 @@ void refuse_host_wait(const IpcWork::State& s, const char* how) {
 }
 }  // namespace
 
+bool IpcWork::captured() const { return s_->captured; }
+
 bool IpcWork::completed() {
   refuse_host_wait(*s_, "is_completed()");
   DeviceGuard guard(s_->device);

@@ -60,7 +60,8 @@ class IpcWork {
   struct State;
   explicit IpcWork(std::shared_ptr<State> s) : s_(std::move(s)) {}
   void wait(uintptr_t stream);  // `stream` waits for the operation; raises a recorded failure
-  bool completed();
+  bool completed();  // (raises for a captured call: see captured())
+  bool captured() const;  // issued into a CUDA graph capture: the host cannot wait for it
   void synchronize();  // the host waits; raises a recorded failure
 
  private:

@@ -77,6 +77,7 @@ struct NcclWork::State {
   std::shared_ptr<NcclTransport::Impl> impl;
   std::shared_ptr<Event> ev;
   std::string what;
+  bool captured = false;  // issued into a CUDA graph capture: the host cannot wait for it
 };
 
 struct NcclTransport::Impl {
@@ -92,6 +93,8 @@ struct NcclTransport::Impl {
   uint64_t seq = 0;
   std::shared_ptr<Event> last;  // see [Note: ordering across streams]
   cudaStream_t last_stream = nullptr;
+  unsigned long long last_capture = 0;  // the capture `last` was recorded in (0: none), see
+                                        // [Note: nccl calls in a CUDA graph]
   bool aborted = false, closed = false;
 
   std::mutex fmu;            // guards `why`
@@ -259,6 +262,9 @@ struct NcclTransport::Impl {
   // so only the oldest one is polled.
   void watchdog_loop() {
     cudaSetDevice(device);
+    // Relaxed: its event queries are allowed (and harmless) while another thread captures a graph.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
     std::unique_lock<std::mutex> g(wmu);
     while (!stop) {
       if (watch.empty() || broken.load()) {
@@ -313,20 +319,36 @@ struct NcclTransport::Impl {
     DeviceGuard dg(device);
     std::shared_ptr<Event> ev;
     std::string label;
+    bool captured = false;
     {
       std::lock_guard<std::mutex> g(mu);
       if (closed) throw CollectiveError(where(what) + ": the group was destroyed (pz.destroy() was called)");
+      auto cs = reinterpret_cast<cudaStream_t>(caller);
+      // [Note: nccl calls in a CUDA graph]
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      unsigned long long capture_id = 0;
+      PZ_CUDA_CHECK(cudaStreamGetCaptureInfo(cs, &capture, &capture_id));
+      if (capture == cudaStreamCaptureStatusInvalidated)
+        throw CollectiveError(where(what) + ": the CUDA graph capture on the current stream was invalidated "
+                                            "before this call; end it and capture again");
+      captured = capture == cudaStreamCaptureStatusActive;
+      if (!captured) capture_id = 0;
+      if (captured && (wait_host || (!async_op && cfg.blocking_wait)))
+        throw CollectiveError(where(what) + ": " + (wait_host ? "a synchronous barrier" : "blocking_wait") +
+                              " waits on the host, which a CUDA graph capture cannot do; pass async_op=True and "
+                              "wait() its work inside the capture" +
+                              (wait_host ? "" : ", or create the group without blocking_wait"));
       if (is_collective) ++seq;
       label = where(what);
       if (broken.load()) throw_broken(label);
-      auto cs = reinterpret_cast<cudaStream_t>(caller);
       cudaStream_t s = async_op ? stream : cs;
       try {
         if (async_op) {
           PZ_CUDA_CHECK(cudaEventRecord(handoff, cs));
           PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, handoff, 0));
         }
-        if (last && last_stream != s) PZ_CUDA_CHECK(cudaStreamWaitEvent(s, last->e, 0));
+        if (last && last_stream != s && last_capture == capture_id)
+          PZ_CUDA_CHECK(cudaStreamWaitEvent(s, last->e, 0));
         body(s);
         ev = std::make_shared<Event>();
         PZ_CUDA_CHECK(cudaEventRecord(ev->e, s));
@@ -336,11 +358,14 @@ struct NcclTransport::Impl {
       }
       last = ev;
       last_stream = s;
-      watch_push(ev, label);  // under mu: the watchdog's queue is in issue order (wmu is taken inside mu only)
+      last_capture = capture_id;
+      // under mu: the watchdog's queue is in issue order (wmu is taken inside mu only)
+      if (!captured) watch_push(ev, label);
     }
     if (wait_host || (!async_op && cfg.blocking_wait)) host_wait(*ev, label);
     if (!async_op) return nullptr;
-    return std::make_shared<NcclWork>(std::make_shared<NcclWork::State>(NcclWork::State{shared(), ev, label}));
+    return std::make_shared<NcclWork>(
+        std::make_shared<NcclWork::State>(NcclWork::State{shared(), ev, label, captured}));
   }
 
   std::weak_ptr<Impl> self;
@@ -402,7 +427,7 @@ void NcclTransport::Impl::close() {
     closed = true;
   }
   std::shared_ptr<Event> l = last;  // no call can change it any more
-  if (l && !broken.load()) {
+  if (l && !broken.load() && last_capture == 0) {  // (a captured event cannot be polled)
     try {
       host_wait(*l, "destroy");  // issued work finishes first (the watchdog still times it out)
     } catch (...) {
@@ -452,7 +477,19 @@ void NcclWork::wait(uintptr_t stream) {
 // Complete only once the operation's event has completed, also on a broken
 // group: the buffers it reads and writes must outlive the kernels (an aborted
 // communicator's kernels exit, and then the event completes).
+namespace {
+void refuse_captured(const NcclWork::State& s, const char* how) {
+  if (s.captured)
+    throw CollectiveError(s.what + ": " + how + " on the host is not possible for a call captured into a CUDA "
+                          "graph; work.wait() inside the capture makes the stream wait for it, and the graph's "
+                          "replays are waited for as any stream work (e.g. torch.cuda.synchronize())");
+}
+}  // namespace
+
+bool NcclWork::captured() const { return s_->captured; }
+
 bool NcclWork::completed() {
+  refuse_captured(*s_, "is_completed()");
   auto& t = *s_->impl;
   DeviceGuard dg(t.device);
   cudaError_t e = cudaEventQuery(s_->ev->e);
@@ -464,7 +501,10 @@ bool NcclWork::completed() {
   return true;
 }
 
-void NcclWork::synchronize() { s_->impl->host_wait(*s_->ev, s_->what); }
+void NcclWork::synchronize() {
+  refuse_captured(*s_, "synchronize()");
+  s_->impl->host_wait(*s_->ev, s_->what);
+}
 
 // ---------------------------------------------------------------------------
 // Set-up

@@ -26,6 +26,22 @@
 // group's operations run in call order whatever streams they were issued on,
 // and the staging buffers are never used by two operations at once.
 //
+// [Note: nccl calls in a CUDA graph]
+// A call issued while the caller's stream captures (torch.cuda.graph) becomes
+// nodes of the graph: NCCL's kernels, pyzero's ring and one-shot kernels, the
+// staging copies. An event cannot order work across the capture's boundary
+// (CUDA refuses a dependency that crosses it), so the wait on the previous
+// operation is made only when both lie on the same side of it (the same
+// capture, or none); across it, stream order rules, as for any captured work:
+// the graph replays where it is launched, and an eager call after a replay
+// must be issued on that stream (or wait for it), as with torch's NCCL. A
+// captured call is not given to the watchdog (its event cannot be polled; a
+// replay that hangs is seen by the next eager call's deadline). Host waits are
+// refused inside a capture before anything is issued: a synchronous barrier,
+// blocking_wait, and synchronize()/is_completed() of a captured call. The
+// watchdog thread polls in relaxed capture mode, so its queries never
+// invalidate a capture running on another thread.
+//
 // Failures: an NCCL error throws CollectiveError naming the operation, rank,
 // sequence number, ncclGetErrorString and ncclGetLastError. The communicator
 // is non-blocking (config.blocking = 0), so set-up and connection are bounded
@@ -104,6 +120,8 @@ class NcclWork {
   void wait(uintptr_t stream);
   // True once the operation finished on the GPU (or the group failed: wait() raises).
   bool completed();
+  // Issued into a CUDA graph capture: synchronize() and completed() raise (no host can wait for it).
+  bool captured() const;
   // Blocks the host until the operation finished; raises the group's failure.
   void synchronize();
 

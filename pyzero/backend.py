@@ -187,8 +187,9 @@ class Work:
         return self._work.is_completed()
 
     def done(self) -> bool:
-        """Waited on, or known to be complete: its buffers may be released."""
-        return self._keep is None or self._work.is_completed()
+        """Waited on, or known to be complete: its buffers may be released. (A call captured into
+        a CUDA graph is done once waited on: the host cannot see its replays.)"""
+        return self._keep is None or (not getattr(self._work, "captured", False) and self._work.is_completed())
 
 
 class RawGroup:

@@ -258,6 +258,58 @@ def test_world1_stream_ordering(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# CUDA graphs: calls captured with torch.cuda.graph and replayed
+
+
+def test_world1_calls_captured_in_a_cuda_graph(monkeypatch):
+    """all_gather (native and ring) and an async all_reduce captured in one graph, replayed with
+    fresh inputs and eager calls between replays, equal the eager results; host waits inside the
+    capture raise a clear error and leave the capture usable."""
+    with nccl_world(monkeypatch):
+        dev = torch.device("cuda", pz.get_local_rank())
+        own = torch.zeros(4099, device=dev)
+        gathered = {algo: torch.zeros(4099, device=dev) for algo in ("native", "ring")}
+        acc = torch.zeros(65537, dtype=torch.bfloat16, device=dev)
+        side = torch.zeros(5, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up, as torch.cuda.graph asks
+            for algo, out in gathered.items():
+                pz.all_gather(out, own, algo=algo)
+            pz.all_reduce(acc, op="avg", async_op=True).wait()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        errors = []
+        with torch.cuda.graph(g):
+            for algo, out in gathered.items():
+                pz.all_gather(out, own, algo=algo)
+            w = pz.all_reduce(acc, op="avg", async_op=True)
+            w.wait()
+            for call in (pz.barrier, w.synchronize, w.is_completed):
+                try:
+                    call()
+                except pz.CollectiveError as e:
+                    errors.append(str(e))
+        assert len(errors) == 3, errors
+        assert "a synchronous barrier waits on the host" in errors[0], errors
+        assert all("captured into a CUDA graph" in e for e in errors[1:]), errors
+        for i in range(3):
+            want = make_input("sum", torch.float32, 4099, 0, 10 + i)
+            own.copy_(want.to(dev))
+            acc_in = make_input("avg", torch.bfloat16, 65537, 0, 20 + i)
+            acc.copy_(acc_in.to(dev))
+            g.replay()
+            side.fill_(float(i))
+            pz.all_reduce(side)  # eager, between replays
+            for algo, out in gathered.items():
+                assert torch.equal(out.cpu(), want), f"replay {i} {algo}"
+            assert torch.equal(acc.cpu(), acc_in), f"replay {i}: avg of one rank"
+            assert torch.equal(side.cpu(), torch.full((5,), float(i)))
+        pz.barrier()  # eager host waits work again after the capture
+
+
+# ---------------------------------------------------------------------------
 # cupy arrays through __cuda_array_interface__
 
 

@@ -561,6 +561,10 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert [lines[i + 6].split()[0] for i in head] == ["16384", "16384"]
     with pytest.raises(ValueError, match="--rounds: expected a positive int, got 0"):
         collectives.main(p.parse_args(["--rounds", "0", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--graph: CUDA graphs need --device cuda"):
+        collectives.main(p.parse_args(["--graph", "10", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--graph: expected a count of calls >= 0, got -1"):
+        collectives.main(p.parse_args(["--graph", "-1", "--nproc", "2", "--device", "cuda"]))
     out = tmp_path / "pairs.json"  # fresh sets of ranks, each with its exchange probe and per-call percentiles
     args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "64K",
                          "--factor", "8192", "--iters", "20", "--warmup", "1", "--timeout", "120", "--per-call",

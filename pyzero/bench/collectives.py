@@ -73,6 +73,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--per-call", action="store_true",
                    help="time each call alone (median), not the mean of back-to-back calls")
+    p.add_argument("--graph", type=int, default=0, metavar="N",
+                   help="with --device cuda: capture N calls in a CUDA graph (torch.cuda.graph) and time its "
+                        "replays, per call (0: eager calls, the default); the check counts #wrong after the replays "
+                        "(out of place)")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each size this many times, alternating out-of-place and in-place and the backends, "
                         "and report the median (every round's time and start in the json): a slow phase of the "
@@ -282,40 +286,62 @@ def _sum_over_ranks(x: int) -> int:
     return int(t)
 
 
-def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False):
+def _captured(call, calls: int):
+    """A function replaying a CUDA graph of `calls` calls of `call` (warmed up on a side stream first,
+    as torch.cuda.graph asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return graph.replay
+
+
+def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False, graph=0):
     """(time_us, wrong, calls) for one configuration; every rank returns the same time_us and wrong. The
     time is the mean over back-to-back calls, or with `per_call` the median of the calls timed one by
-    one (the slowest rank's); `calls` then holds this rank's per-call times in seconds (else empty)."""
+    one (the slowest rank's); `calls` then holds this rank's per-call times in seconds (else empty).
+    With `graph` (CUDA) N calls are captured in a graph and its replays timed, per call."""
     import pyzero as pz  # noqa: PLC0415
 
     n, rank = pz.get_world_size(), pz.get_rank()
     r = Runner(backend, op, count, dtype, inplace, algo)
     r.call()
-    wrong = int((r.result.cpu() != expected(op, count, n, rank, 0, dtype)).sum())
+    want = expected(op, count, n, rank, 0, dtype)
+    wrong = int((r.result.cpu() != want).sum())
+    per = max(graph, 1)  # calls per timed step
+    step = _captured(r.call, graph) if graph else r.call
     _barrier(backend)
     t0 = time.perf_counter()
     for _ in range(max(warmup, 1)):
-        r.call()
+        step()
     _sync()
-    per_call_s = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1))
+    per_call_s = _max_over_ranks((time.perf_counter() - t0) / max(warmup, 1) / per)
     # Small messages: at least MIN_TIMED_S of timed calls, so one scheduler hiccup
     # cannot dominate a 10 us measurement (every rank derives the same count).
-    timed = int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters))
+    timed = max(1, int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters)) // per)
     _barrier(backend)
     times = []
     if per_call:
         for _ in range(timed):
             t0 = time.perf_counter()
-            r.call()
+            step()
             _sync()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / per)
         elapsed = statistics.median(times)
     else:
         t0 = time.perf_counter()
         for _ in range(timed):
-            r.call()
+            step()
         _sync()
-        elapsed = (time.perf_counter() - t0) / timed
+        elapsed = (time.perf_counter() - t0) / timed / per
+    if graph and not inplace:  # the replays computed the result too (in place, calls compound)
+        wrong += int((r.result.cpu() != want).sum())
     return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong), times
 
 
@@ -434,7 +460,7 @@ def rank_main(args) -> list[dict]:
                     for inplace in (False, True):
                         starts[(backend, inplace)].append(time.perf_counter() - t_start)
                         t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters,
-                                                     args.warmup, per_call)
+                                                     args.warmup, per_call, getattr(args, "graph", 0))
                         runs[(backend, inplace)].append((t_us, wrong))
                         calls[(backend, inplace)] += times
             for backend in cols:
@@ -510,6 +536,8 @@ def _column(backend: str, args) -> str:
 def _heading(op: str, backend: str, n: int, args, rounds: int, per_call: bool, several: bool) -> str:
     """A backend's table heading: what runs, how it is timed, then the column names."""
     timing = "each call timed alone, median" if per_call else "mean of back-to-back calls"
+    if getattr(args, "graph", 0):
+        timing = f"{args.graph} calls captured in a CUDA graph, replays timed per call ({timing.split(',')[0]})"
     if rounds > 1:
         timing += f"; median of {rounds} rounds alternating out-of-place and in-place"
     if several:
@@ -679,6 +707,11 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     _rounds(args)  # bad input fails here, before any rank starts
+    graph = getattr(args, "graph", 0)
+    if not isinstance(graph, int) or isinstance(graph, bool) or graph < 0:
+        raise ValueError(f"--graph: expected a count of calls >= 0, got {graph!r}")
+    if graph and getattr(args, "device", "cpu") != "cuda":
+        raise ValueError("--graph: CUDA graphs need --device cuda")
     pairs = getattr(args, "pairs", 1)
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
         raise ValueError(f"--pairs: expected a positive int, got {pairs!r}")

@@ -71,8 +71,9 @@ PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
-# Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so the whole check stays
-# under 10 minutes and a part that hangs is reported while the rest still runs.
+# Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
+# reported while the rest still runs. The limits of the default parts add up to about 18 minutes;
+# a session with less device time names the parts it needs (GPU_CHECK_PARTS).
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi

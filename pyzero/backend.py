@@ -160,7 +160,9 @@ class Work:
         self._keep = keep
         self._stream = stream_fn
 
-    def wait(self) -> bool:
+    def wait(self, release: bool = True) -> bool:
+        """`release=False` keeps the buffers referenced (a caller that waits on a stream other than
+        the one they were allocated on holds the work until that stream has passed the wait)."""
         try:
             if self._stream is None:
                 self._work.wait()
@@ -168,7 +170,8 @@ class Work:
                 self._work.wait(self._stream())
         except CollectiveError as e:
             raise Work.explain(self._work, e) from None
-        self._keep = None
+        if release:
+            self._keep = None
         return True
 
     def synchronize(self) -> bool:

@@ -332,14 +332,22 @@ def new_group(ranks: Sequence[int], options=None) -> Group:
     return _make_group(ranks, Options.make(options).merged(w.options))
 
 
+_STORE_BACKENDS = ("shm", "ipc", "nccl")
+
+
 def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, options=None,
-                     backend: str = "shm") -> Group:
+                     backend: str = "shm", device: int | None = None) -> Group:
     """A group outside pz.init()'s world, set up over `store` (a torch.distributed Store that only
     this group's members use, e.g. the one torch hands a process-group backend). `ranks` are the
     members' global ranks, `rank` this process's index in them; every member calls this once.
-    CPU backends only ("shm"); the caller closes the group."""
-    if backend != "shm":
-        raise ValueError(f"backend: a group from a store supports 'shm', got {backend!r}")
+    ``backend`` "shm" (CPU), or "ipc" / "nccl" on CUDA device index `device` (this process's GPU);
+    the caller closes the group."""
+    if backend not in _STORE_BACKENDS:
+        raise ValueError(f"backend: a group from a store supports {list(_STORE_BACKENDS)}, got {backend!r}")
+    if backend == "shm":
+        device = None
+    elif not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise ValueError(f"device: backend={backend!r} needs this process's CUDA device index, got {device!r}")
     ranks = tuple(int(r) for r in ranks)
     if not 0 <= rank < len(ranks):
         raise ValueError(f"rank: expected an index in [0, {len(ranks)}), got {rank}")
@@ -351,7 +359,7 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
         store.set(f"{key}/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get(f"{key}/token").decode()
     opts = Options.make(options)
-    setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), None, opts)
+    setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), device, opts, ranks)
     return Group(ranks, rank, -1, backends.backend_class(backend).create(setup), opts)
 
 

@@ -17,9 +17,12 @@ caller waits at once, and returns a :class:`PyzeroWork`. Ranks in the
 options (``rootRank``, ``dstRank``) are group ranks; the pyzero group's
 ``ranks`` are the torch global ranks, so they are translated once here.
 
-Tensors on other devices go to the backend the device map names for them
-(``"cpu:pyzero,cuda:nccl"``): torch hands the whole group to this class, so
-it keeps that backend beside it (see :meth:`ProcessGroupPyzero._other`).
+CUDA tensors go to pyzero's GPU transports (ipc where the group's ranks share
+a host, nccl across hosts, both by message size where both run: see
+:mod:`pyzero.distributed_cuda`), with torch's NCCL work semantics, unless the
+device map names another backend for them (``"cpu:pyzero,cuda:nccl"``): torch
+hands the whole group to this class, so it keeps that backend beside it (see
+:meth:`ProcessGroupPyzero._other`).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from torch.futures import Future
 
 from . import comm
 from .backend import DTYPES, SUPPORTED_DTYPES
+from .distributed_cuda import CudaGroups, CudaWork, DoneCudaWork, Held
 
 __all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
 
@@ -54,7 +58,7 @@ def register() -> None:
     """Register the "pyzero" backend with torch.distributed (idempotent; ``import pyzero`` calls it)."""
     if NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def _create(opts, backend_options):
@@ -232,9 +236,9 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
         raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_cpu and t.dtype in DTYPES and t.is_contiguous():  # the common case, checked first
         return t, None
-    if t.device.type != "cpu":
-        raise ValueError(f"{op}: {arg}: the {NAME!r} backend carries CPU tensors, got one on {t.device} "
-                         f"(map that device to another backend, e.g. 'cpu:{NAME},cuda:nccl')")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: {arg}: the {NAME!r} backend carries CPU and CUDA tensors, got one on {t.device} "
+                         f"(map that device to another backend, e.g. 'cpu:{NAME},{t.device.type}:<backend>')")
     base = torch.view_as_real(t) if t.is_complex() else t
     if base.dtype in DTYPES and base.is_contiguous():
         return base, None
@@ -242,7 +246,7 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     if dtype is None:
         raise TypeError(f"{op}: {arg} has dtype {t.dtype}, which the {NAME!r} backend cannot carry; expected "
                         f"one of {SUPPORTED_DTYPES}, bool, int8, uint8, int16 or a complex dtype")
-    buf = torch.empty(base.shape, dtype=dtype)
+    buf = torch.empty(base.shape, dtype=dtype, device=base.device)
     if copy_in:
         buf.copy_(base)
     return buf, (lambda: base.copy_(buf))
@@ -254,13 +258,13 @@ _BITS = {2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 def _stage_bytes(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     """_stage for send/recv, which also carry every other dtype bit for bit (as gloo does)."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_complex() or t.dtype in DTYPES \
+    if not isinstance(t, torch.Tensor) or t.device.type not in ("cpu", "cuda") or t.is_complex() or t.dtype in DTYPES \
             or t.dtype in _WIDEN:
         return _stage(t, op, arg, copy_in)
     carrier = _BITS.get(t.element_size(), torch.uint8)  # 1-byte dtypes as uint8 (widened by _stage)
     if t.is_contiguous():
         return _stage(t.view(carrier), op, arg, copy_in)
-    dense = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+    dense = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype, device=t.device)
     buf, back = _stage(dense.view(carrier), op, arg, copy_in)
     return buf, _chain(back, lambda: t.copy_(dense))
 
@@ -326,15 +330,20 @@ def _chain(*fns):
 
 
 class ProcessGroupPyzero(dist.ProcessGroup):
-    """A torch ProcessGroup whose CPU collectives run on a pyzero group (shm transport)."""
+    """A torch ProcessGroup whose CPU collectives run on a pyzero group (shm transport), and its CUDA
+    collectives on pyzero's GPU transports (made on the first one: :class:`pyzero.distributed_cuda.CudaGroups`)."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, ranks, options=None):
         super().__init__(rank, size)
         self._store = store
         self._timeout = timeout
+        self._options = options
         self.group = comm.group_from_store(store, ranks, rank, timeout.total_seconds(), options)
         self._completer = _Completer()
-        self._others: dict = {}  # device type -> torch backend for tensors not on the CPU
+        # device type -> the torch backend the device map names for it, or None where pyzero carries it
+        self._others: dict = {}
+        self.cuda: CudaGroups | None = None  # the pyzero GPU groups, made on the first CUDA collective
+        self._held = Held()  # what waited CUDA works reference until the GPU has passed the wait
         self._group_name = self._group_desc = ""
         self._coalesced: list | None = None  # works issued between _start_coalescing and _end_coalescing
 
@@ -366,13 +375,22 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         """dist.destroy_process_group(): finish queued work, free the shared memory and any other backend."""
         self._completer.close()
         self.group.close()
+        if self.cuda is not None:
+            self._held.clear()
+            self.cuda.close()
+            self.cuda = None
         for be in self._others.values():
-            be.shutdown()
+            if be is not None:
+                be.shutdown()
         self._others.clear()
 
     # ---- helpers ----
 
-    def _work(self, works, result, finish=None) -> dist.Work:
+    def _work(self, works, result, finish=None, like=None) -> dist.Work:
+        """The work of a call whose pyzero works are `works`; `like`: a tensor of the call (CUDA works
+        for a CUDA tensor)."""
+        if like is not None and like.is_cuda:
+            return self._cuda_work(works, result, finish, like.device)
         if all(w is None for w in works):  # every call synchronous: done
             if finish is not None:
                 finish()
@@ -387,8 +405,22 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         """Ops until _end_coalescing run as issued; _end_coalescing's work waits for all of them."""
         self._coalesced = []
 
-    def _end_coalescing(self, device) -> PyzeroWork:
+    def _cuda_work(self, works, result, finish, device) -> dist.Work:
+        if all(w is None for w in works):  # synchronous: ordered on the current stream
+            if finish is not None:
+                finish()
+            work = DoneCudaWork(result, device)
+        else:
+            work = CudaWork(works, result, finish, device, self.cuda, self._held)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _end_coalescing(self, device) -> dist.Work:
         works, self._coalesced = self._coalesced or [], None
+        pending = [w for w in works if isinstance(w, CudaWork)]
+        if pending:  # the current stream waits for all of them
+            return CudaWork(works, [], None, pending[0].device, self.cuda, self._held)
         return self._work(works, [])
 
     def _global(self, group_rank: int, op: str, arg: str) -> int:
@@ -397,22 +429,27 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         return self.group.ranks[group_rank]
 
     def _other(self, t, method: str, *args):
-        """Run `method` on the backend mapped to `t`'s device (not the CPU), or None for CPU tensors."""
+        """Run `method` on the backend the device map names for `t`'s device, or None where pyzero
+        carries `t` (CPU tensors; CUDA tensors mapped to "pyzero")."""
         if not isinstance(t, torch.Tensor) or t.is_cpu:
             return None
         kind = t.device.type
-        be = self._others.get(kind)
-        if be is None:
+        be = self._others.get(kind, False)
+        if be is False:
             be = self._others[kind] = self._make_other(kind, t)
+        if be is None:
+            return None
         return getattr(be, method)(*args)
 
     def _make_other(self, kind: str, t):
         config = str(dist.get_backend_config(self))
         mapping = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
         name = mapping.get(kind)
+        if kind == "cuda" and name == NAME:
+            return None
         if name in (None, NAME):
-            raise ValueError(f"the {NAME!r} backend carries CPU tensors, got one on {t.device}; map "
-                             f"that device to another backend, e.g. init_process_group('cpu:{NAME},{kind}:nccl')")
+            raise ValueError(f"the {NAME!r} backend carries CPU and CUDA tensors, got one on {t.device}; map "
+                             f"that device to another backend, e.g. init_process_group('cpu:{NAME},{kind}:<backend>')")
         store = dist.PrefixStore(f"{kind}-{name}/", self._store)
         if name == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
@@ -423,13 +460,38 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         raise ValueError(f"device map {config!r}: backend {name!r} for {kind} tensors beside {NAME!r} is not "
                          "supported; expected nccl or gloo")
 
+    def _pz(self, buf, nbytes: int | None = None) -> comm.Group:
+        """The pyzero group for buffer `buf`: the shm group for CPU tensors, else the GPU group for a
+        call of `nbytes` (default: buf's), made on the first CUDA collective."""
+        if buf.is_cpu:
+            return self.group
+        if self.cuda is None:
+            self.cuda = CudaGroups(dist.PrefixStore("cuda-pyzero/", self._store), self.group.ranks, self.group.rank,
+                                   self._timeout.total_seconds(), self._options, buf.device.index)
+        return self.cuda.group(buf.numel() * buf.element_size() if nbytes is None else nbytes)
+
+    def _p2p(self, buf, op: str, collective: bool) -> comm.Group:
+        """The pyzero group for point-to-point messages of `buf` (send, recv, and what gather, scatter
+        and all_to_all send): the shm group for CPU tensors; for CUDA ones, nccl where it is the only
+        transport (a `collective` call may make it; a send or recv cannot, as only two ranks call it)."""
+        if buf.is_cpu:
+            return self.group
+        if self.cuda is None:
+            if not collective:
+                raise NotImplementedError(
+                    f"{op}: the first call on CUDA tensors of a {NAME!r} group must be a collective (every rank "
+                    "of the group makes its GPU transport then); point-to-point calls run on CUDA tensors only "
+                    "where the ranks span hosts, after one")
+            self._pz(buf)
+        return self.cuda.p2p(op)
+
     def _allreduce_one(self, t, reduce_op, op: str, arg: str, async_op: bool):
         """(pyzero work or None when done, copy-back) reducing `t` in place."""
         name, extra = _reduction(reduce_op, op, t)
         if extra is not None:
             return self._allreduce_special(t, name, extra, op, arg, async_op)
         buf, back = _stage(t, op, arg)
-        return comm.all_reduce(buf, name, self.group, async_op=async_op), back
+        return comm.all_reduce(buf, name, self._pz(buf), async_op=async_op), back
 
     def _allreduce_special(self, t, name: str, extra, op: str, arg: str, async_op: bool):
         """_allreduce_one for PREMUL_SUM (`extra` the factor) and the bitwise ops (`extra` torch's function)."""
@@ -438,12 +500,12 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return None, (lambda: t.copy_(result))
         buf, back = _stage(t, op, arg)
         buf.mul_(extra)
-        return comm.all_reduce(buf, name, self.group, async_op=async_op), back
+        return comm.all_reduce(buf, name, self._pz(buf), async_op=async_op), back
 
     def _bitwise(self, t, fn, op: str, arg: str) -> torch.Tensor:
         """fn (torch.bitwise_and/or/xor) over every rank's `t`, elementwise, as a new tensor of t's shape:
         one all_gather, reduced here (synchronous)."""
-        rows = torch.empty((self.group.size, t.numel()), dtype=t.dtype)
+        rows = torch.empty((self.group.size, t.numel()), dtype=t.dtype, device=t.device)
         issue, back = self._all_gather_flat(rows, t.reshape(-1), op, False)
         issue()
         if back is not None:
@@ -463,9 +525,11 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         name, extra = _reduction(opts.reduceOp, "allreduce", t)
         if extra is not None:  # PREMUL_SUM, BAND, BOR, BXOR
             work, back = self._allreduce_special(t, name, extra, "allreduce", "tensors[0]", opts.asyncOp)
-            return self._work([work], tensors, back)
+            return self._work([work], tensors, back, t)
         buf, back = _stage(t, "allreduce", "tensors[0]")
-        return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
+        if buf.is_cpu:
+            return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, back)
+        return self._work([comm.all_reduce(buf, name, self._pz(buf), async_op=opts.asyncOp)], tensors, back, t)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = _OPTIONS.AllreduceCoalescedOptions() if opts is None else opts
@@ -484,13 +548,14 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                     back()
                 for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                     t.copy_(part.view(t.shape))
-            return self._work([comm.all_reduce(buf, name, self.group, async_op=opts.asyncOp)], tensors, finish)
+            return self._work([comm.all_reduce(buf, name, self._pz(buf), async_op=opts.asyncOp)], tensors, finish,
+                              flat)
         works, backs = [], []
         for i, t in enumerate(tensors):
             work, back = self._allreduce_one(t, opts.reduceOp, "allreduce_coalesced", f"tensors[{i}]", opts.asyncOp)
             works.append(work)
             backs.append(back)
-        return self._work(works, tensors, _chain(*backs))
+        return self._work(works, tensors, _chain(*backs), tensors[0])
 
     # ---- all_gather ----
 
@@ -501,14 +566,15 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             raise TypeError(f"{op}: output dtype {out.dtype} does not match input dtype {inp.dtype}")
         bo, back = _stage(out, op, "output", copy_in=False)
         bi, _ = _stage(inp, op, "input")
-        return lambda: comm.all_gather(bo, bi, counts=counts, group=self.group, async_op=async_op), back
+        g = self._pz(bo)  # the whole output's size: the same on every rank
+        return lambda: comm.all_gather(bo, bi, counts=counts, group=g, async_op=async_op), back
 
     def all_gather_single(self, output, input, opts=None):
         opts = _OPTIONS.AllgatherOptions() if opts is None else opts
         if (w := self._other(input, "_allgather_base", output, input, opts)) is not None:
             return w
         issue, back = self._all_gather_flat(output, input, "all_gather_single", opts.asyncOp)
-        return self._work([issue()], [output], back)
+        return self._work([issue()], [output], back, output)
 
     _allgather_base = all_gather_single
 
@@ -524,13 +590,13 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             raise ValueError(f"allgather: output_tensors[0] must hold {self.group.size} tensors (one per rank), "
                              f"got {len(outs)}")
         counts = [o.numel() for o in outs]
-        flat = torch.empty(sum(counts), dtype=inp.dtype)  # uneven sizes allowed: counts per rank
+        flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)  # uneven sizes allowed: counts per rank
 
         def finish():
             for o, part in zip(outs, flat.split(counts)):
                 o.copy_(part.view(o.shape))
         issue, back = self._all_gather_flat(flat, inp.reshape(-1), "allgather", opts.asyncOp, counts)
-        return self._work([issue()], output_tensors, _chain(back, finish))
+        return self._work([issue()], output_tensors, _chain(back, finish), inp)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = _OPTIONS.AllgatherOptions() if opts is None else opts
@@ -539,7 +605,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         calls = [self._all_gather_flat(o, i, "allgather_into_tensor_coalesced", opts.asyncOp)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)),
+                          outputs[0] if outputs else None)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -572,14 +639,14 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         counts = [sum(row) for row in sizes]
         if len({t.dtype for t in real}) != 1:
             raise TypeError(f"{op}: input_tensor_list must hold tensors of one dtype, got {[t.dtype for t in real]}")
-        flat = torch.empty(sum(counts), dtype=real[0].dtype)
+        flat = torch.empty(sum(counts), dtype=real[0].dtype, device=real[0].device)
 
         def finish():
             for row, row_sizes, part in zip(outs, sizes, flat.split(counts)):
                 for o, piece in zip(row, part.split(row_sizes)):
                     o.copy_(piece.view(o.shape))
         issue, back = self._all_gather_flat(flat, torch.cat([t.reshape(-1) for t in real]), op, opts.asyncOp, counts)
-        return self._work([issue()], output_lists, _chain(back, finish))
+        return self._work([issue()], output_lists, _chain(back, finish), flat)
 
     # ---- reduce_scatter ----
 
@@ -595,7 +662,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             bi = _stage(inp.mul(factor), op, "input")[0]  # the caller's input stays as it was
         else:
             bi = _stage(inp, op, "input")[0]
-        return lambda: comm.reduce_scatter(bo, bi, name, counts=counts, group=self.group, async_op=async_op), back
+        g = self._pz(bi)  # the whole input's size: the same on every rank
+        return lambda: comm.reduce_scatter(bo, bi, name, counts=counts, group=g, async_op=async_op), back
 
     def _bitwise_scatter(self, out, inp, fn, op: str, counts):
         """The issue function of a bitwise reduce_scatter: this rank's chunk of _bitwise over `inp`."""
@@ -617,7 +685,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(input, "_reduce_scatter_base", output, input, opts)) is not None:
             return w
         issue, back = self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_single", opts.asyncOp)
-        return self._work([issue()], [output], back)
+        return self._work([issue()], [output], back, output)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -636,7 +704,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         counts = [i.numel() for i in ins]
         flat = torch.cat([i.reshape(-1) for i in ins])
         issue, back = self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter", opts.asyncOp, counts)
-        return self._work([issue()], output_tensors, back)
+        return self._work([issue()], output_tensors, back, out)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = _OPTIONS.ReduceScatterOptions() if opts is None else opts
@@ -645,7 +713,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         calls = [self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced", opts.asyncOp)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)))
+        return self._work([issue() for issue, _ in calls], outputs, _chain(*(back for _, back in calls)),
+                          outputs[0] if outputs else None)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -658,7 +727,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         src = self._global(opts.rootRank, "broadcast", "src")
         buf, back = _stage(t, "broadcast", "tensors[0]")
-        return self._work([comm.broadcast(buf, src, self.group, async_op=opts.asyncOp)], tensors, back)
+        return self._work([comm.broadcast(buf, src, self._pz(buf), async_op=opts.asyncOp)], tensors, back, t)
 
     def reduce(self, tensors, opts=None):
         """An all_reduce; ranks other than the root reduce a copy, so their tensor stays unchanged."""
@@ -669,7 +738,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         self._global(opts.rootRank, "reduce", "dst")
         target = t if opts.rootRank == self.group.rank else t.clone()
         work, back = self._allreduce_one(target, opts.reduceOp, "reduce", "tensors[0]", opts.asyncOp)
-        return self._work([work], tensors, back if target is t else None)
+        return self._work([work], tensors, back if target is t else None, t)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """Every other rank sends its tensor to the root (pyzero's point-to-point channels)."""
@@ -683,14 +752,16 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             if output_tensors and any(output_tensors):
                 raise ValueError(f"gather: gather_list must be empty on ranks other than dst={root}")
             buf, _ = _stage(inp, "gather", "tensor")
-            return self._work([comm.send(buf, self.group.ranks[root], self.group, async_op=True)], [])
+            g = self._p2p(buf, "gather", collective=True)
+            return self._work([comm.send(buf, self.group.ranks[root], g, async_op=True)], [], None, inp)
         outs = _one(output_tensors, "gather", "gather_list")
         if len(outs) != self.group.size:
             raise ValueError(f"gather: gather_list must hold {self.group.size} tensors (one per rank), got {len(outs)}")
         staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
+        g = self._p2p(inp, "gather", collective=True)
         outs[root].copy_(inp)
-        works = [comm.recv(buf, self.group.ranks[r], self.group, async_op=True) for r, (buf, _) in staged.items()]
-        return self._work(works, output_tensors, _chain(*(back for _, back in staged.values())))
+        works = [comm.recv(buf, self.group.ranks[r], g, async_op=True) for r, (buf, _) in staged.items()]
+        return self._work(works, output_tensors, _chain(*(back for _, back in staged.values())), inp)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """The root sends every other rank its tensor (pyzero's point-to-point channels)."""
@@ -704,15 +775,16 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             if input_tensors and any(input_tensors):
                 raise ValueError(f"scatter: scatter_list must be empty on ranks other than src={root}")
             buf, back = _stage(out, "scatter", "tensor", copy_in=False)
-            return self._work([comm.recv(buf, self.group.ranks[root], self.group, async_op=True)], output_tensors,
-                              back)
+            g = self._p2p(buf, "scatter", collective=True)
+            return self._work([comm.recv(buf, self.group.ranks[root], g, async_op=True)], output_tensors, back, out)
         ins = _one(input_tensors, "scatter", "scatter_list")
         if len(ins) != self.group.size:
             raise ValueError(f"scatter: scatter_list must hold {self.group.size} tensors (one per rank), got {len(ins)}")
         staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
-        works = [comm.send(buf, self.group.ranks[r], self.group, async_op=True) for r, buf in staged.items()]
+        g = self._p2p(out, "scatter", collective=True)
+        works = [comm.send(buf, self.group.ranks[r], g, async_op=True) for r, buf in staged.items()]
         out.copy_(ins[root])
-        return self._work(works, output_tensors)
+        return self._work(works, output_tensors, None, out)
 
     # ---- all_to_all ----
 
@@ -732,11 +804,12 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             bo, back = _stage(output_tensors[src], "alltoall", f"output_tensor_list[{src}]", copy_in=False)
             pairs.append((dst, bi, src, bo, back))
         works = []
+        g = self._p2p(output_tensors[me], "alltoall", collective=True)
         for dst, bi, src, bo, _ in pairs:
-            works.append(comm.send(bi, self.group.ranks[dst], self.group, async_op=True))
-            works.append(comm.recv(bo, self.group.ranks[src], self.group, async_op=True))
+            works.append(comm.send(bi, self.group.ranks[dst], g, async_op=True))
+            works.append(comm.recv(bo, self.group.ranks[src], g, async_op=True))
         output_tensors[me].copy_(input_tensors[me])
-        return self._work(works, output_tensors, _chain(*(p[4] for p in pairs)))
+        return self._work(works, output_tensors, _chain(*(p[4] for p in pairs)), output_tensors[me])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if (w := self._other(input, "alltoall_base", output, input, output_split_sizes, input_split_sizes,
@@ -767,7 +840,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         _check_tag(tag, "send")
         buf, _ = _stage_bytes(t, "send", "tensor")
-        return self._work([comm.send(buf, self._global(dst, "send", "dst"), self.group, async_op=True)], tensors)
+        g = self._p2p(buf, "send", collective=False)
+        return self._work([comm.send(buf, self._global(dst, "send", "dst"), g, async_op=True)], tensors, None, t)
 
     def recv(self, tensors, src: int, tag: int = 0):
         t = _one(tensors, "recv", "tensors")
@@ -775,8 +849,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             return w
         _check_tag(tag, "recv")
         buf, back = _stage_bytes(t, "recv", "tensor", copy_in=False)
-        return self._work([comm.recv(buf, self._global(src, "recv", "src"), self.group, async_op=True)], tensors,
-                          back)
+        g = self._p2p(buf, "recv", collective=False)
+        return self._work([comm.recv(buf, self._global(src, "recv", "src"), g, async_op=True)], tensors, back, t)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise ValueError(f"recv: src=None (receive from any rank) is not supported by the {NAME!r} backend; "

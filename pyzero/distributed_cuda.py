@@ -213,7 +213,8 @@ class CudaWork(dist.Work):
         super().__init__()
         self._works = [w for w in works if w is not None]
         self._result, self._finish = result, finish
-        self._device, self._groups, self._held = device, groups, held
+        self.device = device
+        self._groups, self._held = groups, held
         self._event: torch.cuda.Event | None = None  # recorded after the works and finish, once
         self._fut: Future | None = None
         self._error: Exception | None = None
@@ -222,7 +223,7 @@ class CudaWork(dist.Work):
         """Make the current stream wait for the call (its first caller also runs the copy-back)."""
         if self._error is not None:
             raise self._error
-        stream = torch.cuda.current_stream(self._device)
+        stream = torch.cuda.current_stream(self.device)
         if self._event is not None:
             stream.wait_event(self._event)
             return
@@ -275,7 +276,7 @@ class CudaWork(dist.Work):
         The call is waited for on a side stream, so the current one is not held up (DDP's
         reducer overlaps its backward with the all-reduces this way)."""
         if self._fut is None:
-            fut = Future(devices=[self._device])
+            fut = Future(devices=[self.device])
             with torch.cuda.stream(self._groups.side_stream()):
                 self._order()
                 fut.set_result(self._result)
@@ -288,16 +289,16 @@ class DoneCudaWork(dist.Work):
 
     def __init__(self, result, device: torch.device):
         super().__init__()
-        self._result, self._device = result, device
+        self._result, self.device = result, device
 
     def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
         return True
 
     def synchronize(self) -> None:
-        torch.cuda.current_stream(self._device).synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
 
     def is_completed(self) -> bool:
-        return torch.cuda.current_stream(self._device).query()
+        return torch.cuda.current_stream(self.device).query()
 
     def is_success(self) -> bool:
         return True
@@ -309,6 +310,6 @@ class DoneCudaWork(dist.Work):
         return self._result
 
     def get_future(self) -> Future:
-        fut = Future(devices=[self._device])
+        fut = Future(devices=[self.device])
         fut.set_result(self._result)
         return fut

@@ -282,6 +282,9 @@ def rank_train(kind, steps):
             run = compile_whole(model, res["ops"])
         torch._dynamo.utils.counters.clear()
         res[compiled] = train(run, opt, steps, r, accumulate=kind == "dp")
+        # the weights after the steps (ZeRO: this rank's fp32 master shards)
+        weights = net.parameters() if kind.startswith("dp") else [m for _, m, _ in opt.shards()]
+        res[compiled, "weights"] = [w.detach().clone() for w in weights]
         if compiled:
             res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return res
@@ -298,6 +301,8 @@ def test_data_parallel_and_zero_compile_without_graph_breaks(kind):
             assert f"pyzero.{want}.default" in res.value["ops"], f"rank {res.rank}: {res.value['ops']}"
         # forwards of the training steps (with no_sync: one more graph, for sync off)
         assert res.value["graphs"] <= (2 if kind == "dp" else 1), res.value["graphs"]
+        for k, (we, wc) in enumerate(zip(res.value[False, "weights"], res.value[True, "weights"])):
+            assert_same(wc, we, f"rank {res.rank} weights {k} after {steps} steps, compiled vs eager")
         for s, (ye, yc) in enumerate(zip(res.value[False], res.value[True])):
             assert_same(yc, ye, f"rank {res.rank} step {s} compiled vs eager")
             if ref is not None:

@@ -196,7 +196,8 @@ class ZeroStage3(ZeroOptimizer):
                         k = [id(q) for q in u.layout.params].index(id(p))
                         swaps.append((name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
                 m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
-                m.register_forward_hook(self._make_post_forward(needs, dict(m._parameters)))
+                m.register_forward_hook(self._make_post_forward(needs, {name: m._parameters[name]
+                                                                        for name, *_ in swaps}))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them

@@ -489,6 +489,7 @@ class BucketReducer:
 
     def prepare(self) -> None:
         """Before a forward whose backward will come: gradients become views of their buckets."""
+        self.prepare_at_backward = False
         if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
             self._discard()
         for b, bucket in enumerate(self.buckets):

@@ -221,6 +221,36 @@ def unpack(flat: torch.Tensor, tensors, offsets, scale: float = 1.0) -> None:
     _C.multi_tensor_unpack(flat.data_ptr(), code, flat.numel(), ptrs, numels, codes, offs, float(scale))
 
 
+# Dtypes the collectives do not carry travel widened (broadcast_coalesced), and are cast back.
+WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
+
+
+def broadcast_coalesced(tensors, src: int, group) -> None:
+    """Copy `tensors` of global rank `src` to every rank of `group`: one broadcast
+    per dtype, packed and unpacked by the fused C++ loops."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        t = torch.view_as_real(t) if t.is_complex() else t
+        by_dtype.setdefault(WIDEN.get(t.dtype, t.dtype), []).append(t)
+    is_src = comm.get_rank() == src
+    for wire_dtype, ts in by_dtype.items():
+        # Tensors the loops cannot read or write directly go through a contiguous wire-dtype copy.
+        direct = [t.dtype == wire_dtype and t.is_contiguous() for t in ts]
+        work = [t if d else t.detach().contiguous().to(wire_dtype) for t, d in zip(ts, direct)]
+        offsets = [0]
+        for t in work[:-1]:
+            offsets.append(offsets[-1] + t.numel())
+        flat = torch.empty(offsets[-1] + work[-1].numel(), dtype=wire_dtype, device=work[0].device)
+        if is_src:
+            pack(work, flat, offsets)
+        comm.broadcast(flat, src=src, group=group)
+        if not is_src:
+            unpack(flat, work, offsets)
+            for t, w, d in zip(ts, work, direct):
+                if not d:
+                    t.copy_(w)
+
+
 # ---------------------------------------------------------------------------
 # Buckets
 
@@ -422,6 +452,10 @@ class BucketReducer:
         self.buckets = [Bucket(s, self.params, comm_dtype, self.extra_elements(s)) for s in self.specs]
         self._where = {id(self.params[i]): (s.index, k) for s in self.specs for k, i in enumerate(s.params)}
         self.sync = True  # False inside no_sync(): hooks only record which parameters were used
+        # Set by a compiled forward, which cannot point gradients at their buckets (no graph
+        # operation does that): prepare() then runs at the first gradient hook of the backward.
+        # The gradients accumulated before it are packed into their bucket at launch (stage()).
+        self.prepare_at_backward = False
         self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
         # used: got a gradient since the last reduction (no_sync steps included);
         # missing: had no gradient before this rank attached a zeroed slot.
@@ -455,6 +489,7 @@ class BucketReducer:
 
     def prepare(self) -> None:
         """Before a forward whose backward will come: gradients become views of their buckets."""
+        self.prepare_at_backward = False
         if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
             self._discard()
         for b, bucket in enumerate(self.buckets):
@@ -462,6 +497,9 @@ class BucketReducer:
                 self.missing[b][k] |= m
 
     def _on_grad(self, p) -> None:
+        if self.prepare_at_backward:
+            self.prepare_at_backward = False
+            self.prepare()
         b, k = self._where[id(p)]
         self.used[b][k] = True
         if not self.sync:

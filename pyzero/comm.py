@@ -14,9 +14,11 @@ the group.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import secrets
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -57,10 +59,16 @@ class Group:
     _closed: bool = field(default=False, repr=False)
     symmetric: object = field(default=None, repr=False)  # pyzero.symmetric.SymmetricBuffer, made on first use
     flight: flight.Ring | None = field(default=None, repr=False)  # this group's last calls (pyzero.flight)
+    # The group's name in this process, unique for the process's lifetime: what torch.ops.pyzero
+    # operators (pyzero.ops) take instead of the group object, as torch's functional collectives do.
+    name: str = field(default="", repr=False)
 
     def __post_init__(self):
         if self.flight is None:  # a group made by hand (pz.new_group gives it a recording ring)
             self.flight = flight.NullRing(self.gid, self.ranks, self.rank, 1)
+        if not self.name:
+            self.name = f"pyzero:{next(_group_names)}"
+        _groups_by_name[self.name] = self
 
     @property
     def size(self) -> int:
@@ -113,6 +121,19 @@ class Group:
             self.symmetric = None  # views of the segments the transport unmaps
             self._closed = True
             self._backend.close()
+
+
+_group_names = itertools.count()
+_groups_by_name: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def group_by_name(name: str) -> Group:
+    """The live group called `name` (Group.name) in this process."""
+    g = _groups_by_name.get(name) if isinstance(name, str) else None
+    if g is None:
+        raise ValueError(f"group: no pyzero group named {name!r} in this process; expected the name of a "
+                         "live group (Group.name)")
+    return g
 
 
 @dataclass

@@ -17,11 +17,9 @@ from torch import nn
 
 from . import comm, wrappers
 from .backend import DTYPES
-from .bucketing import BucketReducer, BucketSpec, pack, unpack
+from .bucketing import WIDEN, BucketReducer, BucketSpec, broadcast_coalesced
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-# Buffers in dtypes the collectives do not carry travel widened, and are cast back.
-_WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
 
 
 class _AllReduceBuckets(BucketReducer):
@@ -50,32 +48,6 @@ class _AllReduceBuckets(BucketReducer):
         for k, p in enumerate(bucket.params):
             if flags[k] == 0 and self.missing[b][k]:
                 p.grad = None
-
-
-def broadcast_coalesced(tensors, src: int, group) -> None:
-    """Copy `tensors` of global rank `src` to every rank of `group`: one broadcast
-    per dtype, packed and unpacked by the fused C++ loops."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        t = torch.view_as_real(t) if t.is_complex() else t
-        by_dtype.setdefault(_WIDEN.get(t.dtype, t.dtype), []).append(t)
-    is_src = comm.get_rank() == src
-    for wire_dtype, ts in by_dtype.items():
-        # Tensors the loops cannot read or write directly go through a contiguous wire-dtype copy.
-        direct = [t.dtype == wire_dtype and t.is_contiguous() for t in ts]
-        work = [t if d else t.detach().contiguous().to(wire_dtype) for t, d in zip(ts, direct)]
-        offsets = [0]
-        for t in work[:-1]:
-            offsets.append(offsets[-1] + t.numel())
-        flat = torch.empty(offsets[-1] + work[-1].numel(), dtype=wire_dtype, device=work[0].device)
-        if is_src:
-            pack(work, flat, offsets)
-        comm.broadcast(flat, src=src, group=group)
-        if not is_src:
-            unpack(flat, work, offsets)
-            for t, w, d in zip(ts, work, direct):
-                if not d:
-                    t.copy_(w)
 
 
 def _positive(value, arg: str) -> float:
@@ -139,18 +111,26 @@ class DataParallel(nn.Module):
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
                                 "float32, float16, bfloat16 or float64")
         for name, b in module.named_buffers():
-            if b.dtype not in DTYPES and b.dtype not in _WIDEN and not b.is_complex():
+            if b.dtype not in DTYPES and b.dtype not in WIDEN and not b.is_complex():
                 raise TypeError(f"module: buffer {name!r} has dtype {b.dtype}, which DataParallel cannot "
                                 "broadcast; expected a float, int, bool or complex dtype")
 
     def forward(self, *args, **kwargs):
         wrappers.refuse_ddp("pz.DataParallel")
+        compiling = torch.compiler.is_compiling()
         if self.broadcast_buffers and self.module.training and self._buffer_list:
-            broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
+            if compiling:  # one operator in the graph (see pyzero.ops)
+                from . import ops  # noqa: PLC0415  (registered on first use)
+                ops.broadcast_coalesced_(self._buffer_list, self.group.ranks[0], self.group.name)
+            else:
+                broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
         if torch.is_grad_enabled():
             # Like DDP, whether this step's backward communicates is decided at forward.
             self.reducer.sync = self._require_sync
-            self.reducer.prepare()
+            if compiling:  # pointing gradients at their buckets is no graph operation: see BucketReducer
+                self.reducer.prepare_at_backward = True
+            else:
+                self.reducer.prepare()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

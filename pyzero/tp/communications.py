@@ -52,7 +52,15 @@ def _check_sp_input(x: torch.Tensor, arg: str) -> None:
 # Raw collectives along a tensor dim (no autograd)
 
 
+def _ops():
+    """torch.ops.pyzero (pyzero.ops), what a compiled region calls instead of the transport."""
+    from .. import ops  # noqa: PLC0415  (registered on first use: see pyzero.ops)
+    return ops
+
+
 def all_gather_dim0(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _ops().all_gather_into_tensor(x, g.size, g.name)
     x = x.contiguous()
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
     comm.all_gather(out, x, group=g)
@@ -60,6 +68,8 @@ def all_gather_dim0(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
 
 
 def reduce_scatter_dim0(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _ops().reduce_scatter_tensor(x, "sum", g.size, g.name)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
     comm.reduce_scatter(out, x, op="sum", group=g)
@@ -72,9 +82,12 @@ def split_dim0(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
 
 
 def all_gather_last(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((g.size, *x.shape))  # one contiguous block per rank, then laid side by side
-    comm.all_gather(out, x, group=g)
+    if torch.compiler.is_compiling():
+        out = _ops().all_gather_into_tensor(x.unsqueeze(0), g.size, g.name)
+    else:
+        x = x.contiguous()
+        out = x.new_empty((g.size, *x.shape))  # one contiguous block per rank, then laid side by side
+        comm.all_gather(out, x, group=g)
     return torch.cat(out.unbind(0), dim=-1)
 
 
@@ -84,6 +97,8 @@ def split_last(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
 
 
 def all_reduce_sum(x: torch.Tensor, g: comm.Group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _ops().all_reduce(x, "sum", g.name)
     x = x.contiguous().clone()
     comm.all_reduce(x, op="sum", group=g)
     return x

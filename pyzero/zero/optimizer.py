@@ -269,7 +269,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters that no longer live where this optimizer keeps them."""
         wrappers.refuse_ddp("pz.ZeroOptimizer")
         wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
-        self._check_home()
+        if not torch.compiler.is_compiling():  # no data pointers in a graph: step() checks a compiled model
+            self._check_home()
 
     # ---- what a stage provides ----------------------------------------------
 
@@ -421,6 +422,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "lightning.Trainer steps with a closure unless its strategy is "
                              "pyzero.integrations.lightning.PyzeroStrategy")
         self._require_grads("step")
+        self._check_home()
         self._finish_gradients()
         if self._check_overflow():
             self.scaler.update(overflow=True)

@@ -179,11 +179,25 @@ class ZeroStage3(ZeroOptimizer):
                     owner[id(p)] = u
                 self.units.append(u)
         self._unit_of, self._name_of = owner, names
+        # See [Note: stage 3 under torch.compile]: the plain configuration is traced.
+        self._traceable = (not self._host and hpz == 1 and not qw and not qg_bits
+                           and model_dtype == self.comm_dtype)
+        if self._traceable:
+            for u in self.units:
+                u.leaf = u.shard.detach().requires_grad_()  # shares the shard's storage (and its updates)
+                u.leaf.register_post_accumulate_grad_hook(self._make_on_shard_grad(u))
         for m in self.model.modules():
             needs = sorted({owner[id(p)].idx for p in m.parameters(recurse=False) if id(p) in owner})
             if needs:
-                m.register_forward_pre_hook(self._make_pre_forward(needs))
-                m.register_forward_hook(self._make_post_forward(needs))
+                swaps = []  # (name, unit, offset, shape, numel) of each parameter slot of m
+                for name, p in m._parameters.items():
+                    if p is not None and id(p) in owner:
+                        u = owner[id(p)]
+                        k = [id(q) for q in u.layout.params].index(id(p))
+                        swaps.append((name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
+                m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
+                m.register_forward_hook(self._make_post_forward(needs, {name: m._parameters[name]
+                                                                        for name, *_ in swaps}))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them
@@ -236,8 +250,44 @@ class ZeroStage3(ZeroOptimizer):
 
     # ---- forward --------------------------------------------------------------
 
-    def _make_pre_forward(self, needs):
+    # [Note: stage 3 under torch.compile]
+    # Dynamo cannot trace the eager hooks (they swap parameter storage and call the transport).
+    # In a compiled region, a module's pre-forward hook instead gathers each unit it needs as
+    # one graph operation (torch.ops.pyzero.all_gather_into_tensor of the unit's shard, held as
+    # a leaf `u.leaf` that shares the shard's storage) and points the module's parameter slots
+    # at views of the result; its forward hook puts the parameters back. The gather's backward
+    # is the reduce-scatter (sum) of the unit's gradient: the leaf's gradient, divided by the
+    # group size, is added to the gradient shard (_make_on_shard_grad). AOTAutograd keeps what
+    # backward needs of the gathered tensors, so parameters are not freed between forward and
+    # backward, and every parameter of a gathered unit gets a gradient (zeros where unused).
+    # Configurations this does not cover (offload, ZeRO++, param_dtype other than the
+    # communication dtype) run the eager hooks at a graph break instead.
+
+    def _make_on_shard_grad(self, u):
+        n = u.grad_shard.numel()
+        marks = [self._param_index[id(p)] for p in u.layout.params]
+
+        def on_shard_grad(leaf):
+            grad, leaf.grad = leaf.grad, None
+            self._grads_ready = True
+            self._add_grad(u.idx, 0, n, grad.div_(self.world))
+            self._has_grad[marks] = 1
+        return on_shard_grad
+
+    def _make_pre_forward(self, needs, swaps):
+        # What the traced hook reads, bound here: dynamo reads no attribute of an optimizer
+        # (torch.optim.Optimizer) as a constant.
+        traceable, world, group_name = self._traceable, self.world, self.group.name
+        leaves = {i: self.units[i].leaf for _, i, _, _, _ in swaps} if traceable else {}
+
         def pre_forward(module, args):
+            if torch.compiler.is_compiling():
+                if traceable:
+                    return _traced_gather(module, swaps, leaves, world, group_name)
+                return at_graph_break(module, args)
+            return eager(module, args)
+
+        def eager(module, args):
             if torch.is_grad_enabled() and not self._order_open:
                 self._order_open, self._order = True, []
                 self._gathered.peak = self._gathered.now  # memory_stats reports the last step's peak
@@ -248,10 +298,22 @@ class ZeroStage3(ZeroOptimizer):
             nxt = self._next_unit(needs[-1], +1)
             if nxt is not None:
                 self.units[nxt].gather(self._plan, wait=False)  # prefetch
+
+        at_graph_break = torch.compiler.disable(eager)
         return pre_forward
 
-    def _make_post_forward(self, needs):
+    def _make_post_forward(self, needs, params):
+        traceable = self._traceable
+
         def post_forward(module, args, output):
+            if torch.compiler.is_compiling():
+                if traceable:
+                    module._parameters.update(params)  # the parameters again (see _traced_gather)
+                    return None
+                return at_graph_break(module, args, output)
+            return eager(module, args, output)
+
+        def eager(module, args, output):
             if torch.is_grad_enabled():
                 inputs = [t for t in _tensors(args) if t.requires_grad]
                 call = _Call(len(inputs))
@@ -262,6 +324,8 @@ class ZeroStage3(ZeroOptimizer):
                     _on_grad_ready(t, 0, self._make_post_backward(needs, call))
             for i in needs:
                 self.units[i].free()
+
+        at_graph_break = torch.compiler.disable(eager)
         return post_forward
 
     def _next_unit(self, i, step):
@@ -370,6 +434,17 @@ class ZeroStage3(ZeroOptimizer):
                 u.pending_update = src  # copied at the unit's next gather (see _Unit.gather_input)
             else:
                 u.shard.copy_(src)
+
+
+def _traced_gather(module, swaps, leaves, world, group_name):
+    """A compiled region's pre-forward hook: `module`'s parameter slots become views of its units,
+    gathered by one graph operation each (see [Note: stage 3 under torch.compile])."""
+    from .. import ops  # noqa: PLC0415  (registered on first use: see pyzero.ops)
+    full = {}
+    for name, i, off, shape, numel in swaps:
+        if i not in full:
+            full[i] = ops.all_gather_into_tensor(leaves[i], world, group_name)
+        module._parameters[name] = full[i][off:off + numel].view(shape)
 
 
 def _on_grad_ready(t, order, fn):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
 from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
@@ -96,7 +96,7 @@ class _Unit:
         self.nbytes = self.full.untyped_storage().nbytes()
         # (offload of a CUDA model: in host memory, see [Note: offload of a CUDA model])
         self.grad_shard = (grad_buffer(n) if grad_buffer is not None
-                           else torch.zeros(n, dtype=torch.float32, device=device))
+                           else torch.empty(n, dtype=torch.float32, device=device))
         self.gather_work = None
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
@@ -134,7 +134,8 @@ class _Unit:
 
     def gather(self, plan: GatherPlan, wait=True, backward=False):
         if not self.gathered:
-            self.full.untyped_storage().resize_(self.nbytes)
+            with memtrace.region("pyzero.gather"):
+                self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
             self.gather_work = plan.start(self, backward)
             for v, p in zip(self.views, self.layout.params):
@@ -213,6 +214,12 @@ class ZeroStage3(ZeroOptimizer):
         shards = [u.shard for u in self.units if u.shard.data_ptr() != u.master.data_ptr()]
         return (_nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
                 + self._secondary_bytes())
+
+    def _param_tensors(self):
+        return [u.shard for u in self.units] + [u.secondary for u in self.units if u.secondary is not None]
+
+    def _gathered_tensors(self):
+        return [u.full for u in self.units if u.gathered]
 
     def _low_buffer(self, k, master, dtype):
         u = self.units[k]  # offload_params: the 16-bit host shard is the copy the step writes
@@ -324,7 +331,8 @@ class ZeroStage3(ZeroOptimizer):
 
     def _reduce_unit(self, u):
         u.reduced = True
-        staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
+        with memtrace.region("pyzero.bucket"):
+            staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
         for v, p in zip(u.layout.views(staging), u.layout.params):
             if p.grad is not None:
                 v.copy_(p.grad)
@@ -333,12 +341,20 @@ class ZeroStage3(ZeroOptimizer):
             self._add_grad(u.idx, 0, u.grad_shard.numel(), self._qg(staging, u.layout.shard_size))
             u.free()
             return
-        out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
+        # straight into the unit's gradient shard when it holds no values yet (see [Note: gradient
+        # segments hold storage only while they hold values]), else through a buffer added on arrival
+        target = self._grad_target(u.idx, self.comm_dtype)
+        if target is not None:
+            out = target
+        else:
+            with memtrace.region("pyzero.bucket"):
+                out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
+        del staging  # the Work keeps it alive until it is waited on
 
         def arrived():
             self._add_grad(u.idx, 0, u.grad_shard.numel(), out)
-        self._inflight.add(work, arrived)
+        self._inflight.add(work, None if target is not None else arrived)
         u.free()
 
     def _start_backward(self):
@@ -353,6 +369,7 @@ class ZeroStage3(ZeroOptimizer):
     def _end_backward(self):
         if self._sync:
             self._launch_order.finish()  # units with unused parameters: what there is (zeros)
+            self._end_of_backward()
         for u in self.units:
             u.free()
         self._start_backward()

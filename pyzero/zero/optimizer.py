@@ -609,8 +609,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._start_backward()
 
     def _end_of_backward(self):
-        """Stages call this when a backward has launched all its reductions: what they write
-        straight into a segment is this backward's to keep."""
+        """Stages call this when a backward has launched all its reductions: they are waited for
+        and folded into the shards (so when backward returns no staging buffer is held, only the
+        gradient shards: on a GPU the wait is the compute stream's, the host goes on), and what
+        they wrote straight into a segment is this backward's to keep."""
+        self._drain()
         self._direct.clear()
 
     def zero_grad(self, set_to_none: bool = True):

@@ -20,7 +20,8 @@ CPU allocator's and the CUDA caching allocator's events alike). Replaying them g
 peak and, for each allocation live at the peak, its category: the walks' categories for the
 storages they saw, else the region it was made in (``region()`` scopes the pyzero stages put
 around their gathers, staging buffers and reductions; torch's AccumulateGrad for gradients;
-``Optimizer.step`` for the step's temporaries, ``step_temps``); everything else made during
+FSDP2's all-gather and reduce-scatter scopes; ``Optimizer.step`` for the step's temporaries,
+``step_temps``); everything else made during
 forward and backward is ``activations`` (saved tensors, their gradients, temporaries). The
 walk at the start covers what lived before the step; on a GPU ``other`` is the rest of
 torch.cuda.memory_allocated() at the start (memory no walk reaches, e.g. torch DDP's
@@ -37,8 +38,10 @@ import torch
 CATEGORIES = ("params", "grads", "buckets", "gathered", "optimizer")
 STEP_CATEGORIES = CATEGORIES + ("activations", "step_temps")
 _MARK = "pyzero.mark:"
+# profiler scopes -> category; torch FSDP2's own scopes carry the module's name after " ("
 _REGIONS = {"pyzero.gather": "gathered", "pyzero.bucket": "buckets", "pyzero.grad": "grads",
-            "torch::autograd::AccumulateGrad": "grads"}
+            "torch::autograd::AccumulateGrad": "grads", "FSDP::all_gather": "gathered",
+            "FSDP::all_gather_copy_out": "gathered", "FSDP::post_backward_reduce": "buckets"}
 
 
 def region(name: str):
@@ -175,8 +178,9 @@ class StepTrace:
     def _scope(e) -> str:
         p = e.parent
         while p is not None:
-            if p.name in _REGIONS:
-                return _REGIONS[p.name]
+            name = p.name.split(" (")[0]
+            if name in _REGIONS:
+                return _REGIONS[name]
             if p.name.startswith("Optimizer.step"):
                 return "step_temps"
             p = p.parent

@@ -266,3 +266,45 @@ def test_one_rank_peaks_match_plain_torch():
         assert trace["at_peak"]["params"] == out["torch"][0]["at_peak"]["params"]
         assert trace["at_peak"]["optimizer"] == out["torch"][0]["at_peak"]["optimizer"]
         assert trace["peak"] <= torch_peak + 3 * unit, (stage, trace["peak"], torch_peak)
+
+
+def _prefetch_rank():
+    pz.init(timeout=120)
+    torch.set_num_threads(1)
+    out = {}
+    for prefetch in (0, 1, 2):
+        torch.manual_seed(0)
+        model = _gpt()
+        x, y = random_batch(model.config, 2, 32, seed=pz.get_rank())
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-3, prefetch=prefetch)
+        for _ in range(2):
+            model(x, y).backward()
+            opt.step()
+        with memtrace.StepTrace(opt) as tr:
+            model(x, y).backward()
+            opt.step()
+        out[prefetch] = (opt.full_state_dict(), tr.result()["at_peak"]["gathered"],
+                         sorted(u.nbytes for u in opt.units))
+    errors = []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch") as e:
+            pz.ZeroOptimizer(_gpt(), torch.optim.AdamW, stage=3, prefetch=bad)
+        errors.append(str(e.value))
+    with pytest.raises(ValueError, match="prefetch: .*stage=3"):
+        pz.ZeroOptimizer(_gpt(), torch.optim.AdamW, stage=2, prefetch=1)
+    return out, errors
+
+
+def test_stage3_prefetch_depth_changes_memory_not_results():
+    res = run_ranks(_prefetch_rank, WORLD, timeout=120)
+    for r in res:
+        out, errors = r.value
+        assert all("expected an int >= 0" in e for e in errors)
+        sizes = out[0][2]
+        # nothing prefetched: at the peak the unit computing and one waiting for its reduction at most
+        assert out[0][1] <= sum(sizes[-2:])
+    ref = res[0].value[0][1][0]
+    for prefetch in (0, 2):
+        got = res[0].value[0][prefetch][0]
+        assert ref.keys() == got.keys()
+        assert all(torch.equal(ref[k], got[k]) for k in ref), prefetch

@@ -81,6 +81,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
+        if "prefetch" in optimizer_kwargs:  # (stage 3's own option reaches here only for stages 1-2)
+            raise ValueError(f"prefetch: gathering units ahead is for stage=3, got stage={stage!r}")
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
         if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")

@@ -7,6 +7,7 @@ after use (``untyped_storage().resize_(0)``, as FSDP does), so the model's
 parameters, and whatever autograd saved of them, stay valid views.
 
   forward:  pre-hook  gather unit i (usually already prefetched), prefetch unit i+1
+            (``prefetch``: the next n units; 0: none)
             post-hook free unit i; hook its outputs so backward re-gathers it
   backward: output-grad hook  gather unit i, prefetch the unit that ran before it
             all its gradients accumulated  -> reduce-scatter them (async), free unit i
@@ -152,10 +153,18 @@ class ZeroStage3(ZeroOptimizer):
 
     ZeRO++ options (named as DeepSpeed's; see zeropp.py): ``zero_hpz_partition_size`` (ranks
     per host, 1 = off), ``zero_quantized_weights`` (int8 gathers), ``zero_quantized_gradients``
-    (True/8: int8, 4: int4 gradient reduce-scatter). Each works alone or with the others."""
+    (True/8: int8, 4: int4 gradient reduce-scatter). Each works alone or with the others.
+    ``prefetch``: units gathered ahead of the one computing, in forward (the next ones) and
+    backward (the ones before); 1 by default, as FSDP2; 0 gathers each unit when it is needed.
+    A unit is freed right after its forward (resharded, as FSDP2 by default) and after its
+    gradients are reduced in backward."""
 
     def __init__(self, model, optimizer_class, stage=3, *args, zero_hpz_partition_size=1,
-                 zero_quantized_weights=False, zero_quantized_gradients=False, **kwargs):
+                 zero_quantized_weights=False, zero_quantized_gradients=False, prefetch=1, **kwargs):
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch: expected an int >= 0 (units gathered ahead of the one computing; "
+                             f"0: none), got {prefetch!r}")
+        self.prefetch = prefetch
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
 
@@ -252,8 +261,7 @@ class ZeroStage3(ZeroOptimizer):
                 self.units[i].gather(self._plan)
                 if self._order_open and (not self._order or self._order[-1] != i):
                     self._order.append(i)
-            nxt = self._next_unit(needs[-1], +1)
-            if nxt is not None:
+            for nxt in self._next_units(needs[-1], +1):
                 self.units[nxt].gather(self._plan, wait=False)  # prefetch
         return pre_forward
 
@@ -271,13 +279,18 @@ class ZeroStage3(ZeroOptimizer):
                 self.units[i].free()
         return post_forward
 
-    def _next_unit(self, i, step):
-        """The unit used after (step=+1) or before (-1) unit i in the last recorded forward."""
+    def _next_units(self, i, step):
+        """The `prefetch` units used after (step=+1) or before (-1) unit i in the last recorded
+        forward, nearest first."""
         try:
-            k = self._order.index(i) + step
+            k = self._order.index(i)
         except ValueError:
-            return None
-        return self._order[k] if 0 <= k < len(self._order) else None
+            return []
+        out = []
+        for j in range(1, self.prefetch + 1):
+            if 0 <= k + j * step < len(self._order):
+                out.append(self._order[k + j * step])
+        return out
 
     # ---- backward -------------------------------------------------------------
 
@@ -301,9 +314,9 @@ class ZeroStage3(ZeroOptimizer):
             for i in needs:
                 if self.units[i].pending > 0:
                     self.units[i].gather(self._plan, backward=True)
-            prev = self._next_unit(needs[0], -1)
-            if prev is not None and self.units[prev].pending > 0:
-                self.units[prev].gather(self._plan, wait=False, backward=True)
+            for prev in self._next_units(needs[0], -1):
+                if self.units[prev].pending > 0:
+                    self.units[prev].gather(self._plan, wait=False, backward=True)
         return pre_backward
 
     def _make_post_backward(self, needs, call):

@@ -5,14 +5,20 @@ Both lay the trainable parameters end to end in *reverse* registration order
 range of the flat buffer and its reduce-scatter counts are just its overlap
 with each rank's shard (partition.FlatLayout.counts).
 
-Stage 1 keeps full gradients as views into one flat buffer (like DDP's
-gradient_as_bucket_view) and reduce-scatters them, bucket by bucket, in place
-at step time. Stage 2 keeps only the gradient shard: a post-accumulate hook
-copies each gradient into its bucket's staging buffer and drops it; a full
+Stage 1 leaves the full gradients in the parameters' own .grad (as backward
+allocates them, without ZeRO too) and at step time copies them into staging
+buffers and reduce-scatters them, bucket by bucket, dropping each .grad once
+its bucket holds it. Stage 2 keeps only the gradient shard: a post-accumulate
+hook copies each gradient into its bucket's staging buffer and drops it; a full
 bucket is reduce-scattered asynchronously while backward goes on, in bucket
 order on every rank (bucketing.OrderedLaunch, see [Note: bucket launch order]).
+Both reduce into the shard's per-bucket segments, which hold memory only while
+they hold values (see [Note: gradient segments hold storage only while they
+hold values] in optimizer.py).
 """
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -55,6 +61,7 @@ class _FlatParams(ZeroOptimizer):
         # [Note: gradient segments hold storage only while they hold values]); with host copies
         # one host shard (_grad_buffer), its ranges fed by _HostGrads.
         self._parts = [self._my_part(b, e) for b, e, _ in self.buckets]
+        self._part_starts = [a for a, _ in self._parts]
         self.grad_shard = self._grad_buffer(self.layout.shard_size) if self._host else None
         self._sent_pieces = 0  # pieces the chunked host step sent to the device (see _stepped)
         for p in self.params:
@@ -121,8 +128,11 @@ class _FlatParams(ZeroOptimizer):
     def _grad_view(self, k, lo, n):
         if self._host:
             return super()._grad_view(k, lo, n)
-        # a piece lies in one parameter, and buckets end on parameter boundaries: in one bucket
-        b = next(b for b, (a, e) in enumerate(self._parts) if a <= lo < e)
+        # a piece lies in one parameter, and buckets end on parameter boundaries: in one bucket,
+        # the last whose part starts at or before lo and is not empty
+        b = bisect.bisect_right(self._part_starts, lo) - 1
+        while self._parts[b][1] <= lo:
+            b -= 1
         a = self._parts[b][0]
         return self._shard_grads[b][lo - a:lo - a + n]
 

@@ -143,6 +143,15 @@ class DataParallel(nn.Module):
         finally:
             self._require_sync = old
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this wrapper's training holds, by what they are (pyzero.memtrace walks
+        them): "params" the module's parameters, "grads" the buckets' gradient storage (the
+        gradients are views of it) and any gradient that is not such a view, "buckets" the
+        communication-dtype copies (comm_dtype=)."""
+        grads = [b.flat for b in self.buckets] + [p.grad for p in self.module.parameters() if p.grad is not None]
+        return {"params": list(self.module.parameters()), "grads": grads,
+                "buckets": [b.comm for b in self.buckets if b.comm is not None]}
+
     @property
     def bucket_log(self) -> list[tuple[int, str]]:
         """(bucket, event) of the last synced backward, in order: "grad" (a gradient of

@@ -114,3 +114,18 @@ def test_cli_lists_every_stage():
 def test_cli_bad_input():
     proc = run_cli("--params", "7.5e9", "--world", "0")
     assert proc.returncode == 2 and "world_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("stage,activations,peak", [
+    (0, 5e9, 4e9 + 8e9 + 4e9 + 5e9),  # data parallelism keeps its gradient buckets through forward
+    (1, 5e9, 4e9 + 8e9 / 2 + 5e9),  # ZeRO: no gradient memory when backward starts
+    (2, 5e9, 4e9 + 8e9 / 2 + 5e9),
+    (3, 5e9, (4e9 + 8e9) / 2 + 5e9),
+    (1, 1e9, 4e9 + 8e9 / 2 + 4e9),  # the step (full gradients, activations freed) is the larger
+    (2, 1e9, 4e9 + 8e9 / 2 + 4e9 / 2),  # the gradient shard (2e9) is more than the activations
+])
+def test_peak(stage, activations, peak):
+    """fp32 AdamW (K = 8), 1e9 parameters on 2 ranks, by hand: parameters + optimizer state +
+    max(activations + gradients held through forward, gradients)."""
+    m = pz.zero.estimate_memory(1e9, 2, stage, 8, mixed_precision=False, activation_bytes=activations)
+    assert m["peak"] == pytest.approx(peak, rel=1e-12)

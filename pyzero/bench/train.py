@@ -33,7 +33,15 @@ where deepspeed is importable.
 With ``--device cuda`` each rank trains on its GPU (pyzero on the nccl backend,
 torch runs on torch's NCCL, FSDP2 on a CUDA mesh, AdamW fused everywhere),
 every timed call ends with a device synchronisation, and peak_gpu_mib is
-torch.cuda.max_memory_allocated over the timed steps.
+torch.cuda.max_memory_allocated over the memory phase: --memory-steps synced
+training steps after the warm-up and before the timed phase (so neither the
+no_sync steps nor the scratch buffers of the communication-alone timing count).
+
+``--memory`` traces one more synced step per rank with pyzero.memtrace.StepTrace
+and prints, per run, its peak and what was live at that moment (parameters,
+gradients, buckets, optimizer state, gathered units, activations, the step's
+temporaries; on a GPU also memory no walk reaches and the allocator's reserve),
+the bytes held after backward, and pz.estimate_memory's total next to the peak.
 """
 from __future__ import annotations
 
@@ -106,10 +114,12 @@ def _torch_ddp(model, args, backend: str) -> Runner:
     opt = torch.optim.AdamW(ddp.parameters(), **_adamw_kwargs(model))
     params = [p for p in model.parameters() if p.requires_grad]
     dev = params[0].device
-    flats = [torch.zeros(s.numel, dtype=s.dtype, device=dev) for s in
-             assign_buckets(params, int(args.bucket_mb * 2**20), int(args.first_bucket_mb * 2**20))]
+    flats = []
 
     def comm_alone():
+        if not flats:  # at the first call: not there while memory is measured
+            flats.extend(torch.zeros(s.numel, dtype=s.dtype, device=dev) for s in
+                         assign_buckets(params, int(args.bucket_mb * 2**20), int(args.first_bucket_mb * 2**20)))
         for w in [dist.all_reduce(f, async_op=True) for f in flats]:
             w.wait()
 
@@ -123,20 +133,24 @@ def _zero_comm_alone(opt) -> Callable:
 
     g, rank, world, dev = opt.group, opt.group.rank, opt.group.size, opt.device
     phases = []
-    for phase in opt.comm_plan():
-        calls = []
-        for c in phase:
-            full = torch.zeros(c.numel, device=dev)
-            if c.op == "reduce_scatter":
-                n = c.numel // world if c.counts is None else c.counts[rank]
-                calls.append(lambda o=torch.empty(n, device=dev), i=full, c=c: pz.reduce_scatter(
-                    o, i, op="avg", counts=c.counts, group=g, async_op=True))
-            else:
-                shard = full[rank * (c.numel // world):][:c.numel // world]
-                calls.append(lambda o=full, i=shard: pz.all_gather(o, i, group=g, async_op=True))
-        phases.append(calls)
+
+    def build():  # at the first call: the scratch buffers are not there while memory is measured
+        for phase in opt.comm_plan():
+            calls = []
+            for c in phase:
+                full = torch.zeros(c.numel, device=dev)
+                if c.op == "reduce_scatter":
+                    n = c.numel // world if c.counts is None else c.counts[rank]
+                    calls.append(lambda o=torch.empty(n, device=dev), i=full, c=c: pz.reduce_scatter(
+                        o, i, op="avg", counts=c.counts, group=g, async_op=True))
+                else:
+                    shard = full[rank * (c.numel // world):][:c.numel // world]
+                    calls.append(lambda o=full, i=shard: pz.all_gather(o, i, group=g, async_op=True))
+            phases.append(calls)
 
     def run():
+        if not phases:
+            build()
         for calls in phases:
             for w in [call() for call in calls]:
                 w.wait()
@@ -258,6 +272,11 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--memory", action="store_true",
+                   help="per run, the peak of a training step and its breakdown (parameters, gradients, "
+                        "buckets, optimizer state, gathered units, activations, ...; pyzero.memtrace), "
+                        "against pz.estimate_memory")
+    p.add_argument("--memory-steps", type=int, default=3, help="synced steps the memory phase measures")
 
 
 def _rss_mib() -> float:
@@ -302,13 +321,22 @@ def _rank_main(run: str, args) -> dict:
         # Same seed, data and steps in every run: equal losses say the runs train alike.
         out = {"run": run, "step_s": interleaved_medians([step], args.warmup, args.warmup)[0]}
         last_loss = losses[-1]
+        # The memory phase: synced training steps alone (no no_sync step, no scratch buffers of
+        # the communication-alone timing), before the timed phase.
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        for _ in range(max(1, getattr(args, "memory_steps", 3))):
+            step()
+        if cuda:
+            out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
+        if getattr(args, "memory", False):
+            out["memory"] = _trace_step(runner, x, y, dev)
         comm_alone = runner.comm_alone
         if cuda and comm_alone is not None:
             def comm_alone(f=runner.comm_alone):
                 f()
                 torch.cuda.synchronize(dev)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
         fns = [step] + ([lambda: step(runner.no_sync)] if runner.no_sync else []) \
             + ([comm_alone] if comm_alone else [])
         timed = interleaved_medians(fns, args.iters, args.warmup)
@@ -324,15 +352,18 @@ def _rank_main(run: str, args) -> dict:
                 h.remove()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
-        if cuda:
-            out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if runner.memory is not None:
-            step()  # a synced step last: its memory is what memory() reports
+            # a synced step last, its model states read between backward and step (step() releases
+            # the gradients)
+            runner.optimizer.zero_grad(set_to_none=True)
+            runner.model(x, y).backward()
+            model_state = runner.memory()
+            runner.optimizer.step()
             stage = runner.optimizer.stage
             n = sum(p.numel() for p in runner.optimizer.params)
             est = pz.zero.estimate_memory(n, pz.get_world_size(), stage, optimizer_state_bytes_per_param=8,
                                           mixed_precision=False)  # fp32 AdamW: K = 8
-            out.update(model_state=runner.memory(), model_state_estimate=est["total"])
+            out.update(model_state=model_state, model_state_estimate=est["total"])
         return out
     finally:
         # Free the run's model (a torch DDP / FSDP module and its reducer) before its process
@@ -341,6 +372,38 @@ def _rank_main(run: str, args) -> dict:
         del runner, model
         gc.collect()
         close()
+
+
+_STAGE = {"torch-local": 0, "torch-ddp": 0, "torch-ddp-pyzero": 0, "dp": 0, "zero1": 1, "zero2": 2, "zero3": 3,
+          "zero2-offload": 2, "zero3-offload": 3, "torch-zero": 1, "fsdp2": 3, "fsdp2-pyzero": 3}
+
+
+def _trace_step(runner, x, y, dev) -> dict:
+    """One synced training step under pyzero.memtrace.StepTrace: its peak and what was live then
+    (walked: the run's module, optimizer and wrapper), and the bytes held after backward."""
+    from .. import memtrace  # noqa: PLC0415
+
+    objs = [runner.model, runner.optimizer]
+    runner.optimizer.zero_grad(set_to_none=True)
+    with memtrace.StepTrace(*objs, device=dev) as tr:
+        loss = runner.model(x, y)
+        loss.backward()
+        tr.mark("backward")
+        runner.optimizer.step()
+        del loss
+    return tr.result()
+
+
+def _estimate(run: str, args, world: int) -> dict:
+    """pz.estimate_memory for the run: fp32 AdamW (K = 8), activations of the GPT at --batch x --seq."""
+    import pyzero as pz  # noqa: PLC0415
+
+    model = make_gpt(args.model)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    # plain torch (zero_grad(set_to_none=True), no buckets) holds what ZeRO holds at one rank
+    stage, world = (1, 1) if run == "torch-local" else (_STAGE.get(run, 0), world)
+    return pz.zero.estimate_memory(n, world, stage, optimizer_state_bytes_per_param=8,
+                                   mixed_precision=False, model=model, micro_batch=args.batch, seq=args.seq)
 
 
 def _summarise(run: str, ranks: list[dict], args) -> dict:
@@ -353,6 +416,10 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
            "peak_mib": [r["peak_mib"] for r in ranks], "delta_mib": [r["delta_mib"] for r in ranks]}
     if "peak_gpu_mib" in r0:
         res["peak_gpu_mib"] = [r["peak_gpu_mib"] for r in ranks]
+    if "memory" in r0:
+        res["memory"] = [r["memory"] for r in ranks]
+        est = _estimate(run, args, args.nproc)
+        res["estimate"] = {k: est[k] for k in ("params", "grads", "optimizer", "activations", "total", "peak")}
     if "model_state" in r0:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
@@ -391,6 +458,31 @@ def _plot(path: str, results: list[dict]) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _print_memory(results: list[dict]) -> None:
+    """Per run, the traced step's peak on the rank where it was highest and what was live then
+    (MiB), the bytes held after backward, and pz.estimate_memory's total (activations included)."""
+    from .. import memtrace  # noqa: PLC0415
+
+    rows, held, est = [], [], []
+    for res in results:
+        rank = max(range(len(res["memory"])), key=lambda i: res["memory"][i]["peak"])
+        r = res["memory"][rank]
+        rows.append((f"{res['run']}[{rank}]", r))
+        held.append((res["run"], r["held"]["backward"]))
+        est.append((res["run"], r["peak"], res["estimate"]))
+    print("\n# memory: peak of one synced step per run (MiB), what was live at the peak")
+    print(memtrace.format_table(rows))
+    print("\n# held after backward, before step (MiB): " + "  ".join(f"{c}" for c in memtrace.CATEGORIES))
+    for name, h in held:
+        print(f"{name:>16} " + " ".join(f"{h[c] / 2**20:11.2f}" for c in memtrace.CATEGORIES)
+              + f" {h['total'] / 2**20:11.2f} total")
+    print("\n# pz.estimate_memory (fp32 AdamW, activations for --batch x --seq): its peak against the traced one")
+    print(f"{'run':>16} {'est.peak':>9} {'peak':>9} {'est/peak':>8} {'est.activations':>15} {'est.total':>10}")
+    for name, peak, e in est:
+        print(f"{name:>16} {e['peak'] / 2**20:9.2f} {peak / 2**20:9.2f} {e['peak'] / peak:8.3f} "
+              f"{e['activations'] / 2**20:15.2f} {e['total'] / 2**20:10.2f}")
+
+
 def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
@@ -427,6 +519,8 @@ def main(args) -> int:
               f"{res['loss']:8.4f} {max(res.get('peak_gpu_mib', res['peak_mib'])):9.0f}"
               + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
                  if "model_state_mib" in res else ""), flush=True)
+    if getattr(args, "memory", False):
+        _print_memory(results)
     if args.json:
         write_json(args.json, results, {"bench": "train", "args": vars(args)})
     if args.plot:

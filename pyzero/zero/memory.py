@@ -34,6 +34,14 @@ w = 2 (mixed precision) or 4 bytes:
 
 Without offload everything is on the device. ``total`` is the sum of the model states
 wherever they are, plus activations (always on the device).
+
+``peak`` is the most a rank's device holds at once in a training step, activations included:
+parameters + optimizer state + activations, plus the gradients in stage 0 (data parallelism
+keeps its gradient buckets, the gradients' storage, from step to step); ZeRO stages 1-3 (and
+plain torch with zero_grad(set_to_none=True)) hold no gradient memory when backward starts,
+and backward allocates gradients as it frees activations, so at the peak (the start of
+backward) the gradients are not counted; where that is less, parameters + optimizer state +
+gradients (the optimizer step itself, activations freed). With offload: the device bytes.
 """
 from __future__ import annotations
 
@@ -100,6 +108,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
         out["params"] = params = params + out["hpz_secondary"]
     out["activations"] = float(activation_bytes)
     out["total"] = params + grads + optimizer + out["activations"]
+    held_grads = grads if stage == 0 else 0.0
+    out["peak"] = params + optimizer + max(held_grads + out["activations"], grads)
     out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group))
     return out
 
@@ -117,7 +127,7 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
     nvme_sub_group = sub_group
     _check_number("nvme_sub_group", nvme_sub_group, "a positive count", lambda v: v >= 1)
     if offload is None:
-        return {"device": m["total"], "host": 0.0, "disk": 0.0}
+        return {"device": m["total"], "host": 0.0, "disk": 0.0, "peak": m["peak"]}
     shard = psi / n
     # stage >= 2 sends each reduced bucket to the host as backward produces it: no gradient
     # shard stays on the device (the buckets in flight are transient, like activations)
@@ -129,7 +139,7 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
         disk = (k - 4 if mixed else k) * shard
         buffers = 2 * min(nvme_sub_group, shard) * (disk / shard if shard else 0)
         host = host - disk + buffers
-    return {"device": device, "host": host, "disk": disk}
+    return {"device": device, "host": host, "disk": disk, "peak": device}
 
 
 def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):

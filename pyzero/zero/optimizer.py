@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import comm, wrappers
+from .. import comm, memtrace, wrappers
 from ..bucketing import InFlight
 from .. import optim as pz_optim
 from ..parallel import DataParallel
@@ -81,6 +81,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
+        if "prefetch" in optimizer_kwargs:  # (stage 3's own option reaches here only for stages 1-2)
+            raise ValueError(f"prefetch: gathering units ahead is for stage=3, got stage={stage!r}")
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
         if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
@@ -232,7 +234,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = [dict(g, params=[]) for g in (param_groups or [{"params": []}])]
         self.pieces: list[tuple[Piece, torch.Tensor, torch.Tensor]] = []  # (piece, master view, grad view)
         self._owner = []  # per piece: its parameter's index in self.params (model order)
-        self._shard_grads = [grad for _, _, grad in self.shards()]
+        self._shard_grads = self._grad_segments()
         self._hgrads = _HostGrads(self.device, self._shard_grads) if self._host else None
         self._to_device = _SideCopies(self.device)  # the chunked host step's new values (stages 1-2)
         low = self.param_dtype or self.params[0].dtype
@@ -244,7 +246,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for pc in layout.pieces(self.rank):
                 lo = pc.offset - shard_off
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
-                leaf.grad = grad[lo:lo + pc.numel]
+                leaf.grad = self._grad_view(k, lo, pc.numel)
                 if self._host_low:
                     self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
                 self.pieces.append((pc, leaf, leaf.grad))
@@ -258,6 +260,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g["params"].append(nn.Parameter(torch.zeros(0, device="cpu" if self._host else self.device),
                                                 requires_grad=True))
         self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
+        # [Note: gradient segments hold storage only while they hold values]
+        # On the device path each gradient segment (stage 1-2: one per bucket's part of the
+        # shard, stage 3: one per unit) is released by zero_grad(set_to_none=True), as torch
+        # frees .grad, and grows back when its first reduced gradient arrives: a reduction
+        # that writes the whole segment writes straight into it (_grad_target), others are
+        # added (_add_grad). So between steps, through forward and while backward has not yet
+        # reached a bucket, no gradient memory is held, and backward allocates it bucket by
+        # bucket, as plain torch allocates .grad. Views of a segment (the inner optimizer's
+        # leaves' .grad) stay valid across release and regrowth (the storage is resized in place).
+        self._grad_live = [True] * len(self._shard_grads)
+        self._direct: set[int] = set()  # segments a reduction of this backward writes straight into
+        if not self._host:
+            for k in range(len(self._shard_grads)):
+                self._release_grad(k)
         self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
@@ -295,20 +311,59 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _start_backward(self):
         """Get ready for the next backward (stages that reduce during backward)."""
 
+    def _grad_segments(self) -> list[torch.Tensor]:
+        """The fp32 gradient segments (see [Note: gradient segments hold storage only while they
+        hold values]); by default one per self.shards() entry, its gradient shard."""
+        return [grad for _, _, grad in self.shards()]
+
+    def _grad_view(self, k: int, lo: int, n: int) -> torch.Tensor:
+        """Elements [lo, lo + n) of shard `k`'s gradient (offsets relative to the shard start)."""
+        return self._shard_grads[k][lo:lo + n]
+
+    def _release_grad(self, k: int) -> None:
+        g = self._shard_grads[k]
+        if g.numel():
+            g.untyped_storage().resize_(0)
+        self._grad_live[k] = False
+
+    def _grow_grad(self, k: int, zero: bool) -> torch.Tensor:
+        g = self._shard_grads[k]
+        if not self._grad_live[k]:
+            if g.numel():
+                with memtrace.region("pyzero.grad"):
+                    g.untyped_storage().resize_(g.numel() * g.element_size())
+                if zero:
+                    g.zero_()
+            self._grad_live[k] = True
+        return g
+
+    def _grad_target(self, k: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Segment `k` itself as the output of a reduction that writes all of it, when it holds
+        no values yet (and the reduction's dtype is fp32, on the device path); else None: the
+        caller reduces into a buffer of its own and hands it to _add_grad."""
+        if self._host or self._grad_live[k] or dtype != torch.float32:
+            return None
+        self._direct.add(k)
+        return self._grow_grad(k, zero=False)
+
     def _add_grad(self, shard: int, lo: int, hi: int, reduced: torch.Tensor) -> None:
         """Stages call this once `reduced` (on the device, as queued on the current stream) holds
-        the reduced gradients of [lo, hi) of gradient shard `shard` (self.shards() order): added
-        into the shard, with host copies on the host (see [Note: offload of a CUDA model])."""
+        the reduced gradients of [lo, hi) of gradient segment `shard` (self._shard_grads order):
+        added into the segment, with host copies on the host (see [Note: offload of a CUDA model])."""
         if self._host:
             self._hgrads.put(shard, lo, hi, reduced)
         else:
-            self._shard_grads[shard][lo:hi].add_(reduced)
+            self._grow_grad(shard, zero=True)[lo:hi].add_(reduced)
 
     def _finish_gradients(self):
-        """The gradient shards reduced; with host copies, those landed and were added too."""
+        """The gradient shards reduced; with host copies, those landed and were added too; a
+        segment no reduction reached holds zeros."""
         self._reduce_gradients()
         if self._host:
             self._hgrads.finish()
+        else:
+            for k in range(len(self._shard_grads)):
+                self._grow_grad(k, zero=True)
 
     def comm_plan(self) -> list[list[CollectiveCall]]:
         """The collectives one synchronised training step issues on this group, in order, as
@@ -536,7 +591,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._overflow = bool(bad[0])
             if not self._overflow and not self._host:  # (host copies stay raw: see _host_step)
                 inv = 1.0 / self.scaler.scale
-                for _, _, g in self.shards():
+                for g in self._shard_grads:
                     g.mul_(inv)
         return self._overflow
 
@@ -549,16 +604,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _discard(self):
         """Forget a backward that cannot finish: wait for its in-flight reductions (every rank
-        launched them) without adding them, and start over."""
+        launched them) without adding them, and start over. A segment such a reduction wrote
+        straight into held no values before it: it is released again."""
         self._inflight.discard()
+        for k in self._direct:
+            self._release_grad(k)
+        self._direct.clear()
         self._start_backward()
 
+    def _end_of_backward(self):
+        """Stages call this when a backward has launched all its reductions: they are waited for
+        and folded into the shards (so when backward returns no staging buffer is held, only the
+        gradient shards: on a GPU the wait is the compute stream's, the host goes on), and what
+        they wrote straight into a segment is this backward's to keep."""
+        self._drain()
+        self._direct.clear()
+
     def zero_grad(self, set_to_none: bool = True):
+        """Zeroes the gradient shards; set_to_none (the default, as torch's) releases their
+        memory instead (see [Note: gradient segments hold storage only while they hold values])."""
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
         self._forget_host_copies()
+        self._direct.clear()
         if not self._host:  # (host copies: _HostGrads zeroes what no reduction writes)
-            for g in self._shard_grads:
-                g.zero_()
+            for k in range(len(self._shard_grads)):
+                if set_to_none:
+                    self._release_grad(k)
+                else:
+                    self._grow_grad(k, zero=False).zero_()
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
         self._overflow = None
@@ -688,6 +761,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if on_disk is not None:
             out["disk"] = on_disk[1]
         return out
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this optimizer holds right now, by what they are (pyzero.memtrace walks
+        them): "params" the parameters as this rank keeps them (stages 1-2 the full flat buffer,
+        stage 3 the shards), "grads" the gradient segments holding values (stage 1 also the
+        parameters' own .grad before they are reduced), "buckets" staging buffers being filled,
+        "gathered" stage 3's full units allocated now, "optimizer" the inner optimizer's state
+        and the fp32 masters where they are separate (16-bit models, offload). A tensor may
+        share storage with one listed before it (an fp32 master in the flat buffer): count
+        storages once, in this order."""
+        optim = [t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        optim += [m for _, m, _ in self.shards()] + list(self._host_low)
+        grads = [g for k, g in enumerate(self._shard_grads) if self._grad_live[k]]
+        grads += [p.grad for p in self.params if p.grad is not None]
+        return {"params": self._param_tensors(), "grads": grads, "buckets": self._bucket_tensors(),
+                "gathered": self._gathered_tensors(), "optimizer": optim}
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        return [p for p in self.params]
+
+    def _bucket_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def _gathered_tensors(self) -> list[torch.Tensor]:
+        return []
 
     def _master_is_separate(self) -> bool:
         return self._host or (self.param_dtype or self.params[0].dtype) != torch.float32

@@ -7,6 +7,7 @@ after use (``untyped_storage().resize_(0)``, as FSDP does), so the model's
 parameters, and whatever autograd saved of them, stay valid views.
 
   forward:  pre-hook  gather unit i (usually already prefetched), prefetch unit i+1
+            (``prefetch``: the next n units; 0: none)
             post-hook free unit i; hook its outputs so backward re-gathers it
   backward: output-grad hook  gather unit i, prefetch the unit that ran before it
             all its gradients accumulated  -> reduce-scatter them (async), free unit i
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
 from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
@@ -96,7 +97,7 @@ class _Unit:
         self.nbytes = self.full.untyped_storage().nbytes()
         # (offload of a CUDA model: in host memory, see [Note: offload of a CUDA model])
         self.grad_shard = (grad_buffer(n) if grad_buffer is not None
-                           else torch.zeros(n, dtype=torch.float32, device=device))
+                           else torch.empty(n, dtype=torch.float32, device=device))
         self.gather_work = None
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
@@ -134,7 +135,8 @@ class _Unit:
 
     def gather(self, plan: GatherPlan, wait=True, backward=False):
         if not self.gathered:
-            self.full.untyped_storage().resize_(self.nbytes)
+            with memtrace.region("pyzero.gather"):
+                self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
             self.gather_work = plan.start(self, backward)
             for v, p in zip(self.views, self.layout.params):
@@ -151,10 +153,18 @@ class ZeroStage3(ZeroOptimizer):
 
     ZeRO++ options (named as DeepSpeed's; see zeropp.py): ``zero_hpz_partition_size`` (ranks
     per host, 1 = off), ``zero_quantized_weights`` (int8 gathers), ``zero_quantized_gradients``
-    (True/8: int8, 4: int4 gradient reduce-scatter). Each works alone or with the others."""
+    (True/8: int8, 4: int4 gradient reduce-scatter). Each works alone or with the others.
+    ``prefetch``: units gathered ahead of the one computing, in forward (the next ones) and
+    backward (the ones before); 1 by default, as FSDP2; 0 gathers each unit when it is needed.
+    A unit is freed right after its forward (resharded, as FSDP2 by default) and after its
+    gradients are reduced in backward."""
 
     def __init__(self, model, optimizer_class, stage=3, *args, zero_hpz_partition_size=1,
-                 zero_quantized_weights=False, zero_quantized_gradients=False, **kwargs):
+                 zero_quantized_weights=False, zero_quantized_gradients=False, prefetch=1, **kwargs):
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch: expected an int >= 0 (units gathered ahead of the one computing; "
+                             f"0: none), got {prefetch!r}")
+        self.prefetch = prefetch
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
 
@@ -228,6 +238,12 @@ class ZeroStage3(ZeroOptimizer):
         return (_nbytes(shards) + _nbytes(u.master for u in self.units if u.shard.data_ptr() == u.master.data_ptr())
                 + self._secondary_bytes())
 
+    def _param_tensors(self):
+        return [u.shard for u in self.units] + [u.secondary for u in self.units if u.secondary is not None]
+
+    def _gathered_tensors(self):
+        return [u.full for u in self.units if u.gathered]
+
     def _low_buffer(self, k, master, dtype):
         u = self.units[k]  # offload_params: the 16-bit host shard is the copy the step writes
         if self.offload.offload_params and u.shard.dtype == dtype and u.shard.data_ptr() != master.data_ptr():
@@ -295,8 +311,7 @@ class ZeroStage3(ZeroOptimizer):
                 self.units[i].gather(self._plan)
                 if self._order_open and (not self._order or self._order[-1] != i):
                     self._order.append(i)
-            nxt = self._next_unit(needs[-1], +1)
-            if nxt is not None:
+            for nxt in self._next_units(needs[-1], +1):
                 self.units[nxt].gather(self._plan, wait=False)  # prefetch
 
         at_graph_break = torch.compiler.disable(eager)
@@ -328,13 +343,18 @@ class ZeroStage3(ZeroOptimizer):
         at_graph_break = torch.compiler.disable(eager)
         return post_forward
 
-    def _next_unit(self, i, step):
-        """The unit used after (step=+1) or before (-1) unit i in the last recorded forward."""
+    def _next_units(self, i, step):
+        """The `prefetch` units used after (step=+1) or before (-1) unit i in the last recorded
+        forward, nearest first."""
         try:
-            k = self._order.index(i) + step
+            k = self._order.index(i)
         except ValueError:
-            return None
-        return self._order[k] if 0 <= k < len(self._order) else None
+            return []
+        out = []
+        for j in range(1, self.prefetch + 1):
+            if 0 <= k + j * step < len(self._order):
+                out.append(self._order[k + j * step])
+        return out
 
     # ---- backward -------------------------------------------------------------
 
@@ -358,9 +378,9 @@ class ZeroStage3(ZeroOptimizer):
             for i in needs:
                 if self.units[i].pending > 0:
                     self.units[i].gather(self._plan, backward=True)
-            prev = self._next_unit(needs[0], -1)
-            if prev is not None and self.units[prev].pending > 0:
-                self.units[prev].gather(self._plan, wait=False, backward=True)
+            for prev in self._next_units(needs[0], -1):
+                if self.units[prev].pending > 0:
+                    self.units[prev].gather(self._plan, wait=False, backward=True)
         return pre_backward
 
     def _make_post_backward(self, needs, call):
@@ -388,7 +408,8 @@ class ZeroStage3(ZeroOptimizer):
 
     def _reduce_unit(self, u):
         u.reduced = True
-        staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
+        with memtrace.region("pyzero.bucket"):
+            staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
         for v, p in zip(u.layout.views(staging), u.layout.params):
             if p.grad is not None:
                 v.copy_(p.grad)
@@ -397,12 +418,20 @@ class ZeroStage3(ZeroOptimizer):
             self._add_grad(u.idx, 0, u.grad_shard.numel(), self._qg(staging, u.layout.shard_size))
             u.free()
             return
-        out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
+        # straight into the unit's gradient shard when it holds no values yet (see [Note: gradient
+        # segments hold storage only while they hold values]), else through a buffer added on arrival
+        target = self._grad_target(u.idx, self.comm_dtype)
+        if target is not None:
+            out = target
+        else:
+            with memtrace.region("pyzero.bucket"):
+                out = torch.empty(u.layout.shard_size, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter(out, staging, op="avg", group=self.group, async_op=True)
+        del staging  # the Work keeps it alive until it is waited on
 
         def arrived():
             self._add_grad(u.idx, 0, u.grad_shard.numel(), out)
-        self._inflight.add(work, arrived)
+        self._inflight.add(work, None if target is not None else arrived)
         u.free()
 
     def _start_backward(self):
@@ -417,6 +446,7 @@ class ZeroStage3(ZeroOptimizer):
     def _end_backward(self):
         if self._sync:
             self._launch_order.finish()  # units with unused parameters: what there is (zeros)
+            self._end_of_backward()
         for u in self.units:
             u.free()
         self._start_backward()

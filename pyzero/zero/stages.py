@@ -5,18 +5,24 @@ Both lay the trainable parameters end to end in *reverse* registration order
 range of the flat buffer and its reduce-scatter counts are just its overlap
 with each rank's shard (partition.FlatLayout.counts).
 
-Stage 1 keeps full gradients as views into one flat buffer (like DDP's
-gradient_as_bucket_view) and reduce-scatters them, bucket by bucket, in place
-at step time. Stage 2 keeps only the gradient shard: a post-accumulate hook
-copies each gradient into its bucket's staging buffer and drops it; a full
+Stage 1 leaves the full gradients in the parameters' own .grad (as backward
+allocates them, without ZeRO too) and at step time copies them into staging
+buffers and reduce-scatters them, bucket by bucket, dropping each .grad once
+its bucket holds it. Stage 2 keeps only the gradient shard: a post-accumulate
+hook copies each gradient into its bucket's staging buffer and drops it; a full
 bucket is reduce-scattered asynchronously while backward goes on, in bucket
 order on every rank (bucketing.OrderedLaunch, see [Note: bucket launch order]).
+Both reduce into the shard's per-bucket segments, which hold memory only while
+they hold values (see [Note: gradient segments hold storage only while they
+hold values] in optimizer.py).
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from .. import comm
+from .. import comm, memtrace
 from .. import optim as pz_optim
 from ..bucketing import OrderedLaunch, flat_buckets
 from . import optimizer as zero_optimizer
@@ -51,6 +57,12 @@ class _FlatParams(ZeroOptimizer):
         first = next((p for p in L.params if p.numel()), L.params[0])
         self._home = (first, first.data_ptr())  # see _check_home
         self.buckets = flat_buckets(L, self.bucket_elems)
+        # Device path: the gradient shard as one segment per bucket, its part of the shard (see
+        # [Note: gradient segments hold storage only while they hold values]); with host copies
+        # one host shard (_grad_buffer), its ranges fed by _HostGrads.
+        self._parts = [self._my_part(b, e) for b, e, _ in self.buckets]
+        self._part_starts = [a for a, _ in self._parts]
+        self.grad_shard = self._grad_buffer(self.layout.shard_size) if self._host else None
         self._sent_pieces = 0  # pieces the chunked host step sent to the device (see _stepped)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -108,6 +120,43 @@ class _FlatParams(ZeroOptimizer):
     def shards(self):
         return [(self.layout, self.master, self.grad_shard)]
 
+    def _grad_segments(self):
+        if self._host:
+            return [self.grad_shard]
+        return [torch.empty(hi - lo, dtype=torch.float32, device=self.device) for lo, hi in self._parts]
+
+    def _grad_view(self, k, lo, n):
+        if self._host:
+            return super()._grad_view(k, lo, n)
+        # a piece lies in one parameter, and buckets end on parameter boundaries: in one bucket,
+        # the last whose part starts at or before lo and is not empty
+        b = bisect.bisect_right(self._part_starts, lo) - 1
+        while self._parts[b][1] <= lo:
+            b -= 1
+        a = self._parts[b][0]
+        return self._shard_grads[b][lo - a:lo - a + n]
+
+    def _launch_reduce(self, b: int, staging: torch.Tensor) -> None:
+        """Reduce-scatter bucket b from `staging` (async) into this rank's part of the gradient
+        shard: straight into its segment when that holds no values yet, else through a buffer
+        added once it arrived."""
+        begin, end, _ = self.buckets[b]
+        counts = self.layout.counts(begin, end)
+        lo, hi = self._parts[b]
+        target = self._grad_target(b, staging.dtype)
+        if target is not None:
+            out = target
+        else:
+            with memtrace.region("pyzero.bucket"):
+                out = torch.empty(counts[self.rank], dtype=staging.dtype, device=self.device)
+        work = comm.reduce_scatter(out, staging, op="avg", counts=counts, group=self.group, async_op=True)
+        if target is not None:
+            self._inflight.add(work)
+        elif self._host:
+            self._inflight.add(work, lambda: self._add_grad(0, lo, hi, out))
+        else:
+            self._inflight.add(work, lambda: self._add_grad(b, 0, hi - lo, out))
+
     def comm_plan(self):
         L = self.layout
         return [[CollectiveCall("reduce_scatter", e - b, L.counts(b, e)) for b, e, _ in self.buckets],
@@ -116,64 +165,43 @@ class _FlatParams(ZeroOptimizer):
     def _held_params(self):
         return _nbytes([self.flat_param])
 
+    def _param_tensors(self):
+        return [self.flat_param]
+
 
 @register_stage(1)
 class ZeroStage1(_FlatParams):
-    """Optimizer state sharded; full gradients reduce-scattered in place at step time."""
+    """Optimizer state sharded; full gradients (torch's own .grad, allocated by backward as
+    without ZeRO) reduce-scattered bucket by bucket at step time, each parameter's .grad freed
+    once its bucket holds it: full gradients and the shard are never held whole at once."""
 
     def _setup(self):
         self._setup_flat()
-        self.flat_grad = torch.zeros_like(self.flat_param)
-        self._attach_grads()
-        own = self.flat_grad[self._shard]
-        self.grad_shard = own if own.dtype == torch.float32 and not self._host else self._grad_buffer(own.numel())
         self._reduced = False
 
     def _held_grads(self):
-        return _nbytes([self.flat_grad] if self._host else [self.flat_grad, self.grad_shard])
-
-    def _attach_grads(self):
-        self._grad_views = {}
-        for v, p in zip(self.layout.views(self.flat_grad), self.layout.params):
-            p.grad = v
-            self._grad_views[id(p)] = v
+        return super()._held_grads() + _nbytes(p.grad for p in self.params if p.grad is not None)
 
     def _on_grad(self, p):
         self._grads_ready, self._reduced = True, False
-        view = self._grad_views[id(p)]
-        if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced (model.zero_grad()): adopt it
-            view.copy_(p.grad)
-            p.grad = view
 
     def _reduce_gradients(self):
         if self._reduced:
             return
-        works = []
-        for begin, end, _ in self.buckets:
-            counts = self.layout.counts(begin, end)
-            lo, hi = self._my_part(begin, end)
-            out = self.flat_grad[self._shard][lo:hi]
-            works.append(comm.reduce_scatter(out, self.flat_grad[begin:end], op="avg", counts=counts,
-                                             group=self.group, async_op=True))
-        for w in works:
-            w.wait()
-        if self._host:  # the reduced shard replaces what the host holds (see [Note: offload of a CUDA model])
-            self._hgrads.restart()
-            self._add_grad(0, 0, self.grad_shard.numel(), self.flat_grad[self._shard])
-        elif self.grad_shard.data_ptr() != self.flat_grad[self._shard].data_ptr():
-            self.grad_shard.copy_(self.flat_grad[self._shard])
+        L = self.layout
+        for b, (begin, end, members) in enumerate(self.buckets):
+            with memtrace.region("pyzero.bucket"):
+                staging = torch.zeros(end - begin, dtype=self.flat_param.dtype, device=self.device)
+            for i in members:
+                p = L.params[i]
+                if p.grad is not None:
+                    off = L.offsets[i] - begin
+                    staging[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+            self._launch_reduce(b, staging)  # (the Work keeps staging alive until it is waited on)
+        self._drain()
+        self._end_of_backward()
         self._reduced = True
-
-    def zero_grad(self, set_to_none: bool = True):
-        """Zeroes the flat gradient buffer; the parameters keep their gradient views."""
-        self._forget_host_copies()
-        self.flat_grad.zero_()
-        if not self._host:  # (host copies: the next reduction replaces the host shard)
-            self.grad_shard.zero_()
-        self._attach_grads()
-        self._grads_ready = self._reduced = False
-        self._overflow = None
-        self._has_grad.fill_(0 if set_to_none else 1)  # see [Note: parameters without gradients]
 
 
 @register_stage(2)
@@ -182,7 +210,6 @@ class ZeroStage2(_FlatParams):
 
     def _setup(self):
         self._setup_flat()
-        self.grad_shard = self._grad_buffer(self.layout.shard_size)
         self._bucket_of = {}
         for b, (_, _, members) in enumerate(self.buckets):
             for i in members:
@@ -195,10 +222,14 @@ class ZeroStage2(_FlatParams):
         self._staging = [None] * len(self.buckets)
         self._launch_order.reset()
 
+    def _bucket_tensors(self):
+        return [t for t in self._staging if t is not None]
+
     def _stage(self, b):
         if self._staging[b] is None:
             begin, end, _ = self.buckets[b]
-            self._staging[b] = torch.zeros(end - begin, dtype=self.comm_dtype, device=self.device)
+            with memtrace.region("pyzero.bucket"):
+                self._staging[b] = torch.zeros(end - begin, dtype=self.comm_dtype, device=self.device)
         return self._staging[b]
 
     def _on_grad(self, p):
@@ -216,21 +247,13 @@ class ZeroStage2(_FlatParams):
 
     def _launch(self, b):
         # called by self._launch_order, see [Note: bucket launch order]
-        begin, end, _ = self.buckets[b]
-        counts = self.layout.counts(begin, end)
-        out = torch.empty(counts[self.rank], dtype=self.comm_dtype, device=self.device)
-        work = comm.reduce_scatter(out, self._stage(b), op="avg", counts=counts, group=self.group,
-                                   async_op=True)
+        self._launch_reduce(b, self._stage(b))
         self._staging[b] = None  # the Work keeps it alive until it is waited on
-        lo, hi = self._my_part(begin, end)
-
-        def arrived():
-            self._add_grad(0, lo, hi, out)
-        self._inflight.add(work, arrived)
 
     def _end_backward(self):
         """Buckets holding unused parameters launch now, with zeros for the missing gradients."""
         self._launch_order.finish()
+        self._end_of_backward()
         self._start_backward()
 
     def _reduce_gradients(self):

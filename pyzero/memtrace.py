@@ -1,0 +1,262 @@
+"""Where the bytes of a training step go, on the CPU and on a GPU alike.
+
+``held(*objs)`` walks known objects (a module, a torch optimizer, a pz.ZeroOptimizer or
+pz.DataParallel: their ``memory_tensors()``) and returns the bytes of distinct storage they
+hold right now, per category:
+
+    params      parameters as the rank keeps them (full, flat buffer or shards)
+    grads       gradients: .grad, gradient buckets that are the gradients' storage, ZeRO's
+                gradient shards
+    buckets     flat staging buffers of reductions (and their communication-dtype copies)
+    gathered    ZeRO-3 full parameters of units gathered now
+    optimizer   optimizer state (and separate fp32 master weights)
+
+A storage counts once, in the first of these categories that lists it.
+
+``StepTrace`` measures one training step: the peak of allocated memory and what was live at
+that moment. It walks the objects at its start and at ``mark()``s (e.g. after backward), and
+records every allocation and free of the step with torch.profiler (``profile_memory``: the
+CPU allocator's and the CUDA caching allocator's events alike). Replaying them gives the
+peak and, for each allocation live at the peak, its category: the walks' categories for the
+storages they saw, else the region it was made in (``region()`` scopes the pyzero stages put
+around their gathers, staging buffers and reductions; torch's AccumulateGrad for gradients;
+FSDP2's all-gather and reduce-scatter scopes; ``Optimizer.step`` for the step's temporaries,
+``step_temps``); everything else made during
+forward and backward is ``activations`` (saved tensors, their gradients, temporaries). The
+walk at the start covers what lived before the step; on a GPU ``other`` is the rest of
+torch.cuda.memory_allocated() at the start (memory no walk reaches, e.g. torch DDP's
+buckets while no .grad points at them), ``max_allocated`` the allocator's own peak and
+``reserve`` the caching allocator's reserved bytes beyond it at its peak (fragmentation and
+cache). On the CPU ``peak`` covers the walked memory and what the step allocated.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CATEGORIES = ("params", "grads", "buckets", "gathered", "optimizer")
+STEP_CATEGORIES = CATEGORIES + ("activations", "step_temps")
+_MARK = "pyzero.mark:"
+# profiler scopes -> category; torch FSDP2's own scopes carry the module's name after " ("
+_REGIONS = {"pyzero.gather": "gathered", "pyzero.bucket": "buckets", "pyzero.grad": "grads",
+            "torch::autograd::AccumulateGrad": "grads", "FSDP::all_gather": "gathered",
+            "FSDP::all_gather_copy_out": "gathered", "FSDP::post_backward_reduce": "buckets"}
+
+
+def region(name: str):
+    """A profiler scope (torch.profiler.record_function) while a profiler records, else
+    nothing: the stages mark where they allocate gathered units ("pyzero.gather"), staging
+    buffers ("pyzero.bucket") and gradient shards ("pyzero.grad")."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t) is not torch.Tensor else t
+
+
+def tensors(obj) -> dict[str, list[torch.Tensor]]:
+    """The tensors `obj` holds, by category: an object with ``memory_tensors()`` (pz.ZeroOptimizer,
+    pz.DataParallel) says so itself; an nn.Module gives its parameters and their .grad; a torch
+    optimizer its state."""
+    out: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}
+    own = getattr(obj, "memory_tensors", None)
+    if callable(own):
+        for c, ts in own().items():
+            out[c].extend(ts)
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            out["params"].append(p)
+            if p.grad is not None:
+                out["grads"].append(p.grad)
+    elif isinstance(obj, torch.optim.Optimizer):
+        out["optimizer"] = [t for st in obj.state.values() for t in st.values() if torch.is_tensor(t)]
+    else:
+        raise TypeError(f"objs: expected modules, optimizers or objects with memory_tensors(), "
+                        f"got {type(obj).__name__}")
+    return out
+
+
+def storages(*objs, device: torch.device | str | None = None) -> dict[int, tuple[str, int]]:
+    """data_ptr -> (category, bytes) of every distinct non-empty storage `objs` hold (on `device`
+    when given), each in the first category that lists it (see CATEGORIES)."""
+    device = None if device is None else torch.device(device)
+    found: dict[int, tuple[str, int]] = {}
+    per = [tensors(o) for o in objs]
+    for c in CATEGORIES:
+        for ts in per:
+            for t in ts[c]:
+                t = _local(t)
+                if device is not None and t.device.type != device.type:
+                    continue
+                st = t.untyped_storage()
+                ptr, n = st.data_ptr(), st.nbytes()
+                if n and ptr not in found:
+                    found[ptr] = (c, n)
+    return found
+
+
+def held(*objs, device: torch.device | str | None = None) -> dict[str, int]:
+    """Bytes `objs` hold right now per category, plus "total" (see the module docstring)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for c, n in storages(*objs, device=device).values():
+        out[c] += n
+    out["total"] = sum(out.values())
+    return out
+
+
+class StepTrace:
+    """``with StepTrace(model, opt) as tr: loss = model(x); loss.backward(); tr.mark("backward");
+    opt.step()`` then ``tr.result()``: see the module docstring. Call zero_grad before entering
+    (as a training loop does first): the trace sees what the step allocates, and the walk at its
+    start what was there before."""
+
+    def __init__(self, *objs, device: torch.device | str = "cpu"):
+        self.objs, self.device = objs, torch.device(device)
+        self.marks: list[tuple[str, dict[int, tuple[str, int]]]] = []
+        self._prof = None
+        self._result = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        self._sync()
+        self.before = storages(*self.objs, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocated0 = torch.cuda.memory_allocated(self.device)
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def mark(self, name: str) -> None:
+        """Walk the objects now; the allocations they hold get their categories."""
+        self._sync()
+        with torch.profiler.record_function(_MARK + name):
+            self.marks.append((name, storages(*self.objs, device=self.device)))
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.after = storages(*self.objs, device=self.device)
+        if self.device.type == "cuda":
+            self.max_allocated = torch.cuda.max_memory_allocated(self.device)
+            self.max_reserved = torch.cuda.max_memory_reserved(self.device)
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self._result = self._analyse()
+        return False
+
+    def result(self) -> dict:
+        """{"peak": bytes, "at_peak": {category: bytes} (STEP_CATEGORIES, plus "other" on a GPU),
+        "held": {mark: {category: bytes}} for "start", each mark and "end"; on a GPU also
+        "max_allocated" and "reserve"}."""
+        if self._result is None:
+            raise RuntimeError("StepTrace: result() after a step traced to its end")
+        return self._result
+
+    def _events(self):
+        tree = self._prof.profiler.kineto_results.experimental_event_tree()
+        allocs, marks, stack = [], {}, list(tree)
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
+                if e.extra_fields.device.type == self.device.type:
+                    allocs.append(e)
+            elif e.name.startswith(_MARK):
+                marks[e.name[len(_MARK):]] = e.start_time_ns
+        allocs.sort(key=lambda e: e.start_time_ns)
+        return allocs, marks
+
+    @staticmethod
+    def _scope(e) -> str:
+        p = e.parent
+        while p is not None:
+            name = p.name.split(" (")[0]
+            if name in _REGIONS:
+                return _REGIONS[name]
+            if p.name.startswith("Optimizer.step"):
+                return "step_temps"
+            p = p.parent
+        return "activations"
+
+    def _analyse(self) -> dict:
+        allocs, mark_times = self._events()
+        walks = sorted(((mark_times[name], found) for name, found in self.marks if name in mark_times),
+                       key=lambda w: w[0])
+        walks.append((float("inf"), self.after))
+        live: dict[int, tuple[int, object]] = {}  # ptr -> (allocation number, event) of live allocations
+        cat: dict[int, str] = {}  # allocation number -> category from a walk
+        before = dict(self.before)  # pre-existing storages (a later walk may find more)
+        cur = peak = 0
+        peak_live: dict[int, tuple[int, object]] = {}
+        w = 0
+
+        def take_walk(found):
+            for ptr, (c, n) in found.items():
+                if ptr in live:
+                    cat.setdefault(live[ptr][0], c)
+                elif ptr not in before:  # held from before the step, seen only now
+                    before[ptr] = (c, n)
+
+        for i, e in enumerate(allocs):
+            while w < len(walks) - 1 and walks[w][0] <= e.start_time_ns:
+                take_walk(walks[w][1])
+                w += 1
+            ef = e.extra_fields
+            if ef.alloc_size > 0:
+                live[ef.ptr] = (i, e)
+            else:
+                live.pop(ef.ptr, None)
+            cur += ef.alloc_size
+            if cur > peak:
+                peak, peak_live = cur, dict(live)
+        for found in [wk[1] for wk in walks[w:]]:
+            take_walk(found)
+        at_peak = dict.fromkeys(STEP_CATEGORIES, 0)
+        for c, n in before.values():
+            at_peak[c] += n
+        for i, e in peak_live.values():
+            at_peak[cat.get(i) or self._scope(e)] += e.extra_fields.alloc_size
+        held = {"start": _by_category(self.before)}
+        held.update((name, _by_category(found)) for name, found in self.marks)
+        held["end"] = _by_category(self.after)
+        out = {"peak": sum(at_peak.values()), "at_peak": at_peak, "held": held}
+        if self.device.type == "cuda":
+            out["at_peak"]["other"] = max(0, self.allocated0 - sum(n for _, n in before.values()))
+            out["peak"] += out["at_peak"]["other"]
+            out["max_allocated"] = self.max_allocated
+            out["reserve"] = self.max_reserved - self.max_allocated
+        return out
+
+
+def _by_category(found: dict[int, tuple[str, int]]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for c, n in found.values():
+        out[c] += n
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_table(rows: list[tuple[str, dict]], unit: float = 2**20) -> str:
+    """The breakdown at the peak of each (run name, StepTrace result) as a text table (MiB)."""
+    cols = list(STEP_CATEGORIES)
+    if any("other" in r["at_peak"] for _, r in rows):
+        cols.append("other")
+    extra = any("max_allocated" in r for _, r in rows)
+    head = f"{'run':>16} {'peak':>9} " + " ".join(f"{c:>11}" for c in cols)
+    if extra:
+        head += f" {'max_alloc':>10} {'reserve':>9}"
+    lines = [head]
+    for name, r in rows:
+        line = f"{name:>16} {r['peak'] / unit:9.2f} " + " ".join(f"{r['at_peak'].get(c, 0) / unit:11.2f}" for c in cols)
+        if extra:
+            line += f" {r.get('max_allocated', 0) / unit:10.2f} {r.get('reserve', 0) / unit:9.2f}"
+        lines.append(line)
+    return "\n".join(lines)

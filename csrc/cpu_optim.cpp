@@ -70,6 +70,7 @@ struct V {
   static T neg(T a) { return -a; }
   static void store_f16(half_t* p, T x) { *p = float_to_half(x); }
   static void store_bf16(bf16_t* p, T x) { *p = float_to_bf16(x); }
+  static T load_bf16(const bf16_t* p) { return bf16_to_float(*p); }
   static void store_copy(float* p, T x) { *p = x; }
 };
 #include "cpu_optim.inc"
@@ -106,6 +107,10 @@ struct V {
   static T max(T a, T b) { return _mm256_max_ps(b, a); }  // a > b ? a : b
   static T neg(T a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static void store_f16(half_t* p, T x) { put128(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+  static T load_bf16(const bf16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
   static void store_copy(float* p, T x) {
     if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_ps(p, x);
     else _mm256_storeu_ps(p, x);
@@ -166,6 +171,10 @@ struct V {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
   }
   static void store_f16(half_t* p, T x) { put256(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+  static T load_bf16(const bf16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
   static void store_bf16(bf16_t* p, T x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -210,7 +219,7 @@ void run_range(LoopFn<Scalars> vec, LoopFn<Scalars> scalar, const OptimSlot& t, 
                const Scalars& s, DType copy_dtype) {
   const int64_t done = vec(t, begin, end, s, copy_dtype);
 #if defined(__x86_64__)
-  if (t.copy) _mm_sfence();  // the copy's streaming stores, ordered before the step returns
+  _mm_sfence();  // the streaming stores (copies, bf16 moments), ordered before the step returns
 #endif
   if (begin + done < end) scalar(t, begin + done, end, s, copy_dtype);
 }
@@ -354,6 +363,7 @@ void run_all(const std::vector<OptimSlot>& slots, const Scalars& s, DType copy_d
 
 void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa) {
   check(slots, copy_dtype, threads, true, true, s.amsgrad, "adam_step");
+  if (s.amsgrad && s.bf16_moments) throw std::invalid_argument("adam_step: amsgrad needs fp32 moments");
 #if defined(__x86_64__)
   run_all<AdamScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adam_loop, isa_avx2::adam_loop,
                        isa_avx512::adam_loop);

@@ -44,7 +44,7 @@ struct OptimSlot {
   float* p;
   const float* g;
   float* state0;  // Adam: exp_avg; SGD: momentum_buffer; Adagrad: sum
-  float* state1;  // Adam: exp_avg_sq
+  float* state1;  // Adam: exp_avg_sq (Adam with bf16_moments: state0 and state1 hold bfloat16)
   float* state2;  // Adam with amsgrad: max_exp_avg_sq
   void* copy;
   int64_t n;
@@ -64,6 +64,9 @@ struct AdamScalars {
   bool decoupled = true;
   bool amsgrad = false;
   bool maximize = false;
+  // exp_avg and exp_avg_sq stored as bfloat16: read widened, updated in fp32 as above, written
+  // rounded to nearest even (the fp32 step from the stored values, its moments rounded)
+  bool bf16_moments = false;
 };
 
 struct SgdScalars {

@@ -33,7 +33,8 @@ def batch(step, n=12):
 
 
 def local_loss(model, step, world, rank):
-    x, y = (t.to(next(model.parameters()).dtype) for t in batch(step))
+    w = next(model.parameters())
+    x, y = (t.to(device=w.device, dtype=w.dtype) for t in batch(step))
     lo, hi = rank * 12 // world, (rank + 1) * 12 // world
     return torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") / 12 * world
 
@@ -166,10 +167,13 @@ def test_bad_arguments_name_the_argument_on_every_rank():
 
 # ---- delayed_update -------------------------------------------------------------------------
 
-def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_dtype=None):
-    pz.init()
+def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_dtype=None, device="cpu"):
+    if device == "cuda":
+        pz.init(backend="nccl", timeout=60)
+    else:
+        pz.init()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, offload="cpu", delayed_update=delayed,
                            loss_scale=loss_scale, offload_moments=moments, param_dtype=param_dtype, lr=1e-2,
                            weight_decay=0.1)
@@ -184,16 +188,16 @@ def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_d
         opt.step()
     opt.synchronize()
     scales = opt.loss_scale
-    return {k: v.float().clone() for k, v in model.state_dict().items()}, seen, scales
+    return {k: v.float().cpu() for k, v in model.state_dict().items()}, [t.cpu() for t in seen], scales
 
 
-def reference_delayed(steps, clip, loss_scale=None):
+def reference_delayed(steps, clip, loss_scale=None, device="cpu"):
     """Plain torch: the model computes with w_{t-2}; torch.optim.AdamW steps a master copy with
     g_t; w_{t-1} goes into the model after step t's gradients are in (dynamic loss scaling:
     a step with inf/NaN gradients is skipped, the scale halved; it doubles after `growth`
     good steps)."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     master = copy.deepcopy(model)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
     scale, growth, good = (loss_scale or {}).get("init_scale", 1.0), (loss_scale or {}).get("growth_interval"), 0
@@ -227,7 +231,7 @@ def reference_delayed(steps, clip, loss_scale=None):
     with torch.no_grad():
         for p, q in zip(model.parameters(), master.parameters()):
             p.copy_(q)
-    return model.state_dict(), seen, scale
+    return {k: v.cpu() for k, v in model.state_dict().items()}, [t.cpu() for t in seen], scale
 
 
 @pytest.mark.parametrize("world,stage", [(1, 1), (2, 2)])
@@ -307,3 +311,18 @@ def test_delayed_update_with_int8_moments_and_bf16_model_trains():
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-2, msg=k)
     assert not torch.allclose(a["fc1.weight"], init["fc1.weight"].to(torch.bfloat16).float(), atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_delayed_update_cuda_model_matches_one_step_late_reference():
+    """A CUDA model (nccl, one rank): the host-copy path with the background CPU step and the
+    copies to the device; every forward's parameters and the final weights against the
+    one-step-late reference computed on the same GPU (tolerance as for one CPU rank, plus the
+    GPU kernels' own rounding of the gradients: the reference runs the same kernels)."""
+    ref, ref_seen, _ = reference_delayed(6, clip=0.5, device="cuda")
+    state, seen, _ = run_ranks(_delayed_rank, 1, args=(2, True, 6, 0.5, None, None, None, "cuda"), start="spawn",
+                               timeout=240, env={"CUDA_VISIBLE_DEVICES": "0"})[0].value
+    for t, (a, b) in enumerate(zip(seen, ref_seen)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"forward {t}")
+    for k, v in ref.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -267,3 +267,37 @@ def test_bad_moments_arguments_name_the_argument(tmp_path):
         pz.optim.Adam([p], amsgrad=True, moments="int8")
     with pytest.raises(ValueError, match="moments"):
         pz.optim.NvmeAdamW([p], nvme_path=str(tmp_path), moments="bf16")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_bf16_moments_in_the_kernel_equal_fp32_kernel_then_rounding(isa):
+    """The fused kernel's bf16 moments (read widened, written rounded in its pass) on every ISA,
+    1 and 2 threads, sizes with tails and a misaligned start, with grad_scale, L2 and decoupled
+    decay and a bf16 copy: bit for bit the fp32 step from the widened moments (F.adam_step with
+    fp32 states, itself torch's) with the new moments rounded to nearest even by torch."""
+    if isa != "scalar" and {"avx2": 1, "avx512": 2}[isa] > {"scalar": 0, "avx2": 1, "avx512": 2}[pz.optim.cpu_isa()]:
+        pytest.skip(f"this CPU has no {isa}")
+    F = pz.optim.functional
+    gen = torch.Generator().manual_seed(6)
+    sizes = (1, 15, 16, 17, 1000, 70_001)
+    for threads in (1, 2):
+        for decoupled in (False, True):
+            base = [torch.randn(n + 1, generator=gen)[1:] for n in sizes]  # (misaligned start)
+            grads = [torch.randn(n, generator=gen) for n in sizes]
+            m = [(torch.randn(n, generator=gen) * 1e-2).bfloat16() for n in sizes]
+            v = [(torch.rand(n, generator=gen) * 1e-3).bfloat16() for n in sizes]
+            kw = dict(step=3.0, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, decoupled=decoupled,
+                      grad_scale=0.5, threads=threads, isa=isa)
+            p1, m1, v1 = [b.clone() for b in base], [t.clone() for t in m], [t.clone() for t in v]
+            c1 = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            F.adam_step(p1, grads, m1, v1, None, c1, **kw)
+            p2, m2, v2 = [b.clone() for b in base], [t.float() for t in m], [t.float() for t in v]
+            c2 = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            F.adam_step(p2, grads, m2, v2, None, c2, **kw)
+            for a, b in zip(p1, p2):
+                assert torch.equal(a, b)
+            for a, b in zip(m1 + v1 + c1, m2 + v2 + c2):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="exp_avg_sqs"):
+        F.adam_step([torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4).bfloat16()], [torch.zeros(4)], step=1.0,
+                    lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True)

@@ -13,7 +13,8 @@ that receive the updated parameters in the same pass.
 
 ``moments="bf16"`` or ``"int8"`` stores exp_avg and exp_avg_sq in 4 or 2.03 bytes per
 element instead of 8 (see :mod:`pyzero.optim.moments` for the formats and their error
-bounds); the step is the fp32 kernel's on the decoded values. The state then holds
+bounds); the step is the fp32 kernel's on the stored values (bf16: in the kernel's pass;
+int8: decoded into fp32 scratch and encoded again with torch ops). The state then holds
 bfloat16 tensors, or int8/uint8 codes with ``exp_avg_absmax``/``exp_avg_sq_absmax``;
 ``state_dict()`` keeps them as stored (loading it restores them), :meth:`fp32_state`
 gives torch's fp32 layout, and fp32 moments loaded from torch or a checkpoint are
@@ -127,6 +128,11 @@ class Adam(torch.optim.Optimizer):
 
     def _step_list(self, group, ps, gs, states, step, grad_scale, copies, checked):
         cs = [copies.get(p) for p in ps] if copies else None
+        if self.moments == "bf16":  # the kernel reads and writes bf16 moments itself
+            for p, s in zip(ps, states):
+                M.convert(s, "bf16", p)
+            self._kernel(group, ps, gs, states, step, grad_scale, cs, checked)
+            return
         if self.moments != "fp32" or any(M.stored_as(s) != "fp32" for s in states):
             self._step_coded(group, ps, gs, states, step, grad_scale, cs)
             return

@@ -9,6 +9,10 @@ step draws its own batch (the same batches for every run). Runs:
 Every step's loss is recorded; the summary gives, per run, the final loss (mean of the last
 10 steps) and the largest |loss - torch's loss| over the steps after --warmup-compare, plus the
 bytes of optimizer state per parameter held at the end (counted from the state tensors).
+
+With ``--step-elems N`` it times instead the step alone of one fp32 parameter of N elements
+(a ZeRO shard) for each moments format, with a bf16 copy written (the offload step): the
+median of --iters steps after 2 warm-up steps, one format after another.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
     p.add_argument("--warmup-compare", type=int, default=10, help="steps left out of the largest difference")
     p.add_argument("--json", default=None, help="write the record here")
+    p.add_argument("--step-elems", type=int, default=0, help="time the step alone on this many elements")
+    p.add_argument("--iters", type=int, default=10)
 
 
 def markov_batches(vocab: int, branch: int, batch: int, seq: int, steps: int, seed: int = 0):
@@ -81,9 +87,41 @@ def train(run: str, args, batches) -> dict:
             "state_bytes_per_param": _state_bytes(opt) / n, "params": n}
 
 
+def time_steps(args) -> list[dict]:
+    import statistics  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from .. import optim as pz_optim  # noqa: PLC0415
+
+    n, out = args.step_elems, []
+    for moments in ("fp32", "bf16", "int8"):
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n)
+        copy = torch.empty(n, dtype=torch.bfloat16)
+        opt = pz_optim.AdamW([p], lr=1e-3, moments=moments)
+        times = []
+        for i in range(args.iters + 2):
+            t0 = time.perf_counter()
+            opt.step(grad_scale=0.5, copies={p: copy})
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1e3
+        out.append({"moments": moments, "elems": n, "threads": torch.get_num_threads(), "ms": ms,
+                    "params_per_s": n / ms * 1e3})
+        print(f"{moments:>5} {n} elements, {torch.get_num_threads()} threads: {ms:8.2f} ms "
+              f"({n / ms / 1e6:.3f} G params/s)")
+        del p, opt, copy
+    return out
+
+
 def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.step_elems:
+        results = time_steps(args)
+        if args.json:
+            write_json(args.json, results, {"args": {k: v for k, v in vars(args).items() if k != "func"}})
+        return 0
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs if r not in RUNS]
     if bad:

@@ -92,7 +92,7 @@ def decode_into(state: dict, a: int, b: int, out_m: torch.Tensor, out_v: torch.T
         o = out[:nb * BLOCK]
         o[:n].copy_(codes[a:b])
         o[n:].zero_()
-        o.div_(levels).pow_(power)
+        o.div_(levels).pow_(power)  # (c = levels: exactly 1, so the block's largest value is exact)
         o.view(nb, BLOCK).mul_(absmax[blocks].unsqueeze(1))
 
 
@@ -115,14 +115,18 @@ def encode_from(state: dict, a: int, b: int, src_m: torch.Tensor, src_v: torch.T
         xb = x.view(nb, BLOCK)
         amax = torch.linalg.vector_norm(xb, float("inf"), dim=1)
         absmax[blocks] = amax
-        scale = torch.where(amax > 0, 1.0 / amax, torch.zeros_like(amax))  # (an all-zero block stays zero)
+        # levels^k / absmax per block (0 for an all-zero block): the root of x times it is
+        # levels * (x / absmax)^(1/k) in one multiply and the root
+        scale = torch.where(amax > 0, levels ** root / amax, torch.zeros_like(amax)).unsqueeze(1)
         if root == 3:
-            sign = torch.sign(x)
-            xb.abs_().mul_(scale.unsqueeze(1)).pow_(1.0 / 3).mul_(levels).round_()
-            x.mul_(sign)
+            y = x.abs()
+            y.view(nb, BLOCK).mul_(scale)
+            y.pow_(1.0 / 3).round_().copysign_(x)
+            x = y
         else:
             positive = x > 0
-            xb.mul_(scale.unsqueeze(1)).sqrt_().sqrt_().mul_(levels).round_()
+            xb.mul_(scale)
+            x.sqrt_().sqrt_().round_()
             x.masked_fill_(positive & (x < 1), 1.0)  # a positive v keeps a positive code
         codes[a:b].copy_(x[:n])
 

@@ -92,7 +92,11 @@ def decode_into(state: dict, a: int, b: int, out_m: torch.Tensor, out_v: torch.T
         o = out[:nb * BLOCK]
         o[:n].copy_(codes[a:b])
         o[n:].zero_()
-        o.div_(levels).pow_(power)  # (c = levels: exactly 1, so the block's largest value is exact)
+        o.div_(levels)  # (c = levels: exactly 1, so the block's largest value is exact)
+        if power == 3:
+            o.mul_(o * o)
+        else:
+            o.mul_(o).mul_(o)
         o.view(nb, BLOCK).mul_(absmax[blocks].unsqueeze(1))
 
 
@@ -113,7 +117,7 @@ def encode_from(state: dict, a: int, b: int, src_m: torch.Tensor, src_v: torch.T
         x = src[:nb * BLOCK]
         x[n:].zero_()
         xb = x.view(nb, BLOCK)
-        amax = torch.linalg.vector_norm(xb, float("inf"), dim=1)
+        amax = xb.abs().amax(1)
         absmax[blocks] = amax
         # levels^k / absmax per block (0 for an all-zero block): the root of x times it is
         # levels * (x / absmax)^(1/k) in one multiply and the root
@@ -124,10 +128,9 @@ def encode_from(state: dict, a: int, b: int, src_m: torch.Tensor, src_v: torch.T
             y.pow_(1.0 / 3).round_().copysign_(x)
             x = y
         else:
-            positive = x > 0
             xb.mul_(scale)
-            x.sqrt_().sqrt_().round_()
-            x.masked_fill_(positive & (x < 1), 1.0)  # a positive v keeps a positive code
+            x.sqrt_().sqrt_()
+            x = torch.maximum(x.round(), x.ceil().clamp_(max=1.0))  # a positive v keeps a positive code
         codes[a:b].copy_(x[:n])
 
 

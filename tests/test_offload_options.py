@@ -41,14 +41,14 @@ def local_loss(model, step, world, rank):
 
 # ---- offload_moments ------------------------------------------------------------------------
 
-def _moments_rank(moments, stage, host, param_dtype, steps=3, ckpt=None):
+def _moments_rank(moments, stage, host, param_dtype, steps=3, ckpt=None, delayed=False):
     pz.init()
     zero_optimizer._host_copies = (lambda device: True) if host else (lambda device: device.type == "cuda")
     try:
         torch.manual_seed(0)
         model = Net()
         kw = dict(stage=stage, offload="cpu", offload_moments=moments, param_dtype=param_dtype, lr=1e-2,
-                  weight_decay=0.1)
+                  weight_decay=0.1, delayed_update=delayed)
         opt = pz.ZeroOptimizer(model, torch.optim.AdamW, **kw)
         rank, world = pz.get_rank(), pz.get_world_size()
         for step in range(steps):
@@ -103,6 +103,13 @@ def test_offload_moments_same_weights_as_pz_optim_and_host_bytes_per_parameter(m
     ref = _plain_pz(moments)
     for k, v in ref.items():
         assert torch.equal(res32[0][k], v), k
+    # delayed_update holds one more fp32 gradient shard (the CPU step's own copy); the device
+    # keeps the bf16 parameters alone
+    _, mem_d, pieces_d, shard_d, _ = run_ranks(_moments_rank, 1, args=(moments, 2, True, torch.bfloat16, 3, None,
+                                                                       True), timeout=120)[0].value
+    assert mem_d["host"] == want + 4 * shard_d, (mem_d, want)
+    nparams = sum(p.numel() for p in Net().parameters())
+    assert mem["params"] == mem_d["params"] == 2 * shard and shard >= nparams
 
 
 def test_offload_moments_states_sharded_across_ranks_and_checkpoint_reloads():

@@ -135,8 +135,8 @@ def main(args) -> int:
     print(f"{'run':>6} {'final loss':>10} {'max |dloss| vs torch':>21} {'state B/param':>14}")
     for r in results:
         if ref is not None:
-            r["max_abs_diff_vs_torch"] = max(abs(a - b) for a, b in
-                                             zip(r["losses"][args.warmup_compare:], ref["losses"][args.warmup_compare:]))
+            w = args.warmup_compare
+            r["max_abs_diff_vs_torch"] = max(abs(a - b) for a, b in zip(r["losses"][w:], ref["losses"][w:]))
         d = r.get("max_abs_diff_vs_torch")
         print(f"{r['run']:>6} {r['final']:>10.4f} {'' if d is None else f'{d:.4f}':>21} "
               f"{r['state_bytes_per_param']:>14.3f}")

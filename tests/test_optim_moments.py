@@ -301,3 +301,30 @@ def test_bf16_moments_in_the_kernel_equal_fp32_kernel_then_rounding(isa):
     with pytest.raises(ValueError, match="exp_avg_sqs"):
         F.adam_step([torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4).bfloat16()], [torch.zeros(4)], step=1.0,
                     lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True)
+
+
+def test_moments_bench_curves_and_step_times(tmp_path):
+    """pyzero-bench moments, tiny: the torch and fp32 curves are the same losses (pz.optim's fp32
+    AdamW against torch's on one model and batches, within the kernel's sqrt rounding), every run
+    starts from the same loss, the state bytes per parameter are the formats'; --step-elems
+    gives one row per format."""
+    import argparse
+    import json
+
+    from pyzero.bench import moments as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "m.json"
+    assert bench.main(p.parse_args(["--model", "gpt-nano", "--steps", "4", "--batch", "2", "--seq", "16",
+                                    "--warmup-compare", "0", "--json", str(out)])) == 0
+    rows = {r["run"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == set(bench.RUNS)
+    assert rows["fp32"]["losses"] == pytest.approx(rows["torch"]["losses"], rel=1e-5)
+    assert len({r["losses"][0] for r in rows.values()}) == 1
+    assert [round(rows[k]["state_bytes_per_param"], 2) for k in ("torch", "fp32", "bf16")] == [8.0, 8.0, 4.0]
+    assert 2.0 < rows["int8"]["state_bytes_per_param"] < 2.1
+    assert bench.main(p.parse_args(["--step-elems", "1000", "--iters", "1", "--json", str(out)])) == 0
+    assert [r["moments"] for r in json.loads(out.read_text())["results"]] == ["fp32", "bf16", "int8"]
+    with pytest.raises(ValueError, match="--runs"):
+        bench.main(p.parse_args(["--runs", "fp64"]))

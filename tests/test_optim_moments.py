@@ -162,16 +162,19 @@ def test_trajectory_stays_within_stated_bound_of_torch_fp32(moments, per_step):
     assert abs(loss - ref_loss) <= 0.01 * ref_loss
 
 
+ISAS = [i for i in ("scalar", "avx2", "avx512")
+        if {"scalar": 0, "avx2": 1, "avx512": 2}[i] <= {"scalar": 0, "avx2": 1, "avx512": 2}[pz.optim.cpu_isa()]]
+
+
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_chunked_decoding_and_copies_and_grad_scale(moments, monkeypatch):
-    """Runs of at most moments.CHUNK elements (here 512: tensors split across runs and runs
-    holding several tensors) give bit for bit the one-run step; copies= receives the new
-    parameters cast; grad_scale equals a pre-scaled gradient."""
-    def run(chunk, scale_in_step):
-        monkeypatch.setattr(M, "CHUNK", chunk)
+def test_every_isa_and_thread_count_copies_and_grad_scale(moments):
+    """Every ISA and 1 or 2 threads (the int8 step splits the blocks between them; here tensors
+    of partial blocks and one over 32K elements a thread) give bit for bit the same step;
+    copies= receives the new parameters cast; grad_scale equals a pre-scaled gradient."""
+    def run(isa, threads, scale_in_step):
         gen = torch.Generator().manual_seed(4)
-        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((37, 40), (5,), (1300,), (B,))]
-        opt = pz.optim.AdamW(ps, lr=1e-2, moments=moments)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((37, 40), (5,), (70_001,), (B,))]
+        opt = pz.optim.AdamW(ps, lr=1e-2, moments=moments, isa=isa, threads=threads)
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for p in ps}
         for _ in range(3):
             for p in ps:
@@ -182,13 +185,15 @@ def test_chunked_decoding_and_copies_and_grad_scale(moments, monkeypatch):
             assert torch.equal(copies[p], p.detach().to(torch.bfloat16))
         return [p.detach().clone() for p in ps], [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
 
-    p1, s1 = run(1 << 18, True)
-    p2, s2 = run(512, True)
-    p3, _ = run(1 << 18, False)
-    for a, b, c in zip(p1, p2, p3):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    for a, b in zip(s1, s2):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ref_p, ref_s = run("scalar", 1, True)
+    for isa in ISAS:
+        for threads in (1, 2):
+            got_p, got_s = run(isa, threads, True)
+            assert all(torch.equal(a, b) for a, b in zip(got_p, ref_p)), (isa, threads)
+            for a, b in zip(got_s, ref_s):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (isa, threads)
+    pre_p, _ = run(ISAS[-1], 2, False)
+    assert all(torch.equal(a, b) for a, b in zip(pre_p, ref_p))
 
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])

@@ -13,8 +13,8 @@ that receive the updated parameters in the same pass.
 
 ``moments="bf16"`` or ``"int8"`` stores exp_avg and exp_avg_sq in 4 or 2.03 bytes per
 element instead of 8 (see :mod:`pyzero.optim.moments` for the formats and their error
-bounds); the step is the fp32 kernel's on the stored values (bf16: in the kernel's pass;
-int8: decoded into fp32 scratch and encoded again with torch ops). The state then holds
+bounds); the step is the fp32 kernel's on the stored values, in the kernel's pass (bf16)
+or block by block, decoded, stepped and encoded again (int8). The state then holds
 bfloat16 tensors, or int8/uint8 codes with ``exp_avg_absmax``/``exp_avg_sq_absmax``;
 ``state_dict()`` keeps them as stored (loading it restores them), :meth:`fp32_state`
 gives torch's fp32 layout, and fp32 moments loaded from torch or a checkpoint are
@@ -133,47 +133,21 @@ class Adam(torch.optim.Optimizer):
                 M.convert(s, "bf16", p)
             self._kernel(group, ps, gs, states, step, grad_scale, cs, checked)
             return
-        if self.moments != "fp32" or any(M.stored_as(s) != "fp32" for s in states):
-            self._step_coded(group, ps, gs, states, step, grad_scale, cs)
+        if self.moments == "int8":  # the kernel decodes, steps and encodes block by block
+            for p, s in zip(ps, states):
+                M.convert(s, "int8", p)
+            beta1, beta2 = group["betas"]
+            F.adam_step_q8(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_absmax"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [s["exp_avg_sq_absmax"] for s in states], cs,
+                           step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
+                           beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
+                           decoupled=self._decoupled, maximize=group["maximize"], grad_scale=grad_scale,
+                           threads=self.threads, isa=self.isa)
             return
+        if any(M.stored_as(s) != "fp32" for s in states):  # (loaded in another format)
+            for p, s in zip(ps, states):
+                M.convert(s, "fp32", p)
         self._kernel(group, ps, gs, states, step, grad_scale, cs, checked)
-
-    def _step_coded(self, group, ps, gs, states, step, grad_scale, cs):
-        """The step with moments not in fp32: runs of at most moments.CHUNK elements decoded
-        into fp32 scratch, stepped by the kernel, encoded back (see pyzero.optim.moments)."""
-        for p, s in zip(ps, states):
-            M.convert(s, self.moments, p)
-        B = M.BLOCK
-        size = min(M.CHUNK, sum(-(-p.numel() // B) * B for p in ps))
-        scratch_m, scratch_v = torch.empty(size), torch.empty(size)
-        work: list[tuple[int, int, int, int]] = []  # (tensor, start, end, offset in the scratch)
-
-        def run():
-            for i, a, b, off in work:
-                M.decode_into(states[i], a, b, scratch_m[off:], scratch_v[off:])
-            sub = [{"exp_avg": scratch_m[off:off + b - a], "exp_avg_sq": scratch_v[off:off + b - a]}
-                   for _, a, b, off in work]
-            self._kernel(group, [ps[i].view(-1)[a:b] for i, a, b, _ in work],
-                         [gs[i].view(-1)[a:b] for i, a, b, _ in work], sub, step, grad_scale,
-                         None if cs is None else [None if cs[i] is None else cs[i].view(-1)[a:b]
-                                                  for i, a, b, _ in work], None)
-            for i, a, b, off in work:
-                M.encode_from(states[i], a, b, scratch_m[off:], scratch_v[off:])
-            work.clear()
-
-        used = 0
-        for i, p in enumerate(ps):
-            n, a = p.numel(), 0
-            while a < n:
-                if used == size:
-                    run()
-                    used = 0
-                b = min(n, a + size - used)  # (size - used is a multiple of BLOCK: starts stay on blocks)
-                work.append((i, a, b, used))
-                used += -(-(b - a) // B) * B
-                a = b
-        if work:
-            run()
 
     def _kernel(self, group, ps, gs, states, step, grad_scale, copies, checked):
         beta1, beta2 = group["betas"]

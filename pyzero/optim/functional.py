@@ -200,6 +200,43 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
                      _threads(threads), _isa_code(isa), bf16)
 
 
+def adam_step_q8(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs, exp_avg_absmaxes,
+                 exp_avg_sqs, exp_avg_sq_absmaxes, copies=None, *, step: float, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+                 grad_scale: float = 1.0, threads: int | None = None, isa: str = "best") -> None:
+    """:func:`adam_step` with 8-bit block-quantized moments (see :mod:`pyzero.optim.moments`):
+    ``exp_avgs[i]`` int8 and ``exp_avg_sqs[i]`` uint8 codes of ``params[i]``'s element count,
+    their absmaxes float32 with one value per block of 256 elements. Every block is decoded,
+    stepped by the fp32 kernel and encoded again in one pass over it, in place."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_absmaxes": exp_avg_absmaxes, "exp_avg_sqs": exp_avg_sqs,
+             "exp_avg_sq_absmaxes": exp_avg_sq_absmaxes}
+    for name, seq in lists.items():
+        if len(seq) != n:
+            raise ValueError(f"{name}: expected {n} tensors (one per parameter), got {len(seq)}")
+    numels = [_check_fp32(p, "params", i) for i, p in enumerate(params)]
+    want = {"grads": (torch.float32, 1), "exp_avgs": (torch.int8, 1), "exp_avg_sqs": (torch.uint8, 1),
+            "exp_avg_absmaxes": (torch.float32, 256), "exp_avg_sq_absmaxes": (torch.float32, 256)}
+    for name, seq in lists.items():
+        dtype, per = want[name]
+        for i, (t, numel) in enumerate(zip(seq, numels)):
+            count = -(-numel // per)
+            if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu"
+                    and t.layout == torch.strided and t.is_contiguous() and t.numel() == count):
+                raise ValueError(f"{name}[{i}]: expected a contiguous {dtype} CPU tensor of {count} elements, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} with "
+                                 f"{getattr(t, 'numel', lambda: '?')()} elements")
+    ptrs, _, copy_code = _table(params, grads, {}, copies)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    _C.cpu_adam_step_q8(ptrs["params"], ptrs["grads"], [_ptr(t) for t in exp_avgs],
+                        [_ptr(t) for t in exp_avg_absmaxes], [_ptr(t) for t in exp_avg_sqs],
+                        [_ptr(t) for t in exp_avg_sq_absmaxes], ptrs["copies"], numels, copy_code, grad_scale,
+                        weight_decay, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5,
+                        eps, -step_size, decoupled, maximize, _threads(threads), _isa_code(isa))
+
+
 def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers=None,
              copies=None, *, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
              nesterov: bool = False, maximize: bool = False, first_step: bool = False, grad_scale: float = 1.0,

@@ -19,13 +19,13 @@ at the top of the range. Bounds per value (tests/test_cpu_optim.py checks them):
 |dec(enc(m)) - m| <= absmax * ((cbrt(|m|/absmax) + 1/254)^3 - |m|/absmax), the same form
 with the fourth root and 1/510 for v.
 
-The step: with "bf16" the fused kernel reads the moments widened and writes them rounded
-in its one pass (csrc/cpu_optim.inc, 22 bytes of memory traffic per parameter instead of
-30). With "int8" it decodes the moments of a bounded run of parameters (CHUNK elements) into
-fp32 scratch with torch ops, runs the fused fp32 kernel there (the same arithmetic,
-grad_scale and 16-bit copies) and encodes the new moments back; the scratch is freed after
-the step. Either way the parameters after a step are the fp32 step's from the stored
-moments, exactly.
+The step (csrc/cpu_optim): with "bf16" the fused kernel reads the moments widened and writes
+them rounded in its one pass (22 bytes of memory traffic per parameter instead of 30). With
+"int8" it takes one block of 256 elements at a time: decodes its moments into fp32 (in
+cache), runs the fp32 step on them, encodes the new moments (the same maps; the roots by
+cbrt and sqrt, rounded to nearest even). Either way the parameters after a step are the fp32
+step's from the stored moments, exactly. The functions below encode and decode with torch
+ops, for loading, checkpoints and fp32_state.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import torch
 
 MOMENTS = ("fp32", "bf16", "int8")
 BLOCK = 256  # elements per absmax (int8)
-CHUNK = 1 << 18  # elements decoded at a time, a multiple of BLOCK
 _M_LEVELS, _V_LEVELS = 127.0, 255.0
 
 

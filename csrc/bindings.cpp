@@ -348,14 +348,38 @@ PYBIND11_MODULE(_C, m) {
                     std::vector<uintptr_t> copy, std::vector<int64_t> numels, int copy_dtype, float grad_scale,
                     float weight_decay, float decay, float lerp_weight, float beta2, float one_minus_beta2,
                     float bias_correction2_sqrt, float eps, float neg_step_size, bool decoupled, bool amsgrad,
-                    bool maximize, int threads, int isa) {
+                    bool maximize, int threads, int isa, bool bf16_moments) {
         auto table = optim_slots(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, copy, numels);
         AdamScalars s{grad_scale, weight_decay, decay, lerp_weight, beta2, one_minus_beta2,
-                      bias_correction2_sqrt, eps, neg_step_size, decoupled, amsgrad, maximize};
+                      bias_correction2_sqrt, eps, neg_step_size, decoupled, amsgrad, maximize, bf16_moments};
         py::gil_scoped_release nogil;
         adam_step(table, s, DType(copy_dtype), threads, Isa(isa));
       },
-      "One fused Adam/AdamW step over fp32 tensors (CPU pointers); see csrc/cpu_optim.h");
+      "One fused Adam/AdamW step over fp32 tensors, the moments fp32 or bf16 (CPU pointers); see "
+      "csrc/cpu_optim.h");
+  m.def(
+      "cpu_adam_step_q8",
+      [](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> m, std::vector<uintptr_t> m_absmax,
+         std::vector<uintptr_t> v, std::vector<uintptr_t> v_absmax, std::vector<uintptr_t> copy,
+         std::vector<int64_t> numels, int copy_dtype, float grad_scale, float weight_decay, float decay,
+         float lerp_weight, float beta2, float one_minus_beta2, float bias_correction2_sqrt, float eps,
+         float neg_step_size, bool decoupled, bool maximize, int threads, int isa) {
+        const size_t k = p.size();
+        if (g.size() != k || m.size() != k || m_absmax.size() != k || v.size() != k || v_absmax.size() != k ||
+            copy.size() != k || numels.size() != k)
+          throw std::invalid_argument("cpu optimizer: every pointer list and numels must have the same length");
+        std::vector<Q8Slot> table(k);
+        for (size_t i = 0; i < k; ++i)
+          table[i] = Q8Slot{static_cast<float*>(as_ptr(p[i])), static_cast<const float*>(as_ptr(g[i])),
+                            static_cast<int8_t*>(as_ptr(m[i])), static_cast<float*>(as_ptr(m_absmax[i])),
+                            static_cast<uint8_t*>(as_ptr(v[i])), static_cast<float*>(as_ptr(v_absmax[i])),
+                            as_ptr(copy[i]), numels[i]};
+        AdamScalars s{grad_scale, weight_decay, decay, lerp_weight, beta2, one_minus_beta2,
+                      bias_correction2_sqrt, eps, neg_step_size, decoupled, false, maximize, false};
+        py::gil_scoped_release nogil;
+        adam_step_q8(table, s, DType(copy_dtype), threads, Isa(isa));
+      },
+      "One fused Adam/AdamW step with 8-bit block-quantized moments (CPU pointers); see csrc/cpu_optim.h");
   m.def(
       "cpu_sgd_step",
       [optim_slots](std::vector<uintptr_t> p, std::vector<uintptr_t> g, std::vector<uintptr_t> momentum_buffer,

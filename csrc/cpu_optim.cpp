@@ -70,6 +70,7 @@ struct V {
   static T neg(T a) { return -a; }
   static void store_f16(half_t* p, T x) { *p = float_to_half(x); }
   static void store_bf16(bf16_t* p, T x) { *p = float_to_bf16(x); }
+  static T load_bf16(const bf16_t* p) { return bf16_to_float(*p); }
   static void store_copy(float* p, T x) { *p = x; }
 };
 #include "cpu_optim.inc"
@@ -106,6 +107,10 @@ struct V {
   static T max(T a, T b) { return _mm256_max_ps(b, a); }  // a > b ? a : b
   static T neg(T a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static void store_f16(half_t* p, T x) { put128(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+  static T load_bf16(const bf16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
   static void store_copy(float* p, T x) {
     if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_ps(p, x);
     else _mm256_storeu_ps(p, x);
@@ -166,6 +171,10 @@ struct V {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
   }
   static void store_f16(half_t* p, T x) { put256(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+  static T load_bf16(const bf16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
   static void store_bf16(bf16_t* p, T x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -210,7 +219,7 @@ void run_range(LoopFn<Scalars> vec, LoopFn<Scalars> scalar, const OptimSlot& t, 
                const Scalars& s, DType copy_dtype) {
   const int64_t done = vec(t, begin, end, s, copy_dtype);
 #if defined(__x86_64__)
-  if (t.copy) _mm_sfence();  // the copy's streaming stores, ordered before the step returns
+  _mm_sfence();  // the streaming stores (copies, bf16 moments), ordered before the step returns
 #endif
   if (begin + done < end) scalar(t, begin + done, end, s, copy_dtype);
 }
@@ -354,6 +363,7 @@ void run_all(const std::vector<OptimSlot>& slots, const Scalars& s, DType copy_d
 
 void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa) {
   check(slots, copy_dtype, threads, true, true, s.amsgrad, "adam_step");
+  if (s.amsgrad && s.bf16_moments) throw std::invalid_argument("adam_step: amsgrad needs fp32 moments");
 #if defined(__x86_64__)
   run_all<AdamScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adam_loop, isa_avx2::adam_loop,
                        isa_avx512::adam_loop);
@@ -361,6 +371,93 @@ void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType 
   run_all<AdamScalars>(slots, s, copy_dtype, threads, isa, isa_scalar::adam_loop, isa_scalar::adam_loop,
                        isa_scalar::adam_loop);
 #endif
+}
+
+namespace {
+
+// Round to nearest even for 0 <= x < 2^22 (adding and subtracting 1.5 * 2^23 rounds once).
+inline float round_small(float x) { return (x + 12582912.0f) - 12582912.0f; }
+
+// Blocks [b0, b1) of one 8-bit slot (see adam_step_q8 in the header). The step is the vector
+// loop's; decoding and encoding are scalar loops (cbrt), most of an 8-bit step's time.
+void q8_blocks(const Q8Slot& t, int64_t b0, int64_t b1, const AdamScalars& s, DType copy_dtype,
+               LoopFn<AdamScalars> vec, LoopFn<AdamScalars> scalar) {
+  alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  const int64_t csz = copy_dtype == DType::f32 ? 4 : 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kQ8Block, len = std::min(kQ8Block, t.n - lo);
+    const float am = t.m_absmax[b], av = t.v_absmax[b];
+    for (int64_t j = 0; j < len; ++j) {  // (c / levels: exactly 1 at the block's largest value)
+      const float x = float(t.m[lo + j]) / 127.0f, y = float(t.v[lo + j]) / 255.0f;
+      const float y2 = y * y;
+      mb[j] = x * (x * x) * am;
+      vb[j] = y2 * y2 * av;
+    }
+    OptimSlot o{t.p + lo, t.g + lo, mb, vb, nullptr,
+                t.copy ? static_cast<void*>(static_cast<char*>(t.copy) + lo * csz) : nullptr, len};
+    run_range<AdamScalars>(vec, scalar, o, 0, len, s, copy_dtype);
+    float mmax = 0.0f, vmax = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      mmax = std::max(mmax, std::fabs(mb[j]));
+      vmax = std::max(vmax, vb[j]);
+    }
+    t.m_absmax[b] = mmax;
+    t.v_absmax[b] = vmax;
+    // levels^k / absmax: the root of x times it is levels * (x / absmax)^(1/k)
+    const float ms = mmax > 0.0f ? 2048383.0f / mmax : 0.0f;       // 127^3
+    const float vs = vmax > 0.0f ? 4228250625.0f / vmax : 0.0f;    // 255^4
+    for (int64_t j = 0; j < len; ++j) {
+      const float cm = std::min(127.0f, round_small(std::cbrt(std::fabs(mb[j]) * ms)));
+      t.m[lo + j] = int8_t(mb[j] < 0.0f ? -cm : cm);
+      float cv = std::min(255.0f, round_small(__builtin_sqrtf(__builtin_sqrtf(vb[j] * vs))));
+      cv = vb[j] > 0.0f && cv < 1.0f ? 1.0f : cv;  // a positive v keeps a positive code
+      t.v[lo + j] = uint8_t(cv);
+    }
+  }
+}
+
+}  // namespace
+
+void adam_step_q8(const std::vector<Q8Slot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa) {
+  if (copy_dtype != DType::f32 && copy_dtype != DType::f16 && copy_dtype != DType::bf16)
+    throw std::invalid_argument("adam_step_q8: copy dtype must be float32, float16 or bfloat16");
+  if (threads < 1) throw std::invalid_argument("adam_step_q8: threads must be >= 1");
+  if (s.amsgrad || s.bf16_moments) throw std::invalid_argument("adam_step_q8: amsgrad and bf16_moments must be off");
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const Q8Slot& t = slots[k];
+    if (t.n < 0) throw std::invalid_argument("adam_step_q8: slot " + std::to_string(k) + " has n < 0");
+    if (t.n && (!t.p || !t.g || !t.m || !t.m_absmax || !t.v || !t.v_absmax))
+      throw std::invalid_argument("adam_step_q8: slot " + std::to_string(k) + " has a null pointer");
+  }
+  if (isa == Isa::best) isa = best_isa();
+  if (isa != Isa::scalar && isa != Isa::avx2 && isa != Isa::avx512)
+    throw std::invalid_argument("cpu optimizer: unknown isa code");
+  if (isa > best_isa())
+    throw std::invalid_argument(std::string("cpu optimizer: isa ") + isa_name(isa) + " is not supported by this CPU");
+#if defined(__x86_64__)
+  LoopFn<AdamScalars> vec = isa == Isa::avx512 ? isa_avx512::adam_loop
+                            : isa == Isa::avx2 ? isa_avx2::adam_loop : isa_scalar::adam_loop;
+#else
+  LoopFn<AdamScalars> vec = isa_scalar::adam_loop;
+#endif
+  std::vector<int64_t> first(slots.size() + 1, 0);  // global index of each slot's first block
+  for (size_t k = 0; k < slots.size(); ++k) first[k + 1] = first[k] + (slots[k].n + kQ8Block - 1) / kQ8Block;
+  const int64_t total = first.back();
+  const int64_t min_blocks = (int64_t(1) << 15) / kQ8Block;  // as run_all: 32K elements a thread at least
+  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, total / min_blocks)));
+  const int64_t per = (total + threads - 1) / threads;
+  auto piece = [&](int j) {
+    const int64_t lo = std::min(total, int64_t(j) * per), hi = std::min(total, int64_t(j + 1) * per);
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const int64_t b0 = std::max(lo, first[k]), b1 = std::min(hi, first[k + 1]);
+      if (b0 < b1) q8_blocks(slots[k], b0 - first[k], b1 - first[k], s, copy_dtype, vec, isa_scalar::adam_loop);
+    }
+  };
+  if (threads == 1) {
+    piece(0);
+    return;
+  }
+  run_pieces(threads, piece);
 }
 
 void sgd_step(const std::vector<OptimSlot>& slots, const SgdScalars& s, DType copy_dtype, int threads, Isa isa) {

@@ -44,7 +44,7 @@ struct OptimSlot {
   float* p;
   const float* g;
   float* state0;  // Adam: exp_avg; SGD: momentum_buffer; Adagrad: sum
-  float* state1;  // Adam: exp_avg_sq
+  float* state1;  // Adam: exp_avg_sq (Adam with bf16_moments: state0 and state1 hold bfloat16)
   float* state2;  // Adam with amsgrad: max_exp_avg_sq
   void* copy;
   int64_t n;
@@ -64,6 +64,9 @@ struct AdamScalars {
   bool decoupled = true;
   bool amsgrad = false;
   bool maximize = false;
+  // exp_avg and exp_avg_sq stored as bfloat16: read widened, updated in fp32 as above, written
+  // rounded to nearest even (the fp32 step from the stored values, its moments rounded)
+  bool bf16_moments = false;
 };
 
 struct SgdScalars {
@@ -85,11 +88,31 @@ struct AdagradScalars {
   bool maximize = false;
 };
 
+// One tensor of an Adam step with 8-bit moments (pyzero/optim/moments.py): exp_avg as int8
+// codes c (m = m_absmax[b] * (c/127)^3), exp_avg_sq as uint8 codes (v = v_absmax[b] *
+// (c/255)^4), one absmax per block b of 256 elements (the last one may be shorter).
+struct Q8Slot {
+  float* p;
+  const float* g;
+  int8_t* m;
+  float* m_absmax;
+  uint8_t* v;
+  float* v_absmax;
+  void* copy;
+  int64_t n;
+};
+constexpr int64_t kQ8Block = 256;
+
 // Steps every slot; work is split over `threads` threads (the caller's thread
 // is one of them) in contiguous chunks. copy_dtype: f32, f16 or bf16.
 void adam_step(const std::vector<OptimSlot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa);
 void sgd_step(const std::vector<OptimSlot>& slots, const SgdScalars& s, DType copy_dtype, int threads, Isa isa);
 void adagrad_step(const std::vector<OptimSlot>& slots, const AdagradScalars& s, DType copy_dtype, int threads,
                   Isa isa);
+// Adam/AdamW with 8-bit moments, block by block: the block's moments decoded into fp32, the
+// fp32 step of adam_step on them (bitwise its arithmetic), the new moments encoded (each
+// block's absmax, codes rounded to nearest in the root domain, a positive v never code 0).
+// Threads split the blocks. amsgrad and bf16_moments must be off.
+void adam_step_q8(const std::vector<Q8Slot>& slots, const AdamScalars& s, DType copy_dtype, int threads, Isa isa);
 
 }  // namespace pz

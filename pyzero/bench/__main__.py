@@ -1,4 +1,4 @@
-"""pyzero-bench: collectives | train | capacity | tp | pipeline | ps | optim | hier | faults | soak.
+"""pyzero-bench: collectives | train | capacity | tp | pipeline | ps | optim | moments | hier | faults | soak.
 
 Each subcommand lives in pyzero/bench/<name>.py and provides
 ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "optim": "CPU AdamW step throughput: pz.optim vs torch foreach/fused vs DeepSpeed CPUAdam",
     "hier": "several hosts: hierarchical vs flat gloo all_reduce; ZeRO-3 plain vs hpZ / qwZ / qgZ cross-host bytes",
     "faults": "fault-injection matrix: kills, stops, mismatches, damaged checkpoints; hangs and wrong results",
+    "moments": "AdamW loss curves with fp32, bf16 and int8 moments against torch.optim.AdamW",
     "soak": "random collectives and fused ops for a bounded time, every result checked; wrong results",
 }
 

@@ -9,8 +9,10 @@ MKL sqrt is not correctly rounded (see csrc/cpu_optim.h and docs/offload.md).
 Step hooks and the profiler see a step as torch's own optimizers' (functional.hooked_step);
 with neither present torch's step wrapper is skipped, and a step rechecks only the tensors
 that changed since the last one (functional.Checked).
-``NvmeAdam``/``NvmeAdamW`` keep the optimizer state in swap files on a local disk.
+``Adam``/``AdamW`` store their moments in fp32, bf16 or block-quantized int8 (``moments=``,
+see :mod:`pyzero.optim.moments`). ``NvmeAdam``/``NvmeAdamW`` keep the optimizer state in swap files on a local disk.
 """
+from . import moments
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .functional import adagrad_step, adam_step, cpu_isa, cpu_threading, sgd_step

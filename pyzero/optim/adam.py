@@ -10,12 +10,22 @@ the fused kernel); ``capturable``/``differentiable`` raise. Extras over torch: `
 :meth:`step` a ``grad_scale`` applied to every gradient in the same pass and
 ``copies``, a ``{param: tensor}`` mapping of float16/bfloat16/float32 tensors
 that receive the updated parameters in the same pass.
+
+``moments="bf16"`` or ``"int8"`` stores exp_avg and exp_avg_sq in 4 or 2.03 bytes per
+element instead of 8 (see :mod:`pyzero.optim.moments` for the formats and their error
+bounds); the step is the fp32 kernel's on the stored values, in the kernel's pass (bf16)
+or block by block, decoded, stepped and encoded again (int8). The state then holds
+bfloat16 tensors, or int8/uint8 codes with ``exp_avg_absmax``/``exp_avg_sq_absmax``;
+``state_dict()`` keeps them as stored (loading it restores them), :meth:`fp32_state`
+gives torch's fp32 layout, and fp32 moments loaded from torch or a checkpoint are
+re-stored in the chosen format at the next step.
 """
 from __future__ import annotations
 
 import torch
 
 from . import functional as F
+from . import moments as M
 
 
 class Adam(torch.optim.Optimizer):
@@ -23,7 +33,7 @@ class Adam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 threads: int | None = None, isa: str = "best"):
+                 threads: int | None = None, isa: str = "best", moments: str = "fp32"):
         F.check_torch_only_kwargs(f"pz.optim.{type(self).__name__}", foreach, fused, capturable, differentiable)
         if not 0.0 <= F.as_float(lr, "lr"):
             raise ValueError(f"lr: expected >= 0, got {lr}")
@@ -37,6 +47,7 @@ class Adam(torch.optim.Optimizer):
         F._threads(threads)
         F._isa_code(isa)
         self.threads, self.isa = threads, isa
+        self.moments = M.check(moments, bool(amsgrad))
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=self._decoupled)
@@ -44,6 +55,7 @@ class Adam(torch.optim.Optimizer):
 
     def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
         super().__setstate__(state)
+        self.__dict__.setdefault("moments", "fp32")
         F.forget_checked(self)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -63,11 +75,26 @@ class Adam(torch.optim.Optimizer):
             self._step_group(group, float(grad_scale), copies)
         return loss
 
+    def load_state_dict(self, state_dict):
+        """As torch's, which casts every floating state to the parameter's dtype and would turn
+        bf16 moments into fp32 ones and int8 codes into floats: those keep their saved dtype."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip((p for g in self.param_groups for p in g["params"]), ids):
+            for k, v in saved.get(i, {}).items():
+                if torch.is_tensor(v) and k != "step" and v.dtype in (torch.bfloat16, torch.int8, torch.uint8) \
+                        or k.endswith("_absmax"):
+                    self.state[p][k] = v.to(p.device).clone()
+
+    def fp32_state(self, p) -> dict:
+        """Parameter p's state in torch.optim.Adam's layout (fp32 moments), a copy."""
+        return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in M.to_fp32(self.state.get(p, {})).items()}
+
     def _init_state(self, p, state, amsgrad):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state.update(M.zeros_state(p, self.moments))
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -100,12 +127,34 @@ class Adam(torch.optim.Optimizer):
                             grad_scale, copies, None)
 
     def _step_list(self, group, ps, gs, states, step, grad_scale, copies, checked):
+        cs = [copies.get(p) for p in ps] if copies else None
+        if self.moments == "bf16":  # the kernel reads and writes bf16 moments itself
+            for p, s in zip(ps, states):
+                M.convert(s, "bf16", p)
+            self._kernel(group, ps, gs, states, step, grad_scale, cs, checked)
+            return
+        if self.moments == "int8":  # the kernel decodes, steps and encodes block by block
+            for p, s in zip(ps, states):
+                M.convert(s, "int8", p)
+            beta1, beta2 = group["betas"]
+            F.adam_step_q8(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_absmax"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [s["exp_avg_sq_absmax"] for s in states], cs,
+                           step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
+                           beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
+                           decoupled=self._decoupled, maximize=group["maximize"], grad_scale=grad_scale,
+                           threads=self.threads, isa=self.isa)
+            return
+        if any(M.stored_as(s) != "fp32" for s in states):  # (loaded in another format)
+            for p, s in zip(ps, states):
+                M.convert(s, "fp32", p)
+        self._kernel(group, ps, gs, states, step, grad_scale, cs, checked)
+
+    def _kernel(self, group, ps, gs, states, step, grad_scale, copies, checked):
         beta1, beta2 = group["betas"]
         amsgrad = group["amsgrad"]
         F.adam_step(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                     [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
-                    [copies.get(p) for p in ps] if copies else None,
-                    step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
+                    copies, step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
                     beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
                     decoupled=self._decoupled, amsgrad=amsgrad, maximize=group["maximize"], grad_scale=grad_scale,
                     threads=self.threads, isa=self.isa, checked=checked)

@@ -90,8 +90,10 @@ def _addresses(seq) -> list[int] | None:
         return None
 
 
-def _table(params, grads, states: dict[str, Sequence | None], copies, checked: Checked | None = None):
-    """Checked pointer lists for _C; returns (ptr lists by name, numels, copy dtype code)."""
+def _table(params, grads, states: dict[str, Sequence | None], copies, checked: Checked | None = None,
+           bf16_states: tuple[str, ...] = ()):
+    """Checked pointer lists for _C; returns (ptr lists by name, numels, copy dtype code).
+    The state lists named in bf16_states hold bfloat16 tensors instead of float32."""
     n = len(params)
     lists = {"params": params, "grads": grads, **states}
     for name, seq in lists.items():
@@ -114,6 +116,12 @@ def _table(params, grads, states: dict[str, Sequence | None], copies, checked: C
             same_params = hit
             numels = prev[2] if hit else [p.numel() if _fp32_ok(p) else _check_fp32(p, "params", i)
                                           for i, p in enumerate(params)]
+        elif not hit and name in bf16_states:
+            for i, (t, numel) in enumerate(zip(seq, numels)):
+                if not (isinstance(t, torch.Tensor) and t.dtype is torch.bfloat16 and t.is_cpu
+                        and t.layout is _STRIDED and t.is_contiguous() and t.numel() == numel):
+                    raise ValueError(f"{name}[{i}]: expected a contiguous bfloat16 CPU tensor of {numel} "
+                                     f"elements (bf16 moments), got {getattr(t, 'dtype', type(t).__name__)}")
         elif not hit:
             for i, (t, numel) in enumerate(zip(seq, numels)):
                 if not (_fp32_ok(t) and t.numel() == numel):
@@ -169,12 +177,18 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
     ``params[i]`` cast to its dtype (float32, float16 or bfloat16) in the same pass.
     ``checked``, a :class:`Checked` kept by the caller from step to step, spares the
     checks of parameters and states that have not changed since the last step.
+    ``exp_avgs`` and ``exp_avg_sqs`` may be bfloat16 (all of them; not with amsgrad): read
+    widened, written rounded to nearest even in the same pass.
     """
     if amsgrad and max_exp_avg_sqs is None:
         raise ValueError("max_exp_avg_sqs: required with amsgrad=True")
+    bf16 = bool(exp_avgs) and isinstance(exp_avgs[0], torch.Tensor) and exp_avgs[0].dtype is torch.bfloat16
+    if bf16 and amsgrad:
+        raise ValueError("exp_avgs: bfloat16 moments need amsgrad=False")
     states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
               "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None}
-    ptrs, numels, copy_code = _table(params, grads, states, copies, checked)
+    ptrs, numels, copy_code = _table(params, grads, states, copies, checked,
+                                     ("exp_avgs", "exp_avg_sqs") if bf16 else ())
     # As torch.optim.adam._single_tensor_adam (capturable=False), in double.
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
@@ -183,7 +197,44 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
                      ptrs["max_exp_avg_sqs"], ptrs["copies"], numels, copy_code, grad_scale,
                      weight_decay, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
                      bias_correction2 ** 0.5, eps, -step_size, decoupled, amsgrad, maximize,
-                     _threads(threads), _isa_code(isa))
+                     _threads(threads), _isa_code(isa), bf16)
+
+
+def adam_step_q8(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs, exp_avg_absmaxes,
+                 exp_avg_sqs, exp_avg_sq_absmaxes, copies=None, *, step: float, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+                 grad_scale: float = 1.0, threads: int | None = None, isa: str = "best") -> None:
+    """:func:`adam_step` with 8-bit block-quantized moments (see :mod:`pyzero.optim.moments`):
+    ``exp_avgs[i]`` int8 and ``exp_avg_sqs[i]`` uint8 codes of ``params[i]``'s element count,
+    their absmaxes float32 with one value per block of 256 elements. Every block is decoded,
+    stepped by the fp32 kernel and encoded again in one pass over it, in place."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_absmaxes": exp_avg_absmaxes, "exp_avg_sqs": exp_avg_sqs,
+             "exp_avg_sq_absmaxes": exp_avg_sq_absmaxes}
+    for name, seq in lists.items():
+        if len(seq) != n:
+            raise ValueError(f"{name}: expected {n} tensors (one per parameter), got {len(seq)}")
+    numels = [_check_fp32(p, "params", i) for i, p in enumerate(params)]
+    want = {"grads": (torch.float32, 1), "exp_avgs": (torch.int8, 1), "exp_avg_sqs": (torch.uint8, 1),
+            "exp_avg_absmaxes": (torch.float32, 256), "exp_avg_sq_absmaxes": (torch.float32, 256)}
+    for name, seq in lists.items():
+        dtype, per = want[name]
+        for i, (t, numel) in enumerate(zip(seq, numels)):
+            count = -(-numel // per)
+            if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu"
+                    and t.layout == torch.strided and t.is_contiguous() and t.numel() == count):
+                raise ValueError(f"{name}[{i}]: expected a contiguous {dtype} CPU tensor of {count} elements, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} with "
+                                 f"{getattr(t, 'numel', lambda: '?')()} elements")
+    ptrs, _, copy_code = _table(params, grads, {}, copies)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    _C.cpu_adam_step_q8(ptrs["params"], ptrs["grads"], [_ptr(t) for t in exp_avgs],
+                        [_ptr(t) for t in exp_avg_absmaxes], [_ptr(t) for t in exp_avg_sqs],
+                        [_ptr(t) for t in exp_avg_sq_absmaxes], ptrs["copies"], numels, copy_code, grad_scale,
+                        weight_decay, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5,
+                        eps, -step_size, decoupled, maximize, _threads(threads), _isa_code(isa))
 
 
 def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum_buffers=None,

@@ -97,6 +97,8 @@ class NvmeAdam(Adam):
                  direct: bool | None = None, **kw):
         if not isinstance(sub_group_elems, int) or sub_group_elems < 1:
             raise ValueError(f"sub_group_elems: expected an int >= 1, got {sub_group_elems!r}")
+        if kw.get("moments", "fp32") != "fp32":
+            raise ValueError(f"moments: the on-disk state is fp32 (moments='fp32'), got {kw['moments']!r}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
         self._params = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(self._params):

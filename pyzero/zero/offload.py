@@ -7,6 +7,12 @@ What moves where:
   offload="nvme"  as "cpu", and the optimizer state in swap files under ``nvme_path``
                   (pz.optim.NvmeAdam/NvmeAdamW; Adam and AdamW only).
   offload_params  (stage 3) parameter shards in host memory as well.
+  offload_moments Adam/AdamW's exp_avg and exp_avg_sq stored as "fp32" (8 bytes per parameter,
+                  the default), "bf16" (4) or "int8" (2.03: block-quantized, see
+                  pyzero.optim.moments); with offload="cpu".
+  delayed_update  the one-step delayed parameter update of ZeRO-Offload (DPU): the CPU step
+                  of step t runs in a background thread while forward/backward of step t+1
+                  run on the parameters from before it (see [Note: delayed update]); stages 1-2.
 
 For a CPU model host memory *is* the device: "cpu" keeps every tensor where it is and
 only changes the kernel, "nvme" takes the optimizer state out of RAM. For a CUDA model
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -53,9 +61,10 @@ def state_elems_per_param(optimizer_class, kwargs: dict) -> int:
 class Offload:
     """A checked offload configuration (see :func:`resolve`)."""
 
-    def __init__(self, mode, nvme_path, offload_params, sub_group_elems):
+    def __init__(self, mode, nvme_path, offload_params, sub_group_elems, moments=None, delayed_update=False):
         self.mode, self.nvme_path, self.offload_params = mode, nvme_path, offload_params
         self.sub_group_elems = sub_group_elems
+        self.moments, self.delayed_update = moments, delayed_update
 
     def build_optimizer(self, optimizer_class, groups, kwargs):
         """The inner optimizer over the master-shard pieces in `groups` (the hook in ZeroOptimizer)."""
@@ -65,6 +74,8 @@ class Offload:
         if fast is None:  # offload="cpu" with another optimizer: its own CPU code, state on the host
             return optimizer_class(groups, **kwargs)
         kw = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
+        if self.moments is not None:
+            kw["moments"] = self.moments
         if self.mode == "nvme":
             return nvme(groups, nvme_path=self.nvme_path, sub_group_elems=self.sub_group_elems, **kw)
         return fast(groups, **kw)
@@ -76,15 +87,35 @@ class Offload:
         return inner.state_bytes() if isinstance(inner, pz_optim.NvmeAdam) else None
 
     def __repr__(self):
-        return f"Offload(mode={self.mode!r}, nvme_path={self.nvme_path!r}, offload_params={self.offload_params})"
+        return (f"Offload(mode={self.mode!r}, nvme_path={self.nvme_path!r}, offload_params={self.offload_params}, "
+                f"moments={self.moments!r}, delayed_update={self.delayed_update})")
 
 
 def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, params, world,
-            sub_group_elems=pz_optim.nvme.DEFAULT_SUB_GROUP) -> Offload:
+            sub_group_elems=pz_optim.nvme.DEFAULT_SUB_GROUP, moments=None, delayed_update=False) -> Offload:
     """Check the offload arguments of ZeroOptimizer; errors name the argument. For "nvme" the
     path must exist, be writable and hold this rank's optimizer state (os.statvfs)."""
     if offload not in MODES:
         raise ValueError(f"offload: expected None, 'cpu' or 'nvme', got {offload!r}")
+    if moments is not None:
+        if moments not in pz_optim.moments.MOMENTS:
+            raise ValueError(f"offload_moments: expected None or one of {list(pz_optim.moments.MOMENTS)}, "
+                             f"got {moments!r}")
+        if offload != "cpu":
+            raise ValueError(f"offload_moments: needs offload='cpu' (offload='nvme' keeps fp32 state on disk), "
+                             f"got offload={offload!r}")
+        if _FAST.get(optimizer_class, (None,))[0] not in (pz_optim.Adam, pz_optim.AdamW):
+            raise ValueError(f"offload_moments: for torch.optim.Adam/AdamW (or pz.optim's), got "
+                             f"{optimizer_class.__name__}")
+        if moments != "fp32" and kwargs.get("amsgrad"):
+            raise ValueError(f"offload_moments={moments!r}: amsgrad needs fp32 moments")
+        if "moments" in kwargs:
+            raise ValueError("offload_moments: given together with the optimizer's own moments=; give one")
+    if not isinstance(delayed_update, bool):
+        raise TypeError(f"delayed_update: expected a bool, got {type(delayed_update).__name__}")
+    if delayed_update and (offload != "cpu" or stage not in (1, 2)):
+        raise ValueError(f"delayed_update: needs offload='cpu' and stage 1 or 2, got offload={offload!r}, "
+                         f"stage={stage!r}")
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params: expected a bool, got {type(offload_params).__name__}")
     if offload_params and (offload is None or stage != 3):
@@ -104,7 +135,48 @@ def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, 
         numel = sum(p.numel() for p in params)
         shard = -(-numel // world)
         swap.check_path(nvme_path, shard * 4 * state_elems_per_param(optimizer_class, kwargs))
-    return Offload(offload, nvme_path, offload_params, sub_group_elems)
+    return Offload(offload, nvme_path, offload_params, sub_group_elems, moments, delayed_update)
+
+
+class DelayedStep:
+    """The background CPU step of delayed_update (see [Note: delayed update] in optimizer.py).
+
+    One worker thread runs one job at a time. A job first copies the gradient shards into
+    its own buffers (``grads``), then opens ``gate`` (closed by :meth:`submit`), then steps
+    from those copies: the next backward may write the shards once the gate is open
+    (_HostGrads waits on it). :meth:`wait` returns once the job has finished and raises what
+    it raised."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self.grads = [torch.empty_like(s) for s in shards]
+        self.gate = threading.Event()
+        self.gate.set()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pz-delayed-step")
+        self._job = None
+        self.unpublished = False  # a job finished whose parameters the model does not have yet
+
+    def submit(self, shards: list[torch.Tensor], step) -> None:
+        """Run step() in the background after copying `shards` into self.grads."""
+        self.gate.clear()
+
+        def job():
+            try:
+                for dst, src in zip(self.grads, shards):
+                    dst.copy_(src)
+            finally:
+                self.gate.set()
+            step()
+        self._job = self._pool.submit(job)
+
+    def wait(self) -> None:
+        """Wait for the job in flight (then ``unpublished``); raises what it raised."""
+        job, self._job = self._job, None
+        if job is not None:
+            self.unpublished = True
+            job.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class _PinnedPages(mmap.mmap):

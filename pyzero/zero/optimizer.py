@@ -72,7 +72,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
                  comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None, offload=None,
-                 nvme_path=None, offload_params=False, **optimizer_kwargs):
+                 nvme_path=None, offload_params=False, offload_moments=None, delayed_update=False,
+                 **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if any(isinstance(m, DataParallel) for m in model.modules()):
@@ -129,12 +130,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # after; they go to the device (half the bytes of the fp32 masters, and no fp32
         # temporary there) at the end of step() in stages 1-2, at each unit's next gather in
         # stage 3. For a CPU model host memory is the device: nothing is copied.
-        self._host = offload is not None and _host_copies(self.device)
+        # [Note: delayed update]
+        # delayed_update=True (offload="cpu", stages 1-2) is ZeRO-Offload's one-step delayed
+        # parameter update. step() of step t finishes the gradients g_t, decides overflow and
+        # the clip coefficient from them, waits for the CPU step of step t-1 and puts its
+        # parameters w_{t-1} into the model, then starts the CPU step w_t = U(w_{t-1}, g_t) in a
+        # background thread (offload.DelayedStep) and returns. Forward/backward of step t+1 run
+        # meanwhile on w_{t-1}: g_t is the gradient at w_{t-2} (w_{-1} = w_0), one update
+        # late. The job first copies g_t into buffers of its own and only then lets the next
+        # backward write the gradient shards (_HostGrads waits on its gate). The masters must
+        # be apart from the model's parameters, so this always runs the host-copy path (on a
+        # CPU model too). synchronize() waits for the job and publishes w_t; checkpoints and
+        # memory_stats wait for it and read the masters with every update applied.
+        self._host = offload is not None and (_host_copies(self.device) or delayed_update is True)
+        self._delayed = None  # offload.DelayedStep with delayed_update
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
-                                        optimizer_kwargs, self.params, self.world)
+                                        optimizer_kwargs, self.params, self.world, moments=offload_moments,
+                                        delayed_update=delayed_update)
         self._sync = True
         self._grads_ready = False
         # Reductions launched during backward (stages 2, 3) and not yet folded into the shards;
@@ -236,6 +251,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._owner = []  # per piece: its parameter's index in self.params (model order)
         self._shard_grads = self._grad_segments()
         self._hgrads = _HostGrads(self.device, self._shard_grads) if self._host else None
+        if self.offload.delayed_update:
+            self._delayed = _offload.DelayedStep(self._shard_grads)
+            self._hgrads.gate = self._delayed.gate
         self._to_device = _SideCopies(self.device)  # the chunked host step's new values (stages 1-2)
         low = self.param_dtype or self.params[0].dtype
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
@@ -479,6 +497,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._require_grads("step")
         self._check_home()
         self._finish_gradients()
+        if self._delayed is not None:
+            self._delayed_step()
+            return
         if self._check_overflow():
             self.scaler.update(overflow=True)
             self.zero_grad()
@@ -487,14 +508,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # torch's optimizers skip a parameter whose .grad is None (no update, no weight decay, no
         # state). A parameter that no rank's backward reached has only zeros in its gradient shard,
         # so its pieces are hidden from the inner optimizer for this step, as torch would skip it.
-        used = self._has_grad.clone()
-        if self.world > 1:  # (on a GPU backend: through the device, one small read back per step)
-            if self.device.type == "cpu":
-                comm.all_reduce(used, op="max", group=self.group)
-            else:
-                dev = used.to(self.device)
-                comm.all_reduce(dev, op="max", group=self.group)
-                used = dev.cpu()
+        used = self._used()
         skipped = [(leaf, g) for (_, leaf, g), i in zip(self.pieces, self._owner) if not used[i]]
         for leaf, _ in skipped:
             leaf.grad = None
@@ -512,6 +526,80 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The gradients are consumed: a stage's shards mix reduced and local values, and
         # model.zero_grad() cannot reach them, so start the next step from zero either way.
         self.zero_grad()
+
+    def _used(self) -> torch.Tensor:
+        """Per parameter, 1 if any rank's backward reached it since zero_grad (see [Note:
+        parameters without gradients])."""
+        used = self._has_grad.clone()
+        if self.world > 1:  # (on a GPU backend: through the device, one small read back per step)
+            if self.device.type == "cpu":
+                comm.all_reduce(used, op="max", group=self.group)
+            else:
+                dev = used.to(self.device)
+                comm.all_reduce(dev, op="max", group=self.group)
+                used = dev.cpu()
+        return used
+
+    def _delayed_step(self):
+        """step() with delayed_update (see [Note: delayed update])."""
+        overflow = self._check_overflow()  # (both verdicts from g_t, before any CPU step starts)
+        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        if self._clip_coef is not None:
+            factor *= float(self._clip_coef)
+        used = None if overflow else self._used()
+        self._publish_delayed()  # the step of step t-1: its parameters go to the model now
+        if overflow:
+            self.scaler.update(overflow=True)
+            self.zero_grad()
+            return
+        spare = self._delayed.grads
+        views = []  # per piece: its view of the job's gradient copy, None where skipped
+        for k, (layout, _, _) in enumerate(self.shards()):
+            shard_off = layout.shard(self.rank).offset
+            for pc in layout.pieces(self.rank):
+                lo = pc.offset - shard_off
+                views.append(spare[k][lo:lo + pc.numel])
+        views = [v if used[i] else None for v, i in zip(views, self._owner)]
+
+        def job():
+            grads = [leaf.grad for _, leaf, _ in self.pieces]
+            for (_, leaf, _), v in zip(self.pieces, views):
+                leaf.grad = v
+            try:
+                self._to_device.wait()  # the last publish's copies have read what this step changes
+                if isinstance(self.inner, _SCALED_STEP):
+                    copies = {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces} if self._host_low else None
+                    self.inner.step(grad_scale=factor, copies=copies)
+                else:
+                    if factor != 1.0:
+                        for g in spare:
+                            g.mul_(factor)
+                    self.inner.step()
+                    self._refresh_low()
+            finally:
+                for (_, leaf, _), g in zip(self.pieces, grads):
+                    leaf.grad = g
+        self._delayed.submit(self._shard_grads, job)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.zero_grad()
+
+    def synchronize(self) -> None:
+        """With delayed_update: wait for the CPU step in flight and put its parameters into the
+        model (e.g. before evaluating or at the end of training). Otherwise nothing to do."""
+        if self._delayed is not None:
+            self._publish_delayed()
+
+    def _publish_delayed(self):
+        self._delayed.wait()
+        if self._delayed.unpublished:
+            self._delayed.unpublished = False
+            self._publish_parameters()
+
+    def _settle(self):
+        """Wait for a delayed CPU step in flight (its masters and state are then final)."""
+        if self._delayed is not None:
+            self._delayed.wait()
 
     def _host_step(self):
         """The inner step on the host copies, applying 1/scale times the clip coefficient to the
@@ -650,6 +738,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer: inner state plus what each piece is."""
+        self._settle()
         out = {"stage": self.stage, "world": self.world, "rank": self.rank,
                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
                "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
@@ -665,11 +754,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         position among the inner optimizer's parameters. Gradient reductions still in flight are
         waited for first, so nothing changes the shards while they are read. Checkpoints use it."""
         self._drain()
+        self._settle()
         index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = self.inner.state
+        # (moments stored in bf16 or int8, pz.optim's moments=: as fp32, elementwise like the pieces)
+        fp32_state = getattr(self.inner, "fp32_state", None)
         return {"pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
                 "master": [leaf.detach().clone() for _, leaf, _ in self.pieces],
-                "state": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.get(leaf, {}).items()}
+                "state": [fp32_state(leaf) if fp32_state is not None else
+                          {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.get(leaf, {}).items()}
                           for _, leaf, _ in self.pieces],
                 "index": [index[id(leaf)] for _, leaf, _ in self.pieces]}
 
@@ -685,6 +778,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if v.numel() != pc.numel:
                 raise ValueError(f"master: {pc.name}[{pc.start}:{pc.end}] needs {pc.numel} values, got {v.numel()}")
         self._drain()
+        self._settle()
         self._before_host_writes()
         group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
         for (_, leaf, _), v, st in zip(self.pieces, master, state):
@@ -701,6 +795,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if sd.get("pieces") != mine:
             raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model); "
                              "use pz.checkpoint.load to reshard")
+        self._settle()
         self._before_host_writes()
         with torch.no_grad():
             for (_, leaf, _), t in zip(self.pieces, sd["master"]):
@@ -715,6 +810,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict | None:
         """The full model state with fp32 trainable values (the master weights) on the group's
         first rank, None elsewhere; every rank calls it. Gathered one flat buffer at a time."""
+        self._settle()
         gathered = {}
         first = self.group.rank == 0
         for layout, master, _ in self.shards():
@@ -739,6 +835,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params/grads/optimizer/total and adds `host`: the pinned masters, gradient shards,
         optimizer state in memory, the 16-bit copies of a 16-bit model (and with offload_params
         the parameter shards)."""
+        self._settle()
         params = self._held_params()
         grads = self._held_grads()
         on_disk = self.offload.state_bytes(self.inner)  # offload="nvme": (swap buffers, swap files)
@@ -750,7 +847,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optim += _nbytes(m for _, m, _ in self.shards())
         if self._host:  # the optimizer's side is in host memory (see [Note: offload of a CUDA model])
             counted, extra = {m.data_ptr() for _, m, _ in self.shards()}, []
-            for t in self._shard_grads + self._host_low + self._host_param_shards():
+            delayed = self._delayed.grads if self._delayed is not None else []  # (the job's gradient copies)
+            for t in self._shard_grads + delayed + self._host_low + self._host_param_shards():
                 if t.data_ptr() not in counted:  # (offload_params: a 16-bit copy is the shard itself)
                     counted.add(t.data_ptr())
                     extra.append(t)
@@ -853,9 +951,13 @@ class _HostGrads:
         self._staged: list[tuple[int, int, int, torch.Tensor, bool]] = []  # (shard, lo, hi, host, add?)
         self._written: list[list[tuple[int, int]]] = [[] for _ in shards]  # ranges with values since restart()
 
+    gate = None  # delayed_update: a threading.Event, open once the shards may be written (offload.DelayedStep)
+
     def put(self, k: int, lo: int, hi: int, dev: torch.Tensor) -> None:
         if hi <= lo:
             return
+        if self.gate is not None:
+            self.gate.wait()
         new = not any(a < hi and lo < b for a, b in self._written[k])
         self._written[k].append((lo, hi))
         if new and dev.dtype == torch.float32:
@@ -867,6 +969,8 @@ class _HostGrads:
 
     def finish(self) -> None:
         """Every slice put so far is in the shards; ranges nothing wrote are zero."""
+        if self.gate is not None:
+            self.gate.wait()
         self._copies.wait()
         for k, lo, hi, host, add in self._staged:
             if add:

@@ -47,7 +47,8 @@ GB = 1e9
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
+    p.add_argument("--runs", default=",".join(r for r in RUNS if not RUNS[r].get("deepspeed")),
+                   help=f"comma list of {list(RUNS)} (default: all but DeepSpeed's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--n-embd", type=int, default=2048, help="hidden size")
     p.add_argument("--n-head", type=int, default=16)

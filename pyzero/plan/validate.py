@@ -112,15 +112,17 @@ def _measure_mem_bw() -> float:
     return 5 * 2 * x.numel() * 4 / (time.perf_counter() - t0)
 
 
-def _states(pm) -> int:
+def _states(pm) -> dict:
+    """Bytes of the model states now: {"params", "grads", "optimizer"}."""
     opt = pm.optimizer
     if hasattr(opt, "memory_stats"):
-        return opt.memory_stats()["total"]
+        m = opt.memory_stats()
+        return {k: m[k] for k in ("params", "grads", "optimizer")}
     params = {id(p): p for p in pm.stage.parameters()}.values()
-    n = sum(p.numel() * p.element_size() for p in params)
-    n += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    n += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
-    return n
+    return {"params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                             if torch.is_tensor(t))}
 
 
 def _rank(model_name: str, lay: Layout, batch: int, seq: int, steps: int, warmup: int):
@@ -137,9 +139,12 @@ def _rank(model_name: str, lay: Layout, batch: int, seq: int, steps: int, warmup
         pz.barrier()
         t0 = time.perf_counter()  # the state measurement of step 0 is in a warm-up step, never timed
         pm.train_step(x, y)
+        if i == 0:  # the gradients as backward left them (ZeRO frees its shards by step's end)
+            before = _states(pm)
         pm.optimizer.step()
-        if i == 0:  # after the first step: optimizer state exists, gradients not yet cleared
-            states = _states(pm)
+        if i == 0:  # each part at its largest over the step: the optimizer state exists only after it
+            after = _states(pm)
+            states = sum(max(before[k], after[k]) for k in before)
         pm.optimizer.zero_grad()
         pz.barrier()
         if i >= warmup:

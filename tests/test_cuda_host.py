@@ -539,6 +539,41 @@ def test_batch_isend_irecv_is_one_grouped_nccl_call(gpu_world):
         pz.batch_isend_irecv([pz.P2POp("recv", inp, 1)])
 
 
+@pytest.fixture
+def ipc_world(monkeypatch):
+    """The same, on the ipc backend (this process is rank 1 of 3, cuda:1)."""
+    from pyzero.backends.ipc import IpcBackend
+    comm = FakeComm()
+    world = pzcomm.Group((0, 1, 2), 1, 0, IpcBackend(comm, device=1))
+    w = pzcomm._World(1, 3, 1, "ipc", 5.0, None, "tok", world=world, groups=[world], device=1)
+    monkeypatch.setattr(pzcomm, "_world", w)
+    monkeypatch.setattr(pzcuda, "device_of", lambda ptr: 1)
+    return comm
+
+
+def test_ipc_point_to_point_dispatch_and_errors(ipc_world):
+    pz.send(FakeArray(readonly=True, ptr=0x4000, stream=3), dst=2)
+    assert ipc_world.log[-1] == ("send", 0x4000, 4, 0, 2, 3, False)
+    work = pz.recv(FakeArray((5,), "<i8", ptr=0x5000, stream=3), src=0, async_op=True)
+    assert ipc_world.log[-1] == ("recv", 0x5000, 5, 5, 0, 3, True) and isinstance(work, pz.Work)
+    out, inp = FakeArray(readonly=True, ptr=0x4000, stream=5), FakeArray((2,), "<f8", ptr=0x5000, stream=5)
+    works = pz.batch_isend_irecv([pz.P2POp("send", out, 2), pz.P2POp("recv", inp, 0)])
+    assert ipc_world.log[-1] == ("batch_p2p", [(0x4000, 4, 0, 2, True), (0x5000, 2, 3, 0, False)], 5, True)
+    assert len(works) == 2 and works[0] is works[1]
+    n = len(ipc_world.log)
+    with pytest.raises(ValueError, match="ops: the ipc backend runs at most 32 operations in one batch_isend_irecv"):
+        pz.batch_isend_irecv([pz.P2POp("send", out, 2)] * 33)
+    with pytest.raises(ValueError, match="cannot send to this rank itself"):
+        pz.send(FakeArray(), dst=1)
+    with pytest.raises(ValueError, match="dst=3"):
+        pz.send(FakeArray(), dst=3)
+    with pytest.raises(ValueError, match="tensor: the array is read-only"):
+        pz.recv(FakeArray(readonly=True), src=0)
+    with pytest.raises(ValueError, match="tensor: the ipc backend takes CUDA tensors"):
+        pz.send(torch.ones(4), dst=0)
+    assert len(ipc_world.log) == n  # nothing reached the communicator
+
+
 def test_dispatch_async_work_waits_on_the_stream_and_keeps_buffers(gpu_world):
     x = FakeArray(ptr=0x1000, stream=9)
     work = pz.all_reduce(x, async_op=True)

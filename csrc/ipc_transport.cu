@@ -11,11 +11,13 @@
 #include <stdexcept>
 
 #include "collective.h"
+#include "cuda_api.h"
 #include "cuda_check.h"
 #include "errors.h"
 #include "ipc_p2p.h"
 #include "ipc_protocol.h"
 #include "ipc_transport.h"
+#include "p2p_ring.h"
 
 namespace pz {
 
@@ -131,6 +133,7 @@ struct IpcTransport::Impl {
   std::unique_ptr<Event> finished;      // after a synchronous call: the caller's stream waits for it
   uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
   uint64_t slot_bytes = 0, chan_bytes = 0;  // point-to-point: a slot, one incoming channel
+  char* ring_stage = nullptr;           // algo="ring": send and receive staging, p2p_bytes each
   bool connected = false, closed = false;
   std::string broken;                   // the failure that ended the group
   std::mutex mu;
@@ -276,6 +279,33 @@ struct IpcTransport::Impl {
     });
   }
 
+  // One point-to-point kernel on the group's stream (inside issue()).
+  void launch_p2p_kernel(const IpcP2POp* ops, int nops) {
+    IpcP2PCall c{};
+    for (int p = 0; p < size; ++p) {
+      c.sigs[p] = reinterpret_cast<IpcP2PSignals*>(bases[p] + p2p_sig_offset());
+      c.chans[p] = bases[p] + sig_bytes() + 2 * cfg.area_bytes;
+    }
+    c.status = status_dev;
+    c.abort = abort_dev;
+    c.nops = nops;
+    for (int i = 0; i < nops; ++i) c.ops[i] = ops[i];
+    c.chan_bytes = chan_bytes;
+    c.slot_bytes = slot_bytes;
+    c.slots = int32_t(cfg.p2p_slots);
+    c.seq = ++seq;
+    c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
+    c.rank = rank;
+    c.nranks = size;
+    ipc_p2p_kernel<<<nblocks, kThreads, 0, stream>>>(c);
+    PZ_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // algo="ring": p2p_ring.h's schedule, each group one point-to-point kernel, the element-wise
+  // kernels between them, all on the group's stream in order.
+  WorkPtr ring_call(const char* what, Coll coll, void* out, const void* in, const ChunkLayout& L, int root,
+                    DType dt, RedOp op, uintptr_t user_stream, bool async_op);
+
   // Point-to-point: one kernel for the whole batch (see [Note: ipc point-to-point channels]).
   WorkPtr launch_p2p(const char* what, const std::vector<IpcTransport::P2P>& ops, uintptr_t user_stream,
                      bool async_op) {
@@ -294,29 +324,14 @@ struct IpcTransport::Impl {
       if (o.count > 0 && o.buf == nullptr) throw std::invalid_argument(std::string(what) + ": null buffer");
     }
     return issue(what, user_stream, async_op, [&] {
-      IpcP2PCall c{};
-      for (int p = 0; p < size; ++p) {
-        c.sigs[p] = reinterpret_cast<IpcP2PSignals*>(bases[p] + p2p_sig_offset());
-        c.chans[p] = bases[p] + sig_bytes() + 2 * cfg.area_bytes;
-      }
-      c.status = status_dev;
-      c.abort = abort_dev;
-      c.nops = int(ops.size());
+      IpcP2POp v[kIpcMaxP2POps];
       for (size_t i = 0; i < ops.size(); ++i) {
         const IpcTransport::P2P& o = ops[i];
-        c.ops[i] = IpcP2POp{o.buf, o.count * int64_t(dtype_size(o.dt)), o.peer, int32_t(o.dt), o.is_send ? 1 : 0, -1};
+        v[i] = IpcP2POp{o.buf, o.count * int64_t(dtype_size(o.dt)), o.peer, int32_t(o.dt), o.is_send ? 1 : 0, -1};
         for (size_t j = 0; j < i; ++j)
-          if (ops[j].peer == o.peer && ops[j].is_send == o.is_send) c.ops[i].prev = int32_t(j);
+          if (ops[j].peer == o.peer && ops[j].is_send == o.is_send) v[i].prev = int32_t(j);
       }
-      c.chan_bytes = chan_bytes;
-      c.slot_bytes = slot_bytes;
-      c.slots = int32_t(cfg.p2p_slots);
-      c.seq = ++seq;
-      c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
-      c.rank = rank;
-      c.nranks = size;
-      ipc_p2p_kernel<<<nblocks, kThreads, 0, stream>>>(c);
-      PZ_CUDA_CHECK(cudaGetLastError());
+      launch_p2p_kernel(v, int(ops.size()));
       for (const IpcTransport::P2P& o : ops) {
         if (o.is_send) counters.add(Coll::send, uint64_t(o.count), uint64_t(o.count) * dtype_size(o.dt));
         else counters.add(Coll::recv, uint64_t(o.count), 0);
@@ -326,6 +341,49 @@ struct IpcTransport::Impl {
 
   std::weak_ptr<Impl> this_shared;
 };
+
+namespace {
+
+// The ring's Exec (see p2p_ring.h) on the ipc backend.
+struct IpcRingExec {
+  IpcTransport::Impl& t;
+  DType dt;
+  RedOp op;
+
+  uintptr_t st() const { return reinterpret_cast<uintptr_t>(t.stream); }
+  void group(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+    if (!send && !recv) return;
+    IpcP2POp ops[2];
+    int k = 0;
+    if (send) ops[k++] = IpcP2POp{const_cast<void*>(send), int64_t(send_bytes), (t.rank + 1) % t.size, int32_t(dt), 1, -1};
+    if (recv) ops[k++] = IpcP2POp{recv, int64_t(recv_bytes), (t.rank + t.size - 1) % t.size, int32_t(dt), 0, -1};
+    t.launch_p2p_kernel(ops, k);
+  }
+  void copy(const void* src, void* dst, int64_t n) { cuda::launch_copy(src, dst, n, dt, st()); }
+  void pack(const void* src, void* dst, int64_t n) { cuda::launch_pack_wire(src, dst, n, dt, st()); }
+  void reduce(const void* in, const void* own, void* out, int64_t n) {
+    cuda::launch_reduce_wire(in, own, out, n, dt, op, st());
+  }
+  void reduce_final(const void* in, const void* own, void* dst, int64_t n) {
+    cuda::launch_reduce_wire_final(in, own, dst, n, dt, op, t.size, st());
+  }
+};
+
+}  // namespace
+
+IpcTransport::WorkPtr IpcTransport::Impl::ring_call(const char* what, Coll coll, void* out, const void* in,
+                                                    const ChunkLayout& L, int root, DType dt, RedOp op,
+                                                    uintptr_t user_stream, bool async_op) {
+  return issue(what, user_stream, async_op, [&] {
+    IpcRingExec x{*this, dt, op};
+    uint64_t sent = 0;
+    const uint64_t stage = cfg.p2p_bytes;
+    PZ_DISPATCH_DTYPE(dt, T, {
+      sent = p2p_ring_collective<T>(x, coll, out, in, L, root, rank, size, ring_stage, ring_stage + stage, stage);
+    });
+    counters.add(coll, uint64_t(L.total()), sent);
+  });
+}
 
 void IpcWork::wait(uintptr_t stream) {
   DeviceGuard guard(s_->device);
@@ -389,6 +447,8 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   m.slot_bytes = std::max<uint64_t>(256, cfg.p2p_bytes / lanes / 16 * 16);
   m.chan_bytes = lanes * m.slot_bytes;
   PZ_CUDA_CHECK(cudaMalloc(&m.mine, sig_bytes() + 2 * m.cfg.area_bytes + uint64_t(size - 1) * m.chan_bytes));
+  m.cfg.p2p_bytes = round_up(std::max<uint64_t>(cfg.p2p_bytes, 256), 16);
+  if (size > 1) PZ_CUDA_CHECK(cudaMalloc(&m.ring_stage, 2 * m.cfg.p2p_bytes));
   PZ_CUDA_CHECK(cudaMemset(m.mine, 0, sig_bytes()));
   PZ_CUDA_CHECK(cudaHostAlloc(&m.status_host, sizeof(IpcStatus), cudaHostAllocMapped));
   std::memset(static_cast<void*>(m.status_host), 0, sizeof(IpcStatus));
@@ -452,6 +512,9 @@ IpcTransport::WorkPtr IpcTransport::all_reduce(void* buf, const void* in, int64_
   Impl& m = *impl_;
   size_t bytes = size_t(count) * dtype_size(dt);
   Algo a = ipc_resolve_algo(Coll::all_reduce, bytes, algo, m.cfg.oneshot_bytes, m.size);
+  if (a == Algo::ring)
+    return m.ring_call("all_reduce", Coll::all_reduce, buf, in ? in : buf, ChunkLayout(split_even(count, m.size)), 0,
+                       dt, op, stream, async_op);
   int kind = a == Algo::twoshot ? kIpcAllReduceTwoShot : kIpcAllReduceOneShot;
   uint64_t sent = uint64_t(bytes) * uint64_t(m.size - 1);
   return m.launch("all_reduce", Coll::all_reduce, kind, dt, op, 0, in ? in : buf, buf, split_even(count, m.size),
@@ -463,7 +526,10 @@ IpcTransport::WorkPtr IpcTransport::reduce_scatter(void* out, const void* in, co
   Impl& m = *impl_;
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  ipc_resolve_algo(Coll::reduce_scatter, size_t(total) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::reduce_scatter, size_t(total) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size) ==
+      Algo::ring)
+    return m.ring_call("reduce_scatter", Coll::reduce_scatter, out, in, ChunkLayout(counts), 0, dt, op, stream,
+                       async_op);
   return m.launch("reduce_scatter", Coll::reduce_scatter, kIpcReduceScatter, dt, op, 0, in, out, counts, stream,
                   async_op, uint64_t(total - counts[m.rank]) * dtype_size(dt));
 }
@@ -471,7 +537,10 @@ IpcTransport::WorkPtr IpcTransport::reduce_scatter(void* out, const void* in, co
 IpcTransport::WorkPtr IpcTransport::all_gather(void* out, const void* in, const std::vector<int64_t>& counts,
                                                DType dt, Algo algo, uintptr_t stream, bool async_op) {
   Impl& m = *impl_;
-  ipc_resolve_algo(Coll::all_gather, size_t(counts[m.rank]) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::all_gather, size_t(counts[m.rank]) * dtype_size(dt), algo, m.cfg.oneshot_bytes,
+                       m.size) == Algo::ring)
+    return m.ring_call("all_gather", Coll::all_gather, out, in, ChunkLayout(counts), 0, dt, RedOp::sum, stream,
+                       async_op);
   return m.launch("all_gather", Coll::all_gather, kIpcAllGather, dt, RedOp::sum, 0, in, out, counts, stream,
                   async_op, uint64_t(counts[m.rank]) * dtype_size(dt) * uint64_t(m.size - 1));
 }
@@ -479,7 +548,10 @@ IpcTransport::WorkPtr IpcTransport::all_gather(void* out, const void* in, const 
 IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo algo,
                                               uintptr_t stream, bool async_op) {
   Impl& m = *impl_;
-  ipc_resolve_algo(Coll::broadcast, size_t(count) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::broadcast, size_t(count) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size) ==
+      Algo::ring)
+    return m.ring_call("broadcast", Coll::broadcast, buf, buf, ChunkLayout(std::vector<int64_t>{count}), root, dt,
+                       RedOp::sum, stream, async_op);
   std::vector<int64_t> chunks(m.size, 0);
   chunks[0] = count;
   return m.launch("broadcast", Coll::broadcast, kIpcBroadcast, dt, RedOp::sum, root, buf, buf, chunks, stream,
@@ -530,6 +602,8 @@ void IpcTransport::close() {
   m.finished.reset();
   if (m.stream) cudaStreamDestroy(m.stream);
   if (m.mine) cudaFree(m.mine);
+  if (m.ring_stage) cudaFree(m.ring_stage);
+  m.ring_stage = nullptr;
   if (m.status_host) cudaFreeHost(m.status_host);
   if (m.abort_host) cudaFreeHost(m.abort_host);
   m.mine = nullptr;

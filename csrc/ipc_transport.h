@@ -49,12 +49,19 @@ struct IpcConfig {
 // auto -> one-shot or two-shot for all_reduce (the only collective with a choice).
 // Thresholds: vLLM's custom all-reduce switches at 256-512 KiB for 2-8 GPUs;
 // ours are to be measured on a GPU run (pyzero-bench collectives --device cuda).
+// "ring": p2p_ring.h's schedule over the point-to-point channels (one launch per
+// group of a send to the next rank and a receive from the previous), for the
+// four ring collectives; at one rank there is no ring (one-shot).
 inline Algo ipc_resolve_algo(Coll c, size_t bytes, Algo algo, size_t oneshot_bytes, int nranks) {
   if (algo == Algo::automatic)
     return (c == Coll::all_reduce && (bytes > oneshot_bytes && nranks > 2)) ? Algo::twoshot : Algo::oneshot;
   if (algo == Algo::oneshot || (algo == Algo::twoshot && c == Coll::all_reduce)) return algo;
+  const bool ring_coll =
+      c == Coll::all_reduce || c == Coll::reduce_scatter || c == Coll::all_gather || c == Coll::broadcast;
+  if (algo == Algo::ring && ring_coll) return nranks > 1 ? Algo::ring : Algo::oneshot;
   throw std::invalid_argument(std::string(coll_name(c)) + ": the ipc backend takes algo " +
-                              (c == Coll::all_reduce ? "'auto', 'oneshot' or 'twoshot'" : "'auto' or 'oneshot'") +
+                              (c == Coll::all_reduce ? "'auto', 'oneshot', 'twoshot' or 'ring'"
+                                                     : "'auto', 'oneshot' or 'ring'") +
                               ", got '" + algo_name(algo) + "'");
 }
 

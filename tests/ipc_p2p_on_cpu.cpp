@@ -15,7 +15,9 @@
 // mismatched size is reported on both ranks and the channel goes on, an abort
 // ends a wait. With -DPZ_IPC_P2P_NO_SLOT_WAIT the sender does not wait for a
 // slot to be consumed (its reads of `consumed` see everything consumed), a
-// deliberately broken protocol: the run must find wrong results.
+// deliberately broken protocol: the run must find wrong results. Last, the
+// ring collectives of p2p_ring.h (algo="ring" on ipc) run over this
+// point-to-point, each group one launch, against the reference reduction.
 // Built and run by tests/test_ipc_protocol.py.
 #include <algorithm>
 #include <atomic>
@@ -25,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -32,6 +35,7 @@
 
 #include "collective.h"
 #include "ipc_p2p.h"
+#include "p2p_ring.h"
 
 using namespace pz;
 
@@ -147,6 +151,8 @@ void fill(std::vector<char>& buf, const OpSpec& o, uint64_t msg) {
 }
 
 std::mutex print_mu;
+
+#define DISPATCH_RING(dt, op, ...) PZ_DISPATCH_DTYPE(DType(dt), T, PZ_DISPATCH_OP(RedOp(op), OP, __VA_ARGS__))
 
 Outcome run(const Job& job) {
   const int n = job.n, nb = job.nb;
@@ -330,6 +336,168 @@ std::vector<std::vector<Launch>> random_rounds(int n, int rounds, int64_t max_by
   return out;
 }
 
+// ---------------------------------------------------------------------------
+// The ring collectives of p2p_ring.h over this point-to-point (algo="ring" on ipc): each rank's host
+// thread runs p2p_ring_collective; every group becomes one launch of the rank's blocks, the
+// element-wise kernels run on the host thread between launches (stream order).
+
+template <typename T>
+T value_of(uint64_t h) {  // small exact values: sums and products of a few stay exact in any order
+  int v = int(h % 7) - 3;
+  if (v == 0) v = 1;
+  if constexpr (std::is_integral_v<T>) return T(v);
+  else return from_acc<T>(typename Acc<T>::type(v) * typename Acc<T>::type(0.5));
+}
+
+struct RingSpec {
+  Coll coll;
+  int dt, op, root;
+  std::vector<int64_t> counts;  // chunks (all_reduce, broadcast: one entry, the total)
+};
+
+template <typename T, RedOp OP>
+struct CpuRingExec {
+  using W = typename Acc<T>::type;
+  int me, n;
+  std::function<bool(IpcP2POp*, int)> launch;  // one launch of the rank's blocks; false if it failed
+  bool ok = true;
+  void group(const void* s, size_t sb, void* r, size_t rb) {
+    if (!s && !r) return;
+    IpcP2POp ops[2];
+    int k = 0;
+    if (s) ops[k++] = IpcP2POp{const_cast<void*>(s), int64_t(sb), (me + 1) % n, 0, 1, -1};
+    if (r) ops[k++] = IpcP2POp{r, int64_t(rb), (me + n - 1) % n, 0, 0, -1};
+    ok = launch(ops, k) && ok;
+  }
+  void copy(const void* src, void* dst, int64_t c) { std::memmove(dst, src, size_t(c) * sizeof(T)); }
+  void pack(const void* src, void* dst, int64_t c) {
+    for (int64_t i = 0; i < c; ++i) static_cast<W*>(dst)[i] = to_acc(static_cast<const T*>(src)[i]);
+  }
+  void reduce(const void* in, const void* own, void* out, int64_t c) {
+    for (int64_t i = 0; i < c; ++i)
+      static_cast<W*>(out)[i] = combine<OP>(static_cast<const W*>(in)[i], to_acc(static_cast<const T*>(own)[i]));
+  }
+  void reduce_final(const void* in, const void* own, void* dst, int64_t c) {
+    for (int64_t i = 0; i < c; ++i)
+      static_cast<T*>(dst)[i] =
+          from_acc<T>(finish<OP>(combine<OP>(static_cast<const W*>(in)[i], to_acc(static_cast<const T*>(own)[i])), n));
+  }
+};
+
+// Runs the ring collectives `specs` on n ranks of nb blocks; returns wrong results (failed launches count too).
+int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_bytes, long& groups) {
+  const int slots = 2;
+  const uint64_t slot_bytes = 64, chan_bytes = uint64_t(nb) * slots * slot_bytes;
+  std::vector<std::unique_ptr<IpcP2PSignals>> sigs;
+  std::vector<std::vector<char>> chans(n);
+  for (int r = 0; r < n; ++r) {
+    sigs.emplace_back(new IpcP2PSignals());
+    std::memset(static_cast<void*>(sigs.back().get()), 0, sizeof(IpcP2PSignals));
+    chans[r].assign(size_t(chan_bytes * uint64_t(n - 1)), 0);
+  }
+  consumed_ranges.clear();
+  std::vector<IpcStatus> status(n);
+  uint32_t abort_word = 0;
+  std::vector<Barrier*> ready;
+  for (int r = 0; r < n; ++r) ready.push_back(new Barrier(nb + 1));
+  std::vector<std::vector<IpcP2PCall>> calls(n);
+  std::atomic<int> wrong{0};
+  std::atomic<long> launched{0};
+  auto host = [&](int me) {
+    uint64_t seq = 0;
+    auto launch = [&](IpcP2POp* ops, int k) {
+      IpcP2PCall c{};
+      for (int p = 0; p < n; ++p) {
+        c.sigs[p] = sigs[p].get();
+        c.chans[p] = chans[p].data();
+      }
+      c.status = &status[me];
+      c.abort = &abort_word;
+      c.nops = k;
+      for (int i = 0; i < k; ++i) c.ops[i] = ops[i];
+      c.chan_bytes = chan_bytes;
+      c.slot_bytes = slot_bytes;
+      c.slots = slots;
+      c.seq = ++seq;
+      c.timeout_ns = 5000000000ull;
+      c.rank = me;
+      c.nranks = n;
+      status[me] = IpcStatus{};
+      calls[me].assign(1, c);
+      ready[me]->arrive();
+      ready[me]->arrive();
+      launched++;
+      return status[me].code == kIpcOk;
+    };
+    for (size_t k = 0; k < specs.size(); ++k) {
+      const RingSpec& sp = specs[k];
+      ChunkLayout L(sp.coll == Coll::all_reduce ? split_even(sp.counts[0], n) : sp.counts);
+      const int64_t total = L.total();
+      std::string why;
+      DISPATCH_RING(sp.dt, sp.op, {
+        using W = typename Acc<T>::type;
+        const int64_t in_n = sp.coll == Coll::all_gather ? L.counts[me] : total;
+        const int64_t in_base = sp.coll == Coll::all_gather ? L.offsets[me] : 0;
+        std::vector<T> in(size_t(std::max<int64_t>(in_n, 1))), out(size_t(std::max<int64_t>(total, 1)));
+        for (int64_t i = 0; i < in_n; ++i) in[size_t(i)] = value_of<T>(mix(k * 131 + me, uint64_t(in_base + i)));
+        if (sp.coll == Coll::broadcast) out = in;
+        std::vector<W> stages(2 * (stage_bytes / sizeof(W)) + 2);
+        CpuRingExec<T, OP> x{me, n, launch};
+        // reduce_scatter: `out` is this rank's chunk (its first counts[me] elements)
+        p2p_ring_collective<T>(x, sp.coll, out.data(), sp.coll == Coll::broadcast ? nullptr : in.data(), L, sp.root, me, n,
+                               stages.data(), stages.data() + stage_bytes / sizeof(W), stage_bytes);
+        if (!x.ok) why = "a launch failed";
+        auto input = [&](int r, int64_t i) { return value_of<T>(mix(k * 131 + r, uint64_t(i))); };
+        auto reduced = [&](int64_t i) {
+          W acc = to_acc(input(0, i));
+          for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc(input(p, i)));
+          return from_acc<T>(finish<OP>(acc, n));
+        };
+        std::vector<T> want;
+        if (sp.coll == Coll::all_reduce)
+          for (int64_t i = 0; i < total; ++i) want.push_back(reduced(i));
+        else if (sp.coll == Coll::reduce_scatter)
+          for (int64_t i = L.offsets[me]; i < L.offsets[me + 1]; ++i) want.push_back(reduced(i));
+        else if (sp.coll == Coll::all_gather)
+          for (int r = 0; r < n; ++r)
+            for (int64_t i = L.offsets[r]; i < L.offsets[r + 1]; ++i) want.push_back(input(r, i));
+        else
+          for (int64_t i = 0; i < total; ++i) want.push_back(input(sp.root, i));
+        if (why.empty() && !want.empty() && std::memcmp(out.data(), want.data(), want.size() * sizeof(T)) != 0)
+          why = "differs from the reference";
+      });
+      if (!why.empty()) {
+        std::lock_guard<std::mutex> l(print_mu);
+        if (wrong++ < 5)
+          std::printf("WRONG ring rank %d call %zu coll %s dtype %d op %d: %s\n", me, k, coll_name(sp.coll), sp.dt,
+                      sp.op, why.c_str());
+      }
+    }
+    calls[me].clear();
+    ready[me]->arrive();
+  };
+  auto block = [&](int me, int b) {
+    std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
+    CpuX x{b, nb, &rng, 20};
+    for (;;) {
+      ready[me]->arrive();
+      if (calls[me].empty()) return;
+      IpcP2PCall c = calls[me][0];
+      ipc_p2p_run(x, c);
+      ready[me]->arrive();
+    }
+  };
+  std::vector<std::thread> th;
+  for (int r = 0; r < n; ++r) {
+    th.emplace_back(host, r);
+    for (int b = 0; b < nb; ++b) th.emplace_back(block, r, b);
+  }
+  for (auto& t : th) t.join();
+  for (auto* p : ready) delete p;
+  groups += launched;
+  return wrong;
+}
+
 int failures = 0, cases = 0;
 
 bool all_ok(const Outcome& o) {
@@ -376,6 +544,31 @@ int main() {
     total_wrong += o.wrong;
     std::printf("replay ranks %d: %d messages checked, %d wrong, %d launches with other arguments: %s\n", n,
                 o.checked, o.wrong, o.replay_differs, ok ? "ok" : "FAILED");
+  }
+  // 3. the ring collectives (algo="ring") over this point-to-point: every collective, dtype and op,
+  //    uneven and zero chunks, staging of a few elements so calls run in many groups
+  {
+    std::mt19937_64 rg(77);
+    for (int n : {2, 3, 4}) {
+      std::vector<RingSpec> specs;
+      for (int k = 0; k < 24; ++k) {
+        RingSpec sp{Coll(rg() % 4), kDTypes[rg() % 6], int(rg() % 5), int(rg() % n), {}};
+        int64_t total = int64_t(rg() % 300);
+        if (sp.coll == Coll::all_reduce || sp.coll == Coll::broadcast) {
+          sp.counts = {total};
+        } else {
+          sp.counts.assign(n, 0);
+          for (int64_t i = 0; i < total; ++i) sp.counts[rg() % n] += (rg() % 4 == 0) ? 0 : 1;
+        }
+        specs.push_back(sp);
+      }
+      long groups = 0;
+      int wrong = run_ring(n, 2, specs, 96, groups);
+      failures += wrong != 0;
+      cases += int(specs.size()) * n;
+      total_wrong += wrong;
+      std::printf("ring ranks %d: %zu collectives, %ld launches, %d wrong\n", n, specs.size(), groups, wrong);
+    }
   }
 #ifdef PZ_IPC_P2P_NO_SLOT_WAIT
   std::printf("no slot wait: %d wrong results\n", total_wrong);

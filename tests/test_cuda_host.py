@@ -384,11 +384,16 @@ def test_ipc_algorithm_choice():
     assert _C.ipc_resolve_algo(C["all_reduce"], 8, two, 256 << 10, 2) == two  # asked for: honoured
     for coll in ("reduce_scatter", "all_gather", "broadcast"):
         assert _C.ipc_resolve_algo(C[coll], 1 << 30, auto, 256 << 10, 8) == one
-        with pytest.raises(ValueError, match=f"{coll}: the ipc backend takes algo 'auto' or 'oneshot', got 'twoshot'"):
+        with pytest.raises(ValueError, match=f"{coll}: the ipc backend takes algo 'auto', 'oneshot' or 'ring', "
+                                             "got 'twoshot'"):
             _C.ipc_resolve_algo(C[coll], 8, two, 256 << 10, 2)
-    for name in ("ring", "native"):
-        with pytest.raises(ValueError, match=f"got '{name}'"):
-            _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO[name], 256 << 10, 2)
+    # "ring": p2p_ring.h over the point-to-point channels, asked for only; no ring at one rank
+    for coll in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        assert _C.ipc_resolve_algo(C[coll], 8, ALGO["ring"], 256 << 10, 3) == ALGO["ring"]
+        assert _C.ipc_resolve_algo(C[coll], 8, ALGO["ring"], 256 << 10, 1) == one
+    with pytest.raises(ValueError, match="all_reduce: the ipc backend takes algo 'auto', 'oneshot', 'twoshot' or "
+                                         "'ring', got 'native'"):
+        _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO["native"], 256 << 10, 2)
 
 
 def test_nccl_device_is_local_rank():

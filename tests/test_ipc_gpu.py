@@ -613,3 +613,74 @@ def test_tp_overlapped_ops_over_ipc_equal_one_process(nprocs):
         torch.testing.assert_close(y, sum(xs[q] @ ws2[q].t() for q in range(n))[r * m:(r + 1) * m], **tol)
         torch.testing.assert_close(dx, t_full @ ws2[r], **tol)
         torch.testing.assert_close(dw, torch.einsum("sbo,sbk->ok", t_full, xs[r]), **tol)
+
+
+# ---------------------------------------------------------------------------
+# algo="ring": csrc/p2p_ring.h's schedule over the point-to-point channels
+
+
+def _ring_cases():
+    for size in (1, 1031, 70001):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                yield ("all_reduce", dtype, op, size, size % 2 == 0)
+                yield ("reduce_scatter", dtype, op, size, False)
+            yield ("all_gather", dtype, None, size, False)
+            yield ("broadcast", dtype, None, size, False)
+
+
+def _rank_ring():
+    pz.init(backend="ipc", timeout=120, options=P2P_OPTIONS)  # 64 KiB of staging: large calls in many groups
+    n, me = pz.get_world_size(), pz.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for seed, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
+        mine = make_input(op or "sum", dtype, size, me, seed).to(dev)
+        if coll == "all_reduce":
+            if inplace:
+                pz.all_reduce(mine, op=op, algo="ring")
+                got = mine
+            else:
+                got = torch.empty_like(mine)
+                pz.all_reduce(mine, op=op, algo="ring", out=got)
+        elif coll == "reduce_scatter":
+            counts = _counts(size, n)
+            full = make_input(op, dtype, sum(counts), me, seed).to(dev)
+            got = torch.empty(counts[me], dtype=dtype, device=dev)
+            pz.reduce_scatter(got, full, op=op, counts=counts, algo="ring")
+        elif coll == "all_gather":
+            counts = _counts(size, n)
+            own = make_input("sum", dtype, counts[me], me, seed).to(dev)
+            got = torch.empty(sum(counts), dtype=dtype, device=dev)
+            pz.all_gather(got, own, counts=counts, algo="ring")
+        else:
+            got = mine
+            pz.broadcast(got, src=seed % n, algo="ring")
+        out.append(got.cpu())
+    pz.barrier()
+    pz.destroy()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_ring_over_point_to_point_equals_torch(nprocs):
+    """Values exact in every dtype's sums: the ring's order of reduction gives torch's result bitwise."""
+    res = run_ranks(_rank_ring, nprocs, start="spawn", timeout=600, env=ENV)
+    n = nprocs
+    for k, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
+        where = f"ring {coll} {dtype} {op} size {size} in place {inplace}"
+        if coll == "all_reduce":
+            want = [reference([make_input(op, dtype, size, r, k) for r in range(n)], op, dtype)] * n
+        elif coll == "reduce_scatter":
+            counts = _counts(size, n)
+            full = reference([make_input(op, dtype, sum(counts), r, k) for r in range(n)], op, dtype)
+            want = list(full.split(counts))
+        elif coll == "all_gather":
+            counts = _counts(size, n)
+            want = [torch.cat([make_input("sum", dtype, counts[r], r, k) for r in range(n)])] * n
+        else:
+            want = [make_input("sum", dtype, size, k % n, k)] * n
+        for r in range(n):
+            assert torch.equal(res[r].value[k], want[r]), f"rank {r}: {where}"

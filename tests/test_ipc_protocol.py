@@ -16,7 +16,10 @@ launches at 2-4 ranks, 1-3 blocks, every dtype, messages of many pieces, buffers
 received buffer bytewise equal to what its sender sent, nothing written past it. Replays with
 byte-identical arguments; a send with no receive and a receive with no send time out naming the peer;
 mismatched sizes and dtypes are reported on both ranks and the channel goes on; an abort ends a wait.
-Built with the sender's wait for a consumed slot skipped, it must find wrong results.
+Built with the sender's wait for a consumed slot skipped, it must find wrong results. Last, the ring
+collectives of csrc/p2p_ring.h (algo="ring" on ipc) over this point-to-point: every collective, dtype and
+op, uneven and zero chunks, a few elements of staging so each call runs many launches, against the
+reference reduction.
 """
 import re
 import shutil
@@ -79,6 +82,8 @@ def test_ipc_p2p_on_cpu_threads(tmp_path):
     assert re.search(r"abort: code 3 peer 0, [\d.]+ s: ok", out), out
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # buffers at every offset: both copy loops
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
+    rings = re.findall(r"ring ranks \d: 24 collectives, (\d+) launches, 0 wrong", out)  # algo="ring" over p2p
+    assert len(rings) == 3 and all(int(n) > 200 for n in rings), out
 
 
 def test_ipc_p2p_check_finds_a_sender_that_does_not_wait_for_free_slots(tmp_path):

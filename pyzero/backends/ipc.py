@@ -15,7 +15,8 @@ kernel per call or batch. As with NCCL, a send completes only once its receive i
 that send to each other at once must post those sends and receives in one batch_isend_irecv (at most
 MAX_BATCH operations). A send and its receive must agree in size and dtype: otherwise both ranks raise
 CollectiveError at their next host wait and the message is skipped. A send whose receive never comes
-raises CollectiveTimeout naming the peer.
+raises CollectiveTimeout naming the peer. ``algo="ring"`` runs the four ring collectives as the nccl
+backend's ring schedule over this point-to-point.
 """
 from __future__ import annotations
 

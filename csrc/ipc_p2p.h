@@ -1,7 +1,8 @@
 // ipc_p2p.h — point-to-point (send, recv, batch_isend_irecv) of the "ipc"
 // backend: one body that runs on the GPU (ipc_transport.cu, one kernel launch
 // per call or batch) and on CPU threads (tests/ipc_p2p_on_cpu.cpp). Same
-// executor X as ipc_protocol.h (plus fail_p2p).
+// executor X as ipc_protocol.h, plus fail_p2p and p2p_state() (an array of
+// kIpcMaxP2POps IpcP2PState shared by the block's threads).
 //
 // [Note: ipc point-to-point channels]
 // A channel per ordered pair (src -> dst) lives in the receiver's registered
@@ -139,12 +140,14 @@ PZ_HD void ipc_p2p_part(int64_t n, int b, int nb, int64_t& lo, int64_t& hi) {
   hi = b == nb - 1 ? n : units * (b + 1) / nb * 16;
 }
 
-// The progress of one operation in one block (the same on every thread of the block).
+// The progress of one operation in one block. It lives in the block's shared memory
+// (x.p2p_state(): one copy per block, not per thread): every thread works on a copy in registers
+// and derives the same transitions; thread 0 stores them, between two block barriers.
 struct IpcP2PState {
-  uint64_t m = 0;       // the message's number on its channel
-  uint64_t base = 0;    // the channel's lane pieces before this message
-  int64_t lo = 0, hi = 0, npieces = 0, k = 0;  // this block's bytes, its pieces, pieces done
-  int phase = 0;        // 0 not started, 1 handshake, 2 pieces, 3 done
+  uint64_t m;     // the message's number on its channel
+  uint64_t base;  // the channel's lane pieces before this message
+  int64_t lo, hi, npieces, k;  // this block's bytes, its pieces, pieces done
+  int32_t phase;  // 0 not started, 1 handshake, 2 pieces, 3 done
 };
 
 // The whole launch as block x.block() of rank c.rank runs it; false if a wait failed (see c.status).
@@ -154,7 +157,10 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const uint64_t slots = uint64_t(c.slots);
   IpcP2PSignals* own = c.sigs[me];
-  IpcP2PState st[kIpcMaxP2POps];
+  IpcP2PState* st = x.p2p_state();
+  if (t0 == 0)
+    for (int i = 0; i < c.nops; ++i) st[i] = IpcP2PState{0, 0, 0, 0, 0, 0, 0};
+  x.sync();
   // One thread reads a flag; the block decides on its value (see ipc_wait_all).
   auto ready = [&](const uint64_t* f, uint64_t want) { return x.sync_and(t0 != 0 || x.load_acquire(f) >= want); };
   auto signal = [&](uint64_t* f, uint64_t v) {
@@ -180,74 +186,82 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
       }
     }
   };
+  // One step of operation i on s (a copy of its state); true if it moved on.
+  auto step = [&](int i, IpcP2PState& s) -> bool {
+    const IpcP2POp& o = c.ops[i];
+    const int p = o.peer;
+    IpcP2PSignals* peer = c.sigs[p];
+    bool moved = false;
+    if (s.phase == 0) {  // number the message, hand over the descriptor
+      if (o.prev >= 0) {
+        s.m = st[o.prev].m + 1;
+        s.base = st[o.prev].base + uint64_t(st[o.prev].npieces);
+      } else {
+        s.m = (o.is_send ? own->smsg[b][p] : own->rmsg[b][p]) + 1;
+        s.base = o.is_send ? own->spiece[b][p] : own->rpiece[b][p];
+      }
+      if (t0 == 0) {
+        if (o.is_send) peer->sdesc[s.m % 2][b][me] = desc_of(o);
+        else peer->rdesc[s.m % 2][b][me] = desc_of(o);
+      }
+      signal(o.is_send ? &peer->announced[b][me] : &peer->posted[b][me], s.m);
+      s.phase = 1;
+      moved = true;
+    }
+    if (s.phase == 1) {  // the other end's descriptor
+      const uint64_t* f = o.is_send ? &own->posted[b][p] : &own->announced[b][p];
+      if (!ready(f, s.m)) return moved;
+      const IpcP2PDesc theirs = o.is_send ? own->rdesc[s.m % 2][b][p] : own->sdesc[s.m % 2][b][p];
+      const IpcP2PDesc mine = desc_of(o);
+      if (!ipc_same_p2p_desc(theirs, mine)) {
+        if (t0 == 0)
+          x.fail_p2p(c.status, kIpcMismatch, p, s.m, c.seq, o.is_send ? kIpcP2PSendPost : kIpcP2PRecvSend, o.bytes,
+                     theirs.bytes, o.dtype, theirs.dtype);
+        s.npieces = 0;
+        finish(o, s);
+        return true;
+      }
+      ipc_p2p_part(o.bytes, b, nb, s.lo, s.hi);
+      s.npieces = (s.hi - s.lo + int64_t(c.slot_bytes) - 1) / int64_t(c.slot_bytes);
+      s.phase = 2;
+      if (s.npieces == 0) {
+        finish(o, s);
+        return true;
+      }
+      moved = true;
+    }
+    // s.phase == 2: the next piece
+    const uint64_t f = s.base + uint64_t(s.k);
+    const int64_t off = s.lo + s.k * int64_t(c.slot_bytes);
+    const int64_t len = (s.hi - off) < int64_t(c.slot_bytes) ? (s.hi - off) : int64_t(c.slot_bytes);
+    if (o.is_send) {
+      if (f + 1 > slots && !ready(&own->consumed[b][p], f + 1 - slots)) return moved;
+      unsigned char* slot = reinterpret_cast<unsigned char*>(ipc_p2p_lane(c, me, p, b) + (f % slots) * c.slot_bytes);
+      ipc_copy(x, slot, static_cast<const unsigned char*>(o.buf) + off, len);
+      signal(&peer->filled[b][me], f + 1);
+    } else {
+      if (!ready(&own->filled[b][p], f + 1)) return moved;
+      const unsigned char* slot =
+          reinterpret_cast<const unsigned char*>(ipc_p2p_lane(c, p, me, b) + (f % slots) * c.slot_bytes);
+      ipc_copy(x, static_cast<unsigned char*>(o.buf) + off, slot, len);
+      signal(&peer->consumed[b][me], f + 1);
+    }
+    if (++s.k == s.npieces) finish(o, s);
+    return true;
+  };
   uint32_t spins = 0;
   for (;;) {
     bool all_done = true, progress = false;
     for (int i = 0; i < c.nops; ++i) {
-      const IpcP2POp& o = c.ops[i];
-      IpcP2PState& s = st[i];
+      IpcP2PState s = st[i];
       if (s.phase == 3) continue;
       all_done = false;
-      if (o.prev >= 0 && st[o.prev].phase != 3) continue;  // the channel's earlier message first
-      const int p = o.peer;
-      IpcP2PSignals* peer = c.sigs[p];
-      if (s.phase == 0) {  // number the message, hand over the descriptor
-        if (o.prev >= 0) {
-          s.m = st[o.prev].m + 1;
-          s.base = st[o.prev].base + uint64_t(st[o.prev].npieces);
-        } else {
-          s.m = (o.is_send ? own->smsg[b][p] : own->rmsg[b][p]) + 1;
-          s.base = o.is_send ? own->spiece[b][p] : own->rpiece[b][p];
-        }
-        if (t0 == 0) {
-          if (o.is_send) peer->sdesc[s.m % 2][b][me] = desc_of(o);
-          else peer->rdesc[s.m % 2][b][me] = desc_of(o);
-        }
-        signal(o.is_send ? &peer->announced[b][me] : &peer->posted[b][me], s.m);
-        s.phase = 1;
-        progress = true;
-      }
-      if (s.phase == 1) {  // the other end's descriptor
-        const uint64_t* f = o.is_send ? &own->posted[b][p] : &own->announced[b][p];
-        if (!ready(f, s.m)) continue;
-        const IpcP2PDesc theirs = o.is_send ? own->rdesc[s.m % 2][b][p] : own->sdesc[s.m % 2][b][p];
-        const IpcP2PDesc mine = desc_of(o);
-        progress = true;
-        if (!ipc_same_p2p_desc(theirs, mine)) {
-          if (t0 == 0)
-            x.fail_p2p(c.status, kIpcMismatch, p, s.m, c.seq, o.is_send ? kIpcP2PSendPost : kIpcP2PRecvSend, o.bytes,
-                       theirs.bytes, o.dtype, theirs.dtype);
-          s.npieces = 0;
-          finish(o, s);
-          continue;
-        }
-        ipc_p2p_part(o.bytes, b, nb, s.lo, s.hi);
-        s.npieces = (s.hi - s.lo + int64_t(c.slot_bytes) - 1) / int64_t(c.slot_bytes);
-        s.phase = 2;
-        if (s.npieces == 0) {
-          finish(o, s);
-          continue;
-        }
-      }
-      if (s.phase == 2) {  // the pieces
-        const uint64_t f = s.base + uint64_t(s.k);
-        const int64_t off = s.lo + s.k * int64_t(c.slot_bytes);
-        const int64_t len = (s.hi - off) < int64_t(c.slot_bytes) ? (s.hi - off) : int64_t(c.slot_bytes);
-        if (o.is_send) {
-          if (f + 1 > slots && !ready(&own->consumed[b][p], f + 1 - slots)) continue;
-          unsigned char* slot = reinterpret_cast<unsigned char*>(ipc_p2p_lane(c, me, p, b) + (f % slots) * c.slot_bytes);
-          ipc_copy(x, slot, static_cast<const unsigned char*>(o.buf) + off, len);
-          signal(&peer->filled[b][me], f + 1);
-        } else {
-          if (!ready(&own->filled[b][p], f + 1)) continue;
-          const unsigned char* slot =
-              reinterpret_cast<const unsigned char*>(ipc_p2p_lane(c, p, me, b) + (f % slots) * c.slot_bytes);
-          ipc_copy(x, static_cast<unsigned char*>(o.buf) + off, slot, len);
-          signal(&peer->consumed[b][me], f + 1);
-        }
-        progress = true;
-        if (++s.k == s.npieces) finish(o, s);
-      }
+      if (c.ops[i].prev >= 0 && st[c.ops[i].prev].phase != 3) continue;  // the channel's earlier message first
+      if (!step(i, s)) continue;
+      progress = true;
+      x.sync();  // every thread has read st[i]
+      if (t0 == 0) st[i] = s;
+      x.sync();  // and sees the new state
     }
     if (all_done) return true;
     if (progress) {

@@ -32,6 +32,11 @@ struct GpuX {
   __device__ void sync() { __syncthreads(); }
   __device__ bool sync_and(bool v) { return __syncthreads_and(v) != 0; }
   __device__ void path(bool) {}
+  // The point-to-point progress of the block's operations (ipc_p2p.h): one copy per block.
+  __device__ IpcP2PState* p2p_state() {
+    __shared__ IpcP2PState st[kIpcMaxP2POps];
+    return st;
+  }
   __device__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -68,13 +68,13 @@ struct CpuX {
   int b, nb;
   std::mt19937* rng;
   int pause_us;  // at most, before a block signals (its peers run ahead meanwhile)
+  IpcP2PState st[kIpcMaxP2POps];  // the block's shared state (one thread per block here)
+  IpcP2PState* p2p_state() { return st; }
   int block() const { return b; }
   int nblocks() const { return nb; }
   int tid() const { return 0; }
   int nthreads() const { return 1; }
-  void sync() {
-    if (pause_us && (*rng)() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
-  }
+  void sync() {}
   void path(bool vectorised) { __atomic_add_fetch(&paths[vectorised], 1, __ATOMIC_RELAXED); }
   bool sync_and(bool v) { return v; }
   uint64_t now_ns() const {
@@ -93,7 +93,10 @@ struct CpuX {
     return v;
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-  void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+  void fence() {  // before a flag's store: a pause here lets the peers run ahead
+    if (pause_us && (*rng)() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
   void fail_p2p(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq, int32_t p2p, int64_t bytes,
                 int64_t peer_bytes, int32_t dtype, int32_t peer_dtype) {
     uint32_t zero = 0;
@@ -240,7 +243,7 @@ Outcome run(const Job& job) {
   };
   auto block = [&](int me, int b) {
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
-    CpuX x{b, nb, &rng, job.pause_us};
+    CpuX x{b, nb, &rng, job.pause_us, {}};
     for (;;) {
       ready[me]->arrive();
       if (calls[me].empty()) return;
@@ -478,7 +481,7 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
   };
   auto block = [&](int me, int b) {
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
-    CpuX x{b, nb, &rng, 20};
+    CpuX x{b, nb, &rng, 20, {}};
     for (;;) {
       ready[me]->arrive();
       if (calls[me].empty()) return;

@@ -518,12 +518,14 @@ PYBIND11_MODULE(_C, m) {
            "Block the host until the operation finished");
 
   py::class_<IpcTransport>(m, "IpcComm")
-      .def(py::init([](int rank, int size, int device, double timeout_s, uint64_t area_bytes, uint64_t oneshot_bytes) {
+      .def(py::init([](int rank, int size, int device, double timeout_s, uint64_t area_bytes, uint64_t oneshot_bytes,
+                       uint64_t p2p_bytes, uint64_t p2p_slots) {
              py::gil_scoped_release nogil;
-             return std::make_unique<IpcTransport>(rank, size, device, IpcConfig{timeout_s, area_bytes, oneshot_bytes});
+             return std::make_unique<IpcTransport>(
+                 rank, size, device, IpcConfig{timeout_s, area_bytes, oneshot_bytes, p2p_bytes, p2p_slots});
            }),
            py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s"), py::arg("area_bytes"),
-           py::arg("oneshot_bytes"))
+           py::arg("oneshot_bytes"), py::arg("p2p_bytes") = uint64_t(4) << 20, py::arg("p2p_slots") = 4)
       .def("handle", [](IpcTransport& t) { return py::bytes(t.handle()); })
       .def("connect", [](IpcTransport& t, const std::vector<py::bytes>& hs) {
         std::vector<std::string> v(hs.begin(), hs.end());
@@ -561,7 +563,21 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("barrier", [](IpcTransport& t, uintptr_t stream, bool async_op, bool closing) {
         return gpu_call([&] { return t.barrier(stream, async_op, closing); });
-      }, py::arg("stream"), py::arg("async_op"), py::arg("closing") = false);
+      }, py::arg("stream"), py::arg("async_op"), py::arg("closing") = false)
+      .def("send", [](IpcTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
+        return gpu_call([&] { return t.send(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+      })
+      .def("recv", [](IpcTransport& t, uintptr_t buf, int64_t n, int dt, int peer, uintptr_t stream, bool async_op) {
+        return gpu_call([&] { return t.recv(as_ptr(buf), n, DType(dt), peer, stream, async_op); });
+      })
+      // ops: (buffer, count, dtype code, peer, is_send) each
+      .def("batch_p2p", [](IpcTransport& t, const std::vector<std::tuple<uintptr_t, int64_t, int, int, bool>>& ops,
+                           uintptr_t stream, bool async_op) {
+        std::vector<IpcTransport::P2P> v;
+        v.reserve(ops.size());
+        for (const auto& [buf, n, dt, peer, is_send] : ops) v.push_back({as_ptr(buf), n, DType(dt), peer, is_send});
+        return gpu_call([&] { return t.batch_p2p(v, stream, async_op); });
+      });
 #endif
 
   // Host-side logic of the CUDA backends, available in every build (tested without a GPU).

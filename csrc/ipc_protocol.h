@@ -93,6 +93,11 @@ struct IpcStatus {
                     // peer closed: the peer that closed the group
   uint64_t epoch;   // the failed call's epoch (device)
   uint64_t seq;     // and the host's number of its launch (see IpcCall::seq)
+  // point-to-point (ipc_p2p.h): what the failed operation waited for (kIpcP2P*, 0 for a
+  // collective; epoch is then the message's number on its channel), its bytes and dtype, and
+  // for a mismatch the peer's
+  int32_t p2p, dtype, peer_dtype;
+  int64_t bytes, peer_bytes;
 };
 // kIpcPeerClosed: the peer's call was its closing barrier (kIpcClose) while this rank's was not.
 enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3, kIpcPeerClosed = 4 };
@@ -152,6 +157,8 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
 //   uint64_t next_epoch(uint64_t* counter);  (++*counter by one thread, the new value to every thread)
 //   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq);  (first failure wins)
+//   void fail_p2p(..., int32_t p2p, int64_t bytes, int64_t peer_bytes, int32_t dtype, int32_t peer_dtype);
+//     (the same, with a point-to-point operation's details: ipc_p2p.h)
 
 // Waits until flags[p] >= e for every peer p != me (threads 0..n-1 each watch one);
 // false when the deadline passed or the host aborted (the status says which peer).

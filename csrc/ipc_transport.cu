@@ -11,10 +11,13 @@
 #include <stdexcept>
 
 #include "collective.h"
+#include "cuda_api.h"
 #include "cuda_check.h"
 #include "errors.h"
+#include "ipc_p2p.h"
 #include "ipc_protocol.h"
 #include "ipc_transport.h"
+#include "p2p_ring.h"
 
 namespace pz {
 
@@ -29,6 +32,11 @@ struct GpuX {
   __device__ void sync() { __syncthreads(); }
   __device__ bool sync_and(bool v) { return __syncthreads_and(v) != 0; }
   __device__ void path(bool) {}
+  // The point-to-point progress of the block's operations (ipc_p2p.h): one copy per block.
+  __device__ IpcP2PState* p2p_state() {
+    __shared__ IpcP2PState st[kIpcMaxP2POps];
+    return st;
+  }
   __device__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -58,11 +66,20 @@ struct GpuX {
   // Host-mapped memory: no system-scope atomics assumed (x86 hosts often lack them), so
   // two blocks failing at once may both write; either record names a real failure.
   __device__ void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
+    fail_p2p(s, code, peer, epoch, seq, kIpcP2PNone, 0, 0, 0, 0);
+  }
+  __device__ void fail_p2p(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq, int32_t p2p,
+                           int64_t bytes, int64_t peer_bytes, int32_t dtype, int32_t peer_dtype) {
     volatile IpcStatus* v = s;
     if (v->code != 0u) return;
     v->peer = peer;
     v->epoch = epoch;
     v->seq = seq;
+    v->p2p = p2p;
+    v->bytes = bytes;
+    v->peer_bytes = peer_bytes;
+    v->dtype = dtype;
+    v->peer_dtype = peer_dtype;
     __threadfence_system();
     v->code = code;
     __threadfence_system();
@@ -75,9 +92,20 @@ __global__ void ipc_kernel(IpcCall c) {
   ipc_run<T, OP>(x, c);
 }
 
+__global__ void ipc_p2p_kernel(IpcP2PCall c) {
+  GpuX x;
+  ipc_p2p_run(x, c);
+}
+
 constexpr int kThreads = 512;
 
-size_t sig_bytes() { return round_up(sizeof(IpcSignals), 256); }
+// A rank's registered buffer: IpcSignals | IpcP2PSignals | area 0 | area 1 | n - 1 incoming channels.
+size_t p2p_sig_offset() { return round_up(sizeof(IpcSignals), 256); }
+size_t sig_bytes() { return p2p_sig_offset() + round_up(sizeof(IpcP2PSignals), 256); }
+
+const char* p2p_dtype_name(int32_t dt) {
+  return dt >= 0 && dt < kNumDTypes ? dtype_name(DType(dt)) : "?";
+}
 
 uint64_t counts_hash(const std::vector<int64_t>& counts) {
   uint64_t h = 1469598103934665603ull;
@@ -109,6 +137,8 @@ struct IpcTransport::Impl {
   std::unique_ptr<Event> queued;        // recorded on the caller's stream: the group's stream waits for it
   std::unique_ptr<Event> finished;      // after a synchronous call: the caller's stream waits for it
   uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
+  uint64_t slot_bytes = 0, chan_bytes = 0;  // point-to-point: a slot, one incoming channel
+  char* ring_stage = nullptr;           // algo="ring": send and receive staging, p2p_bytes each
   bool connected = false, closed = false;
   std::string broken;                   // the failure that ended the group
   std::mutex mu;
@@ -132,9 +162,38 @@ struct IpcTransport::Impl {
     s.peer = v->peer;
     s.epoch = v->epoch;
     s.seq = v->seq;
+    s.p2p = v->p2p;
+    s.bytes = v->bytes;
+    s.peer_bytes = v->peer_bytes;
+    s.dtype = v->dtype;
+    s.peer_dtype = v->peer_dtype;
     if (s.code == kIpcOk) return;
     std::ostringstream os;
     os << what << " (ipc, rank " << rank << " of " << size << "): ";
+    if (s.p2p != kIpcP2PNone) {
+      const bool send = s.p2p == kIpcP2PSendPost || s.p2p == kIpcP2PSendSlot;
+      const char* op = send ? "a send to" : "a receive from";
+      if (s.code == kIpcMismatch) {
+        if (s.seq > upto) return;
+        os << op << " rank " << s.peer << " of " << s.bytes << " bytes (" << p2p_dtype_name(s.dtype)
+           << ") does not match rank " << s.peer << "'s " << (send ? "receive" : "send") << " of " << s.peer_bytes
+           << " bytes (" << p2p_dtype_name(s.peer_dtype) << ") (message " << s.epoch << " from rank "
+           << (send ? rank : s.peer) << " to rank " << (send ? s.peer : rank)
+           << "); both ranks skipped it (sizes and dtypes of a send and its receive must agree)";
+        std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
+        throw CollectiveError(os.str());
+      }
+      os << op << " rank " << s.peer << " (" << s.bytes << " bytes, message " << s.epoch << " on the channel) ";
+      if (s.code == kIpcAborted) os << "was aborted";
+      else os << "timed out after " << cfg.timeout_s << " s";
+      if (s.p2p == kIpcP2PSendPost) os << " waiting for rank " << s.peer << " to post the matching receive";
+      else if (s.p2p == kIpcP2PSendSlot) os << " waiting for rank " << s.peer << " to take the data";
+      else if (s.p2p == kIpcP2PRecvSend) os << " waiting for rank " << s.peer << " to send the matching message";
+      else os << " waiting for rank " << s.peer << "'s data";
+      os << "; the group is unusable";
+      broken = os.str();
+      throw CollectiveTimeout(broken);
+    }
     if (s.code == kIpcMismatch) {
       if (s.seq > upto) return;
       os << "the call at epoch " << s.epoch << " differs from rank " << s.peer
@@ -163,8 +222,10 @@ struct IpcTransport::Impl {
     return cs == cudaStreamCaptureStatusActive;
   }
 
-  WorkPtr launch(const char* what, Coll coll, int kind, DType dt, RedOp op, int root, const void* in, void* out,
-                 const std::vector<int64_t>& chunks, uintptr_t user_stream, bool async_op, uint64_t sent_bytes) {
+  // A call's launches (`kernels`, which numbers each with ++seq) on the group's stream after the
+  // caller's work; then the caller's stream waits (synchronous) or a Work is returned.
+  template <typename F>
+  WorkPtr issue(const char* what, uintptr_t user_stream, bool async_op, F kernels) {
     std::lock_guard<std::mutex> lock(mu);
     check_usable(what);
     DeviceGuard guard(device);
@@ -172,35 +233,7 @@ struct IpcTransport::Impl {
     const bool captured = capturing(what, caller);
     PZ_CUDA_CHECK(cudaEventRecord(queued->e, caller));
     PZ_CUDA_CHECK(cudaStreamWaitEvent(stream, queued->e, 0));
-    const int esize = dtype_size(dt);
-    int64_t total = 0;
-    for (int64_t c : chunks) total += c;
-    for (const IpcPiece& pc : ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank)) {
-      IpcCall c{};
-      ++seq;
-      for (int p = 0; p < size; ++p) {
-        c.sigs[p] = reinterpret_cast<IpcSignals*>(bases[p]);
-        c.areas[p] = bases[p] + sig_bytes();
-        c.counts[p] = pc.counts[p];
-        c.offs[p] = pc.offs[p];
-        c.io_offs[p] = pc.io_offs[p];
-      }
-      c.status = status_dev;
-      c.abort = abort_dev;
-      c.in = static_cast<const char*>(in) + pc.in_skip * esize;
-      c.out = static_cast<char*>(out) + pc.out_skip * esize;
-      c.area_stride = cfg.area_bytes;
-      c.seq = seq;
-      c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
-      c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
-      c.rank = rank;
-      c.nranks = size;
-      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-        ipc_kernel<T, OP><<<nblocks, kThreads, 0, stream>>>(c);
-      }));
-      PZ_CUDA_CHECK(cudaGetLastError());
-    }
-    counters.add(coll, uint64_t(total), sent_bytes);
+    kernels();
     if (!async_op) {  // no handle: the caller's stream waits, as for any call on it
       PZ_CUDA_CHECK(cudaEventRecord(finished->e, stream));
       PZ_CUDA_CHECK(cudaStreamWaitEvent(caller, finished->e, 0));
@@ -216,8 +249,146 @@ struct IpcTransport::Impl {
     return std::make_shared<IpcWork>(st);
   }
 
+  WorkPtr launch(const char* what, Coll coll, int kind, DType dt, RedOp op, int root, const void* in, void* out,
+                 const std::vector<int64_t>& chunks, uintptr_t user_stream, bool async_op, uint64_t sent_bytes) {
+    return issue(what, user_stream, async_op, [&] {
+      const int esize = dtype_size(dt);
+      int64_t total = 0;
+      for (int64_t c : chunks) total += c;
+      for (const IpcPiece& pc : ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank)) {
+        IpcCall c{};
+        ++seq;
+        for (int p = 0; p < size; ++p) {
+          c.sigs[p] = reinterpret_cast<IpcSignals*>(bases[p]);
+          c.areas[p] = bases[p] + sig_bytes();
+          c.counts[p] = pc.counts[p];
+          c.offs[p] = pc.offs[p];
+          c.io_offs[p] = pc.io_offs[p];
+        }
+        c.status = status_dev;
+        c.abort = abort_dev;
+        c.in = static_cast<const char*>(in) + pc.in_skip * esize;
+        c.out = static_cast<char*>(out) + pc.out_skip * esize;
+        c.area_stride = cfg.area_bytes;
+        c.seq = seq;
+        c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
+        c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
+        c.rank = rank;
+        c.nranks = size;
+        PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+          ipc_kernel<T, OP><<<nblocks, kThreads, 0, stream>>>(c);
+        }));
+        PZ_CUDA_CHECK(cudaGetLastError());
+      }
+      counters.add(coll, uint64_t(total), sent_bytes);
+    });
+  }
+
+  // One point-to-point kernel on the group's stream (inside issue()).
+  void launch_p2p_kernel(const IpcP2POp* ops, int nops) {
+    IpcP2PCall c{};
+    for (int p = 0; p < size; ++p) {
+      c.sigs[p] = reinterpret_cast<IpcP2PSignals*>(bases[p] + p2p_sig_offset());
+      c.chans[p] = bases[p] + sig_bytes() + 2 * cfg.area_bytes;
+    }
+    c.status = status_dev;
+    c.abort = abort_dev;
+    c.nops = nops;
+    for (int i = 0; i < nops; ++i) c.ops[i] = ops[i];
+    c.chan_bytes = chan_bytes;
+    c.slot_bytes = slot_bytes;
+    c.slots = int32_t(cfg.p2p_slots);
+    c.seq = ++seq;
+    c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
+    c.rank = rank;
+    c.nranks = size;
+    ipc_p2p_kernel<<<nblocks, kThreads, 0, stream>>>(c);
+    PZ_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // algo="ring": p2p_ring.h's schedule, each group one point-to-point kernel, the element-wise
+  // kernels between them, all on the group's stream in order.
+  WorkPtr ring_call(const char* what, Coll coll, void* out, const void* in, const ChunkLayout& L, int root,
+                    DType dt, RedOp op, uintptr_t user_stream, bool async_op);
+
+  // Point-to-point: one kernel for the whole batch (see [Note: ipc point-to-point channels]).
+  WorkPtr launch_p2p(const char* what, const std::vector<IpcTransport::P2P>& ops, uintptr_t user_stream,
+                     bool async_op) {
+    if (ops.empty()) throw std::invalid_argument(std::string(what) + ": no operations");
+    if (ops.size() > size_t(kIpcMaxP2POps))
+      throw std::invalid_argument(std::string(what) + ": the ipc backend takes at most " +
+                                  std::to_string(kIpcMaxP2POps) + " operations in one batch, got " +
+                                  std::to_string(ops.size()));
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const IpcTransport::P2P& o = ops[i];
+      if (o.peer < 0 || o.peer >= size || o.peer == rank)
+        throw std::invalid_argument(std::string(what) + ": peer must be another rank of the group (0.." +
+                                    std::to_string(size - 1) + ", not " + std::to_string(rank) + "), got " +
+                                    std::to_string(o.peer));
+      if (o.count < 0) throw std::invalid_argument(std::string(what) + ": negative count");
+      if (o.count > 0 && o.buf == nullptr) throw std::invalid_argument(std::string(what) + ": null buffer");
+    }
+    return issue(what, user_stream, async_op, [&] {
+      IpcP2POp v[kIpcMaxP2POps];
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const IpcTransport::P2P& o = ops[i];
+        v[i] = IpcP2POp{o.buf, o.count * int64_t(dtype_size(o.dt)), o.peer, int32_t(o.dt), o.is_send ? 1 : 0, -1};
+        for (size_t j = 0; j < i; ++j)
+          if (ops[j].peer == o.peer && ops[j].is_send == o.is_send) v[i].prev = int32_t(j);
+      }
+      launch_p2p_kernel(v, int(ops.size()));
+      for (const IpcTransport::P2P& o : ops) {
+        if (o.is_send) counters.add(Coll::send, uint64_t(o.count), uint64_t(o.count) * dtype_size(o.dt));
+        else counters.add(Coll::recv, uint64_t(o.count), 0);
+      }
+    });
+  }
+
   std::weak_ptr<Impl> this_shared;
 };
+
+namespace {
+
+// The ring's Exec (see p2p_ring.h) on the ipc backend.
+struct IpcRingExec {
+  IpcTransport::Impl& t;
+  DType dt;
+  RedOp op;
+
+  uintptr_t st() const { return reinterpret_cast<uintptr_t>(t.stream); }
+  void group(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+    if (!send && !recv) return;
+    IpcP2POp ops[2];
+    int k = 0;
+    if (send) ops[k++] = IpcP2POp{const_cast<void*>(send), int64_t(send_bytes), (t.rank + 1) % t.size, int32_t(dt), 1, -1};
+    if (recv) ops[k++] = IpcP2POp{recv, int64_t(recv_bytes), (t.rank + t.size - 1) % t.size, int32_t(dt), 0, -1};
+    t.launch_p2p_kernel(ops, k);
+  }
+  void copy(const void* src, void* dst, int64_t n) { cuda::launch_copy(src, dst, n, dt, st()); }
+  void pack(const void* src, void* dst, int64_t n) { cuda::launch_pack_wire(src, dst, n, dt, st()); }
+  void reduce(const void* in, const void* own, void* out, int64_t n) {
+    cuda::launch_reduce_wire(in, own, out, n, dt, op, st());
+  }
+  void reduce_final(const void* in, const void* own, void* dst, int64_t n) {
+    cuda::launch_reduce_wire_final(in, own, dst, n, dt, op, t.size, st());
+  }
+};
+
+}  // namespace
+
+IpcTransport::WorkPtr IpcTransport::Impl::ring_call(const char* what, Coll coll, void* out, const void* in,
+                                                    const ChunkLayout& L, int root, DType dt, RedOp op,
+                                                    uintptr_t user_stream, bool async_op) {
+  return issue(what, user_stream, async_op, [&] {
+    IpcRingExec x{*this, dt, op};
+    uint64_t sent = 0;
+    const uint64_t stage = cfg.p2p_bytes;
+    PZ_DISPATCH_DTYPE(dt, T, {
+      sent = p2p_ring_collective<T>(x, coll, out, in, L, root, rank, size, ring_stage, ring_stage + stage, stage);
+    });
+    counters.add(coll, uint64_t(L.total()), sent);
+  });
+}
 
 void IpcWork::wait(uintptr_t stream) {
   DeviceGuard guard(s_->device);
@@ -274,7 +445,15 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Spin barriers need every block resident at once; several processes may share the GPU.
   m.nblocks = std::max(1, std::min(kIpcMaxBlocks, sms / 4));
-  PZ_CUDA_CHECK(cudaMalloc(&m.mine, sig_bytes() + 2 * m.cfg.area_bytes));
+  // Point-to-point channels (see [Note: ipc point-to-point channels]): a lane per block, slots of at
+  // least 256 bytes (16-byte multiples).
+  m.cfg.p2p_slots = std::max<uint64_t>(2, cfg.p2p_slots);
+  const uint64_t lanes = uint64_t(m.nblocks) * m.cfg.p2p_slots;
+  m.slot_bytes = std::max<uint64_t>(256, cfg.p2p_bytes / lanes / 16 * 16);
+  m.chan_bytes = lanes * m.slot_bytes;
+  PZ_CUDA_CHECK(cudaMalloc(&m.mine, sig_bytes() + 2 * m.cfg.area_bytes + uint64_t(size - 1) * m.chan_bytes));
+  m.cfg.p2p_bytes = round_up(std::max<uint64_t>(cfg.p2p_bytes, 256), 16);
+  if (size > 1) PZ_CUDA_CHECK(cudaMalloc(&m.ring_stage, 2 * m.cfg.p2p_bytes));
   PZ_CUDA_CHECK(cudaMemset(m.mine, 0, sig_bytes()));
   PZ_CUDA_CHECK(cudaHostAlloc(&m.status_host, sizeof(IpcStatus), cudaHostAllocMapped));
   std::memset(static_cast<void*>(m.status_host), 0, sizeof(IpcStatus));
@@ -338,6 +517,9 @@ IpcTransport::WorkPtr IpcTransport::all_reduce(void* buf, const void* in, int64_
   Impl& m = *impl_;
   size_t bytes = size_t(count) * dtype_size(dt);
   Algo a = ipc_resolve_algo(Coll::all_reduce, bytes, algo, m.cfg.oneshot_bytes, m.size);
+  if (a == Algo::ring)
+    return m.ring_call("all_reduce", Coll::all_reduce, buf, in ? in : buf, ChunkLayout(split_even(count, m.size)), 0,
+                       dt, op, stream, async_op);
   int kind = a == Algo::twoshot ? kIpcAllReduceTwoShot : kIpcAllReduceOneShot;
   uint64_t sent = uint64_t(bytes) * uint64_t(m.size - 1);
   return m.launch("all_reduce", Coll::all_reduce, kind, dt, op, 0, in ? in : buf, buf, split_even(count, m.size),
@@ -349,7 +531,10 @@ IpcTransport::WorkPtr IpcTransport::reduce_scatter(void* out, const void* in, co
   Impl& m = *impl_;
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  ipc_resolve_algo(Coll::reduce_scatter, size_t(total) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::reduce_scatter, size_t(total) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size) ==
+      Algo::ring)
+    return m.ring_call("reduce_scatter", Coll::reduce_scatter, out, in, ChunkLayout(counts), 0, dt, op, stream,
+                       async_op);
   return m.launch("reduce_scatter", Coll::reduce_scatter, kIpcReduceScatter, dt, op, 0, in, out, counts, stream,
                   async_op, uint64_t(total - counts[m.rank]) * dtype_size(dt));
 }
@@ -357,7 +542,10 @@ IpcTransport::WorkPtr IpcTransport::reduce_scatter(void* out, const void* in, co
 IpcTransport::WorkPtr IpcTransport::all_gather(void* out, const void* in, const std::vector<int64_t>& counts,
                                                DType dt, Algo algo, uintptr_t stream, bool async_op) {
   Impl& m = *impl_;
-  ipc_resolve_algo(Coll::all_gather, size_t(counts[m.rank]) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::all_gather, size_t(counts[m.rank]) * dtype_size(dt), algo, m.cfg.oneshot_bytes,
+                       m.size) == Algo::ring)
+    return m.ring_call("all_gather", Coll::all_gather, out, in, ChunkLayout(counts), 0, dt, RedOp::sum, stream,
+                       async_op);
   return m.launch("all_gather", Coll::all_gather, kIpcAllGather, dt, RedOp::sum, 0, in, out, counts, stream,
                   async_op, uint64_t(counts[m.rank]) * dtype_size(dt) * uint64_t(m.size - 1));
 }
@@ -365,7 +553,10 @@ IpcTransport::WorkPtr IpcTransport::all_gather(void* out, const void* in, const 
 IpcTransport::WorkPtr IpcTransport::broadcast(void* buf, int64_t count, DType dt, int root, Algo algo,
                                               uintptr_t stream, bool async_op) {
   Impl& m = *impl_;
-  ipc_resolve_algo(Coll::broadcast, size_t(count) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size);
+  if (ipc_resolve_algo(Coll::broadcast, size_t(count) * dtype_size(dt), algo, m.cfg.oneshot_bytes, m.size) ==
+      Algo::ring)
+    return m.ring_call("broadcast", Coll::broadcast, buf, buf, ChunkLayout(std::vector<int64_t>{count}), root, dt,
+                       RedOp::sum, stream, async_op);
   std::vector<int64_t> chunks(m.size, 0);
   chunks[0] = count;
   return m.launch("broadcast", Coll::broadcast, kIpcBroadcast, dt, RedOp::sum, root, buf, buf, chunks, stream,
@@ -386,6 +577,20 @@ IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, boo
   return nullptr;
 }
 
+IpcTransport::WorkPtr IpcTransport::send(const void* buf, int64_t count, DType dt, int peer, uintptr_t stream,
+                                         bool async_op) {
+  return impl_->launch_p2p("send", {P2P{const_cast<void*>(buf), count, dt, peer, true}}, stream, async_op);
+}
+
+IpcTransport::WorkPtr IpcTransport::recv(void* buf, int64_t count, DType dt, int peer, uintptr_t stream,
+                                         bool async_op) {
+  return impl_->launch_p2p("recv", {P2P{buf, count, dt, peer, false}}, stream, async_op);
+}
+
+IpcTransport::WorkPtr IpcTransport::batch_p2p(const std::vector<P2P>& ops, uintptr_t stream, bool async_op) {
+  return impl_->launch_p2p("batch_isend_irecv", ops, stream, async_op);
+}
+
 std::map<std::string, OpStats> IpcTransport::stats(bool reset) { return impl_->counters.read(reset); }
 
 void IpcTransport::close() {
@@ -402,6 +607,8 @@ void IpcTransport::close() {
   m.finished.reset();
   if (m.stream) cudaStreamDestroy(m.stream);
   if (m.mine) cudaFree(m.mine);
+  if (m.ring_stage) cudaFree(m.ring_stage);
+  m.ring_stage = nullptr;
   if (m.status_host) cudaFreeHost(m.status_host);
   if (m.abort_host) cudaFreeHost(m.abort_host);
   m.mine = nullptr;

@@ -4,10 +4,11 @@
 // within one GPU for several processes on it). No CUDA header is needed to
 // include this file; the protocol and kernel bodies are ipc_protocol.h.
 //
-// Set-up: every rank allocates one buffer (IpcSignals + 2 areas of
-// area_bytes), exports it with cudaIpcGetMemHandle, and the Python layer
-// passes every rank's handle (through the store) to connect(), which opens
-// the peers' (cudaIpcOpenMemHandle, peer access enabled lazily by the driver).
+// Set-up: every rank allocates one buffer (IpcSignals, IpcP2PSignals, 2 areas
+// of area_bytes, then n - 1 incoming point-to-point channels: ipc_p2p.h),
+// exports it with cudaIpcGetMemHandle, and the Python layer passes every
+// rank's handle (through the store) to connect(), which opens the peers'
+// (cudaIpcOpenMemHandle, peer access enabled lazily by the driver).
 //
 // Streams, as the nccl backend: every call runs on the transport's own
 // stream, after an event recorded on the caller's stream, so the group's
@@ -41,17 +42,26 @@ struct IpcConfig {
   double timeout_s = 300.0;
   uint64_t area_bytes = 32ull << 20;  // per epoch parity; larger calls run in pieces
   uint64_t oneshot_bytes = 256 << 10;  // all_reduce: one-shot up to this many bytes per rank, two-shot above
+  uint64_t p2p_bytes = 4ull << 20;  // point-to-point: one incoming channel (a rank holds n - 1)
+  uint64_t p2p_slots = 4;           // slots per block's lane of a channel
 };
 
 // auto -> one-shot or two-shot for all_reduce (the only collective with a choice).
 // Thresholds: vLLM's custom all-reduce switches at 256-512 KiB for 2-8 GPUs;
 // ours are to be measured on a GPU run (pyzero-bench collectives --device cuda).
+// "ring": p2p_ring.h's schedule over the point-to-point channels (one launch per
+// group of a send to the next rank and a receive from the previous), for the
+// four ring collectives; at one rank there is no ring (one-shot).
 inline Algo ipc_resolve_algo(Coll c, size_t bytes, Algo algo, size_t oneshot_bytes, int nranks) {
   if (algo == Algo::automatic)
     return (c == Coll::all_reduce && (bytes > oneshot_bytes && nranks > 2)) ? Algo::twoshot : Algo::oneshot;
   if (algo == Algo::oneshot || (algo == Algo::twoshot && c == Coll::all_reduce)) return algo;
+  const bool ring_coll =
+      c == Coll::all_reduce || c == Coll::reduce_scatter || c == Coll::all_gather || c == Coll::broadcast;
+  if (algo == Algo::ring && ring_coll) return nranks > 1 ? Algo::ring : Algo::oneshot;
   throw std::invalid_argument(std::string(coll_name(c)) + ": the ipc backend takes algo " +
-                              (c == Coll::all_reduce ? "'auto', 'oneshot' or 'twoshot'" : "'auto' or 'oneshot'") +
+                              (c == Coll::all_reduce ? "'auto', 'oneshot', 'twoshot' or 'ring'"
+                                                     : "'auto', 'oneshot' or 'ring'") +
                               ", got '" + algo_name(algo) + "'");
 }
 
@@ -99,6 +109,21 @@ class IpcTransport {
   // barrier a rank runs as it closes the group; a peer meeting it in another call learns that
   // this rank left (an error naming it) instead of mistaking it for a mismatched call.
   WorkPtr barrier(uintptr_t stream, bool async_op, bool closing = false);
+
+  // Point-to-point (csrc/ipc_p2p.h): a send completes only once its receive is posted (NCCL's
+  // rule); a batch is one kernel that progresses all its operations at once, so ranks that send
+  // to each other in one batch never wait in a cycle. Sizes and dtypes of a send and its receive
+  // must agree (else CollectiveError on both ranks at the next host wait, the message skipped).
+  WorkPtr send(const void* buf, int64_t count, DType dt, int peer, uintptr_t stream, bool async_op);
+  WorkPtr recv(void* buf, int64_t count, DType dt, int peer, uintptr_t stream, bool async_op);
+  struct P2P {
+    void* buf;
+    int64_t count;
+    DType dt;
+    int peer;
+    bool is_send;
+  };
+  WorkPtr batch_p2p(const std::vector<P2P>& ops, uintptr_t stream, bool async_op);
 
   std::map<std::string, OpStats> stats(bool reset);
   void close();

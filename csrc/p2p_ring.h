@@ -1,7 +1,9 @@
 // p2p_ring.h — the ring of ring.h over message passing: every primitive
 // becomes grouped send/receive calls between ring neighbours plus element-wise
 // kernels, issued in order on one stream. The NCCL transport runs it with an
-// Exec that calls ncclSend/ncclRecv and the CUDA launchers; PlanExec records
+// Exec that calls ncclSend/ncclRecv and the CUDA launchers, the ipc transport
+// (algo="ring") with one that launches a point-to-point kernel per group
+// (ipc_p2p.h; tests/ipc_p2p_on_cpu.cpp runs it on CPU threads); PlanExec records
 // the same sequence as data, so the schedule is tested without a GPU
 // (pyzero._C.p2p_ring_plan, tests/test_cuda_host.py).
 //

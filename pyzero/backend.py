@@ -230,7 +230,8 @@ class Options:
 
     - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);
       ipc: each rank's registered area, the largest piece of one call (32 MiB [PYZERO_IPC_AREA_KB])
-    - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH])
+    - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH]); ipc, slots per block of a point-to-point channel
+      (4 [PYZERO_IPC_DEPTH])
     - oneshot_bytes: largest message of the one-shot path (shm 512 KiB [PYZERO_SHM_ONESHOT_KB]; nccl, ipc 256 KiB
       [PYZERO_NCCL_ONESHOT_KB / PYZERO_IPC_ONESHOT_KB])
     - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
@@ -241,6 +242,8 @@ class Options:
       two-shot by measured times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
+    - p2p_bytes: ipc, each ordered pair's point-to-point channel in the receiver's registered buffer; a rank
+      holds n - 1 of them (4 MiB [PYZERO_IPC_P2P_KB])
     - check_calls: hier, compare every collective's arguments across the group before it runs, so a
       mismatch is an error on every rank (True [PYZERO_HIER_CHECK])
     """
@@ -254,9 +257,10 @@ class Options:
     symmetric: bool | None = None
     blocking_wait: bool | None = None
     check_calls: bool | None = None
+    p2p_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes"):
+        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes", "p2p_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")

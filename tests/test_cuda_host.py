@@ -384,11 +384,16 @@ def test_ipc_algorithm_choice():
     assert _C.ipc_resolve_algo(C["all_reduce"], 8, two, 256 << 10, 2) == two  # asked for: honoured
     for coll in ("reduce_scatter", "all_gather", "broadcast"):
         assert _C.ipc_resolve_algo(C[coll], 1 << 30, auto, 256 << 10, 8) == one
-        with pytest.raises(ValueError, match=f"{coll}: the ipc backend takes algo 'auto' or 'oneshot', got 'twoshot'"):
+        with pytest.raises(ValueError, match=f"{coll}: the ipc backend takes algo 'auto', 'oneshot' or 'ring', "
+                                             "got 'twoshot'"):
             _C.ipc_resolve_algo(C[coll], 8, two, 256 << 10, 2)
-    for name in ("ring", "native"):
-        with pytest.raises(ValueError, match=f"got '{name}'"):
-            _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO[name], 256 << 10, 2)
+    # "ring": p2p_ring.h over the point-to-point channels, asked for only; no ring at one rank
+    for coll in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        assert _C.ipc_resolve_algo(C[coll], 8, ALGO["ring"], 256 << 10, 3) == ALGO["ring"]
+        assert _C.ipc_resolve_algo(C[coll], 8, ALGO["ring"], 256 << 10, 1) == one
+    with pytest.raises(ValueError, match="all_reduce: the ipc backend takes algo 'auto', 'oneshot', 'twoshot' or "
+                                         "'ring', got 'native'"):
+        _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO["native"], 256 << 10, 2)
 
 
 def test_nccl_device_is_local_rank():
@@ -537,6 +542,41 @@ def test_batch_isend_irecv_is_one_grouped_nccl_call(gpu_world):
         pz.batch_isend_irecv([pz.P2POp("send", out, 0), pz.P2POp("bcast", inp, 0)])
     with pytest.raises(ValueError, match="cannot receive from this rank itself"):
         pz.batch_isend_irecv([pz.P2POp("recv", inp, 1)])
+
+
+@pytest.fixture
+def ipc_world(monkeypatch):
+    """The same, on the ipc backend (this process is rank 1 of 3, cuda:1)."""
+    from pyzero.backends.ipc import IpcBackend
+    comm = FakeComm()
+    world = pzcomm.Group((0, 1, 2), 1, 0, IpcBackend(comm, device=1))
+    w = pzcomm._World(1, 3, 1, "ipc", 5.0, None, "tok", world=world, groups=[world], device=1)
+    monkeypatch.setattr(pzcomm, "_world", w)
+    monkeypatch.setattr(pzcuda, "device_of", lambda ptr: 1)
+    return comm
+
+
+def test_ipc_point_to_point_dispatch_and_errors(ipc_world):
+    pz.send(FakeArray(readonly=True, ptr=0x4000, stream=3), dst=2)
+    assert ipc_world.log[-1] == ("send", 0x4000, 4, 0, 2, 3, False)
+    work = pz.recv(FakeArray((5,), "<i8", ptr=0x5000, stream=3), src=0, async_op=True)
+    assert ipc_world.log[-1] == ("recv", 0x5000, 5, 5, 0, 3, True) and isinstance(work, pz.Work)
+    out, inp = FakeArray(readonly=True, ptr=0x4000, stream=5), FakeArray((2,), "<f8", ptr=0x5000, stream=5)
+    works = pz.batch_isend_irecv([pz.P2POp("send", out, 2), pz.P2POp("recv", inp, 0)])
+    assert ipc_world.log[-1] == ("batch_p2p", [(0x4000, 4, 0, 2, True), (0x5000, 2, 3, 0, False)], 5, True)
+    assert len(works) == 2 and works[0] is works[1]
+    n = len(ipc_world.log)
+    with pytest.raises(ValueError, match="ops: the ipc backend runs at most 32 operations in one batch_isend_irecv"):
+        pz.batch_isend_irecv([pz.P2POp("send", out, 2)] * 33)
+    with pytest.raises(ValueError, match="cannot send to this rank itself"):
+        pz.send(FakeArray(), dst=1)
+    with pytest.raises(ValueError, match="dst=3"):
+        pz.send(FakeArray(), dst=3)
+    with pytest.raises(ValueError, match="tensor: the array is read-only"):
+        pz.recv(FakeArray(readonly=True), src=0)
+    with pytest.raises(ValueError, match="tensor: the ipc backend takes CUDA tensors"):
+        pz.send(torch.ones(4), dst=0)
+    assert len(ipc_world.log) == n  # nothing reached the communicator
 
 
 def test_dispatch_async_work_waits_on_the_stream_and_keeps_buffers(gpu_world):

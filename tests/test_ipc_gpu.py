@@ -345,3 +345,342 @@ def test_captured_data_parallel_step_equals_eager_training():
         for k, want in ref.items():
             torch.testing.assert_close(r.value[1][k], want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=k, r=r: f"rank {r.rank} {k}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# Point-to-point (csrc/ipc_p2p.h): send/recv, async, batches, a ring, CUDA graphs, pipeline, TP overlap
+
+P2P_SIZES = [0, 1, 1031, 70001]  # 70001 x 8 B: many pieces of the 64 KiB channels below
+P2P_OPTIONS = {"p2p_bytes": 64 << 10, "slice_bytes": AREA}
+
+
+def _msg(src, dst, dtype, size, seed):
+    """What rank src sends to rank dst (a pattern of both, so a message to the wrong rank is caught)."""
+    return make_input("sum", dtype, size, src * 31 + dst, seed)
+
+
+def _rank_p2p():
+    pz.init(backend="ipc", timeout=120, options=P2P_OPTIONS)
+    n, me = pz.get_world_size(), pz.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    got = {}
+    # 1. blocking send/recv in pairs (0, 1) and (2, 3): the lower rank sends first, then the other
+    partner = me ^ 1
+    for k, (dtype, size) in enumerate((d, s) for d in DTYPES for s in P2P_SIZES):
+        if partner >= n:
+            continue
+        for sender in sorted((me, partner)):
+            if me == sender:
+                pz.send(_msg(me, partner, dtype, size, k).to(dev), dst=partner)
+            else:
+                t = torch.full((size,), 7, dtype=dtype, device=dev)
+                pz.recv(t, src=partner)
+                got[("pair", sender, me, str(dtype), size, k)] = t.cpu()
+    # 2. async: rank 0 sends to every other rank, each receives with async_op
+    if me == 0:
+        works = [pz.send(_msg(0, p, torch.float32, 5000 + p, 50).to(dev), dst=p, async_op=True) for p in range(1, n)]
+    else:
+        t = torch.zeros(5000 + me, device=dev)
+        works = [pz.recv(t, src=0, async_op=True)]
+    for w in works:
+        w.wait()
+    if me:
+        got[("async", 0, me)] = t.cpu()
+    # 3. one batch: a ring step of every dtype (six messages on each channel), sends and receives at once
+    for size in (1031, 70001):
+        ops, recvs = [], {}
+        for dtype in DTYPES:
+            ops.append(pz.P2POp("send", _msg(me, nxt, dtype, size, 60).to(dev), nxt))
+            recvs[str(dtype)] = torch.zeros(size, dtype=dtype, device=dev)
+            ops.append(pz.P2POp("recv", recvs[str(dtype)], prv))
+        pz.batch_isend_irecv(ops)[0].wait()
+        for name, r in recvs.items():
+            got[("batch", prv, me, name, size)] = r.cpu()
+    # 4. a ring all-gather over send/recv: n - 1 steps, each one batch
+    blocks = [None] * n
+    blocks[me] = _msg(me, me, torch.float32, 3001, 70).to(dev)
+    for s in range(n - 1):
+        c_send, c_recv = (me - s) % n, (me - s - 1) % n
+        blocks[c_recv] = torch.empty(3001, device=dev)
+        pz.batch_isend_irecv([pz.P2POp("send", blocks[c_send], nxt), pz.P2POp("recv", blocks[c_recv], prv)])[0].wait()
+    got["ring"] = torch.cat([b.cpu() for b in blocks])
+    # 5. a ring step captured in a CUDA graph, replayed with fresh data (message numbers live on the device)
+    send_buf, recv_buf = torch.zeros(20000, device=dev), torch.zeros(20000, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graph asks
+        pz.batch_isend_irecv([pz.P2POp("send", send_buf, nxt), pz.P2POp("recv", recv_buf, prv)])[0].wait()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pz.batch_isend_irecv([pz.P2POp("send", send_buf, nxt), pz.P2POp("recv", recv_buf, prv)])[0].wait()
+    for i in range(3):
+        send_buf.copy_(_msg(me, nxt, torch.float32, 20000, 80 + i).to(dev))
+        graph.replay()
+        if me == 0:  # an eager message between replays
+            pz.send(_msg(0, 1, torch.int64, 999, 90 + i).to(dev), dst=1)
+        elif me == 1:
+            t = torch.zeros(999, dtype=torch.int64, device=dev)
+            pz.recv(t, src=0)
+        torch.cuda.synchronize()
+        got[("graph", prv, me, i)] = recv_buf.cpu()
+        if me == 1:
+            got[("eager", 0, 1, i)] = t.cpu()
+    pz.barrier()  # no mismatch was recorded (a host wait would raise it)
+    stats = pz.comm_stats()
+    pz.destroy()
+    return got, stats
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_point_to_point_delivers_the_sent_data(nprocs):
+    res = run_ranks(_rank_p2p, nprocs, start="spawn", timeout=600, env=ENV)
+    n = nprocs
+    for r in res:
+        me = r.rank
+        got, stats = r.value
+        nxt, prv = (me + 1) % n, (me - 1) % n
+        partner = me ^ 1
+        expected = 0
+        if partner < n:
+            for k, (dtype, size) in enumerate((d, s) for d in DTYPES for s in P2P_SIZES):
+                key = ("pair", partner, me, str(dtype), size, k)
+                assert torch.equal(got[key], _msg(partner, me, dtype, size, k)), f"rank {me}: {key}"
+                expected += 1
+        if me:
+            assert torch.equal(got[("async", 0, me)], _msg(0, me, torch.float32, 5000 + me, 50)), f"rank {me}"
+        for size in (1031, 70001):
+            for dtype in DTYPES:
+                key = ("batch", prv, me, str(dtype), size)
+                assert torch.equal(got[key], _msg(prv, me, dtype, size, 60)), f"rank {me}: {key}"
+        want = torch.cat([_msg(q, q, torch.float32, 3001, 70) for q in range(n)])
+        assert torch.equal(got["ring"], want), f"rank {me}: ring all-gather over send/recv"
+        for i in range(3):
+            assert torch.equal(got[("graph", prv, me, i)], _msg(prv, me, torch.float32, 20000, 80 + i)), \
+                f"rank {me}: graph replay {i}"
+            if me == 1:
+                assert torch.equal(got[("eager", 0, 1, i)], _msg(0, 1, torch.int64, 999, 90 + i)), f"eager {i}"
+        assert stats["recv"]["calls"] >= expected and stats["send"]["calls"] >= expected, stats
+
+
+def _rank_p2p_faults():
+    pz.init(backend="ipc", timeout=3)
+    me = pz.get_rank()
+    out = {}
+    # sizes that differ: both ranks raise at their next host wait, the message skipped, the group goes on
+    if me == 0:
+        pz.send(torch.ones(100, device="cuda"), dst=1)
+    else:
+        pz.recv(torch.zeros(120, device="cuda"), src=0)
+    try:
+        pz.barrier()
+    except pz.CollectiveError as e:
+        out["mismatch"] = str(e)
+    t = torch.full((64,), float(me + 1), device="cuda")
+    if me == 0:
+        pz.send(t, dst=1)
+    else:
+        pz.recv(t, src=0)
+    torch.cuda.synchronize()
+    out["after"] = t.cpu()
+    # a send whose receive never comes: a timeout naming the peer, not a hang
+    if me == 0:
+        try:
+            pz.send(torch.ones(1000, device="cuda"), dst=1, async_op=True).synchronize()
+        except pz.CollectiveTimeout as e:
+            out["timeout"] = str(e)
+        out["usable"] = float((torch.ones(8, device="cuda") * 2).sum())  # the GPU itself is fine
+    return out
+
+
+def test_point_to_point_mismatch_and_missing_receive_are_errors_not_hangs():
+    res = run_ranks(_rank_p2p_faults, 2, start="spawn", timeout=180, env=ENV)
+    v0, v1 = res[0].value, res[1].value
+    assert "a send to rank 1 of 400 bytes (float32) does not match rank 1's receive of 480 bytes" in v0["mismatch"]
+    assert "a receive from rank 0 of 480 bytes (float32) does not match rank 0's send of 400 bytes" in v1["mismatch"]
+    assert torch.equal(v0["after"], torch.ones(64)) and torch.equal(v1["after"], torch.ones(64))
+    assert "a send to rank 1" in v0["timeout"] and "waiting for rank 1 to post the matching receive" in v0["timeout"]
+    assert v0["usable"] == 16.0
+
+
+IN, HIDDEN, OUT = 6, 16, 5
+
+
+def make_pipeline_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def pipeline_batch(seed, m):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2 * m, IN, generator=g), torch.randn(2 * m, OUT, generator=g)
+
+
+def _rank_pipeline(m):
+    pz.init(backend="ipc", timeout=120)
+    n, r = pz.get_world_size(), pz.get_rank()
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        stage = pz.pipeline.split_sequential(make_pipeline_model(), n)[r].cuda()
+        pipe = pz.pipeline.Pipeline(stage, m, schedule)
+        losses, grads = [], []
+        for seed in (1, 2):
+            x, y = (t.cuda() for t in pipeline_batch(seed, m))
+            losses.append(pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss))
+            grads.append({name: p.grad.cpu() for name, p in stage.named_parameters()})
+            with torch.no_grad():
+                for p in stage.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        out[schedule] = (losses, grads)
+    pz.destroy()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_pipeline_over_ipc_equals_one_process(nprocs):
+    m = 2 * nprocs
+    model, ref = make_pipeline_model(), []
+    for seed in (1, 2):
+        x, y = pipeline_batch(seed, m)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        ref.append((loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    for res in run_ranks(_rank_pipeline, nprocs, args=(m,), start="spawn", timeout=300, env=ENV):
+        for schedule, (losses, grads) in res.value.items():
+            for step, (ref_loss, ref_grads) in enumerate(ref):
+                where = f"stage {res.rank} {schedule} step {step}"
+                if res.rank == nprocs - 1:
+                    assert losses[step] == pytest.approx(ref_loss, rel=1e-4), where
+                assert grads[step] and set(grads[step]) <= set(ref_grads), where
+                for name, g in grads[step].items():
+                    torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5,
+                                               msg=lambda s, name=name, where=where: f"{where} {name}: {s}")
+
+
+def _seeded(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rank_tp_overlap():
+    pz.init(backend="ipc", timeout=120)
+    n, r = pz.get_world_size(), pz.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m, b, k, o = 3, 2, 5, 4
+    x_full = _seeded(100, n * m, b, k)
+    ws, ts = [_seeded(200 + q, o, k) for q in range(n)], [_seeded(300 + q, n * m, b, o) for q in range(n)]
+    x = x_full[r * m:(r + 1) * m].to(dev).requires_grad_()
+    w = ws[r].to(dev).requires_grad_()
+    pz.comm_stats(reset=True)
+    y = pz.tp.all_gather_matmul(x, w)
+    sent = pz.comm_stats().get("send", {}).get("elements", 0)
+    (y * ts[r].to(dev)).sum().backward()
+    out = {"ag": (y.detach().cpu(), x.grad.cpu(), w.grad.cpu(), sent)}
+    xs, ws2 = [_seeded(400 + q, n * m, b, k) for q in range(n)], [_seeded(500 + q, o, k) for q in range(n)]
+    t_full = _seeded(600, n * m, b, o)
+    x = xs[r].to(dev).requires_grad_()
+    w = ws2[r].to(dev).requires_grad_()
+    y = pz.tp.matmul_reduce_scatter(x, w)
+    (y * t_full[r * m:(r + 1) * m].to(dev)).sum().backward()
+    out["rs"] = (y.detach().cpu(), x.grad.cpu(), w.grad.cpu())
+    pz.destroy()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_tp_overlapped_ops_over_ipc_equal_one_process(nprocs):
+    n, m, b, k, o = nprocs, 3, 2, 5, 4
+    tol = dict(rtol=1e-4, atol=1e-5)
+    x_full = _seeded(100, n * m, b, k)
+    ws, ts = [_seeded(200 + q, o, k) for q in range(n)], [_seeded(300 + q, n * m, b, o) for q in range(n)]
+    xs, ws2 = [_seeded(400 + q, n * m, b, k) for q in range(n)], [_seeded(500 + q, o, k) for q in range(n)]
+    t_full = _seeded(600, n * m, b, o)
+    for res in run_ranks(_rank_tp_overlap, nprocs, start="spawn", timeout=300, env=ENV):
+        r = res.rank
+        y, dx, dw, sent = res.value["ag"]
+        torch.testing.assert_close(y, x_full @ ws[r].t(), **tol)
+        torch.testing.assert_close(dx, sum(ts[q] @ ws[q] for q in range(n))[r * m:(r + 1) * m], **tol)
+        torch.testing.assert_close(dw, torch.einsum("sbo,sbk->ok", ts[r], x_full), **tol)
+        assert sent == (n - 1) * m * b * k  # the blocks went over the send/recv ring
+        y, dx, dw = res.value["rs"]
+        torch.testing.assert_close(y, sum(xs[q] @ ws2[q].t() for q in range(n))[r * m:(r + 1) * m], **tol)
+        torch.testing.assert_close(dx, t_full @ ws2[r], **tol)
+        torch.testing.assert_close(dw, torch.einsum("sbo,sbk->ok", t_full, xs[r]), **tol)
+
+
+# ---------------------------------------------------------------------------
+# algo="ring": csrc/p2p_ring.h's schedule over the point-to-point channels
+
+
+def _ring_cases():
+    for size in (1, 1031, 70001):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                yield ("all_reduce", dtype, op, size, size % 2 == 0)
+                yield ("reduce_scatter", dtype, op, size, False)
+            yield ("all_gather", dtype, None, size, False)
+            yield ("broadcast", dtype, None, size, False)
+
+
+def _rank_ring():
+    pz.init(backend="ipc", timeout=120, options=P2P_OPTIONS)  # 64 KiB of staging: large calls in many groups
+    n, me = pz.get_world_size(), pz.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for seed, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
+        mine = make_input(op or "sum", dtype, size, me, seed).to(dev)
+        if coll == "all_reduce":
+            if inplace:
+                pz.all_reduce(mine, op=op, algo="ring")
+                got = mine
+            else:
+                got = torch.empty_like(mine)
+                pz.all_reduce(mine, op=op, algo="ring", out=got)
+        elif coll == "reduce_scatter":
+            counts = _counts(size, n)
+            full = make_input(op, dtype, sum(counts), me, seed).to(dev)
+            got = torch.empty(counts[me], dtype=dtype, device=dev)
+            pz.reduce_scatter(got, full, op=op, counts=counts, algo="ring")
+        elif coll == "all_gather":
+            counts = _counts(size, n)
+            own = make_input("sum", dtype, counts[me], me, seed).to(dev)
+            got = torch.empty(sum(counts), dtype=dtype, device=dev)
+            pz.all_gather(got, own, counts=counts, algo="ring")
+        else:
+            got = mine
+            pz.broadcast(got, src=seed % n, algo="ring")
+        out.append(got.cpu())
+    pz.barrier()
+    pz.destroy()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_ring_over_point_to_point_equals_torch(nprocs):
+    """Values exact in every dtype's sums: the ring's order of reduction gives torch's result bitwise."""
+    res = run_ranks(_rank_ring, nprocs, start="spawn", timeout=600, env=ENV)
+    n = nprocs
+    for k, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
+        where = f"ring {coll} {dtype} {op} size {size} in place {inplace}"
+        if coll == "all_reduce":
+            want = [reference([make_input(op, dtype, size, r, k) for r in range(n)], op, dtype)] * n
+        elif coll == "reduce_scatter":
+            counts = _counts(size, n)
+            full = reference([make_input(op, dtype, sum(counts), r, k) for r in range(n)], op, dtype)
+            want = list(full.split(counts))
+        elif coll == "all_gather":
+            counts = _counts(size, n)
+            want = [torch.cat([make_input("sum", dtype, counts[r], r, k) for r in range(n)])] * n
+        else:
+            want = [make_input("sum", dtype, size, k % n, k)] * n
+        for r in range(n):
+            assert torch.equal(res[r].value[k], want[r]), f"rank {r}: {where}"

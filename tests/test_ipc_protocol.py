@@ -9,6 +9,17 @@ mismatched call (every rank reports it, the next call works). Then replays: one 
 times with byte-identical parameters, as a CUDA graph replays its kernels (the epoch lives on the device),
 with fresh inputs each time. Built once more with the two epoch areas made one, a broken ordering, it must
 find wrong results.
+
+tests/ipc_p2p_on_cpu.cpp does the same for point-to-point (csrc/ipc_p2p.h): random rounds of batches
+(pairs sending to each other at once, ring steps, several messages on one channel) and single send/recv
+launches at 2-4 ranks, 1-3 blocks, every dtype, messages of many pieces, buffers at every offset; every
+received buffer bytewise equal to what its sender sent, nothing written past it. Replays with
+byte-identical arguments; a send with no receive and a receive with no send time out naming the peer;
+mismatched sizes and dtypes are reported on both ranks and the channel goes on; an abort ends a wait.
+Built with the sender's wait for a consumed slot skipped, it must find wrong results. Last, the ring
+collectives of csrc/p2p_ring.h (algo="ring" on ipc) over this point-to-point: every collective, dtype and
+op, uneven and zero chunks, a few elements of staging so each call runs many launches, against the
+reference reduction.
 """
 import re
 import shutil
@@ -21,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def _build_and_run(tmp_path, *defines):
-    exe = tmp_path / ("ipc_protocol" + "".join(d.lower() for d in defines))
+def _build_and_run(tmp_path, *defines, source="ipc_protocol_on_cpu.cpp"):
+    exe = tmp_path / (source.split(".")[0] + "".join(d.lower() for d in defines))
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Wno-attributes",
                             *[f"-D{d}" for d in defines], f"-I{ROOT / 'csrc'}",
-                            str(ROOT / "tests" / "ipc_protocol_on_cpu.cpp"), "-o", str(exe), "-lpthread"],
+                            str(ROOT / "tests" / source), "-o", str(exe), "-lpthread"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
     assert "warning" not in build.stderr, build.stderr[-4000:]
@@ -52,4 +63,31 @@ def test_ipc_protocol_check_finds_a_broken_ordering(tmp_path):
     """One area for both epoch parities: a rank's next copy-in overwrites data a slower peer still reads."""
     run = _build_and_run(tmp_path, "PZ_IPC_ONE_AREA")
     m = re.search(r"one area: (\d+) wrong results", run.stdout)
+    assert m and int(m.group(1)) > 0, run.stdout[-2000:]
+
+
+def test_ipc_p2p_on_cpu_threads(tmp_path):
+    run = _build_and_run(tmp_path, source="ipc_p2p_on_cpu.cpp")
+    out = run.stdout
+    assert run.returncode == 0, out[-4000:]
+    m = re.search(r"(\d+) cases, (\d+) failures", out)
+    assert m and int(m.group(2)) == 0 and int(m.group(1)) >= 3000, out[-2000:]
+    runs = re.findall(r"ranks \d blocks \d: (\d+) launches, (\d+) messages checked, 0 wrong, no failure", out)
+    assert len(runs) == 6 and all(int(n) > 300 for _, n in runs), out
+    replays = re.findall(r"replay ranks \d: (\d+) messages checked, 0 wrong, 0 launches with other arguments: ok", out)
+    assert [int(n) for n in replays] == [60, 90], out
+    assert "send without receive: code 1 peer 1 waiting 1 bytes 4000: ok" in out, out  # timeout, naming rank 1
+    assert "receive without send: code 1 peer 0 waiting 3: ok" in out, out
+    assert "mismatch: codes 2 2, bytes 400/480 and 480/400, then 6 messages intact: ok" in out, out
+    assert re.search(r"abort: code 3 peer 0, [\d.]+ s: ok", out), out
+    m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # buffers at every offset: both copy loops
+    assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
+    rings = re.findall(r"ring ranks \d: 24 collectives, (\d+) launches, 0 wrong", out)  # algo="ring" over p2p
+    assert len(rings) == 3 and all(int(n) > 200 for n in rings), out
+
+
+def test_ipc_p2p_check_finds_a_sender_that_does_not_wait_for_free_slots(tmp_path):
+    """The sender overwrites slots its receiver has not read yet: received data must come out wrong."""
+    run = _build_and_run(tmp_path, "PZ_IPC_P2P_NO_SLOT_WAIT", source="ipc_p2p_on_cpu.cpp")
+    m = re.search(r"no slot wait: (\d+) wrong results", run.stdout)
     assert m and int(m.group(1)) > 0, run.stdout[-2000:]

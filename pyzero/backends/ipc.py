@@ -8,8 +8,15 @@ current stream, async_op on the group's own, work.wait() makes the current strea
 
 all_reduce (one-shot up to ``oneshot_bytes`` per rank or at 2 ranks, two-shot above), reduce_scatter,
 all_gather (uneven counts), broadcast and barrier; sizes above the registered area run in pieces.
-Point-to-point calls are not available on this backend (a clear error): DataParallel, ZeroOptimizer
-and TP without overlap use the collectives only.
+
+Point-to-point (send, recv, isend, irecv, batch_isend_irecv; csrc/ipc_p2p.h): a channel per ordered
+pair in the receiver's registered buffer (option ``p2p_bytes``, 4 MiB each; a rank holds n - 1), one
+kernel per call or batch. As with NCCL, a send completes only once its receive is posted, and ranks
+that send to each other at once must post those sends and receives in one batch_isend_irecv (at most
+MAX_BATCH operations). A send and its receive must agree in size and dtype: otherwise both ranks raise
+CollectiveError at their next host wait and the message is skipped. A send whose receive never comes
+raises CollectiveTimeout naming the peer. ``algo="ring"`` runs the four ring collectives as the nccl
+backend's ring schedule over this point-to-point.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from .. import _C
 from ..backend import GroupSetup, store_barrier
 from . import cuda_buffers
 from .cuda_buffers import CudaCommBackend
+
+MAX_BATCH = 32  # operations of one batch_isend_irecv (one kernel; csrc/ipc_p2p.h kIpcMaxP2POps)
 
 
 def ipc_device(local_rank: int, device_count: int | None = None) -> int:
@@ -50,7 +59,9 @@ class IpcBackend(CudaCommBackend):
         o = setup.options
         comm = _C.IpcComm(setup.rank, setup.size, setup.device, setup.timeout,
                           o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
-                          o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True))
+                          o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True),
+                          o.get("p2p_bytes", 4 << 20, "PYZERO_IPC_P2P_KB", kib=True),
+                          o.get("depth", 4, "PYZERO_IPC_DEPTH"))
         setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
         handles = [setup.store.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
         comm.connect(handles)
@@ -62,16 +73,19 @@ class IpcBackend(CudaCommBackend):
                                     async_op)
 
     def send(self, b, peer, async_op):
-        raise NotImplementedError("send: point-to-point calls are not available on the ipc backend; use the nccl "
-                                  "backend (one GPU per rank) or collectives")
+        return self.comm.send(b.ptr, b.numel, b.code, peer, b.stream, async_op)
 
     def recv(self, b, peer, async_op):
-        raise NotImplementedError("recv: point-to-point calls are not available on the ipc backend; use the nccl "
-                                  "backend (one GPU per rank) or collectives")
+        return self.comm.recv(b.ptr, b.numel, b.code, peer, b.stream, async_op)
 
     def batch_p2p(self, ops, async_op):
-        raise NotImplementedError("batch_isend_irecv: point-to-point calls are not available on the ipc backend; "
-                                  "use the nccl backend (one GPU per rank) or collectives")
+        if len(ops) > MAX_BATCH:
+            raise ValueError(f"ops: the ipc backend runs at most {MAX_BATCH} operations in one batch_isend_irecv "
+                             f"(one kernel), got {len(ops)}; split it into batches that each pair their sends "
+                             "with the receives they wait on")
+        stream = ops[0][0].stream  # the caller's current stream (one for all buffers)
+        return self.comm.batch_p2p([(b.ptr, b.numel, b.code, peer, is_send) for b, peer, is_send in ops], stream,
+                                   async_op)
 
     def close(self):
         # Peers read this rank's area and write its flags: free it only once every rank got here

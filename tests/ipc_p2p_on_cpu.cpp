@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "ipc_cpu_threads.h"
 #include "collective.h"
 #include "ipc_p2p.h"
 #include "p2p_ring.h"
@@ -41,24 +42,7 @@ using namespace pz;
 
 namespace {
 
-struct Barrier {  // the kernel boundary between a rank's launches
-  std::mutex m;
-  std::condition_variable cv;
-  int n, waiting = 0;
-  uint64_t gen = 0;
-  explicit Barrier(int n_) : n(n_) {}
-  void arrive() {
-    std::unique_lock<std::mutex> l(m);
-    uint64_t g = gen;
-    if (++waiting == n) {
-      waiting = 0;
-      ++gen;
-      cv.notify_all();
-    } else {
-      cv.wait(l, [&] { return gen != g; });
-    }
-  }
-};
+using pz_cpu::Barrier;
 
 long paths[2] = {0, 0};  // copy loops run scalar / with 16-byte vectors
 // The `consumed` arrays of every rank's signals (the broken build's sender sees them as all consumed).
@@ -77,10 +61,7 @@ struct CpuX {
   void sync() {}
   void path(bool vectorised) { __atomic_add_fetch(&paths[vectorised], 1, __ATOMIC_RELAXED); }
   bool sync_and(bool v) { return v; }
-  uint64_t now_ns() const {
-    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now().time_since_epoch()).count());
-  }
+  uint64_t now_ns() const { return pz_cpu::now_ns(); }
   void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
   uint64_t load_acquire(const uint64_t* p) {
 #ifdef PZ_IPC_P2P_NO_SLOT_WAIT

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "ipc_cpu_threads.h"
 #include "collective.h"
 #include "cpu_reduce.h"
 #include "ipc_protocol.h"
@@ -30,24 +31,7 @@ using namespace pz;
 
 namespace {
 
-struct Barrier {  // the kernel boundary between a rank's calls
-  std::mutex m;
-  std::condition_variable cv;
-  int n, waiting = 0;
-  uint64_t gen = 0;
-  explicit Barrier(int n_) : n(n_) {}
-  void arrive() {
-    std::unique_lock<std::mutex> l(m);
-    uint64_t g = gen;
-    if (++waiting == n) {
-      waiting = 0;
-      ++gen;
-      cv.notify_all();
-    } else {
-      cv.wait(l, [&] { return gen != g; });
-    }
-  }
-};
+using pz_cpu::Barrier;
 
 struct CpuX {
   int b, nb;
@@ -64,10 +48,7 @@ struct CpuX {
     if (pause_us && (*rng)() % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
     return v;
   }
-  uint64_t now_ns() const {
-    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now().time_since_epoch()).count());
-  }
+  uint64_t now_ns() const { return pz_cpu::now_ns(); }
   void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
   uint64_t load_acquire(const uint64_t* p) {
     uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);

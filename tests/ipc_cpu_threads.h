@@ -1,0 +1,36 @@
+// ipc_cpu_threads.h — what the CPU-thread checks of the ipc protocols (ipc_protocol_on_cpu.cpp,
+// ipc_p2p_on_cpu.cpp) share: the barrier that stands for a kernel boundary, and the clock.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+
+namespace pz_cpu {
+
+struct Barrier {  // the kernel boundary between a rank's launches
+  std::mutex m;
+  std::condition_variable cv;
+  int n, waiting = 0;
+  uint64_t gen = 0;
+  explicit Barrier(int n_) : n(n_) {}
+  void arrive() {
+    std::unique_lock<std::mutex> l(m);
+    uint64_t g = gen;
+    if (++waiting == n) {
+      waiting = 0;
+      ++gen;
+      cv.notify_all();
+    } else {
+      cv.wait(l, [&] { return gen != g; });
+    }
+  }
+};
+
+inline uint64_t now_ns() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+}  // namespace pz_cpu

@@ -57,8 +57,8 @@ build() {
 SECONDS=0
 build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 echo "built in ${SECONDS} s"
-# GPU_CHECK_PARTS picks parts (default all but capacity): tests kernels collectives train offload ipc faults
-# capacity.
+# GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
+# ipc faults; capacity and memory (per-rank peaks with 2 and 4 processes on GPU 0) run only when named.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
 # only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
@@ -140,6 +140,21 @@ deepspeed_here() {
     --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
+  fi
+  if part memory; then
+  echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
+    --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
+  echo "## per-rank memory with 2 and 4 processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
+  mps_start
+  for NP in 2 4; do
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
+      --nproc "$NP" --model gpt2 --batch 8 --seq 512 --runs torch-ddp,dp,zero2,zero3,fsdp2 --bucket-mb 25 \
+      --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory${NP}.json" \
+      || echo "MEMORY BENCH FAILED (nproc $NP, or past $(lim 150) s)"
+  done
+  mps_stop
   fi
   if part offload; then
   echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed"

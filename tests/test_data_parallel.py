@@ -548,6 +548,36 @@ def test_bench_deepspeed_runs_need_deepspeed(monkeypatch, bench_name):
         bench.main(args)
 
 
+def test_bench_train_gpu_backend_needs_cuda():
+    import argparse
+
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--gpu-backend ipc: needs --device cuda"):
+        bench.main(parser.parse_args(["--gpu-backend", "ipc", "--nproc", "1"]))
+
+
+def test_bench_train_torch_runs_pick_their_backend():
+    """A CPU model keeps the named backend; a CUDA model gets NCCL, or the "pyzero" torch backend on
+    CUDA tensors for the -pyzero runs and for every torch run when pyzero runs on ipc."""
+    from types import SimpleNamespace
+
+    from pyzero.bench import train as bench
+
+    class FakeCuda(torch.nn.Module):  # a parameter that says it is on a GPU
+        def parameters(self, recurse=True):
+            yield SimpleNamespace(device=torch.device("cuda", 0))
+
+    cpu, cuda = torch.nn.Linear(2, 2), FakeCuda()
+    nccl, ipc = SimpleNamespace(gpu_backend="nccl"), SimpleNamespace(gpu_backend="ipc")
+    assert bench._torch_backend(cpu, "gloo", ipc) == "gloo" and bench._torch_backend(cpu, "pyzero", nccl) == "pyzero"
+    assert bench._torch_backend(cuda, "gloo", nccl) == "nccl"
+    assert bench._torch_backend(cuda, "pyzero", nccl) == "pyzero"
+    assert bench._torch_backend(cuda, "gloo", ipc) == "pyzero"
+
+
 def test_bench_train_deepspeed_offload_trains_as_plain_torch(tmp_path):
     """Where deepspeed is installed: its ZeRO-Offload row trains the model as plain torch does
     (world size 1, the same AdamW settings: equal losses). Its CPUAdam builds on first use."""

@@ -16,7 +16,6 @@ median of --iters steps after 2 warm-up steps, one format after another.
 """
 from __future__ import annotations
 
-import json
 import math
 
 import torch

@@ -107,7 +107,7 @@ def _torch_ddp(model, args, backend: str) -> Runner:
 
     from ..bucketing import assign_buckets  # noqa: PLC0415
 
-    dist = _init_torch(_torch_backend(model, backend))
+    dist = _init_torch(_torch_backend(model, backend, args))
     # DDP's own best CPU set-up: gradients as bucket views, the same bucket caps
     # (its first bucket is 1 MiB, like pz's default).
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
@@ -176,13 +176,15 @@ def _init_torch(backend: str = "gloo"):
     return init_torch_distributed(backend)
 
 
-def _torch_backend(model, backend: str) -> str:
-    """gloo runs use NCCL for a CUDA model; the "pyzero" torch backend runs CPU tensors only."""
+def _torch_backend(model, backend: str, args=None) -> str:
+    """The torch.distributed backend of a torch run: as named for a CPU model (gloo, or pyzero's own
+    "pyzero"); for a CUDA model NCCL, or pyzero's "pyzero" backend on CUDA tensors for the -pyzero
+    runs and for every torch run with --gpu-backend ipc (several processes may share a GPU there,
+    which NCCL refuses)."""
     if not _on_cuda(model):
         return backend
-    if backend == "pyzero":
-        raise ValueError("the -pyzero runs are CPU runs (torch.distributed's 'pyzero' backend on shm); "
-                         "leave them out with --device cuda")
+    if backend == "pyzero" or getattr(args, "gpu_backend", "nccl") == "ipc":
+        return "pyzero"
     return "nccl"
 
 
@@ -196,7 +198,7 @@ def _setup_torch_zero(model, args) -> Runner:
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
-    dist = _init_torch(_torch_backend(model, "gloo"))
+    dist = _init_torch(_torch_backend(model, "gloo", args))
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **_adamw_kwargs(model))
     return Runner(ddp, opt, ddp.no_sync, None, lambda: _close_torch(dist))
@@ -211,7 +213,7 @@ def _fsdp2(model, args, backend: str) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    dist = _init_torch(_torch_backend(model, backend))
+    dist = _init_torch(_torch_backend(model, backend, args))
     mesh = init_device_mesh("cuda" if _on_cuda(model) else "cpu", (int(os.environ["WORLD_SIZE"]),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -232,7 +234,7 @@ def _fsdp2(model, args, backend: str) -> Runner:
 def _setup_ds(offload: bool) -> Callable:
     """DeepSpeed's ZeRO stage 2, with its optimizer offloaded to the CPU or not (bench/ds_runs.py)."""
     def setup(model, args) -> Runner:
-        dist = _init_torch(_torch_backend(model, "gloo"))
+        dist = _init_torch(_torch_backend(model, "gloo", args))
         engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=int(args.bucket_mb * 2**20),
                                     offload=offload, cuda=_on_cuda(model))
 
@@ -269,6 +271,10 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend and gloo; cuda: a GPU per rank, the nccl backend and torch's NCCL")
+    p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
+                   help="with --device cuda: pyzero's backend; ipc lets several ranks share a GPU "
+                        "(CUDA_VISIBLE_DEVICES=0, MPS), and the torch runs then use torch.distributed's "
+                        "'pyzero' backend on CUDA tensors instead of NCCL")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -288,7 +294,7 @@ def _rank_main(run: str, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
     cuda = getattr(args, "device", "cpu") == "cuda"
-    pz.init(backend="nccl" if cuda else None)
+    pz.init(backend=getattr(args, "gpu_backend", "nccl") if cuda else None)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss0 = _rss_mib()
     model = make_gpt(args.model).to(dev)
@@ -498,6 +504,8 @@ def main(args) -> int:
         raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     if args.nproc < 1 or args.iters < 1 or args.batch < 1:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
+    if getattr(args, "gpu_backend", "nccl") != "nccl" and getattr(args, "device", "cpu") != "cuda":
+        raise SystemExit(f"--gpu-backend {args.gpu_backend}: needs --device cuda")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
     cuda = getattr(args, "device", "cpu") == "cuda"

@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from . import comm
 from .backend import DTYPES, SUPPORTED_DTYPES
-from .distributed_cuda import CudaGroups, CudaWork, DoneCudaWork, Held
+from .distributed_cuda import CudaGroups, CudaWork, Held
 
 __all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
 
@@ -186,6 +186,25 @@ class _DoneWork(dist.Work):
 
     def get_future(self) -> Future:
         fut = Future()
+        fut.set_result(self._result)
+        return fut
+
+
+class _DoneCudaWork(_DoneWork):
+    """The work of a synchronous call on CUDA tensors: already ordered on the current stream."""
+
+    def __init__(self, result, device: torch.device):
+        super().__init__(result)
+        self.device = device
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def is_completed(self) -> bool:
+        return torch.cuda.current_stream(self.device).query()
+
+    def get_future(self) -> Future:
+        fut = Future(devices=[self.device])
         fut.set_result(self._result)
         return fut
 
@@ -409,7 +428,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if all(w is None for w in works):  # synchronous: ordered on the current stream
             if finish is not None:
                 finish()
-            work = DoneCudaWork(result, device)
+            work = _DoneCudaWork(result, device)
         else:
             work = CudaWork(works, result, finish, device, self.cuda, self._held)
         if self._coalesced is not None:

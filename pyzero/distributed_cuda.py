@@ -36,7 +36,7 @@ from torch.futures import Future
 from . import comm
 from .topology import host_name, peer_json
 
-__all__ = ["CudaGroups", "CudaWork", "DoneCudaWork", "IPC_MAX_ENV", "Route", "TRANSPORT_ENV",
+__all__ = ["CudaGroups", "CudaWork", "IPC_MAX_ENV", "Route", "TRANSPORT_ENV",
            "DEFAULT_IPC_MAX_BYTES", "ipc_max_bytes", "plan", "transport_choice"]
 
 TRANSPORT_ENV = "PYZERO_TORCH_CUDA"
@@ -282,34 +282,3 @@ class CudaWork(dist.Work):
                 fut.set_result(self._result)
             self._fut = fut
         return self._fut
-
-
-class DoneCudaWork(dist.Work):
-    """The work of a synchronous call on CUDA tensors: already ordered on the current stream."""
-
-    def __init__(self, result, device: torch.device):
-        super().__init__()
-        self._result, self.device = result, device
-
-    def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
-
-    def is_completed(self) -> bool:
-        return torch.cuda.current_stream(self.device).query()
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self):
-        return self._result
-
-    def get_future(self) -> Future:
-        fut = Future(devices=[self.device])
-        fut.set_result(self._result)
-        return fut

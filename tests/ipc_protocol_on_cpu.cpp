@@ -20,6 +20,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "ipc_cpu_threads.h"
@@ -303,20 +304,23 @@ std::vector<CallSpec> random_calls(int n, int count, uint64_t area_bytes, std::m
 int main() {
   std::mt19937_64 g(12345);
   int total_wrong = 0;
+  // Runs a job whose calls must all succeed with right results; counts them. (wrong, failed calls)
+  auto checked = [&](const Job& job) {
+    int wrong = 0, bad_status = 0;
+    for (auto& r : run(job, true, wrong))
+      for (auto& x : r) bad_status += x.code != kIpcOk;
+    cases += int(job.calls.size()) * job.n;
+    failures += wrong + bad_status;
+    total_wrong += wrong;
+    return std::make_pair(wrong, bad_status);
+  };
   // 1. random calls at 2, 3 and 4 ranks, 1 and 3 blocks
   for (int n : {2, 3, 4}) {
     for (int nb : {1, 3}) {
       Job job{n, nb, 200, 6 << 10, 2000000000ull, random_calls(n, 160, 16 << 10, g), {}, {}};
       job.skip_rank.assign(job.calls.size(), -1);
       job.odd_dtype.assign(job.calls.size(), -1);
-      int wrong = 0;
-      auto st = run(job, true, wrong);
-      int bad_status = 0;
-      for (auto& r : st)
-        for (auto& x : r) bad_status += x.code != kIpcOk;
-      cases += int(job.calls.size()) * n;
-      failures += wrong + bad_status;
-      total_wrong += wrong;
+      auto [wrong, bad_status] = checked(job);
       size_t launches = 0;  // calls larger than an area run in pieces
       for (auto& cs : job.calls) launches += ipc_pieces(cs.kind, cs.counts, dtype_size(DType(cs.dt)), job.area_bytes, 0).size();
       std::printf("ranks %d blocks %d: %zu calls, %d wrong, %d failed (%zu launches)\n", n, nb, job.calls.size(),
@@ -333,14 +337,7 @@ int main() {
       job.skip_rank.assign(job.calls.size(), -1);
       job.odd_dtype.assign(job.calls.size(), -1);
       job.replay = true;
-      int wrong = 0;
-      auto st = run(job, true, wrong);
-      int bad_status = 0;
-      for (auto& r : st)
-        for (auto& x : r) bad_status += x.code != kIpcOk;
-      cases += int(job.calls.size()) * n;
-      failures += wrong + bad_status;
-      total_wrong += wrong;
+      auto [wrong, bad_status] = checked(job);
       std::printf("replay ranks %d kind %d: %zu calls, %d wrong, %d failed\n", n, base.kind, job.calls.size(), wrong,
                   bad_status);
     }

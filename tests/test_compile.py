@@ -21,10 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import pyzero as pz
 from pyzero.launch import run_ranks
+from test_tp import BATCH, HIDDEN, MLP, SEQ, make_mlp
 
 EXACT = dict(rtol=0, atol=0)
 TOL = dict(rtol=1e-5, atol=2e-6)
-SEQ, BATCH, HIDDEN = 8, 2, 16
 
 
 def pyzero_ops(graphs):
@@ -129,20 +129,6 @@ def test_operators_pass_opcheck_and_match_plain_torch():
 
 # ---------------------------------------------------------------------------
 # Tensor parallelism
-
-
-class MLP(nn.Module):
-    def __init__(self, fc1, fc2):
-        super().__init__()
-        self.fc1, self.fc2 = fc1, fc2
-
-    def forward(self, h):
-        return self.fc2(F.gelu(self.fc1(h)))
-
-
-def make_mlp():
-    torch.manual_seed(0)
-    return MLP(nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN))
 
 
 def tp_data():

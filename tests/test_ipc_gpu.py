@@ -31,25 +31,26 @@ def _counts(size, n):
     return base
 
 
-def _cases():
+def _cases(all_reduce_algos=("oneshot", "twoshot"), algo=None):
+    """(collective, dtype, op, size, algo, in place) of every case; `algo` for the other collectives."""
     for size in SIZES:
         for dtype in DTYPES:
             for op in OPS:
                 if op == "avg" and not dtype.is_floating_point:
                     continue
-                for algo in ("oneshot", "twoshot"):
-                    yield ("all_reduce", dtype, op, size, algo, size % 2 == 0)
-                yield ("reduce_scatter", dtype, op, size, None, False)
-            yield ("all_gather", dtype, None, size, None, False)
-            yield ("broadcast", dtype, None, size, None, False)
+                for ar in all_reduce_algos:
+                    yield ("all_reduce", dtype, op, size, ar, size % 2 == 0)
+                yield ("reduce_scatter", dtype, op, size, algo, False)
+            yield ("all_gather", dtype, None, size, algo, False)
+            yield ("broadcast", dtype, None, size, algo, False)
 
 
-def _rank_collectives():
-    pz.init(backend="ipc", timeout=120, options={"slice_bytes": AREA})
+def _rank_collectives(cases, options):
+    pz.init(backend="ipc", timeout=120, options=options)
     n, me = pz.get_world_size(), pz.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     out = []
-    for seed, (coll, dtype, op, size, algo, inplace) in enumerate(_cases()):
+    for seed, (coll, dtype, op, size, algo, inplace) in enumerate(cases):
         mine = make_input(op or "sum", dtype, size, me, seed).to(dev)
         if coll == "all_reduce":
             if inplace:
@@ -62,38 +63,44 @@ def _rank_collectives():
             counts = _counts(size, n)
             full = make_input(op, dtype, sum(counts), me, seed).to(dev)
             got = torch.empty(counts[me], dtype=dtype, device=dev)
-            pz.reduce_scatter(got, full, op=op, counts=counts)
+            pz.reduce_scatter(got, full, op=op, counts=counts, algo=algo)
         elif coll == "all_gather":
             counts = _counts(size, n)
             own = make_input("sum", dtype, counts[me], me, seed).to(dev)
             got = torch.empty(sum(counts), dtype=dtype, device=dev)
-            pz.all_gather(got, own, counts=counts)
+            pz.all_gather(got, own, counts=counts, algo=algo)
         else:
             got = mine
-            pz.broadcast(got, src=seed % n)
+            pz.broadcast(got, src=seed % n, algo=algo)
         out.append(got.cpu())
     torch.cuda.synchronize()
     pz.destroy()
     return out
 
 
+def _expected(coll, dtype, op, size, n, k):
+    """Every rank's result of case `k` (seed k), from the torch reference."""
+    if coll == "all_reduce":
+        return [reference([make_input(op, dtype, size, r, k) for r in range(n)], op, dtype)] * n
+    if coll == "reduce_scatter":
+        counts = _counts(size, n)
+        full = reference([make_input(op, dtype, sum(counts), r, k) for r in range(n)], op, dtype)
+        return list(full.split(counts))
+    if coll == "all_gather":
+        counts = _counts(size, n)
+        return [torch.cat([make_input("sum", dtype, counts[r], r, k) for r in range(n)])] * n
+    return [make_input("sum", dtype, size, k % n, k)] * n
+
+
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_every_collective_equals_torch_and_is_bitwise_equal_across_ranks(nprocs):
-    res = run_ranks(_rank_collectives, nprocs, start="spawn", timeout=600, env=ENV)
+    cases = list(_cases())
+    res = run_ranks(_rank_collectives, nprocs, args=(cases, {"slice_bytes": AREA}), start="spawn", timeout=600,
+                    env=ENV)
     n = nprocs
-    for k, (coll, dtype, op, size, algo, inplace) in enumerate(_cases()):
+    for k, (coll, dtype, op, size, algo, inplace) in enumerate(cases):
         where = f"{coll} {dtype} {op} size {size} algo {algo} in place {inplace}"
-        if coll == "all_reduce":
-            want = [reference([make_input(op, dtype, size, r, k) for r in range(n)], op, dtype)] * n
-        elif coll == "reduce_scatter":
-            counts = _counts(size, n)
-            full = reference([make_input(op, dtype, sum(counts), r, k) for r in range(n)], op, dtype)
-            want = list(full.split(counts))
-        elif coll == "all_gather":
-            counts = _counts(size, n)
-            want = [torch.cat([make_input("sum", dtype, counts[r], r, k) for r in range(n)])] * n
-        else:
-            want = [make_input("sum", dtype, size, k % n, k)] * n
+        want = _expected(coll, dtype, op, size, n, k)
         for r in range(n):
             assert torch.equal(res[r].value[k], want[r]), f"rank {r}: {where}"
         if coll == "all_reduce":
@@ -441,7 +448,7 @@ def test_point_to_point_delivers_the_sent_data(nprocs):
     for r in res:
         me = r.rank
         got, stats = r.value
-        nxt, prv = (me + 1) % n, (me - 1) % n
+        prv = (me - 1) % n
         partner = me ^ 1
         expected = 0
         if partner < n:
@@ -619,68 +626,15 @@ def test_tp_overlapped_ops_over_ipc_equal_one_process(nprocs):
 # algo="ring": csrc/p2p_ring.h's schedule over the point-to-point channels
 
 
-def _ring_cases():
-    for size in (1, 1031, 70001):
-        for dtype in DTYPES:
-            for op in OPS:
-                if op == "avg" and not dtype.is_floating_point:
-                    continue
-                yield ("all_reduce", dtype, op, size, size % 2 == 0)
-                yield ("reduce_scatter", dtype, op, size, False)
-            yield ("all_gather", dtype, None, size, False)
-            yield ("broadcast", dtype, None, size, False)
-
-
-def _rank_ring():
-    pz.init(backend="ipc", timeout=120, options=P2P_OPTIONS)  # 64 KiB of staging: large calls in many groups
-    n, me = pz.get_world_size(), pz.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    out = []
-    for seed, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
-        mine = make_input(op or "sum", dtype, size, me, seed).to(dev)
-        if coll == "all_reduce":
-            if inplace:
-                pz.all_reduce(mine, op=op, algo="ring")
-                got = mine
-            else:
-                got = torch.empty_like(mine)
-                pz.all_reduce(mine, op=op, algo="ring", out=got)
-        elif coll == "reduce_scatter":
-            counts = _counts(size, n)
-            full = make_input(op, dtype, sum(counts), me, seed).to(dev)
-            got = torch.empty(counts[me], dtype=dtype, device=dev)
-            pz.reduce_scatter(got, full, op=op, counts=counts, algo="ring")
-        elif coll == "all_gather":
-            counts = _counts(size, n)
-            own = make_input("sum", dtype, counts[me], me, seed).to(dev)
-            got = torch.empty(sum(counts), dtype=dtype, device=dev)
-            pz.all_gather(got, own, counts=counts, algo="ring")
-        else:
-            got = mine
-            pz.broadcast(got, src=seed % n, algo="ring")
-        out.append(got.cpu())
-    pz.barrier()
-    pz.destroy()
-    return out
-
-
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_ring_over_point_to_point_equals_torch(nprocs):
     """Values exact in every dtype's sums: the ring's order of reduction gives torch's result bitwise."""
-    res = run_ranks(_rank_ring, nprocs, start="spawn", timeout=600, env=ENV)
+    cases = list(_cases(all_reduce_algos=("ring",), algo="ring"))
+    # 64 KiB of staging: large calls in many groups
+    res = run_ranks(_rank_collectives, nprocs, args=(cases, P2P_OPTIONS), start="spawn", timeout=600, env=ENV)
     n = nprocs
-    for k, (coll, dtype, op, size, inplace) in enumerate(_ring_cases()):
+    for k, (coll, dtype, op, size, _, inplace) in enumerate(cases):
         where = f"ring {coll} {dtype} {op} size {size} in place {inplace}"
-        if coll == "all_reduce":
-            want = [reference([make_input(op, dtype, size, r, k) for r in range(n)], op, dtype)] * n
-        elif coll == "reduce_scatter":
-            counts = _counts(size, n)
-            full = reference([make_input(op, dtype, sum(counts), r, k) for r in range(n)], op, dtype)
-            want = list(full.split(counts))
-        elif coll == "all_gather":
-            counts = _counts(size, n)
-            want = [torch.cat([make_input("sum", dtype, counts[r], r, k) for r in range(n)])] * n
-        else:
-            want = [make_input("sum", dtype, size, k % n, k)] * n
+        want = _expected(coll, dtype, op, size, n, k)
         for r in range(n):
             assert torch.equal(res[r].value[k], want[r]), f"rank {r}: {where}"

@@ -381,19 +381,21 @@ def _batch(step, rank, rows=6):
     return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
 
 
-def _loss(model, step, rank):
-    x, y = _batch(step, rank)
-    return torch.nn.functional.mse_loss(model(x), y)
+def _loss(model, step, rank, dtype=None):
+    """The loss of rank `rank`'s batch of `step`, on the model's device (inputs cast to `dtype`)."""
+    dev = next(model.parameters()).device
+    x, y = (t.to(dev) for t in _batch(step, rank))
+    return torch.nn.functional.mse_loss(model(x if dtype is None else x.to(dtype)).float(), y)
 
 
-def _ddp(pg, steps=3, **kw):
+def _ddp(pg, steps=3, device="cpu", **kw):
     """Parameters after DDP training; kw: find_unused_parameters, static_graph, no_sync, hook, zero."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
     no_sync, hook, zero = kw.pop("no_sync", False), kw.pop("hook", False), kw.pop("zero", False)
-    model = DDP(_mlp(unused=kw.get("find_unused_parameters", False)), process_group=pg, **kw)
+    model = DDP(_mlp(unused=kw.get("find_unused_parameters", False)).to(device), process_group=pg, **kw)
     if hook:
         model.register_comm_hook(pg, default_hooks.fp16_compress_hook)
     if zero:
@@ -411,10 +413,10 @@ def _ddp(pg, steps=3, **kw):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _fsdp2(mesh, steps=2):
+def _fsdp2(mesh, steps=2, device="cpu"):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
-    model = _mlp()
+    model = _mlp().to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -427,14 +429,19 @@ def _fsdp2(mesh, steps=2):
     return model, torch.cat([p.full_tensor().flatten() for p in model.parameters()])
 
 
-def _tensor_parallel(mesh):
+def _tensor_parallel(mesh, device="cpu"):
+    """Output and gradients of the MLP with Colwise/Rowwise parallel layers on `mesh` (None: the
+    plain model, the reference)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415
 
-    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x, y = _batch(0, 0)  # the same batch on every rank
+    model = _mlp().to(device)
+    if mesh is not None:
+        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x, y = (t.to(device) for t in _batch(0, 0))  # the same batch on every rank
     out = model(x)
     torch.nn.functional.mse_loss(out, y).backward()
-    return torch.cat([out.detach().flatten()] + [p.grad.full_tensor().flatten() for p in model.parameters()])
+    grads = [p.grad.full_tensor() if mesh is not None else p.grad for p in model.parameters()]
+    return torch.cat([out.detach().flatten()] + [g.flatten() for g in grads])
 
 
 def _rank_train(ckpt_dir):
@@ -456,7 +463,9 @@ def _rank_train(ckpt_dir):
               "gloo": DeviceMesh.from_group(gloo, "cpu")}
     fsdp = {b: _fsdp2(m) for b, m in meshes.items()}
     ck.close("FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)", fsdp["pyzero"][1], fsdp["gloo"][1], 1e-5)
-    ck.close("DTensor Colwise/Rowwise", _tensor_parallel(meshes["pyzero"]), _tensor_parallel(meshes["gloo"]), 1e-6)
+    tp = _tensor_parallel(meshes["pyzero"])
+    ck.close("DTensor Colwise/Rowwise", tp, _tensor_parallel(meshes["gloo"]), 1e-6)
+    ck.close("DTensor Colwise/Rowwise against the plain model", tp, _tensor_parallel(None), 1e-5)
     for b, (model, _) in fsdp.items():  # sharded checkpoint, loaded at another world size by _rank_load
         dcp.save({"model": model.state_dict()}, checkpoint_id=f"{ckpt_dir}/{b}",
                  process_group=None if b == "pyzero" else gloo)

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 
 import pyzero  # noqa: F401  (registers the backend)
 from pyzero.launch import run_ranks
-from test_torch_backend import Checker, _batch, _mlp, assert_ok
+from test_torch_backend import Checker, _ddp, _fsdp2, _loss, _mlp, _tensor_parallel, assert_ok
 from test_torch_conformance import OPS, val
 
 pytestmark = pytest.mark.gpu
@@ -187,33 +187,6 @@ def test_cuda_calls_equal_cpu_calls(nprocs):
 # torch's stacks on CUDA against one process
 
 
-def _loss(model, step, rank, dtype=None):
-    x, y = (t.cuda() for t in _batch(step, rank))
-    return torch.nn.functional.mse_loss(model(x if dtype is None else x.to(dtype)).float(), y)
-
-
-def _ddp(steps=3, **kw):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-
-    no_sync, hook, zero = kw.pop("no_sync", False), kw.pop("hook", False), kw.pop("zero", False)
-    model = DDP(_mlp(unused=kw.get("find_unused_parameters", False)).cuda(), **kw)
-    if hook:
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01) if zero
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    me = dist.get_rank()
-    for step in range(steps):
-        if no_sync:
-            with model.no_sync():
-                _loss(model, 100 + step, me).backward()
-        _loss(model, step, me).backward()
-        opt.step()
-        opt.zero_grad()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 def _one_process(steps=3, **kw):
     """What DDP computes, in one process: the mean of every rank's loss."""
     n = dist.get_world_size()
@@ -228,22 +201,6 @@ def _one_process(steps=3, **kw):
         opt.step()
         opt.zero_grad()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _fsdp2(mesh, steps=2):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
-
-    model = _mlp().cuda()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for step in range(steps):
-        _loss(model, step, dist.get_rank()).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, torch.cat([p.full_tensor().flatten() for p in model.parameters()])
 
 
 def _fsdp2_one_process(steps=2):
@@ -266,19 +223,6 @@ def _fsdp2_one_process(steps=2):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _tensor_parallel(mesh):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415
-
-    model = _mlp().cuda()
-    if mesh is not None:
-        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x, y = (t.cuda() for t in _batch(0, 0))  # the same batch on every rank
-    out = model(x)
-    torch.nn.functional.mse_loss(out, y).backward()
-    grads = [p.grad.full_tensor() if mesh is not None else p.grad for p in model.parameters()]
-    return torch.cat([out.detach().flatten()] + [g.flatten() for g in grads])
-
-
 def _rank_train(ckpt_dir):
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
@@ -292,11 +236,12 @@ def _rank_train(ckpt_dir):
                            {"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True}, 1e-5),
                           ("DDP no_sync", {"no_sync": True}, 1e-5), ("DDP fp16_compress_hook", {"hook": True}, 1e-3),
                           ("DDP ZeroRedundancyOptimizer", {"zero": True}, 1e-5)]:
-        ck.close(what, _ddp(**dict(kw)).cpu(), _one_process(**kw).cpu(), tol)
+        ck.close(what, _ddp(None, device="cuda", **dict(kw)).cpu(), _one_process(**kw).cpu(), tol)
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    model, got = _fsdp2(mesh)
+    model, got = _fsdp2(mesh, device="cuda")
     ck.close("FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)", got.cpu(), _fsdp2_one_process().cpu(), 1e-3)
-    ck.close("DTensor Colwise/Rowwise", _tensor_parallel(mesh).cpu(), _tensor_parallel(None).cpu(), 1e-5)
+    ck.close("DTensor Colwise/Rowwise", _tensor_parallel(mesh, "cuda").cpu(), _tensor_parallel(None, "cuda").cpu(),
+             1e-5)
     dcp.save({"model": model.state_dict()}, checkpoint_id=f"{ckpt_dir}/cuda")
     if dist.get_rank() == 0:
         torch.save(got.cpu(), f"{ckpt_dir}/full.pt")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import abc
 import datetime
-import os
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from . import _C
+from .envvars import env_bool, env_int
 
 CollectiveError = _C.CollectiveError
 CollectiveTimeout = _C.CollectiveTimeout
@@ -298,15 +298,11 @@ class Options:
         v = getattr(self, name)
         if v is not None:
             return v
-        raw = os.environ.get(env) if env else None
-        if raw is None:
+        if not env:
             return default
         if isinstance(default, bool):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        try:
-            return int(raw) << 10 if kib else int(raw)
-        except ValueError:
-            raise ValueError(f"{env}={raw!r}: expected an integer") from None
+            return env_bool(env, default)
+        return env_int(env, default, kib=kib)
 
 
 # ---------------------------------------------------------------------------

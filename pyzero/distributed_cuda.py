@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from . import comm
+from .envvars import env_int
 from .topology import host_name, peer_json
 
 __all__ = ["CudaGroups", "CudaWork", "IPC_MAX_ENV", "Route", "TRANSPORT_ENV",
@@ -58,16 +59,7 @@ def transport_choice(environ=None) -> str:
 
 def ipc_max_bytes(environ=None) -> int:
     """PYZERO_TORCH_IPC_MAX_KB in bytes (default DEFAULT_IPC_MAX_BYTES); ValueError naming the variable."""
-    raw = (os.environ if environ is None else environ).get(IPC_MAX_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_IPC_MAX_BYTES
-    try:
-        kib = int(raw)
-    except ValueError:
-        raise ValueError(f"{IPC_MAX_ENV}={raw!r}: expected a non-negative integer (KiB)") from None
-    if kib < 0:
-        raise ValueError(f"{IPC_MAX_ENV}={raw!r}: expected a non-negative integer (KiB)")
-    return kib << 10
+    return env_int(IPC_MAX_ENV, DEFAULT_IPC_MAX_BYTES, kib=True, environ=environ)
 
 
 @dataclass(frozen=True)

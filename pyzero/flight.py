@@ -36,6 +36,7 @@ import threading
 import time
 
 from . import _C
+from .envvars import env_int
 from .topology import peer_json
 
 _DTYPES = {code: name for name, code in dict(_C.DTYPES).items()}
@@ -51,19 +52,6 @@ P2P = ("send", "recv", "batch_isend_irecv")  # point-to-point calls: a peer, no 
 
 _now = time.monotonic_ns
 _WALL0 = time.time() - time.monotonic()  # monotonic -> wall-clock seconds
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a non-negative integer") from None
-    if v < 0:
-        raise ValueError(f"{name}={raw!r}: expected a non-negative integer")
-    return v
 
 
 def _trace_dir() -> str | None:
@@ -277,7 +265,7 @@ class _Process:
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
-        self.size = _env_int("PYZERO_FLIGHT", 256)
+        self.size = env_int("PYZERO_FLIGHT", 256)
         self.trace = _trace_dir()
         self.wait_s = float(os.environ.get("PYZERO_FLIGHT_WAIT", "1"))
 

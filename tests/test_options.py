@@ -39,7 +39,7 @@ def test_options_get_reads_the_environment_as_default(monkeypatch):
     monkeypatch.setenv("PYZERO_SYMMETRIC", "0")
     assert pz.Options().get("symmetric", True, "PYZERO_SYMMETRIC") is False
     monkeypatch.setenv("PYZERO_SHM_DEPTH", "many")
-    with pytest.raises(ValueError, match="PYZERO_SHM_DEPTH='many': expected an integer"):
+    with pytest.raises(ValueError, match="PYZERO_SHM_DEPTH='many': expected a non-negative integer"):
         pz.Options().get("depth", 8, "PYZERO_SHM_DEPTH")
 
 
@@ -75,3 +75,28 @@ def test_groups_take_their_own_options():
         for t in sums.values():
             torch.testing.assert_close(t, expected, rtol=0, atol=0)
         assert bad is not None and "options.depth: expected at least 2" in bad
+
+
+def test_environment_settings_share_one_parser(monkeypatch):
+    """Every PYZERO_* integer or flag: blank means the default, a bad value names the variable."""
+    from pyzero.envvars import env_bool, env_int
+    assert env_int("X", 7, environ={}) == 7 and env_int("X", 7, environ={"X": "  "}) == 7
+    assert env_int("X", 7, environ={"X": "12"}) == 12 and env_int("X", 7, kib=True, environ={"X": "3"}) == 3072
+    for bad in ("-1", "1.5", "4M"):
+        with pytest.raises(ValueError, match=rf"X='{bad}': expected a non-negative integer \(KiB\)"):
+            env_int("X", 7, kib=True, environ={"X": bad})
+    assert [env_bool("F", None, environ={"F": v}) for v in ("1", "On", "YES", "true", "0", "off", "No")] == \
+        [True] * 4 + [False] * 3
+    assert env_bool("F", True, environ={}) is True
+    with pytest.raises(ValueError, match=r"F='maybe': expected one of \['1', 'true'"):
+        env_bool("F", False, environ={"F": "maybe"})
+    monkeypatch.setenv("PYZERO_SHM_DEPTH", "-2")  # the backends' options read the same way
+    with pytest.raises(ValueError, match="PYZERO_SHM_DEPTH='-2': expected a non-negative integer"):
+        pz.Options().get("depth", 8, "PYZERO_SHM_DEPTH")
+    monkeypatch.setenv("PYZERO_SYMMETRIC", "perhaps")
+    with pytest.raises(ValueError, match="PYZERO_SYMMETRIC='perhaps'"):
+        pz.Options().get("symmetric", True, "PYZERO_SYMMETRIC")
+    monkeypatch.setenv("PYZERO_FLIGHT", "lots")
+    import pyzero.flight as flight
+    with pytest.raises(ValueError, match="PYZERO_FLIGHT='lots': expected a non-negative integer"):
+        flight.start(0, 1, "t")

@@ -1,0 +1,48 @@
+"""Reading pyzero's settings from environment variables, with one wording for bad values.
+
+Every ``PYZERO_*`` integer or flag a module reads goes through these, so a bad value gets the
+same error wherever it is read: the variable, its value and what was expected. An unset or
+blank variable means the default.
+"""
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str, environ) -> str | None:
+    raw = (os.environ if environ is None else environ).get(name)
+    return None if raw is None or not raw.strip() else raw
+
+
+def env_int(name: str, default: int, *, kib: bool = False, environ=None) -> int:
+    """Non-negative integer `name` (in KiB, returned in bytes, when `kib`), else `default`.
+
+    ValueError naming the variable and its value for anything else (a sign, a fraction, a unit).
+    """
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    expected = "expected a non-negative integer" + (" (KiB)" if kib else "")
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: {expected}") from None
+    if v < 0:
+        raise ValueError(f"{name}={raw!r}: {expected}")
+    return v << 10 if kib else v
+
+
+def env_bool(name: str, default: bool, *, environ=None) -> bool:
+    """Flag `name`: 1/true/yes/on or 0/false/no/off (any case), else `default` when unset."""
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of {list(_TRUE + _FALSE)}")

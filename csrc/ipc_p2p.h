@@ -56,6 +56,8 @@
 // on that channel). Waits watch the deadline (timeout_ns from the kernel's
 // start) and the host's abort word, as the collectives do; a failure names the
 // peer and what was awaited.
+// A peer that closed the group is found without waiting for the deadline: [Note: a peer that
+// closed] in ipc_protocol.h.
 #pragma once
 
 #include <cstdint>
@@ -119,6 +121,7 @@ struct IpcP2PCall {
   char* chans[kIpcMaxRanks];          // every rank's incoming channels
   IpcStatus* status;
   const uint32_t* abort;
+  const uint64_t* closed;  // this rank's IpcSignals::closed (see [Note: a peer that closed])
   IpcP2POp ops[kIpcMaxP2POps];
   uint64_t chan_bytes;  // one channel: blocks * slots * slot_bytes
   uint64_t slot_bytes;
@@ -250,6 +253,8 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
     return true;
   };
   uint32_t spins = 0;
+  uint32_t closed_seen = 0;  // (thread 0) peers seen closed at an earlier check (bit p), so their flags are final
+  int closed_peer = -1;
   for (;;) {
     bool all_done = true, progress = false;
     for (int i = 0; i < c.nops; ++i) {
@@ -270,13 +275,29 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
     }
     if ((++spins & 1023u) != 0) continue;
     uint32_t code = kIpcOk;
-    if (t0 == 0) code = x.load_relaxed(c.abort) != 0 ? kIpcAborted : x.now_ns() > deadline ? kIpcTimeout : kIpcOk;
+    if (t0 == 0) {
+      code = x.load_relaxed(c.abort) != 0 ? kIpcAborted : kIpcOk;
+      uint32_t closed_now = 0;
+      for (int i = 0; i < c.nops && code == kIpcOk; ++i) {
+        const IpcP2POp& o = c.ops[i];
+        if (st[i].phase == 3 || (o.prev >= 0 && st[o.prev].phase != 3)) continue;
+        if (x.load_acquire(&c.closed[o.peer]) == 0) continue;
+        if (closed_seen & (1u << o.peer)) {  // closed before the round that just moved nothing
+          code = kIpcPeerClosed;
+          closed_peer = o.peer;
+        }
+        closed_now |= 1u << o.peer;  // first sight: go round once more (see [Note: a peer that closed])
+      }
+      closed_seen |= closed_now;
+      if (code == kIpcOk && x.now_ns() > deadline) code = kIpcTimeout;
+    }
     if (x.sync_and(code == kIpcOk)) continue;
-    if (t0 == 0) {  // name the first operation still waiting, and what for
+    if (t0 == 0) {  // name the first operation still waiting (on the closed peer), and what for
       for (int i = 0; i < c.nops; ++i) {
         const IpcP2POp& o = c.ops[i];
         const IpcP2PState& s = st[i];
         if (s.phase == 3 || (o.prev >= 0 && st[o.prev].phase != 3)) continue;
+        if (code == kIpcPeerClosed && o.peer != closed_peer) continue;
         const int32_t what = o.is_send ? (s.phase == 1 ? kIpcP2PSendPost : kIpcP2PSendSlot)
                                        : (s.phase == 1 ? kIpcP2PRecvSend : kIpcP2PRecvData);
         x.fail_p2p(c.status, code, o.peer, s.m, c.seq, what, o.bytes, 0, o.dtype, 0);

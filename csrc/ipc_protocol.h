@@ -56,6 +56,19 @@
 // never arrived in the status, and the block returns. The group is then
 // broken (the host refuses further calls).
 //
+// [Note: a peer that closed]
+// A rank that closes the group stores 1 into closed[rank] of every peer's signals once its own
+// kernels have ended, before its closing barrier (IpcTransport::barrier with closing, then again
+// in close() if that never ran). It runs no call after that. A wait that makes no progress
+// looks, at the same rare check as the deadline, whether the peer it waits on closed, and if so
+// goes round once more: the closing rank wrote every flag of its calls before `closed` (read
+// with acquire), so a flag it did write still arrives, and an operation it completed before
+// leaving (a point-to-point message already in this rank's channel) still finishes. Only a wait
+// still stuck at the next check fails, with kIpcPeerClosed naming the peer, instead of running
+// to the deadline: a collective waiting for a peer that will never call again (a closing
+// barrier met by a peer that failed and left), a send or receive whose peer left (ipc_p2p.h).
+// A peer that dies without closing is still found only at the deadline.
+//
 // Numerics: each output element is reduced once, over the ranks in rank
 // order, in the accumulator type (fp32 for fp16/bf16), exactly as the shm
 // one-shot (cpu_reduce_many): bitwise the same result on every rank.
@@ -84,6 +97,7 @@ struct IpcSignals {
   uint64_t mid[kIpcMaxBlocks][kIpcMaxRanks];
   IpcDesc desc[2][kIpcMaxBlocks];               // this rank's descriptor of epoch e at [e % 2][block]
   uint64_t epoch[kIpcMaxBlocks];                // epoch[b]: the last epoch this rank's block b ran
+  uint64_t closed[kIpcMaxRanks];                // closed[p] != 0: peer p closed the group (written by p)
 };
 
 // Written by the device, read by the host after the call (host-mapped memory on a GPU).
@@ -170,12 +184,21 @@ PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks],
     if (p == c.rank) continue;
     const uint64_t* f = &flags[b][p];
     uint32_t spins = 0;
+    bool closed_seen = false;  // p closed at an earlier check: its flags are final (see [Note: a peer that closed])
     while (x.load_acquire(f) < e) {
       if ((++spins & 1023u) == 0) {
         if (x.load_relaxed(c.abort) != 0) {
           x.fail(c.status, kIpcAborted, p, e, c.seq);
           ok = false;
           break;
+        }
+        if (x.load_acquire(&c.sigs[c.rank]->closed[p]) != 0) {
+          if (closed_seen) {
+            x.fail(c.status, kIpcPeerClosed, p, e, c.seq);
+            ok = false;
+            break;
+          }
+          closed_seen = true;
         }
         if (x.now_ns() > deadline) {
           x.fail(c.status, kIpcTimeout, p, e, c.seq);

@@ -139,7 +139,7 @@ struct IpcTransport::Impl {
   uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
   uint64_t slot_bytes = 0, chan_bytes = 0;  // point-to-point: a slot, one incoming channel
   char* ring_stage = nullptr;           // algo="ring": send and receive staging, p2p_bytes each
-  bool connected = false, closed = false;
+  bool connected = false, closed = false, announced_closed = false;
   std::string broken;                   // the failure that ended the group
   std::mutex mu;
   OpCounters counters;
@@ -185,6 +185,8 @@ struct IpcTransport::Impl {
       }
       os << op << " rank " << s.peer << " (" << s.bytes << " bytes, message " << s.epoch << " on the channel) ";
       if (s.code == kIpcAborted) os << "was aborted";
+      else if (s.code == kIpcPeerClosed)
+        os << "found that rank " << s.peer << " closed the group (pz.destroy() or the end of its process)";
       else os << "timed out after " << cfg.timeout_s << " s";
       if (s.p2p == kIpcP2PSendPost) os << " waiting for rank " << s.peer << " to post the matching receive";
       else if (s.p2p == kIpcP2PSendSlot) os << " waiting for rank " << s.peer << " to take the data";
@@ -209,6 +211,21 @@ struct IpcTransport::Impl {
             << "): it never arrived";
     broken = os.str();
     throw CollectiveTimeout(broken);
+  }
+
+  // Tells every peer that this rank leaves ([Note: a peer that closed] in ipc_protocol.h): once
+  // this rank's kernels ended, before its closing barrier; best effort (a peer may be gone).
+  void announce_closed() {
+    if (announced_closed || !connected) return;
+    announced_closed = true;
+    DeviceGuard guard(device);
+    if (stream) cudaStreamSynchronize(stream);
+    const uint64_t one = 1;
+    for (int p = 0; p < size; ++p)
+      if (p != rank && bases[p] &&
+          cudaMemcpy(&reinterpret_cast<IpcSignals*>(bases[p])->closed[rank], &one, sizeof one,
+                     cudaMemcpyHostToDevice) != cudaSuccess)
+        (void)cudaGetLastError();  // (not left for a later launch's check)
   }
 
   // Whether `caller` is capturing into a CUDA graph (the call then becomes graph nodes; see
@@ -293,6 +310,7 @@ struct IpcTransport::Impl {
     }
     c.status = status_dev;
     c.abort = abort_dev;
+    c.closed = reinterpret_cast<IpcSignals*>(mine)->closed;
     c.nops = nops;
     for (int i = 0; i < nops; ++i) c.ops[i] = ops[i];
     c.chan_bytes = chan_bytes;
@@ -570,6 +588,11 @@ IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, boo
     throw CollectiveError("barrier (ipc): a synchronous barrier waits on the host, which a CUDA graph capture "
                           "cannot do; pass async_op=True and wait() its work inside the capture");
   }
+  if (closing) {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.check_usable("barrier");  // (a broken group skips its closing barrier; close() announces it)
+    m.announce_closed();
+  }
   WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0,
                        nullptr, nullptr, std::vector<int64_t>(m.size, 0), stream, true, 0);
   if (async_op) return w;
@@ -601,6 +624,7 @@ void IpcTransport::close() {
   DeviceGuard guard(m.device);
   if (m.abort_host) *reinterpret_cast<volatile uint32_t*>(m.abort_host) = 1;  // kernels waiting for peers end
   if (m.stream) cudaStreamSynchronize(m.stream);
+  m.announce_closed();
   for (int p = 0; p < m.size; ++p)
     if (p != m.rank && m.bases[p]) cudaIpcCloseMemHandle(m.bases[p]);
   m.queued.reset();

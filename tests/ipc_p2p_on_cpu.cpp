@@ -120,6 +120,7 @@ struct Job {
   std::vector<std::vector<Launch>> launches;  // per rank, in order
   int replay = 0;  // > 0: every rank's single launch runs this many times, byte-identical arguments
   int abort_after_ms = -1;  // >= 0: the host sets the abort word then
+  int closer = -1;  // >= 0: this rank closes the group once its own launches ended (IpcTransport::close)
 };
 
 struct Outcome {
@@ -153,6 +154,7 @@ Outcome run(const Job& job) {
   }
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
+  uint64_t closed[kIpcMaxRanks][kIpcMaxRanks] = {};  // each rank's IpcSignals::closed
   Outcome out;
   out.status.assign(n, {});
   std::vector<Barrier*> ready;
@@ -177,6 +179,7 @@ Outcome run(const Job& job) {
         }
         c.status = &status[me];
         c.abort = &abort_word;
+        c.closed = closed[me];
         c.nops = int(L.size());
         for (size_t i = 0; i < L.size(); ++i) {
           c.ops[i] = IpcP2POp{bufs[i].data() + L[i].align, L[i].bytes, L[i].peer, L[i].dtype, L[i].is_send, -1};
@@ -221,6 +224,9 @@ Outcome run(const Job& job) {
     }
     calls[me].clear();
     ready[me]->arrive();  // no more launches
+    if (me == job.closer)  // its kernels ended ("blocks done"): tell every peer, as close() does
+      for (int p = 0; p < n; ++p)
+        if (p != me) __atomic_store_n(&closed[p][me], uint64_t(1), __ATOMIC_RELEASE);
   };
   auto block = [&](int me, int b) {
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
@@ -382,6 +388,7 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
   consumed_ranges.clear();
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
+  const uint64_t no_peer_closed[kIpcMaxRanks] = {};
   std::vector<Barrier*> ready;
   for (int r = 0; r < n; ++r) ready.push_back(new Barrier(nb + 1));
   std::vector<std::vector<IpcP2PCall>> calls(n);
@@ -397,6 +404,7 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
       }
       c.status = &status[me];
       c.abort = &abort_word;
+      c.closed = no_peer_closed;
       c.nops = k;
       for (int i = 0; i < k; ++i) c.ops[i] = ops[i];
       c.chan_bytes = chan_bytes;
@@ -617,6 +625,25 @@ int main() {
     const IpcStatus& s = o.status[1][0];
     bool ok = s.code == kIpcAborted && s.peer == 0 && o.seconds < 3.0;
     std::printf("abort: code %u peer %d, %.2f s: %s\n", s.code, s.peer, o.seconds, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 7. a peer that closed the group: what it completed before leaving still arrives, what waits
+  // on it then fails at once naming it (not at the 60 s deadline), a receive and a send alike
+  {
+    Job job{2, 2, 2, 0, 64, 60000000000ull, std::vector<std::vector<Launch>>(2)};
+    job.launches[0].push_back({OpSpec{1, true, 1000, int(DType::f32), 0, 1}});  // 1000 bytes: past the slots
+    job.launches[1].push_back({OpSpec{0, false, 1000, int(DType::f32), 4, 1}});
+    job.launches[1].push_back({OpSpec{0, false, 100, int(DType::f32), 0, 2}});  // never sent
+    job.launches[1].push_back({OpSpec{0, true, 100, int(DType::f32), 0, 3}});   // never received
+    job.closer = 0;
+    Outcome o = run(job);
+    const IpcStatus &a = o.status[1][0], &b = o.status[1][1], &c = o.status[1][2];
+    bool ok = a.code == kIpcOk && o.checked == 1 && o.wrong == 0 && b.code == kIpcPeerClosed && b.peer == 0 &&
+              b.p2p == kIpcP2PRecvSend && b.epoch == 2 && c.code == kIpcPeerClosed && c.peer == 0 &&
+              c.p2p == kIpcP2PSendPost && o.seconds < 10.0;
+    std::printf("peer closed: codes %u %u %u peer %d waiting %d and %d, %d received, %.2f s: %s\n", a.code, b.code,
+                c.code, b.peer, b.p2p, c.p2p, o.checked, o.seconds, ok ? "ok" : "FAILED");
     failures += !ok;
     ++cases;
   }

@@ -161,6 +161,8 @@ struct Job {
   std::vector<int> skip_rank;  // per call: a rank that does not call it (-1: none)
   std::vector<int> odd_dtype;  // per call: a rank that calls it with another dtype (-1: none)
   std::vector<int> close_rank = {};  // per call: a rank that runs its closing barrier instead (-1: none)
+  int leaver = -1;     // this rank closes the group before call leave_at (IpcSignals::closed; no barrier)
+  size_t leave_at = 0;
   // Every call the same (a captured graph replayed): its launches' parameters must be byte-identical
   // to the first call's, as a CUDA graph's kernel nodes are; counted in replay_differs.
   bool replay = false;
@@ -187,6 +189,11 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
     Rank& rk = ranks[me];
     for (size_t k = 0; k < job.calls.size(); ++k) {
       const CallSpec& s = job.calls[k];
+      if (me == job.leaver && k == job.leave_at)  // its kernels ended: it tells every peer, as close() does
+        for (int p = 0; p < n; ++p)
+          if (p != me)
+            __atomic_store_n(&reinterpret_cast<IpcSignals*>(ranks[p].seg.data())->closed[me], uint64_t(1),
+                             __ATOMIC_RELEASE);
       if (job.skip_rank[k] == me) {
         statuses[me][k].code = 99;  // not called
         continue;
@@ -405,6 +412,29 @@ int main() {
          st[1][1].peer == 2 && st[2][1].code == kIpcMismatch;
     std::printf("close: codes %u %u %u, peers %d %d %d, %.2f s: %s\n", st[0][1].code, st[1][1].code, st[2][1].code,
                 st[0][1].peer, st[1][1].peer, st[2][1].peer, s, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 5. rank 2 leaves without a closing barrier (it failed and closed): the others' next call
+  //    fails naming it (kIpcPeerClosed) long before the 60 s deadline; its earlier call is fine
+  {
+    int n = 3;
+    Job job{n, 2, 0, 4 << 10, 60000000000ull, {}, {}, {}};
+    for (int k = 0; k < 2; ++k)
+      job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, split_even(300, n)});
+    job.skip_rank = {-1, 2};
+    job.odd_dtype = {-1, -1};
+    job.leaver = 2;
+    job.leave_at = 1;
+    int wrong = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto st = run(job, true, wrong);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool ok = wrong == 0 && s < 10.0 && st[0][0].code == kIpcOk && st[1][0].code == kIpcOk &&
+              st[2][0].code == kIpcOk && st[0][1].code == kIpcPeerClosed && st[0][1].peer == 2 &&
+              st[1][1].code == kIpcPeerClosed && st[1][1].peer == 2;
+    std::printf("left: codes %u %u, peers %d %d, %.2f s: %s\n", st[0][1].code, st[1][1].code, st[0][1].peer,
+                st[1][1].peer, s, ok ? "ok" : "FAILED");
     failures += !ok;
     ++cases;
   }

@@ -512,6 +512,36 @@ def test_point_to_point_mismatch_and_missing_receive_are_errors_not_hangs():
     assert v0["usable"] == 16.0
 
 
+def _rank_p2p_peer_left():
+    import time  # noqa: PLC0415
+    pz.init(backend="ipc", timeout=60)
+    me = pz.get_rank()
+    t0 = time.monotonic()
+    if me == 0:  # sends one message, then leaves while rank 1 still waits for a second one
+        pz.send(torch.full((4096,), 7.0, device="cuda"), dst=1)
+        torch.cuda.synchronize()
+        pz.destroy()
+        return {"destroy_s": time.monotonic() - t0}
+    got = torch.zeros(4096, device="cuda")
+    pz.recv(got, src=0)
+    err = None
+    try:
+        pz.recv(torch.zeros(16, device="cuda"), src=0, async_op=True).synchronize()
+    except pz.CollectiveTimeout as e:
+        err = str(e)
+    return {"got": got.cpu(), "err": err, "wait_s": time.monotonic() - t0}
+
+
+def test_point_to_point_peer_that_left_is_an_error_at_once():
+    """A rank that closes the group ends the waits on it (not the 60 s timeout): [Note: a peer that closed]."""
+    res = run_ranks(_rank_p2p_peer_left, 2, start="spawn", timeout=150, env=ENV)
+    v0, v1 = res[0].value, res[1].value
+    assert torch.equal(v1["got"], torch.full((4096,), 7.0)), v1["got"][:4]
+    assert v1["err"] is not None and "a receive from rank 0" in v1["err"], v1
+    assert "found that rank 0 closed the group" in v1["err"], v1
+    assert v1["wait_s"] < 45 and v0["destroy_s"] < 45, (v0, v1)  # both well before the 60 s timeout
+
+
 IN, HIDDEN, OUT = 6, 16, 5
 
 

@@ -55,6 +55,7 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     assert len(replays) == 6 and "replayed launches whose parameters differ: 0" in out, out
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
     assert "close: codes 4 4 2, peers 2 2" in out, out  # peers learn that rank 2 left; it sees a mismatch
+    assert re.search(r"left: codes 4 4, peers 2 2, [\d.]+ s: ok", out), out  # a rank that closed, no barrier
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # misaligned peers stay scalar, the rest 16-byte
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
 
@@ -80,6 +81,8 @@ def test_ipc_p2p_on_cpu_threads(tmp_path):
     assert "receive without send: code 1 peer 0 waiting 3: ok" in out, out
     assert "mismatch: codes 2 2, bytes 400/480 and 480/400, then 6 messages intact: ok" in out, out
     assert re.search(r"abort: code 3 peer 0, [\d.]+ s: ok", out), out
+    # a peer that closed: its finished send arrives, a receive and a send waiting on it fail naming it
+    assert re.search(r"peer closed: codes 0 4 4 peer 0 waiting 3 and 1, 1 received, [\d.]+ s: ok", out), out
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # buffers at every offset: both copy loops
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
     rings = re.findall(r"ring ranks \d: 24 collectives, (\d+) launches, 0 wrong", out)  # algo="ring" over p2p

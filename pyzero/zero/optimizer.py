@@ -732,7 +732,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._pipe_mode:
             return
         for i, (k, lo) in enumerate(self._piece_at):  # (a piece lies in one slot: slots end on parameters)
-            s = next(s for s, (kk, a, b) in enumerate(self._slots) if kk == k and (a <= lo < b or a == lo == b))
+            hi = lo + self.pieces[i][0].numel
+            s = next(s for s, (kk, a, b) in enumerate(self._slots) if kk == k and a <= lo and hi <= b and
+                     (a < b or lo == hi))
             self._slot_pieces[s].append(i)
         if self._host_grad_dtype != torch.float32:
             self._scratch = torch.empty(max((hi - lo for _, lo, hi in self._slots), default=0), dtype=torch.float32)

@@ -159,7 +159,10 @@ def _bad_ranks():
              dict(offload="cpu", offload_moments="int8", amsgrad=True),
              dict(offload="cpu", offload_moments="int8", cls=pz.optim.AdamW, moments="bf16"),
              dict(offload="cpu", delayed_update=1), dict(offload=None, delayed_update=True),
-             dict(offload="cpu", stage=3, delayed_update=True)]
+             dict(offload="cpu", stage=3, delayed_update=True),
+             dict(offload="cpu", offload_pipeline="bucket"), dict(offload=None, offload_pipeline=True),
+             dict(offload="nvme", offload_pipeline="step"), dict(offload="cpu", offload_pipeline=True,
+                                                                delayed_update=True)]
     return [_bad(dict(c)) for c in cases]
 
 
@@ -170,8 +173,10 @@ def test_bad_arguments_name_the_argument_on_every_rank():
         assert all(m is not None for m in msgs), msgs
         for m in msgs[:5]:
             assert "offload_moments" in m
-        for m in msgs[5:]:
+        for m in msgs[5:8]:
             assert "delayed_update" in m
+        for m in msgs[8:]:
+            assert m.startswith("offload_pipeline:"), m
 
 
 # ---- delayed_update -------------------------------------------------------------------------

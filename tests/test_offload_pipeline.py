@@ -30,11 +30,11 @@ RUNS = {"off": dict(pipeline=False), "step": dict(pipeline="step"), "true": dict
         "true_bf16": dict(pipeline=True, param_dtype=torch.bfloat16)}
 
 
-def _train(stage, pipeline, clip=None, loss_scale=None, param_dtype=None, steps=STEPS):
+def _train(stage, pipeline, clip=None, loss_scale=None, param_dtype=None, steps=STEPS, device="cpu"):
     """Train; per step whether slots stepped during its backward and (stages 1-2) the model's
     parameters read right after step(); the fp32 masters at the end (rank 0), the loss scale."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, offload="cpu", offload_pipeline=pipeline,
                            loss_scale=loss_scale, param_dtype=param_dtype, bucket_mb=0.0001, lr=1e-2,
                            weight_decay=0.1)
@@ -47,9 +47,10 @@ def _train(stage, pipeline, clip=None, loss_scale=None, param_dtype=None, steps=
             opt.clip_grad_norm_(clip)
         opt.step()
         if stage < 3:
-            seen.append({k: v.float().clone() for k, v in model.state_dict().items()})
+            seen.append({k: v.float().cpu() for k, v in model.state_dict().items()})
     grads = str(opt._host_grad_dtype)
-    return early, seen, opt.full_state_dict(), opt.loss_scale, grads
+    final = opt.full_state_dict()
+    return early, seen, final and {k: v.cpu() for k, v in final.items()}, opt.loss_scale, grads
 
 
 def _pipeline_rank(stage):
@@ -61,11 +62,11 @@ def _pipeline_rank(stage):
         zero_optimizer._host_copies = lambda device: device.type == "cuda"
 
 
-def reference(steps=STEPS, clip=None, loss_scale=None, param_dtype=None):
+def reference(steps=STEPS, clip=None, loss_scale=None, param_dtype=None, device="cpu"):
     """Plain torch, mixed precision: the model in param_dtype, torch.optim.AdamW on an fp32
     master copy; the model's parameters after each step, the final masters, the loss scale."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     master = copy.deepcopy(model)
     if param_dtype is not None:
         model.to(param_dtype)
@@ -93,8 +94,8 @@ def reference(steps=STEPS, clip=None, loss_scale=None, param_dtype=None):
                     scale, good = scale * 2, 0
         else:
             scale, good = scale / 2, 0
-        seen.append({k: v.float().clone() for k, v in model.state_dict().items()})
-    return seen, master.state_dict(), scale
+        seen.append({k: v.float().cpu() for k, v in model.state_dict().items()})
+    return seen, {k: v.cpu() for k, v in master.state_dict().items()}, scale
 
 
 @pytest.mark.parametrize("world,stage", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)])
@@ -237,3 +238,36 @@ def test_loop_shape_changes_raise_with_true_and_train_with_step():
     for k in off:
         assert torch.equal(step[k], off[k]), k
     assert dtypes == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2
+
+
+def _cuda_rank(stage):
+    pz.init(backend="nccl", timeout=60)
+    return {name: _train(stage, device="cuda", **RUNS[name]) for name in ("off", "true", "off_bf16", "true_bf16")}
+
+
+@pytest.mark.gpu
+def test_pipeline_cuda_model_matches_plain_torch_and_the_step_without_it():
+    """A CUDA model (nccl, one rank): pinned host shards, the side stream's copies and their
+    events; slots step during backward from the second step; bitwise the step without the
+    pipeline, and the plain-torch loop on the same GPU within the one-rank tolerance (bf16:
+    one bf16 rounding)."""
+    for stage in (2, 3):
+        runs = run_ranks(_cuda_rank, 1, args=(stage,), start="spawn", timeout=240,
+                         env={"CUDA_VISIBLE_DEVICES": "0"})[0].value
+        for name in ("true", "true_bf16"):
+            off = runs["off" + name[4:]]
+            early, seen, final, _, grads = runs[name]
+            assert early == [False] + [True] * (STEPS - 1), (name, early)
+            assert grads == ("torch.bfloat16" if "bf16" in name else "torch.float32")
+            for a, b in zip(seen, off[1]):
+                for k in a:
+                    assert torch.equal(a[k], b[k]), (name, k)
+            for k in final:
+                assert torch.equal(final[k], off[2][k]), (name, k)
+            ref_seen, ref_final, _ = reference(param_dtype=RUNS[name].get("param_dtype"), device="cuda")
+            t = dict(rtol=2e-2, atol=2e-2) if "bf16" in name else dict(rtol=1e-5, atol=1e-6)
+            for a, b in zip(seen, ref_seen):
+                for k in b:
+                    torch.testing.assert_close(a[k], b[k], **t)
+            for k in ref_final:
+                torch.testing.assert_close(final[k], ref_final[k], **t)

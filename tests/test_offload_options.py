@@ -62,7 +62,8 @@ def _moments_rank(moments, stage, host, param_dtype, steps=3, ckpt=None, delayed
             opt.step()
         pieces = [pc.numel for pc, _, _ in opt.pieces]
         kinds = {str(v.dtype) for st in opt.inner.state.values() for k, v in st.items() if k == "exp_avg"}
-        return ({k: v.clone() for k, v in model.state_dict().items()}, opt.memory_stats(), pieces,
+        mem = dict(opt.memory_stats(), slot_elems=max((hi - lo for _, lo, hi in opt._slots), default=0))
+        return ({k: v.clone() for k, v in model.state_dict().items()}, mem, pieces,
                 sum(layout.shard_size for layout, _, _ in opt.shards()), kinds)
     finally:
         zero_optimizer._host_copies = lambda device: device.type == "cuda"
@@ -90,24 +91,25 @@ def moment_bytes(moments, pieces):
 def test_offload_moments_same_weights_as_pz_optim_and_host_bytes_per_parameter(moments):
     """One rank, stage 2, host copies of a bf16 model: the weights are bit for bit those of
     pz.optim.AdamW(moments=...) on the plain model (one piece per parameter, so the same
-    blocks), and memory_stats()["host"] is, per shard element, the fp32 master (4) + the fp32
-    gradient shard (4) + the bf16 copy (2) + the moments (8 / 4 / 2 + 8 per 256), plus one
-    4-byte step count per piece."""
+    blocks), and memory_stats()["host"] is, per shard element, the fp32 master (4) + the bf16
+    gradient shard of the offload pipeline (2) + the bf16 copy (2) + the moments (8 / 4 / 2 + 8
+    per 256), plus one 4-byte step count per piece and the fp32 scratch of the largest slot."""
     res = run_ranks(_moments_rank, 1, args=(moments, 2, True, torch.bfloat16), timeout=120)[0].value
     state, mem, pieces, shard, kinds = res
     assert kinds == {{"fp32": "torch.float32", "bf16": "torch.bfloat16", "int8": "torch.int8"}[moments]}
-    want = 4 * shard + 4 * shard + 2 * shard + moment_bytes(moments, pieces) + 4 * len(pieces)
-    assert mem["host"] == want, (mem, want)
+    want = 4 * shard + 2 * shard + 2 * shard + moment_bytes(moments, pieces) + 4 * len(pieces)
+    assert 0 < mem["slot_elems"] <= shard
+    assert mem["host"] == want + 4 * mem["slot_elems"], (mem, want)
     # the plain-model reference in fp32 parameters: same steps with fp32 host path and model
     res32 = run_ranks(_moments_rank, 1, args=(moments, 2, False, None), timeout=120)[0].value
     ref = _plain_pz(moments)
     for k, v in ref.items():
         assert torch.equal(res32[0][k], v), k
-    # delayed_update holds one more fp32 gradient shard (the CPU step's own copy); the device
-    # keeps the bf16 parameters alone
+    # delayed_update (no pipeline: fp32 gradient shards) holds one more fp32 gradient shard (the
+    # CPU step's own copy); the device keeps the bf16 parameters alone
     _, mem_d, pieces_d, shard_d, _ = run_ranks(_moments_rank, 1, args=(moments, 2, True, torch.bfloat16, 3, None,
                                                                        True), timeout=120)[0].value
-    assert mem_d["host"] == want + 4 * shard_d, (mem_d, want)
+    assert mem_d["host"] == want + 2 * shard_d + 4 * shard_d, (mem_d, want)
     nparams = sum(p.numel() for p in Net().parameters())
     assert mem["params"] == mem_d["params"] == 2 * shard and shard >= nparams
 
@@ -157,7 +159,10 @@ def _bad_ranks():
              dict(offload="cpu", offload_moments="int8", amsgrad=True),
              dict(offload="cpu", offload_moments="int8", cls=pz.optim.AdamW, moments="bf16"),
              dict(offload="cpu", delayed_update=1), dict(offload=None, delayed_update=True),
-             dict(offload="cpu", stage=3, delayed_update=True)]
+             dict(offload="cpu", stage=3, delayed_update=True),
+             dict(offload="cpu", offload_pipeline="bucket"), dict(offload=None, offload_pipeline=True),
+             dict(offload="nvme", offload_pipeline="step"), dict(offload="cpu", offload_pipeline=True,
+                                                                delayed_update=True)]
     return [_bad(dict(c)) for c in cases]
 
 
@@ -168,8 +173,10 @@ def test_bad_arguments_name_the_argument_on_every_rank():
         assert all(m is not None for m in msgs), msgs
         for m in msgs[:5]:
             assert "offload_moments" in m
-        for m in msgs[5:]:
+        for m in msgs[5:8]:
             assert "delayed_update" in m
+        for m in msgs[8:]:
+            assert m.startswith("offload_pipeline:"), m
 
 
 # ---- delayed_update -------------------------------------------------------------------------

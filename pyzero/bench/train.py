@@ -157,13 +157,16 @@ def _zero_comm_alone(opt) -> Callable:
     return run
 
 
-def _setup_zero(stage: int, offload: str | None = None) -> Callable:
+def _setup_zero(stage: int, offload: str | None = None, pipeline=False) -> Callable:
     """ZeroOptimizer at `stage`; offload="cpu": masters and AdamW state in host memory, the step on
-    the CPU (stage 3: the parameter shards too)."""
+    the CPU (stage 3: the parameter shards too), after backward (pipeline False, the -offload
+    runs) or with offload_pipeline=True (the -offload-pipe runs: bucket by bucket, during
+    backward from the second step on; see docs/offload.md)."""
     def setup(model, args) -> Runner:
         import pyzero as pz  # noqa: PLC0415
 
-        extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3}
+        extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3,
+                                             "offload_pipeline": pipeline}
         opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb,
                                **_adamw_kwargs(model), **extra)
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
@@ -250,7 +253,9 @@ def _setup_ds(offload: bool) -> Callable:
 RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _setup_torch_ddp("gloo"), "torch-ddp-pyzero": _setup_torch_ddp("pyzero"),
                              "dp": _setup_dp, "zero1": _setup_zero(1), "zero2": _setup_zero(2),
                              "zero3": _setup_zero(3), "zero2-offload": _setup_zero(2, "cpu"),
-                             "zero3-offload": _setup_zero(3, "cpu"), "torch-zero": _setup_torch_zero,
+                             "zero3-offload": _setup_zero(3, "cpu"),
+                             "zero2-offload-pipe": _setup_zero(2, "cpu", True),
+                             "zero3-offload-pipe": _setup_zero(3, "cpu", True), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero"),
                              "ds-zero2": _setup_ds(offload=False), "ds-zero2-offload": _setup_ds(offload=True)}
 
@@ -381,7 +386,8 @@ def _rank_main(run: str, args) -> dict:
 
 
 _STAGE = {"torch-local": 0, "torch-ddp": 0, "torch-ddp-pyzero": 0, "dp": 0, "zero1": 1, "zero2": 2, "zero3": 3,
-          "zero2-offload": 2, "zero3-offload": 3, "torch-zero": 1, "fsdp2": 3, "fsdp2-pyzero": 3}
+          "zero2-offload": 2, "zero3-offload": 3, "zero2-offload-pipe": 2, "zero3-offload-pipe": 3, "torch-zero": 1,
+          "fsdp2": 3, "fsdp2-pyzero": 3}
 
 
 def _trace_step(runner, x, y, dev) -> dict:

@@ -13,6 +13,10 @@ What moves where:
   delayed_update  the one-step delayed parameter update of ZeRO-Offload (DPU): the CPU step
                   of step t runs in a background thread while forward/backward of step t+1
                   run on the parameters from before it (see [Note: delayed update]); stages 1-2.
+  offload_pipeline  the host step bucket by bucket (stage 3: unit by unit) in a worker thread,
+                  each bucket's parameters sent to the device as the next one steps; True
+                  also starts a bucket's step during backward, as soon as its gradient is on
+                  the host, where that is exact (see [Note: offload pipeline] in optimizer.py).
 
 For a CPU model host memory *is* the device: "cpu" keeps every tensor where it is and
 only changes the kernel, "nvme" takes the optimizer state out of RAM. For a CUDA model
@@ -61,10 +65,12 @@ def state_elems_per_param(optimizer_class, kwargs: dict) -> int:
 class Offload:
     """A checked offload configuration (see :func:`resolve`)."""
 
-    def __init__(self, mode, nvme_path, offload_params, sub_group_elems, moments=None, delayed_update=False):
+    def __init__(self, mode, nvme_path, offload_params, sub_group_elems, moments=None, delayed_update=False,
+                 pipeline=None):
         self.mode, self.nvme_path, self.offload_params = mode, nvme_path, offload_params
         self.sub_group_elems = sub_group_elems
         self.moments, self.delayed_update = moments, delayed_update
+        self.pipeline = pipeline  # None (ZeroOptimizer decides: see [Note: offload pipeline]), False, True, "step"
 
     def build_optimizer(self, optimizer_class, groups, kwargs):
         """The inner optimizer over the master-shard pieces in `groups` (the hook in ZeroOptimizer)."""
@@ -88,11 +94,12 @@ class Offload:
 
     def __repr__(self):
         return (f"Offload(mode={self.mode!r}, nvme_path={self.nvme_path!r}, offload_params={self.offload_params}, "
-                f"moments={self.moments!r}, delayed_update={self.delayed_update})")
+                f"moments={self.moments!r}, delayed_update={self.delayed_update}, pipeline={self.pipeline!r})")
 
 
 def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, params, world,
-            sub_group_elems=pz_optim.nvme.DEFAULT_SUB_GROUP, moments=None, delayed_update=False) -> Offload:
+            sub_group_elems=pz_optim.nvme.DEFAULT_SUB_GROUP, moments=None, delayed_update=False,
+            pipeline=None) -> Offload:
     """Check the offload arguments of ZeroOptimizer; errors name the argument. For "nvme" the
     path must exist, be writable and hold this rank's optimizer state (os.statvfs)."""
     if offload not in MODES:
@@ -116,6 +123,15 @@ def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, 
     if delayed_update and (offload != "cpu" or stage not in (1, 2)):
         raise ValueError(f"delayed_update: needs offload='cpu' and stage 1 or 2, got offload={offload!r}, "
                          f"stage={stage!r}")
+    if not (pipeline is None or isinstance(pipeline, bool) or pipeline == "step"):
+        raise ValueError(f"offload_pipeline: expected None, False, True or 'step', got {pipeline!r}")
+    if pipeline not in (None, False):
+        if offload != "cpu":
+            raise ValueError(f"offload_pipeline: needs offload='cpu' (offload='nvme' pipelines the step with the "
+                             f"disk in sub-groups of its own), got offload={offload!r}")
+        if delayed_update:
+            raise ValueError("offload_pipeline: not with delayed_update=True, whose CPU step already runs behind the "
+                             "next forward/backward; give one of them")
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params: expected a bool, got {type(offload_params).__name__}")
     if offload_params and (offload is None or stage != 3):
@@ -135,7 +151,7 @@ def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, 
         numel = sum(p.numel() for p in params)
         shard = -(-numel // world)
         swap.check_path(nvme_path, shard * 4 * state_elems_per_param(optimizer_class, kwargs))
-    return Offload(offload, nvme_path, offload_params, sub_group_elems, moments, delayed_update)
+    return Offload(offload, nvme_path, offload_params, sub_group_elems, moments, delayed_update, pipeline)
 
 
 class DelayedStep:
@@ -174,6 +190,48 @@ class DelayedStep:
         if job is not None:
             self.unpublished = True
             job.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class SlotSteps:
+    """The worker thread of offload_pipeline (see [Note: offload pipeline] in optimizer.py): jobs
+    run one at a time in the order submitted; wait(s) returns once slot s's job has finished
+    and raises what it raised."""
+
+    def __init__(self, nslots: int):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pz-offload-step")
+        self.jobs: list = [None] * nslots
+
+    def submit(self, s: int, job) -> None:
+        self.jobs[s] = self._pool.submit(job)
+
+    def submitted(self, s: int) -> bool:
+        return self.jobs[s] is not None
+
+    def any_submitted(self) -> bool:
+        return any(j is not None for j in self.jobs)
+
+    def wait(self, s: int) -> None:
+        job = self.jobs[s]
+        if job is not None:
+            job.result()
+
+    def wait_all(self) -> None:
+        """Wait for every job (all of them, also after one raised); then raise the first error."""
+        err = None
+        for job in self.jobs:
+            if job is not None:
+                try:
+                    job.result()
+                except BaseException as e:  # noqa: BLE001 -- re-raised below, after the others finished
+                    err = err or e
+        if err is not None:
+            raise err
+
+    def reset(self) -> None:
+        self.jobs = [None] * len(self.jobs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

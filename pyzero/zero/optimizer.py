@@ -73,7 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
                  comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None, offload=None,
                  nvme_path=None, offload_params=False, offload_moments=None, delayed_update=False,
-                 **optimizer_kwargs):
+                 offload_pipeline=None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if any(isinstance(m, DataParallel) for m in model.modules()):
@@ -149,7 +149,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
                                         optimizer_kwargs, self.params, self.world, moments=offload_moments,
-                                        delayed_update=delayed_update)
+                                        delayed_update=delayed_update, pipeline=offload_pipeline)
+        # [Note: offload pipeline]
+        # offload_pipeline (offload="cpu" with host copies; None: "step" there, off elsewhere, as
+        # with delayed_update) runs the host step in *slots*: a bucket's part of the shard in
+        # stages 1-2, a unit's shard in stage 3. A worker thread (offload.SlotSteps) steps one
+        # slot at a time (pz.optim's fused step over that slot's pieces only: every other
+        # piece's .grad is None for the call, and each piece keeps its own step count, so the
+        # slots together are the one step, bit for bit). The main thread waits for slot after
+        # slot and sends each one's new values (the 16-bit host copy the step wrote, or the
+        # fp32 masters) to the device on the side stream (_SideCopies) while the next slot
+        # steps; stage 3 hands them to the unit's next gather as before. step() returns once
+        # every slot has stepped and its copy is queued: the host masters, state and
+        # checkpoints are final, and the current stream waits for the copies (on the GPU; the
+        # host does not wait), so anything after step() reads the new parameters, a direct
+        # p.cpu() included; the wait costs the GPU at most the last slot's copy (a bucket's).
+        # With True, a slot also starts stepping during backward, as soon as its reduced
+        # gradient has landed in the host shard (stages 2-3; stage 1 reduces in step()), when
+        # that is exact: no loss scaling, and the step() before had one synchronised backward
+        # (no_sync ones before it are fine) and no clip_grad_norm_, which the optimizer takes
+        # as the shape of the loop from then on; a slot whose parameters did not all get a
+        # gradient on this rank waits for step() (it may be skipped, see [Note: parameters
+        # without gradients]). If the loop then changes shape after a slot stepped early
+        # (clip_grad_norm_, another synchronised backward or zero_grad() before step()), the
+        # update cannot be taken back: RuntimeError, naming offload_pipeline="step".
+        # With the pipeline, a 16-bit model's host gradient shards are in the model dtype (2
+        # bytes a parameter instead of 4) where that holds the reduced gradient exactly: one
+        # rank, or a reduction in the model dtype (stage 1; stages 2-3 with comm_dtype equal to
+        # it); a slot widens its gradient into an fp32 scratch of one slot before its step. The
+        # first synchronised backward that adds to gradients already on the host (gradient
+        # accumulation without no_sync) widens the shards to fp32 for the rest of training.
+        if self.offload.pipeline is None:
+            self._pipe_mode = "step" if self._host and offload == "cpu" and not delayed_update else False
+        else:
+            self._pipe_mode = self.offload.pipeline if self._host else False  # (a CPU model: nothing to pipeline)
+        low = self.param_dtype or self.params[0].dtype
+        reduced = self._reduced_dtype()
+        self._host_grad_dtype = low if (self._pipe_mode and low != torch.float32 and reduced is not None
+                                        and (self.world == 1 or reduced == low)) else torch.float32
+        self._synced_backwards = 0  # synchronised backwards since the last step (see [Note: offload pipeline])
+        self._clipped = False  # clip_grad_norm_ since the last step
+        self._early_ok = False  # the loop's shape allows slot steps during backward
         self._sync = True
         self._grads_ready = False
         # Reductions launched during backward (stages 2, 3) and not yet folded into the shards;
@@ -217,9 +257,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _grad_buffer(self, n: int) -> torch.Tensor:
         """A zeroed fp32 gradient shard of n elements: in host memory with host copies (see
-        [Note: offload of a CUDA model]), else on the device."""
+        [Note: offload of a CUDA model]; in the model dtype where [Note: offload pipeline]
+        says), else on the device."""
         if self._host:
-            return _offload.pinned_empty(n, torch.float32).zero_()
+            return _offload.pinned_empty(n, self._host_grad_dtype).zero_()
         return torch.zeros(n, dtype=torch.float32, device=self.device)
 
     def _low_buffer(self, k: int, master: torch.Tensor, dtype) -> torch.Tensor:
@@ -259,15 +300,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._host_low = [self._low_buffer(k, master, low) for k, (_, master, _) in enumerate(self.shards())] \
             if self._host and low != torch.float32 else []
         self._low_of = {}  # per piece: its view of the 16-bit copy, for the step's copies=
+        self._piece_at = []  # per piece: (shard, offset in it)
         for k, (layout, master, grad) in enumerate(self.shards()):
             shard_off = layout.shard(self.rank).offset
             for pc in layout.pieces(self.rank):
                 lo = pc.offset - shard_off
                 leaf = nn.Parameter(master[lo:lo + pc.numel], requires_grad=True)
-                leaf.grad = self._grad_view(k, lo, pc.numel)
+                g = self._grad_view(k, lo, pc.numel)
+                leaf.grad = g if g.dtype == torch.float32 else None  # (16-bit: see [Note: offload pipeline])
                 if self._host_low:
                     self._low_of[pc] = self._host_low[k][lo:lo + pc.numel]
-                self.pieces.append((pc, leaf, leaf.grad))
+                self.pieces.append((pc, leaf, g))
+                self._piece_at.append((k, lo))
                 self._owner.append(self._param_index[id(layout.params[pc.index])])
                 groups[self._group_of[id(layout.params[pc.index])]]["params"].append(leaf)
         # Pieces in model order: with one rank, whole parameters in torch's order (see clip_grad_norm_).
@@ -278,6 +322,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g["params"].append(nn.Parameter(torch.zeros(0, device="cpu" if self._host else self.device),
                                                 requires_grad=True))
         self.inner = self.offload.build_optimizer(optimizer_class, groups, kwargs)
+        self._setup_pipeline()
         # [Note: gradient segments hold storage only while they hold values]
         # On the device path each gradient segment (stage 1-2: one per bucket's part of the
         # shard, stage 3: one per unit) is released by zero_grad(set_to_none=True), as torch
@@ -369,7 +414,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the reduced gradients of [lo, hi) of gradient segment `shard` (self._shard_grads order):
         added into the segment, with host copies on the host (see [Note: offload of a CUDA model])."""
         if self._host:
-            self._hgrads.put(shard, lo, hi, reduced)
+            if self._pipe_mode is True:
+                self._check_loop_shape("another synchronised backward", self._synced_backwards > 0)
+            direct = self._hgrads.put(shard, lo, hi, reduced)
+            if self._pipe_mode is True:
+                self._early_step(shard, lo, hi, direct)
         else:
             self._grow_grad(shard, zero=True)[lo:hi].add_(reduced)
 
@@ -422,6 +471,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type: expected a positive p (or inf), got {norm_type!r}")
         self._require_grads("clip_grad_norm_")
+        self._check_loop_shape("clip_grad_norm_")
+        self._clipped = True
         self._finish_gradients()
         if self._check_overflow():
             return torch.tensor(float("inf"), device=self.device)  # nothing clipped: step() will skip
@@ -429,8 +480,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = [self.pieces[k][2] for k in self._model_order]
         where = self._grads_device()
         if grads:
-            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
-                                             norm_type)
+            # (16-bit host shards, see [Note: offload pipeline]: each norm computed in fp32, as of the
+            # widened values)
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(
+                g, norm_type, dtype=None if g.dtype == torch.float32 else torch.float32) for g in grads]), norm_type)
         else:
             local = torch.zeros((), device=where)
         if self.tp_group is not None and self.tp_group.size > 1:
@@ -499,6 +552,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._finish_gradients()
         if self._delayed is not None:
             self._delayed_step()
+            return
+        if self._pipe_mode:
+            self._pipeline_step()
             return
         if self._check_overflow():
             self.scaler.update(overflow=True)
@@ -651,6 +707,171 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _stepped(self, a: int, b: int) -> None:
         """The host step finished pieces [a, b) (see [Note: chunked host step])."""
 
+    # ---- offload pipeline (see [Note: offload pipeline]) -----------------------
+
+    def _reduced_dtype(self) -> torch.dtype | None:
+        """The dtype a stage's reduced gradient slices arrive in; None where they are not the
+        reduced values themselves (quantised reductions)."""
+        return self.comm_dtype
+
+    def _pipeline_slots(self) -> list[tuple[int, int, int]]:
+        """(gradient segment, lo, hi) of each slot, in the order they step: by default one per
+        segment, all of it (stage 3: a unit)."""
+        return [(k, 0, g.numel()) for k, g in enumerate(self._shard_grads)]
+
+    def _set_grad_shard(self, k: int, t: torch.Tensor) -> None:
+        """Make `t` the gradient shard `k` of self.shards() (the host shards widened to fp32)."""
+        raise NotImplementedError
+
+    def _setup_pipeline(self):
+        self._slots = self._pipeline_slots() if self._pipe_mode else []
+        self._slot_at = {slot: s for s, slot in enumerate(self._slots)}
+        self._slot_pieces: list[list[int]] = [[] for _ in self._slots]
+        self._steps = _offload.SlotSteps(len(self._slots)) if self._pipe_mode else None
+        self._scratch = None
+        if not self._pipe_mode:
+            return
+        for i, (k, lo) in enumerate(self._piece_at):  # (a piece lies in one slot: slots end on parameters)
+            hi = lo + self.pieces[i][0].numel
+            s = next(s for s, (kk, a, b) in enumerate(self._slots) if kk == k and a <= lo and hi <= b and
+                     (a < b or lo == hi))
+            self._slot_pieces[s].append(i)
+        if self._host_grad_dtype != torch.float32:
+            self._scratch = torch.empty(max((hi - lo for _, lo, hi in self._slots), default=0), dtype=torch.float32)
+        self._hgrads.widen = self._widen_host_grads
+
+    def _hide_leaf_grads(self):
+        for _, leaf, _ in self.pieces:
+            leaf.grad = None
+
+    def _show_leaf_grads(self):
+        for _, leaf, g in self.pieces:
+            leaf.grad = g if g.dtype == torch.float32 else None
+
+    def _check_loop_shape(self, what: str, changed: bool = True) -> None:
+        """Raise if slots already stepped during this backward (see [Note: offload pipeline])."""
+        steps = getattr(self, "_steps", None)
+        if changed and steps is not None and steps.any_submitted():
+            raise RuntimeError(f"{what}: with offload_pipeline=True the CPU step of this backward's gradients already "
+                               f"started during backward (the steps before had one synchronised backward and no "
+                               f"clipping), and cannot be taken back; for a loop that clips, accumulates or zeroes "
+                               f"gradients only at some steps pass offload_pipeline='step'")
+
+    def _early_step(self, k: int, lo: int, hi: int, direct: bool) -> None:
+        """A slot's gradient has been queued to its host shard during backward: step it now when
+        that is exact (see [Note: offload pipeline])."""
+        if not self._early_ok or self._synced_backwards > 0 or not direct:
+            return
+        s = self._slot_at.get((k, lo, hi))
+        if s is None or self._steps.submitted(s) or not self._slot_pieces[s]:
+            return
+        if not all(self._has_grad[self._owner[i]] for i in self._slot_pieces[s]):
+            return  # (used on this rank: then on every rank; else step() decides)
+        if not self._steps.any_submitted():
+            self._hide_leaf_grads()
+        self._steps.submit(s, self._slot_job(s, 1.0, None, self._hgrads.landed()))
+
+    def _slot_job(self, s: int, factor: float, used, landed=None):
+        """The inner step of slot s's pieces (those whose parameter is used), applying `factor`
+        (1/scale times the clip coefficient) to the raw host gradients."""
+        def job():
+            if landed is not None:
+                landed.synchronize()  # the slot's gradient is in the host shard
+            self._to_device.wait()  # the last copies to the device have read what this step changes
+            idx = [i for i in self._slot_pieces[s] if used is None or used[self._owner[i]]]
+            if not idx:
+                return
+            k, lo, hi = self._slots[s]
+            g = self._shard_grads[k]
+            if g.dtype != torch.float32:  # 16-bit host gradients: widened into the scratch first
+                wide = self._scratch[:hi - lo]
+                wide.copy_(g[lo:hi])
+                grads = [wide[self._piece_at[i][1] - lo:self._piece_at[i][1] - lo + self.pieces[i][0].numel]
+                         for i in idx]
+            else:
+                grads = [self.pieces[i][2] for i in idx]
+            leaves = [self.pieces[i][1] for i in idx]
+            for leaf, gr in zip(leaves, grads):
+                leaf.grad = gr
+            try:
+                if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
+                    copies = {leaf: self._low_of[self.pieces[i][0]] for i, leaf in zip(idx, leaves)} \
+                        if self._host_low else None
+                    self.inner.step(grad_scale=factor, copies=copies)
+                else:
+                    if factor != 1.0:
+                        for gr in grads:
+                            gr.mul_(factor)
+                    self.inner.step()
+                    if self._host_low:
+                        master, low = self.shards()[k][1], self._host_low[k]
+                        if low.data_ptr() != master.data_ptr():
+                            low[lo:hi].copy_(master[lo:hi])
+            finally:
+                for leaf in leaves:
+                    leaf.grad = None
+        return job
+
+    def _pipeline_step(self):
+        """step() with offload_pipeline (see [Note: offload pipeline])."""
+        early = self._steps.any_submitted()
+        if self._check_overflow():  # (never with early slots: they need no loss scaling)
+            self._learn_loop_shape()
+            self.scaler.update(overflow=True)
+            self.zero_grad()
+            return
+        used = self._used()
+        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        if self._clip_coef is not None:
+            factor *= float(self._clip_coef)
+        if self.offload.offload_params and self.device.type == "cuda" and not early:
+            torch.cuda.synchronize(self.device)  # (gathers read the host shards this step changes)
+        if not early:
+            self._hide_leaf_grads()
+        try:
+            for s in range(len(self._slots)):
+                if not self._steps.submitted(s):
+                    self._steps.submit(s, self._slot_job(s, factor, used))
+            for s, idx in enumerate(self._slot_pieces):
+                self._steps.wait(s)
+                if idx:
+                    self._stepped(idx[0], idx[-1] + 1)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self._steps.wait_all()
+            self._to_device.join()  # (the copies started stay ordered before later device work)
+            raise
+        finally:
+            self._steps.reset()
+            self._show_leaf_grads()
+        self._publish_parameters()
+        self._learn_loop_shape()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.zero_grad()
+
+    def _learn_loop_shape(self):
+        """After a step: slots may step during the next backward if this step's loop allows it."""
+        self._early_ok = (self._pipe_mode is True and self.stage != 1 and self.scaler is None
+                          and self._synced_backwards == 1 and not self._clipped)
+        self._clipped = False
+
+    def _widen_host_grads(self):
+        """16-bit host gradient shards to fp32, for good (a synchronised backward adds to the
+        gradients on the host: see [Note: offload pipeline]). No copy is still landing."""
+        for k, g in enumerate(self._shard_grads):
+            wide = _offload.pinned_empty(g.numel(), torch.float32)
+            wide.copy_(g)
+            self._shard_grads[k] = wide  # (the list _HostGrads holds)
+            self._set_grad_shard(k, wide)
+        self._host_grad_dtype = torch.float32
+        self._scratch = None
+        for i, (pc, leaf, _) in enumerate(self.pieces):
+            k, lo = self._piece_at[i]
+            g = self._grad_view(k, lo, pc.numel)
+            self.pieces[i] = (pc, leaf, g)
+            leaf.grad = g
+
     # ---- loss scaling (fp16) ---------------------------------------------------
 
     @property
@@ -707,10 +928,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         they wrote straight into a segment is this backward's to keep."""
         self._drain()
         self._direct.clear()
+        self._synced_backwards += 1
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes the gradient shards; set_to_none (the default, as torch's) releases their
         memory instead (see [Note: gradient segments hold storage only while they hold values])."""
+        self._check_loop_shape("zero_grad() before step()")
+        self._synced_backwards = 0
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
         self._forget_host_copies()
         self._direct.clear()
@@ -848,7 +1072,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._host:  # the optimizer's side is in host memory (see [Note: offload of a CUDA model])
             counted, extra = {m.data_ptr() for _, m, _ in self.shards()}, []
             delayed = self._delayed.grads if self._delayed is not None else []  # (the job's gradient copies)
-            for t in self._shard_grads + delayed + self._host_low + self._host_param_shards():
+            scratch = [self._scratch] if self._scratch is not None else []  # (see [Note: offload pipeline])
+            for t in self._shard_grads + delayed + scratch + self._host_low + self._host_param_shards():
                 if t.data_ptr() not in counted:  # (offload_params: a 16-bit copy is the shard itself)
                     counted.add(t.data_ptr())
                     extra.append(t)
@@ -871,6 +1096,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         storages once, in this order."""
         optim = [t for st in self.inner.state.values() for t in st.values() if torch.is_tensor(t)]
         optim += [m for _, m, _ in self.shards()] + list(self._host_low)
+        optim += [self._scratch] if self._scratch is not None else []
         grads = [g for k, g in enumerate(self._shard_grads) if self._grad_live[k]]
         grads += [p.grad for p in self.params if p.grad is not None]
         return {"params": self._param_tensors(), "grads": grads, "buckets": self._bucket_tensors(),
@@ -952,20 +1178,39 @@ class _HostGrads:
         self._written: list[list[tuple[int, int]]] = [[] for _ in shards]  # ranges with values since restart()
 
     gate = None  # delayed_update: a threading.Event, open once the shards may be written (offload.DelayedStep)
+    widen = None  # 16-bit shards: makes them fp32 (ZeroOptimizer._widen_host_grads, see [Note: offload pipeline])
 
-    def put(self, k: int, lo: int, hi: int, dev: torch.Tensor) -> None:
+    def put(self, k: int, lo: int, hi: int, dev: torch.Tensor) -> bool:
+        """Queue the slice; True when it lands in the shard itself (else finish() puts it there)."""
         if hi <= lo:
-            return
+            return False
         if self.gate is not None:
             self.gate.wait()
         new = not any(a < hi and lo < b for a, b in self._written[k])
+        if not new and self.shards[k].dtype != torch.float32:  # gradients add up on the host: in fp32
+            self._copies.wait()
+            self.widen()
         self._written[k].append((lo, hi))
-        if new and dev.dtype == torch.float32:
+        dtype = self.shards[k].dtype
+        if new and dev.dtype != dtype and dtype != torch.float32:
+            # (16-bit shards hold the reduced values exactly, see [Note: offload pipeline]): narrowed
+            # on the device, half the bytes to copy
+            dev = dev.to(dtype)
+        if new and dev.dtype == dtype:
             self._copies.copy(self.shards[k][lo:hi], dev)
-            return
+            return True
         host = torch.empty(hi - lo, dtype=dev.dtype, pin_memory=self._copies.stream is not None)
         self._copies.copy(host, dev)
         self._staged.append((k, lo, hi, host, not new))
+        return False
+
+    def landed(self):
+        """A CUDA event after the copies queued so far (None on the CPU, where they are done)."""
+        if self._copies.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._copies.stream)
+        return ev
 
     def finish(self) -> None:
         """Every slice put so far is in the shards; ranges nothing wrote are zero."""

@@ -223,6 +223,12 @@ class ZeroStage3(ZeroOptimizer):
     def shards(self):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
 
+    def _reduced_dtype(self):
+        return None if self._zeropp[2] else self.comm_dtype  # (quantised gradients: not the reduced values)
+
+    def _set_grad_shard(self, k, t):
+        self.units[k].grad_shard = t
+
     def comm_plan(self):
         """Forward gathers every unit, backward gathers it again and reduce-scatters its gradients.
         (The plain stage 3 collectives: with ZeRO++ options a step moves fewer bytes, see zeropp.py.)"""

@@ -120,6 +120,12 @@ class _FlatParams(ZeroOptimizer):
     def shards(self):
         return [(self.layout, self.master, self.grad_shard)]
 
+    def _pipeline_slots(self):
+        return [(0, lo, hi) for lo, hi in self._parts]  # a bucket's part of the shard each
+
+    def _set_grad_shard(self, k, t):
+        self.grad_shard = t
+
     def _grad_segments(self):
         if self._host:
             return [self.grad_shard]
@@ -178,6 +184,9 @@ class ZeroStage1(_FlatParams):
     def _setup(self):
         self._setup_flat()
         self._reduced = False
+
+    def _reduced_dtype(self):
+        return self.param_dtype or self.params[0].dtype  # (the buckets reduce in the model's dtype)
 
     def _held_grads(self):
         return super()._held_grads() + _nbytes(p.grad for p in self.params if p.grad is not None)

@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from . import comm
 from .backend import DTYPES, SUPPORTED_DTYPES
-from .distributed_cuda import CudaGroups, CudaWork, Held
+from .distributed_cuda import CudaGroups, CudaWork, Held, P2PEntry, P2PQueue, QueuedWork
 
 __all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
 
@@ -365,6 +365,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         self._held = Held()  # what waited CUDA works reference until the GPU has passed the wait
         self._group_name = self._group_desc = ""
         self._coalesced: list | None = None  # works issued between _start_coalescing and _end_coalescing
+        # CUDA sends and receives, issued together (see [Note: CUDA point-to-point is batched])
+        self._queue = P2PQueue(self._issue_p2p)
 
     # ---- identity ----
 
@@ -437,7 +439,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def _end_coalescing(self, device) -> dist.Work:
         works, self._coalesced = self._coalesced or [], None
-        pending = [w for w in works if isinstance(w, CudaWork)]
+        self._queue.flush()  # (sends and receives of the block: one batch)
+        pending = [w for w in works if isinstance(w, (CudaWork, QueuedWork))]
         if pending:  # the current stream waits for all of them
             return CudaWork(works, [], None, pending[0].device, self.cuda, self._held)
         return self._work(works, [])
@@ -481,9 +484,11 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def _pz(self, buf, nbytes: int | None = None) -> comm.Group:
         """The pyzero group for buffer `buf`: the shm group for CPU tensors, else the GPU group for a
-        call of `nbytes` (default: buf's), made on the first CUDA collective."""
+        call of `nbytes` (default: buf's), made on the first CUDA collective; queued CUDA sends and
+        receives are issued first (calls keep their order)."""
         if buf.is_cpu:
             return self.group
+        self._queue.flush()
         if self.cuda is None:
             self.cuda = CudaGroups(dist.PrefixStore("cuda-pyzero/", self._store), self.group.ranks, self.group.rank,
                                    self._timeout.total_seconds(), self._options, buf.device.index)
@@ -491,18 +496,36 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def _p2p(self, buf, op: str, collective: bool) -> comm.Group:
         """The pyzero group for point-to-point messages of `buf` (send, recv, and what gather, scatter
-        and all_to_all send): the shm group for CPU tensors; for CUDA ones, nccl where it is the only
-        transport (a `collective` call may make it; a send or recv cannot, as only two ranks call it)."""
+        and all_to_all send): the shm group for CPU tensors; for CUDA ones the GPU transport's
+        (ipc on one host, else nccl), which a `collective` call may make (a send or recv cannot, as
+        only two ranks call it)."""
         if buf.is_cpu:
             return self.group
         if self.cuda is None:
             if not collective:
                 raise NotImplementedError(
                     f"{op}: the first call on CUDA tensors of a {NAME!r} group must be a collective (every rank "
-                    "of the group makes its GPU transport then); point-to-point calls run on CUDA tensors only "
-                    "where the ranks span hosts, after one")
+                    "of the group makes its GPU transport then, e.g. a barrier or an all_reduce); point-to-point "
+                    "calls on CUDA tensors run after one")
             self._pz(buf)
         return self.cuda.p2p(op)
+
+    def _queued(self, entries, flush: bool):
+        """Queue CUDA sends and receives (see [Note: CUDA point-to-point is batched]); `flush`: issue
+        them now (a call whose messages form one batch). The work of the last entry."""
+        works = [self._queue.add(e) for e in entries]
+        if flush:
+            self._queue.flush()
+        if self._coalesced is not None:
+            self._coalesced.extend(works)
+        return works[-1]
+
+    def _issue_p2p(self, entries) -> dist.Work:
+        """One pyzero batch_isend_irecv of queued entries; its CUDA work runs their copy-backs."""
+        ops = [comm.P2POp("send" if e.is_send else "recv", e.buf, e.peer, e.group) for e in entries]
+        works = comm.batch_isend_irecv(ops)
+        return CudaWork(works[:1], [], _chain(*(e.finish for e in entries)), entries[0].buf.device, self.cuda,
+                        self._held)
 
     def _allreduce_one(self, t, reduce_op, op: str, arg: str, async_op: bool):
         """(pyzero work or None when done, copy-back) reducing `t` in place."""
@@ -772,6 +795,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                 raise ValueError(f"gather: gather_list must be empty on ranks other than dst={root}")
             buf, _ = _stage(inp, "gather", "tensor")
             g = self._p2p(buf, "gather", collective=True)
+            if buf.is_cuda:
+                return self._queued([P2PEntry(g, buf, self.group.ranks[root], True, None, [])], flush=True)
             return self._work([comm.send(buf, self.group.ranks[root], g, async_op=True)], [], None, inp)
         outs = _one(output_tensors, "gather", "gather_list")
         if len(outs) != self.group.size:
@@ -779,6 +804,11 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
         g = self._p2p(inp, "gather", collective=True)
         outs[root].copy_(inp)
+        if inp.is_cuda:
+            if not staged:
+                return self._work([], output_tensors, None, inp)
+            return self._queued([P2PEntry(g, buf, self.group.ranks[r], False, back,
+                                               output_tensors) for r, (buf, back) in staged.items()], flush=True)
         works = [comm.recv(buf, self.group.ranks[r], g, async_op=True) for r, (buf, _) in staged.items()]
         return self._work(works, output_tensors, _chain(*(back for _, back in staged.values())), inp)
 
@@ -795,14 +825,22 @@ class ProcessGroupPyzero(dist.ProcessGroup):
                 raise ValueError(f"scatter: scatter_list must be empty on ranks other than src={root}")
             buf, back = _stage(out, "scatter", "tensor", copy_in=False)
             g = self._p2p(buf, "scatter", collective=True)
+            if buf.is_cuda:
+                return self._queued([P2PEntry(g, buf, self.group.ranks[root], False, back, output_tensors)],
+                                    flush=True)
             return self._work([comm.recv(buf, self.group.ranks[root], g, async_op=True)], output_tensors, back, out)
         ins = _one(input_tensors, "scatter", "scatter_list")
         if len(ins) != self.group.size:
             raise ValueError(f"scatter: scatter_list must hold {self.group.size} tensors (one per rank), got {len(ins)}")
         staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
         g = self._p2p(out, "scatter", collective=True)
-        works = [comm.send(buf, self.group.ranks[r], g, async_op=True) for r, buf in staged.items()]
         out.copy_(ins[root])
+        if out.is_cuda:
+            if not staged:
+                return self._work([], output_tensors, None, out)
+            return self._queued([P2PEntry(g, buf, self.group.ranks[r], True, None, output_tensors)
+                                      for r, buf in staged.items()], flush=True)
+        works = [comm.send(buf, self.group.ranks[r], g, async_op=True) for r, buf in staged.items()]
         return self._work(works, output_tensors, None, out)
 
     # ---- all_to_all ----
@@ -824,6 +862,15 @@ class ProcessGroupPyzero(dist.ProcessGroup):
             pairs.append((dst, bi, src, bo, back))
         works = []
         g = self._p2p(output_tensors[me], "alltoall", collective=True)
+        if output_tensors[me].is_cuda:  # (a send and a receive per peer: pairs stay in one batch)
+            output_tensors[me].copy_(input_tensors[me])
+            if not pairs:
+                return self._work([], output_tensors, None, output_tensors[me])
+            entries = []
+            for dst, bi, src, bo, back in pairs:
+                entries += [P2PEntry(g, bi, self.group.ranks[dst], True, None, output_tensors),
+                            P2PEntry(g, bo, self.group.ranks[src], False, back, output_tensors)]
+            return self._queued(entries, flush=True)
         for dst, bi, src, bo, _ in pairs:
             works.append(comm.send(bi, self.group.ranks[dst], g, async_op=True))
             works.append(comm.recv(bo, self.group.ranks[src], g, async_op=True))
@@ -845,6 +892,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         opts = _OPTIONS.BarrierOptions() if opts is None else opts
+        self._queue.flush()  # (queued CUDA sends and receives come first)
         return self._work([comm.barrier(self.group, async_op=opts.asyncOp)], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
@@ -860,7 +908,10 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         _check_tag(tag, "send")
         buf, _ = _stage_bytes(t, "send", "tensor")
         g = self._p2p(buf, "send", collective=False)
-        return self._work([comm.send(buf, self._global(dst, "send", "dst"), g, async_op=True)], tensors, None, t)
+        peer = self._global(dst, "send", "dst")
+        if buf.is_cuda:
+            return self._queued([P2PEntry(g, buf, peer, True, None, tensors)], flush=False)
+        return self._work([comm.send(buf, peer, g, async_op=True)], tensors, None, t)
 
     def recv(self, tensors, src: int, tag: int = 0):
         t = _one(tensors, "recv", "tensors")
@@ -869,7 +920,10 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         _check_tag(tag, "recv")
         buf, back = _stage_bytes(t, "recv", "tensor", copy_in=False)
         g = self._p2p(buf, "recv", collective=False)
-        return self._work([comm.recv(buf, self._global(src, "recv", "src"), g, async_op=True)], tensors, back, t)
+        peer = self._global(src, "recv", "src")
+        if buf.is_cuda:
+            return self._queued([P2PEntry(g, buf, peer, False, back, tensors)], flush=False)
+        return self._work([comm.recv(buf, peer, g, async_op=True)], tensors, back, t)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise ValueError(f"recv: src=None (receive from any rank) is not supported by the {NAME!r} backend; "

@@ -34,10 +34,11 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from . import comm
+from .backends.ipc import MAX_BATCH
 from .envvars import env_int
 from .topology import host_name, peer_json
 
-__all__ = ["CudaGroups", "CudaWork", "IPC_MAX_ENV", "Route", "TRANSPORT_ENV",
+__all__ = ["CudaGroups", "CudaWork", "IPC_MAX_ENV", "P2PEntry", "P2PQueue", "QueuedWork", "Route", "TRANSPORT_ENV",
            "DEFAULT_IPC_MAX_BYTES", "ipc_max_bytes", "plan", "transport_choice"]
 
 TRANSPORT_ENV = "PYZERO_TORCH_CUDA"
@@ -156,14 +157,9 @@ class CudaGroups:
         return g if g is not None else self._make(name)
 
     def p2p(self, op: str) -> comm.Group:
-        """The group for point-to-point calls: nccl's, where it is this group's only transport."""
-        g = self.groups.get("nccl")
-        if g is None or self.route.ipc:
-            raise NotImplementedError(
-                f"{op}: point-to-point calls on CUDA tensors are not available on the 'pyzero' backend where "
-                "its ranks share a host (the ipc transport has none yet); map CUDA tensors to torch's NCCL "
-                "with init_process_group('cpu:pyzero,cuda:nccl'), or use collectives")
-        return g
+        """The group for point-to-point calls (one transport for every size, so that a send and
+        its receive always meet): ipc where the ranks share a host, else nccl."""
+        return self.groups["ipc"] if self.route.ipc else self.groups["nccl"]
 
     def side_stream(self) -> torch.cuda.Stream:
         if self.side is None:
@@ -274,3 +270,104 @@ class CudaWork(dist.Work):
                 fut.set_result(self._result)
             self._fut = fut
         return self._fut
+
+
+# ---------------------------------------------------------------------------
+# Point-to-point calls on CUDA tensors
+#
+# [Note: CUDA point-to-point is batched]
+# On the GPU a group's calls run one after another on its stream, and a send completes only once
+# its receive runs (NCCL's rule, which the ipc transport keeps). torch's batch_isend_irecv hands a
+# backend that is not NCCL its sends and receives one by one, so issued as they come, a ring step
+# (every rank sends to the next, then receives from the previous) would wait in a cycle. So the
+# sends and receives of CUDA tensors queue up (P2PQueue) and are issued together, as one
+# batch_isend_irecv of pyzero (one kernel that progresses all of them), when one of their works is
+# waited for (wait, synchronize, is_completed, get_future, result), when the group makes any other
+# call on CUDA tensors (so calls keep their order), or when MAX_BATCH of them are queued. A send
+# whose work is never waited for and after which the group makes no CUDA call is never issued:
+# wait for every isend and irecv, as torch's NCCL backend also asks before their tensors are used
+# again. all_to_all, gather and scatter queue their messages and issue them at once.
+
+
+class P2PEntry:
+    """One queued send or receive: the buffer pyzero carries, the peer's global rank, the copy-back
+    into the caller's tensor (receives of staged dtypes), and what the call's work returns."""
+
+    def __init__(self, group: comm.Group, buf: torch.Tensor, peer: int, is_send: bool, finish, result):
+        self.group, self.buf, self.peer, self.is_send = group, buf, peer, is_send
+        self.finish, self.result = finish, result
+
+
+class P2PQueue:
+    """The queued CUDA sends and receives of one torch group (see [Note: CUDA point-to-point is
+    batched]). `issue(entries)` issues them as one batch and returns its dist.Work."""
+
+    def __init__(self, issue, limit: int = MAX_BATCH):
+        self.issue, self.limit = issue, limit
+        self.pending: list[P2PEntry] = []
+        self.works: list[QueuedWork] = []
+
+    def add(self, entry: P2PEntry) -> "QueuedWork":
+        w = QueuedWork(self, entry.result, entry.buf.device)
+        self.pending.append(entry)
+        self.works.append(w)
+        if len(self.pending) >= self.limit:
+            self.flush()
+        return w
+
+    def flush(self) -> None:
+        """Issue what is queued (a failure is raised here and by every one of its works)."""
+        if not self.pending:
+            return
+        entries, works = self.pending, self.works
+        self.pending, self.works = [], []
+        try:
+            real = self.issue(entries)
+        except Exception as e:  # noqa: BLE001
+            for w in works:
+                w.error = e
+            raise
+        for w in works:
+            w.real = real
+
+
+class QueuedWork(dist.Work):
+    """The work of a queued send or receive: the first use issues the queue, then it is the batch's."""
+
+    def __init__(self, queue: P2PQueue, result, device):
+        super().__init__()
+        self.queue, self._result, self.device = queue, result, device
+        self.real: dist.Work | None = None
+        self.error: Exception | None = None
+
+    def _issued(self) -> dist.Work:
+        if self.real is None and self.error is None:
+            self.queue.flush()
+        if self.error is not None:
+            raise self.error
+        return self.real
+
+    def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
+        return self._issued().wait(timeout)
+
+    def synchronize(self) -> None:
+        self._issued().synchronize()
+
+    def is_completed(self) -> bool:
+        if self.error is not None:
+            return True
+        return self._issued().is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.error is None and self.real.is_success()
+
+    def exception(self):
+        return self.error if self.error is not None else self._issued().exception()
+
+    def result(self):
+        self._issued().wait()
+        return self._result
+
+    def get_future(self) -> Future:
+        real = self._issued()
+        return real.get_future().then(lambda _: self._result)

@@ -136,10 +136,7 @@ def _rank_routes(hosts, gpus, env, config):
         out["route"] = (pg.cuda.route.ipc, pg.cuda.route.nccl, pg.cuda.route.ipc_max)
         out["large"] = pg._pz(FakeCuda(me, 1 << 20))  # 4 MiB
         out["made"] = list(made)
-        try:
-            out["p2p"] = pg.cuda.p2p("send")
-        except NotImplementedError as e:
-            out["p2p"] = f"raised: {e}"
+        out["p2p"] = pg.cuda.p2p("send")
     except ValueError as e:
         out["error"] = str(e)
     sub = dist.new_group([0, dist.get_world_size() - 1])  # a subgroup: its own transports, its global ranks
@@ -165,7 +162,7 @@ def test_routes_from_the_members_hosts_and_gpus():
         assert v["route"] == (True, True, 1 << 20)
         assert (v["small"], v["large"]) == ("ipc", "nccl")
         assert v["made"] == [("ipc", (0, 1, 2), r.rank, r.rank), ("nccl", (0, 1, 2), r.rank, r.rank)]
-        assert v["p2p"].startswith("raised: send: point-to-point calls on CUDA tensors are not available")
+        assert v["p2p"] == "ipc"  # point-to-point on one transport for every size: ipc on one host
         if r.rank in (0, 2):
             assert v["sub"] == ("ipc", [("ipc", (0, 2), [0, 2].index(r.rank), r.rank)])
 
@@ -174,7 +171,7 @@ def test_routes_shared_gpu_and_hosts():
     # three ranks on one GPU of one host (MPS): ipc for every size, no nccl
     for r in run_ranks(_rank_routes, 3, args=(["h"] * 3, ["g0"] * 3, {}, "pyzero"), timeout=60):
         assert r.value["route"] == (True, False, 8 * MB)
-        assert (r.value["small"], r.value["large"]) == ("ipc", "ipc")
+        assert (r.value["small"], r.value["large"], r.value["p2p"]) == ("ipc", "ipc", "ipc")
         assert [m[0] for m in r.value["made"]] == ["ipc"]
     # two hosts: nccl for every size, and point-to-point on it; "cuda:pyzero" in a map does the same
     for r in run_ranks(_rank_routes, 2, args=(["a", "b"], ["g0", "g0"], {}, "cpu:pyzero,cuda:pyzero"), timeout=60):
@@ -210,3 +207,60 @@ def test_device_maps():
         assert "carries CPU and CUDA tensors, got one on cuda:0" in r.value["cpu only"]
         assert "'cpu:pyzero,cuda:<backend>'" in r.value["cpu only"]
         assert r.value["pyzero"] is None  # a plain "pyzero" subgroup carries CUDA tensors itself
+
+
+# ---------------------------------------------------------------------------
+# Queued sends and receives of CUDA tensors ([Note: CUDA point-to-point is batched]), with a
+# recording issue function and CPU tensors standing for the CUDA buffers
+
+
+class _Batch(dist.Work):
+    def __init__(self, log, entries):
+        super().__init__()
+        self.entries, self.waits = entries, 0
+        log.append(self)
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _entry(peer, is_send, tag):
+    return dc.P2PEntry("group", torch.full((2,), float(tag)), peer, is_send, None, [tag])
+
+
+def test_queued_sends_and_receives_go_out_together_at_the_first_wait():
+    log = []
+    q = dc.P2PQueue(lambda entries: _Batch(log, entries), limit=4)
+    a, b, c = q.add(_entry(1, True, 10)), q.add(_entry(2, False, 11)), q.add(_entry(1, True, 12))
+    assert log == []  # nothing issued yet: a ring step's send and receive must meet in one batch
+    assert b.wait() is True
+    assert len(log) == 1 and [(e.peer, e.is_send, e.result) for e in log[0].entries] == \
+        [(1, True, [10]), (2, False, [11]), (1, True, [12])]
+    assert a.real is c.real is log[0] and log[0].waits == 1
+    assert a.result() == [10] and c.is_completed() and a.is_success() and log[0].waits == 2
+    # the limit issues a full batch at once; an explicit flush (another call of the group) the rest
+    ws = [q.add(_entry(3, k % 2 == 0, k)) for k in range(6)]
+    assert len(log) == 2 and [e.result for e in log[1].entries] == [[0], [1], [2], [3]]
+    assert ws[3].real is log[1] and ws[4].real is None
+    q.flush()
+    assert len(log) == 3 and [e.result for e in log[2].entries] == [[4], [5]] and ws[5].real is log[2]
+    q.flush()  # nothing queued: nothing issued
+    assert len(log) == 3
+
+
+def test_a_batch_that_fails_to_issue_fails_every_one_of_its_works():
+    def issue(entries):
+        raise ValueError("ops: boom")
+    q = dc.P2PQueue(issue)
+    a, b = q.add(_entry(1, True, 1)), q.add(_entry(1, False, 2))
+    with pytest.raises(ValueError, match="boom"):
+        a.wait()
+    for w in (a, b):
+        with pytest.raises(ValueError, match="boom"):
+            w.wait()
+        assert w.is_completed() and not w.is_success() and "boom" in str(w.exception())
+    assert q.pending == []  # the next call starts a new batch

@@ -76,6 +76,9 @@ struct ncclComm {
   std::string last_error;
   ncclResult_t async_error = ncclSuccess;  // sticky once set
   std::shared_ptr<pz::IpcWork> last;       // the latest operation issued
+  // Where ncclCommGetAsyncError "waits" for `last` to read its failures without a host wait: a
+  // stream of its own, never captured (the transport's stream may be part of a CUDA graph capture).
+  cudaStream_t probe = nullptr;
   // set-up in the background (non-blocking communicators)
   std::thread init;
   std::atomic<bool> init_done{false}, stop{false};
@@ -292,6 +295,10 @@ void connect(ncclComm* c, std::string name) {
     pz::IpcConfig cfg;
     cfg.timeout_s = env_seconds("PYZERO_TEST_NCCL_KERNEL_TIMEOUT", 86400.0);
     c->t = std::make_unique<pz::IpcTransport>(c->rank, c->nranks, c->device, cfg);
+    int prev = 0;
+    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(c->device) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&c->probe, cudaStreamNonBlocking) != cudaSuccess || cudaSetDevice(prev) != cudaSuccess)
+      throw pz::CollectiveError("CUDA error: cannot create the communicator's stream");
     std::vector<std::string> handles =
         pz::tnccl::rendezvous(name, c->rank, c->nranks, c->t->handle(), env_seconds("PYZERO_TEST_NCCL_TIMEOUT", 300.0),
                               [c] { return c->stop.load(); });
@@ -424,7 +431,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
       // A finished operation: every failure up to it, mismatches included (a host wait for
       // finished work); else the timeouts and aborts recorded so far.
       if (w->completed()) w->synchronize();
-      else w->wait(comm->t->stream());
+      else w->wait(reinterpret_cast<uintptr_t>(comm->probe));
     }
   } catch (const std::exception& e) {
     *asyncError = fail_async(comm, e);
@@ -483,6 +490,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     comm->closing.reset();
     if (comm->t) comm->t->close();  // sets the abort word: this rank's waiting kernels end
     comm->t.reset();
+    if (comm->probe) cudaStreamDestroy(comm->probe);
+    comm->probe = nullptr;
   }
   delete comm;
   return ncclSuccess;

@@ -91,6 +91,18 @@ def cuda_mode():
     return "ON"
 
 
+def test_nccl_mode(cuda):
+    """PYZERO_TEST_NCCL=1 -> "ON": also build the test NCCL library (a CUDA build only)."""
+    flag = os.environ.get("PYZERO_TEST_NCCL", "").strip().lower()
+    on = {"": False, "0": False, "off": False, "1": True, "on": True}.get(flag)
+    if on is None:
+        raise SystemExit(f"PYZERO_TEST_NCCL={flag!r}: expected 1 (also build the test NCCL library) or 0")
+    if on and cuda != "ON":
+        raise SystemExit("PYZERO_TEST_NCCL=1 needs the CUDA build (nvcc, PYZERO_CUDA unset or 1): the test NCCL "
+                         "library runs the ipc backend's kernels; unset PYZERO_TEST_NCCL or build with CUDA")
+    return "ON" if on else "OFF"
+
+
 def build_tool(name, attr):
     """`name` (cmake, ninja) on PATH, else from the bin folder of its pip package (`attr`)."""
     found = shutil.which(name)
@@ -136,6 +148,7 @@ class CMakeBuild(build_ext):
             f"-DPYZERO_CUDA={cuda}",
             f"-DPYZERO_CUDA_ARCH={cuda_archs()}",
             f"-DPYZERO_NCCL_ROOT={nccl_root() if cuda == 'ON' else ''}",
+            f"-DPYZERO_TEST_NCCL={test_nccl_mode(cuda)}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))

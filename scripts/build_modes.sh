@@ -25,7 +25,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
-unset PYTHONPATH VIRTUAL_ENV PYZERO_CUDA PYZERO_CUDA_ARCH TORCH_CUDA_ARCH_LIST PYZERO_NCCL_ROOT CUDACXX \
+unset PYTHONPATH VIRTUAL_ENV PYZERO_CUDA PYZERO_CUDA_ARCH TORCH_CUDA_ARCH_LIST PYZERO_NCCL_ROOT PYZERO_TEST_NCCL CUDACXX \
   PIP_REQUIRE_VIRTUALENV
 MODES=("$@")
 [ ${#MODES[@]} -gt 0 ] || MODES=(editable-isolated editable-plain install-isolated install-plain wheel)

@@ -4,7 +4,8 @@
 #   GPU tests (pytest -m gpu: kernels, the nccl backend at world size 1 and, with
 #   2+ GPUs, at world size = GPU count, the ipc backend with 2-4 processes on GPU 0)
 #   and the GPU benches (kernels; collectives on every GPU: pyzero ring, native NCCL
-#   passthrough, torch; the ipc backend at 1 and 2 processes; fault cells on ipc), and writes what they printed,
+#   passthrough, torch; the ipc backend at 1 and 2 processes; fault cells on ipc; the nccl backend at 2 and 4
+#   processes on GPU 0 through the test NCCL library), and writes what they printed,
 #   plus a JSON record, to benchmarks/results/gpu_<gpu name>_<date>.{txt,json}.
 # Works offline: it downloads nothing. It uses the current Python environment (PYTHON, default
 # python3), which must already have torch with CUDA, setuptools>=77 (torch >= 2.13 brings it),
@@ -39,6 +40,10 @@ STAMP=$(date -u +%Y%m%d)
 OUT=benchmarks/results/gpu_${GPU}_${STAMP}
 mkdir -p benchmarks/results
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
+PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
+# nccl-multi: the build also makes the test NCCL library (csrc/test_nccl/; the CUDA objects are _C's).
+if part nccl-multi; then export PYZERO_TEST_NCCL=1; fi
 # setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
 # then the same CMake configure + build runs directly (the module lands in pyzero/ either way).
 build() {
@@ -50,7 +55,7 @@ build() {
     lib=$(pwd)/$bd/lib
     cmake -S . -B "$bd" -G Ninja -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$lib" -DPython_EXECUTABLE="$(command -v "$PY")" \
       -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" -DPYZERO_CUDA=ON \
-      -DPYZERO_CUDA_ARCH="$ARCH" -DPYZERO_NCCL_ROOT="${PYZERO_NCCL_ROOT:-$("$PY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')}" \
+      -DPYZERO_CUDA_ARCH="$ARCH" -DPYZERO_TEST_NCCL="${PYZERO_TEST_NCCL:-0}" -DPYZERO_NCCL_ROOT="${PYZERO_NCCL_ROOT:-$("$PY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])')}" \
       -DCMAKE_BUILD_TYPE=Release && cmake --build "$bd" -j "$(nproc)" && cp "$lib"/_C*.so "$lib"/_build_config.py pyzero/
   fi
 }
@@ -58,7 +63,7 @@ SECONDS=0
 build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 echo "built in ${SECONDS} s"
 # GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
-# ipc faults; capacity and memory (per-rank peaks with 2 and 4 processes on GPU 0) run only when named.
+# ipc faults nccl-multi; capacity and memory (per-rank peaks with 2 and 4 processes on GPU 0) run only when named.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
 # only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
@@ -67,8 +72,9 @@ echo "built in ${SECONDS} s"
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
 # all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests
 # to the ipc part. The daemon is started for the part and stopped after it (GPU_CHECK_MPS=0: never).
-PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults} "
-part() { [[ "$PARTS" == *" $1 "* ]]; }
+# nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
+# pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
+# test NCCL library (PYZERO_TEST_NCCL_ROOT, else the one this build made, else scripts/build_test_nccl.sh).
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
@@ -204,6 +210,30 @@ deepspeed_here() {
     timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
       --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl.json" \
       || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
+  fi
+  fi
+  if part nccl-multi; then
+  echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
+  TNCCL=${PYZERO_TEST_NCCL_ROOT:-$(ls -d build/cmake-py*/test-nccl build/gpu-check/test-nccl 2>/dev/null | head -1)}
+  if [ -z "$TNCCL" ] || [ ! -f "$TNCCL/lib/libnccl.so.2" ]; then
+    TNCCL=build/test-nccl
+    echo "(building the test NCCL library into $TNCCL)"
+    PYTHON="$PY" timeout "$(lim 400)" bash scripts/build_test_nccl.sh "$TNCCL" >"${OUT}_test_nccl_build.log" 2>&1 ||
+      { tail -20 "${OUT}_test_nccl_build.log"; echo "TEST NCCL LIBRARY BUILD FAILED"; }
+  fi
+  if [ -f "$TNCCL/lib/libnccl.so.2" ]; then
+    TNCCL=$(cd "$TNCCL" && pwd)
+    MULTI_TIMEOUT_ARGS=()  # (a spawned 4-rank matrix takes longer than one test of the tests part)
+    [ ${#TIMEOUT_ARGS[@]} -eq 0 ] || MULTI_TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
+    mps_start
+    PYZERO_TEST_NCCL_ROOT=$TNCCL timeout "$(lim 420)" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
+      -p no:cacheprovider "${MULTI_TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu \
+      tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
+    echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"
+    CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL timeout "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
+      --tries 1 --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl_test.json" \
+      || echo "NCCL FAULT CELLS ON THE TEST LIBRARY FAILED (or past $(lim 60) s)"
+    mps_stop
   fi
   fi
 } 2>&1 | tee "${OUT}.txt"

@@ -45,8 +45,8 @@ def _cases(all_reduce_algos=("oneshot", "twoshot"), algo=None):
             yield ("broadcast", dtype, None, size, algo, False)
 
 
-def _rank_collectives(cases, options):
-    pz.init(backend="ipc", timeout=120, options=options)
+def _rank_collectives(cases, options, backend="ipc"):
+    pz.init(backend=backend, timeout=120, options=options)
     n, me = pz.get_world_size(), pz.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     out = []
@@ -97,7 +97,13 @@ def test_every_collective_equals_torch_and_is_bitwise_equal_across_ranks(nprocs)
     cases = list(_cases())
     res = run_ranks(_rank_collectives, nprocs, args=(cases, {"slice_bytes": AREA}), start="spawn", timeout=600,
                     env=ENV)
-    n = nprocs
+    check_collectives(res, cases)
+
+
+def check_collectives(res, cases):
+    """Every rank's result of every case (from _rank_collectives) equals the torch reference, and all_reduce
+    results are bitwise equal across ranks."""
+    n = len(res)
     for k, (coll, dtype, op, size, algo, inplace) in enumerate(cases):
         where = f"{coll} {dtype} {op} size {size} algo {algo} in place {inplace}"
         want = _expected(coll, dtype, op, size, n, k)
@@ -160,8 +166,8 @@ def batch(step):
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _rank_layers():
-    pz.init(backend="ipc", timeout=120)
+def _rank_layers(backend="ipc"):
+    pz.init(backend=backend, timeout=120)
     n, me = pz.get_world_size(), pz.get_rank()
     per = 8 // n
     out = {}
@@ -188,6 +194,11 @@ def _rank_layers():
 
 
 def test_data_parallel_and_zero_over_ipc_equal_one_process():
+    check_layers(run_ranks(_rank_layers, 2, start="spawn", timeout=300, env=ENV))
+
+
+def check_layers(res):
+    """DataParallel and ZeroOptimizer 1-3 (from _rank_layers) equal 3 steps of one process."""
     model = make_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
@@ -196,7 +207,6 @@ def test_data_parallel_and_zero_over_ipc_equal_one_process():
         opt.step()
         opt.zero_grad()
     ref = {k: v.cpu() for k, v in model.state_dict().items()}
-    res = run_ranks(_rank_layers, 2, start="spawn", timeout=300, env=ENV)
     for r in res:
         for key, got in r.value.items():
             if got is None:
@@ -366,8 +376,8 @@ def _msg(src, dst, dtype, size, seed):
     return make_input("sum", dtype, size, src * 31 + dst, seed)
 
 
-def _rank_p2p():
-    pz.init(backend="ipc", timeout=120, options=P2P_OPTIONS)
+def _rank_p2p(backend="ipc", options=P2P_OPTIONS):
+    pz.init(backend=backend, timeout=120, options=options)
     n, me = pz.get_world_size(), pz.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     nxt, prv = (me + 1) % n, (me - 1) % n
@@ -443,8 +453,12 @@ def _rank_p2p():
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_point_to_point_delivers_the_sent_data(nprocs):
-    res = run_ranks(_rank_p2p, nprocs, start="spawn", timeout=600, env=ENV)
-    n = nprocs
+    check_p2p(run_ranks(_rank_p2p, nprocs, start="spawn", timeout=600, env=ENV))
+
+
+def check_p2p(res):
+    """Every message of _rank_p2p arrived intact where it was sent."""
+    n = len(res)
     for r in res:
         me = r.rank
         got, stats = r.value
@@ -556,8 +570,8 @@ def pipeline_batch(seed, m):
     return torch.randn(2 * m, IN, generator=g), torch.randn(2 * m, OUT, generator=g)
 
 
-def _rank_pipeline(m):
-    pz.init(backend="ipc", timeout=120)
+def _rank_pipeline(m, backend="ipc"):
+    pz.init(backend=backend, timeout=120)
     n, r = pz.get_world_size(), pz.get_rank()
     out = {}
     for schedule in ("gpipe", "1f1b"):
@@ -579,6 +593,12 @@ def _rank_pipeline(m):
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_pipeline_over_ipc_equals_one_process(nprocs):
+    check_pipeline(run_ranks(_rank_pipeline, nprocs, args=(2 * nprocs,), start="spawn", timeout=300, env=ENV))
+
+
+def check_pipeline(results):
+    """Both schedules' losses and gradients (from _rank_pipeline, m = 2 x stages) equal one process's."""
+    nprocs = len(results)
     m = 2 * nprocs
     model, ref = make_pipeline_model(), []
     for seed in (1, 2):
@@ -590,7 +610,7 @@ def test_pipeline_over_ipc_equals_one_process(nprocs):
             for p in model.parameters():
                 p -= 0.1 * p.grad
                 p.grad = None
-    for res in run_ranks(_rank_pipeline, nprocs, args=(m,), start="spawn", timeout=300, env=ENV):
+    for res in results:
         for schedule, (losses, grads) in res.value.items():
             for step, (ref_loss, ref_grads) in enumerate(ref):
                 where = f"stage {res.rank} {schedule} step {step}"
@@ -606,8 +626,8 @@ def _seeded(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _rank_tp_overlap():
-    pz.init(backend="ipc", timeout=120)
+def _rank_tp_overlap(backend="ipc"):
+    pz.init(backend=backend, timeout=120)
     n, r = pz.get_world_size(), pz.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     m, b, k, o = 3, 2, 5, 4
@@ -633,13 +653,19 @@ def _rank_tp_overlap():
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_tp_overlapped_ops_over_ipc_equal_one_process(nprocs):
-    n, m, b, k, o = nprocs, 3, 2, 5, 4
+    check_tp(run_ranks(_rank_tp_overlap, nprocs, start="spawn", timeout=300, env=ENV))
+
+
+def check_tp(results):
+    """all_gather_matmul and matmul_reduce_scatter (from _rank_tp_overlap), forward and backward, equal the
+    whole matmuls of one process."""
+    n, m, b, k, o = len(results), 3, 2, 5, 4
     tol = dict(rtol=1e-4, atol=1e-5)
     x_full = _seeded(100, n * m, b, k)
     ws, ts = [_seeded(200 + q, o, k) for q in range(n)], [_seeded(300 + q, n * m, b, o) for q in range(n)]
     xs, ws2 = [_seeded(400 + q, n * m, b, k) for q in range(n)], [_seeded(500 + q, o, k) for q in range(n)]
     t_full = _seeded(600, n * m, b, o)
-    for res in run_ranks(_rank_tp_overlap, nprocs, start="spawn", timeout=300, env=ENV):
+    for res in results:
         r = res.rank
         y, dx, dw, sent = res.value["ag"]
         torch.testing.assert_close(y, x_full @ ws[r].t(), **tol)
@@ -662,9 +688,4 @@ def test_ring_over_point_to_point_equals_torch(nprocs):
     cases = list(_cases(all_reduce_algos=("ring",), algo="ring"))
     # 64 KiB of staging: large calls in many groups
     res = run_ranks(_rank_collectives, nprocs, args=(cases, P2P_OPTIONS), start="spawn", timeout=600, env=ENV)
-    n = nprocs
-    for k, (coll, dtype, op, size, _, inplace) in enumerate(cases):
-        where = f"ring {coll} {dtype} {op} size {size} in place {inplace}"
-        want = _expected(coll, dtype, op, size, n, k)
-        for r in range(n):
-            assert torch.equal(res[r].value[k], want[r]), f"rank {r}: {where}"
+    check_collectives(res, cases)

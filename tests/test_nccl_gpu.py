@@ -35,6 +35,12 @@ ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 MAX_FAILURES = 20
 
 
+def rank_device():
+    """This rank's GPU, as the nccl backend chose it (cuda:LOCAL_RANK; cuda:0 for every rank of the test
+    NCCL library, tests/test_nccl_multirank_gpu.py)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def ops_for(dtype):
     return OPS if dtype.is_floating_point else [o for o in OPS if o != "avg"]
 
@@ -89,7 +95,7 @@ def algos_for(coll, nbytes):
 
 def collective_matrix(sizes):
     n, me = pz.get_world_size(), pz.get_rank()
-    dev = torch.device("cuda", pz.get_local_rank())
+    dev = rank_device()
     ck = Checker()
     seed = 0
     for dtype in DTYPES:
@@ -217,7 +223,7 @@ def test_world1_errors(monkeypatch):
 
 
 def _stream_ordering(n_elems=1 << 20):
-    dev = torch.device("cuda", pz.get_local_rank())
+    dev = rank_device()
     n = pz.get_world_size()
     comm_stream = torch.cuda.ExternalStream(pzcomm.resolve_group(None).backend.comm.stream, device=dev)
     failures = []
@@ -266,7 +272,7 @@ def test_world1_calls_captured_in_a_cuda_graph(monkeypatch):
     fresh inputs and eager calls between replays, equal the eager results; host waits inside the
     capture raise a clear error and leave the capture usable."""
     with nccl_world(monkeypatch):
-        dev = torch.device("cuda", pz.get_local_rank())
+        dev = rank_device()
         own = torch.zeros(4099, device=dev)
         gathered = {algo: torch.zeros(4099, device=dev) for algo in ("native", "ring")}
         acc = torch.zeros(65537, dtype=torch.bfloat16, device=dev)
@@ -396,7 +402,7 @@ def _rank_matrix():
 def _rank_streams_and_p2p():
     pz.init(backend="nccl", timeout=120)
     n, me = pz.get_world_size(), pz.get_rank()
-    dev = torch.device("cuda", pz.get_local_rank())
+    dev = rank_device()
     failures = _stream_ordering()
     # point to point between pairs (even ranks send first: a send waits for its receive)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -429,7 +435,7 @@ def _rank_streams_and_p2p():
 def _rank_missing():
     """Rank 1 never calls the all_reduce: rank 0 times out (blocking wait), rank 1 leaves."""
     pz.init(backend="nccl", timeout=3.0)
-    t = torch.ones(16, device=torch.device("cuda", pz.get_local_rank()))
+    t = torch.ones(16, device=rank_device())
     pz.all_reduce(t)  # everyone: connects the ring
     if pz.get_rank() == 1:
         return {"skipped": True}

@@ -64,7 +64,7 @@ struct NcclLoadError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 // Opens `path` (a file, or a soname for the loader's search) and fills the
-// table; once per process (again with the same `path`: the same library).
+// table; once per process (again with a path of the library already open: its description).
 NcclLibrary nccl_open(const std::string& path);
 NcclLibrary nccl_library();
 // NCCL library version (e.g. 23203), from ncclGetVersion at run time; 0 before nccl_open.

@@ -14,9 +14,9 @@ namespace pz {
 
 namespace {
 
-NcclApi g_api;           // filled once by nccl_open, read-only afterwards
+NcclApi g_api;  // filled once by nccl_open, read-only afterwards
 bool g_open = false;
-std::string g_asked;     // nccl_open's argument
+void* g_handle = nullptr;  // its dlopen handle, never closed
 
 }  // namespace
 
@@ -31,7 +31,9 @@ namespace cuda {
 
 NcclLibrary nccl_open(const std::string& path) {
   if (g_open) {
-    if (path == g_asked) return nccl_library();
+    void* same = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);  // already loaded: which library
+    if (same) dlclose(same);
+    if (same == g_handle) return nccl_library();
     throw NcclLoadError("NCCL is already loaded from " + g_api.path + "; cannot switch to " + path +
                         " in the same process");
   }
@@ -59,7 +61,7 @@ NcclLibrary nccl_open(const std::string& path) {
   }
   api.test = dlsym(h, "pyzeroTestNccl") != nullptr;
   g_api = api;  // the handle stays open for the life of the process
-  g_asked = path;
+  g_handle = h;
   g_open = true;
   return nccl_library();
 }

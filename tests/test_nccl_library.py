@@ -27,6 +27,7 @@ FUNCTIONS = ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncc
              "ncclGroupStart", "ncclGroupEnd", "ncclSend", "ncclRecv", "ncclAllReduce", "ncclBroadcast",
              "ncclReduce", "ncclAllGather", "ncclReduceScatter")
 FAKE_VERSION = 99901  # 9.99.01: no real NCCL's
+FAKE_ID = "fake-nccl-id"  # the fake's ncclGetUniqueId repeats it over the 128 bytes
 
 
 def fake_nccl(folder: Path, test: bool = True, omit: tuple = ()) -> Path:
@@ -38,6 +39,9 @@ def fake_nccl(folder: Path, test: bool = True, omit: tuple = ()) -> Path:
             continue
         if name == "ncclGetVersion":
             lines.append(f"int ncclGetVersion(int* v) {{ *v = {FAKE_VERSION}; return 0; }}")
+        elif name == "ncclGetUniqueId":
+            lines.append(f"int ncclGetUniqueId(char* id) {{ for (int i = 0; i < 128; ++i) id[i] = {json.dumps(FAKE_ID)}[i % "
+                         f"{len(FAKE_ID)}]; return 0; }}")
         else:
             lines.append(f"int {name}() {{ return 0; }}")
     if test:
@@ -46,8 +50,9 @@ def fake_nccl(folder: Path, test: bool = True, omit: tuple = ()) -> Path:
     (folder / "lib").mkdir(parents=True)
     src = folder / "fake_nccl.cpp"
     src.write_text("\n".join(lines) + "\n")
-    subprocess.run(["g++", "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", str(folder / "lib" / "libnccl.so.2"),
-                    str(src)], check=True, capture_output=True, timeout=120)
+    build = subprocess.run(["g++", "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o",
+                            str(folder / "lib" / "libnccl.so.2"), str(src)], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
     return folder
 
 
@@ -72,6 +77,7 @@ import ctypes, json, os, pyzero
 from pyzero import _C
 from pyzero.backends.nccl import nccl_device
 rep = {"nccl": pyzero.nccl_library(), "version": pyzero.build_info()["nccl_version"],
+       "unique_id": _C.nccl_unique_id().decode("latin-1"),
        "maps": sorted({l.split()[-1] for l in open("/proc/self/maps") if "libnccl" in l})}
 try:
     rep["rank_2_of_2_gpus"] = nccl_device(2, device_count=2)
@@ -116,6 +122,7 @@ def test_pyzero_nccl_root_wins_over_an_nccl_already_loaded(tmp_path, before):
     rep = report(run(code.replace("REOPEN", repr(str(real))), nccl_root=root))
     assert rep["nccl"] == {"path": str(fake), "version": FAKE_VERSION, "test": True}, rep
     assert rep["version"] == FAKE_VERSION, rep  # build_info() asks the same library
+    assert rep["unique_id"] == (FAKE_ID * 11)[:128], rep  # and so does every other NCCL call
     assert rep["rank_2_of_2_gpus"] == 0, rep  # nccl_device: ranks share GPUs on the test NCCL
     # the library _C calls cannot be switched once opened
     assert rep["reopen"] == f"NCCL is already loaded from {fake}; cannot switch to {real} in the same process", rep
@@ -132,7 +139,7 @@ def test_without_pyzero_nccl_root_the_nccl_already_loaded_is_used(tmp_path):
     fake = fake_nccl(tmp_path / "fake", test=False) / "lib" / "libnccl.so.2"
     rep = report(run((preload(fake) + REPORT).replace("REOPEN", repr(str(fake)))))
     assert rep["nccl"] == {"path": str(fake), "version": FAKE_VERSION, "test": False}, rep
-    assert rep["maps"] == [str(fake)], rep
+    assert rep["maps"] == [str(fake)] and rep["unique_id"] == (FAKE_ID * 11)[:128], rep
     assert "this process sees 2 GPU(s): the nccl backend puts each rank on cuda:LOCAL_RANK, one GPU per rank" \
         in rep["rank_2_of_2_gpus"], rep
     assert "reopen" not in rep, rep  # nccl_open of the library already open: the same library, no error
@@ -154,3 +161,12 @@ def test_the_fake_has_what_the_table_needs(tmp_path):
     assert all(hasattr(lib, name) for name in FUNCTIONS) and lib.pyzeroTestNccl() == 1
     v = ctypes.c_int()
     assert lib.ncclGetVersion(ctypes.byref(v)) == 0 and v.value == FAKE_VERSION
+
+
+def test_the_real_nccl_is_called_through_the_table():
+    """This process's NCCL (the nvidia-nccl-cu13 package here): ncclGetUniqueId needs no GPU."""
+    from pyzero import nccl_library
+    lib = nccl_library()
+    assert lib["path"] and lib["version"] == version_of(lib["path"]) and lib["test"] is False, lib
+    uid = _C.nccl_unique_id()
+    assert len(uid) == 128 and uid != bytes(128) and uid != _C.nccl_unique_id()  # NCCL_UNIQUE_ID_BYTES, random

@@ -55,7 +55,8 @@ NcclLibrary nccl_open(const std::string& path) {
 #undef PZ_NCCL_LOOKUP
   if (!missing.empty()) {
     dlclose(h);
-    throw NcclLoadError("the NCCL library " + api.path + " (from " + path + ") lacks " + missing +
+    std::string as = api.path == path ? "" : " (opened as " + path + ")";
+    throw NcclLoadError("the NCCL library " + api.path + as + " lacks " + missing +
                         ", which pyzero calls: point PYZERO_NCCL_ROOT at a folder whose lib/libnccl.so.2 is a "
                         "complete NCCL, or unset it to use the nvidia-nccl-cu13 package");
   }

@@ -40,8 +40,8 @@ def fake_nccl(folder: Path, test: bool = True, omit: tuple = ()) -> Path:
         if name == "ncclGetVersion":
             lines.append(f"int ncclGetVersion(int* v) {{ *v = {FAKE_VERSION}; return 0; }}")
         elif name == "ncclGetUniqueId":
-            lines.append(f"int ncclGetUniqueId(char* id) {{ for (int i = 0; i < 128; ++i) id[i] = {json.dumps(FAKE_ID)}[i % "
-                         f"{len(FAKE_ID)}]; return 0; }}")
+            lines.append(f"int ncclGetUniqueId(char* id) {{ for (int i = 0; i < 128; ++i) "
+                         f"id[i] = {json.dumps(FAKE_ID)}[i % {len(FAKE_ID)}]; return 0; }}")
         else:
             lines.append(f"int {name}() {{ return 0; }}")
     if test:
@@ -51,7 +51,8 @@ def fake_nccl(folder: Path, test: bool = True, omit: tuple = ()) -> Path:
     src = folder / "fake_nccl.cpp"
     src.write_text("\n".join(lines) + "\n")
     build = subprocess.run(["g++", "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o",
-                            str(folder / "lib" / "libnccl.so.2"), str(src)], capture_output=True, text=True, timeout=120)
+                            str(folder / "lib" / "libnccl.so.2"), str(src)],
+                           capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
     return folder
 
@@ -150,7 +151,7 @@ def test_a_library_lacking_a_function_is_refused_by_name(tmp_path):
     fake = root / "lib" / "libnccl.so.2"
     r = run("import pyzero", nccl_root=root)
     assert r.returncode != 0
-    assert (f"ImportError: the NCCL library {fake} (from {fake}) lacks ncclCommFinalize, ncclGroupEnd, which "
+    assert (f"ImportError: the NCCL library {fake} lacks ncclCommFinalize, ncclGroupEnd, which "
             "pyzero calls: point PYZERO_NCCL_ROOT at a folder whose lib/libnccl.so.2 is a complete NCCL") \
         in r.stderr, r.stderr[-3000:]
 

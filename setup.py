@@ -32,14 +32,14 @@ def cuda_archs():
 
 
 def nccl_root():
-    """PYZERO_NCCL_ROOT, else the nvidia-nccl-cu13 package's folder, else "" (CMake searches on)."""
+    """PYZERO_NCCL_ROOT, else the nvidia-nccl-cu13 package's folder, else "" (CMake searches on).
+    The build needs only include/nccl.h: _C opens lib/libnccl.so.2 at import (pyzero/_loader.py)."""
     root = os.environ.get("PYZERO_NCCL_ROOT")
     if root:
-        missing = [f for f in ("include/nccl.h", "lib/libnccl.so.2") if not (Path(root) / f).exists()]
-        if missing:
-            raise SystemExit(f"PYZERO_NCCL_ROOT={root} has no {' or '.join(missing)}: point it at an NCCL "
-                             "install (include/nccl.h, lib/libnccl.so.2), or unset it to use the "
-                             "nvidia-nccl-cu13 package (pip install nvidia-nccl-cu13)")
+        if not (Path(root) / "include" / "nccl.h").exists():
+            raise SystemExit(f"PYZERO_NCCL_ROOT={root} has no include/nccl.h: point it at an NCCL install "
+                             "(include/nccl.h; import pyzero opens its lib/libnccl.so.2 while the variable is "
+                             "set), or unset it to use the nvidia-nccl-cu13 package (pip install nvidia-nccl-cu13)")
         return root
     try:
         import nvidia.nccl as nccl  # noqa: PLC0415

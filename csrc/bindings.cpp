@@ -81,11 +81,22 @@ py::object gpu_call(F f) {
 }
 #endif
 
+#ifdef PYZERO_WITH_CUDA
+py::dict nccl_library_dict(const pz::cuda::NcclLibrary& lib) {
+  py::dict d;
+  d["path"] = lib.path;
+  d["version"] = lib.version;
+  d["test"] = lib.test;
+  return d;
+}
+#endif
+
 py::dict build_info() {
   py::dict d;
 #ifdef PYZERO_WITH_CUDA
   d["cuda"] = true;
-  d["nccl_version"] = pz::cuda::nccl_version();
+  int nccl_version = pz::cuda::nccl_version();  // of the library pyzero._loader opened
+  d["nccl_version"] = nccl_version ? py::object(py::int_(nccl_version)) : py::object(py::none());
   d["cuda_runtime_version"] = pz::cuda::runtime_version();
   py::list archs;
   std::string a = PYZERO_CUDA_ARCHS;
@@ -444,6 +455,26 @@ PYBIND11_MODULE(_C, m) {
                                         stream);
         },
         "Fused pack (to_flat) / unpack of many same-dtype device tensors and one flat device buffer");
+  // csrc/nccl_api.h's [Note: the NCCL library is chosen at run time]
+  m.def(
+      "nccl_open",
+      [](const std::string& path) {
+        try {
+          return nccl_library_dict(pz::cuda::nccl_open(path));
+        } catch (const pz::cuda::NcclLoadError& e) {
+          throw py::import_error(e.what());
+        }
+      },
+      py::arg("path"),
+      "Opens the NCCL library at `path` (RTLD_LOCAL) for every NCCL call _C makes; once per process. "
+      "{'path', 'version', 'test'}; ImportError naming the library and any function it lacks");
+  m.def(
+      "nccl_library",
+      [] {
+        auto lib = pz::cuda::nccl_library();
+        return lib.path.empty() ? py::object(py::none()) : py::object(nccl_library_dict(lib));
+      },
+      "The NCCL library nccl_open opened ({'path', 'version', 'test'}), or None");
   m.def("nccl_unique_id", [] { return py::bytes(NcclTransport::unique_id()); });
 
   py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,21 @@ int device_count();
 int pointer_device(uintptr_t ptr);
 // CUDA runtime version the extension was built with (e.g. 13000).
 int runtime_version();
-// NCCL library version (e.g. 23203), from ncclGetVersion at run time.
+// The NCCL library _C calls (nccl_api.h's [Note: the NCCL library is chosen at run time]).
+struct NcclLibrary {
+  std::string path;  // empty: none opened yet
+  int version = 0;   // ncclGetVersion, e.g. 23203
+  bool test = false; // it exports pyzeroTestNccl
+};
+// nccl_open could not open the library, or it lacks a function _C calls.
+struct NcclLoadError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Opens `path` (a file, or a soname for the loader's search) and fills the
+// table; once per process (again with a path of the library already open: its description).
+NcclLibrary nccl_open(const std::string& path);
+NcclLibrary nccl_library();
+// NCCL library version (e.g. 23203), from ncclGetVersion at run time; 0 before nccl_open.
 int nccl_version();
 
 }  // namespace pz::cuda

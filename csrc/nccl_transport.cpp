@@ -3,7 +3,6 @@
 #include "nccl_transport.h"
 
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,6 +17,7 @@
 #include "cuda_api.h"
 #include "cuda_check.h"
 #include "errors.h"
+#include "nccl_api.h"
 #include "p2p_ring.h"
 
 namespace pz {
@@ -153,7 +153,7 @@ struct NcclTransport::Impl {
   }
   void abort_locked() {  // mu held
     if (comm && !aborted) {
-      ncclCommAbort(comm);
+      nccl().CommAbort(comm);
       aborted = true;
     }
   }
@@ -170,8 +170,8 @@ struct NcclTransport::Impl {
   }
 
   [[noreturn]] void fail_nccl(ncclResult_t r, const char* what) {
-    std::string msg = where(what) + ": NCCL error: " + ncclGetErrorString(r);
-    const char* detail = ncclGetLastError(comm);
+    std::string msg = where(what) + ": NCCL error: " + nccl().GetErrorString(r);
+    const char* detail = nccl().GetLastError(comm);
     if (detail && *detail) msg += std::string(" (") + detail + ")";
     // A rejected argument enqueued nothing: the group stays usable.
     if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw std::invalid_argument(msg);
@@ -182,8 +182,8 @@ struct NcclTransport::Impl {
   // invalid argument or usage) leaves it in an error state: abort it, whatever
   // the kind, so every rank's next call fails instead of hanging.
   [[noreturn]] void fail_async(ncclResult_t st, const char* what) {
-    std::string msg = where(what) + ": asynchronous NCCL error: " + ncclGetErrorString(st);
-    const char* detail = ncclGetLastError(comm);
+    std::string msg = where(what) + ": asynchronous NCCL error: " + nccl().GetErrorString(st);
+    const char* detail = nccl().GetLastError(comm);
     if (detail && *detail) msg += std::string(" (") + detail + ")";
     fail_locked(1, msg);
   }
@@ -197,7 +197,7 @@ struct NcclTransport::Impl {
     Backoff b;
     for (;;) {
       ncclResult_t st = ncclInProgress;
-      ncclResult_t q = ncclCommGetAsyncError(comm, &st);
+      ncclResult_t q = nccl().CommGetAsyncError(comm, &st);
       if (q != ncclSuccess) fail_nccl(q, what);
       if (st == ncclSuccess) return;
       if (st != ncclInProgress) fail_async(st, what);
@@ -219,12 +219,12 @@ struct NcclTransport::Impl {
   // result through the callback; ncclGroupEnd runs even when one failed.
   template <typename F>
   void grouped(const char* what, F issue) {
-    check(ncclGroupStart(), what);
+    check(nccl().GroupStart(), what);
     ncclResult_t first = ncclSuccess;
     issue([&](ncclResult_t r) {
       if (first == ncclSuccess && r != ncclSuccess && r != ncclInProgress) first = r;
     });
-    ncclResult_t end = ncclGroupEnd();
+    ncclResult_t end = nccl().GroupEnd();
     if (first != ncclSuccess) fail_nccl(first, what);
     check(end, what);
   }
@@ -301,9 +301,9 @@ struct NcclTransport::Impl {
     std::unique_lock<std::mutex> lk(mu, std::try_to_lock);
     if (!lk.owns_lock() || !comm || aborted) return;  // a call is in NCCL: it checks for itself
     ncclResult_t st = ncclSuccess;
-    if (ncclCommGetAsyncError(comm, &st) != ncclSuccess || st == ncclSuccess || st == ncclInProgress) return;
-    std::string msg = what + ": asynchronous NCCL error: " + ncclGetErrorString(st);
-    const char* detail = ncclGetLastError(comm);
+    if (nccl().CommGetAsyncError(comm, &st) != ncclSuccess || st == ncclSuccess || st == ncclInProgress) return;
+    std::string msg = what + ": asynchronous NCCL error: " + nccl().GetErrorString(st);
+    const char* detail = nccl().GetLastError(comm);
     if (detail && *detail) msg += std::string(" (") + detail + ")";
     mark_broken(1, msg);
     abort_locked();
@@ -394,8 +394,8 @@ struct NcclExec {
     if (!send && !recv) return;
     int next = (t.rank + 1) % t.n, prev = (t.rank + t.n - 1) % t.n;
     t.grouped(what, [&](auto report) {
-      if (send) report(ncclSend(send, send_bytes, ncclUint8, next, t.comm, s));
-      if (recv) report(ncclRecv(recv, recv_bytes, ncclUint8, prev, t.comm, s));
+      if (send) report(nccl().Send(send, send_bytes, ncclUint8, next, t.comm, s));
+      if (recv) report(nccl().Recv(recv, recv_bytes, ncclUint8, prev, t.comm, s));
     });
   }
   void copy(const void* src, void* dst, int64_t n) { cuda::launch_copy(src, dst, n, dt, st()); }
@@ -447,10 +447,10 @@ void NcclTransport::Impl::close() {
         abort_locked();
       } else {
         try {
-          check(ncclCommFinalize(comm), "destroy");
+          check(nccl().CommFinalize(comm), "destroy");
         } catch (...) {
         }
-        if (!aborted) ncclCommDestroy(comm);
+        if (!aborted) nccl().CommDestroy(comm);
       }
     }
     comm = nullptr;
@@ -511,10 +511,10 @@ void NcclWork::synchronize() {
 
 std::string NcclTransport::unique_id() {
   ncclUniqueId id;
-  ncclResult_t r = ncclGetUniqueId(&id);
+  ncclResult_t r = nccl().GetUniqueId(&id);
   if (r != ncclSuccess)
-    throw CollectiveError(std::string("ncclGetUniqueId: ") + ncclGetErrorString(r) + " (" +
-                          ncclGetLastError(nullptr) + ")");
+    throw CollectiveError(std::string("ncclGetUniqueId: ") + nccl().GetErrorString(r) + " (" +
+                          nccl().GetLastError(nullptr) + ")");
   return std::string(id.internal, sizeof(id.internal));
 }
 
@@ -551,7 +551,7 @@ NcclTransport::NcclTransport(const std::string& uid, int rank, int size, int dev
   {
     std::lock_guard<std::mutex> g(t.mu);
     try {
-      t.check(ncclCommInitRankConfig(&t.comm, size, id, rank, &config), "init");
+      t.check(nccl().CommInitRankConfig(&t.comm, size, id, rank, &config), "init");
     } catch (...) {
       t.abort_locked();  // a half-made communicator is never finalized
       throw;
@@ -604,13 +604,13 @@ NcclTransport::WorkPtr NcclTransport::all_reduce(void* buf, int64_t count, DType
   auto w = t.run(what, stream, async_op, true, false, [&](cudaStream_t s) {
     if (count == 0) return;
     if (algo == Algo::native) {
-      t.check(ncclAllReduce(buf, buf, size_t(count), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
+      t.check(nccl().AllReduce(buf, buf, size_t(count), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
       sent = 2 * (bytes - bytes / t.n);
     } else if (t.n == 1) {
       // one contribution: already the result (avg divides by 1)
     } else if (algo == Algo::oneshot) {
       char* gathered = t.staging + t.oneshot_off;
-      t.check(ncclAllGather(buf, gathered, size_t(count), nccl_dtype(dt), t.comm, s), what);
+      t.check(nccl().AllGather(buf, gathered, size_t(count), nccl_dtype(dt), t.comm, s), what);
       std::vector<const void*> srcs(t.n);
       for (int r = 0; r < t.n; ++r) srcs[r] = gathered + size_t(r) * bytes;
       cuda::launch_reduce_many(srcs.data(), t.n, buf, count, dt, op, t.n, reinterpret_cast<uintptr_t>(s));
@@ -642,12 +642,12 @@ NcclTransport::WorkPtr NcclTransport::reduce_scatter(void* out, const void* in, 
       if (out != in) PZ_CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(L.total()) * es, cudaMemcpyDeviceToDevice, s));
     } else if (algo == Algo::native) {
       if (all_equal(counts)) {
-        t.check(ncclReduceScatter(in, out, size_t(counts[0]), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
+        t.check(nccl().ReduceScatter(in, out, size_t(counts[0]), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
       } else {
         t.grouped(what, [&](auto report) {
           for (int r = 0; r < t.n; ++r)
             if (counts[r])
-              report(ncclReduce(static_cast<const char*>(in) + size_t(L.offsets[r]) * es, out, size_t(counts[r]),
+              report(nccl().Reduce(static_cast<const char*>(in) + size_t(L.offsets[r]) * es, out, size_t(counts[r]),
                                 nccl_dtype(dt), nccl_op(op), r, t.comm, s));
         });
       }
@@ -676,13 +676,13 @@ NcclTransport::WorkPtr NcclTransport::all_gather(void* out, const void* in, cons
     if (L.total() == 0) return;
     if (algo == Algo::native) {
       if (all_equal(counts)) {
-        t.check(ncclAllGather(in, out, size_t(counts[0]), nccl_dtype(dt), t.comm, s), what);
+        t.check(nccl().AllGather(in, out, size_t(counts[0]), nccl_dtype(dt), t.comm, s), what);
       } else {
         t.grouped(what, [&](auto report) {
           for (int r = 0; r < t.n; ++r)
             if (counts[r]) {
               char* dst = o + size_t(L.offsets[r]) * es;
-              report(ncclBroadcast(r == t.rank ? in : dst, dst, size_t(counts[r]), nccl_dtype(dt), r, t.comm, s));
+              report(nccl().Broadcast(r == t.rank ? in : dst, dst, size_t(counts[r]), nccl_dtype(dt), r, t.comm, s));
             }
         });
       }
@@ -709,7 +709,7 @@ NcclTransport::WorkPtr NcclTransport::broadcast(void* buf, int64_t count, DType 
     if (count == 0 || t.n == 1) return;
     bool last_in_chain = ring_mod(t.rank - root, t.n) == t.n - 1;
     if (algo == Algo::native) {
-      t.check(ncclBroadcast(buf, buf, size_t(count), nccl_dtype(dt), root, t.comm, s), what);
+      t.check(nccl().Broadcast(buf, buf, size_t(count), nccl_dtype(dt), root, t.comm, s), what);
       sent = last_in_chain ? 0 : bytes;
     } else {
       ChunkLayout L(std::vector<int64_t>{count});
@@ -725,7 +725,7 @@ NcclTransport::WorkPtr NcclTransport::barrier(uintptr_t stream, bool async_op) {
   Impl& t = *impl_;
   auto w = t.run(what, stream, async_op, true, /*wait_host=*/!async_op, [&](cudaStream_t s) {
     void* word = t.staging + t.barrier_off;
-    t.check(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, t.comm, s), what);
+    t.check(nccl().AllReduce(word, word, 1, ncclInt32, ncclSum, t.comm, s), what);
   });
   t.counters.add(Coll::barrier, 0, 0);
   return w;
@@ -737,7 +737,7 @@ NcclTransport::WorkPtr NcclTransport::send(const void* buf, int64_t count, DType
   Impl& t = *impl_;
   if (peer < 0 || peer >= t.n || peer == t.rank) throw std::invalid_argument("send: peer must be another rank");
   auto w = t.run(what, stream, async_op, false, false, [&](cudaStream_t s) {
-    if (count) t.check(ncclSend(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
+    if (count) t.check(nccl().Send(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
   });
   t.counters.add(Coll::send, uint64_t(count), uint64_t(count) * dtype_size(dt));
   return w;
@@ -749,7 +749,7 @@ NcclTransport::WorkPtr NcclTransport::recv(void* buf, int64_t count, DType dt, i
   Impl& t = *impl_;
   if (peer < 0 || peer >= t.n || peer == t.rank) throw std::invalid_argument("recv: peer must be another rank");
   auto w = t.run(what, stream, async_op, false, false, [&](cudaStream_t s) {
-    if (count) t.check(ncclRecv(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
+    if (count) t.check(nccl().Recv(buf, size_t(count), nccl_dtype(dt), peer, t.comm, s), what);
   });
   t.counters.add(Coll::recv, uint64_t(count), 0);
   return w;
@@ -767,8 +767,8 @@ NcclTransport::WorkPtr NcclTransport::batch_p2p(const std::vector<P2P>& ops, uin
     t.grouped(what, [&](auto report) {
       for (const P2P& op : ops) {
         if (!op.count) continue;
-        report(op.is_send ? ncclSend(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s)
-                          : ncclRecv(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s));
+        report(op.is_send ? nccl().Send(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s)
+                          : nccl().Recv(op.buf, size_t(op.count), nccl_dtype(op.dt), op.peer, t.comm, s));
       }
     });
   });

@@ -2,7 +2,7 @@
 for PyTorch, over a torch-free C++/CUDA core (``pyzero._C``)."""
 from . import _loader
 
-_C = _loader.import_extension()  # loads NCCL first when _C was built with it (see _loader)
+_C = _loader.import_extension()  # and opens the NCCL library a CUDA build calls (see _loader)
 from .comm import (
     CollectiveError,
     CollectiveTimeout,
@@ -35,6 +35,7 @@ from .zero import ZeroOptimizer
 from .flight import dump as debug_dump
 
 build_info = _C.build_info
+nccl_library = _loader.nccl_library
 
 __version__ = "0.1.0"
 from . import symmetric, tp

@@ -1,21 +1,22 @@
-"""Imports pyzero._C after loading the shared libraries it links against.
+"""Imports pyzero._C and, for a CUDA build, chooses the NCCL library it calls.
 
-A CUDA build of ``_C`` needs ``libnccl.so.2``. Where that library lies is found
-when pyzero is imported, never recorded at build time: a build may run in a
-temporary environment (pip's build isolation) that is gone by then, and an
-editable install lives beside the sources, not in site-packages. As torch does
-for its CUDA libraries, the library is loaded with ``RTLD_GLOBAL`` before ``_C``
-so that the dynamic loader resolves ``_C``'s dependency to it, whatever was
-imported first. Searched, in order:
+A CUDA build of ``_C`` does not link ``libnccl.so.2``: it calls NCCL through a
+table of functions looked up in one library that ``_C.nccl_open(path)`` opens
+with ``RTLD_LOCAL`` (csrc/nccl_api.h). This module chooses that library when
+pyzero is imported, never at build time (a build may run in a temporary
+environment, pip's build isolation, that is gone by then), and opens it right
+after importing ``_C``, so a missing NCCL is reported by ``import pyzero``.
+Chosen, in order:
 
-1. ``$PYZERO_NCCL_ROOT/lib``
-2. the ``nvidia-nccl-cu13`` package (``nvidia/nccl/lib`` wherever Python finds it)
-3. the system loader (``LD_LIBRARY_PATH``, ``ld.so.cache``)
+1. ``$PYZERO_NCCL_ROOT/lib/libnccl.so.2`` when the variable is set: the
+   explicit choice wins, even over a ``libnccl.so.2`` already in the process,
+   and is an error when that file is absent. It may be pyzero's test NCCL
+   (several ranks per GPU), which works beside torch's own NCCL.
+2. a ``libnccl.so.2`` already in the process (torch's, say): no second copy
+3. the ``nvidia-nccl-cu13`` package (``nvidia/nccl/lib`` wherever Python finds it)
+4. the system loader (``LD_LIBRARY_PATH``, ``ld.so.cache``)
 
-A ``libnccl.so.2`` already in the process (torch's, say) is used as it is.
-The build writes ``_build_config.py`` beside ``_C`` saying whether ``_C`` needs
-NCCL; without that file (``_C`` built by hand) NCCL is loaded only when
-importing ``_C`` fails for want of it.
+``nccl_library()`` says which library was opened.
 """
 import ctypes
 import importlib
@@ -25,15 +26,16 @@ from pathlib import Path
 
 NCCL_SONAME = "libnccl.so.2"
 NCCL_PACKAGE = "nvidia-nccl-cu13"
+ROOT_VARIABLE = "PYZERO_NCCL_ROOT"
 
-_nccl = None  # the loaded library, kept so that it is never unloaded
+_probes = []  # ctypes handles of the libraries tried, kept so that none is unloaded
 
 
 def nccl_candidates(soname=NCCL_SONAME):
     """[(where, path or None)] in search order; None: that place is not there."""
     out = []
-    root = os.environ.get("PYZERO_NCCL_ROOT")
-    out.append((f"PYZERO_NCCL_ROOT={root}" if root else "PYZERO_NCCL_ROOT (not set)",
+    root = os.environ.get(ROOT_VARIABLE)
+    out.append((f"{ROOT_VARIABLE}={root}" if root else f"{ROOT_VARIABLE} (not set)",
                 Path(root) / "lib" / soname if root else None))
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
@@ -49,22 +51,25 @@ def nccl_candidates(soname=NCCL_SONAME):
     return out
 
 
-def load_nccl():
-    """Loads libnccl.so.2 once (see the module docstring); ImportError naming every place searched."""
-    global _nccl
-    if _nccl is None:
-        _nccl = open_library(NCCL_SONAME)
-    return _nccl
-
-
-def open_library(soname):
-    """The library `soname` as already loaded, else the first of nccl_candidates(soname) that loads."""
+def find_library(soname=NCCL_SONAME):
+    """What _C.nccl_open should open: a path, or `soname` for one already loaded or found by the system
+    loader (see the module docstring). ImportError naming every place searched."""
+    root = os.environ.get(ROOT_VARIABLE)
+    if root:
+        path = Path(root) / "lib" / soname
+        if not path.is_file():
+            raise ImportError(
+                f"{ROOT_VARIABLE}={root}, but there is no {path}: point {ROOT_VARIABLE} at a folder with "
+                f"lib/{soname}, or unset it to use the NCCL already loaded (torch's), the {NCCL_PACKAGE} package "
+                "or the system loader's")
+        return _probe(str(path), f"{ROOT_VARIABLE}={root}")
     try:  # already in the process, e.g. torch's: use that one, never a second copy
-        return ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        _probes.append(ctypes.CDLL(soname, mode=os.RTLD_NOLOAD))
+        return soname
     except OSError:
         pass
     tried = []
-    for where, path in nccl_candidates(soname):
+    for where, path in nccl_candidates(soname)[1:]:
         if path is None:
             tried.append(where)
             continue
@@ -72,34 +77,43 @@ def open_library(soname):
             tried.append(f"{where}: no {path}")
             continue
         try:
-            return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            return _probe(str(path), where)
         except OSError as e:
             tried.append(f"{where}: {e}")
     raise ImportError(
         f"pyzero was built with CUDA and needs NCCL ({soname}), which was not found. Searched:\n  "
-        + "\n  ".join(tried)
-        + f"\nInstall it with `pip install {NCCL_PACKAGE}`, or set PYZERO_NCCL_ROOT to a folder with "
+        + "\n  ".join([f"{ROOT_VARIABLE} (not set)"] + tried)
+        + f"\nInstall it with `pip install {NCCL_PACKAGE}`, or set {ROOT_VARIABLE} to a folder with "
         f"lib/{soname}, or rebuild pyzero without CUDA (PYZERO_CUDA=0)."
     )
 
 
-def _needs_nccl():
-    """True/False from the build's _build_config.py; None when there is none."""
+def _probe(path, where):
+    """`path` once it loads (RTLD_LOCAL: only _C's table calls into it); OSError (ImportError for the explicit
+    PYZERO_NCCL_ROOT choice) with the loader's reason otherwise."""
     try:
-        config = importlib.import_module(f"{__package__}._build_config")
-    except ImportError:
-        return None
-    return bool(getattr(config, "NCCL", False))
+        _probes.append(ctypes.CDLL(path, mode=os.RTLD_LOCAL))
+    except OSError as e:
+        if where.startswith(ROOT_VARIABLE):
+            raise ImportError(f"{where}: {path} does not load: {e}") from None
+        raise
+    return path
 
 
 def import_extension():
-    """Loads what _C needs, then imports and returns pyzero._C."""
-    if _needs_nccl():
-        load_nccl()
-    try:
-        return importlib.import_module(f"{__package__}._C")
-    except ImportError as e:
-        if NCCL_SONAME not in str(e):
-            raise
-    load_nccl()
-    return importlib.import_module(f"{__package__}._C")
+    """Imports pyzero._C; for a CUDA build, opens the NCCL library find_library() chose."""
+    ext = importlib.import_module(f"{__package__}._C")
+    if hasattr(ext, "nccl_open"):
+        if os.environ.get(ROOT_VARIABLE):
+            # torch first: a CUDA torch then binds its own libnccl.so.2 before this one is loaded. A library
+            # with that SONAME already in the process (even loaded RTLD_LOCAL) would satisfy torch's
+            # dependency on libnccl.so.2 instead.
+            import torch  # noqa: F401, PLC0415
+        ext.nccl_open(find_library())
+    return ext
+
+
+def nccl_library():
+    """{'path', 'version', 'test'} of the NCCL library pyzero calls; None for a build without CUDA."""
+    ext = importlib.import_module(f"{__package__}._C")
+    return ext.nccl_library() if hasattr(ext, "nccl_library") else None

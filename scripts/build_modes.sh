@@ -74,11 +74,12 @@ assert str(where).startswith(str(Path(home).resolve())), f"pyzero imported from 
 so = Path(pyzero._C.__file__)
 if shutil.which("readelf"):
     dyn = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
-    assert "RPATH" not in dyn and "RUNPATH" not in dyn, dyn
+    assert "RPATH" not in dyn and "RUNPATH" not in dyn and "libnccl" not in dyn, dyn  # NCCL: opened at import
 if want_cuda:
     assert info["cuda_archs"] == want_archs.split(";"), info
     maps = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libnccl" in l})
     assert len(maps) == 1 and maps[0].startswith(sys.prefix), f"NCCL from {maps}, expected the venv's"
+    assert pyzero.nccl_library()["path"] == maps[0] and not pyzero.nccl_library()["test"], pyzero.nccl_library()
     print("NCCL from", maps[0])
     tool = os.environ.get("CUOBJDUMP")
     if tool:

@@ -195,12 +195,24 @@ def test_build_asking_for_cuda_with_a_wrong_nvcc_fails_with_the_fix(tmp_path):
 def test_build_asking_for_cuda_without_nccl_fails_with_the_fix(tmp_path):
     rc, out = _run_setup(tmp_path, PYZERO_CUDA="1", PYZERO_NCCL_ROOT=str(tmp_path))
     assert rc != 0
-    assert f"PYZERO_NCCL_ROOT={tmp_path} has no include/nccl.h or lib/libnccl.so.2" in out, out[-2000:]
+    assert f"PYZERO_NCCL_ROOT={tmp_path} has no include/nccl.h: point it at an NCCL install" in out, out[-2000:]
     assert "pip install nvidia-nccl-cu13" in out
 
 
+def test_the_build_needs_only_the_nccl_header(monkeypatch, tmp_path):
+    """_C links no NCCL (it opens the library at import): a PYZERO_NCCL_ROOT with include/nccl.h will do."""
+    nccl_root = _load_setup_functions("nccl_root")["nccl_root"]
+    monkeypatch.setenv("PYZERO_NCCL_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit, match=f"PYZERO_NCCL_ROOT={tmp_path} has no include/nccl.h: "):
+        nccl_root()
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "nccl.h").write_text("")
+    assert nccl_root() == str(tmp_path)
+
+
 # ---------------------------------------------------------------------------
-# Loading: no build-time paths in _C; NCCL found at import time, whatever is imported first
+# Loading: no build-time paths in _C, no link to NCCL; the NCCL library chosen at import time, whatever is
+# imported first (tests/test_nccl_library.py: a PYZERO_NCCL_ROOT library wins over one already loaded)
 
 
 def _extension():
@@ -214,11 +226,15 @@ def _readelf_dynamic():
                           check=True).stdout
 
 
-def test_extension_has_no_rpath():
+def test_extension_has_no_rpath_and_does_not_link_nccl():
     dyn = _readelf_dynamic()
     assert "RPATH" not in dyn and "RUNPATH" not in dyn, dyn
-    needs_nccl = "[libnccl.so.2]" in dyn
-    assert needs_nccl == _C.build_info()["cuda"], dyn
+    assert "libnccl" not in dyn, dyn  # _C opens the library pyzero._loader chose (csrc/nccl_api.h)
+    symbols = subprocess.run(["readelf", "--dyn-syms", "-W", str(_extension())], capture_output=True, text=True,
+                             check=True).stdout
+    undefined = [line.split()[-1] for line in symbols.splitlines() if " UND " in line]
+    assert undefined and not [name for name in undefined if name.startswith(("nccl", "pnccl"))], undefined
+    assert hasattr(_C, "nccl_open") == _C.build_info()["cuda"]
 
 
 def test_build_config_matches_extension():
@@ -237,9 +253,9 @@ def _clean_env(**extra):
 
 
 _REPORT = (
-    "import pyzero, sys, json; from pyzero import _loader; "
-    "print(json.dumps({'cuda': pyzero.build_info()['cuda'], "
-    "'nccl': _loader._nccl._name if _loader._nccl is not None else None, "
+    "import pyzero, sys, json; "
+    "print(json.dumps({'cuda': pyzero.build_info()['cuda'], 'version': pyzero.build_info()['nccl_version'], "
+    "'nccl': pyzero.nccl_library(), "
     "'maps': sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl' in l})}))"
 )
 
@@ -265,18 +281,32 @@ def test_import_in_a_fresh_process_either_order(first):
         assert rep["nccl"] is None and rep["maps"] == []
         return
     assert len(rep["maps"]) == 1, rep  # one NCCL in the process
+    real = _package_nccl()
+    assert rep["maps"] == [str(real)] and rep["nccl"] == {"path": str(real), "version": _version_of(real),
+                                                           "test": False}, rep
+    assert rep["version"] == rep["nccl"]["version"], rep
+
+
+def _package_nccl():
     import nvidia.nccl
-    assert rep["maps"][0] == str(Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"), rep
+    return Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
 
 
-def test_an_nccl_already_in_the_process_is_used(tmp_path):
+def _version_of(library):
+    """ncclGetVersion of `library`, called through ctypes in a process of its own."""
+    code = ("import ctypes, sys; v = ctypes.c_int(); "
+            f"assert ctypes.CDLL({str(library)!r}).ncclGetVersion(ctypes.byref(v)) == 0; print(v.value)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return int(r.stdout)
+
+
+def test_an_nccl_already_in_the_process_is_used():
     """As when a CUDA torch was imported first: no second copy is loaded."""
     _require_cuda_build()
-    import nvidia.nccl
-    real = Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+    real = _package_nccl()
     code = f"import ctypes; ctypes.CDLL({str(real)!r}, mode=ctypes.RTLD_GLOBAL); " + _REPORT
-    rep = _report(_python(code, _clean_env(PYZERO_NCCL_ROOT=str(tmp_path))))
-    assert rep["nccl"] == "libnccl.so.2" and rep["maps"] == [str(real)], rep
+    rep = _report(_python(code, _clean_env()))
+    assert rep["maps"] == [str(real)] and rep["nccl"]["path"] == str(real) and not rep["nccl"]["test"], rep
 
 
 def _require_cuda_build():
@@ -286,12 +316,12 @@ def _require_cuda_build():
 
 def test_pyzero_nccl_root_is_searched_first(tmp_path):
     _require_cuda_build()
-    import nvidia.nccl
-    real = Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+    real = _package_nccl()
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libnccl.so.2").symlink_to(real)
     rep = _report(_python(_REPORT, _clean_env(PYZERO_NCCL_ROOT=str(tmp_path))))
-    assert rep["nccl"] == str(tmp_path / "lib" / "libnccl.so.2"), rep
+    assert rep["nccl"]["path"] == str(tmp_path / "lib" / "libnccl.so.2"), rep
+    assert rep["version"] == rep["nccl"]["version"] == _version_of(real) and rep["maps"] == [str(real)], rep
 
 
 def _copy_package(dest, config):
@@ -305,7 +335,7 @@ def _copy_package(dest, config):
 def test_import_without_build_config_loads_nccl_when_needed(tmp_path):
     _require_cuda_build()
     rep = _report(_python(_REPORT, _clean_env(), cwd=tmp_path, pythonpath=_copy_package(tmp_path, None)))
-    assert rep["cuda"] and rep["nccl"] and len(rep["maps"]) == 1, rep
+    assert rep["cuda"] and rep["nccl"]["path"] == str(_package_nccl()) and len(rep["maps"]) == 1, rep
 
 
 _HIDE_NCCL_PACKAGE = "import sys; sys.modules['nvidia.nccl'] = None; "
@@ -316,27 +346,42 @@ def test_import_without_nccl_names_every_place_searched(tmp_path):
     if ctypes.util.find_library("nccl"):
         pytest.skip("the system loader finds an NCCL here")
     pkg = _copy_package(tmp_path, "CUDA = True\nNCCL = True\n")
-    r = _python(_HIDE_NCCL_PACKAGE + "import pyzero", _clean_env(PYZERO_NCCL_ROOT=str(tmp_path / "nccl")),
-                cwd=tmp_path, pythonpath=pkg)
+    r = _python(_HIDE_NCCL_PACKAGE + "import pyzero", _clean_env(), cwd=tmp_path, pythonpath=pkg)
     assert r.returncode != 0
     err = r.stderr
     assert "ImportError: pyzero was built with CUDA and needs NCCL (libnccl.so.2)" in err, err[-3000:]
-    for place in (f"PYZERO_NCCL_ROOT={tmp_path / 'nccl'}: no {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}",
+    for place in ("PYZERO_NCCL_ROOT (not set)",
                   "the nvidia-nccl-cu13 package (not installed)",
                   "the system loader (LD_LIBRARY_PATH, ld.so.cache): libnccl.so.2: cannot open"):
         assert place in err, err[-3000:]
     assert "pip install nvidia-nccl-cu13" in err
 
 
-def test_open_library_error_lists_places(monkeypatch, tmp_path):
+def test_find_library_error_lists_places(monkeypatch):
+    from pyzero import _loader
+    monkeypatch.delenv("PYZERO_NCCL_ROOT", raising=False)
+    with pytest.raises(ImportError) as e:
+        _loader.find_library("libpyzero_absent.so.7")
+    msg = str(e.value)
+    assert "needs NCCL (libpyzero_absent.so.7), which was not found" in msg
+    assert "PYZERO_NCCL_ROOT (not set)" in msg
+    assert "the system loader (LD_LIBRARY_PATH, ld.so.cache): libpyzero_absent.so.7" in msg
+    assert "the nvidia-nccl-cu13 package" in msg
+
+
+def test_a_pyzero_nccl_root_without_the_library_is_an_error(monkeypatch, tmp_path):
+    """The explicit choice is never silently replaced by another NCCL."""
     from pyzero import _loader
     monkeypatch.setenv("PYZERO_NCCL_ROOT", str(tmp_path))
     with pytest.raises(ImportError) as e:
-        _loader.open_library("libpyzero_absent.so.7")
-    msg = str(e.value)
-    assert f"PYZERO_NCCL_ROOT={tmp_path}: no {tmp_path / 'lib' / 'libpyzero_absent.so.7'}" in msg
-    assert "the system loader (LD_LIBRARY_PATH, ld.so.cache): libpyzero_absent.so.7" in msg
-    assert "the nvidia-nccl-cu13 package" in msg
+        _loader.find_library()
+    assert str(e.value).startswith(f"PYZERO_NCCL_ROOT={tmp_path}, but there is no {tmp_path / 'lib' / 'libnccl.so.2'}: "
+                                   "point PYZERO_NCCL_ROOT at a folder with lib/libnccl.so.2, or unset it"), e.value
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libnccl.so.2").write_text("not a library")
+    with pytest.raises(ImportError, match=f"PYZERO_NCCL_ROOT={tmp_path}: {tmp_path / 'lib' / 'libnccl.so.2'} does "
+                                          "not load: .*(invalid ELF header|file too short)"):
+        _loader.find_library()
 
 
 # ---------------------------------------------------------------------------

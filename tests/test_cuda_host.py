@@ -396,13 +396,32 @@ def test_ipc_algorithm_choice():
         _C.ipc_resolve_algo(C["all_reduce"], 8, ALGO["native"], 256 << 10, 2)
 
 
-def test_nccl_device_is_local_rank():
-    assert nccl_device(1, device_count=2) == 1
-    assert nccl_device(3, device_count=1) == 0  # per-rank CUDA_VISIBLE_DEVICES: the one GPU it sees
+@pytest.mark.parametrize("test_nccl", [False, True])
+def test_nccl_device_is_local_rank(test_nccl):
+    assert [nccl_device(r, device_count=4, test_nccl=test_nccl) for r in range(4)] == [0, 1, 2, 3]
+    assert nccl_device(3, device_count=1, test_nccl=test_nccl) == 0  # per-rank CUDA_VISIBLE_DEVICES
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        nccl_device(0, device_count=0)
-    with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this process sees 2 GPU"):
-        nccl_device(2, device_count=2)
+        nccl_device(0, device_count=0, test_nccl=test_nccl)
+    with pytest.raises(ValueError, match="LOCAL_RANK=-1: expected a rank >= 0"):
+        nccl_device(-1, device_count=2, test_nccl=test_nccl)
+
+
+def test_nccl_device_one_gpu_per_rank_on_real_nccl():
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2, but this process sees 2 GPU.*one GPU per rank"):
+        nccl_device(2, device_count=2, test_nccl=False)
+
+
+def test_nccl_device_ranks_share_gpus_on_the_test_nccl():
+    assert [nccl_device(r, device_count=2, test_nccl=True) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert [nccl_device(r, device_count=3, test_nccl=True) for r in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_nccl_device_asks_the_loaded_library_by_default():
+    if (pz.nccl_library() or {}).get("test"):  # the suite runs on the test NCCL (PYZERO_NCCL_ROOT)
+        assert nccl_device(2, device_count=2) == 0
+    else:  # a real NCCL, or none (a build without CUDA)
+        with pytest.raises(RuntimeError, match="one GPU per rank"):
+            nccl_device(2, device_count=2)
 
 
 # ---------------------------------------------------------------------------

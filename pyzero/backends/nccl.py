@@ -1,4 +1,5 @@
-"""The "nccl" backend: one NCCL communicator per group, one GPU per rank (cuda:LOCAL_RANK).
+"""The "nccl" backend: one NCCL communicator per group, one GPU per rank (cuda:LOCAL_RANK; ranks share
+GPUs on pyzero's test NCCL, see nccl_device).
 
 Streams, as torch.distributed with NCCL: a synchronous call is enqueued on the
 current stream of its buffers and returns without waiting for the GPU. With
@@ -19,23 +20,34 @@ import os
 
 import torch
 
-from .. import _C
+from .. import _C, _loader
 from ..backend import GroupSetup
 from .cuda_buffers import CudaCommBackend
 
 
-def nccl_device(local_rank: int, device_count: int | None = None) -> int:
+def nccl_device(local_rank: int, device_count: int | None = None, test_nccl: bool | None = None) -> int:
     """This rank's GPU for the nccl backend: cuda:LOCAL_RANK (NCCL needs one GPU per rank), or
-    cuda:0 when the process sees one GPU (per-rank CUDA_VISIBLE_DEVICES)."""
+    cuda:0 when the process sees one GPU (per-rank CUDA_VISIBLE_DEVICES).
+
+    With pyzero's test NCCL (``pz.nccl_library()["test"]``: PYZERO_NCCL_ROOT names a library that
+    exports ``pyzeroTestNccl``), ranks may share GPUs: rank LOCAL_RANK runs on
+    cuda:(LOCAL_RANK % count), so more ranks than GPUs can be started on one host. `device_count` and
+    `test_nccl` default to what this process sees and loaded."""
     count = _C.cuda_device_count() if device_count is None else device_count
+    if test_nccl is None:
+        test_nccl = bool((_loader.nccl_library() or {}).get("test"))
     if count == 0:
         raise RuntimeError("backend='nccl' needs a CUDA GPU, but this process sees none (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='shm' for CPU "
                            "processes")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank}: expected a rank >= 0")
     if count == 1:
         device = 0  # one visible GPU: also a launcher that gives each rank its own CUDA_VISIBLE_DEVICES
-    elif 0 <= local_rank < count:
+    elif local_rank < count:
         device = local_rank
+    elif test_nccl:
+        device = local_rank % count  # the test NCCL lets ranks share a GPU
     else:
         raise RuntimeError(f"LOCAL_RANK={local_rank}, but this process sees {count} GPU(s): the nccl backend puts "
                            f"each rank on cuda:LOCAL_RANK, one GPU per rank; start at most {count} ranks per host "

@@ -85,10 +85,11 @@ def machine_info() -> dict:
 def versions() -> dict:
     import torch  # noqa: PLC0415
 
-    from .. import _C, __version__  # noqa: PLC0415
+    from .. import _C, __version__, nccl_library  # noqa: PLC0415
 
     v = {"python": sys.version.split()[0], "torch": torch.__version__, "pyzero": __version__}
     v.update({f"pyzero_{k}": val for k, val in _C.build_info().items()})
+    v["pyzero_nccl_library"] = nccl_library()  # which libnccl.so.2 (path, version; test: pyzero's test NCCL)
     return v
 
 

@@ -72,12 +72,13 @@ def test_rendezvous_and_groups_on_cpu(tmp_path):
 
 
 def _nccl_calls_in_sources(header):
-    """Every NCCL function pyzero's C++ calls: the names in csrc/*.cpp, *.h that nccl.h declares as functions."""
+    """Every NCCL function pyzero's C++ calls: the table csrc/nccl_api.h fills (X(name) is ncclname),
+    each a function nccl.h declares."""
     functions = set(re.findall(r"^\s*(?:ncclResult_t|const char\*)\s+(nccl[A-Z]\w*)\s*\(", header, re.M))
-    names = set()
-    for p in list((ROOT / "csrc").glob("*.cpp")) + list((ROOT / "csrc").glob("*.h")):
-        names |= set(re.findall(r"\b(nccl[A-Z]\w*)\s*\(", p.read_text()))
-    return names & functions
+    table = (ROOT / "csrc" / "nccl_api.h").read_text().split("#define PZ_NCCL_FUNCTIONS(X)")[1].split("\n\n")[0]
+    names = {"nccl" + n for n in re.findall(r"\bX\((\w+)\)", table)}
+    assert names <= functions, f"nccl_api.h names what nccl.h does not declare: {sorted(names - functions)}"
+    return names
 
 
 def test_library_exports_the_nccl_calls_pyzero_makes():

@@ -236,6 +236,22 @@ class StepTrace:
         return out
 
 
+def activation_bytes(model: torch.nn.Module, fn, device: torch.device | str = "cpu") -> int:
+    """What forward and backward allocate beyond `model`'s parameters and gradients at their
+    peak: ``fn()`` runs one forward and backward of `model`, whose missing gradients are
+    allocated first (zeros; backward then adds into them, as data parallelism's buckets hold
+    them). pz.zero.estimate_memory takes it as ``activation_bytes`` (the activations, their
+    gradients, the temporaries of forward and backward; see pyzero/zero/memory.py). The
+    gradients stay allocated."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    with StepTrace(model, device=device) as tr:
+        fn()
+    r = tr.result()
+    return r["peak"] - r["held"]["start"]["total"] - r["at_peak"].get("other", 0)
+
+
 def _by_category(found: dict[int, tuple[str, int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for c, n in found.values():

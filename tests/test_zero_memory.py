@@ -90,7 +90,7 @@ def _gpt():
 
 def _zero_rank(stage):
     torch.manual_seed(0)
-    x, y = random_batch(_gpt().config, 2, 32, seed=pz.get_rank())
+    x, y = random_batch(_gpt().config, 4, 64, seed=pz.get_rank())
     base = live_bytes()
     model = _gpt()
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
@@ -134,7 +134,7 @@ def _zero_rank(stage):
 
 def _dp_rank():
     torch.manual_seed(0)
-    x, y = random_batch(_gpt().config, 2, 32, seed=pz.get_rank())
+    x, y = random_batch(_gpt().config, 4, 64, seed=pz.get_rank())
     base = live_bytes()
     model = _gpt()
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
@@ -190,10 +190,19 @@ def _dp_and_ddp_traces(x, y):
     return out
 
 
+def _activations(batch, seq, seed):
+    """pyzero.memtrace.activation_bytes of a fresh gpt-nano on its random batch."""
+    torch.manual_seed(0)
+    model = _gpt()
+    x, y = random_batch(model.config, batch, seq, seed=seed)
+    return memtrace.activation_bytes(model, lambda: model(x, y).backward())
+
+
 def _rank():
     pz.init(timeout=120)
     torch.set_num_threads(1)
-    return {"zero": {s: _zero_rank(s) for s in (1, 2, 3)}, "dp": _dp_rank()}
+    return {"zero": {s: _zero_rank(s) for s in (1, 2, 3)}, "dp": _dp_rank(),
+            "activations": _activations(4, 64, pz.get_rank())}
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +287,7 @@ def test_data_parallel_peak_at_most_torch_ddp(ranks):
 def _one_rank_peaks():
     pz.init(timeout=120)
     torch.set_num_threads(1)
-    out = {}
+    out = {"activations": _activations(4, 64, 0)}
     for run in ("torch", 1, 2, 3):
         torch.manual_seed(0)
         model = _gpt()
@@ -318,6 +327,89 @@ def test_one_rank_peaks_match_plain_torch():
             assert trace["at_peak"][k] == ref["at_peak"][k], (stage, k)
         assert trace["at_peak"]["buckets"] == trace["at_peak"]["gathered"] == 0, stage
         assert ref["peak"] <= trace["peak"] <= ref["peak"] + largest, (stage, trace["peak"], ref["peak"])
+
+
+def _largest_module_params():
+    """gpt-nano's largest module by its own parameters: the tied token embedding."""
+    model = _gpt()
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def _nano_params():
+    return sum(p.numel() for p in unique_params(_gpt()))
+
+
+def _estimate(world, stage, activations):
+    return pz.zero.estimate_memory(_nano_params(), world, stage, optimizer_state_bytes_per_param=8,
+                                   mixed_precision=False, activation_bytes=activations,
+                                   largest_layer_params=_largest_module_params(), step_impl="forloop")
+
+
+def test_activation_bytes_is_what_forward_and_backward_add():
+    """memtrace.activation_bytes against a by-hand count: the peak of the process's allocations
+    during forward and backward (profiler events), less nothing else, with the gradients
+    allocated before."""
+    torch.manual_seed(0)
+    model = _gpt()
+    x, y = random_batch(model.config, 2, 32, seed=0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x, y).backward()
+    stack, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    cur = peak = 0
+    for _, n in sorted(events):
+        cur += n
+        peak = max(peak, cur)
+    got = _activations(2, 32, 0)
+    assert got == peak > 0
+
+
+def test_estimate_within_five_percent_of_one_rank_peaks():
+    """estimate_memory fed the measured activations predicts each one-rank run's traced peak
+    (plain torch as stage 1 of one rank: it frees its gradients at zero_grad as ZeRO does)."""
+    (res,) = run_ranks(_one_rank_peaks, 1, timeout=120)
+    out = res.value
+    for run, stage in (("torch", 1), (1, 1), (2, 2), (3, 3)):
+        peak = out[run][0]["peak"]
+        est = _estimate(1, stage, out["activations"])
+        assert est["gathered"] == 0
+        assert abs(est["peak"] / peak - 1) <= 0.05, (run, est["peak"], peak)
+
+
+def test_estimate_within_five_percent_of_two_rank_peaks(ranks):
+    for res in ranks:
+        act = res["activations"]
+        for stage in (1, 2, 3):
+            peak = res["zero"][stage]["trace"]["peak"]
+            est = _estimate(WORLD, stage, act)
+            assert abs(est["peak"] / peak - 1) <= 0.05, (stage, est["peak"], peak)
+        for run in ("dp", "ddp"):
+            peak = res["dp"]["traces"][run]["peak"]
+            est = _estimate(WORLD, 0, act)
+            assert abs(est["peak"] / peak - 1) <= 0.05, (run, est["peak"], peak)
+
+
+def test_estimate_components_are_the_held_bytes(ranks):
+    """The estimate's parameters, gradients and optimizer state against the bytes a stage holds
+    between backward and step (counted over the walked tensors): equal up to the padding to the
+    world size and AdamW's 4-byte step per piece; stage 3's gathered unit is the largest unit."""
+    for res in ranks:
+        for stage in (1, 2, 3):
+            r = res["zero"][stage]
+            held = r["trace"]["held"]["backward"]
+            est = _estimate(WORLD, stage, 0)
+            slack = F32 * WORLD * len(r["units"])
+            assert est["params"] <= held["params"] <= est["params"] + slack + (F32 * len(r["sizes"]) if stage == 3 else 0)
+            assert est["grads"] <= held["grads"] <= est["grads"] + slack
+            assert est["optimizer"] <= held["optimizer"] <= est["optimizer"] + 4 * len(r["sizes"]) + slack
+            if stage == 3:
+                assert est["gathered"] == max(r["unit_bytes"])
 
 
 def _prefetch_rank():

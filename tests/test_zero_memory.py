@@ -191,11 +191,11 @@ def _dp_and_ddp_traces(x, y):
 
 
 def _activations(batch, seq, seed):
-    """pyzero.memtrace.activation_bytes of a fresh gpt-nano on its random batch."""
+    """pyzero.memtrace.activation_peak of a fresh gpt-nano on its random batch."""
     torch.manual_seed(0)
     model = _gpt()
     x, y = random_batch(model.config, batch, seq, seed=seed)
-    return memtrace.activation_bytes(model, lambda: model(x, y).backward())
+    return memtrace.activation_peak(model, lambda: model(x, y).backward())
 
 
 def _rank():
@@ -339,20 +339,19 @@ def _nano_params():
     return sum(p.numel() for p in unique_params(_gpt()))
 
 
-def _estimate(world, stage, activations):
+def _estimate(world, stage, act):
     return pz.zero.estimate_memory(_nano_params(), world, stage, optimizer_state_bytes_per_param=8,
-                                   mixed_precision=False, activation_bytes=activations,
+                                   mixed_precision=False, activation_bytes=act["bytes"], grads_done=act["grads_done"],
                                    largest_layer_params=_largest_module_params(), step_impl="forloop")
 
 
-def test_activation_bytes_is_what_forward_and_backward_add():
-    """memtrace.activation_bytes against a by-hand count: the peak of the process's allocations
-    during forward and backward (profiler events), less nothing else, with the gradients
-    allocated before."""
+def test_activation_peak_is_what_forward_and_backward_add():
+    """memtrace.activation_peak against a by-hand count: the peak of the process's allocations
+    during forward and backward (profiler events), with the gradients allocated before."""
     torch.manual_seed(0)
     model = _gpt()
-    x, y = random_batch(model.config, 2, 32, seed=0)
-    for p in model.parameters():
+    x, y = random_batch(model.config, 4, 64, seed=0)
+    for p in unique_params(model):
         p.grad = torch.zeros_like(p)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         model(x, y).backward()
@@ -366,8 +365,22 @@ def test_activation_bytes_is_what_forward_and_backward_add():
     for _, n in sorted(events):
         cur += n
         peak = max(peak, cur)
-    got = _activations(2, 32, 0)
-    assert got == peak > 0
+    got = _activations(4, 64, 0)
+    assert got["bytes"] == peak > 0
+    assert 0 <= got["grads_done"] < 1
+
+
+def test_activation_peak_grads_done_counts_finished_gradients():
+    """A model whose activations peak at the end of backward: a large first layer whose
+    gradient is the last to finish, after a small one's; at the peak (the first layer's weight
+    gradient, before its accumulation) every other gradient is done."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 2, bias=False))
+    x = torch.randn(4, 256)
+    got = memtrace.activation_peak(model, lambda: model(x).square().sum().backward())
+    small, large = 2 * 256 * F32, 256 * 256 * F32
+    assert got["grads_done"] == pytest.approx(small / (small + large))
+    assert got["bytes"] >= large  # the weight gradient made before it is added into .grad
 
 
 def test_estimate_within_five_percent_of_one_rank_peaks():
@@ -403,7 +416,7 @@ def test_estimate_components_are_the_held_bytes(ranks):
         for stage in (1, 2, 3):
             r = res["zero"][stage]
             held = r["trace"]["held"]["backward"]
-            est = _estimate(WORLD, stage, 0)
+            est = _estimate(WORLD, stage, {"bytes": 0, "grads_done": 0.0})
             slack = F32 * WORLD * len(r["units"])
             assert est["params"] <= held["params"] <= est["params"] + slack + (F32 * len(r["sizes"]) if stage == 3 else 0)
             assert est["grads"] <= held["grads"] <= est["grads"] + slack

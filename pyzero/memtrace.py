@@ -236,6 +236,47 @@ class StepTrace:
         return out
 
 
+def activation_peak(model: torch.nn.Module, fn, device: torch.device | str = "cpu") -> dict:
+    """What one forward and backward allocate at their peak beyond `model`'s parameters and
+    gradients, and how far backward was then: ``fn()`` runs the forward and backward of
+    `model`, whose missing gradients are allocated first (zeros; backward adds into them, as
+    data parallelism's buckets hold them). Returns {"bytes": the peak (activations, their
+    gradients, the temporaries of forward and backward), "grads_done": the fraction of the
+    gradient bytes whose accumulation had finished at that moment (0: the peak is at the start
+    of backward)}: what pz.zero.estimate_memory takes as ``activation_bytes`` and
+    ``grads_done`` (see pyzero/zero/memory.py). The gradients stay allocated."""
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    def done(i):
+        def hook(_):
+            with torch.profiler.record_function(f"{_MARK}grad{i}"):
+                pass
+        return hook
+    hooks = [p.register_post_accumulate_grad_hook(done(i)) for i, p in enumerate(params)]
+    try:
+        with StepTrace(model, device=device) as tr:
+            fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    r = tr.result()
+    allocs, marks = tr._events()
+    cur = peak = 0
+    at = None
+    for e in allocs:
+        cur += e.extra_fields.alloc_size
+        if cur > peak:
+            peak, at = cur, e.start_time_ns
+    total = sum(p.numel() * p.element_size() for p in params)
+    finished = sum(p.numel() * p.element_size() for i, p in enumerate(params)
+                   if at is not None and marks.get(f"grad{i}", float("inf")) <= at)
+    return {"bytes": r["peak"] - r["held"]["start"]["total"] - r["at_peak"].get("other", 0),
+            "grads_done": finished / total if total else 0.0}
+
+
 def _by_category(found: dict[int, tuple[str, int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for c, n in found.values():

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import comm, wrappers
 from .backend import DTYPES
-from .bucketing import WIDEN, BucketReducer, BucketSpec, broadcast_coalesced
+from .bucketing import WIDEN, BucketReducer, broadcast_coalesced
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -25,29 +25,40 @@ _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 class _AllReduceBuckets(BucketReducer):
     """DataParallel's reducer: one async all-reduce (avg) per bucket.
 
-    Each bucket carries one "used" flag per parameter after its gradients, so
-    the same collective tells every rank which parameters got a gradient on
-    some rank. A gradient that no rank produced and that was None before the
-    step stays None (as in DDP, and as in one process, where optimizers then
-    skip it); otherwise an unused parameter contributes zeros.
+    After the last bucket one small all-reduce (max) of an int32 "used" flag per parameter
+    tells every rank which parameters got a gradient on some rank. A gradient that no rank
+    produced and that was None before the step stays None (as in DDP, and as in one process,
+    where optimizers then skip it); otherwise an unused parameter contributes zeros. The flags
+    travel on their own, made when the last bucket launches, so a bucket holds exactly its
+    gradients (as DDP's with gradient_as_bucket_view): nothing stays allocated between steps
+    beyond the gradients.
     """
-
-    def extra_elements(self, spec: BucketSpec) -> int:
-        return len(spec.params)
-
-    def _before_reduce(self, b: int) -> None:
-        bucket = self.buckets[b]
-        bucket.buffer[bucket.numel:].copy_(torch.tensor(self.used[b], dtype=bucket.buffer.dtype))
 
     def _reduce(self, bucket):
         return comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
 
-    def _finalize(self, b: int) -> None:
-        bucket = self.buckets[b]
-        flags = bucket.buffer[bucket.numel:].tolist()
-        for k, p in enumerate(bucket.params):
-            if flags[k] == 0 and self.missing[b][k]:
-                p.grad = None
+    def _launch(self, b: int) -> None:
+        super()._launch(b)
+        if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
+            used = self._flags([u for us in self.used for u in us])
+            missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
+            work = comm.all_reduce(used, op="max", group=self.group, async_op=True)
+            self._inflight.add(work, lambda: self._drop_unused(used, missing))
+
+    def _flags(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.buckets[0].flat.device)
+
+    def _drop_unused(self, used: torch.Tensor, missing: list[list[bool]]) -> None:
+        flags = iter(used.tolist())  # (one read of the device per synced backward)
+        for bucket, miss in zip(self.buckets, missing):
+            for p, m in zip(bucket.params, miss):
+                if next(flags) == 0 and m:
+                    p.grad = None
+
+    def run_collectives(self) -> None:
+        super().run_collectives()
+        if self.buckets:
+            comm.all_reduce(self._flags([1] * sum(len(b.params) for b in self.buckets)), op="max", group=self.group)
 
 
 def _positive(value, arg: str) -> float:

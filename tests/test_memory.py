@@ -90,6 +90,12 @@ def test_stages_only_save_memory():
     (dict(optimizer_state_bytes_per_param="12"), TypeError, "optimizer_state_bytes_per_param"),
     (dict(activation_bytes=-1.0), ValueError, "activation_bytes"),
     (dict(mixed_precision="yes"), TypeError, "mixed_precision"),
+    (dict(largest_layer_params=-1), ValueError, "largest_layer_params"),
+    (dict(largest_layer_params="1e6"), TypeError, "largest_layer_params"),
+    (dict(step_impl="fast"), ValueError, "step_impl"),
+    (dict(grads_done=1.5), ValueError, "grads_done"),
+    (dict(grads_done=-0.1), ValueError, "grads_done"),
+    (dict(grads_done="half"), TypeError, "grads_done"),
 ])
 def test_bad_input(kwargs, exc, word):
     args = dict(num_params=1.5e9, world_size=8, stage=2) | kwargs
@@ -129,3 +135,43 @@ def test_peak(stage, activations, peak):
     max(activations + gradients held through forward, gradients)."""
     m = pz.zero.estimate_memory(1e9, 2, stage, 8, mixed_precision=False, activation_bytes=activations)
     assert m["peak"] == pytest.approx(peak, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage,impl,largest,peak", [
+    # step: gradients + the step's temporaries; backward: activations (+ stage 0's gradients,
+    # + stage 3's gathered unit of 4 x 1e8 bytes)
+    (0, "forloop", 1e8, 4e9 + 8e9 + 4e9 + 1e9 + 0.0),  # backward 4e9 + 1e9 > step 4e9 + 8e8
+    (0, "foreach", 1e8, 4e9 + 8e9 + 4e9 + 4e9),  # foreach: 4 bytes per stepped element (1e9)
+    (1, "forloop", 1e8, 4e9 + 4e9 + 4e9 + 8e8),  # the full gradients + 2 x 4 x 1e8
+    (1, "foreach", 1e8, 4e9 + 4e9 + 4e9 + 2e9),  # a shard of 5e8 elements stepped
+    (2, "fused", 1e8, 4e9 + 4e9 + max(1e9, 2e9)),
+    (3, "fused", 1e8, 2e9 + 4e9 + max(1e9 + 4e8, 2e9)),
+    (3, "fused", 4e8, 2e9 + 4e9 + max(1e9 + 1.6e9, 2e9)),  # the gathered unit counts in backward
+    (3, "forloop", 8e8, 2e9 + 4e9 + max(1e9 + 3.2e9, 2e9 + 2 * 4 * 5e8)),  # a piece is at most the shard
+])
+def test_peak_with_step_temporaries_and_gathered_unit(stage, impl, largest, peak):
+    """fp32 AdamW (K = 8), 1e9 parameters on 2 ranks, 1e9 bytes of activations, by hand."""
+    m = pz.zero.estimate_memory(1e9, 2, stage, 8, mixed_precision=False, activation_bytes=1e9,
+                                largest_layer_params=largest, step_impl=impl)
+    assert m["peak"] == pytest.approx(peak, rel=1e-12)
+    assert m["gathered"] == (4 * largest if stage == 3 else 0)
+
+
+def test_one_rank_gathers_nothing():
+    m = pz.zero.estimate_memory(1e9, 1, 3, 8, mixed_precision=False, activation_bytes=1e9, largest_layer_params=1e8)
+    assert m["gathered"] == 0 and m["peak"] == pytest.approx(4e9 + 8e9 + max(1e9, 4e9), rel=1e-12)
+
+
+@pytest.mark.parametrize("stage,grads_at_backward", [
+    (0, 4e9),  # the buckets, whatever grads_done
+    (1, 0.5 * 4e9),  # torch's own .grad, half of them finished
+    (2, 2e9),  # the first rank's shard (half of all) is full once half of all gradients are done
+    (3, 0.5 * 2e9),  # every unit is split over the ranks: half of each rank's shard
+])
+def test_peak_with_gradients_done_when_activations_peak(stage, grads_at_backward):
+    """fp32 AdamW (K = 8), 1e9 parameters on 2 ranks, activations 3e9 that peak with half the
+    gradients done (fused step, no gathered unit given), by hand."""
+    m = pz.zero.estimate_memory(1e9, 2, stage, 8, mixed_precision=False, activation_bytes=3e9, grads_done=0.5)
+    backward = m["params"] + m["optimizer"] + grads_at_backward + 3e9
+    assert m["peak"] == pytest.approx(max(backward, m["params"] + m["optimizer"] + m["grads"]), rel=1e-12)
+    assert backward > m["params"] + m["optimizer"] + m["grads"]

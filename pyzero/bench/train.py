@@ -41,7 +41,8 @@ no_sync steps nor the scratch buffers of the communication-alone timing count).
 and prints, per run, its peak and what was live at that moment (parameters,
 gradients, buckets, optimizer state, gathered units, activations, the step's
 temporaries; on a GPU also memory no walk reaches and the allocator's reserve),
-the bytes held after backward, and pz.estimate_memory's total next to the peak.
+the bytes held after backward, and pz.estimate_memory's peak next to it (fed the activations
+measured on a fresh plain model, pyzero.memtrace.activation_peak).
 """
 from __future__ import annotations
 
@@ -343,6 +344,7 @@ def _rank_main(run: str, args) -> dict:
             out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if getattr(args, "memory", False):
             out["memory"] = _trace_step(runner, x, y, dev)
+            out["activations"] = _activations(args, x, y, dev)
         comm_alone = runner.comm_alone
         if cuda and comm_alone is not None:
             def comm_alone(f=runner.comm_alone):
@@ -406,16 +408,42 @@ def _trace_step(runner, x, y, dev) -> dict:
     return tr.result()
 
 
-def _estimate(run: str, args, world: int) -> dict:
-    """pz.estimate_memory for the run: fp32 AdamW (K = 8), activations of the GPT at --batch x --seq."""
+def _activations(args, x, y, dev) -> dict:
+    """The GPT's activations at --batch x --seq, measured on a fresh plain model
+    (pyzero.memtrace.activation_peak): what estimate_memory takes as activation_bytes and
+    grads_done."""
+    from .. import memtrace  # noqa: PLC0415
+
+    model = make_gpt(args.model).to(dev)
+    try:
+        return memtrace.activation_peak(model, lambda: model(x, y).backward(), device=dev)
+    finally:
+        del model
+
+
+def _largest_layer_params(model) -> int:
+    """Parameters of the module that owns the most (a tied one counted with its first module)."""
+    seen, best = set(), 0
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(map(id, own))
+        best = max(best, sum(p.numel() for p in own))
+    return best
+
+
+def _estimate(run: str, args, world: int, activations: dict) -> dict:
+    """pz.estimate_memory for the run: fp32 AdamW (K = 8; torch's for-loop step on the CPU, fused on
+    a GPU), the measured activations, the GPT's largest module."""
     import pyzero as pz  # noqa: PLC0415
 
     model = make_gpt(args.model)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # plain torch (zero_grad(set_to_none=True), no buckets) holds what ZeRO holds at one rank
     stage, world = (1, 1) if run == "torch-local" else (_STAGE.get(run, 0), world)
-    return pz.zero.estimate_memory(n, world, stage, optimizer_state_bytes_per_param=8,
-                                   mixed_precision=False, model=model, micro_batch=args.batch, seq=args.seq)
+    return pz.zero.estimate_memory(n, world, stage, optimizer_state_bytes_per_param=8, mixed_precision=False,
+                                   activation_bytes=activations["bytes"], grads_done=activations["grads_done"],
+                                   largest_layer_params=_largest_layer_params(model),
+                                   step_impl="fused" if getattr(args, "device", "cpu") == "cuda" else "forloop")
 
 
 def _summarise(run: str, ranks: list[dict], args) -> dict:
@@ -430,8 +458,10 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
         res["peak_gpu_mib"] = [r["peak_gpu_mib"] for r in ranks]
     if "memory" in r0:
         res["memory"] = [r["memory"] for r in ranks]
-        est = _estimate(run, args, args.nproc)
-        res["estimate"] = {k: est[k] for k in ("params", "grads", "optimizer", "activations", "total", "peak")}
+        est = _estimate(run, args, args.nproc, max((r["activations"] for r in ranks), key=lambda a: a["bytes"]))
+        est["grads_done"] = ranks[0]["activations"]["grads_done"]
+        res["estimate"] = {k: est[k] for k in ("params", "grads", "optimizer", "activations", "grads_done",
+                                               "gathered", "step_temps", "total", "peak")}
     if "model_state" in r0:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
@@ -472,7 +502,7 @@ def _plot(path: str, results: list[dict]) -> None:
 
 def _print_memory(results: list[dict]) -> None:
     """Per run, the traced step's peak on the rank where it was highest and what was live then
-    (MiB), the bytes held after backward, and pz.estimate_memory's total (activations included)."""
+    (MiB), the bytes held after backward, and pz.estimate_memory's peak against it."""
     from .. import memtrace  # noqa: PLC0415
 
     rows, held, est = [], [], []
@@ -488,11 +518,14 @@ def _print_memory(results: list[dict]) -> None:
     for name, h in held:
         print(f"{name:>16} " + " ".join(f"{h[c] / 2**20:11.2f}" for c in memtrace.CATEGORIES)
               + f" {h['total'] / 2**20:11.2f} total")
-    print("\n# pz.estimate_memory (fp32 AdamW, activations for --batch x --seq): its peak against the traced one")
-    print(f"{'run':>16} {'est.peak':>9} {'peak':>9} {'est/peak':>8} {'est.activations':>15} {'est.total':>10}")
+    print("\n# pz.estimate_memory (fp32 AdamW, activations measured at --batch x --seq): its peak against the "
+          "traced one")
+    print(f"{'run':>16} {'est.peak':>9} {'peak':>9} {'est/peak':>8} {'activations':>11} {'grads_done':>10} "
+          f"{'gathered':>9} {'step_temps':>10} {'est.total':>10}")
     for name, peak, e in est:
         print(f"{name:>16} {e['peak'] / 2**20:9.2f} {peak / 2**20:9.2f} {e['peak'] / peak:8.3f} "
-              f"{e['activations'] / 2**20:15.2f} {e['total'] / 2**20:10.2f}")
+              f"{e['activations'] / 2**20:11.2f} {e['grads_done']:10.3f} {e['gathered'] / 2**20:9.2f} "
+              f"{e['step_temps'] / 2**20:10.2f} {e['total'] / 2**20:10.2f}")
 
 
 def main(args) -> int:

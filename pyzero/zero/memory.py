@@ -35,13 +35,29 @@ w = 2 (mixed precision) or 4 bytes:
 Without offload everything is on the device. ``total`` is the sum of the model states
 wherever they are, plus activations (always on the device).
 
-``peak`` is the most a rank's device holds at once in a training step, activations included:
-parameters + optimizer state + activations, plus the gradients in stage 0 (data parallelism
-keeps its gradient buckets, the gradients' storage, from step to step); ZeRO stages 1-3 (and
-plain torch with zero_grad(set_to_none=True)) hold no gradient memory when backward starts,
-and backward allocates gradients as it frees activations, so at the peak (the start of
-backward) the gradients are not counted; where that is less, parameters + optimizer state +
-gradients (the optimizer step itself, activations freed). With offload: the device bytes.
+``peak`` is the most a rank's device holds at once in a training step, activations included,
+the larger of two moments:
+
+    backward   parameters + optimizer state + activations, plus the gradients in stage 0
+               (data parallelism keeps its gradient buckets, the gradients' storage, from
+               step to step; ZeRO stages 1-3 and plain torch with zero_grad(set_to_none=True)
+               hold none when backward starts and allocate them as activations are freed:
+               the part ``grads_done`` of them backward has finished when the activations
+               peak; stage 2 lays them end to end in the order backward makes them, so the
+               first rank's shard fills first: min(shard, grads_done x all gradients)),
+               plus in stage 3 on more than one rank one gathered unit (its largest module)
+    step       parameters + optimizer state + gradients + the step's temporaries
+               (``step_impl``: "fused" none; "foreach", torch's multi-tensor step, one fp32
+               value per element it steps; "forloop", torch's default on the CPU, two fp32
+               temporaries of the largest parameter (piece) it steps)
+
+``activation_bytes`` and ``grads_done`` are then best measured (pyzero.memtrace.activation_peak:
+what forward and backward allocate beyond parameters and gradients at their peak, gradients
+already allocated as data parallelism keeps them, and the part of the gradients finished
+then; the formula's activations peak at the start of backward, grads_done 0). ``largest_layer_params`` (DeepSpeed's name: the
+parameters of the largest module) sizes the gathered unit and the "forloop" temporaries; with
+``model`` it defaults to the larger of the embedding and the MLP's first matrix. With
+offload: the device bytes.
 """
 from __future__ import annotations
 
@@ -63,7 +79,9 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
                     activation_bytes: float | None = None, *, model=None, micro_batch: int = 1,
                     seq: int | None = None, tp: int = 1, sequence_parallel: bool = False,
                     recompute: str = "none", offload: str | None = None, offload_params: bool = False,
-                    nvme_sub_group: int = 1 << 23, hpz_partition_size: int = 1) -> dict:
+                    nvme_sub_group: int = 1 << 23, hpz_partition_size: int = 1,
+                    largest_layer_params: float | None = None, step_impl: str = "fused",
+                    grads_done: float = 0.0) -> dict:
     """Bytes per rank of parameters, gradients, optimizer state and activations.
 
     stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
@@ -75,10 +93,15 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements.
     ``hpz_partition_size`` P > 1 (stage 3, ZeRO++ hpZ) adds the secondary parameter shards,
     width x Ψ/P, under "hpz_secondary" (also counted in "params").
+    ``largest_layer_params``, ``step_impl`` ("fused", "foreach" or "forloop") and
+    ``grads_done`` (0 to 1) shape ``peak`` (see the module docstring), whose parts are also given: ``gathered`` (stage 3's
+    gathered unit) and ``step_temps``.
     """
     if model is not None:
-        num_params, activation_bytes = _from_model(model, num_params, activation_bytes, micro_batch, seq, tp,
-                                                   sequence_parallel, recompute, mixed_precision)
+        num_params, activation_bytes, largest = _from_model(model, num_params, activation_bytes, micro_batch, seq,
+                                                            tp, sequence_parallel, recompute, mixed_precision)
+        if largest_layer_params is None:
+            largest_layer_params = largest
     elif activation_bytes is None:
         activation_bytes = 0
     _check_number("num_params", num_params, "a positive, finite count", lambda v: v > 0)
@@ -97,6 +120,11 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
         raise ValueError(f"hpz_partition_size: expected a positive int (1: no hpZ), got {hpz_partition_size!r}")
     if hpz_partition_size > 1 and stage != 3:
         raise ValueError(f"hpz_partition_size: hpZ is for stage 3, got stage={stage}")
+    if largest_layer_params is not None:
+        _check_number("largest_layer_params", largest_layer_params, "a finite count >= 0", lambda v: v >= 0)
+    _check_number("grads_done", grads_done, "a fraction from 0 to 1", lambda v: 0 <= v <= 1)
+    if step_impl not in ("fused", "foreach", "forloop"):
+        raise ValueError(f"step_impl: expected 'fused', 'foreach' or 'forloop', got {step_impl!r}")
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
     width = 2 if mixed_precision else 4
     params = width * psi / (n if stage >= 3 else 1)
@@ -108,8 +136,18 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
         out["params"] = params = params + out["hpz_secondary"]
     out["activations"] = float(activation_bytes)
     out["total"] = params + grads + optimizer + out["activations"]
-    held_grads = grads if stage == 0 else 0.0
-    out["peak"] = params + optimizer + max(held_grads + out["activations"], grads)
+    if stage == 0:
+        held_grads = grads
+    elif stage == 2:
+        held_grads = min(grads, grads_done * width * psi)
+    else:
+        held_grads = grads_done * grads
+    largest = min(float(largest_layer_params or 0.0), psi)
+    stepped = psi / (n if stage >= 1 else 1)  # elements the optimizer steps on this rank
+    out["gathered"] = width * largest if stage == 3 and n > 1 else 0.0
+    out["step_temps"] = {"fused": 0.0, "foreach": 4 * stepped, "forloop": 2 * 4 * min(largest, stepped)}[step_impl]
+    out["peak"] = params + optimizer + max(held_grads + out["activations"] + out["gathered"],
+                                           grads + out["step_temps"])
     out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group))
     return out
 
@@ -161,7 +199,9 @@ def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, r
     if activation_bytes is None:
         lay = Layout(tp=tp, micro_batch=micro_batch, sp=bool(sp), recompute=recompute)
         activation_bytes = activation_memory(spec, lay, 2 if mixed_precision is True else 4)
-    return num_params, activation_bytes
+    embedding = spec.embedding_params / (tp if spec.embedding_tp else 1)
+    largest = max(embedding, spec.ffn * spec.hidden * spec.hidden / tp)
+    return num_params, activation_bytes, largest
 
 
 def main(argv=None) -> int:

@@ -409,6 +409,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._direct.add(k)
         return self._grow_grad(k, zero=False)
 
+    def _direct_grad(self, k: int) -> torch.Tensor | None:
+        """[Note: one rank writes gradients straight into their segments] In a group of one rank
+        the average of a gradient is the gradient: a stage copies each parameter's gradient
+        straight into gradient segment `k` (no staging buffer, no collective; a second copy of
+        the gradients is what it saves) when the segment held no values before this backward.
+        Returns the segment (grown, zeroed: what no gradient reaches stays zero), or None where
+        the general path runs: several ranks, host copies, a communication dtype other than
+        fp32 (whose rounding the general path applies), or values from an earlier backward."""
+        if not self._can_direct(k):
+            return None
+        if k not in self._direct:
+            self._direct.add(k)
+            self._grow_grad(k, zero=True)
+        return self._shard_grads[k]
+
+    def _can_direct(self, k: int) -> bool:
+        """Whether _direct_grad(k) gives the segment (and changes nothing)."""
+        if self.world != 1 or self._host or self.comm_dtype != torch.float32:
+            return False
+        return k in self._direct or not self._grad_live[k]
+
     def _add_grad(self, shard: int, lo: int, hi: int, reduced: torch.Tensor) -> None:
         """Stages call this once `reduced` (on the device, as queued on the current stream) holds
         the reduced gradients of [lo, hi) of gradient segment `shard` (self._shard_grads order):

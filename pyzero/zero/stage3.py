@@ -69,8 +69,9 @@ class _Unit:
     """One module's parameters: its shard, its (sometimes freed) full buffer and its gradient shard."""
 
     def __init__(self, idx, params, names, world, rank, model_dtype, gathered: _Gathered, device, to_host=None,
-                 host_params=False, grad_buffer=None):
+                 host_params=False, grad_buffer=None, alias=False):
         self.idx, self.tracker = idx, gathered
+        self.alias = alias  # the full parameters are the shard itself (see ZeroStage3._setup)
         self.layout = FlatLayout(params, names, world)
         off, n = self.layout.shard(rank)
         fp32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
@@ -87,11 +88,11 @@ class _Unit:
                 self.shard = self.master
             else:
                 self.shard = to_host(fp32[off:off + n].to(model_dtype))
-        self.full = fp32.to(model_dtype)
+        self.full = self.shard if alias else fp32.to(model_dtype)
         self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
         # What a freed parameter holds: its shape, every element one NaN (stride 0).
-        self.stubs = [torch.full((1,), float("nan"), dtype=model_dtype, device=device).expand(v.shape)
-                      for v in self.views]
+        self.stubs = [] if alias else [torch.full((1,), float("nan"), dtype=model_dtype, device=device).expand(v.shape)
+                                       for v in self.views]
         for v, p in zip(self.views, params):
             p.data = v
         self.nbytes = self.full.untyped_storage().nbytes()
@@ -103,7 +104,8 @@ class _Unit:
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
         self.gathered = True  # full holds the initial values until the first free
         self.pending_update = None  # offload: host values the device shard takes at its next gather
-        gathered.add(self.nbytes)
+        if not alias:
+            gathered.add(self.nbytes)
         self.pending = len(params)
 
     def gather_input(self) -> torch.Tensor:
@@ -121,6 +123,8 @@ class _Unit:
         return self.shard.to(self.full.device, non_blocking=True)
 
     def free(self):
+        if self.alias:
+            return  # the shard: never released
         if self.gather_work is not None:
             self.gather_work.wait()
             self.gather_work = None
@@ -178,12 +182,18 @@ class ZeroStage3(ZeroOptimizer):
         self.units: list[_Unit] = []
         self._gathered = _Gathered()
         names = dict(zip(map(id, self.params), self.names))
+        # [Note: stage 3 at one rank] A group of one rank holds every parameter in its shard: a
+        # unit's full parameters are the shard itself (gathered once, never freed; the step's
+        # update of the shard is the model's), so nothing is held twice. Not with host copies
+        # (the shard is in host memory, or takes the step's values at a gather) nor qwZ (a
+        # gather's quantisation is part of the result).
+        alias = self.world == 1 and not self._host and not qw
         for m in self.model.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in names and id(p) not in owner]
             if own:
                 u = _Unit(len(self.units), own, [names[id(p)] for p in own], self.world, self.rank, model_dtype,
                           self._gathered, self.device, self._to_host if self._host else None,
-                          self.offload.offload_params, self._grad_buffer)
+                          self.offload.offload_params, self._grad_buffer, alias)
                 u.secondary = self._plan.secondary(u.layout.padded, model_dtype, self.device)
                 for p in own:
                     owner[id(p)] = u
@@ -248,7 +258,7 @@ class ZeroStage3(ZeroOptimizer):
         return [u.shard for u in self.units] + [u.secondary for u in self.units if u.secondary is not None]
 
     def _gathered_tensors(self):
-        return [u.full for u in self.units if u.gathered]
+        return [u.full for u in self.units if u.gathered and not u.alias]
 
     def _low_buffer(self, k, master, dtype):
         u = self.units[k]  # offload_params: the 16-bit host shard is the copy the step writes
@@ -414,6 +424,14 @@ class ZeroStage3(ZeroOptimizer):
 
     def _reduce_unit(self, u):
         u.reduced = True
+        direct = self._direct_grad(u.idx) if self._qg is None else None
+        if direct is not None:  # one rank: see [Note: one rank writes gradients straight into their segments]
+            for v, p in zip(u.layout.views(direct), u.layout.params):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                    p.grad = None
+            u.free()
+            return
         with memtrace.region("pyzero.bucket"):
             staging = torch.zeros(u.layout.padded, dtype=self.comm_dtype, device=self.device)
         for v, p in zip(u.layout.views(staging), u.layout.params):

@@ -199,6 +199,15 @@ class ZeroStage1(_FlatParams):
             return
         L = self.layout
         for b, (begin, end, members) in enumerate(self.buckets):
+            direct = self._direct_grad(b)  # one rank: see [Note: one rank writes gradients straight ...]
+            if direct is not None:
+                for i in members:
+                    p = L.params[i]
+                    if p.grad is not None:
+                        off = L.offsets[i] - begin
+                        direct[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                        p.grad = None
+                continue
             with memtrace.region("pyzero.bucket"):
                 staging = torch.zeros(end - begin, dtype=self.flat_param.dtype, device=self.device)
             for i in members:
@@ -248,6 +257,12 @@ class ZeroStage2(_FlatParams):
         if self._launch_order.begin():
             _queue_callback(self._end_backward)
         b, i = self._bucket_of[id(p)], self._index[id(p)]
+        if self._can_direct(b):
+            # one rank: p.grad stays until its bucket is complete, then goes straight into the
+            # bucket's gradient segment (see [Note: one rank writes gradients straight into their
+            # segments]): the segment is not allocated while backward still allocates for the bucket
+            self._launch_order.ready(b, i, self.layout.names[i])
+            return
         begin = self.buckets[b][0]
         off = self.layout.offsets[i] - begin
         self._stage(b)[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -256,6 +271,16 @@ class ZeroStage2(_FlatParams):
 
     def _launch(self, b):
         # called by self._launch_order, see [Note: bucket launch order]
+        begin, _, members = self.buckets[b]
+        direct = self._direct_grad(b)
+        if direct is not None:
+            for i in members:
+                p = self.layout.params[i]
+                if p.grad is not None:
+                    off = self.layout.offsets[i] - begin
+                    direct[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+            return
         self._launch_reduce(b, self._stage(b))
         self._staging[b] = None  # the Work keeps it alive until it is waited on
 

@@ -24,14 +24,15 @@ which is why ``pyzero-bench train --losses`` prints each step's loss beside the 
 
 DeepSpeed 0.19.8 (the version scripts/gpu_wheels.sh carries) points the model's 2-D weights at
 its flat buffer without ZenFlow's column-major layout (``_update_model_bit16_weights`` in ZeRO
-1/2 views the transposed flat slice as the weight's shape): after ``deepspeed.initialize`` every
-weight matrix holds its own values in a different order, and each step's updates land on other
-elements than the gradients belong to (on gpt-nano, with ``full_warm_up_rounds`` covering every
-step, which makes ZenFlow plain AdamW: loss 6.231 -> 6.136 in 10 steps at lr 1e-3 where torch
-AdamW from the same weights goes 6.231 -> 4.944; DeepSpeed 0.19.6 and this repair agree with
-torch to every printed digit). :func:`initialize` checks that the engine's weights are the model's
-and, where that is the reason they are not, points them at the flat buffer the way ZenFlow's own
-flatten/unflatten lay it out (:func:`_repair_zenflow_views`); any other difference is an error.
+1/2, at set-up and after steps, views each transposed slice as the weight's shape): every weight
+matrix then holds its values in another order and the updates land on other elements than their
+gradients'. On gpt-nano with ``full_warm_up_rounds`` covering every step and ``overlap_step`` off
+(ZenFlow then is plain AdamW), at lr 1e-3: loss 6.231 -> 6.136 in 10 steps where torch AdamW from
+the same weights goes 6.231 -> 4.944. :func:`_fix_zenflow_views` has that method point them as
+ZenFlow's own unflatten lays them out (what DeepSpeed's repository had before, at 0.19.6): the run
+then gives torch's loss at every step (tests/test_ds_runs.py), and with :data:`ZENFLOW` the same
+losses as that DeepSpeed 0.19.6 code. :func:`initialize` checks that the engine's weights are the
+model's, a RuntimeError else.
 
 ``ds-superoffload`` is DeepSpeed's SuperOffload (``offload_optimizer.super_offload``, ZeRO stage
 3 only; made for Grace Hopper "Superchips", but it needs only CUDA: on any other accelerator

@@ -31,9 +31,11 @@ and "ds-zero2-offload" are DeepSpeed's stage 2 and ZeRO-Offload, "ds-zenflow" Ze
 with ZenFlow and "ds-superoffload" DeepSpeed's SuperOffload (stage 3, CUDA only)
 (bench/ds_runs.py), where deepspeed is importable.
 
-Every run trains the same model (seed 0) on the same batch from the same start, one optimizer
-step per timed call (the no_sync steps too), so the runs' losses, step by step, are loss curves
-to compare: the exact runs agree to rounding, ZenFlow (not exact) does not. The JSON holds each
+Every run trains the same model (seed 0) on the same batch from the same start, so the runs'
+losses, step by step, are loss curves to compare (ZenFlow is not exact: its curve shows by how
+much). Runs without a no_sync step (torch-local, the DeepSpeed runs) take the same steps
+throughout; a run with one alternates synced and no_sync steps from the timed phase on, so its
+curve compares for the first 2 x --warmup + --memory-steps steps. The JSON holds each
 run's "losses" (rank 0's, in order; with --memory the traced step's is NaN), and ``--losses``
 prints them side by side with each run's largest difference from the first run's.
 

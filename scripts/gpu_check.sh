@@ -78,7 +78,7 @@ echo "built in ${SECONDS} s"
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
-# reported while the rest still runs. The limits of the default parts add up to about 18 minutes;
+# reported while the rest still runs. The limits of the default parts add up to about 19.5 minutes;
 # a session with less device time names the parts it needs (GPU_CHECK_PARTS).
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
@@ -163,12 +163,14 @@ deepspeed_here() {
   mps_stop
   fi
   if part offload; then
-  echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed"
+  echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed (ZeRO-Offload, ZenFlow, SuperOffload)"
+  # --losses: every run's loss at each step (same batch, same start): ZenFlow is not exact, its curve shows by how much
   OFFLOAD_RUNS=torch-local,zero2-offload
-  if deepspeed_here; then OFFLOAD_RUNS+=",ds-zero2-offload"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 240)" "$PY" -m pyzero.bench train \
+  if deepspeed_here; then OFFLOAD_RUNS+=",ds-zero2-offload,ds-zenflow,ds-superoffload"; fi
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 330)" "$PY" -m pyzero.bench train \
     --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$OFFLOAD_RUNS" --bucket-mb 25 \
-    --first-bucket-mb 1 --iters 10 --warmup 3 --json "${OUT}_offload.json" || echo "OFFLOAD BENCH FAILED (or past $(lim 240) s)"
+    --first-bucket-mb 1 --iters 10 --warmup 3 --losses --json "${OUT}_offload.json" \
+    || echo "OFFLOAD BENCH FAILED (or past $(lim 330) s)"
   fi
   if part capacity; then
   echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"

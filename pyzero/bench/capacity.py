@@ -13,6 +13,9 @@ searched. Runs (--runs, each on one device, world size 1):
                    host memory too; the device holds a unit's gathered parameters at a time
     ds-zero2-offload  DeepSpeed ZeRO-Offload (stage 2, bf16, offload_optimizer cpu, pinned, its
                    CPUAdam; bench/ds_runs.py), where deepspeed is importable
+    ds-zenflow     the same with DeepSpeed's ZenFlow (ds_runs.ZENFLOW: top 10% of the gradient
+                   columns stepped on the device every step, the rest on the CPU every 4th,
+                   overlapped; not exact), planned as ds-zero2-offload
 Each size is tried in a fresh process (an out-of-memory error there cannot poison the next
 try): build the model on the device, train --steps steps on random tokens, report tokens/s
 (median step after the first), the device's peak allocated bytes and the process's peak
@@ -41,7 +44,8 @@ RUNS = {
     "zero2-offload": {"stage": 2, "offload": "cpu"},
     "zero3-offload": {"stage": 3, "offload": "cpu", "offload_params": True},
     # planned with pyzero's zero2-offload estimate (the same placement of the same bytes)
-    "ds-zero2-offload": {"stage": 2, "offload": "cpu", "deepspeed": True},
+    "ds-zero2-offload": {"stage": 2, "offload": "cpu", "deepspeed": "zero2-offload"},
+    "ds-zenflow": {"stage": 2, "offload": "cpu", "deepspeed": "zenflow"},
 }
 GB = 1e9
 
@@ -139,8 +143,8 @@ def _try(run: str, c: GPTConfig, args) -> dict:
             from .common import init_torch_distributed  # noqa: PLC0415
 
             init_torch_distributed("nccl" if cuda else "gloo")
-            engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=64 << 20, offload=True, cuda=cuda,
-                                        bf16=True)
+            engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=64 << 20, cuda=cuda, bf16=True,
+                                        variant=opts["deepspeed"])
             model, opt = engine, ds_runs.EngineStep(engine)
         elif opts:
             opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=opts["stage"], lr=1e-4, bucket_mb=64,
@@ -227,8 +231,9 @@ def main(args) -> int:
     from . import ds_runs  # noqa: PLC0415
 
     if any(RUNS[r].get("deepspeed") for r in runs) and not ds_runs.available():
-        raise SystemExit("--runs ds-zero2-offload: deepspeed is not importable here (pip install deepspeed; for a "
-                         "machine without a package index, see scripts/gpu_wheels.sh)")
+        raise SystemExit(f"--runs {','.join(r for r in runs if RUNS[r].get('deepspeed'))}: deepspeed is not "
+                         "importable here (pip install deepspeed; for a machine without a package index, see "
+                         "scripts/gpu_wheels.sh)")
     for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")

@@ -27,8 +27,17 @@ and any run can be added there (ZeRO runs, FSDP2) without touching the loop.
 torch runs use gloo (the -pyzero runs: the "pyzero" torch.distributed backend),
 set up through pyzero's store. "torch-local" is plain torch without any
 communication: the baseline the wrappers' cost is measured against. "ds-zero2"
-and "ds-zero2-offload" are DeepSpeed's stage 2 and ZeRO-Offload (bench/ds_runs.py),
-where deepspeed is importable.
+and "ds-zero2-offload" are DeepSpeed's stage 2 and ZeRO-Offload, "ds-zenflow" ZeRO-Offload
+with ZenFlow and "ds-superoffload" DeepSpeed's SuperOffload (stage 3, CUDA only)
+(bench/ds_runs.py), where deepspeed is importable.
+
+Every run trains the same model (seed 0) on the same batch from the same start, so the runs'
+losses, step by step, are loss curves to compare (ZenFlow is not exact: its curve shows by how
+much). Runs without a no_sync step (torch-local, the DeepSpeed runs) take the same steps
+throughout; a run with one alternates synced and no_sync steps from the timed phase on, so its
+curve compares for the first 2 x --warmup + --memory-steps steps. The JSON holds each
+run's "losses" (rank 0's, in order; with --memory the traced step's is NaN), and ``--losses``
+prints them side by side with each run's largest difference from the first run's.
 
 With ``--device cuda`` each rank trains on its GPU (pyzero on the nccl backend,
 torch runs on torch's NCCL, FSDP2 on a CUDA mesh, AdamW fused everywhere),
@@ -235,12 +244,13 @@ def _fsdp2(model, args, backend: str) -> Runner:
     return Runner(model, opt, no_sync, None, lambda: _close_torch(dist))
 
 
-def _setup_ds(offload: bool) -> Callable:
-    """DeepSpeed's ZeRO stage 2, with its optimizer offloaded to the CPU or not (bench/ds_runs.py)."""
+def _setup_ds(variant: str) -> Callable:
+    """DeepSpeed's ZeRO stage 2 (with its optimizer offloaded to the CPU: zero2-offload, zenflow) or
+    SuperOffload (bench/ds_runs.py)."""
     def setup(model, args) -> Runner:
         dist = _init_torch(_torch_backend(model, "gloo", args))
         engine = ds_runs.initialize(model, batch=args.batch, bucket_bytes=int(args.bucket_mb * 2**20),
-                                    offload=offload, cuda=_on_cuda(model))
+                                    cuda=_on_cuda(model), variant=variant)
 
         def close():
             engine.destroy()
@@ -258,7 +268,8 @@ RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _se
                              "zero2-offload-pipe": _setup_zero(2, "cpu", True),
                              "zero3-offload-pipe": _setup_zero(3, "cpu", True), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero"),
-                             "ds-zero2": _setup_ds(offload=False), "ds-zero2-offload": _setup_ds(offload=True)}
+                             "ds-zero2": _setup_ds("zero2"), "ds-zero2-offload": _setup_ds("zero2-offload"),
+                         "ds-zenflow": _setup_ds("zenflow"), "ds-superoffload": _setup_ds("superoffload")}
 
 
 def add_arguments(p) -> None:
@@ -289,6 +300,9 @@ def add_arguments(p) -> None:
                         "buckets, optimizer state, gathered units, activations, ...; pyzero.memtrace), "
                         "against pz.estimate_memory")
     p.add_argument("--memory-steps", type=int, default=3, help="synced steps the memory phase measures")
+    p.add_argument("--losses", action="store_true",
+                   help="print every run's loss at each step (the same batch and start for all: loss curves), "
+                        "and each run's largest difference from the first run's")
 
 
 def _rss_mib() -> float:
@@ -344,7 +358,8 @@ def _rank_main(run: str, args) -> dict:
             out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if getattr(args, "memory", False):
             out["memory"] = _trace_step(runner, x, y, dev)
-            out["activations"] = _activations(args, x, y, dev)
+            out["activations"] = _activations(args, x, y, dev)  # (a fresh model of its own)
+            losses.append(float("nan"))  # (a step the curve does not see)
         comm_alone = runner.comm_alone
         if cuda and comm_alone is not None:
             def comm_alone(f=runner.comm_alone):
@@ -364,7 +379,7 @@ def _rank_main(run: str, args) -> dict:
             for h in hooks:
                 h.remove()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        out.update(loss=last_loss, peak_mib=peak, delta_mib=peak - rss0)
+        out.update(loss=last_loss, losses=list(losses), peak_mib=peak, delta_mib=peak - rss0)
         if runner.memory is not None:
             # a synced step last, its model states read between backward and step (step() releases
             # the gradients)
@@ -452,7 +467,7 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
            "params": sum(p.numel() for p in make_gpt(args.model).parameters()),
            "step_ms": r0["step_s"] * 1e3,
            "tokens_per_s": args.nproc * args.batch * args.seq / r0["step_s"],
-           "loss": r0["loss"],
+           "loss": r0["loss"], "losses": r0["losses"],
            "peak_mib": [r["peak_mib"] for r in ranks], "delta_mib": [r["delta_mib"] for r in ranks]}
     if "peak_gpu_mib" in r0:
         res["peak_gpu_mib"] = [r["peak_gpu_mib"] for r in ranks]
@@ -528,6 +543,29 @@ def _print_memory(results: list[dict]) -> None:
               f"{e['step_temps'] / 2**20:10.2f} {e['total'] / 2**20:10.2f}")
 
 
+def loss_curves(results: list[dict]) -> str:
+    """The runs' per-step losses side by side (rank 0's; a run with fewer steps leaves blanks), then
+    per run its largest |loss - the first run's loss| over the steps both took (NaN steps left out)
+    and its loss at the last step the first run took too."""
+    import math  # noqa: PLC0415
+
+    names = [r["run"] for r in results]
+    curves = [r["losses"] for r in results]
+    width = max(10, *(len(n) for n in names))
+    lines = [f"{'step':>5} " + " ".join(f"{n:>{width}}" for n in names)]
+    for k in range(max(len(c) for c in curves)):
+        lines.append(f"{k + 1:5d} " + " ".join(f"{c[k]:{width}.5f}" if k < len(c) else " " * width for c in curves))
+    ref = curves[0]
+    lines.append(f"{'run':>{width}} {'steps':>5} {'max |d| vs ' + names[0]:>{width + 11}} {'at step':>7} "
+                 f"{'loss':>9} {names[0]:>{width}}")
+    for name, c in zip(names, curves):
+        n = min(len(c), len(ref))
+        diffs = [(abs(a - b), k) for k, (a, b) in enumerate(zip(c[:n], ref[:n])) if not (math.isnan(a) or math.isnan(b))]
+        d, at = max(diffs) if diffs else (float("nan"), -1)
+        lines.append(f"{name:>{width}} {len(c):5d} {d:{width + 11}.3e} {at + 1:7d} {c[n - 1]:9.5f} {ref[n - 1]:{width}.5f}")
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
@@ -543,6 +581,8 @@ def main(args) -> int:
         raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     if args.nproc < 1 or args.iters < 1 or args.batch < 1:
         raise SystemExit("--nproc, --iters and --batch must be >= 1")
+    if "ds-superoffload" in runs and getattr(args, "device", "cpu") != "cuda":
+        raise SystemExit("--runs ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only (--device cuda)")
     if getattr(args, "gpu_backend", "nccl") != "nccl" and getattr(args, "device", "cpu") != "cuda":
         raise SystemExit(f"--gpu-backend {args.gpu_backend}: needs --device cuda")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
@@ -568,6 +608,10 @@ def main(args) -> int:
                  if "model_state_mib" in res else ""), flush=True)
     if getattr(args, "memory", False):
         _print_memory(results)
+    if getattr(args, "losses", False):
+        print(f"\n# loss curves: every step's loss (rank 0; the same batch and start in every run), the largest "
+              f"difference from {results[0]['run']}'s and the loss at the last step both took")
+        print(loss_curves(results), flush=True)
     if args.json:
         write_json(args.json, results, {"bench": "train", "args": vars(args)})
     if args.plot:

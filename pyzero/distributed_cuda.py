@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import comm
+from . import _loader, comm
 from .backends.ipc import MAX_BATCH
 from .envvars import env_int
 from .topology import host_name, peer_json
@@ -83,9 +83,12 @@ class Route:
         return "ipc" if self.ipc else "nccl"
 
 
-def plan(peers, requested: str = "auto", ipc_max: int = DEFAULT_IPC_MAX_BYTES) -> Route:
+def plan(peers, requested: str = "auto", ipc_max: int = DEFAULT_IPC_MAX_BYTES, test_nccl: bool = False) -> Route:
     """The route for a group whose member i runs on peers[i] = (host name, GPU id); the same on every
-    member. ValueError (every member raises it) where no pyzero transport can carry the group."""
+    member. ValueError (every member raises it) where no pyzero transport can carry the group.
+    `test_nccl`: the NCCL loaded is pyzero's test library (``pz.nccl_library()["test"]``), which
+    takes ranks sharing a GPU of one host: then PYZERO_TORCH_CUDA=nccl runs such a group on it
+    (auto still takes ipc there)."""
     peers = [tuple(p) for p in peers]
     hosts = {h for h, _ in peers}
     one_host = len(hosts) == 1
@@ -97,6 +100,8 @@ def plan(peers, requested: str = "auto", ipc_max: int = DEFAULT_IPC_MAX_BYTES) -
             raise ValueError(f"{TRANSPORT_ENV}=ipc: the ipc transport needs every rank of the group on one host, "
                              f"but they are on {len(hosts)} hosts ({sorted(hosts)}); use auto or nccl")
         return Route(True, False, ipc_max)
+    if shared and requested == "nccl" and one_host and test_nccl:
+        return Route(False, True, ipc_max)
     if shared and (requested == "nccl" or not one_host):
         where = ("NCCL needs one GPU per rank" if one_host else
                  "the group spans hosts, where only NCCL runs, and NCCL needs one GPU per rank")
@@ -139,7 +144,8 @@ class CudaGroups:
         keys = [f"peer/{r}" for r in range(self.size)]
         self.store.wait(keys, datetime.timedelta(seconds=timeout))
         peers = [tuple(_peer(self.store.get(k), k)) for k in keys]
-        self.route = plan(peers, transport_choice(), ipc_max_bytes())
+        self.route = plan(peers, transport_choice(), ipc_max_bytes(),
+                          test_nccl=bool((_loader.nccl_library() or {}).get("test")))
         self.groups: dict[str, comm.Group] = {}
         self._make(self.route.first)
         self.side: torch.cuda.Stream | None = None  # where get_future() completes works (made on first use)

@@ -204,3 +204,13 @@ def test_world1_watchdog_on_the_test_library(blocking):
     assert v["first"][0] == "CollectiveTimeout" and "timed out after 1" in v["first"][1], v
     assert v["seconds"] < 4.5, v
     assert v["again"][0] == "CollectiveTimeout" and "earlier failure" in v["again"][1], v
+
+
+def test_torch_backend_on_nccl_through_the_test_library():
+    """torch.distributed's "pyzero" backend with its CUDA calls on nccl (PYZERO_TORCH_CUDA=nccl): the
+    test library takes two ranks on GPU 0, so every main call (point-to-point included) runs on the
+    nccl transport and equals the same call on CPU tensors."""
+    import test_torch_backend_gpu as torch_tests  # noqa: PLC0415
+
+    res = run_ranks(torch_tests._rank_calls, 2, start="spawn", timeout=300, env={**ENV, "PYZERO_TORCH_CUDA": "nccl"})
+    torch_tests.assert_ok(res, min_cases=200)

@@ -54,6 +54,12 @@ def test_plan_forced_and_errors():
         dc.plan([("a", "g0"), ("a", "g0")], "nccl", MB)
     with pytest.raises(ValueError, match=r"ranks \[1, 2\] on GPU g1 of host 'b'.*spans hosts.*own GPU"):
         dc.plan([("a", "g0"), ("b", "g1"), ("b", "g1")], "auto", MB)
+    # pyzero's test NCCL takes ranks sharing a GPU of one host: nccl when asked for, ipc still for auto
+    shared = [("a", "g0"), ("a", "g0")]
+    assert dc.plan(shared, "nccl", MB, test_nccl=True) == dc.Route(False, True, MB)
+    assert dc.plan(shared, "auto", MB, test_nccl=True) == dc.Route(True, False, MB)
+    with pytest.raises(ValueError, match=r"spans hosts"):  # (it runs on one host only)
+        dc.plan([("a", "g0"), ("b", "g1"), ("b", "g1")], "nccl", MB, test_nccl=True)
 
 
 def test_environment_variables():

@@ -63,7 +63,8 @@ SECONDS=0
 build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
 echo "built in ${SECONDS} s"
 # GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
-# ipc faults nccl-multi; capacity and memory (per-rank peaks with 2 and 4 processes on GPU 0) run only when named.
+# ipc faults nccl-multi; capacity, memory (per-rank peaks with 2 and 4 processes on GPU 0) and ipc-algos (all_reduce
+# by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0) run only when named.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
 # only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
@@ -84,7 +85,7 @@ lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi
 mps_start() {
-  [ "$MPS" = 1 ] || return 0
+  [ "$MPS" = 1 ] && [ "$MPS_ON" = 0 ] || return 0  # (started once: a later part finds it running)
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/pyzero-mps CUDA_MPS_LOG_DIRECTORY=/tmp/pyzero-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if timeout 10 nvidia-cuda-mps-control -d; then sleep 1; MPS_ON=1; echo "(MPS started)"; else echo "(MPS did not start)"; fi
@@ -199,6 +200,24 @@ deepspeed_here() {
     CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
       --nproc 2 --backends pyzero --op all_reduce --min 8 --max 1M --factor 4 --graph "$G" \
       --json "${OUT}_ipc2_graph${G}.json" || echo "IPC GRAPH BENCH FAILED (graph $G, or past $(lim 25) s)"
+  done
+  echo "### ipc point-to-point (sendrecv: each process sends to the next and receives from the previous, one batch)"
+  for NP_MAX in 2:256M 4:64M; do
+    NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      --nproc "$NP" --backends pyzero --op sendrecv --min 8 --max "$MAX" --factor 8 \
+      --json "${OUT}_ipc${NP}_sendrecv.json" || echo "IPC SENDRECV BENCH FAILED (nproc $NP, or past $(lim 30) s)"
+  done
+  fi
+  if part ipc-algos; then
+  echo "## ipc all_reduce by algorithm at 2, 4 and 8 processes on GPU 0: ring (over point-to-point), one-shot, two-shot"
+  mps_start
+  for NP in 2 4 8; do
+    for A in ring oneshot twoshot; do
+      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+        --nproc "$NP" --backends pyzero --op all_reduce --algo "$A" --min 8 --max 16M --factor 16 \
+        --json "${OUT}_ipc${NP}_${A}.json" || echo "IPC ALGO BENCH FAILED (nproc $NP algo $A, or past $(lim 25) s)"
+    done
   done
   fi
   if part faults; then

@@ -535,6 +535,19 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     # the floor column: torch's API over its fake backend, measured in a fresh interpreter
     row = next(line.split() for line in text.splitlines() if line.split()[:2] == ["all_reduce", "8"])
     assert 0 < float(row[5]) < 1000 and float(row[6]) == pytest.approx(float(row[2]) + float(row[5]), abs=0.11)
+    out = tmp_path / "sendrecv.json"  # point-to-point: each rank to the next, out of place
+    args = p.parse_args(["--op", "sendrecv", "--nproc", "3", "--backends", "pyzero,torch-pyzero", "--min", "8",
+                         "--max", "64K", "--factor", "8192", "--iters", "2", "--warmup", "1", "--timeout", "120",
+                         "--json", str(out)])
+    assert collectives.main(args) == 0
+    text = capsys.readouterr().out
+    assert text.count("# sendrecv, backend") == 2 and text.count("Out of bounds values : 0 OK") == 2, text
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("op") == "sendrecv"]
+    assert sorted((r["backend"], r["bytes"]) for r in rows) == [(b, s) for b in ("pyzero", "torch-pyzero")
+                                                               for s in (8, 65536)]
+    assert all(not r["inplace"] and r["wrong"] == 0 and r["busbw"] == r["algbw"] for r in rows), rows
+    with pytest.raises(ValueError, match="--op sendrecv: needs --nproc 2 or more"):
+        collectives.main(p.parse_args(["--op", "sendrecv", "--nproc", "1"]))
     out = tmp_path / "per_call.json"  # each call timed alone: the same exact results, labelled
     args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "4K",
                          "--factor", "512", "--iters", "3", "--warmup", "1", "--timeout", "120", "--per-call",

@@ -11,6 +11,12 @@ column is copy-then-reduce, as a user would write it. The time reported is the s
 Each size runs every backend in turn (with ``--rounds``, round by round), so a slow phase of the
 machine falls on all of them alike; with several backends the tables print once the sizes are done.
 
+``--op sendrecv`` is nccl-tests' sendrecv: every rank sends its buffer to the next rank and
+receives the previous rank's in one batch (``pz.batch_isend_irecv``; torch's
+``batch_isend_irecv``), bus bandwidth = algorithm bandwidth; out of place only (the in-place
+columns print nan), not part of ``--op all``; two ranks or more. On the ipc backend it measures the
+point-to-point channels.
+
 With ``--device cuda`` every rank uses one GPU (cuda:LOCAL_RANK) and the
 backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
 auto meaning ring), nccl (pyzero's native passthrough to NCCL's collectives)
@@ -47,6 +53,7 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
@@ -55,7 +62,8 @@ NCCL_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "flo
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--op", default="all_reduce", choices=OPS + ("all",))
+    p.add_argument("--op", default="all_reduce", choices=OPS + ("sendrecv", "all"),
+                   help="a collective, sendrecv (each rank to the next: point-to-point), or all (the collectives)")
     p.add_argument("--min", default="8", help="smallest size in bytes (K/M/G suffixes)")
     p.add_argument("--max", default="128M", help="largest size in bytes")
     p.add_argument("--factor", type=float, default=2.0)
@@ -104,6 +112,8 @@ def expected(op: str, count: int, n: int, rank: int, root: int, dtype) -> torch.
     """The result this rank must hold, from the closed form, not from any collective."""
     if op == "broadcast":
         return pattern(count, root, dtype)
+    if op == "sendrecv":  # the previous rank's buffer
+        return pattern(count, (rank - 1) % n, dtype)
     if op == "all_gather":
         per = count // n
         return torch.cat([pattern(per, r, torch.int64) for r in range(n)]).to(dtype)
@@ -146,7 +156,11 @@ class Runner:
             self.inp = pattern(count, self.rank, dtype).to(dev)
             self.out = self.inp if inplace else torch.empty(count, dtype=dtype, device=dev)
         self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
-        if backend == "pyzero":
+        if op == "sendrecv":
+            if inplace or backend not in ("pyzero", "torch", "torch-pyzero"):
+                raise ValueError(f"--op sendrecv: out of place, on the pyzero and torch columns only (not {backend})")
+            self.call = self._sendrecv(backend)
+        elif backend == "pyzero":
             self.call = self._pyzero(op, inplace, algo)
         elif backend == "nccl":
             self.call = self._pyzero(op, inplace, "native")
@@ -154,6 +168,25 @@ class Runner:
             self.call = self._deepspeed(op, inplace)
         else:
             self.call = self._torch(op, inplace, TORCH_GROUPS[backend], aliasing=backend == "torch-pyzero")
+
+    def _sendrecv(self, backend):
+        """A send to the next rank and a receive from the previous one, in one batch."""
+        inp, out, nxt, prv = self.inp, self.out, (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        if backend == "pyzero":
+            import pyzero as pz  # noqa: PLC0415
+
+            def call():
+                pz.batch_isend_irecv([pz.P2POp("send", inp, nxt), pz.P2POp("recv", out, prv)])[0].wait()
+            return call
+        import torch.distributed as dist  # noqa: PLC0415
+
+        group = TORCH_GROUPS[backend]
+
+        def call():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, nxt, group),
+                                             dist.P2POp(dist.irecv, out, prv, group)]):
+                w.wait()
+        return call
 
     def _deepspeed(self, op, inplace):
         import deepspeed.comm as dc  # noqa: PLC0415
@@ -430,6 +463,8 @@ def rank_main(args) -> list[dict]:
     dtype = DTYPES[args.dtype]
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)
+    if "sendrecv" in ops and n < 2:
+        raise ValueError("--op sendrecv: needs two ranks or more (each sends to the next)")
     results = []
     t_start = time.perf_counter()
     per_call = getattr(args, "per_call", False)
@@ -440,7 +475,8 @@ def rank_main(args) -> list[dict]:
             print(f"# exchange probe: {probe['ns_per_line']:.2f} ns per 64-byte line read from the ring predecessor "
                   f"just after it wrote it ({probe['mode']}; slow above {SLOW_EXCHANGE_NS} ns)", flush=True)
     for op in ops:
-        cols = [b for b in backends if b != "deepspeed" or op == "all_reduce"]
+        cols = [b for b in backends if (b != "deepspeed" or op == "all_reduce")
+                and not (op == "sendrecv" and b == "nccl")]  # (point-to-point: no native column)
         # every size measures all the columns in turn, round by round: a slow phase of the
         # machine lands on every backend alike, not on whichever ran at that moment
         live = len(cols) == 1  # one column prints its rows as they come; several, once the sizes are done
@@ -452,12 +488,13 @@ def rank_main(args) -> list[dict]:
             if op in ("reduce_scatter", "all_gather"):
                 count = max(count, n)
             nbytes = count * esize
-            runs = {(b, inplace): [] for b in cols for inplace in (False, True)}
+            forms = (False,) if op == "sendrecv" else (False, True)  # (sendrecv: out of place only)
+            runs = {(b, inplace): [] for b in cols for inplace in forms}
             starts = {key: [] for key in runs}
             calls = {key: [] for key in runs}
             for _ in range(rounds):
                 for backend in cols:
-                    for inplace in (False, True):
+                    for inplace in forms:
                         starts[(backend, inplace)].append(time.perf_counter() - t_start)
                         t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters,
                                                      args.warmup, per_call, getattr(args, "graph", 0))
@@ -466,6 +503,9 @@ def rank_main(args) -> list[dict]:
             for backend in cols:
                 row = []
                 for inplace in (False, True):
+                    if (backend, inplace) not in runs:
+                        row += [float("nan"), float("nan"), float("nan"), 0]
+                        continue
                     times = [t for t, _ in runs[(backend, inplace)]]
                     t_us, wrong = statistics.median(times), sum(w for _, w in runs[(backend, inplace)])
                     algbw = nbytes / t_us / 1e3
@@ -483,7 +523,7 @@ def rank_main(args) -> list[dict]:
                 root = 0 if op == "broadcast" else -1
                 line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
                         "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row))
-                tables[backend].append((line, row[6]))
+                tables[backend].append((line, row[2] if op == "sendrecv" else row[6]))  # (sendrecv: out of place)
                 if live and rank == 0:
                     print(line, flush=True)
         if rank == 0:
@@ -715,6 +755,8 @@ def main(args) -> int:
     pairs = getattr(args, "pairs", 1)
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
         raise ValueError(f"--pairs: expected a positive int, got {pairs!r}")
+    if getattr(args, "op", None) == "sendrecv" and args.nproc is not None and args.nproc < 2:
+        raise ValueError(f"--op sendrecv: needs --nproc 2 or more (each rank sends to the next), got {args.nproc}")
     if pairs > 1 and not args.nproc:
         raise ValueError("--pairs: needs --nproc (each set of ranks is started afresh by this process)")
     if args.nproc:

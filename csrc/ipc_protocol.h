@@ -58,8 +58,8 @@
 //
 // [Note: a peer that closed]
 // A rank that closes the group stores 1 into closed[rank] of every peer's signals once its own
-// kernels have ended, before its closing barrier (IpcTransport::barrier with closing, then again
-// in close() if that never ran). It runs no call after that. A wait that makes no progress
+// kernels have ended (a kernel after them on the group's stream, so the host does not wait), before
+// its closing barrier (IpcTransport::barrier with closing, else in close()). It runs no call after that. A wait that makes no progress
 // looks, at the same rare check as the deadline, whether the peer it waits on closed, and if so
 // goes round once more: the closing rank wrote every flag of its calls before `closed` (read
 // with acquire), so a flag it did write still arrives, and an operation it completed before

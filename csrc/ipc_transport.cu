@@ -97,6 +97,19 @@ __global__ void ipc_p2p_kernel(IpcP2PCall c) {
   ipc_p2p_run(x, c);
 }
 
+// This rank leaves: closed[rank] = 1 in every peer's signals ([Note: a peer that closed]), after its
+// earlier kernels on the stream (their flags first: a fence, then release stores).
+struct IpcClosedFlags {
+  uint64_t* flag[kIpcMaxRanks];  // a peer's IpcSignals::closed[rank], or null
+};
+
+__global__ void ipc_announce_closed_kernel(IpcClosedFlags f) {
+  GpuX x;
+  x.fence();
+  for (int p = 0; p < kIpcMaxRanks; ++p)
+    if (f.flag[p] != nullptr) x.store_release(f.flag[p], 1);
+}
+
 constexpr int kThreads = 512;
 
 // A rank's registered buffer: IpcSignals | IpcP2PSignals | area 0 | area 1 | n - 1 incoming channels.
@@ -213,19 +226,18 @@ struct IpcTransport::Impl {
     throw CollectiveTimeout(broken);
   }
 
-  // Tells every peer that this rank leaves ([Note: a peer that closed] in ipc_protocol.h): once
-  // this rank's kernels ended, before its closing barrier; best effort (a peer may be gone).
+  // Tells every peer that this rank leaves ([Note: a peer that closed] in ipc_protocol.h): a kernel
+  // on the group's stream, so after this rank's earlier kernels, without the host waiting for them;
+  // before its closing barrier. Best effort (a peer may be gone).
   void announce_closed() {
-    if (announced_closed || !connected) return;
+    if (announced_closed || !connected || !stream) return;
     announced_closed = true;
     DeviceGuard guard(device);
-    if (stream) cudaStreamSynchronize(stream);
-    const uint64_t one = 1;
+    IpcClosedFlags f{};
     for (int p = 0; p < size; ++p)
-      if (p != rank && bases[p] &&
-          cudaMemcpy(&reinterpret_cast<IpcSignals*>(bases[p])->closed[rank], &one, sizeof one,
-                     cudaMemcpyHostToDevice) != cudaSuccess)
-        (void)cudaGetLastError();  // (not left for a later launch's check)
+      if (p != rank && bases[p]) f.flag[p] = &reinterpret_cast<IpcSignals*>(bases[p])->closed[rank];
+    ipc_announce_closed_kernel<<<1, 1, 0, stream>>>(f);
+    (void)cudaGetLastError();  // (a failed launch is not left for a later launch's check)
   }
 
   // Whether `caller` is capturing into a CUDA graph (the call then becomes graph nodes; see
@@ -625,6 +637,7 @@ void IpcTransport::close() {
   if (m.abort_host) *reinterpret_cast<volatile uint32_t*>(m.abort_host) = 1;  // kernels waiting for peers end
   if (m.stream) cudaStreamSynchronize(m.stream);
   m.announce_closed();
+  if (m.stream) cudaStreamSynchronize(m.stream);  // (the announcement ran before the peers are unmapped)
   for (int p = 0; p < m.size; ++p)
     if (p != m.rank && m.bases[p]) cudaIpcCloseMemHandle(m.bases[p]);
   m.queued.reset();

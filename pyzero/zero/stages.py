@@ -198,24 +198,23 @@ class ZeroStage1(_FlatParams):
         if self._reduced:
             return
         L = self.layout
-        for b, (begin, end, members) in enumerate(self.buckets):
-            direct = self._direct_grad(b)  # one rank: see [Note: one rank writes gradients straight ...]
-            if direct is not None:
-                for i in members:
-                    p = L.params[i]
-                    if p.grad is not None:
-                        off = L.offsets[i] - begin
-                        direct[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                        p.grad = None
-                continue
-            with memtrace.region("pyzero.bucket"):
-                staging = torch.zeros(end - begin, dtype=self.flat_param.dtype, device=self.device)
+
+        def take_grads(into, begin, members):  # each .grad into its place in `into`, then released
             for i in members:
                 p = L.params[i]
                 if p.grad is not None:
                     off = L.offsets[i] - begin
-                    staging[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    into[off:off + p.numel()].copy_(p.grad.reshape(-1))
                     p.grad = None
+
+        for b, (begin, end, members) in enumerate(self.buckets):
+            direct = self._direct_grad(b)  # one rank: see [Note: one rank writes gradients straight ...]
+            if direct is not None:
+                take_grads(direct, begin, members)
+                continue
+            with memtrace.region("pyzero.bucket"):
+                staging = torch.zeros(end - begin, dtype=self.flat_param.dtype, device=self.device)
+            take_grads(staging, begin, members)
             self._launch_reduce(b, staging)  # (the Work keeps staging alive until it is waited on)
         self._drain()
         self._end_of_backward()

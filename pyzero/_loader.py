@@ -117,3 +117,9 @@ def nccl_library():
     """{'path', 'version', 'test'} of the NCCL library pyzero calls; None for a build without CUDA."""
     ext = importlib.import_module(f"{__package__}._C")
     return ext.nccl_library() if hasattr(ext, "nccl_library") else None
+
+
+def test_nccl_loaded() -> bool:
+    """Whether the NCCL library pyzero calls is pyzero's test NCCL (it exports ``pyzeroTestNccl``;
+    several ranks may share a GPU on it)."""
+    return bool((nccl_library() or {}).get("test"))

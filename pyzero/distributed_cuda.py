@@ -145,7 +145,7 @@ class CudaGroups:
         self.store.wait(keys, datetime.timedelta(seconds=timeout))
         peers = [tuple(_peer(self.store.get(k), k)) for k in keys]
         self.route = plan(peers, transport_choice(), ipc_max_bytes(),
-                          test_nccl=bool((_loader.nccl_library() or {}).get("test")))
+                          test_nccl=_loader.test_nccl_loaded())
         self.groups: dict[str, comm.Group] = {}
         self._make(self.route.first)
         self.side: torch.cuda.Stream | None = None  # where get_future() completes works (made on first use)

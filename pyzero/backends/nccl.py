@@ -35,7 +35,7 @@ def nccl_device(local_rank: int, device_count: int | None = None, test_nccl: boo
     `test_nccl` default to what this process sees and loaded."""
     count = _C.cuda_device_count() if device_count is None else device_count
     if test_nccl is None:
-        test_nccl = bool((_loader.nccl_library() or {}).get("test"))
+        test_nccl = _loader.test_nccl_loaded()
     if count == 0:
         raise RuntimeError("backend='nccl' needs a CUDA GPU, but this process sees none (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='shm' for CPU "

@@ -21,7 +21,6 @@ The ranks' side (the workloads and their checks) is pyzero.bench.fault_workloads
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import pyzero as pz
+from pyzero import _loader
 from pyzero.launch import run_ranks
 
 from .fault_workloads import VICTIM, rank_main, reference_params
@@ -160,18 +160,6 @@ def _read_only(path: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"could not remount {path} read-only")
         time.sleep(0.001)
-
-
-def _test_nccl_library() -> bool:
-    """Whether PYZERO_NCCL_ROOT names the test NCCL library (csrc/test_nccl/), whose ranks share one GPU."""
-    root = os.environ.get("PYZERO_NCCL_ROOT")
-    path = os.path.join(root, "lib", "libnccl.so.2") if root else ""
-    if not path or not os.path.isfile(path):
-        return False
-    try:
-        return hasattr(ctypes.CDLL(path), "pyzeroTestNccl")
-    except OSError:
-        return False
 
 
 def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float, backend: str = "shm") -> dict:
@@ -438,7 +426,7 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"--cells: {unknown} not run on backend {args.backend}; expected some of {mine}")
     if args.backend in ("ipc", "nccl"):
-        need = max(CELLS[n].nproc for n in names) if args.backend == "nccl" and not _test_nccl_library() else 1
+        need = max(CELLS[n].nproc for n in names) if args.backend == "nccl" and not _loader.test_nccl_loaded() else 1
         if torch.cuda.device_count() < need:
             raise SystemExit(f"--backend {args.backend}: {need} CUDA device(s) needed for these cells, "
                              f"found {torch.cuda.device_count()}")

@@ -43,6 +43,7 @@ using namespace pz;
 namespace {
 
 using pz_cpu::Barrier;
+using pz_cpu::run_rank_threads;
 
 long paths[2] = {0, 0};  // copy loops run scalar / with 16-byte vectors
 // The `consumed` arrays of every rank's signals (the broken build's sender sees them as all consumed).
@@ -137,20 +138,56 @@ void fill(std::vector<char>& buf, const OpSpec& o, uint64_t msg) {
 
 std::mutex print_mu;
 
+// Every rank's point-to-point signals and incoming channels (zeroed, as the transport's registered
+// buffers start), and the launch parameters the transport fills from them (launch_p2p_kernel): the
+// caller adds the operations.
+struct P2PMemory {
+  int n, slots;
+  uint64_t slot_bytes, chan_bytes;
+  std::vector<std::unique_ptr<IpcP2PSignals>> sigs;
+  std::vector<std::vector<char>> chans;
+
+  // `pad`: bytes past the last channel (an overrun lands there, not out of the buffer)
+  P2PMemory(int n_, int nb, int slots_, uint64_t slot_bytes_, size_t pad)
+      : n(n_), slots(slots_), slot_bytes(slot_bytes_), chan_bytes(uint64_t(nb) * uint64_t(slots_) * slot_bytes_),
+        chans(n_) {
+    for (int r = 0; r < n; ++r) {
+      sigs.emplace_back(new IpcP2PSignals());
+      std::memset(static_cast<void*>(sigs.back().get()), 0, sizeof(IpcP2PSignals));
+      chans[r].assign(size_t(chan_bytes * uint64_t(n - 1)) + pad, 0);
+    }
+  }
+
+  IpcP2PCall call(int me, IpcStatus* status, const uint32_t* abort, const uint64_t* closed, uint64_t seq,
+                  uint64_t timeout_ns) {
+    IpcP2PCall c{};
+    for (int p = 0; p < n; ++p) {
+      c.sigs[p] = sigs[p].get();
+      c.chans[p] = chans[p].data();
+    }
+    c.status = status;
+    c.abort = abort;
+    c.closed = closed;
+    c.chan_bytes = chan_bytes;
+    c.slot_bytes = slot_bytes;
+    c.slots = slots;
+    c.seq = seq;
+    c.timeout_ns = timeout_ns;
+    c.rank = me;
+    c.nranks = n;
+    return c;
+  }
+};
+
 #define DISPATCH_RING(dt, op, ...) PZ_DISPATCH_DTYPE(DType(dt), T, PZ_DISPATCH_OP(RedOp(op), OP, __VA_ARGS__))
 
 Outcome run(const Job& job) {
   const int n = job.n, nb = job.nb;
-  const uint64_t chan_bytes = uint64_t(nb) * uint64_t(job.slots) * job.slot_bytes;
-  std::vector<std::unique_ptr<IpcP2PSignals>> sigs;
-  std::vector<std::vector<char>> chans(n);
+  P2PMemory mem(n, nb, job.slots, job.slot_bytes, 16);
   consumed_ranges.clear();
-  for (int r = 0; r < n; ++r) {
-    sigs.emplace_back(new IpcP2PSignals());
-    std::memset(static_cast<void*>(sigs.back().get()), 0, sizeof(IpcP2PSignals));
-    chans[r].assign(size_t(chan_bytes * uint64_t(n - 1) + 16), 0);
-    const char* c = reinterpret_cast<const char*>(&sigs.back()->consumed);
-    consumed_ranges.push_back({c, c + sizeof(sigs.back()->consumed)});
+  for (auto& sg : mem.sigs) {
+    const char* c = reinterpret_cast<const char*>(&sg->consumed);
+    consumed_ranges.push_back({c, c + sizeof(sg->consumed)});
   }
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
@@ -172,27 +209,14 @@ Outcome run(const Job& job) {
       for (int rep = 0; rep < reps; ++rep) {
         if (rep == 0) bufs.assign(L.size(), {});
         for (size_t i = 0; i < L.size(); ++i) fill(bufs[i], L[i], L[i].msg + uint64_t(rep) * 1000003u);
-        IpcP2PCall c{};
-        for (int p = 0; p < n; ++p) {
-          c.sigs[p] = sigs[p].get();
-          c.chans[p] = chans[p].data();
-        }
-        c.status = &status[me];
-        c.abort = &abort_word;
-        c.closed = closed[me];
+        // (a replay: the number given at capture)
+        IpcP2PCall c = mem.call(me, &status[me], &abort_word, closed[me], job.replay ? 1 : ++seq, job.timeout_ns);
         c.nops = int(L.size());
         for (size_t i = 0; i < L.size(); ++i) {
           c.ops[i] = IpcP2POp{bufs[i].data() + L[i].align, L[i].bytes, L[i].peer, L[i].dtype, L[i].is_send, -1};
           for (size_t j = 0; j < i; ++j)
             if (L[j].peer == L[i].peer && L[j].is_send == L[i].is_send) c.ops[i].prev = int(j);
         }
-        c.chan_bytes = chan_bytes;
-        c.slot_bytes = job.slot_bytes;
-        c.slots = job.slots;
-        c.seq = job.replay ? 1 : ++seq;  // a replay: the number given at capture
-        c.timeout_ns = job.timeout_ns;
-        c.rank = me;
-        c.nranks = n;
         if (job.replay) {
           if (rep == 0) first = c;
           else if (std::memcmp(&c, &first, sizeof c) != 0) differs++;
@@ -240,18 +264,13 @@ Outcome run(const Job& job) {
     }
   };
   auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> th;
-  for (int r = 0; r < n; ++r) {
-    th.emplace_back(host, r);
-    for (int b = 0; b < nb; ++b) th.emplace_back(block, r, b);
-  }
   std::thread aborter;
   if (job.abort_after_ms >= 0)
     aborter = std::thread([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(job.abort_after_ms));
       __atomic_store_n(&abort_word, 1u, __ATOMIC_RELAXED);
     });
-  for (auto& t : th) t.join();
+  run_rank_threads(n, nb, host, block);
   if (aborter.joinable()) aborter.join();
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (auto* p : ready) delete p;
@@ -376,15 +395,7 @@ struct CpuRingExec {
 
 // Runs the ring collectives `specs` on n ranks of nb blocks; returns wrong results (failed launches count too).
 int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_bytes, long& groups) {
-  const int slots = 2;
-  const uint64_t slot_bytes = 64, chan_bytes = uint64_t(nb) * slots * slot_bytes;
-  std::vector<std::unique_ptr<IpcP2PSignals>> sigs;
-  std::vector<std::vector<char>> chans(n);
-  for (int r = 0; r < n; ++r) {
-    sigs.emplace_back(new IpcP2PSignals());
-    std::memset(static_cast<void*>(sigs.back().get()), 0, sizeof(IpcP2PSignals));
-    chans[r].assign(size_t(chan_bytes * uint64_t(n - 1)), 0);
-  }
+  P2PMemory mem(n, nb, 2, 64, 0);
   consumed_ranges.clear();
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
@@ -397,23 +408,9 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
   auto host = [&](int me) {
     uint64_t seq = 0;
     auto launch = [&](IpcP2POp* ops, int k) {
-      IpcP2PCall c{};
-      for (int p = 0; p < n; ++p) {
-        c.sigs[p] = sigs[p].get();
-        c.chans[p] = chans[p].data();
-      }
-      c.status = &status[me];
-      c.abort = &abort_word;
-      c.closed = no_peer_closed;
+      IpcP2PCall c = mem.call(me, &status[me], &abort_word, no_peer_closed, ++seq, 5000000000ull);
       c.nops = k;
       for (int i = 0; i < k; ++i) c.ops[i] = ops[i];
-      c.chan_bytes = chan_bytes;
-      c.slot_bytes = slot_bytes;
-      c.slots = slots;
-      c.seq = ++seq;
-      c.timeout_ns = 5000000000ull;
-      c.rank = me;
-      c.nranks = n;
       status[me] = IpcStatus{};
       calls[me].assign(1, c);
       ready[me]->arrive();
@@ -479,12 +476,7 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
       ready[me]->arrive();
     }
   };
-  std::vector<std::thread> th;
-  for (int r = 0; r < n; ++r) {
-    th.emplace_back(host, r);
-    for (int b = 0; b < nb; ++b) th.emplace_back(block, r, b);
-  }
-  for (auto& t : th) t.join();
+  run_rank_threads(n, nb, host, block);
   for (auto* p : ready) delete p;
   groups += launched;
   return wrong;

@@ -33,6 +33,7 @@ using namespace pz;
 namespace {
 
 using pz_cpu::Barrier;
+using pz_cpu::run_rank_threads;
 
 struct CpuX {
   int b, nb;
@@ -271,12 +272,7 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
       }
     }
   };
-  std::vector<std::thread> th;
-  for (int r = 0; r < n; ++r) {
-    th.emplace_back(host, r);
-    for (int b = 0; b < nb; ++b) th.emplace_back(block, r, b);
-  }
-  for (auto& t : th) t.join();
+  run_rank_threads(n, nb, host, block);
   for (auto* p : host_ready) delete p;
   wrong = wrong_count.load();
   return statuses;

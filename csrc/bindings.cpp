@@ -199,14 +199,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
                        size_t oneshot_bytes, double timeout_s, size_t stream_bytes, size_t twoshot_bytes,
-                       bool adaptive) {
+                       bool adaptive, size_t twoshot_stream_bytes) {
              return std::make_unique<ShmComm>(prefix, rank, size,
                                               ShmConfig{slice_bytes, depth, oneshot_bytes, timeout_s, stream_bytes,
-                                                        twoshot_bytes, adaptive});
+                                                        twoshot_bytes, adaptive, twoshot_stream_bytes});
            }),
            py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("slice_bytes"), py::arg("depth"),
            py::arg("oneshot_bytes"), py::arg("timeout_s"), py::arg("stream_bytes") = ShmConfig{}.stream_bytes,
-           py::arg("twoshot_bytes") = ShmConfig{}.twoshot_bytes, py::arg("adaptive") = ShmConfig{}.adaptive)
+           py::arg("twoshot_bytes") = ShmConfig{}.twoshot_bytes, py::arg("adaptive") = ShmConfig{}.adaptive,
+           py::arg("twoshot_stream_bytes") = ShmConfig{}.twoshot_stream_bytes)
       .def("adapt_state",
            [](ShmComm& c) {
              auto& t = c.transport();

@@ -248,18 +248,19 @@ void ShmSegments::arrive(const CallDesc& d, const char* what) {
   }
 }
 
-void ShmSegments::exchange_step(Step step, uint64_t seq, const char* what) {
+void ShmSegments::exchange_step(Step step, const char* what) {
+  const uint64_t count = ++steps_[step == Step::staged ? 0 : 1];
   auto word = [step](RankCtrl* c) -> std::atomic<uint64_t>& { return step == Step::staged ? c->staged : c->reduced; };
   auto waiters = [step](RankCtrl* c) -> std::atomic<uint32_t>& {
     return step == Step::staged ? c->staged_waiters : c->reduced_waiters;
   };
   RankCtrl* me = ctrl(rank_);
-  word(me).store(seq, std::memory_order_release);
+  word(me).store(count, std::memory_order_release);
   notify(word(me), waiters(me));
   for (int p = 0; p < n_; ++p) {
     if (p == rank_) continue;
     RankCtrl* c = ctrl(p);
-    wait_for([&] { return word(c).load(std::memory_order_acquire) >= seq; }, p, what, &word(c), &waiters(c));
+    wait_for([&] { return word(c).load(std::memory_order_acquire) >= count; }, p, what, &word(c), &waiters(c));
   }
 }
 

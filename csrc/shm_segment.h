@@ -90,9 +90,9 @@ struct alignas(64) RankCtrl {
   int32_t pid;
   CallDesc desc[2];
   char abort_reason[384];  // written before `aborted`, so peers can pass the cause on
-  // The two-shot all_reduce's steps after the arrival (shm_transport.cpp): the last call
-  // whose input chunks (`staged`, when auto chose it after the arrival) and whose reduced
-  // chunk (`reduced`) are in this rank's area.
+  // The two-shot all_reduce's steps after the arrival (shm_transport.cpp): how many pieces
+  // this rank has staged in its area after an arrival (`staged`: auto chose the two-shot
+  // after it, or a later piece) and how many reduced chunks it has put there (`reduced`).
   alignas(64) std::atomic<uint64_t> staged;
   std::atomic<uint32_t> staged_waiters;
   alignas(64) std::atomic<uint64_t> reduced;
@@ -156,8 +156,9 @@ struct ShmConfig {
   size_t oneshot_bytes = 512 << 10;  // largest per-rank input the one-shot path takes
   double timeout_s = 300.0;
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
-  size_t twoshot_bytes = 8 << 20;  // largest all_reduce the two-shot path takes (per-rank input bytes)
-  bool adaptive = true;            // auto picks ring or two-shot up to twoshot_bytes by measurement (shm_adapt.h)
+  size_t twoshot_bytes = 8 << 20;  // the two-shot's area: larger all_reduces go through it in pieces
+  bool adaptive = true;            // auto picks ring or two-shot by measurement (shm_adapt.h)
+  size_t twoshot_stream_bytes = 2 << 20;  // two-shot messages of at least this many bytes stream their area
 };
 
 // ----------------------------------------------------------------------------
@@ -215,11 +216,12 @@ class ShmSegments {
   // Enter collective `d`: publish the descriptor (and one-shot data already
   // written), wait for every peer, compare descriptors.
   void arrive(const CallDesc& d, const char* what);
-  // A two-shot all_reduce step after the arrival: publish that this rank's
-  // staged input chunks (or its reduced chunk) of call `seq` are in its area,
-  // then wait until every peer's are.
+  // A two-shot all_reduce step: publish that this rank's staged input chunks
+  // (or its reduced chunk) of the current piece are in its area, then wait
+  // until every peer's are. Each kind of step is counted (every rank takes
+  // the same steps in the same order); the count is what the word holds.
   enum class Step { staged, reduced };
-  void exchange_step(Step step, uint64_t seq, const char* what);
+  void exchange_step(Step step, const char* what);
   // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
   int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }
   // Throws if an earlier failure left the group unusable.
@@ -290,6 +292,7 @@ class ShmSegments {
   std::atomic<bool> broken_{false};
   std::string broken_why_;
   uint64_t seq_ = 0;                               // collectives entered by this rank
+  uint64_t steps_[2] = {0, 0};                     // two-shot steps taken, staged and reduced
   std::vector<uint64_t> send_local_, recv_local_;  // channel counters: p2p (by peer) + ring (index n)
 };
 

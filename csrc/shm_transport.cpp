@@ -83,9 +83,6 @@ Algo ShmTransport::resolve(Coll c, size_t bytes, Algo algo) const {
   if (algo == Algo::twoshot && c != Coll::all_reduce)
     throw std::invalid_argument(std::string(coll_name(c)) + ": algo='twoshot' is an all_reduce algorithm; use "
                                 "'auto', 'ring' or 'oneshot'");
-  if (algo == Algo::twoshot && bytes > config().twoshot_bytes)
-    throw std::invalid_argument("all_reduce: algo='twoshot' takes at most " + std::to_string(config().twoshot_bytes) +
-                                " bytes of input per rank, got " + std::to_string(bytes) + "; use algo='ring' or 'auto'");
   if (algo == Algo::native)
     throw std::invalid_argument(std::string(coll_name(c)) + ": algo='native' is NCCL's own collective, for the "
                                 "nccl backend; the shm backend takes 'auto', 'ring', 'oneshot' or 'twoshot'");
@@ -221,10 +218,9 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   size_t bytes = size_t(count) * dtype_size(dt);
   const bool automatic = algo == Algo::automatic;
   algo = resolve(Coll::all_reduce, bytes, algo);
-  // [Note: adaptive two-shot]: auto between the one-shot's sizes and twoshot_bytes takes
-  // the ring or the two-shot as rank 0 says in its descriptor, read after the arrival.
-  const bool adaptive =
-      automatic && algo == Algo::ring && n_ > 1 && config().adaptive && bytes <= config().twoshot_bytes;
+  // [Note: adaptive two-shot]: auto above the one-shot's sizes takes the ring or the
+  // two-shot as rank 0 says in its descriptor, read after the arrival.
+  const bool adaptive = automatic && algo == Algo::ring && n_ > 1 && config().adaptive;
   const int cls = adaptive ? AdaptTwoShot::size_class(bytes) : -1;
   using clock = std::chrono::steady_clock;
   const bool timed = adaptive && rank_ == 0;
@@ -252,19 +248,20 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     sent = uint64_t(bytes) * (n_ - 1);
   } else {
     ChunkLayout L(split_even(count, n_));
+    const TwoShotPieces P = twoshot_pieces(L, dt);
     if (algo == Algo::twoshot) {
-      stage_twoshot(in, L, dt, seq);  // before the arrival, which announces it
+      stage_twoshot(in, P, 0, dt, seq);  // before the arrival, which announces it
       seg_.arrive(d, what);
     } else {
       seg_.arrive(d, what);
       if (adaptive && seg_.leader_word(seq)) {
         algo = Algo::twoshot;
-        stage_twoshot(in, L, dt, seq);
-        seg_.exchange_step(ShmSegments::Step::staged, seq, what);
+        stage_twoshot(in, P, 0, dt, seq);
+        seg_.exchange_step(ShmSegments::Step::staged, what);
       }
     }
     if (algo == Algo::twoshot) {
-      sent = finish_twoshot(buf, in, L, dt, op, seq);
+      sent = finish_twoshot(buf, in, P, dt, op, seq);
     } else {
       PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
         bool stream = stream_output(bytes, in == buf, config().stream_bytes);
@@ -290,36 +287,89 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
 // the ring's order (from the rank after its owner round to the owner), so the results
 // are bitwise the ring's. The areas alternate by call: a rank rewrites one only after
 // every peer has arrived at the next call, i.e. finished this one.
-void ShmTransport::stage_twoshot(const void* in, const ChunkLayout& L, DType dt, uint64_t seq) {
-  size_t es = dtype_size(dt);
-  char* mine = seg_.area(rank_, seq);
-  for (int p = 0; p < n_; ++p)
-    if (p != rank_ && L.counts[p])
-      std::memcpy(mine + size_t(L.offsets[p]) * es, static_cast<const char*>(in) + size_t(L.offsets[p]) * es,
-                  size_t(L.counts[p]) * es);
+// A message larger than the area (twoshot_bytes) goes in pieces: piece k holds the
+// k-th `per` elements of every chunk (chunk p in slot p of the area), so every element
+// keeps the owner, and the order of its sum, that it has in the ring. Each piece after
+// the first is staged, and announced, once the previous one is copied out; the pieces
+// share the call's area: a rank stages piece k + 1 into its peers' slots after every
+// peer has announced its reduced chunk of piece k (so has read those slots), and puts
+// its own reduced chunk into its slot after every peer has announced piece k + 1 (so
+// has copied piece k out of it).
+// [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
+// chunks, its reduced chunk) goes out with streaming stores from 2 MiB on. Where the
+// two cores pass freshly written lines slowly (the slow mode of [Note: adaptive
+// two-shot]), reading lines a peer streamed out to memory is far cheaper than taking
+// them from its cache; where they pass them fast, streaming costs 1.4-2.4x, but there
+// the ring wins and auto takes it. Measured (2 ranks, fp32, in place, medians of 20
+// calls, 4 rounds in each of 12-14 fresh pairs, both modes), in us:
+//                         1 MiB   2 MiB     4 MiB       32 MiB
+//   fast: ring            54-60   87-93     177-230     3250-4070
+//         two-shot        55-57   108-127   341-644     5700-8340
+//         streamed        127-152 254-291   540-703     6710-7360
+//         DeepSpeed       88-100  150-186   459-732     9630-11330
+//   slow: ring                              3000-3200   23300-25700
+//         two-shot                          1120-1740   8980-9910
+//         streamed                          349-437     4780-5440
+//         DeepSpeed                         1540-1880   8890-9260
+// (benchmarks/results/allreduce_twoshot_streamed_pairs_cpu2_20261127.txt.) The size is
+// ShmConfig::twoshot_stream_bytes.
+
+ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, DType dt) const {
+  const int64_t longest = L.longest();
+  const size_t es = dtype_size(dt);
+  const size_t bytes = size_t(L.total()) * es;
+  const bool streamed = bytes >= config().twoshot_stream_bytes;
+  if (bytes <= config().twoshot_bytes || longest == 0) return TwoShotPieces{L, longest, 1, true, streamed};
+  const int64_t per = std::max<int64_t>(1, int64_t(config().twoshot_bytes / (size_t(n_) * es)));
+  return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
 }
 
-uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op,
-                                      uint64_t seq) {
-  size_t es = dtype_size(dt);
+namespace {
+void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
+  if (streamed) copy_streamed(dst, src, n);
+  else std::memcpy(dst, src, n);
+}
+}  // namespace
+
+void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq) {
+  const size_t es = dtype_size(dt);
   char* mine = seg_.area(rank_, seq);
-  size_t off = size_t(L.offsets[rank_]) * es, mine_bytes = size_t(L.counts[rank_]) * es;
-  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-    std::vector<const T*> srcs(n_);
-    for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, rank + 2, ..., rank
-      int r = (rank_ + 1 + i) % n_;
-      srcs[i] = reinterpret_cast<const T*>((r == rank_ ? static_cast<const char*>(in) : seg_.area(r, seq)) + off);
-    }
-    cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(static_cast<char*>(buf) + off),
-                           size_t(L.counts[rank_]), n_);
-  }));
-  std::memcpy(mine + off, static_cast<const char*>(buf) + off, mine_bytes);
-  seg_.exchange_step(ShmSegments::Step::reduced, seq, "all_reduce");
   for (int p = 0; p < n_; ++p)
-    if (p != rank_ && L.counts[p])
-      std::memcpy(static_cast<char*>(buf) + size_t(L.offsets[p]) * es, seg_.area(p, seq) + size_t(L.offsets[p]) * es,
-                  size_t(L.counts[p]) * es);
-  return uint64_t(size_t(L.total()) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
+    if (p != rank_ && P.count(p, k))
+      copy_to_area(mine + size_t(P.slot(p)) * es, static_cast<const char*>(in) + size_t(P.begin(p, k)) * es,
+                   size_t(P.count(p, k)) * es, P.streamed);
+  if (P.streamed) stream_fence();  // before the step (or arrival) that announces them
+}
+
+uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const TwoShotPieces& P, DType dt, RedOp op,
+                                      uint64_t seq) {
+  const size_t es = dtype_size(dt);
+  char* out = static_cast<char*>(buf);
+  for (int64_t k = 0; k < P.pieces; ++k) {
+    if (k > 0) {
+      stage_twoshot(in, P, k, dt, seq);
+      seg_.exchange_step(ShmSegments::Step::staged, "all_reduce");
+    }
+    const size_t slot = size_t(P.slot(rank_)) * es, off = size_t(P.begin(rank_, k)) * es;
+    const int64_t cnt = P.count(rank_, k);
+    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+      std::vector<const T*> srcs(n_);
+      for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, rank + 2, ..., rank
+        int r = (rank_ + 1 + i) % n_;
+        srcs[i] = reinterpret_cast<const T*>(r == rank_ ? static_cast<const char*>(in) + off : seg_.area(r, seq) + slot);
+      }
+      cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(out + off), size_t(cnt), n_);
+    }));
+    copy_to_area(seg_.area(rank_, seq) + slot, out + off, size_t(cnt) * es, P.streamed);
+    if (P.streamed) stream_fence();
+    seg_.exchange_step(ShmSegments::Step::reduced, "all_reduce");
+    for (int p = 0; p < n_; ++p)
+      if (p != rank_ && P.count(p, k))
+        std::memcpy(out + size_t(P.begin(p, k)) * es, seg_.area(p, seq) + size_t(P.slot(p)) * es,
+                    size_t(P.count(p, k)) * es);
+  }
+  const size_t mine_bytes = size_t(P.L.counts[rank_]) * es;
+  return uint64_t(size_t(P.L.total()) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
 }
 
 void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,

@@ -96,9 +96,24 @@ class ShmTransport {
   const int rank_, n_;
   OpCounters counters_;
   AdaptTwoShot adapt_;  // rank 0 measures and decides ([Note: adaptive two-shot])
-  // The two-shot all_reduce's halves (shm_transport.cpp).
-  void stage_twoshot(const void* in, const ChunkLayout& L, DType dt, uint64_t seq);
-  uint64_t finish_twoshot(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op, uint64_t seq);
+  // The two-shot all_reduce ([Note: two-shot all_reduce]): a message in pieces that fit the area.
+  struct TwoShotPieces {
+    const ChunkLayout& L;
+    int64_t per;     // elements of every chunk in one piece (the longest chunk: one piece)
+    int64_t pieces;  // >= 1
+    bool natural;    // one piece: chunks at their offsets in the message; else chunk p at p * per
+    bool streamed;   // the area's lines are written with streaming stores (messages of stream_bytes and up)
+    // Piece k's part of chunk p: elements [begin(p, k), begin(p, k) + count(p, k)) of the message.
+    int64_t begin(int p, int64_t k) const { return L.offsets[p] + k * per; }
+    int64_t count(int p, int64_t k) const {
+      int64_t left = L.counts[p] - k * per;
+      return left <= 0 ? 0 : (left < per ? left : per);
+    }
+    int64_t slot(int p) const { return natural ? L.offsets[p] : int64_t(p) * per; }
+  };
+  TwoShotPieces twoshot_pieces(const ChunkLayout& L, DType dt) const;
+  void stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq);
+  uint64_t finish_twoshot(void* buf, const void* in, const TwoShotPieces& P, DType dt, RedOp op, uint64_t seq);
   // symmetric buffers: current generation's maps, older generations (kept mapped)
   std::vector<char*> sym_maps_;
   std::vector<std::pair<char*, size_t>> sym_old_;

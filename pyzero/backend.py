@@ -236,10 +236,12 @@ class Options:
       [PYZERO_NCCL_ONESHOT_KB / PYZERO_IPC_ONESHOT_KB])
     - stream_bytes: shm, out-of-place all_reduce and reduce_scatter outputs of at least this many bytes are
       written with streaming stores, which skip reading the output's lines first (8 MiB [PYZERO_SHM_STREAM_KB])
-    - twoshot_bytes: shm, largest all_reduce of the two-shot path (8 MiB [PYZERO_SHM_TWOSHOT_KB]); with
-      oneshot_bytes it sizes each rank's two areas
-    - adaptive: shm, auto all_reduce between the one-shot's sizes and twoshot_bytes takes the ring or the
-      two-shot by measured times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)
+    - twoshot_bytes: shm, the two-shot all_reduce's area (8 MiB [PYZERO_SHM_TWOSHOT_KB]): larger messages go
+      through it in pieces; with oneshot_bytes it sizes each rank's two areas
+    - twoshot_stream_bytes: shm, two-shot all_reduces of at least this many bytes write what their peers read
+      with streaming stores (2 MiB [PYZERO_SHM_TWOSHOT_STREAM_KB])
+    - adaptive: shm, auto all_reduce above the one-shot's sizes takes the ring or the two-shot by measured
+      times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])
     - p2p_bytes: ipc, each ordered pair's point-to-point channel in the receiver's registered buffer; a rank
@@ -253,6 +255,7 @@ class Options:
     oneshot_bytes: int | None = None
     stream_bytes: int | None = None
     twoshot_bytes: int | None = None
+    twoshot_stream_bytes: int | None = None
     adaptive: bool | None = None
     symmetric: bool | None = None
     blocking_wait: bool | None = None
@@ -260,7 +263,8 @@ class Options:
     p2p_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes", "p2p_bytes"):
+        for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes", "twoshot_stream_bytes",
+                     "p2p_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")

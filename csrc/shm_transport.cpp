@@ -296,24 +296,23 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
 // its own reduced chunk into its slot after every peer has announced piece k + 1 (so
 // has copied piece k out of it).
 // [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
-// chunks, its reduced chunk) goes out with streaming stores from 2 MiB on. Where the
-// two cores pass freshly written lines slowly (the slow mode of [Note: adaptive
-// two-shot]), reading lines a peer streamed out to memory is far cheaper than taking
-// them from its cache; where they pass them fast, streaming costs 1.4-2.4x, but there
-// the ring wins and auto takes it. Measured (2 ranks, fp32, in place, medians of 20
-// calls, 4 rounds in each of 12-14 fresh pairs, both modes), in us:
-//                         1 MiB   2 MiB     4 MiB       32 MiB
-//   fast: ring            54-60   87-93     177-230     3250-4070
-//         two-shot        55-57   108-127   341-644     5700-8340
-//         streamed        127-152 254-291   540-703     6710-7360
-//         DeepSpeed       88-100  150-186   459-732     9630-11330
-//   slow: ring                              3000-3200   23300-25700
-//         two-shot                          1120-1740   8980-9910
-//         streamed                          349-437     4780-5440
-//         DeepSpeed                         1540-1880   8890-9260
-// (benchmarks/results/allreduce_twoshot_streamed_pairs_cpu2_20261127.txt.) The size is
-// ShmConfig::twoshot_stream_bytes.
-
+// chunks, its reduced chunk) goes out with streaming stores from twoshot_stream_bytes
+// (1 MiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
+// [Note: adaptive two-shot]), reading lines a peer streamed out to memory is far
+// cheaper than taking them from its cache; where they pass them fast, streaming costs
+// 1.1-2.5x, but there the ring wins and auto takes it. Measured (2 ranks, fp32, in
+// place, medians of 20 calls, 4 rounds in each of 14-16 fresh pairs; a round is slow
+// where the ring took over 300 us per MiB), in us:
+//                         1 MiB     2 MiB      4 MiB      32 MiB
+//   fast: ring            51-74     89-116     182-248    3114-7503
+//         two-shot        53-71     105-350    288-691    5366-8205
+//         streamed        126-282   260-471    522-710    6116-8406
+//         DeepSpeed       87-156    147-265    386-714    7671-11411
+//   slow: ring            788-1343  1541-2367  3036-3162  24454-29867
+//         two-shot        232-592   381-988    863-1682   9248-10588
+//         streamed        86-285    178-198    375-878    4401-6515
+//         DeepSpeed       527-684   967-1274   1544-1915  6643-8500
+// (benchmarks/results/allreduce_twoshot_streamed_pairs_cpu2_20261127.txt.)
 ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, DType dt) const {
   const int64_t longest = L.longest();
   const size_t es = dtype_size(dt);

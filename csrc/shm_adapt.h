@@ -1,5 +1,5 @@
-// shm_adapt.h — which all_reduce algorithm `auto` takes between the one-shot
-// and the ring's sizes, chosen from measured times ([Note: adaptive two-shot]).
+// shm_adapt.h — which all_reduce algorithm `auto` takes above the one-shot's
+// sizes, the ring or the two-shot, chosen from measured times ([Note: adaptive two-shot]).
 #pragma once
 
 #include <algorithm>
@@ -20,7 +20,10 @@ namespace pz {
 //         twoshot  53-112           354-777
 //   slow: ring     311-1313         3078
 //         twoshot  231-596          1606
-// (one-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no
+// (Since then the two-shot streams what its peers read from 1 MiB on, which
+// takes it to 86-285 and 375-878 us there, and covers every size, in pieces of
+// its area: at 32 MiB the ring ran 24454-29867 us in slow rounds, the streamed
+// two-shot 4401-6515; [Note: streamed two-shot] in shm_transport.cpp. One-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no
 // faster in the fast mode, and in an earlier run of the same comparison
 // collapsed alike in its 2 slow pairs: 821-907 us at 1 MiB.) Neither wins in
 // both modes, and the mode cannot be read off beforehand (an exchange probe at

@@ -62,7 +62,7 @@ for w in $WHAT; do
       done; done ;;
     pairs)  # fresh pairs of ranks, each with its exchange probe: both modes of a machine in one record
       run collectives_pairs $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 4 \
-        --nproc 2 --backends pyzero,deepspeed --per-call --rounds 3 --pairs "${PAIRS:-8}" \
+        --nproc 2 --backends pyzero,deepspeed --per-call --rounds 10 --block 100 --pairs "${PAIRS:-8}" \
         --json "$(tag collectives_pairs).json" ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;

@@ -608,6 +608,16 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert [line.split()[:5] for line in summary] == [
         [str(k), probes[k - 1]["mode"], f"{probes[k - 1]['ns_per_line']:.2f}", "all_reduce", str(b)]
         for k in (1, 2) for b in (8, 65536)]
+    out = tmp_path / "block.json"  # short rounds of a fixed number of calls, the backends interleaved
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero,torch-pyzero", "--min", "8",
+                         "--max", "64K", "--factor", "8192", "--warmup", "1", "--timeout", "120", "--per-call",
+                         "--rounds", "3", "--block", "7", "--json", str(out)])
+    assert collectives.main(args) == 0
+    assert capsys.readouterr().out.count("median of 3 rounds alternating out-of-place and in-place, 7 calls a round") == 2
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") in ("pyzero", "torch-pyzero")]
+    assert len(rows) == 8 and all(r["calls"] == 3 * 7 and r["wrong"] == 0 for r in rows), rows
+    with pytest.raises(ValueError, match="--block: expected a non-negative int, with --per-call; got 5"):
+        collectives.main(p.parse_args(["--block", "5", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: expected a positive int, got 0"):
         collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: needs --nproc"):

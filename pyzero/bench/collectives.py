@@ -89,6 +89,11 @@ def add_arguments(p) -> None:
                    help="measure each size this many times, alternating out-of-place and in-place and the backends, "
                         "and report the median (every round's time and start in the json): a slow phase of the "
                         "machine then hits every form and backend")
+    p.add_argument("--block", type=int, default=0, metavar="N",
+                   help="with --per-call: each round times N calls of each backend and form (fewer where N calls "
+                        "would take over 50 ms, at least 5), so many short rounds interleave the backends finely "
+                        "and a slow moment of the machine lands on them alike (0: each round times --iters calls, "
+                        "or 50 ms of calls for small sizes)")
     p.add_argument("--pairs", type=int, default=1,
                    help="with --nproc: run the whole comparison this many times, each in fresh rank processes (each "
                         "set of processes lands in its own exchange mode, see the exchange probe), then a summary "
@@ -335,11 +340,12 @@ def _captured(call, calls: int):
     return graph.replay
 
 
-def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False, graph=0):
+def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False, graph=0, block=0):
     """(time_us, wrong, calls) for one configuration; every rank returns the same time_us and wrong. The
     time is the mean over back-to-back calls, or with `per_call` the median of the calls timed one by
     one (the slowest rank's); `calls` then holds this rank's per-call times in seconds (else empty).
-    With `graph` (CUDA) N calls are captured in a graph and its replays timed, per call."""
+    With `graph` (CUDA) N calls are captured in a graph and its replays timed, per call. `block`: time
+    that many calls (fewer where they would take over MIN_TIMED_S, at least 5) instead of `iters`."""
     import pyzero as pz  # noqa: PLC0415
 
     n, rank = pz.get_world_size(), pz.get_rank()
@@ -358,6 +364,8 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
     # Small messages: at least MIN_TIMED_S of timed calls, so one scheduler hiccup
     # cannot dominate a 10 us measurement (every rank derives the same count).
     timed = max(1, int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters)) // per)
+    if block:
+        timed = max(5, min(block, int(MIN_TIMED_S / max(per_call_s * per, 1e-9))))
     _barrier(backend)
     times = []
     if per_call:
@@ -468,6 +476,7 @@ def rank_main(args) -> list[dict]:
     results = []
     t_start = time.perf_counter()
     per_call = getattr(args, "per_call", False)
+    block = _block(args)
     probe = exchange_probe()
     if probe is not None:
         results.append(probe)
@@ -497,7 +506,7 @@ def rank_main(args) -> list[dict]:
                     for inplace in forms:
                         starts[(backend, inplace)].append(time.perf_counter() - t_start)
                         t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters,
-                                                     args.warmup, per_call, getattr(args, "graph", 0))
+                                                     args.warmup, per_call, getattr(args, "graph", 0), block)
                         runs[(backend, inplace)].append((t_us, wrong))
                         calls[(backend, inplace)] += times
             for backend in cols:
@@ -518,7 +527,8 @@ def rank_main(args) -> list[dict]:
                                     "timing": "per-call median" if per_call else "loop mean",
                                     "rounds_time_us": times,
                                     "rounds_start_s": starts[(backend, inplace)],
-                                    **(percentiles(calls[(backend, inplace)]) if per_call else {})})
+                                    **({"calls": len(calls[(backend, inplace)]),
+                                        **percentiles(calls[(backend, inplace)])} if per_call else {})})
                 redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
                 root = 0 if op == "broadcast" else -1
                 line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
@@ -580,6 +590,8 @@ def _heading(op: str, backend: str, n: int, args, rounds: int, per_call: bool, s
         timing = f"{args.graph} calls captured in a CUDA graph, replays timed per call ({timing.split(',')[0]})"
     if rounds > 1:
         timing += f"; median of {rounds} rounds alternating out-of-place and in-place"
+    if getattr(args, "block", 0):
+        timing += f", {args.block} calls a round"
     if several:
         timing += ", the backends in turn at each size"
     return f"# {op}, backend {backend} ({_label(backend, args)}), {n} ranks, dtype {args.dtype}, {timing}\n{HEADER}"
@@ -736,6 +748,14 @@ def plot(results: list, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _block(args) -> int:
+    block = getattr(args, "block", 0)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 0 or (block and not getattr(args, "per_call",
+                                                                                                     False)):
+        raise ValueError(f"--block: expected a non-negative int, with --per-call; got {block!r}")
+    return block
+
+
 def _rounds(args) -> int:
     rounds = getattr(args, "rounds", 1)
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
@@ -747,6 +767,7 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     _rounds(args)  # bad input fails here, before any rank starts
+    _block(args)
     graph = getattr(args, "graph", 0)
     if not isinstance(graph, int) or isinstance(graph, bool) or graph < 0:
         raise ValueError(f"--graph: expected a count of calls >= 0, got {graph!r}")

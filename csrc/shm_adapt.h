@@ -20,7 +20,7 @@ namespace pz {
 //         twoshot  53-112           354-777
 //   slow: ring     311-1313         3078
 //         twoshot  231-596          1606
-// (Since then the two-shot streams what its peers read from 1 MiB on, which
+// (Since then the two-shot streams what its peers read from 256 KiB on, which
 // takes it to 86-285 and 375-878 us there, and covers every size, in pieces of
 // its area: at 32 MiB the ring ran 24454-29867 us in slow rounds, the streamed
 // two-shot 4401-6515; [Note: streamed two-shot] in shm_transport.cpp. One-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no
@@ -40,7 +40,11 @@ namespace pz {
 // every rank reads after the arrival, so all ranks run the same algorithm (the
 // two-shot then stages its input after the arrival, with one more step); and
 // the two-shot reduces each chunk in the ring's order, so the results are
-// bitwise the same whichever runs.
+// bitwise the same whichever runs. The same holds between the one-shot and the
+// two-shot at the one-shot's sizes above 256 KiB (kAdaptFromBytes in
+// shm_transport.cpp): the one-shot's copy of the input into the area, made
+// before the arrival, is the two-shot's staging, and the two-shot then sums in
+// the one-shot's order of ranks.
 class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16

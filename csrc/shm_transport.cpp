@@ -16,6 +16,18 @@ namespace pz {
 
 namespace {
 
+// A copy into the shared area, streamed ([Note: streamed two-shot]) or cached.
+void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
+  if (streamed) copy_streamed(dst, src, n);
+  else std::memcpy(dst, src, n);
+}
+
+// auto's one-shot sizes above this may run the two-shot instead ([Note: adaptive two-shot]):
+// where cores pass freshly written lines slowly, the streamed two-shot ran a 512 KiB
+// all_reduce in 54-74 us against the one-shot's 248-323 (DeepSpeed 280-369); at 256 KiB
+// neither led (30-157 / 30-175 us), and in the fast mode the one-shot leads at both.
+constexpr size_t kAdaptFromBytes = 256 << 10;
+
 // Choice of ring vs one-shot, per (collective, per-rank input bytes).
 // Measured with `pyzero-bench collectives --algo ring|oneshot` on 2 CPU
 // processes (2-core EPYC, benchmarks/results/): one-shot wins below these
@@ -218,9 +230,11 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   size_t bytes = size_t(count) * dtype_size(dt);
   const bool automatic = algo == Algo::automatic;
   algo = resolve(Coll::all_reduce, bytes, algo);
-  // [Note: adaptive two-shot]: auto above the one-shot's sizes takes the ring or the
-  // two-shot as rank 0 says in its descriptor, read after the arrival.
-  const bool adaptive = automatic && algo == Algo::ring && n_ > 1 && config().adaptive;
+  // [Note: adaptive two-shot]: auto above kAdaptFromBytes takes the one-shot or the ring
+  // (whichever its size takes) or the two-shot, as rank 0 says in its descriptor, read
+  // after the arrival.
+  const bool adaptive = automatic && n_ > 1 && config().adaptive &&
+                        (algo == Algo::ring || (algo == Algo::oneshot && bytes > kAdaptFromBytes));
   const int cls = adaptive ? AdaptTwoShot::size_class(bytes) : -1;
   using clock = std::chrono::steady_clock;
   const bool timed = adaptive && rank_ == 0;
@@ -233,19 +247,28 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   if (n_ == 1) {
     seg_.arrive(d, what);  // the reduction of one contribution is itself (avg divides by 1)
     if (in != buf && bytes) std::memcpy(buf, in, bytes);
+  } else if (algo == Algo::oneshot && adaptive) {
+    // The one-shot's copy of the whole input is also the one-piece two-shot's staging, so
+    // rank 0's word can pick either after the arrival. The copy is streamed where the
+    // two-shot would stream and rank 0 chose it last time in this class (the word is only
+    // read after the copy; either way is correct, the mode only sets the speed).
+    const bool stream = leader_seen_[cls] && bytes >= config().twoshot_stream_bytes;
+    copy_to_area(seg_.area(rank_, seq), in, bytes, stream);
+    if (stream) stream_fence();
+    seg_.arrive(d, what);
+    leader_seen_[cls] = seg_.leader_word(seq) != 0;
+    ChunkLayout L(split_even(count, n_));
+    if (leader_seen_[cls]) {
+      algo = Algo::twoshot;
+      // in the one-shot's order of sources: bitwise the one-shot whichever runs
+      sent = finish_twoshot(buf, in, TwoShotPieces{L, L.longest(), 1, true, stream, true}, dt, op, seq);
+    } else {
+      sent = oneshot_reduce(buf, in, count, dt, op, seq);
+    }
   } else if (algo == Algo::oneshot) {
     std::memcpy(seg_.area(rank_, seq), in, bytes);
     seg_.arrive(d, what);
-    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      // This rank's own contribution is read from `in`, not from its copy in the area:
-      // one buffer less in the cache (2 ranks, avg, medians of 9 alternating rounds:
-      // 256 KiB 53-61 -> 43-47 us, 512 KiB 98 -> 55 us; the same below 128 KiB).
-      std::vector<const T*> srcs(n_);
-      for (int r = 0; r < n_; ++r) srcs[r] = reinterpret_cast<const T*>(seg_.area(r, seq));
-      srcs[rank_] = static_cast<const T*>(in);
-      cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(buf), size_t(count), n_);
-    }));
-    sent = uint64_t(bytes) * (n_ - 1);
+    sent = oneshot_reduce(buf, in, count, dt, op, seq);
   } else {
     ChunkLayout L(split_even(count, n_));
     const TwoShotPieces P = twoshot_pieces(L, dt);
@@ -278,6 +301,20 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   counters_.add(Coll::all_reduce, uint64_t(count), sent);
 }
 
+// The one-shot all_reduce after the arrival: every peer's copy in its area, reduced.
+uint64_t ShmTransport::oneshot_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq) {
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    // This rank's own contribution is read from `in`, not from its copy in the area:
+    // one buffer less in the cache (2 ranks, avg, medians of 9 alternating rounds:
+    // 256 KiB 53-61 -> 43-47 us, 512 KiB 98 -> 55 us; the same below 128 KiB).
+    std::vector<const T*> srcs(n_);
+    for (int r = 0; r < n_; ++r) srcs[r] = reinterpret_cast<const T*>(seg_.area(r, seq));
+    srcs[rank_] = static_cast<const T*>(in);
+    cpu_reduce_many<OP, T>(srcs.data(), n_, static_cast<T*>(buf), size_t(count), n_);
+  }));
+  return uint64_t(count) * dtype_size(dt) * uint64_t(n_ - 1);
+}
+
 // [Note: two-shot all_reduce] Every rank puts the chunks the others reduce into its
 // area (stage_twoshot) and announces it (the arrival, or for auto's choice made after
 // the arrival a step of its own); reduces its own chunk from the peers' areas and its
@@ -297,21 +334,23 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
 // has copied piece k out of it).
 // [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
 // chunks, its reduced chunk) goes out with streaming stores from twoshot_stream_bytes
-// (1 MiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
+// (256 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
 // [Note: adaptive two-shot]), reading lines a peer streamed out to memory is far
 // cheaper than taking them from its cache; where they pass them fast, streaming costs
-// 1.1-2.5x, but there the ring wins and auto takes it. Measured (2 ranks, fp32, in
-// place, medians of 20 calls, 4 rounds in each of 14-16 fresh pairs; a round is slow
-// where the ring took over 300 us per MiB), in us:
-//                         1 MiB     2 MiB      4 MiB      32 MiB
-//   fast: ring            51-74     89-116     182-248    3114-7503
-//         two-shot        53-71     105-350    288-691    5366-8205
-//         streamed        126-282   260-471    522-710    6116-8406
-//         DeepSpeed       87-156    147-265    386-714    7671-11411
-//   slow: ring            788-1343  1541-2367  3036-3162  24454-29867
-//         two-shot        232-592   381-988    863-1682   9248-10588
-//         streamed        86-285    178-198    375-878    4401-6515
-//         DeepSpeed       527-684   967-1274   1544-1915  6643-8500
+// 1.1-2.5x, but there the one-shot or the ring wins and auto takes it. Measured (2
+// ranks, fp32, in place, medians of 20 calls, 4 rounds in each of 14-16 fresh pairs; a
+// round is slow where the ring took over 300 us per MiB), in us:
+//                         512 KiB  1 MiB     2 MiB      4 MiB      32 MiB
+//   fast: ring            64-87    51-74     89-116     182-248    3114-7503
+//         one-shot        31-41
+//         two-shot        31-43    53-71     105-350    288-691    5366-8205
+//         streamed        70-85    126-282   260-471    522-710    6116-8406
+//         DeepSpeed       79-107   87-156    147-265    386-714    7671-11411
+//   slow: ring            414-721  788-1343  1541-2367  3036-3162  24454-29867
+//         one-shot        248-323
+//         two-shot        246-321  232-592   381-988    863-1682   9248-10588
+//         streamed        54-74    86-285    178-198    375-878    4401-6515
+//         DeepSpeed       280-369  527-684   967-1274   1544-1915  6643-8500
 // (benchmarks/results/allreduce_twoshot_streamed_pairs_cpu2_20261127.txt.)
 ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, DType dt) const {
   const int64_t longest = L.longest();
@@ -323,12 +362,6 @@ ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, D
   return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
 }
 
-namespace {
-void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
-  if (streamed) copy_streamed(dst, src, n);
-  else std::memcpy(dst, src, n);
-}
-}  // namespace
 
 void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq) {
   const size_t es = dtype_size(dt);
@@ -353,8 +386,8 @@ uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const TwoShotPi
     const int64_t cnt = P.count(rank_, k);
     PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
       std::vector<const T*> srcs(n_);
-      for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, rank + 2, ..., rank
-        int r = (rank_ + 1 + i) % n_;
+      for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, ..., rank (or 0, ..., n - 1)
+        int r = P.one_shot_order ? i : (rank_ + 1 + i) % n_;
         srcs[i] = reinterpret_cast<const T*>(r == rank_ ? static_cast<const char*>(in) + off : seg_.area(r, seq) + slot);
       }
       cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(out + off), size_t(cnt), n_);

@@ -23,6 +23,7 @@
 // view them.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -102,7 +103,8 @@ class ShmTransport {
     int64_t per;     // elements of every chunk in one piece (the longest chunk: one piece)
     int64_t pieces;  // >= 1
     bool natural;    // one piece: chunks at their offsets in the message; else chunk p at p * per
-    bool streamed;   // the area's lines are written with streaming stores (messages of stream_bytes and up)
+    bool streamed;   // the area's lines are written with streaming stores (twoshot_stream_bytes and up)
+    bool one_shot_order = false;  // sum in rank order, as the one-shot does (else the ring's order)
     // Piece k's part of chunk p: elements [begin(p, k), begin(p, k) + count(p, k)) of the message.
     int64_t begin(int p, int64_t k) const { return L.offsets[p] + k * per; }
     int64_t count(int p, int64_t k) const {
@@ -112,6 +114,10 @@ class ShmTransport {
     int64_t slot(int p) const { return natural ? L.offsets[p] : int64_t(p) * per; }
   };
   TwoShotPieces twoshot_pieces(const ChunkLayout& L, DType dt) const;
+  uint64_t oneshot_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
+  // Rank 0's last word per size class as this rank read it (adaptive one-shot sizes: whether
+  // the next copy into the area is streamed, [Note: adaptive two-shot]).
+  std::array<bool, AdaptTwoShot::kClasses> leader_seen_{};
   void stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq);
   uint64_t finish_twoshot(void* buf, const void* in, const TwoShotPieces& P, DType dt, RedOp op, uint64_t seq);
   // symmetric buffers: current generation's maps, older generations (kept mapped)

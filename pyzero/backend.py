@@ -239,7 +239,7 @@ class Options:
     - twoshot_bytes: shm, the two-shot all_reduce's area (8 MiB [PYZERO_SHM_TWOSHOT_KB]): larger messages go
       through it in pieces; with oneshot_bytes it sizes each rank's two areas
     - twoshot_stream_bytes: shm, two-shot all_reduces of at least this many bytes write what their peers read
-      with streaming stores (1 MiB [PYZERO_SHM_TWOSHOT_STREAM_KB])
+      with streaming stores (256 KiB [PYZERO_SHM_TWOSHOT_STREAM_KB])
     - adaptive: shm, auto all_reduce above the one-shot's sizes takes the ring or the two-shot by measured
       times (True [PYZERO_SHM_ADAPTIVE]; False: the ring)
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])

@@ -372,9 +372,9 @@ def test_two_shot_in_pieces(world):
 
 
 def _rank_auto_adaptive():
-    """auto between the one-shot's sizes and twoshot_bytes: rank 0 tries the two-shot and tells the
-    others in its descriptor; every rank runs the same algorithm (a mismatch would fail the call),
-    the results equal the ring's bitwise, and only rank 0 keeps the measurements."""
+    """auto above 256 KiB: rank 0 tries the two-shot and tells the others in its descriptor; every rank
+    runs the same algorithm (a mismatch would fail the call), the results equal the ring's (the
+    one-shot's at its sizes) bitwise, and only rank 0 keeps the measurements."""
     pz.init(timeout=60)
     n, me = pz.get_world_size(), pz.get_rank()
     ck = Checker()
@@ -391,9 +391,25 @@ def _rank_auto_adaptive():
         out = torch.empty_like(x)
         pz.all_reduce(x, out=out)
         ck.check(f"auto out= call {i} == ring bitwise", out, want)
+    # the one-shot's sizes above 256 KiB: the one-shot or the two-shot (its copy made before the arrival
+    # serves both; summed in the one-shot's order of ranks), bitwise the one-shot whichever runs, the
+    # area streamed after rank 0 chose the two-shot (twoshot_stream_bytes: 256 KiB) or not
+    count = (400 << 10) // 4 + 3
+    for i in range(16):
+        g = torch.Generator().manual_seed(9 * i + me)
+        x = torch.randn(count, generator=g)
+        want = x.clone()
+        pz.all_reduce(want, algo="oneshot")
+        got = x.clone()
+        pz.all_reduce(got)  # auto
+        ck.check(f"auto call {i} ({count * 4} B) == one-shot bitwise", got, want)
+        out = torch.empty_like(x)
+        pz.all_reduce(x, out=out, op="avg")
+        pz.all_reduce(want.copy_(x), op="avg", algo="oneshot")
+        ck.check(f"auto out= avg call {i} ({count * 4} B) == one-shot bitwise", out, want)
     state = pz.comm.resolve_group(None).backend.comm.adapt_state()
     if me == 0:
-        if sorted(state) != [1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()):
+        if sorted(state) != [512 << 10, 1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()):
             ck.fail(f"rank 0's adaptive state: {state}")
         ck.cases += 1
     elif state:

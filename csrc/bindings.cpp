@@ -216,16 +216,21 @@ PYBIND11_MODULE(_C, m) {
                const auto& s = t.adapt().state(k);
                if (s.level[0] == 0.0 && s.level[1] == 0.0) continue;
                py::dict e;
-               e["algo"] = s.twoshot ? "twoshot" : "ring";
-               e["ring_ns_per_byte"] = s.level[0];
+               // the other algorithm: the one auto's size rule takes for the class (one-shot or ring)
+               const size_t largest = size_t(1) << (k + 17);
+               const char* other = t.choose_algo(Coll::all_reduce, largest) == Algo::oneshot ? "oneshot" : "ring";
+               e["algo"] = s.twoshot ? "twoshot" : other;
+               e["other"] = other;
+               e["other_ns_per_byte"] = s.level[0];
                e["twoshot_ns_per_byte"] = s.level[1];
                e["switches"] = s.switches;
                e["explored"] = s.explored;
-               out[py::int_(size_t(1) << (k + 17))] = e;  // the class's largest size
+               out[py::int_(largest)] = e;
              }
              return out;
            },
-           "{largest bytes of a size class: rank 0's state} of auto's ring/two-shot choice (empty on other ranks)")
+           "{largest bytes of a size class: rank 0's state} of auto's choice between the two-shot and the one-shot "
+           "or ring (empty on other ranks)")
       .def("probe_exchange", &ShmComm::probe_exchange, py::arg("bytes") = size_t(256) << 10, py::arg("reps") = 9,
            py::call_guard<py::gil_scoped_release>(),
            "ns per 64-byte line to read lines the ring predecessor has just written (median of reps; collective)")

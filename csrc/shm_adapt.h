@@ -33,8 +33,9 @@ namespace pz {
 // at intervals doubling from 16 to 256 calls while it loses, and at once when
 // the one in use runs over 3x or under 0.5x its average 3 calls in a row (a
 // change of mode). A try is 3 calls (one more the first time: an algorithm's
-// first call in a class warms its buffers and is not counted); it switches when
-// their median is under 0.9x the median of the last 16 calls of the one in use
+// first call in a class warms its buffers and is not counted), or ends after a
+// counted call over 2x the median of the one in use; it switches when their
+// median is under 0.9x the median of the last 16 calls of the one in use
 // (medians, since in the slow mode a part of the ring's calls still run fast).
 // Rank 0 puts its choice for a call in its descriptor (CallDesc::pad), which
 // every rank reads after the arrival, so all ranks run the same algorithm (the
@@ -49,7 +50,7 @@ class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
-  static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25;
+  static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0;
   static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;
 
   static int size_class(size_t bytes) {
@@ -71,6 +72,9 @@ class AdaptTwoShot {
     if (twoshot != s.twoshot) {
       if (s.trying == 0) return;
       if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
+      // a try whose call runs over kGiveUp x the one in use ends there: its other calls
+      // would cost as much (the ring tried in the slow mode: 5x the two-shot)
+      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * median(s.recent, s.nrecent)) s.trying = 1;
       if (--s.trying > 0) return;
       ++s.explored;
       s.since = 0;

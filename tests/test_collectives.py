@@ -409,7 +409,8 @@ def _rank_auto_adaptive():
         ck.check(f"auto out= avg call {i} ({count * 4} B) == one-shot bitwise", out, want)
     state = pz.comm.resolve_group(None).backend.comm.adapt_state()
     if me == 0:
-        if sorted(state) != [512 << 10, 1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()):
+        if sorted(state) != [512 << 10, 1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()) \
+                or [state[k]["other"] for k in sorted(state)] != ["oneshot", "ring", "ring"]:
             ck.fail(f"rank 0's adaptive state: {state}")
         ck.cases += 1
     elif state:
@@ -469,6 +470,11 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
     back = picks.index(False, 1000)
     assert back <= 1000 + 10 and sum(picks[1100:]) <= 10, back  # the two-shot's calls got 2.5x faster: the ring
     assert a.switches(3) == 2
+    # the two-shot in use and the ring 5x slower: each later try of the ring ends after its one call
+    picks, a = _simulate(lambda i, two: 1.0 if two else 5.0, 2000)
+    first = picks.index(True)
+    assert first <= 4 and a.switches(3) == 1 and picks[first:].count(False) == a.explored(3) - 1 >= 8, \
+        (first, picks[first:].count(False), a.explored(3))
 
 
 # ---------------------------------------------------------------------------

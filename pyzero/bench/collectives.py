@@ -490,6 +490,12 @@ def rank_main(args) -> list[dict]:
         # machine lands on every backend alike, not on whichever ran at that moment
         live = len(cols) == 1  # one column prints its rows as they come; several, once the sizes are done
         tables = {b: [] for b in cols}
+        if per_call:  # the first size of fresh processes ran 1.2-1.7x slower on both backends: a round untimed
+            first = parse_size(args.min)
+            warm = max((first // esize // n * n) if op in ("reduce_scatter", "all_gather") else first // esize, n)
+            for backend in cols:
+                measure(backend, op, warm, dtype, op != "sendrecv", args.algo, args.iters, args.warmup, per_call,
+                        getattr(args, "graph", 0), block)
         if live and rank == 0:
             print(_heading(op, cols[0], n, args, rounds, per_call, False), flush=True)
         for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
@@ -550,7 +556,7 @@ def rank_main(args) -> list[dict]:
                 print_percentiles([r for r in results if r.get("op") == op and "p99_us" in r], cols, args)
     if "deepspeed" in backends:
         _remove_deepspeed_buffers(rank)
-    if rank == 0 and probe is not None:  # where auto's ring / two-shot choice ended, per size class
+    if rank == 0 and probe is not None:  # where auto's choice (two-shot or one-shot / ring) ended, per size class
         for nbytes, st in sorted(comm.resolve_group(None).backend.comm.adapt_state().items()):
             results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, **st})
             print(f"# auto up to {nbytes} B: {st['algo']} (tries {st['explored']}, switches {st['switches']})",

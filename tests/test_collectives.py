@@ -378,35 +378,27 @@ def _rank_auto_adaptive():
     pz.init(timeout=60)
     n, me = pz.get_world_size(), pz.get_rank()
     ck = Checker()
-    sizes = [(600 << 10) // 4 + 7, (3 << 20) // 4 + 1, (1 << 20) // 4]  # classes of 1, 4 and 1 MiB
-    for i in range(40):
-        count = sizes[i % len(sizes)]
-        g = torch.Generator().manual_seed(7 * i + me)
-        x = torch.randn(count, generator=g)
-        want = x.clone()
-        pz.all_reduce(want, algo="ring")
-        got = x.clone()
-        pz.all_reduce(got)  # auto
-        ck.check(f"auto call {i} ({count * 4} B) == ring bitwise", got, want)
-        out = torch.empty_like(x)
-        pz.all_reduce(x, out=out)
-        ck.check(f"auto out= call {i} == ring bitwise", out, want)
+    def auto_equals(sizes, algo, calls, seed, out_op):
+        """auto's results (in place: sum; out of place: out_op) against `algo`'s, bitwise."""
+        for i in range(calls):
+            count = sizes[i % len(sizes)]
+            x = torch.randn(count, generator=torch.Generator().manual_seed(seed * i + me))
+            want = x.clone()
+            pz.all_reduce(want, algo=algo)
+            got = x.clone()
+            pz.all_reduce(got)  # auto
+            ck.check(f"auto call {i} ({count * 4} B) == {algo} bitwise", got, want)
+            out = torch.empty_like(x)
+            pz.all_reduce(x, out=out, op=out_op)
+            pz.all_reduce(want.copy_(x), op=out_op, algo=algo)
+            ck.check(f"auto out= {out_op} call {i} ({count * 4} B) == {algo} bitwise", out, want)
+
+    # classes of 1, 4 and 1 MiB
+    auto_equals([(600 << 10) // 4 + 7, (3 << 20) // 4 + 1, (1 << 20) // 4], "ring", 40, 7, "sum")
     # the one-shot's sizes above 256 KiB: the one-shot or the two-shot (its copy made before the arrival
     # serves both; summed in the one-shot's order of ranks), bitwise the one-shot whichever runs, the
     # area streamed after rank 0 chose the two-shot (twoshot_stream_bytes: 256 KiB) or not
-    count = (400 << 10) // 4 + 3
-    for i in range(16):
-        g = torch.Generator().manual_seed(9 * i + me)
-        x = torch.randn(count, generator=g)
-        want = x.clone()
-        pz.all_reduce(want, algo="oneshot")
-        got = x.clone()
-        pz.all_reduce(got)  # auto
-        ck.check(f"auto call {i} ({count * 4} B) == one-shot bitwise", got, want)
-        out = torch.empty_like(x)
-        pz.all_reduce(x, out=out, op="avg")
-        pz.all_reduce(want.copy_(x), op="avg", algo="oneshot")
-        ck.check(f"auto out= avg call {i} ({count * 4} B) == one-shot bitwise", out, want)
+    auto_equals([(400 << 10) // 4 + 3], "oneshot", 16, 9, "avg")
     state = pz.comm.resolve_group(None).backend.comm.adapt_state()
     if me == 0:
         if sorted(state) != [512 << 10, 1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()) \

@@ -332,6 +332,7 @@ uint64_t ShmTransport::oneshot_reduce(void* buf, const void* in, int64_t count, 
 // peer has announced its reduced chunk of piece k (so has read those slots), and puts
 // its own reduced chunk into its slot after every peer has announced piece k + 1 (so
 // has copied piece k out of it).
+//
 // [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
 // chunks, its reduced chunk) goes out with streaming stores from twoshot_stream_bytes
 // (256 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
@@ -361,7 +362,6 @@ ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, D
   const int64_t per = std::max<int64_t>(1, int64_t(config().twoshot_bytes / (size_t(n_) * es)));
   return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
 }
-
 
 void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq) {
   const size_t es = dtype_size(dt);

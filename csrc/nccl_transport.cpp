@@ -18,6 +18,7 @@
 #include "cuda_check.h"
 #include "errors.h"
 #include "nccl_api.h"
+#include "nccl_types.h"
 #include "p2p_ring.h"
 
 namespace pz {
@@ -27,26 +28,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 ncclDataType_t nccl_dtype(DType d) {
-  switch (d) {
-    case DType::f32: return ncclFloat32;
-    case DType::f16: return ncclFloat16;
-    case DType::bf16: return ncclBfloat16;
-    case DType::f64: return ncclFloat64;
-    case DType::i32: return ncclInt32;
-    case DType::i64: return ncclInt64;
-  }
-  throw std::invalid_argument("unsupported dtype code; expected float32, float16, bfloat16, float64, int32 or int64");
+  ncclDataType_t t;
+  if (!to_nccl(d, t))
+    throw std::invalid_argument("unsupported dtype code; expected float32, float16, bfloat16, float64, int32 or int64");
+  return t;
 }
 
 ncclRedOp_t nccl_op(RedOp o) {
-  switch (o) {
-    case RedOp::sum: return ncclSum;
-    case RedOp::avg: return ncclAvg;
-    case RedOp::max: return ncclMax;
-    case RedOp::min: return ncclMin;
-    case RedOp::prod: return ncclProd;
-  }
-  throw std::invalid_argument("unsupported reduction op; expected sum, avg, max, min or prod");
+  ncclRedOp_t t;
+  if (!to_nccl(o, t)) throw std::invalid_argument("unsupported reduction op; expected sum, avg, max, min or prod");
+  return t;
 }
 
 Clock::duration seconds(double s) {

@@ -45,6 +45,7 @@
 #include "collective.h"
 #include "errors.h"
 #include "ipc_transport.h"
+#include "nccl_types.h"
 #include "reduce_math.h"
 #include "rendezvous.h"
 
@@ -123,18 +124,6 @@ ncclResult_t fail_async(ncclComm* c, const std::exception& e) {
   return c->async_error;
 }
 
-bool to_dtype(ncclDataType_t d, pz::DType& out) {
-  switch (d) {
-    case ncclFloat32: out = pz::DType::f32; return true;
-    case ncclFloat16: out = pz::DType::f16; return true;
-    case ncclBfloat16: out = pz::DType::bf16; return true;
-    case ncclFloat64: out = pz::DType::f64; return true;
-    case ncclInt32: out = pz::DType::i32; return true;
-    case ncclInt64: out = pz::DType::i64; return true;
-    default: return false;
-  }
-}
-
 int dtype_bytes(ncclDataType_t d) {
   switch (d) {
     case ncclInt8: case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: return 1;
@@ -145,25 +134,14 @@ int dtype_bytes(ncclDataType_t d) {
   }
 }
 
-bool to_op(ncclRedOp_t o, pz::RedOp& out) {
-  switch (o) {
-    case ncclSum: out = pz::RedOp::sum; return true;
-    case ncclProd: out = pz::RedOp::prod; return true;
-    case ncclMax: out = pz::RedOp::max; return true;
-    case ncclMin: out = pz::RedOp::min; return true;
-    case ncclAvg: out = pz::RedOp::avg; return true;
-    default: return false;
-  }
-}
-
 // A reduction's dtype and op, or ncclInvalidArgument naming what the library takes.
 ncclResult_t reduction_args(ncclComm* c, const char* what, ncclDataType_t d, ncclRedOp_t o, pz::DType& dt,
                             pz::RedOp& op) {
-  if (!to_dtype(d, dt))
+  if (!pz::from_nccl(d, dt))
     return set_error(c, ncclInvalidArgument, std::string(what) + ": datatype " + std::to_string(int(d)) +
                                                  " is not one the test library reduces (float32, float16, "
                                                  "bfloat16, float64, int32, int64)");
-  if (!to_op(o, op))
+  if (!pz::from_nccl(o, op))
     return set_error(c, ncclInvalidArgument, std::string(what) + ": reduction op " + std::to_string(int(o)) +
                                                  " is not one the test library takes (sum, prod, max, min, avg)");
   return ncclSuccess;
@@ -173,7 +151,7 @@ ncclResult_t reduction_args(ncclComm* c, const char* what, ncclDataType_t d, ncc
 // the transport has it, else 2-byte elements (any even byte count).
 ncclResult_t movement_args(ncclComm* c, const char* what, ncclDataType_t d, size_t count, pz::DType& dt,
                            int64_t& n) {
-  if (to_dtype(d, dt)) {
+  if (pz::from_nccl(d, dt)) {
     n = int64_t(count);
     return ncclSuccess;
   }

@@ -644,14 +644,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 leaf.grad = v
             try:
                 self._to_device.wait()  # the last publish's copies have read what this step changes
-                if isinstance(self.inner, _SCALED_STEP):
-                    copies = {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces} if self._host_low else None
-                    self.inner.step(grad_scale=factor, copies=copies)
-                else:
-                    if factor != 1.0:
-                        for g in spare:
-                            g.mul_(factor)
-                    self.inner.step()
+                if not self._inner_step(factor, spare, self._low_copies):
                     self._refresh_low()
             finally:
                 for (_, leaf, _), g in zip(self.pieces, grads):
@@ -688,12 +681,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
         if self._clip_coef is not None:
             factor *= float(self._clip_coef)
-        if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
-            copies = {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces} if self._host_low else None
-            chunks = self._step_chunks()
-            if len(chunks) == 1:
-                self.inner.step(grad_scale=factor, copies=copies)
-                return
+        chunks = self._step_chunks() if isinstance(self.inner, _SCALED_STEP) else [(0, len(self.pieces))]
+        if len(chunks) > 1:
+            copies = self._low_copies() if self._host_low else None
             # [Note: chunked host step] Pieces in chunks, each chunk's new values on their way to the
             # device while the next chunk steps (the other pieces' gradients hidden from the inner
             # optimizer, which steps only parameters with a gradient; each piece keeps its own step
@@ -714,11 +704,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._to_device.join()  # (the copies started stay ordered before later device work)
                 raise
             return
+        # (the gradients in host memory: see [Note: offload of a CUDA model])
+        if not self._inner_step(factor, self._shard_grads, self._low_copies):
+            self._refresh_low()
+
+    def _inner_step(self, factor: float, grads, copies) -> bool:
+        """The inner optimizer's step on its gradients `grads` times `factor`: in the kernel's one pass
+        where it takes grad_scale= (writing the 16-bit host copies, `copies()`, as it goes), else with
+        the gradients scaled first. Returns whether the 16-bit copies were written (else the caller
+        refreshes them)."""
+        if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
+            self.inner.step(grad_scale=factor, copies=copies() if self._host_low else None)
+            return True
         if factor != 1.0:
-            for h in self._shard_grads:  # (in host memory: see [Note: offload of a CUDA model])
-                h.mul_(factor)
+            for g in grads:
+                g.mul_(factor)
         self.inner.step()
-        self._refresh_low()
+        return False
+
+    def _low_copies(self) -> dict:
+        """{parameter piece: its 16-bit host copy}, for the inner step's copies=."""
+        return {leaf: self._low_of[pc] for pc, leaf, _ in self.pieces}
 
     def _step_chunks(self) -> list[tuple[int, int]]:
         """Ranges of self.pieces the host step runs one after the other (see [Note: chunked host
@@ -815,19 +821,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for leaf, gr in zip(leaves, grads):
                 leaf.grad = gr
             try:
-                if isinstance(self.inner, _SCALED_STEP):  # applied in the kernel's one pass
-                    copies = {leaf: self._low_of[self.pieces[i][0]] for i, leaf in zip(idx, leaves)} \
-                        if self._host_low else None
-                    self.inner.step(grad_scale=factor, copies=copies)
-                else:
-                    if factor != 1.0:
-                        for gr in grads:
-                            gr.mul_(factor)
-                    self.inner.step()
-                    if self._host_low:
-                        master, low = self.shards()[k][1], self._host_low[k]
-                        if low.data_ptr() != master.data_ptr():
-                            low[lo:hi].copy_(master[lo:hi])
+                def slot_copies():
+                    return {leaf: self._low_of[self.pieces[i][0]] for i, leaf in zip(idx, leaves)}
+
+                if not self._inner_step(factor, grads, slot_copies) and self._host_low:
+                    master, low = self.shards()[k][1], self._host_low[k]
+                    if low.data_ptr() != master.data_ptr():
+                        low[lo:hi].copy_(master[lo:hi])
             finally:
                 for leaf in leaves:
                     leaf.grad = None

@@ -490,20 +490,16 @@ def rank_main(args) -> list[dict]:
         # machine lands on every backend alike, not on whichever ran at that moment
         live = len(cols) == 1  # one column prints its rows as they come; several, once the sizes are done
         tables = {b: [] for b in cols}
+        forms = (False,) if op == "sendrecv" else (False, True)  # (sendrecv: out of place only)
         if per_call:  # the first size of fresh processes ran 1.2-1.7x slower on both backends: a round untimed
-            first = parse_size(args.min)
-            warm = max((first // esize // n * n) if op in ("reduce_scatter", "all_gather") else first // esize, n)
             for backend in cols:
-                measure(backend, op, warm, dtype, op != "sendrecv", args.algo, args.iters, args.warmup, per_call,
-                        getattr(args, "graph", 0), block)
+                measure(backend, op, _count(op, parse_size(args.min), esize, n), dtype, forms[-1], args.algo,
+                        args.iters, args.warmup, per_call, getattr(args, "graph", 0), block)
         if live and rank == 0:
             print(_heading(op, cols[0], n, args, rounds, per_call, False), flush=True)
         for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
-            count = max(size // esize // n * n if op in ("reduce_scatter", "all_gather") else size // esize, 1)
-            if op in ("reduce_scatter", "all_gather"):
-                count = max(count, n)
+            count = _count(op, size, esize, n)
             nbytes = count * esize
-            forms = (False,) if op == "sendrecv" else (False, True)  # (sendrecv: out of place only)
             runs = {(b, inplace): [] for b in cols for inplace in forms}
             starts = {key: [] for key in runs}
             calls = {key: [] for key in runs}
@@ -752,6 +748,14 @@ def plot(results: list, path: str) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _count(op: str, size: int, esize: int, n: int) -> int:
+    """Elements of a call of about `size` bytes: whole chunks of n for reduce_scatter and all_gather
+    (at least one element each), at least one element otherwise."""
+    if op in ("reduce_scatter", "all_gather"):
+        return max(size // esize // n * n, n)
+    return max(size // esize, 1)
 
 
 def _block(args) -> int:

@@ -616,6 +616,20 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert capsys.readouterr().out.count("median of 3 rounds alternating out-of-place and in-place, 7 calls a round") == 2
     rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") in ("pyzero", "torch-pyzero")]
     assert len(rows) == 8 and all(r["calls"] == 3 * 7 and r["wrong"] == 0 for r in rows), rows
+    start = {(r["bytes"], r["backend"], r["inplace"]): r["rounds_start_s"] for r in rows}
+    order = sorted((t, k, size, b, ip) for (size, b, ip), ts in start.items() for k, t in enumerate(ts))
+    assert [o[1:] for o in order] == [  # round k runs every size, each with the backends and forms in turn
+        (k, size, b, ip) for k in range(3) for size in (8, 65536) for b in ("pyzero", "torch-pyzero")
+        for ip in (False, True)], order
+    out = tmp_path / "least.json"  # --min-calls: the rounds' blocks grow to reach it
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "4M", "--max", "4M",
+                         "--warmup", "1", "--timeout", "120", "--per-call", "--rounds", "2", "--block", "5",
+                         "--min-calls", "13", "--json", str(out)])
+    assert collectives.main(args) == 0
+    rows = [r for r in json.loads(out.read_text())["results"] if r.get("backend") == "pyzero"]
+    assert sorted((r["inplace"], r["calls"], r["wrong"]) for r in rows) == [(False, 14, 0), (True, 14, 0)], rows
+    with pytest.raises(ValueError, match="--min-calls: expected a non-negative int, with --block; got 10"):
+        collectives.main(p.parse_args(["--min-calls", "10", "--per-call", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--block: expected a non-negative int, with --per-call; got 5"):
         collectives.main(p.parse_args(["--block", "5", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: expected a positive int, got 0"):

@@ -8,8 +8,9 @@ all_gather (n-1)/n, broadcast 1. pyzero's out-of-place all_reduce is
 ``pz.all_reduce(inp, out=out)`` (the shm transport reads inp and writes out; a
 backend without that copies first); torch has none, so its out-of-place
 column is copy-then-reduce, as a user would write it. The time reported is the slowest rank's mean.
-Each size runs every backend in turn (with ``--rounds``, round by round), so a slow phase of the
-machine falls on all of them alike; with several backends the tables print once the sizes are done.
+Each size runs every backend in turn, and with ``--rounds`` every round runs every size, so a slow
+phase of the machine falls on all backends and sizes alike; with several backends or rounds the tables
+print once the sizes are done.
 
 ``--op sendrecv`` is nccl-tests' sendrecv: every rank sends its buffer to the next rank and
 receives the previous rank's in one batch (``pz.batch_isend_irecv``; torch's
@@ -87,13 +88,17 @@ def add_arguments(p) -> None:
                         "(out of place)")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each size this many times, alternating out-of-place and in-place and the backends, "
-                        "and report the median (every round's time and start in the json): a slow phase of the "
-                        "machine then hits every form and backend")
+                        "and report the median (every round's time and start in the json); each round runs every "
+                        "size, so a slow phase of the machine hits every form, backend and size alike")
     p.add_argument("--block", type=int, default=0, metavar="N",
                    help="with --per-call: each round times N calls of each backend and form (fewer where N calls "
                         "would take over 50 ms, at least 5), so many short rounds interleave the backends finely "
                         "and a slow moment of the machine lands on them alike (0: each round times --iters calls, "
                         "or 50 ms of calls for small sizes)")
+    p.add_argument("--min-calls", type=int, default=0, metavar="N",
+                   help="with --block: time at least N calls of each backend and form at every size over its rounds "
+                        "(the rounds' blocks grow to ceil(N / rounds)), so that p99 is not the slowest call alone "
+                        "where 50 ms of calls are few (0: no minimum)")
     p.add_argument("--pairs", type=int, default=1,
                    help="with --nproc: run the whole comparison this many times, each in fresh rank processes (each "
                         "set of processes lands in its own exchange mode, see the exchange probe), then a summary "
@@ -340,12 +345,13 @@ def _captured(call, calls: int):
     return graph.replay
 
 
-def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False, graph=0, block=0):
+def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=False, graph=0, block=0, least=0):
     """(time_us, wrong, calls) for one configuration; every rank returns the same time_us and wrong. The
     time is the mean over back-to-back calls, or with `per_call` the median of the calls timed one by
     one (the slowest rank's); `calls` then holds this rank's per-call times in seconds (else empty).
     With `graph` (CUDA) N calls are captured in a graph and its replays timed, per call. `block`: time
-    that many calls (fewer where they would take over MIN_TIMED_S, at least 5) instead of `iters`."""
+    that many calls (fewer where they would take over MIN_TIMED_S, at least 5, and at least `least`) instead
+    of `iters`."""
     import pyzero as pz  # noqa: PLC0415
 
     n, rank = pz.get_world_size(), pz.get_rank()
@@ -365,7 +371,7 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
     # cannot dominate a 10 us measurement (every rank derives the same count).
     timed = max(1, int(min(max(iters, MIN_TIMED_S / max(per_call_s, 1e-9)), 100 * iters)) // per)
     if block:
-        timed = max(5, min(block, int(MIN_TIMED_S / max(per_call_s * per, 1e-9))))
+        timed = max(5, least, min(block, int(MIN_TIMED_S / max(per_call_s * per, 1e-9))))
     _barrier(backend)
     times = []
     if per_call:
@@ -486,8 +492,6 @@ def rank_main(args) -> list[dict]:
     for op in ops:
         cols = [b for b in backends if (b != "deepspeed" or op == "all_reduce")
                 and not (op == "sendrecv" and b == "nccl")]  # (point-to-point: no native column)
-        # every size measures all the columns in turn, round by round: a slow phase of the
-        # machine lands on every backend alike, not on whichever ran at that moment
         live = len(cols) == 1  # one column prints its rows as they come; several, once the sizes are done
         tables = {b: [] for b in cols}
         forms = (False,) if op == "sendrecv" else (False, True)  # (sendrecv: out of place only)
@@ -497,47 +501,24 @@ def rank_main(args) -> list[dict]:
                         args.iters, args.warmup, per_call, getattr(args, "graph", 0), block)
         if live and rank == 0:
             print(_heading(op, cols[0], n, args, rounds, per_call, False), flush=True)
-        for size in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
-            count = _count(op, size, esize, n)
-            nbytes = count * esize
-            runs = {(b, inplace): [] for b in cols for inplace in forms}
-            starts = {key: [] for key in runs}
-            calls = {key: [] for key in runs}
-            for _ in range(rounds):
-                for backend in cols:
-                    for inplace in forms:
-                        starts[(backend, inplace)].append(time.perf_counter() - t_start)
-                        t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters,
-                                                     args.warmup, per_call, getattr(args, "graph", 0), block)
-                        runs[(backend, inplace)].append((t_us, wrong))
-                        calls[(backend, inplace)] += times
-            for backend in cols:
-                row = []
-                for inplace in (False, True):
-                    if (backend, inplace) not in runs:
-                        row += [float("nan"), float("nan"), float("nan"), 0]
-                        continue
-                    times = [t for t, _ in runs[(backend, inplace)]]
-                    t_us, wrong = statistics.median(times), sum(w for _, w in runs[(backend, inplace)])
-                    algbw = nbytes / t_us / 1e3
-                    busbw = algbw * BUS_FACTOR[op](n)
-                    row += [t_us, algbw, busbw, wrong]
-                    results.append({"backend": _column(backend, args), "op": op, "dtype": args.dtype,
-                                    "bytes": nbytes, "count": count, "world_size": n, "inplace": inplace,
-                                    "time_us": t_us, "algbw": algbw, "busbw": busbw, "wrong": wrong,
-                                    "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
-                                    "timing": "per-call median" if per_call else "loop mean",
-                                    "rounds_time_us": times,
-                                    "rounds_start_s": starts[(backend, inplace)],
-                                    **({"calls": len(calls[(backend, inplace)]),
-                                        **percentiles(calls[(backend, inplace)])} if per_call else {})})
-                redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
-                root = 0 if op == "broadcast" else -1
-                line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
-                        "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row))
-                tables[backend].append((line, row[2] if op == "sendrecv" else row[6]))  # (sendrecv: out of place)
-                if live and rank == 0:
-                    print(line, flush=True)
+        sizes = list(dict.fromkeys(_count(op, size, esize, n) for size in size_steps(
+            parse_size(args.min), parse_size(args.max), args.factor)))
+        runs = {(count, b, inplace): [] for count in sizes for b in cols for inplace in forms}
+        starts = {key: [] for key in runs}
+        calls = {key: [] for key in runs}
+        least = -(-_min_calls(args) // rounds)  # calls of a round's block where --min-calls asks for more
+        # every round runs every size (and, at each size, every backend and form): a slow phase of the
+        # machine falls on all sizes alike, not on whichever size ran at that moment
+        for _ in range(rounds):
+            for count in sizes:
+                _measure_size(runs, starts, calls, count, cols, forms, op, dtype, args, per_call, block, least,
+                              t_start)
+                if rounds == 1:  # (one round: each size's row prints as it is done)
+                    _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call,
+                               cuda, live and rank == 0)
+        for count in (sizes if rounds > 1 else []):
+            _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call, cuda,
+                       live and rank == 0)
         if rank == 0:
             for backend in cols:
                 if not live:
@@ -563,6 +544,49 @@ def rank_main(args) -> list[dict]:
                             "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
     return results
 
+
+
+def _measure_size(runs, starts, calls, count, cols, forms, op, dtype, args, per_call, block, least, t_start) -> None:
+    """One round at one size: every backend in turn, each in both forms; appended to runs/starts/calls."""
+    for backend in cols:
+        for inplace in forms:
+            key = (count, backend, inplace)
+            starts[key].append(time.perf_counter() - t_start)
+            t_us, wrong, times = measure(backend, op, count, dtype, inplace, args.algo, args.iters, args.warmup,
+                                         per_call, getattr(args, "graph", 0), block, least)
+            runs[key].append((t_us, wrong))
+            calls[key] += times
+
+
+def _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call, cuda, echo) -> None:
+    """One size's rounds as results (json rows) and table lines, per backend; printed with `echo`."""
+    nbytes = count * esize
+    for backend in cols:
+        row = []
+        for inplace in (False, True):
+            key = (count, backend, inplace)
+            if key not in runs:
+                row += [float("nan"), float("nan"), float("nan"), 0]
+                continue
+            times = [t for t, _ in runs[key]]
+            t_us, wrong = statistics.median(times), sum(w for _, w in runs[key])
+            algbw = nbytes / t_us / 1e3
+            busbw = algbw * BUS_FACTOR[op](n)
+            row += [t_us, algbw, busbw, wrong]
+            results.append({"backend": _column(backend, args), "op": op, "dtype": args.dtype,
+                            "bytes": nbytes, "count": count, "world_size": n, "inplace": inplace,
+                            "time_us": t_us, "algbw": algbw, "busbw": busbw, "wrong": wrong,
+                            "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
+                            "timing": "per-call median" if per_call else "loop mean",
+                            "rounds_time_us": times, "rounds_start_s": starts[key],
+                            **({"calls": len(calls[key]), **percentiles(calls[key])} if per_call else {})})
+        redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
+        root = 0 if op == "broadcast" else -1
+        line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
+                "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row))
+        tables[backend].append((line, row[2] if op == "sendrecv" else row[6]))  # (sendrecv: out of place)
+        if echo:
+            print(line, flush=True)
 
 def print_percentiles(rows: list, cols: list, args) -> None:
     """Each call timed alone: median, p90, p99 and max (us, the slowest rank's each) per size and backend."""
@@ -758,6 +782,13 @@ def _count(op: str, size: int, esize: int, n: int) -> int:
     return max(size // esize, 1)
 
 
+def _min_calls(args) -> int:
+    least = getattr(args, "min_calls", 0)
+    if not isinstance(least, int) or isinstance(least, bool) or least < 0 or (least and not _block(args)):
+        raise ValueError(f"--min-calls: expected a non-negative int, with --block; got {least!r}")
+    return least
+
+
 def _block(args) -> int:
     block = getattr(args, "block", 0)
     if not isinstance(block, int) or isinstance(block, bool) or block < 0 or (block and not getattr(args, "per_call",
@@ -778,6 +809,7 @@ def main(args) -> int:
 
     _rounds(args)  # bad input fails here, before any rank starts
     _block(args)
+    _min_calls(args)
     graph = getattr(args, "graph", 0)
     if not isinstance(graph, int) or isinstance(graph, bool) or graph < 0:
         raise ValueError(f"--graph: expected a count of calls >= 0, got {graph!r}")

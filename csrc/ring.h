@@ -24,6 +24,7 @@
 //   recv_ag(T* dst, cnt)                        in -> dst
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -59,9 +60,12 @@ struct Round {
   }
 };
 
+// Rounds over elements [begin, end) of every chunk: by default all of them; a part, for a
+// message that goes in pieces (piece k: the k-th `per` elements of every chunk).
 template <typename F>
-void for_rounds(const ChunkLayout& L, int64_t round_elems, F f) {
-  for (int64_t b = 0, longest = L.longest(); b < longest; b += round_elems) f(Round{L, b, round_elems});
+void for_rounds(const ChunkLayout& L, int64_t round_elems, F f, int64_t begin = 0, int64_t end = INT64_MAX) {
+  end = std::min(end, L.longest());
+  for (int64_t b = begin; b < end; b += round_elems) f(Round{L, b, std::min(round_elems, end - b)});
 }
 
 // Reduce-scatter one round of `src` (full layout) into `dst` (this rank's
@@ -104,11 +108,15 @@ void ring_all_gather(Prims& p, T* buf, const ChunkLayout& L, int r, int n, int64
 
 // `src` is read, the result lands in `dst` (the same buffer for the in-place form).
 template <typename T, typename Prims>
-void ring_all_reduce(Prims& p, const T* src, T* dst, const ChunkLayout& L, int r, int n, int64_t round_elems) {
-  for_rounds(L, round_elems, [&](const Round& R) {
-    ring_reduce_scatter_round<T>(p, src, dst + L.offsets[r], R, r, n, /*forward_result=*/true);
-    ring_all_gather_round<T>(p, dst, R, r, n, /*send_own=*/false);
-  });
+void ring_all_reduce(Prims& p, const T* src, T* dst, const ChunkLayout& L, int r, int n, int64_t round_elems,
+                     int64_t begin = 0, int64_t end = INT64_MAX) {
+  for_rounds(
+      L, round_elems,
+      [&](const Round& R) {
+        ring_reduce_scatter_round<T>(p, src, dst + L.offsets[r], R, r, n, /*forward_result=*/true);
+        ring_all_gather_round<T>(p, dst, R, r, n, /*send_own=*/false);
+      },
+      begin, end);
 }
 
 // Chain broadcast of `cnt` elements, pipelined by the transport's slicing

@@ -28,29 +28,42 @@ namespace pz {
 // collapsed alike in its 2 slow pairs: 821-907 us at 1 MiB.) Neither wins in
 // both modes, and the mode cannot be read off beforehand (an exchange probe at
 // group creation did not tell the slow pairs from the others), so rank 0
-// measures, per size class (a power of two of bytes), whole calls of the
-// algorithm in use, and tries the other one now and then: after 2 calls, then
-// at intervals doubling from 16 to 256 calls while it loses, and at once when
-// the one in use runs over 3x or under 0.5x its average 3 calls in a row (a
-// change of mode). A try is 3 calls (one more the first time: an algorithm's
-// first call in a class warms its buffers and is not counted), or ends after a
-// counted call over 2x the median of the one in use; it switches when their
-// median is under 0.9x the median of the last 16 calls of the one in use
-// (medians, since in the slow mode a part of the ring's calls still run fast).
-// Rank 0 puts its choice for a call in its descriptor (CallDesc::pad), which
-// every rank reads after the arrival, so all ranks run the same algorithm (the
-// two-shot then stages its input after the arrival, with one more step); and
-// the two-shot reduces each chunk in the ring's order, so the results are
-// bitwise the same whichever runs. The same holds between the one-shot and the
-// two-shot at the one-shot's sizes above 256 KiB (kAdaptFromBytes in
-// shm_transport.cpp): the one-shot's copy of the input into the area, made
-// before the arrival, is the two-shot's staging, and the two-shot then sums in
-// the one-shot's order of ranks.
+// measures, per size class (a power of two of bytes), what the algorithm in use
+// takes, and tries the other one now and then: after 2 calls, then at intervals
+// doubling from 16 to 256 calls while it loses, and at once when the one in use
+// runs over 3x or under 0.5x its average 3 calls in a row (a change of mode),
+// or once over 4x its average with the other last measured below 0.9x this call
+// (a leap: the ring in the slow mode ran 5-17x its fast time; a stall of a call
+// looks alike, so after a leap's switch the one left is tried again 2 calls
+// later and wins back). A try is 3 calls (one more the first time: an
+// algorithm's first call in a class warms its buffers and is not counted), or
+// ends after a counted call over 2x the median of the one in use; it switches
+// when their median is under 0.9x the median of the last 16 calls of the one in
+// use, or of the calls since the change (medians, since in the slow mode a part
+// of the ring's calls still run fast).
+// At the ring's sizes a "call" here is a piece: the message goes in pieces of
+// an eighth, 1 MiB at least and the two-shot's area at most (kAdaptPieces in
+// shm_transport.cpp), and rank 0 chooses each piece's algorithm after the piece
+// before, so a call that finds the ring slowed down leaves it for its remaining
+// pieces and a try costs a piece, not a call (2 ranks, in place, per-call p99
+// against DeepSpeed's in two fresh pairs: 8 MiB 0.44-0.85x with whole calls,
+// 1.63-2.22x in pieces; 32 MiB 1.70-2.04x; collectives_pairs_* in
+// benchmarks/results has the record). Rank 0 puts its choice for a call's first
+// piece in its descriptor (CallDesc::pad), which every rank reads after the
+// arrival, and each later piece's in its plan word (RankCtrl::plan), so all
+// ranks run the same algorithm (the two-shot stages its input after the
+// arrival, with one more step); and the two-shot reduces each chunk in the
+// ring's order, so the results are bitwise the same whichever runs, piece by
+// piece. The same holds between the one-shot and the two-shot at the one-shot's
+// sizes above 256 KiB (kAdaptFromBytes in shm_transport.cpp), whole calls there:
+// the one-shot's copy of the input into the area, made before the arrival, is
+// the two-shot's staging, and the two-shot then sums in the one-shot's order of
+// ranks.
 class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
-  static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0;
+  static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
   static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;
 
   static int size_class(size_t bytes) {
@@ -58,13 +71,13 @@ class AdaptTwoShot {
     return c < 0 ? 0 : (c >= kClasses ? kClasses - 1 : c);
   }
 
-  // Whether rank 0 wants the two-shot for the next call of class c.
+  // Whether rank 0 wants the two-shot for the next call (or piece) of class c.
   bool want_twoshot(int c) const {
     const State& s = st_[c];
     return s.trying > 0 ? !s.twoshot : s.twoshot;
   }
 
-  // A call of class c ran the two-shot (or the ring) at `ns_per_byte`.
+  // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`.
   void observe(int c, bool twoshot, double ns_per_byte) {
     State& s = st_[c];
     bool warm = s.seen[twoshot];
@@ -79,13 +92,17 @@ class AdaptTwoShot {
       ++s.explored;
       s.since = 0;
       s.spikes = 0;
+      const bool leapt = s.leapt;
+      s.leapt = false;
       double t = median(s.tried, s.ntried);
       s.ntried = 0;
       if (t < kBetter * median(s.recent, s.nrecent)) {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
         s.nrecent = 0;
-        s.every = kEvery;
+        // after a leap, the one left is tried again soon: a stall of a call or two looks
+        // like a leap too, and then the one left wins that try back
+        s.every = leapt ? kFirst : kEvery;
         ++s.switches;
       } else {
         if (t > 0.0) s.level[twoshot] = t;
@@ -98,15 +115,20 @@ class AdaptTwoShot {
     double& lvl = s.level[twoshot];
     bool jump = lvl > 0.0 && (ns_per_byte > kSpike * lvl || ns_per_byte < kDrop * lvl);
     s.spikes = jump ? s.spikes + 1 : 0;
+    // a leap: over kLeap x its average, with the other one last measured well below it
+    // (a change of mode, not a stall): try the other at once, judged against this call alone
+    const double other = s.level[!twoshot];
+    const bool leap = lvl > 0.0 && ns_per_byte > kLeap * lvl && other > 0.0 && other < kBetter * ns_per_byte;
     if (!jump) lvl = lvl > 0.0 ? lvl + kAlpha * (ns_per_byte - lvl) : ns_per_byte;  // (held during a jump)
     if (s.nrecent == kRecent) std::copy(s.recent + 1, s.recent + kRecent, s.recent);
     s.recent[s.nrecent < kRecent ? s.nrecent++ : kRecent - 1] = ns_per_byte;
-    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls)) {
-      if (s.spikes >= kSpikeCalls) {  // judged against the calls since the change only
+    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap)) {
+      if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
         s.nrecent = s.spikes;
       }
       s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
+      s.leapt = leap;
     }
   }
 
@@ -120,9 +142,12 @@ class AdaptTwoShot {
     int ntried = 0, trying = 0;    // and how many of them are still to run
     uint32_t since = 0, every = kFirst;
     int spikes = 0;
+    bool leapt = false;  // the try under way began at a leap
     uint64_t switches = 0, explored = 0;
+    uint64_t mixed = 0;  // calls whose pieces ran both algorithms
   };
   const State& state(int c) const { return st_[c]; }
+  void mixed(int c) { ++st_[c].mixed; }
 
  private:
   static double median(const double* v, int n) {  // of the first n; 0 for none

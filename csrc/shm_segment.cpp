@@ -264,6 +264,23 @@ void ShmSegments::exchange_step(Step step, const char* what) {
   }
 }
 
+bool ShmSegments::piece_plan(bool twoshot, const char* what) {
+  const uint64_t count = ++plans_;
+  RankCtrl* leader = ctrl(0);
+  if (rank_ == 0) {
+    leader->plan.store(count << 1 | uint64_t(twoshot), std::memory_order_release);
+    notify(leader->plan, leader->plan_waiters);
+    return twoshot;
+  }
+  wait_for([&] { return (leader->plan.load(std::memory_order_acquire) >> 1) >= count; }, 0, what, &leader->plan,
+           &leader->plan_waiters);
+  const uint64_t w = leader->plan.load(std::memory_order_acquire);
+  if ((w >> 1) != count)
+    throw CollectiveError(where(what) + ": rank 0's choice for a piece ran ahead (" + std::to_string(w >> 1) +
+                          ", expected " + std::to_string(count) + ")");
+  return (w & 1) != 0;
+}
+
 // ---------------------------------------------------------------------------
 // Channels
 

@@ -97,11 +97,16 @@ struct alignas(64) RankCtrl {
   std::atomic<uint32_t> staged_waiters;
   alignas(64) std::atomic<uint64_t> reduced;
   std::atomic<uint32_t> reduced_waiters;
+  // Rank 0 only: auto's choice for the next piece of an all_reduce in pieces ([Note: adaptive
+  // two-shot]): (count of choices published) << 1 | two-shot.
+  alignas(64) std::atomic<uint64_t> plan;
+  std::atomic<uint32_t> plan_waiters;
 };
-static_assert(sizeof(RankCtrl) == 4 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
+static_assert(sizeof(RankCtrl) == 5 * 64 + 2 * sizeof(CallDesc) + 384, "RankCtrl lives in shared memory");
 static_assert(alignof(RankCtrl) == 64 && offsetof(RankCtrl, aborted) == 64 && offsetof(RankCtrl, desc) == 128 &&
-              offsetof(RankCtrl, staged) % 64 == 0 && offsetof(RankCtrl, reduced) == offsetof(RankCtrl, staged) + 64,
-              "RankCtrl: `arrived`, `aborted`, `staged` and `reduced` on cache lines of their own");
+              offsetof(RankCtrl, staged) % 64 == 0 && offsetof(RankCtrl, reduced) == offsetof(RankCtrl, staged) + 64 &&
+              offsetof(RankCtrl, plan) == offsetof(RankCtrl, reduced) + 64,
+              "RankCtrl: `arrived`, `aborted`, `staged`, `reduced` and `plan` on cache lines of their own");
 
 struct alignas(64) ChanCtrl {
   alignas(64) std::atomic<uint64_t> sent;
@@ -222,6 +227,11 @@ class ShmSegments {
   // the same steps in the same order); the count is what the word holds.
   enum class Step { staged, reduced };
   void exchange_step(Step step, const char* what);
+  // Auto's choice for the next piece of an all_reduce in pieces: rank 0 publishes it
+  // (and returns it), every other rank waits for it. Every rank makes the same calls in
+  // the same order; rank 0 publishes the next choice only after finishing the piece before,
+  // which needs every peer to have read this one, so the word never runs ahead.
+  bool piece_plan(bool twoshot, const char* what);
   // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
   int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }
   // Throws if an earlier failure left the group unusable.
@@ -293,6 +303,7 @@ class ShmSegments {
   std::string broken_why_;
   uint64_t seq_ = 0;                               // collectives entered by this rank
   uint64_t steps_[2] = {0, 0};                     // two-shot steps taken, staged and reduced
+  uint64_t plans_ = 0;                             // piece choices published (rank 0) or read
   std::vector<uint64_t> send_local_, recv_local_;  // channel counters: p2p (by peer) + ring (index n)
 };
 

@@ -27,6 +27,10 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 // all_reduce in 54-74 us against the one-shot's 248-323 (DeepSpeed 280-369); at 256 KiB
 // neither led (30-157 / 30-175 us), and in the fast mode the one-shot leads at both.
 constexpr size_t kAdaptFromBytes = 256 << 10;
+// auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
+// ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
+// mode, or a try of it there, still cost an 8 MiB call 2-3x its median.
+constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
 
 // Choice of ring vs one-shot, per (collective, per-rank input bytes).
 // Measured with `pyzero-bench collectives --algo ring|oneshot` on 2 CPU
@@ -236,6 +240,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   const bool adaptive = automatic && n_ > 1 && config().adaptive &&
                         (algo == Algo::ring || (algo == Algo::oneshot && bytes > kAdaptFromBytes));
   const int cls = adaptive ? AdaptTwoShot::size_class(bytes) : -1;
+  const bool whole_calls = adaptive && algo == Algo::oneshot;  // (the ring's sizes: measured per piece)
   using clock = std::chrono::steady_clock;
   const bool timed = adaptive && rank_ == 0;
   const clock::time_point t0 = timed ? clock::now() : clock::time_point();
@@ -271,31 +276,21 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     sent = oneshot_reduce(buf, in, count, dt, op, seq);
   } else {
     ChunkLayout L(split_even(count, n_));
-    const TwoShotPieces P = twoshot_pieces(L, dt);
     if (algo == Algo::twoshot) {
+      const TwoShotPieces P = twoshot_pieces(L, dt);
       stage_twoshot(in, P, 0, dt, seq);  // before the arrival, which announces it
       seg_.arrive(d, what);
+      sent = finish_twoshot(buf, in, P, dt, op, seq);
+    } else if (adaptive) {
+      seg_.arrive(d, what);
+      sent = adaptive_all_reduce(buf, in, L, dt, op, seq, cls, t0);  // (rank 0 measures each piece)
     } else {
       seg_.arrive(d, what);
-      if (adaptive && seg_.leader_word(seq)) {
-        algo = Algo::twoshot;
-        stage_twoshot(in, P, 0, dt, seq);
-        seg_.exchange_step(ShmSegments::Step::staged, what);
-      }
-    }
-    if (algo == Algo::twoshot) {
-      sent = finish_twoshot(buf, in, P, dt, op, seq);
-    } else {
-      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-        bool stream = stream_output(bytes, in == buf, config().stream_bytes);
-        sent = with_ring_prims<T, OP>(seg_, what, L.longest(), stream, [&](ShmRingPrims<T, OP>& p) {
-          ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems());
-        });
-      }));
+      sent = ring_all_reduce_part(buf, in, L, count, dt, op, 0, INT64_MAX, L.longest());
     }
   }
-  if (timed)  // whole calls: excluding the arrival would favour the ring, whose waits for a
-              // peer still finishing the previous call fall into its arrival
+  if (timed && whole_calls)  // whole calls: excluding the arrival would favour the one-shot,
+                             // whose waits for a peer still finishing the previous call fall into it
     adapt_.observe(cls, algo == Algo::twoshot,
                    std::chrono::duration<double, std::nano>(clock::now() - t0).count() / double(bytes));
   counters_.add(Coll::all_reduce, uint64_t(count), sent);
@@ -363,6 +358,20 @@ ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, D
   return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
 }
 
+// auto's pieces at the ring's sizes: an eighth of the message each, at least kAdaptPieceBytes
+// and at most the two-shot's area, so that rank 0 can leave an algorithm that slowed down
+// within a call ([Note: adaptive two-shot]).
+ShmTransport::TwoShotPieces ShmTransport::adaptive_pieces(const ChunkLayout& L, DType dt) const {
+  const size_t es = dtype_size(dt);
+  const size_t bytes = size_t(L.total()) * es;
+  const size_t piece = std::min(config().twoshot_bytes, std::max(kAdaptPieceBytes, bytes / kAdaptPieces));
+  const bool streamed = bytes >= config().twoshot_stream_bytes;
+  const int64_t longest = L.longest();
+  const int64_t per = std::max<int64_t>(1, int64_t(piece / (size_t(n_) * es)));
+  if (per >= longest || longest == 0) return TwoShotPieces{L, longest, 1, true, streamed};
+  return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
+}
+
 void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq) {
   const size_t es = dtype_size(dt);
   char* mine = seg_.area(rank_, seq);
@@ -373,35 +382,97 @@ void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t
   if (P.streamed) stream_fence();  // before the step (or arrival) that announces them
 }
 
-uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const TwoShotPieces& P, DType dt, RedOp op,
-                                      uint64_t seq) {
+uint64_t ShmTransport::twoshot_piece(void* buf, const void* in, const TwoShotPieces& P, int64_t k, DType dt,
+                                     RedOp op, uint64_t seq) {
   const size_t es = dtype_size(dt);
   char* out = static_cast<char*>(buf);
+  const size_t slot = size_t(P.slot(rank_)) * es, off = size_t(P.begin(rank_, k)) * es;
+  const int64_t cnt = P.count(rank_, k);
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    std::vector<const T*> srcs(n_);
+    for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, ..., rank (or 0, ..., n - 1)
+      int r = P.one_shot_order ? i : (rank_ + 1 + i) % n_;
+      srcs[i] = reinterpret_cast<const T*>(r == rank_ ? static_cast<const char*>(in) + off : seg_.area(r, seq) + slot);
+    }
+    cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(out + off), size_t(cnt), n_);
+  }));
+  copy_to_area(seg_.area(rank_, seq) + slot, out + off, size_t(cnt) * es, P.streamed);
+  if (P.streamed) stream_fence();
+  seg_.exchange_step(ShmSegments::Step::reduced, "all_reduce");
+  uint64_t sent = uint64_t(cnt) * es * uint64_t(n_ - 1);  // this rank's reduced chunk, to every peer
+  for (int p = 0; p < n_; ++p)
+    if (p != rank_ && P.count(p, k)) {
+      std::memcpy(out + size_t(P.begin(p, k)) * es, seg_.area(p, seq) + size_t(P.slot(p)) * es,
+                  size_t(P.count(p, k)) * es);
+      sent += uint64_t(P.count(p, k)) * es;  // (as much as this rank staged for peer p)
+    }
+  return sent;
+}
+
+uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const TwoShotPieces& P, DType dt, RedOp op,
+                                      uint64_t seq) {
+  uint64_t sent = 0;
   for (int64_t k = 0; k < P.pieces; ++k) {
     if (k > 0) {
       stage_twoshot(in, P, k, dt, seq);
       seg_.exchange_step(ShmSegments::Step::staged, "all_reduce");
     }
-    const size_t slot = size_t(P.slot(rank_)) * es, off = size_t(P.begin(rank_, k)) * es;
-    const int64_t cnt = P.count(rank_, k);
-    PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-      std::vector<const T*> srcs(n_);
-      for (int i = 0; i < n_; ++i) {  // the ring's order: rank + 1, ..., rank (or 0, ..., n - 1)
-        int r = P.one_shot_order ? i : (rank_ + 1 + i) % n_;
-        srcs[i] = reinterpret_cast<const T*>(r == rank_ ? static_cast<const char*>(in) + off : seg_.area(r, seq) + slot);
-      }
-      cpu_reduce_many<OP, T>(srcs.data(), n_, reinterpret_cast<T*>(out + off), size_t(cnt), n_);
-    }));
-    copy_to_area(seg_.area(rank_, seq) + slot, out + off, size_t(cnt) * es, P.streamed);
-    if (P.streamed) stream_fence();
-    seg_.exchange_step(ShmSegments::Step::reduced, "all_reduce");
-    for (int p = 0; p < n_; ++p)
-      if (p != rank_ && P.count(p, k))
-        std::memcpy(out + size_t(P.begin(p, k)) * es, seg_.area(p, seq) + size_t(P.slot(p)) * es,
-                    size_t(P.count(p, k)) * es);
+    sent += twoshot_piece(buf, in, P, k, dt, op, seq);
   }
-  const size_t mine_bytes = size_t(P.L.counts[rank_]) * es;
-  return uint64_t(size_t(P.L.total()) * es - mine_bytes) + uint64_t(mine_bytes) * (n_ - 1);
+  return sent;
+}
+
+uint64_t ShmTransport::ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, int64_t count, DType dt,
+                                            RedOp op, int64_t begin, int64_t end, int64_t longest) {
+  uint64_t sent = 0;
+  PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
+    bool stream = stream_output(size_t(count) * dtype_size(dt), in == buf, config().stream_bytes);
+    sent = with_ring_prims<T, OP>(seg_, "all_reduce", longest, stream, [&](ShmRingPrims<T, OP>& p) {
+      ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems(), begin,
+                         end);
+    });
+  }));
+  return sent;
+}
+
+// auto at the ring's sizes, after the arrival ([Note: adaptive two-shot]): the message in
+// pieces, each run by the ring or the two-shot as rank 0 says (piece 0 in its descriptor, the
+// others in its plan word once it has finished the piece before), each piece timed by rank 0.
+// Either algorithm reduces every element in the ring's order, and a piece's elements are the
+// same for both, so any mix of them is bitwise the ring. The two-shot's pieces stage and
+// announce after the arrival; a ring piece in between leaves the area alone, so the rule of
+// [Note: two-shot all_reduce] for reusing it holds across it.
+uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op,
+                                           uint64_t seq, int cls, std::chrono::steady_clock::time_point t0) {
+  using clock = std::chrono::steady_clock;
+  const TwoShotPieces P = adaptive_pieces(L, dt);
+  const size_t es = dtype_size(dt);
+  const int64_t count = L.total();
+  bool twoshot = seg_.leader_word(seq) != 0;
+  bool ran[2] = {false, false};
+  uint64_t sent = 0;
+  clock::time_point t = t0;  // (the first piece's time includes the arrival, as a whole call's did)
+  for (int64_t k = 0; k < P.pieces; ++k) {
+    if (k > 0) twoshot = seg_.piece_plan(rank_ == 0 && adapt_.want_twoshot(cls), "all_reduce");
+    ran[twoshot] = true;
+    if (twoshot) {
+      stage_twoshot(in, P, k, dt, seq);
+      seg_.exchange_step(ShmSegments::Step::staged, "all_reduce");
+      sent += twoshot_piece(buf, in, P, k, dt, op, seq);
+    } else {
+      sent += ring_all_reduce_part(buf, in, L, count, dt, op, k * P.per, (k + 1) * P.per,
+                                   P.pieces > 1 ? P.per : L.longest());
+    }
+    if (rank_ == 0) {
+      int64_t elems = 0;
+      for (int p = 0; p < n_; ++p) elems += P.count(p, k);
+      const clock::time_point now = clock::now();
+      adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es));
+      t = now;
+    }
+  }
+  if (rank_ == 0 && ran[0] && ran[1]) adapt_.mixed(cls);
+  return sent;
 }
 
 void ShmTransport::reduce_scatter(void* out, const void* in, const std::vector<int64_t>& counts,

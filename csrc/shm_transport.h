@@ -24,6 +24,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -114,6 +115,16 @@ class ShmTransport {
     int64_t slot(int p) const { return natural ? L.offsets[p] : int64_t(p) * per; }
   };
   TwoShotPieces twoshot_pieces(const ChunkLayout& L, DType dt) const;
+  // auto's pieces, where it chooses between the ring and the two-shot per piece ([Note: adaptive two-shot]).
+  TwoShotPieces adaptive_pieces(const ChunkLayout& L, DType dt) const;
+  uint64_t adaptive_all_reduce(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op, uint64_t seq,
+                               int cls, std::chrono::steady_clock::time_point t0);
+  // Piece k of the two-shot, staged already: this rank's chunk reduced, then every peer's copied out.
+  uint64_t twoshot_piece(void* buf, const void* in, const TwoShotPieces& P, int64_t k, DType dt, RedOp op,
+                         uint64_t seq);
+  // The ring all_reduce over elements [begin, end) of every chunk.
+  uint64_t ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, int64_t count, DType dt, RedOp op,
+                                int64_t begin, int64_t end, int64_t longest);
   uint64_t oneshot_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
   // Rank 0's last word per size class as this rank read it (adaptive one-shot sizes: whether
   // the next copy into the area is streamed, [Note: adaptive two-shot]).

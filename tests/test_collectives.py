@@ -423,6 +423,70 @@ def test_auto_between_ring_and_two_shot(world):
     assert_ranks_ok(run_ranks(_rank_auto_adaptive, world, timeout=90), min_cases=80)
 
 
+def _rank_auto_in_pieces():
+    """auto at the ring's sizes goes in pieces, each run by the ring or the two-shot as rank 0 says after
+    the piece before (its plan word): any mix of the two is bitwise the ring, in every dtype and op, with
+    uneven chunks, in and out of place, with a rank running late, and with every rank on one core."""
+    pz.init(timeout=60)
+    n, me = pz.get_world_size(), pz.get_rank()
+    ck = Checker()
+    # pieces of twoshot_bytes (the area; auto's pieces are an eighth of the message, at most the area)
+    g = pz.new_group(range(n), options=pz.Options(twoshot_bytes=8192, oneshot_bytes=1024))
+    gs = pz.new_group(range(n), options=pz.Options(twoshot_bytes=8192, oneshot_bytes=1024, twoshot_stream_bytes=0))
+    seed = 95_000
+    for group, how in ((g, "cached"), (gs, "streamed")):
+        for dtype in DTYPES:
+            per = 8192 // (n * dtype.itemsize)
+            for op in ops_for(dtype):
+                for size in [5 * n * per + n - 1, 3 * n * per + 1]:
+                    seed += 1
+                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                    want = reference(inputs, op, dtype)
+                    t = inputs[me].clone()
+                    pz.all_reduce(t, op=op, group=group)
+                    ck.check(f"auto in pieces(n={n}, {dtype}, op={op}, size={size}, {how})", t, want)
+                    src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
+                    pz.all_reduce(src, op=op, out=out, group=group)
+                    ck.check(f"auto in pieces(out=, n={n}, {dtype}, op={op}, size={size}, {how})", out, want)
+                    ck.check(f"auto in pieces(out=) input untouched, {dtype}, size={size}, {how}", src, inputs[me])
+    # random floats, where the order of a sum shows: bitwise the ring, call after call (rank 0's
+    # tries mix the algorithms within calls); a rank sleeping in some calls makes pieces leap
+    for i in range(24):
+        dtype, op = FLOATS[i % len(FLOATS)], ("sum", "avg", "prod")[i % 3]
+        x = torch.randn(40_009 + i, generator=torch.Generator().manual_seed(3000 * i + me)).to(dtype)
+        a, b = x.clone(), x.clone()
+        pz.all_reduce(a, op=op, algo="ring", group=g)
+        if i % 4 == 1 and me == i % n:
+            time.sleep(0.005)
+        pz.all_reduce(b, op=op, group=g)
+        ck.check(f"auto in pieces == ring bitwise, call {i}, {dtype}, {op}", b, a)
+    state = g.backend.comm.adapt_state()
+    if me == 0:
+        if not state or sum(s["mixed"] for s in state.values()) < 1:
+            ck.fail(f"no call mixed the algorithms: {state}")
+        ck.cases += 1
+    elif state:
+        ck.fail(f"rank {me} keeps adaptive state: {state}")
+    # every rank on one core: a rank reads the plan word (and the areas) only when it runs
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        for i in range(6):
+            x = torch.randn(20_011, generator=torch.Generator().manual_seed(7000 * i + me))
+            a, b = x.clone(), x.clone()
+            pz.all_reduce(a, algo="ring", group=gs)
+            pz.all_reduce(b, group=gs)
+            ck.check(f"one core, auto in pieces == ring bitwise, call {i}", b, a)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    return ck.result()
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_auto_in_pieces_mixes_ring_and_two_shot_bitwise(world):
+    assert_ranks_ok(run_ranks(_rank_auto_in_pieces, world, timeout=90), min_cases=360)
+
+
 def _simulate(cost, calls):
     """Drive auto's controller (csrc/shm_adapt.h) with per-call costs cost(i, twoshot) for one size
     class; returns the algorithm it picked at each call (True: two-shot) and the controller."""
@@ -457,11 +521,16 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
 
     picks, a = _simulate(cost, 1600)
     assert sum(picks[300:400]) <= 4  # fast: the ring
-    to_two = picks.index(True, 400)  # the ring's calls got 10x slower: the two-shot within a few calls
-    assert to_two <= 410 and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
+    to_two = picks.index(True, 400)  # the ring's calls got 10x slower, a leap: the two-shot tried at once
+    assert to_two == 401 and all(picks[401:406]) and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
     back = picks.index(False, 1000)
     assert back <= 1000 + 10 and sum(picks[1100:]) <= 10, back  # the two-shot's calls got 2.5x faster: the ring
     assert a.switches(3) == 2
+    # one call of the ring stalls (10x) in the fast mode: a leap too, so the two-shot is tried at once
+    # and wins against the stalled call; the ring is tried again two calls later and is back
+    picks, a = _simulate(lambda i, two: 10.0 if (i == 500 and not two) else (2.0 if two else 1.0), 1000)
+    assert picks[500:512] == [False] + [True] * 5 + [False] * 6 and a.switches(3) == 2, picks[500:512]
+    assert sum(picks[512:]) <= 3 * (488 // 16 + 1)  # then tries only, as before the stall
     # the two-shot in use and the ring 5x slower: each later try of the ring ends after its one call
     picks, a = _simulate(lambda i, two: 1.0 if two else 5.0, 2000)
     first = picks.index(True)

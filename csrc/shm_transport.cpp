@@ -348,28 +348,26 @@ uint64_t ShmTransport::oneshot_reduce(void* buf, const void* in, int64_t count, 
 //         streamed        54-74    86-285    178-198    375-878    4401-6515
 //         DeepSpeed       280-369  527-684   967-1274   1544-1915  6643-8500
 // (benchmarks/results/allreduce_twoshot_streamed_pairs_cpu2_20261127.txt.)
-ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, DType dt) const {
+ShmTransport::TwoShotPieces ShmTransport::pieces_of(const ChunkLayout& L, DType dt, size_t piece_bytes) const {
   const int64_t longest = L.longest();
   const size_t es = dtype_size(dt);
   const size_t bytes = size_t(L.total()) * es;
   const bool streamed = bytes >= config().twoshot_stream_bytes;
-  if (bytes <= config().twoshot_bytes || longest == 0) return TwoShotPieces{L, longest, 1, true, streamed};
-  const int64_t per = std::max<int64_t>(1, int64_t(config().twoshot_bytes / (size_t(n_) * es)));
+  if (bytes <= piece_bytes || longest == 0) return TwoShotPieces{L, longest, 1, true, streamed};
+  const int64_t per = std::max<int64_t>(1, int64_t(piece_bytes / (size_t(n_) * es)));
   return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
+}
+
+ShmTransport::TwoShotPieces ShmTransport::twoshot_pieces(const ChunkLayout& L, DType dt) const {
+  return pieces_of(L, dt, config().twoshot_bytes);
 }
 
 // auto's pieces at the ring's sizes: an eighth of the message each, at least kAdaptPieceBytes
 // and at most the two-shot's area, so that rank 0 can leave an algorithm that slowed down
 // within a call ([Note: adaptive two-shot]).
 ShmTransport::TwoShotPieces ShmTransport::adaptive_pieces(const ChunkLayout& L, DType dt) const {
-  const size_t es = dtype_size(dt);
-  const size_t bytes = size_t(L.total()) * es;
-  const size_t piece = std::min(config().twoshot_bytes, std::max(kAdaptPieceBytes, bytes / kAdaptPieces));
-  const bool streamed = bytes >= config().twoshot_stream_bytes;
-  const int64_t longest = L.longest();
-  const int64_t per = std::max<int64_t>(1, int64_t(piece / (size_t(n_) * es)));
-  if (per >= longest || longest == 0) return TwoShotPieces{L, longest, 1, true, streamed};
-  return TwoShotPieces{L, per, (longest + per - 1) / per, false, streamed};
+  const size_t bytes = size_t(L.total()) * dtype_size(dt);
+  return pieces_of(L, dt, std::min(config().twoshot_bytes, std::max(kAdaptPieceBytes, bytes / kAdaptPieces)));
 }
 
 void ShmTransport::stage_twoshot(const void* in, const TwoShotPieces& P, int64_t k, DType dt, uint64_t seq) {

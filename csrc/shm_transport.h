@@ -114,6 +114,8 @@ class ShmTransport {
     }
     int64_t slot(int p) const { return natural ? L.offsets[p] : int64_t(p) * per; }
   };
+  // The message in pieces of at most `piece_bytes` (one piece where it fits).
+  TwoShotPieces pieces_of(const ChunkLayout& L, DType dt, size_t piece_bytes) const;
   TwoShotPieces twoshot_pieces(const ChunkLayout& L, DType dt) const;
   // auto's pieces, where it chooses between the ring and the two-shot per piece ([Note: adaptive two-shot]).
   TwoShotPieces adaptive_pieces(const ChunkLayout& L, DType dt) const;

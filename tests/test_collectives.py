@@ -295,6 +295,32 @@ def test_two_shot_all_reduce(world):
     assert_ranks_ok(run_ranks(_rank_two_shot, world, timeout=90), min_cases=28 * 6 * 3)
 
 
+def _pieces_matrix(ck, area: int, algo, sizes, seed: int):
+    """all_reduce with `algo` (None: auto) in pieces of a `area`-byte two-shot area, cached and streamed,
+    every dtype and op, in and out of place, at sizes(per, itemsize) elements (per: each chunk's part of a
+    piece), against the closed-form reference; returns the two groups (cached, streamed)."""
+    n, me = pz.get_world_size(), pz.get_rank()
+    g = pz.new_group(range(n), options=pz.Options(twoshot_bytes=area, oneshot_bytes=1024))
+    gs = pz.new_group(range(n), options=pz.Options(twoshot_bytes=area, oneshot_bytes=1024, twoshot_stream_bytes=0))
+    what = "pieces" if algo else "auto in pieces"
+    for group, how in ((g, "cached"), (gs, "streamed")):
+        for dtype in DTYPES:
+            for op in ops_for(dtype):
+                for size in sizes(area // (n * dtype.itemsize), dtype.itemsize):
+                    seed += 1
+                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
+                    want = reference(inputs, op, dtype)
+                    t = inputs[me].clone()
+                    pz.all_reduce(t, op=op, algo=algo, group=group)
+                    ck.check(f"{what} all_reduce(n={n}, {dtype}, op={op}, size={size}, {how})", t, want)
+                    src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
+                    pz.all_reduce(src, op=op, algo=algo, out=out, group=group)
+                    ck.check(f"{what} all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, {how})", out, want)
+                    ck.check(f"{what} all_reduce(out=) input untouched, {dtype}, size={size}, {how}", src,
+                             inputs[me])
+    return g, gs
+
+
 def _rank_two_shot_pieces():
     """The two-shot of a message larger than its area (twoshot_bytes), in pieces: every dtype and op,
     chunks whose last pieces differ in length, in and out of place, bitwise the ring where the order of
@@ -303,26 +329,11 @@ def _rank_two_shot_pieces():
     pz.init(timeout=60)
     n, me = pz.get_world_size(), pz.get_rank()
     ck = Checker()
-    g = pz.new_group(range(n), options=pz.Options(twoshot_bytes=4096, oneshot_bytes=1024))
-    # the same with the area written by streaming stores ([Note: streamed two-shot])
-    gs = pz.new_group(range(n), options=pz.Options(twoshot_bytes=4096, oneshot_bytes=1024, twoshot_stream_bytes=0))
-    seed = 90_000
-    for group, how in ((g, "cached"), (gs, "streamed")):
-        for dtype in DTYPES:
-            per = 4096 // (n * dtype.itemsize)  # elements of each chunk in a piece
-            for op in ops_for(dtype):
-                for size in [4096 // dtype.itemsize + 1, 3 * n * per + n - 1, 20011]:
-                    seed += 1
-                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
-                    want = reference(inputs, op, dtype)
-                    t = inputs[me].clone()
-                    pz.all_reduce(t, op=op, algo="twoshot", group=group)
-                    ck.check(f"pieces all_reduce(n={n}, {dtype}, op={op}, size={size}, {how})", t, want)
-                    src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
-                    pz.all_reduce(src, op=op, algo="twoshot", out=out, group=group)
-                    ck.check(f"pieces all_reduce(out=, n={n}, {dtype}, op={op}, size={size}, {how})", out, want)
-                    ck.check(f"pieces all_reduce(out=) input untouched, {dtype}, size={size}, {how}", src,
-                             inputs[me])
+    # the two-shot in pieces of its area, cached and with the area written by streaming stores
+    # ([Note: streamed two-shot])
+    g, gs = _pieces_matrix(ck, 4096, "twoshot", lambda per, es: [4096 // es + 1, 3 * n * per + n - 1, 20011],
+                           90_000)
+    seed = 91_000
     for dtype in FLOATS:
         for op in ("sum", "avg", "prod"):
             gen = torch.Generator().manual_seed(2000 * n + me)
@@ -431,24 +442,7 @@ def _rank_auto_in_pieces():
     n, me = pz.get_world_size(), pz.get_rank()
     ck = Checker()
     # pieces of twoshot_bytes (the area; auto's pieces are an eighth of the message, at most the area)
-    g = pz.new_group(range(n), options=pz.Options(twoshot_bytes=8192, oneshot_bytes=1024))
-    gs = pz.new_group(range(n), options=pz.Options(twoshot_bytes=8192, oneshot_bytes=1024, twoshot_stream_bytes=0))
-    seed = 95_000
-    for group, how in ((g, "cached"), (gs, "streamed")):
-        for dtype in DTYPES:
-            per = 8192 // (n * dtype.itemsize)
-            for op in ops_for(dtype):
-                for size in [5 * n * per + n - 1, 3 * n * per + 1]:
-                    seed += 1
-                    inputs = [make_input(op, dtype, size, r, seed) for r in range(n)]
-                    want = reference(inputs, op, dtype)
-                    t = inputs[me].clone()
-                    pz.all_reduce(t, op=op, group=group)
-                    ck.check(f"auto in pieces(n={n}, {dtype}, op={op}, size={size}, {how})", t, want)
-                    src, out = inputs[me].clone(), torch.full((size,), 7, dtype=dtype)
-                    pz.all_reduce(src, op=op, out=out, group=group)
-                    ck.check(f"auto in pieces(out=, n={n}, {dtype}, op={op}, size={size}, {how})", out, want)
-                    ck.check(f"auto in pieces(out=) input untouched, {dtype}, size={size}, {how}", src, inputs[me])
+    g, gs = _pieces_matrix(ck, 8192, None, lambda per, es: [5 * n * per + n - 1, 3 * n * per + 1], 95_000)
     # random floats, where the order of a sum shows: bitwise the ring, call after call (rank 0's
     # tries mix the algorithms within calls); a rank sleeping in some calls makes pieces leap
     for i in range(24):

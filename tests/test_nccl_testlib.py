@@ -71,6 +71,45 @@ def test_rendezvous_and_groups_on_cpu(tmp_path):
     assert "groups: the test NCCL library runs at most 32 sends and receives per communicator" in out, out
 
 
+def _nccl_include():
+    """A folder with NCCL's nccl.h: the nvidia-nccl-cu13 package's, or a built test library's; else None."""
+    try:
+        import nvidia.nccl as n  # noqa: PLC0415
+
+        for base in n.__path__:
+            if (Path(base) / "include" / "nccl.h").is_file():
+                return Path(base) / "include"
+    except ImportError:
+        pass
+    root = test_library_root()
+    return root / "include" if root and (root / "include" / "nccl.h").is_file() else None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_nccl_type_table_against_ncclh(tmp_path):
+    """csrc/nccl_types.h (pyzero's dtypes and ops <-> NCCL's, used by the nccl backend and the test
+    library) against NCCL's enum by name, both ways, every NCCL type."""
+    inc = _nccl_include()
+    if inc is None:
+        pytest.skip("no nccl.h here (pip install nvidia-nccl-cu13)")
+    nvcc = shutil.which("nvcc")
+    cuda = [Path(d) / "include" for d in (os.environ.get("CUDA_HOME"), nvcc and Path(nvcc).parents[1],
+                                          "/usr/local/cuda") if d]
+    cuda = next((d for d in cuda if (d / "cuda_runtime.h").is_file()), None)
+    if cuda is None:  # (nccl.h includes cuda_runtime.h)
+        pytest.skip("no CUDA toolkit headers here (cuda_runtime.h)")
+    exe = tmp_path / "nccl_types_on_cpu"
+    build = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", f"-I{ROOT / 'csrc'}", f"-I{inc}",
+                            f"-I{cuda}",
+                            str(ROOT / "tests" / "nccl_types_on_cpu.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    assert "warning" not in build.stderr, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    m = re.search(r"(\d+) cases, (\d+) failures", run.stdout)
+    assert run.returncode == 0 and m and int(m.group(2)) == 0 and int(m.group(1)) >= 40, run.stdout[-4000:]
+
+
 def _nccl_calls_in_sources(header):
     """Every NCCL function pyzero's C++ calls: the table csrc/nccl_api.h fills (X(name) is ncclname),
     each a function nccl.h declares."""

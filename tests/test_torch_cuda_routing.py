@@ -153,6 +153,7 @@ def _rank_routes(hosts, gpus, env, config):
             out["sub"] = (sub_pg._pz(FakeCuda(me, 4)), list(made))
         except ValueError as e:
             out["sub"] = str(e)
+    dist.barrier()  # rank 0 serves the store: it must not exit while rank 2 still waits on it
     dist.destroy_process_group()
     return out
 

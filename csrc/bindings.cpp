@@ -194,8 +194,7 @@ PYBIND11_MODULE(_C, m) {
       .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"))
       .def("want_twoshot", &AdaptTwoShot::want_twoshot)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
-      .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; })
-      .def("level", [](const AdaptTwoShot& a, int c, bool twoshot) { return a.state(c).level[twoshot]; });
+      .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; });
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,

@@ -286,7 +286,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
       sent = adaptive_all_reduce(buf, in, L, dt, op, seq, cls, t0);  // (rank 0 measures each piece)
     } else {
       seg_.arrive(d, what);
-      sent = ring_all_reduce_part(buf, in, L, count, dt, op, 0, INT64_MAX, L.longest());
+      sent = ring_all_reduce_part(buf, in, L, dt, op, 0, INT64_MAX);
     }
   }
   if (timed && whole_calls)  // whole calls: excluding the arrival would favour the one-shot,
@@ -420,11 +420,12 @@ uint64_t ShmTransport::finish_twoshot(void* buf, const void* in, const TwoShotPi
   return sent;
 }
 
-uint64_t ShmTransport::ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, int64_t count, DType dt,
-                                            RedOp op, int64_t begin, int64_t end, int64_t longest) {
+uint64_t ShmTransport::ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op,
+                                            int64_t begin, int64_t end) {
   uint64_t sent = 0;
+  const int64_t longest = std::min(end - begin, L.longest());  // (the part's slices: as for a chunk this long)
   PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
-    bool stream = stream_output(size_t(count) * dtype_size(dt), in == buf, config().stream_bytes);
+    bool stream = stream_output(size_t(L.total()) * dtype_size(dt), in == buf, config().stream_bytes);
     sent = with_ring_prims<T, OP>(seg_, "all_reduce", longest, stream, [&](ShmRingPrims<T, OP>& p) {
       ring_all_reduce<T>(p, static_cast<const T*>(in), static_cast<T*>(buf), L, rank_, n_, p.round_elems(), begin,
                          end);
@@ -445,7 +446,6 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
   using clock = std::chrono::steady_clock;
   const TwoShotPieces P = adaptive_pieces(L, dt);
   const size_t es = dtype_size(dt);
-  const int64_t count = L.total();
   bool twoshot = seg_.leader_word(seq) != 0;
   bool ran[2] = {false, false};
   uint64_t sent = 0;
@@ -458,8 +458,7 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
       seg_.exchange_step(ShmSegments::Step::staged, "all_reduce");
       sent += twoshot_piece(buf, in, P, k, dt, op, seq);
     } else {
-      sent += ring_all_reduce_part(buf, in, L, count, dt, op, k * P.per, (k + 1) * P.per,
-                                   P.pieces > 1 ? P.per : L.longest());
+      sent += ring_all_reduce_part(buf, in, L, dt, op, k * P.per, (k + 1) * P.per);
     }
     if (rank_ == 0) {
       int64_t elems = 0;

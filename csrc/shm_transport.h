@@ -125,8 +125,8 @@ class ShmTransport {
   uint64_t twoshot_piece(void* buf, const void* in, const TwoShotPieces& P, int64_t k, DType dt, RedOp op,
                          uint64_t seq);
   // The ring all_reduce over elements [begin, end) of every chunk.
-  uint64_t ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, int64_t count, DType dt, RedOp op,
-                                int64_t begin, int64_t end, int64_t longest);
+  uint64_t ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op, int64_t begin,
+                                int64_t end);
   uint64_t oneshot_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
   // Rank 0's last word per size class as this rank read it (adaptive one-shot sizes: whether
   // the next copy into the area is streamed, [Note: adaptive two-shot]).

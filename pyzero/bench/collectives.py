@@ -517,16 +517,19 @@ def rank_main(args) -> list[dict]:
         least = -(-_min_calls(args) // rounds)  # calls of a round's block where --min-calls asks for more
         # every round runs every size (and, at each size, every backend and form): a slow phase of the
         # machine falls on all sizes alike, not on whichever size ran at that moment
+        def rows(count):
+            _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call, cuda,
+                       live and rank == 0)
+
         for k in range(rounds):
             for count in sizes:  # (the backends' order alternates by round: neither always goes first)
                 _measure_size(runs, starts, calls, count, cols if k % 2 == 0 else cols[::-1], forms, op, dtype,
                               args, per_call, block, least, t_start)
                 if rounds == 1:  # (one round: each size's row prints as it is done)
-                    _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call,
-                               cuda, live and rank == 0)
-        for count in (sizes if rounds > 1 else []):
-            _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call, cuda,
-                       live and rank == 0)
+                    rows(count)
+        if rounds > 1:
+            for count in sizes:
+                rows(count)
         if rank == 0:
             for backend in cols:
                 if not live:
@@ -551,7 +554,6 @@ def rank_main(args) -> list[dict]:
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,
                             "busbw": memcpy_gbps(size, max(args.iters, 5)), "inplace": True})
     return results
-
 
 
 def _measure_size(runs, starts, calls, count, cols, forms, op, dtype, args, per_call, block, least, t_start) -> None:
@@ -595,6 +597,7 @@ def _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, 
         tables[backend].append((line, row[2] if op == "sendrecv" else row[6]))  # (sendrecv: out of place)
         if echo:
             print(line, flush=True)
+
 
 def print_percentiles(rows: list, cols: list, args) -> None:
     """Each call timed alone: median, p90, p99 and max (us, the slowest rank's each) per size and backend."""

@@ -13,21 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "check_cases.h"
 #include "test_nccl/rendezvous.h"
 
 using namespace pz::tnccl;
+using check_cases::check;
 
 namespace {
-
-int failures = 0, cases = 0;
-
-void check(bool ok, const std::string& what) {
-  ++cases;
-  if (!ok) {
-    ++failures;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
 
 std::string payload(int rank, int salt) {  // a different length and content per rank
   std::string s = "rank " + std::to_string(rank) + " salt " + std::to_string(salt) + ":";
@@ -264,6 +256,5 @@ int main() {
   faults();
   groups();
   group_limits();
-  std::printf("%d cases, %d failures\n", cases, failures);
-  return failures ? 1 : 0;
+  return check_cases::report();
 }

@@ -1,23 +1,15 @@
 // nccl_types_on_cpu.cpp — csrc/nccl_types.h's table of pyzero's dtypes and ops against NCCL's, read
 // both ways, checked by name against NCCL's enum as nccl.h spells it (written out here, not taken
 // from the table). Built against the real nccl.h and run by tests/test_nccl_testlib.py.
-#include <cstdio>
 #include <cstring>
 #include <string>
 
+#include "check_cases.h"
 #include "nccl_types.h"
 
+using check_cases::check;
+
 namespace {
-
-int failures = 0, cases = 0;
-
-void check(bool ok, const std::string& what) {
-  ++cases;
-  if (!ok) {
-    ++failures;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
 
 struct NamedType {
   ncclDataType_t t;
@@ -74,6 +66,5 @@ int main() {
   ncclDataType_t t{};
   check(!to_nccl(DType(kNumDTypes), t), "a pyzero dtype code out of range has no NCCL type");
   check(!from_nccl(ncclRedOp_t(ncclNumOps), o), "an NCCL custom op has no pyzero op");
-  std::printf("%d cases, %d failures\n", cases, failures);
-  return failures ? 1 : 0;
+  return check_cases::report();
 }

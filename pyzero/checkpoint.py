@@ -52,15 +52,20 @@ class CheckpointCorrupt(CheckpointError):
 
 
 class _Summing:
-    """A write-only file that keeps the size and CRC-32 of what passes through it."""
+    """A write-only file that keeps the size and CRC-32 of what passes through it, and the OSError a
+    write raised (torch.save reports a failed write as "unexpected pos ...", without its cause)."""
 
     def __init__(self, f):
-        self.f, self.nbytes, self.crc = f, 0, 0
+        self.f, self.nbytes, self.crc, self.error = f, 0, 0, None
 
     def write(self, b):
         self.crc = zlib.crc32(b, self.crc)
         self.nbytes += memoryview(b).nbytes
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self):
         self.f.flush()
@@ -87,7 +92,12 @@ def _save_file(obj, path):
     """torch.save `obj` to `path` (fsynced) and its size and CRC-32 to `path`.sum."""
     with open(path, "wb") as f:
         w = _Summing(f)
-        torch.save(obj, w)
+        try:
+            torch.save(obj, w)
+        except Exception as e:
+            if w.error is not None:  # the cause (a full disk, ...) rather than torch's "unexpected pos"
+                raise w.error from e
+            raise
         f.flush()
         os.fsync(f.fileno())
     with open(path + ".sum", "w") as f:

@@ -523,3 +523,37 @@ def test_save_fails_on_every_rank(tmp_path, mode):
     saved = assemble([o["saved"] for o in out])
     for name in saved:
         assert_same(loaded[name], saved[name])
+
+
+class _OneFullWrite:
+    """A file whose `fail_at`-th write fails with ENOSPC and whose other writes succeed (a full disk
+    that frees space again, as when older steps are deleted)."""
+
+    def __init__(self, path, mode, fail_at):
+        self.f, self.n, self.fail_at = open(path, mode), 0, fail_at
+
+    def write(self, b):
+        self.n += 1
+        if self.n == self.fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 5])
+def test_failed_write_reports_its_cause(tmp_path, monkeypatch, fail_at):
+    """torch.save turns a failed write into "unexpected pos ..."; the shard writer raises the write's own
+    OSError, so the CheckpointError every rank sees names the full disk."""
+    monkeypatch.setattr(pz.checkpoint, "open", lambda path, mode: _OneFullWrite(path, mode, fail_at), raising=False)
+    with pytest.raises(OSError) as info:
+        pz.checkpoint._save_file({"w": torch.ones(1 << 10), "b": torch.zeros(3)}, str(tmp_path / "shard.pt"))
+    assert info.value.errno == errno.ENOSPC, info.value
+    assert "No space left on device" in str(info.value)

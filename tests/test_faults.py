@@ -52,7 +52,7 @@ def test_fault_cell_tmpfs(name):
     if row.get("skipped"):
         pytest.skip(row["skipped"])
     assert (row["expected"], row["hangs"], row["wrong"], row["leftovers"]) == (1, 0, 0, 0), row
-    assert any("No space left" in m or "Read-only file system" in m for m in row["messages"]), row
+    assert any("No space left" in m or "Read-only file system" in m for m in row["messages"]), row["messages"]
 
 
 def test_checkpoint_check_finds_wrong_state(tmp_path):

@@ -30,6 +30,14 @@ Memory per device (bytes), first principles:
 * Buffers: ZeRO-3 keeps two layers' gathered parameters (current and
   prefetched) plus the gathered embedding; the TP edges a gathered input of
   sbh 16-bit values; ``reserved`` is what the framework itself takes.
+* The peak, what a layout must fit in (``pz.zero.estimate_memory``'s peak):
+  parameters + optimizer state + the larger of two moments, the activations'
+  peak (activations, buffers, and the gradients already made: none with one
+  micro-batch a step, or pipelined with m <= p, whose peak comes before the
+  first backward; all of them otherwise; data parallelism without ZeRO keeps
+  them always) and the step (all gradients); plus ``reserved``. With offload
+  the device holds neither the optimizer state nor, in stages 2 and 3, the
+  gradients.
 
 Time per step (seconds):
 
@@ -168,25 +176,30 @@ class Estimate:
 
 
 def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
-    """Bytes per device (busiest stage) and host bytes (offload)."""
+    """Bytes per device (busiest stage) and host bytes (offload). The parts are what the device holds
+    of each kind, ``total`` their sum and ``peak`` the most it holds at once (``pz.zero.estimate_memory``'s
+    peak, with the buffers counted beside the activations, plus ``reserved``)."""
     from ..zero.memory import estimate_memory  # noqa: PLC0415
 
     psi = stage_params(spec, lay.tp, lay.pp)
-    states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, c.param_bytes == 2)
-    host = 0.0
-    if lay.offload == "cpu":
-        host = states["optimizer"] + 4 * psi / lay.dp  # fp32 gradient shard lands on the host too
-        states["optimizer"] = 0.0
-    b, t = lay.micro_batch, lay.tp
-    act = activation_memory(spec, lay, c.param_bytes)
-    pb = c.param_bytes
+    b, t, pb = lay.micro_batch, lay.tp, c.param_bytes
+    act = activation_memory(spec, lay, pb)
     buffers = 2 * spec.seq * b * spec.hidden * pb if t > 1 else 0.0
     if lay.stage == 3:
         buffers += pb * (2 * spec.layer_params / t + spec.embedding_params / (t if spec.embedding_tp else 1))
-    out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-           "activations": act, "buffers": buffers + c.reserved}
+    # The gradients held when the activations peak: none when that is before the step's first backward
+    # (one micro-batch; pipelined, the first stage's last warm-up forward when m <= p), all of them
+    # when an earlier micro-batch's backward has made them.
+    done = 0.0 if lay.micro_batches <= lay.pp else 1.0
+    offload = "cpu" if lay.offload == "cpu" else None
+    states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, pb == 2, activation_bytes=act + buffers,
+                             grads_done=done, offload=offload)
+    on_device_grads = states["grads"] if offload is None or lay.stage == 1 else 0.0
+    out = {"params": states["params"], "grads": on_device_grads,
+           "optimizer": 0.0 if offload else states["optimizer"], "activations": act, "buffers": buffers + c.reserved}
     out["total"] = sum(out.values())
-    return out, host
+    out["peak"] = states["peak"] + c.reserved
+    return out, states["host"]
 
 
 def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:

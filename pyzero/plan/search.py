@@ -58,12 +58,12 @@ class Plan:
                  f"# {c.world} devices ({c.gpus_per_host} per host) of {c.device_memory / GB:g} GB, "
                  f"{c.flops / 1e12:g} TFLOP/s each; intra {c.intra}, inter {c.inter}",
                  f"# {len(self.ranked)} layouts fit, {sum(self.pruned.values())} pruned",
-                 f"{'rank':>4}  {'layout':<44} {'mem GB':>7} {'states':>7} {'activ':>7} {'step s':>8} "
+                 f"{'rank':>4}  {'layout':<44} {'peak GB':>7} {'states':>7} {'activ':>7} {'step s':>8} "
                  f"{'compute':>8} {'tp':>7} {'bubble':>7} {'dp':>7} {'optim':>7}"]
         for i, e in enumerate(self.ranked[:top]):
             m, t = e.memory, e.time
             states = m["params"] + m["grads"] + m["optimizer"]
-            lines.append(f"{i + 1:>4}  {str(e.layout):<44} {m['total'] / GB:>7.2f} {states / GB:>7.2f} "
+            lines.append(f"{i + 1:>4}  {str(e.layout):<44} {m['peak'] / GB:>7.2f} {states / GB:>7.2f} "
                          f"{m['activations'] / GB:>7.2f} {t['total']:>8.3f} {t['compute']:>8.3f} {t['tp']:>7.3f} "
                          f"{t['bubble']:>7.3f} {t['dp']:>7.3f} {t['optimizer']:>7.3f}")
         if self.pruned:
@@ -71,7 +71,7 @@ class Plan:
             for why, n in self.pruned.most_common():
                 lines.append(f"#   {n:>6}  {why}")
         for e in self.closest_misses[:3]:
-            lines.append(f"#   e.g. {e.layout}: {e.memory['total'] / GB:.1f} GB (activations "
+            lines.append(f"#   e.g. {e.layout}: {e.memory['peak'] / GB:.1f} GB at the peak (activations "
                          f"{e.memory['activations'] / GB:.1f}), would take {e.time['total']:.3f} s")
         return "\n".join(lines)
 
@@ -117,7 +117,7 @@ def layouts(spec: ModelSpec, c: Cluster, stages=(0, 1, 2, 3), recompute=RECOMPUT
 
 def _key(e: Estimate):
     lay = e.layout
-    return (round(e.time["total"], 9), round(e.memory["total"] / GB, 3), lay.tp * lay.pp,
+    return (round(e.time["total"], 9), round(e.memory["peak"] / GB, 3), lay.tp * lay.pp,
             RECOMPUTE.index(lay.recompute), lay.offload != "none", lay.stage, not lay.sp)
 
 
@@ -128,7 +128,7 @@ def search(spec: ModelSpec, c: Cluster, **space) -> Plan:
             pruned[why] += 1
             continue
         e = estimate(spec, c, lay)
-        if e.memory["total"] > c.device_memory:
+        if e.memory["peak"] > c.device_memory:
             pruned[f"over {c.device_memory / GB:g} GB of device memory"] += 1
             misses.append(e)
         elif e.host_memory > c.host_memory * c.gpus_per_host and lay.offload != "none":

@@ -217,7 +217,7 @@ PYBIND11_MODULE(_C, m) {
                if (s.level[0] == 0.0 && s.level[1] == 0.0) continue;
                py::dict e;
                // the other algorithm: the one auto's size rule takes for the class (one-shot or ring)
-               const size_t largest = size_t(1) << (k + 17);
+               const size_t largest = AdaptTwoShot::largest_bytes(k);
                const char* other = t.choose_algo(Coll::all_reduce, largest) == Algo::oneshot ? "oneshot" : "ring";
                e["algo"] = s.twoshot ? "twoshot" : other;
                e["other"] = other;

@@ -55,21 +55,24 @@ namespace pz {
 // arrival, with one more step); and the two-shot reduces each chunk in the
 // ring's order, so the results are bitwise the same whichever runs, piece by
 // piece. The same holds between the one-shot and the two-shot at the one-shot's
-// sizes above 256 KiB (kAdaptFromBytes in shm_transport.cpp), whole calls there:
+// sizes above 4 KiB (kAdaptFromBytes in shm_transport.cpp), whole calls there:
 // the one-shot's copy of the input into the area, made before the arrival, is
 // the two-shot's staging, and the two-shot then sums in the one-shot's order of
 // ranks.
 class AdaptTwoShot {
  public:
-  static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - 16
+  static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - kClassFrom
+  static constexpr int kClassFrom = 12;  // class 0: up to 8 KiB
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
   static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
   static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;
 
   static int size_class(size_t bytes) {
-    int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - 16;
+    int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
     return c < 0 ? 0 : (c >= kClasses ? kClasses - 1 : c);
   }
+  // The largest message of class c.
+  static size_t largest_bytes(int c) { return size_t(1) << (c + kClassFrom + 1); }
 
   // Whether rank 0 wants the two-shot for the next call (or piece) of class c.
   bool want_twoshot(int c) const {

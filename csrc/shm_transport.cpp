@@ -22,11 +22,14 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
   else std::memcpy(dst, src, n);
 }
 
-// auto's one-shot sizes above this may run the two-shot instead ([Note: adaptive two-shot]):
-// where cores pass freshly written lines slowly, the streamed two-shot ran a 512 KiB
-// all_reduce in 54-74 us against the one-shot's 248-323 (DeepSpeed 280-369); at 256 KiB
-// neither led (30-157 / 30-175 us), and in the fast mode the one-shot leads at both.
-constexpr size_t kAdaptFromBytes = 256 << 10;
+// auto's one-shot sizes above this may run the two-shot instead ([Note: adaptive two-shot]).
+// Where cores pass freshly written lines slowly, the streamed two-shot ran (2 ranks, fp32,
+// in place, medians of 120-160 calls in 11 fresh slow pairs; us) 8 KiB in 4-6 against the
+// one-shot's 7-10 (DeepSpeed 10-15), 16 KiB 5-7 / 11-16, 32 KiB 7-10 / 19-26, 64 KiB
+// 10-14 / 36-48, 128 KiB 16-17 / 69-71 (81-82), 256 KiB 29-30 / 132-137 (152-158), 512 KiB
+// 52-54 / 246-259; at 4 KiB 4-6 / 5-7. In the fast mode the one-shot leads or ties (8 KiB
+// 3-6 / 4-6, 64-128 KiB equal, 256 KiB 31-35 / 38-42, 512 KiB 31-41 / 70-75).
+constexpr size_t kAdaptFromBytes = 4 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
 // mode, or a try of it there, still cost an 8 MiB call 2-3x its median.
@@ -330,7 +333,7 @@ uint64_t ShmTransport::oneshot_reduce(void* buf, const void* in, int64_t count, 
 //
 // [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
 // chunks, its reduced chunk) goes out with streaming stores from twoshot_stream_bytes
-// (256 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
+// (8 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
 // [Note: adaptive two-shot]), reading lines a peer streamed out to memory is far
 // cheaper than taking them from its cache; where they pass them fast, streaming costs
 // 1.1-2.5x, but there the one-shot or the ring wins and auto takes it. Measured (2

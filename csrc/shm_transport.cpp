@@ -24,11 +24,12 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 
 // auto's one-shot sizes above this may run the two-shot instead ([Note: adaptive two-shot]).
 // Where cores pass freshly written lines slowly, the streamed two-shot ran (2 ranks, fp32,
-// in place, medians of 120-160 calls in 11 fresh slow pairs; us) 8 KiB in 4-6 against the
-// one-shot's 7-10 (DeepSpeed 10-15), 16 KiB 5-7 / 11-16, 32 KiB 7-10 / 19-26, 64 KiB
-// 10-14 / 36-48, 128 KiB 16-17 / 69-71 (81-82), 256 KiB 29-30 / 132-137 (152-158), 512 KiB
-// 52-54 / 246-259; at 4 KiB 4-6 / 5-7. In the fast mode the one-shot leads or ties (8 KiB
-// 3-6 / 4-6, 64-128 KiB equal, 256 KiB 31-35 / 38-42, 512 KiB 31-41 / 70-75).
+// in place, medians of 120-160 calls in each of 11 fresh slow pairs; us) 8 KiB in 4-6
+// against the one-shot's 7-10 (DeepSpeed 10-15), 16 KiB 5-7 / 11-16, 32 KiB 7-10 / 19-26,
+// 64 KiB 10-14 / 33-48, 128 KiB 16-20 / 68-71, 256 KiB 29-37 / 114-137, 512 KiB 52-69 /
+// 238-259; at 4 KiB 4-6 / 5-7. In the fast mode the one-shot leads or ties (8 KiB 3-6 /
+// 4-6, 16-128 KiB within 1-2 us, 256 KiB 30-35 / 38-42, 512 KiB 31-41 / 70-76).
+// (benchmarks/results/allreduce_small_streamed_pairs_cpu2_20261127.txt.)
 constexpr size_t kAdaptFromBytes = 4 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow

@@ -35,8 +35,13 @@ namespace pz {
 // or once over 4x its average with the other last measured below 0.9x this call
 // (a leap: the ring in the slow mode ran 5-17x its fast time; a stall of a call
 // looks alike, so after a leap's switch the one left is tried again 2 calls
-// later and wins back). A try is 3 calls (one more the first time: an
-// algorithm's first call in a class warms its buffers and is not counted), or
+// later and wins back), or, at least 2 calls after the last try, when the median
+// of its recent calls runs over 1/0.9 of the other's last measured time (behind:
+// a slowdown of under 3x, or one that its average has followed, which neither of
+// the others shows; without it, 16 MiB calls stayed on a ring slowed from 4 to
+// 11-13 ms for whole rounds of a record, 6 of 80, the two-shot last measured at
+// 6 ms). A try is 3 calls (one more the first time: an algorithm's first call
+// in a class warms its buffers and is not counted), or
 // ends after a counted call over 2x the median of the one in use; it switches
 // when their median is under 0.9x the median of the last 16 calls of the one in
 // use, or of the calls since the change (medians, since in the slow mode a part
@@ -125,7 +130,11 @@ class AdaptTwoShot {
     if (!jump) lvl = lvl > 0.0 ? lvl + kAlpha * (ns_per_byte - lvl) : ns_per_byte;  // (held during a jump)
     if (s.nrecent == kRecent) std::copy(s.recent + 1, s.recent + kRecent, s.recent);
     s.recent[s.nrecent < kRecent ? s.nrecent++ : kRecent - 1] = ns_per_byte;
-    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap)) {
+    // behind: the one in use now runs slower than the other was last measured (a slowdown of
+    // under kSpike x, or one its average has followed, which neither a jump nor a leap shows)
+    const bool behind = other > 0.0 && ns_per_byte * kBetter > other && s.nrecent >= kTry &&
+                        median(s.recent, s.nrecent) * kBetter > other;
+    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst))) {
       if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
         s.nrecent = s.spikes;

@@ -534,6 +534,17 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
     first = picks.index(True)
     assert first <= 4 and a.switches(3) == 1 and picks[first:].count(False) == a.explored(3) - 1 >= 8, \
         (first, picks[first:].count(False), a.explored(3))
+    # the ring slows 2.5x from call 600 (under a jump, so its average follows): once its recent calls
+    # run slower than the two-shot was last measured, the two-shot is tried and kept
+    picks, a = _simulate(lambda i, two: 2.0 if two else (2.5 if i >= 600 else 1.0), 1000)
+    assert sum(picks[400:600]) <= 2 * 3, sum(picks[400:600])  # tries only (at most one every 256 calls, 3 calls)
+    to_two = picks.index(True, 600)
+    assert to_two <= 610 and sum(picks[to_two:]) >= 0.95 * (1000 - to_two), (to_two, sum(picks[to_two:]))
+    # ... and where it slows 3.5x in two of three calls (a fast call between resets the jumps, and 3.5x
+    # is no leap): the two-shot too
+    picks, a = _simulate(lambda i, two: 2.0 if two else (3.5 if i >= 600 and i % 3 else 1.0), 1000)
+    to_two = picks.index(True, 600)
+    assert to_two <= 620 and sum(picks[to_two:]) >= 0.9 * (1000 - to_two), (to_two, sum(picks[to_two:]))
 
 
 # ---------------------------------------------------------------------------

@@ -38,11 +38,12 @@ namespace pz {
 // later and wins back), or, at least 2 calls after the last try, when the median
 // of its recent calls runs over 1/0.9 of the other's last measured time (behind:
 // a slowdown of under 3x, or one that its average has followed, which neither of
-// the others shows; without it, 16 MiB calls stayed on a ring slowed from 4 to
-// 11-13 ms for whole rounds of a record, 6 of 80, the two-shot last measured at
-// 6 ms). A try is 3 calls (one more the first time: an algorithm's first call
-// in a class warms its buffers and is not counted), or
-// ends after a counted call over 2x the median of the one in use; it switches
+// the others shows; without it, 16 MiB calls ran 11-13 ms for whole rounds of a
+// record, 6 of 80, collectives_pairs_smallauto_cpu2_20261127; a diagnostic run
+// caught one: the ring had slowed from 4 to 11-13 ms, the two-shot last measured
+// at 6 ms; with it, none in the record after). A try is 3 calls (one more the
+// first time: an algorithm's first call in a class warms its buffers and is not
+// counted), or ends after a counted call over 2x the median of the one in use; it switches
 // when their median is under 0.9x the median of the last 16 calls of the one in
 // use, or of the calls since the change (medians, since in the slow mode a part
 // of the ring's calls still run fast).

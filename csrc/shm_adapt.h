@@ -20,12 +20,13 @@ namespace pz {
 //         twoshot  53-112           354-777
 //   slow: ring     311-1313         3078
 //         twoshot  231-596          1606
-// (Since then the two-shot streams what its peers read from 256 KiB on, which
-// takes it to 86-285 and 375-878 us there, and covers every size, in pieces of
-// its area: at 32 MiB the ring ran 24454-29867 us in slow rounds, the streamed
-// two-shot 4401-6515; [Note: streamed two-shot] in shm_transport.cpp. One-shot as two-shot; ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no
-// faster in the fast mode, and in an earlier run of the same comparison
-// collapsed alike in its 2 slow pairs: 821-907 us at 1 MiB.) Neither wins in
+// (Since then the two-shot streams what its peers read (now from 8 KiB on),
+// which takes it to 86-285 and 375-878 us there, and covers every size, in
+// pieces of its area: at 32 MiB the ring ran 24454-29867 us in slow rounds, the
+// streamed two-shot 4401-6515; [Note: streamed two-shot] in shm_transport.cpp.
+// Ring slices of 64 KiB - 1 MiB and depths 2 - 8 are no faster in the fast
+// mode, and in an earlier run of the same comparison collapsed alike in its 2
+// slow pairs: 821-907 us at 1 MiB.) Neither wins in
 // both modes, and the mode cannot be read off beforehand (an exchange probe at
 // group creation did not tell the slow pairs from the others), so rank 0
 // measures, per size class (a power of two of bytes), what the algorithm in use
@@ -43,10 +44,10 @@ namespace pz {
 // caught one: the ring had slowed from 4 to 11-13 ms, the two-shot last measured
 // at 6 ms; with it, none in the record after). A try is 3 calls (one more the
 // first time: an algorithm's first call in a class warms its buffers and is not
-// counted), or ends after a counted call over 2x the median of the one in use; it switches
-// when their median is under 0.9x the median of the last 16 calls of the one in
-// use, or of the calls since the change (medians, since in the slow mode a part
-// of the ring's calls still run fast).
+// counted), or ends after a counted call over 2x the median of the one in use;
+// it switches when their median is under 0.9x the median of the last 16 calls
+// of the one in use, or of the calls since the change (medians, since in the
+// slow mode a part of the ring's calls still run fast).
 // At the ring's sizes a "call" here is a piece: the message goes in pieces of
 // an eighth, 1 MiB at least and the two-shot's area at most (kAdaptPieces in
 // shm_transport.cpp), and rank 0 chooses each piece's algorithm after the piece

@@ -179,7 +179,7 @@ def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
     """Bytes per device (busiest stage) and host bytes (offload). The parts are what the device holds
     of each kind, ``total`` their sum and ``peak`` the most it holds at once (``pz.zero.estimate_memory``'s
     peak, with the buffers counted beside the activations, plus ``reserved``)."""
-    from ..zero.memory import estimate_memory  # noqa: PLC0415
+    from ..zero.memory import device_states, estimate_memory  # noqa: PLC0415
 
     psi = stage_params(spec, lay.tp, lay.pp)
     b, t, pb = lay.micro_batch, lay.tp, c.param_bytes
@@ -194,9 +194,7 @@ def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
     offload = "cpu" if lay.offload == "cpu" else None
     states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, pb == 2, activation_bytes=act + buffers,
                              grads_done=done, offload=offload)
-    on_device_grads = states["grads"] if offload is None or lay.stage == 1 else 0.0
-    out = {"params": states["params"], "grads": on_device_grads,
-           "optimizer": 0.0 if offload else states["optimizer"], "activations": act, "buffers": buffers + c.reserved}
+    out = {**device_states(states, lay.stage, offload), "activations": act, "buffers": buffers + c.reserved}
     out["total"] = sum(out.values())
     out["peak"] = states["peak"] + c.reserved
     return out, states["host"]

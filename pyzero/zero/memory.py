@@ -152,6 +152,17 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     return out
 
 
+def device_states(m: dict, stage: int, offload: str | None, offload_params: bool = False) -> dict:
+    """The model states of estimate_memory's result `m` that the device holds: params, grads and
+    optimizer, all of them without offload (see the module docstring)."""
+    if offload is None:
+        return {"params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"]}
+    # stage >= 2 sends each reduced bucket to the host as backward produces it: no gradient
+    # shard stays on the device (the buckets in flight are transient, like activations)
+    return {"params": 0.0 if offload_params else m["params"], "grads": m["grads"] if stage == 1 else 0.0,
+            "optimizer": 0.0}
+
+
 def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_group) -> dict:
     """device/host/disk bytes per rank (see the module docstring)."""
     if offload not in (None, "cpu", "nvme"):
@@ -167,9 +178,7 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
     if offload is None:
         return {"device": m["total"], "host": 0.0, "disk": 0.0, "peak": m["peak"]}
     shard = psi / n
-    # stage >= 2 sends each reduced bucket to the host as backward produces it: no gradient
-    # shard stays on the device (the buckets in flight are transient, like activations)
-    device = (0.0 if offload_params else m["params"]) + (m["grads"] if stage == 1 else 0.0) + m["activations"]
+    device = sum(device_states(m, stage, offload, offload_params).values()) + m["activations"]
     master = 0.0 if mixed else 4 * shard  # K holds the fp32 master in mixed precision
     host = k * shard + 4 * shard + width * shard + master
     disk = 0.0

@@ -328,7 +328,13 @@ def _reduction(reduce_op, op: str, t: torch.Tensor):
             raise ValueError(error)
         found = (_OPS[kind], kind == ReduceOp.PREMUL_SUM)  # a dtype pyzero cannot carry: _stage says so
     name, premul = found
-    return name, (reduce_op.factor if premul else _BITWISE.get(name))
+    return name, (_premul_factor(reduce_op) if premul else _BITWISE.get(name))
+
+
+def _premul_factor(reduce_op) -> float:
+    """PREMUL_SUM's factor: `.factor` on torch >= 2.13, the second item of the op's state before."""
+    factor = getattr(reduce_op, "factor", None)
+    return reduce_op.__getstate__()[1] if factor is None else factor
 
 
 def _chain(*fns):

@@ -122,6 +122,9 @@ def _spawn(spec: tuple, spec_path: str) -> int:
         pickle.dump(spec, f)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)  # the parent's imports resolve alike
+    # The rank's own variables are there from the interpreter's start: loading the spec imports `fn`'s module,
+    # and what that imports may read them (pyzero chooses its NCCL library, CUDA its devices, at import).
+    env.update(spec[6] or {})
     code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1])"
     return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
 

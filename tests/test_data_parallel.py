@@ -505,6 +505,9 @@ def test_bench_train_runs_end_to_end(tmp_path):
     rec = json.loads(out.read_text())
     ddp, dp = rec["results"]
     assert (ddp["run"], dp["run"]) == ("torch-ddp", "dp")
+    assert rec["args"]["threads"] == 1  # on CPU the ranks compute on the cores: one torch thread each
+    with pytest.raises(SystemExit, match="--threads: expected >= 1, got 0"):
+        bench.main(parser.parse_args(["--model", "gpt-nano", "--threads", "0"]))
     assert abs(ddp["loss"] - dp["loss"]) < 1e-5 * abs(ddp["loss"])
     for r in (ddp, dp):
         assert r["comm_ms"] > 0 and r["exposed_ms"] >= 0 and r["step_ms"] > 0

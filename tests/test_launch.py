@@ -26,6 +26,24 @@ def test_results_in_rank_order_with_env():
     assert "PZ_TEST_FLAG" not in os.environ  # the parent's environment is untouched
 
 
+# Read when this module is imported: in a spawned rank that is while its spec (which names a function of
+# this module) is loaded, before the rank's body runs.
+AT_IMPORT = os.environ.get("PZ_TEST_AT_IMPORT")
+
+
+def _seen_at_import():
+    return AT_IMPORT, os.environ.get("PZ_TEST_AT_IMPORT")
+
+
+def test_spawned_ranks_have_their_env_from_the_start():
+    """A spawned rank's `env` is its environment from the interpreter's start, so what its function's module
+    imports sees it (pyzero picks its NCCL library at import from PYZERO_NCCL_ROOT)."""
+    assert AT_IMPORT is None
+    results = run_ranks(_seen_at_import, 2, env={"PZ_TEST_AT_IMPORT": "set"}, start="spawn", timeout=60)
+    assert [r.value for r in results] == [("set", "set")] * 2
+    assert "PZ_TEST_AT_IMPORT" not in os.environ
+
+
 def _fail_on_rank_one():
     print(f"hello from rank {os.environ['RANK']}", flush=True)
     if os.environ["RANK"] == "1":

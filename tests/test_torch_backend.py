@@ -229,10 +229,10 @@ def _rank_ops():
     ck.check("synchronous work's future", work.get_future().then(lambda f: f.value()[0] + 1).wait(),
              torch.full((5,), tri + 1))
     x = torch.ones(3)
-    dist.all_reduce(x, op=dist.ReduceOp.PREMUL_SUM(0.5))
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5))
     ck.check("all_reduce PREMUL_SUM(0.5)", x, torch.full((3,), 0.5 * n))
     out = torch.empty(2)
-    dist.reduce_scatter_tensor(out, torch.ones(2 * n), op=dist.ReduceOp.PREMUL_SUM(0.25))
+    dist.reduce_scatter_tensor(out, torch.ones(2 * n), op=dist._make_nccl_premul_sum(0.25))
     ck.check("reduce_scatter_tensor PREMUL_SUM(0.25)", out, torch.full((2,), 0.25 * n))
     # the ProcessGroup API as C++ callers use it: list forms of complex tensors, default options
     pg = dist.distributed_c10d._get_default_group()
@@ -650,3 +650,15 @@ def test_bench_percentiles_are_nearest_rank(q):
     for n in (1, 2, 7, 100, 101):
         values = list(np.random.default_rng(n).permutation(np.arange(n) * 1.5 + 3))
         assert nearest_rank(values, q) == np.percentile(values, 100 * q, method="inverted_cdf")
+
+
+def test_premul_factor_without_the_factor_attribute():
+    """PREMUL_SUM ops of torch before 2.13 have no `.factor`; their state's second item is the factor."""
+    from pyzero.distributed import _premul_factor  # noqa: PLC0415
+
+    class StateOnly:  # what pyzero reads of such an op
+        def __getstate__(self):
+            return (dist.ReduceOp.PREMUL_SUM, 0.25)
+
+    assert _premul_factor(StateOnly()) == 0.25
+    assert _premul_factor(dist._make_nccl_premul_sum(0.5)) == 0.5

@@ -37,7 +37,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 # dtypes pyzero takes and gloo does not: the reference runs gloo in a wider dtype (exact for the small values)
 WIDER = {torch.int16: torch.int64}
 OPS = {"sum": R.SUM, "avg": R.AVG, "min": R.MIN, "max": R.MAX, "prod": R.PRODUCT, "band": R.BAND,
-       "bor": R.BOR, "bxor": R.BXOR, "premul": R.PREMUL_SUM(2.0)}
+       "bor": R.BOR, "bxor": R.BXOR, "premul": dist._make_nccl_premul_sum(2.0)}
 
 
 class Raised:
@@ -305,7 +305,7 @@ def reductions(s: Suite):
     def arc_premul(g, premul=True):
         ts = [val(torch.float32, (3,), 17, me), val(torch.float32, (2,), 18, me)]
         if premul:
-            dist.all_reduce_coalesced(ts, op=R.PREMUL_SUM(0.5), group=g.world)
+            dist.all_reduce_coalesced(ts, op=dist._make_nccl_premul_sum(0.5), group=g.world)
         else:  # gloo has no PREMUL_SUM
             ts = [t * 0.5 for t in ts]
             dist.all_reduce_coalesced(ts, group=g.world)

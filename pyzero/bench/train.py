@@ -285,7 +285,10 @@ def add_arguments(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap, MiB (pz and torch DDP)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket cap, MiB")
     p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "float16"], help="pz runs only")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per rank (the CPU optimizer of offload runs uses them too); "
+                        "default 1 with --device cpu (the ranks compute on the cores), the cores divided "
+                        "among the ranks with --device cuda")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend and gloo; cuda: a GPU per rank, the nccl backend and torch's NCCL")
     p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
@@ -585,6 +588,10 @@ def main(args) -> int:
         raise SystemExit("--runs ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only (--device cuda)")
     if getattr(args, "gpu_backend", "nccl") != "nccl" and getattr(args, "device", "cpu") != "cuda":
         raise SystemExit(f"--gpu-backend {args.gpu_backend}: needs --device cuda")
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // args.nproc) if getattr(args, "device", "cpu") == "cuda" else 1
+    if args.threads < 1:
+        raise SystemExit(f"--threads: expected >= 1, got {args.threads}")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
     cuda = getattr(args, "device", "cpu") == "cuda"

@@ -15,6 +15,7 @@ import codecs
 import faulthandler
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -129,6 +130,18 @@ def _spawn(spec: tuple, spec_path: str) -> int:
     return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
 
 
+def _kill_and_reap(pids: dict[int, int], codes: dict[int, int | None]) -> None:
+    """SIGKILL and reap every rank (pid -> rank) without an exit code yet."""
+    for pid, r in pids.items():
+        if r not in codes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            codes[r] = None
+
+
 def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=None,
               check: bool = True, threads: int | None = 1, start: str = "fork",
               echo: int | None = None) -> list[RankResult]:
@@ -154,66 +167,64 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")  # 0700: the ranks' outputs and results are private
     pids = {}
-    for r in range(nprocs):
-        spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
-                os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
-        if start == "spawn":
-            pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"))
-        else:
-            pid = os.fork()
-            if pid == 0:
-                _child(*spec)
-        pids[pid] = r
     codes: dict[int, int | None] = {}
-    deadline = time.monotonic() + timeout
-    failed = False
-    echoed, decoder = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")  # rank `echo`'s output so far
+    try:
+        for r in range(nprocs):
+            spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
+                    os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
+            if start == "spawn":
+                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"))
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    _child(*spec)
+            pids[pid] = r
+        deadline = time.monotonic() + timeout
+        failed = False
+        echoed, decoder = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")  # rank `echo`'s output so far
 
-    def copy_echo():
-        nonlocal echoed
-        try:
-            with open(os.path.join(tmp, f"rank{echo}.out"), "rb") as f:
-                f.seek(echoed)
-                new = f.read()
-        except FileNotFoundError:
-            return
-        echoed += len(new)
-        if new:
-            sys.stdout.write(decoder.decode(new))
-            sys.stdout.flush()
+        def copy_echo():
+            nonlocal echoed
+            try:
+                with open(os.path.join(tmp, f"rank{echo}.out"), "rb") as f:
+                    f.seek(echoed)
+                    new = f.read()
+            except FileNotFoundError:
+                return
+            echoed += len(new)
+            if new:
+                sys.stdout.write(decoder.decode(new))
+                sys.stdout.flush()
 
-    while len(codes) < nprocs:
+        while len(codes) < nprocs:
+            if echo is not None:
+                copy_echo()
+            for pid, r in pids.items():
+                if r in codes:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[r] = os.waitstatus_to_exitcode(status)
+                    failed = failed or codes[r] != 0
+            if len(codes) == nprocs or time.monotonic() > deadline or (failed and check):
+                break
+            time.sleep(0.005)
         if echo is not None:
             copy_echo()
-        for pid, r in pids.items():
-            if r in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[r] = os.waitstatus_to_exitcode(status)
-                failed = failed or codes[r] != 0
-        if len(codes) == nprocs or time.monotonic() > deadline or (failed and check):
-            break
-        time.sleep(0.005)
-    if echo is not None:
-        copy_echo()
-    timed_out = len(codes) < nprocs and not failed
-    if timed_out:  # stacks of the ranks still running (see _child), then kill them
-        for pid, r in pids.items():
-            if r not in codes:
-                try:
-                    os.kill(pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.5)
-    for pid, r in pids.items():  # kill and reap whatever is left
-        if r not in codes:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-            codes[r] = None
+        timed_out = len(codes) < nprocs and not failed
+        if timed_out:  # stacks of the ranks still running (see _child), then kill them
+            for pid, r in pids.items():
+                if r not in codes:
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.5)
+    except BaseException:  # interrupted (KeyboardInterrupt, a signal turned exception): leave no rank behind
+        _kill_and_reap(pids, codes)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _kill_and_reap(pids, codes)  # whatever is left
     results = []
     for r in range(nprocs):
         out_path, res_path = os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl")

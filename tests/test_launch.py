@@ -137,6 +137,56 @@ def test_echo_shows_a_ranks_output_while_it_runs():
         proc.wait(timeout=10)
 
 
+INTERRUPTED_PARENT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from pyzero.launch import run_ranks
+from test_launch import _print_pid_and_sleep
+
+try:
+    run_ranks(_print_pid_and_sleep, 2, timeout=60, echo=0, start=sys.argv[1])
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def _print_pid_and_sleep():
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_an_interrupted_parent_leaves_no_rank_running(start):
+    """SIGINT to the parent alone (pytest stopped by a time limit) ends run_ranks with its ranks killed
+    and reaped: none keeps running (on a GPU, spinning in a kernel) after the parent gives up."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT, start, os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        rank0 = int(proc.stdout.readline())  # (the echo of rank 0: both ranks have started by then or soon)
+        time.sleep(0.5)
+        proc.send_signal(2)
+        out, _ = proc.communicate(timeout=20)
+        assert "interrupted" in out, out
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(rank0, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(ProcessLookupError):
+            os.kill(rank0, 0)
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
 def test_without_nproc_drops_only_the_launch_count():
     from pyzero.launch import without_nproc
 

@@ -34,19 +34,59 @@ class _AllReduceBuckets(BucketReducer):
     beyond the gradients.
     """
 
+    # [Note: DataParallel in a CUDA graph] A step captured by torch.cuda.graph may copy nothing between host
+    # and device: the flags are a device copy of a tensor made at an eager step with the same flags (the
+    # warm-up steps torch.cuda.graph asks for), and the reduced flags are not read back (which gradients
+    # to drop is a host decision) - so a captured backward must leave no gradient missing, as
+    # zero_grad(set_to_none=False) before the step does.
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._flag_tensors: dict[tuple, torch.Tensor] = {}  # flags -> the device tensor of them
+        self._captured_flags: set[tuple] = set()  # read by a captured graph's copy: kept for its replays
+
     def _reduce(self, bucket):
         return comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
 
     def _launch(self, b: int) -> None:
         super()._launch(b)
         if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
-            used = self._flags([u for us in self.used for u in us])
+            flags = [u for us in self.used for u in us]
             missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
+            capturing = _capturing(self.buckets[0].flat.device)
+            if capturing and any(any(m) for m in missing):
+                names = [self.names[self.specs[i].params[k]] for i, m in enumerate(missing) for k, x in enumerate(m)
+                         if x]
+                raise RuntimeError(
+                    f"pz.DataParallel: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} had no gradient "
+                    "before this backward, which is captured into a CUDA graph: whether a rank used them is only "
+                    "known on the host after the step; zero the gradients with zero_grad(set_to_none=False) "
+                    "before a captured step")
+            used = self._flags(flags)
             work = comm.all_reduce(used, op="max", group=self.group, async_op=True)
-            self._inflight.add(work, lambda: self._drop_unused(used, missing))
+            if capturing:  # nothing can be dropped (nothing is missing): no host read
+                self._inflight.add(work)
+            else:
+                self._inflight.add(work, lambda: self._drop_unused(used, missing))
 
     def _flags(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(self.buckets[0].flat.device)
+        """The int32 flags on the buckets' device, as a fresh tensor (the all-reduce writes it)."""
+        key = tuple(values)
+        made = self._flag_tensors.get(key)
+        capturing = _capturing(self.buckets[0].flat.device)
+        if made is None:
+            if capturing:
+                raise RuntimeError(
+                    "pz.DataParallel: a backward captured into a CUDA graph used other parameters than the eager "
+                    "steps before the capture; run an eager step of the same model (warm-up, as "
+                    "torch.cuda.graph asks) before capturing it")
+            if len(self._flag_tensors) >= 8:  # (models whose used parameters vary from step to step)
+                for k in [k for k in self._flag_tensors if k not in self._captured_flags]:
+                    del self._flag_tensors[k]
+            made = self._flag_tensors[key] = torch.tensor(values, dtype=torch.int32).to(self.buckets[0].flat.device)
+        if capturing:
+            self._captured_flags.add(key)
+        return made.clone()
 
     def _drop_unused(self, used: torch.Tensor, missing: list[list[bool]]) -> None:
         flags = iter(used.tolist())  # (one read of the device per synced backward)
@@ -59,6 +99,12 @@ class _AllReduceBuckets(BucketReducer):
         super().run_collectives()
         if self.buckets:
             comm.all_reduce(self._flags([1] * sum(len(b.params) for b in self.buckets)), op="max", group=self.group)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel in a
+    CUDA graph])."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _positive(value, arg: str) -> float:

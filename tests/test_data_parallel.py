@@ -321,6 +321,62 @@ def test_gradients_replaced_after_forward_are_packed():
         check_state(r.value[0], want, FP32)
 
 
+def _rank_capture_path(n):
+    """Two eager steps, then steps as a CUDA graph capture issues them (pyzero.parallel._capturing patched:
+    no host-device copy of the flags, no read of the reduced flags), then the errors of a captured step."""
+    import pyzero.parallel as parallel  # noqa: PLC0415
+
+    pz.init()
+    rank = pz.get_rank()
+    model = make_mlp()
+    dp = pz.DataParallel(model, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    made = []
+    real_tensor = torch.tensor
+
+    def counting_tensor(*a, **k):
+        made.append(a)
+        return real_tensor(*a, **k)
+
+    for step in range(STEPS):
+        x, y = batch("mlp", step)
+        if step == 2:  # from here on, as inside torch.cuda.graph
+            parallel._capturing = lambda device: True
+            parallel.torch.tensor = counting_tensor
+        opt.zero_grad(set_to_none=step < 2)
+        shard_loss(dp, "mlp", x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
+        opt.step()
+    parallel.torch.tensor = real_tensor
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    errors = []
+    opt.zero_grad(set_to_none=True)  # missing gradients: a captured backward cannot drop unused ones
+    try:
+        shard_loss(dp, "mlp", x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        dp.reducer._flags([0] * 6)  # flags no eager step made
+    except RuntimeError as e:
+        errors.append(str(e))
+    return state, len(made), len(dp.reducer._flag_tensors), errors
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_captured_step_copies_no_flags_and_drops_nothing(n):
+    """The DataParallel step a CUDA graph capture issues (see [Note: DataParallel in a CUDA graph]): the
+    steps train as one process; no flags tensor is made from host values; a step with missing gradients
+    and flags no eager step made are clear errors, raised before the flags are issued."""
+    want = reference("mlp", n)
+    for r in run_ranks(_rank_capture_path, n, args=(n,), timeout=60):
+        state, made, cached, errors = r.value
+        check_state(state, want, FP32)
+        assert made == 0 and cached == 1
+        assert len(errors) == 2, errors
+        assert "had no gradient before this backward, which is captured into a CUDA graph" in errors[0]
+        assert "zero_grad(set_to_none=False)" in errors[0]
+        assert "run an eager step of the same model" in errors[1]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_no_sync_accumulation_equals_large_batch(n):
     want = reference("mlp", n)

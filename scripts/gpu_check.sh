@@ -60,8 +60,15 @@ build() {
   fi
 }
 SECONDS=0
-build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
-echo "built in ${SECONDS} s"
+# GPU_CHECK_BUILD=0: use the pyzero/_C already there (e.g. built on another machine for this Python and
+# architecture, with PYZERO_TEST_NCCL=1 for nccl-multi) when it imports with CUDA for this GPU; else build.
+if [ "${GPU_CHECK_BUILD:-1}" = 0 ] && "$PY" -c "import sys, pyzero; i = pyzero.build_info(); \
+sys.exit(0 if i['cuda'] and '$ARCH' in i['cuda_archs'] else 1)" 2>/dev/null; then
+  echo "using the pyzero/_C already built (GPU_CHECK_BUILD=0)"
+else
+  build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
+  echo "built in ${SECONDS} s"
+fi
 # GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
 # ipc faults nccl-multi; capacity, memory (per-rank peaks with 2 and 4 processes on GPU 0) and ipc-algos (all_reduce
 # by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0) run only when named.
@@ -71,15 +78,17 @@ echo "built in ${SECONDS} s"
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
-# all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests
-# to the ipc part. The daemon is started for the part and stopped after it (GPU_CHECK_MPS=0: never).
+# all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests and
+# the "pyzero" torch backend's CUDA tests to the ipc part. The daemon is started for the part and stopped after it (GPU_CHECK_MPS=0: never).
 # nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
 # pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
-# test NCCL library (PYZERO_TEST_NCCL_ROOT, else the one this build made, else scripts/build_test_nccl.sh).
+# test NCCL library (PYZERO_TEST_NCCL_ROOT, else one a build made in build/*/test-nccl, else
+# scripts/build_test_nccl.sh).
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
-# reported while the rest still runs. The limits of the default parts add up to about 19.5 minutes;
+# reported while the rest still runs (a pytest part gets SIGINT at its limit: it prints its summary,
+# writes its XML and kills the ranks of the test it was in). The limits of the default parts add up to about 19.5 minutes;
 # a session with less device time names the parts it needs (GPU_CHECK_PARTS).
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
@@ -120,8 +129,8 @@ deepspeed_here() {
   echo "## GPU tests"
   # shellcheck disable=SC2086
   IGNORE=()
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && part ipc; then IGNORE=(--ignore tests/test_ipc_gpu.py); fi
-  timeout "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && part ipc; then IGNORE=(--ignore tests/test_ipc_gpu.py --ignore tests/test_torch_backend_gpu.py); fi
+  timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
     --junitxml "${OUT}_tests.xml" "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
   fi
   if part kernels; then
@@ -185,9 +194,9 @@ deepspeed_here() {
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 process, then 2, 4 and 8 sharing GPU 0$([ "$MPS" = 1 ] && echo ", under MPS")"
   mps_start
   if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ]; then
-    echo "### ipc tests (2-4 processes on GPU 0)"
-    timeout "$(lim 150)" "$PY" -m pytest -q -rfE --tb=short --durations=5 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
-      --junitxml "${OUT}_tests_ipc.xml" -m gpu tests/test_ipc_gpu.py || echo "IPC TESTS FAILED (or past $(lim 150) s)"
+    echo "### ipc tests and the \"pyzero\" torch backend on CUDA tensors (2-4 processes on GPU 0)"
+    timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=5 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
+      --junitxml "${OUT}_tests_ipc.xml" -m gpu tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py || echo "IPC TESTS FAILED (or past $(lim 240) s)"
   fi
   for NP_MAX in ${GPU_CHECK_IPC:-1:256M 2:64M 4:16M 8:4M}; do
     NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
@@ -235,7 +244,7 @@ deepspeed_here() {
   fi
   if part nccl-multi; then
   echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
-  TNCCL=${PYZERO_TEST_NCCL_ROOT:-$(ls -d build/cmake-py*/test-nccl build/gpu-check/test-nccl 2>/dev/null | head -1)}
+  TNCCL=${PYZERO_TEST_NCCL_ROOT:-$(ls -d build/*/test-nccl 2>/dev/null | head -1)}
   if [ -z "$TNCCL" ] || [ ! -f "$TNCCL/lib/libnccl.so.2" ]; then
     TNCCL=build/test-nccl
     echo "(building the test NCCL library into $TNCCL)"
@@ -247,7 +256,7 @@ deepspeed_here() {
     MULTI_TIMEOUT_ARGS=()  # (a spawned 4-rank matrix takes longer than one test of the tests part)
     [ ${#TIMEOUT_ARGS[@]} -eq 0 ] || MULTI_TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
     mps_start
-    PYZERO_TEST_NCCL_ROOT=$TNCCL timeout "$(lim 420)" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
+    PYZERO_TEST_NCCL_ROOT=$TNCCL timeout -s INT -k 30 "$(lim 420)" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
       -p no:cacheprovider "${MULTI_TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu \
       tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
     echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"

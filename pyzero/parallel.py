@@ -34,11 +34,14 @@ class _AllReduceBuckets(BucketReducer):
     beyond the gradients.
     """
 
-    # [Note: DataParallel in a CUDA graph] A step captured by torch.cuda.graph may copy nothing between host
-    # and device: the flags are a device copy of a tensor made at an eager step with the same flags (the
-    # warm-up steps torch.cuda.graph asks for), and the reduced flags are not read back (which gradients
-    # to drop is a host decision) - so a captured backward must leave no gradient missing, as
-    # zero_grad(set_to_none=False) before the step does.
+    # [Note: DataParallel's used flags] Which parameters to leave at grad=None is decided on the host from
+    # the reduced flags, so reading them waits for the end of backward on the device. Only a parameter that
+    # had no gradient before this backward and got none from it on this rank can be dropped; when there is
+    # none (every parameter used here: the usual case), the flags are reduced (the other ranks may need
+    # them) but not read, and the host runs on into the optimizer step while backward ends on the device.
+    # In a CUDA graph capture nothing may cross between host and device: the flags are a device copy of a
+    # tensor made at an eager step with the same flags (the warm-up steps torch.cuda.graph asks for), and a
+    # captured backward that could have to drop a gradient is an error.
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -53,21 +56,20 @@ class _AllReduceBuckets(BucketReducer):
         if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
             flags = [u for us in self.used for u in us]
             missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
-            capturing = _capturing(self.buckets[0].flat.device)
-            if capturing and any(any(m) for m in missing):
-                names = [self.names[self.specs[i].params[k]] for i, m in enumerate(missing) for k, x in enumerate(m)
-                         if x]
+            droppable = [self.names[self.specs[i].params[k]] for i, (ms, us) in enumerate(zip(missing, self.used))
+                         for k, (m, u) in enumerate(zip(ms, us)) if m and not u]
+            if droppable and _capturing(self.buckets[0].flat.device):
                 raise RuntimeError(
-                    f"pz.DataParallel: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} had no gradient "
-                    "before this backward, which is captured into a CUDA graph: whether a rank used them is only "
-                    "known on the host after the step; zero the gradients with zero_grad(set_to_none=False) "
-                    "before a captured step")
+                    f"pz.DataParallel: {', '.join(droppable[:5])}{' ...' if len(droppable) > 5 else ''} got no "
+                    "gradient in this backward, which is captured into a CUDA graph: whether another rank used "
+                    "them (else their grad stays None) is known on the host only after the step; zero the "
+                    "gradients with zero_grad(set_to_none=False) before a captured step")
             used = self._flags(flags)
             work = comm.all_reduce(used, op="max", group=self.group, async_op=True)
-            if capturing:  # nothing can be dropped (nothing is missing): no host read
-                self._inflight.add(work)
-            else:
+            if droppable:  # see [Note: DataParallel's used flags]
                 self._inflight.add(work, lambda: self._drop_unused(used, missing))
+            else:
+                self._inflight.add(work)
 
     def _flags(self, values) -> torch.Tensor:
         """The int32 flags on the buckets' device, as a fresh tensor (the all-reduce writes it)."""
@@ -102,8 +104,8 @@ class _AllReduceBuckets(BucketReducer):
 
 
 def _capturing(device: torch.device) -> bool:
-    """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel in a
-    CUDA graph])."""
+    """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel's used
+    flags])."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 

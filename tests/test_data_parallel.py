@@ -321,9 +321,19 @@ def test_gradients_replaced_after_forward_are_packed():
         check_state(r.value[0], want, FP32)
 
 
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(DIM, 4), nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
 def _rank_capture_path(n):
-    """Two eager steps, then steps as a CUDA graph capture issues them (pyzero.parallel._capturing patched:
-    no host-device copy of the flags, no read of the reduced flags), then the errors of a captured step."""
+    """Two eager steps, then steps as a CUDA graph capture issues them (pyzero.parallel._capturing patched):
+    the flags made from host values once, their reduction not read back; then the errors of a captured
+    backward."""
     import pyzero.parallel as parallel  # noqa: PLC0415
 
     pz.init()
@@ -343,38 +353,67 @@ def _rank_capture_path(n):
         if step == 2:  # from here on, as inside torch.cuda.graph
             parallel._capturing = lambda device: True
             parallel.torch.tensor = counting_tensor
-        opt.zero_grad(set_to_none=step < 2)
+        opt.zero_grad(set_to_none=step % 2 == 0)  # (missing gradients that every rank uses are fine)
         shard_loss(dp, "mlp", x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
         opt.step()
     parallel.torch.tensor = real_tensor
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     errors = []
-    opt.zero_grad(set_to_none=True)  # missing gradients: a captured backward cannot drop unused ones
-    try:
-        shard_loss(dp, "mlp", x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
-    except RuntimeError as e:
-        errors.append(str(e))
     try:
         dp.reducer._flags([0] * 6)  # flags no eager step made
+    except RuntimeError as e:
+        errors.append(str(e))
+    half = pz.DataParallel(_HalfUsed())
+    try:  # `unused` gets no gradient: whether to drop it is a host decision, which a capture cannot make
+        half(torch.ones(2, DIM)).sum().backward()
     except RuntimeError as e:
         errors.append(str(e))
     return state, len(made), len(dp.reducer._flag_tensors), errors
 
 
+def _rank_count_flag_reads(model_name, n):
+    """Steps with zero_grad(set_to_none=True): how often the reduced flags were read on the host."""
+    pz.init()
+    rank = pz.get_rank()
+    dp = pz.DataParallel(MODELS[model_name](), bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    reads = []
+    real = dp.reducer._drop_unused
+    dp.reducer._drop_unused = lambda used, missing: (reads.append(1), real(used, missing))
+    for step in range(STEPS):
+        x, y = batch(model_name, step)
+        opt.zero_grad(set_to_none=True)
+        shard_loss(dp, model_name, x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
+        opt.step()
+    return len(reads), sorted(k for k, p in dp.module.named_parameters() if p.grad is None)
+
+
 @pytest.mark.parametrize("n", [2, 3])
-def test_captured_step_copies_no_flags_and_drops_nothing(n):
-    """The DataParallel step a CUDA graph capture issues (see [Note: DataParallel in a CUDA graph]): the
-    steps train as one process; no flags tensor is made from host values; a step with missing gradients
-    and flags no eager step made are clear errors, raised before the flags are issued."""
+def test_captured_step_copies_no_flags_and_reads_none_back(n):
+    """The DataParallel step a CUDA graph capture issues (see [Note: DataParallel's used flags]): the steps
+    train as one process; no flags tensor is made from host values; flags no eager step made, and a
+    backward that leaves a parameter without a gradient (to be dropped or not by the host), are clear errors."""
     want = reference("mlp", n)
     for r in run_ranks(_rank_capture_path, n, args=(n,), timeout=60):
         state, made, cached, errors = r.value
         check_state(state, want, FP32)
         assert made == 0 and cached == 1
         assert len(errors) == 2, errors
-        assert "had no gradient before this backward, which is captured into a CUDA graph" in errors[0]
-        assert "zero_grad(set_to_none=False)" in errors[0]
-        assert "run an eager step of the same model" in errors[1]
+        assert "run an eager step of the same model" in errors[0]
+        assert "unused.bias, unused.weight got no gradient in this backward, which is captured" in errors[1]
+        assert "zero_grad(set_to_none=False)" in errors[1]
+
+
+def test_flags_read_back_only_where_a_gradient_may_be_dropped():
+    """Every parameter used on every rank (mlp): the flags are reduced but never read on the host, so the
+    host does not wait for the end of backward; with parameters some rank leaves unused (features) they
+    are read each step and the unused ones stay None, as in one process."""
+    for r in run_ranks(_rank_count_flag_reads, 2, args=("mlp", 2), timeout=60):
+        assert r.value == (0, [])
+    for r in run_ranks(_rank_count_flag_reads, 2, args=("features", 2), timeout=60):
+        reads, none = r.value
+        assert reads == STEPS
+        assert none == ["dead.bias", "dead.weight", "frozen.bias", "frozen.weight"]
 
 
 @pytest.mark.parametrize("n", [2, 3])

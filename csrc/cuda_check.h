@@ -23,6 +23,19 @@ inline void cuda_check_(cudaError_t err, const char* file, int line) {
 
 namespace pz {
 
+// The calling thread may make "potentially unsafe" CUDA calls (an event query) for a scope, even while
+// it, or another thread, captures a CUDA graph in cudaStreamCaptureModeGlobal (torch.cuda.graph's
+// default), where such a call would invalidate the capture: querying an event recorded outside the
+// capture is harmless to it (torch's CUDAStreamCaptureModeGuard). Events recorded inside a capture
+// are never queried (the works refuse host waits first).
+struct RelaxedCaptureMode {
+  cudaStreamCaptureMode prev = cudaStreamCaptureModeRelaxed;
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&prev); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&prev); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+};
+
 // Makes `device` current for a scope and restores the caller's device after:
 // a Python thread that called pyzero keeps the device it had (torch's
 // DeviceGuard). A transport's own threads just set it.

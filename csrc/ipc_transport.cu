@@ -443,6 +443,7 @@ bool IpcWork::captured() const { return s_->captured; }
 bool IpcWork::completed() {
   refuse_host_wait(*s_, "is_completed()");
   DeviceGuard guard(s_->device);
+  RelaxedCaptureMode relaxed;  // (an eager call's work polled while this thread captures a graph)
   cudaError_t e = cudaEventQuery(s_->done.e);
   if (e == cudaErrorNotReady) return false;
   PZ_CUDA_CHECK(e);

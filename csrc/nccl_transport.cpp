@@ -226,6 +226,7 @@ struct NcclTransport::Impl {
   // ends the wait with its cause.
   void host_wait(Event& ev, const std::string& label) {
     DeviceGuard dg(device);
+    RelaxedCaptureMode relaxed;  // (waits on eager work only: captured work refuses host waits)
     Backoff b;
     for (;;) {
       cudaError_t e = cudaEventQuery(ev.e);
@@ -483,6 +484,7 @@ bool NcclWork::completed() {
   refuse_captured(*s_, "is_completed()");
   auto& t = *s_->impl;
   DeviceGuard dg(t.device);
+  RelaxedCaptureMode relaxed;  // (an eager call's work polled while this thread captures a graph)
   cudaError_t e = cudaEventQuery(s_->ev->e);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) {

@@ -130,14 +130,21 @@ def _spawn(spec: tuple, spec_path: str) -> int:
     return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
 
 
-def _kill_and_reap(pids: dict[int, int], codes: dict[int, int | None]) -> None:
-    """SIGKILL and reap every rank (pid -> rank) without an exit code yet."""
+def _signal_running(pids: dict[int, int], codes: dict[int, int | None], sig: int) -> None:
+    """Send `sig` to every rank (pid -> rank) without an exit code yet."""
     for pid, r in pids.items():
         if r not in codes:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _kill_and_reap(pids: dict[int, int], codes: dict[int, int | None]) -> None:
+    """SIGKILL and reap every rank without an exit code yet."""
+    _signal_running(pids, codes, signal.SIGKILL)
+    for pid, r in pids.items():
+        if r not in codes:
             os.waitpid(pid, 0)
             codes[r] = None
 
@@ -213,12 +220,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
             copy_echo()
         timed_out = len(codes) < nprocs and not failed
         if timed_out:  # stacks of the ranks still running (see _child), then kill them
-            for pid, r in pids.items():
-                if r not in codes:
-                    try:
-                        os.kill(pid, signal.SIGUSR1)
-                    except ProcessLookupError:
-                        pass
+            _signal_running(pids, codes, signal.SIGUSR1)
             time.sleep(0.5)
     except BaseException:  # interrupted (KeyboardInterrupt, a signal turned exception): leave no rank behind
         _kill_and_reap(pids, codes)

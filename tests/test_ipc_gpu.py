@@ -236,6 +236,9 @@ def _rank_graph():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         pz.all_reduce(inp, out=res)
+        # an eager async call: its work is polled inside the capture (the flight recorder's summary of the
+        # refused barrier below), which must not invalidate the capture
+        pz.all_reduce(side, async_op=True).wait()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

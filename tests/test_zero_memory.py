@@ -270,8 +270,9 @@ def test_data_parallel_holds_gradients_once(ranks):
         n, nparams = sum(r["sizes"]), len(r["sizes"])
         assert sum(numel for numel, _ in r["buckets"]) == n
         assert r["bucket_bytes"] == F32 * n  # the gradients, nothing else (the used flags travel apart)
-        # parameters, the buckets (which are the gradients), AdamW's two states and step per parameter
-        assert r["after_backward"] == r["buffers"] + F32 * n + F32 * n + 2 * F32 * n + 4 * nparams
+        # parameters, the buckets (which are the gradients), AdamW's two states and step per parameter, and the
+        # int32 used flag per parameter that DataParallel keeps on the device (see [Note: DataParallel's used flags])
+        assert r["after_backward"] == r["buffers"] + F32 * n + F32 * n + 2 * F32 * n + 4 * nparams + 4 * nparams
 
 
 def test_data_parallel_peak_at_most_torch_ddp(ranks):

@@ -96,14 +96,14 @@ PZ_HD bf16_t float_to_bf16(float f) {
 
 PZ_HD float half_to_float(half_t h) {
 #if defined(__CUDA_ARCH__)
-  // The GPU's conversion is exact for every value but NaN (whose payload the code below keeps):
-  // one instruction where the code below costs a dozen, which made the fp16 kernels compute-bound.
-  if ((h.bits & 0x7fffu) <= 0x7c00u) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
-    return f;
-  }
-#endif
+  // The GPU's conversion is exact for every value but NaN, whose payload the code below keeps: one
+  // instruction where the code below costs a dozen, which made the fp16 kernels compute-bound. NaN is
+  // chosen by a select, not a branch, so the conversions of a pack interleave.
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+  const uint32_t nan = (uint32_t(h.bits & 0x8000u) << 16) | 0x7f800000u | (uint32_t(h.bits & 0x3ffu) << 13);
+  return (h.bits & 0x7fffu) > 0x7c00u ? bits_to_float(nan) : f;
+#else
   uint32_t sign = uint32_t(h.bits & 0x8000u) << 16;
   uint32_t exp = (h.bits >> 10) & 0x1fu;
   uint32_t man = h.bits & 0x3ffu;
@@ -115,6 +115,7 @@ PZ_HD float half_to_float(half_t h) {
     return sign ? -v : v;
   }
   return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+#endif
 }
 
 PZ_HD half_t float_to_half(float f) {
@@ -122,12 +123,12 @@ PZ_HD half_t float_to_half(float f) {
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7fffffffu;
 #if defined(__CUDA_ARCH__)
-  if (a <= 0x7f800000u) {  // not NaN: the GPU's round to nearest even, as below (subnormals, overflow to inf)
-    uint16_t r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return half_t{r};
-  }
-#endif
+  // Not NaN: the GPU's round to nearest even, as below (subnormals, overflow to inf); NaN as below, by a
+  // select (see half_to_float).
+  uint16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return half_t{a > 0x7f800000u ? uint16_t(sign | 0x7e00u) : r};
+#else
   if (a > 0x7f800000u) return half_t{uint16_t(sign | 0x7e00u)};          // nan
   if (a >= 0x477ff000u) return half_t{uint16_t(sign | 0x7c00u)};         // overflow -> inf
   if (a < 0x38800000u) {                                                 // subnormal or zero
@@ -140,6 +141,7 @@ PZ_HD half_t float_to_half(float f) {
   }
   uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;  // rebias 127 -> 15, round to nearest even
   return half_t{uint16_t(sign | (r >> 13))};
+#endif
 }
 
 // ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include "errors.h"
 #include "flight.h"
 #include "multi_tensor.h"
+#include "ipc_protocol.h"
 #include "ipc_transport.h"
 #include "nccl_transport.h"
 #include "p2p_ring.h"
@@ -557,13 +558,14 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<IpcTransport>(m, "IpcComm")
       .def(py::init([](int rank, int size, int device, double timeout_s, uint64_t area_bytes, uint64_t oneshot_bytes,
-                       uint64_t p2p_bytes, uint64_t p2p_slots) {
+                       uint64_t p2p_bytes, uint64_t p2p_slots, int sharing) {
              py::gil_scoped_release nogil;
              return std::make_unique<IpcTransport>(
-                 rank, size, device, IpcConfig{timeout_s, area_bytes, oneshot_bytes, p2p_bytes, p2p_slots});
+                 rank, size, device, IpcConfig{timeout_s, area_bytes, oneshot_bytes, p2p_bytes, p2p_slots, sharing});
            }),
            py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s"), py::arg("area_bytes"),
-           py::arg("oneshot_bytes"), py::arg("p2p_bytes") = uint64_t(4) << 20, py::arg("p2p_slots") = 4)
+           py::arg("oneshot_bytes"), py::arg("p2p_bytes") = uint64_t(4) << 20, py::arg("p2p_slots") = 4,
+           py::arg("sharing") = 1)
       .def("handle", [](IpcTransport& t) { return py::bytes(t.handle()); })
       .def("connect", [](IpcTransport& t, const std::vector<py::bytes>& hs) {
         std::vector<std::string> v(hs.begin(), hs.end());
@@ -629,6 +631,8 @@ PYBIND11_MODULE(_C, m) {
     return int(ipc_resolve_algo(Coll(coll), bytes, Algo(algo), oneshot_bytes, nranks));
   }, py::arg("coll"), py::arg("bytes"), py::arg("algo"), py::arg("oneshot_bytes"), py::arg("nranks"),
      "The algorithm the ipc backend runs for a call (see csrc/ipc_transport.h)");
+  m.def("ipc_blocks", &ipc_blocks, py::arg("sms"), py::arg("sharing"),
+        "Blocks of every ipc kernel on a GPU of `sms` SMs shared by `sharing` processes (csrc/ipc_protocol.h)");
   m.def("p2p_ring_plan", [](int coll, std::vector<int64_t> counts, int rank, int nranks, int dt, int root,
                             size_t stage_bytes, bool in_is_chunk) {
     if (coll < 0 || coll >= kNumColls) throw std::invalid_argument("coll: unknown collective code");

@@ -85,6 +85,21 @@ namespace pz {
 constexpr int kIpcMaxRanks = 16;
 constexpr int kIpcMaxBlocks = 32;
 
+// Blocks of every ipc kernel of a rank, on a GPU of `sms` SMs shared by `sharing` processes of the job.
+// Spin barriers and point-to-point lanes need all blocks of the call's kernels resident at once, on every
+// rank; the kernels take up to 72 registers per thread at 512 threads, one block per SM, so the kernels
+// of all processes on one GPU together must fit well within its SMs, beside the compute kernels they
+// wait on: at most a quarter of the SMs per process, half of them for all (eight processes on a 132-SM
+// GPU had asked for 256 resident blocks). Every rank of a group must get the same count (the host's
+// processes see the same GPUs and the same LOCAL_WORLD_SIZE).
+inline int ipc_blocks(int sms, int sharing) {
+  const int share = sharing < 1 ? 1 : sharing;
+  int b = sms / 4;
+  if (sms / (2 * share) < b) b = sms / (2 * share);
+  if (b > kIpcMaxBlocks) b = kIpcMaxBlocks;
+  return b < 1 ? 1 : b;
+}
+
 // What every rank must agree on for one call (compared after the start barrier).
 struct IpcDesc {
   int32_t kind, dtype, op, root;

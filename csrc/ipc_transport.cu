@@ -474,8 +474,7 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   DeviceGuard guard(device);
   int sms = 0;
   PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Spin barriers need every block resident at once; several processes may share the GPU.
-  m.nblocks = std::max(1, std::min(kIpcMaxBlocks, sms / 4));
+  m.nblocks = ipc_blocks(sms, cfg.sharing);  // (every block resident at once, several processes per GPU)
   // Point-to-point channels (see [Note: ipc point-to-point channels]): a lane per block, slots of at
   // least 256 bytes (16-byte multiples).
   m.cfg.p2p_slots = std::max<uint64_t>(2, cfg.p2p_slots);

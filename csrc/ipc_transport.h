@@ -44,6 +44,7 @@ struct IpcConfig {
   uint64_t oneshot_bytes = 256 << 10;  // all_reduce: one-shot up to this many bytes per rank, two-shot above
   uint64_t p2p_bytes = 4ull << 20;  // point-to-point: one incoming channel (a rank holds n - 1)
   uint64_t p2p_slots = 4;           // slots per block's lane of a channel
+  int sharing = 1;                  // processes of the job on each GPU (see ipc_blocks)
 };
 
 // auto -> one-shot or two-shot for all_reduce (the only collective with a choice).

@@ -686,3 +686,25 @@ def test_cuda_kernel_bodies_on_cpu(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:]
     assert ", 0 failures" in run.stdout and int(run.stdout.split()[-4]) > 8000, run.stdout[-400:]
+
+
+def test_ipc_blocks_fit_the_processes_sharing_a_gpu():
+    """The ipc kernels' blocks (csrc/ipc_protocol.h ipc_blocks): every block of every process on one GPU must
+    be resident at once beside compute, one block per SM at the kernels' registers: at most 32 and a
+    quarter of the SMs per process, and the sharing processes together within half the SMs."""
+    assert [_C.ipc_blocks(132, s) for s in (1, 2, 3, 4, 8, 16)] == [32, 32, 22, 16, 8, 4]  # H100 / H200
+    assert [_C.ipc_blocks(108, s) for s in (1, 2, 4, 8)] == [27, 27, 13, 6]  # A100
+    assert _C.ipc_blocks(132, 0) == 32 and _C.ipc_blocks(2, 8) == 1  # (at least one process, one block)
+    for sms in (2, 16, 78, 108, 132, 144):
+        for sharing in range(1, 17):
+            b = _C.ipc_blocks(sms, sharing)
+            assert 1 <= b <= min(32, max(1, sms // 4))
+            assert b * sharing <= max(sms // 2, sharing), (sms, sharing, b)
+
+
+def test_gpu_sharing_is_the_most_ranks_on_one_gpu():
+    from pyzero.backends.ipc import gpu_sharing
+    assert gpu_sharing([b"gpu0"] * 4) == 4
+    assert gpu_sharing([b"gpu0", b"gpu1", b"gpu0", b"gpu2", b"gpu0"]) == 3
+    assert gpu_sharing([b"gpu0", b"gpu1"]) == 1
+    assert gpu_sharing([]) == 1

@@ -17,7 +17,7 @@ import pyzero as pz
 from pyzero import bucketing
 from pyzero.bucketing import InFlight, assign_buckets, flat_buckets, pack, unpack
 from pyzero.zero import FlatLayout
-from pyzero.launch import RankFailure, run_ranks
+from pyzero.launch import run_ranks
 
 STEPS, BATCH, DIM, VOCAB = 4, 12, 16, 24
 FP32 = dict(rtol=1e-6, atol=1e-6)  # atol: AdamW entries that pass near 0 (values ~0.1)

@@ -272,6 +272,11 @@ void connect(ncclComm* c, std::string name) {
   try {
     pz::IpcConfig cfg;
     cfg.timeout_s = env_seconds("PYZERO_TEST_NCCL_KERNEL_TIMEOUT", 86400.0);
+    // The ranks share the GPUs this process sees (rank r on r % count, as pyzero puts them): the kernels
+    // are sized for that many processes per GPU (pz::ipc_blocks), the same on every rank.
+    int count = 1;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) count = 1;
+    cfg.sharing = (c->nranks + count - 1) / count;
     c->t = std::make_unique<pz::IpcTransport>(c->rank, c->nranks, c->device, cfg);
     int prev = 0;
     if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(c->device) != cudaSuccess ||

@@ -45,6 +45,21 @@ def ipc_device(local_rank: int, device_count: int | None = None) -> int:
     return device
 
 
+def gpu_sharing(gpu_ids) -> int:
+    """The most ranks on one physical GPU, given each rank's GPU identity: what the ipc kernels size their
+    blocks by (_C.ipc_blocks), the same on every rank."""
+    counts: dict = {}
+    for g in gpu_ids:
+        counts[g] = counts.get(g, 0) + 1
+    return max(counts.values(), default=1)
+
+
+def _gpu_id(device: int) -> str:
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"{props.name}/{getattr(props, 'pci_bus_id', device)}"
+
+
 class IpcBackend(CudaCommBackend):
     name = "ipc"
     has_out_of_place_all_reduce = True
@@ -57,11 +72,14 @@ class IpcBackend(CudaCommBackend):
     def create(cls, setup: GroupSetup) -> "IpcBackend":
         """Each rank publishes its buffer's IPC handle; everyone maps everyone's."""
         o = setup.options
+        # How many ranks share each GPU sizes every kernel (their blocks must all be resident at once).
+        setup.store.set(f"{setup.key}/ipc/gpu/{setup.rank}", _gpu_id(setup.device))
+        sharing = gpu_sharing(setup.store.get(f"{setup.key}/ipc/gpu/{r}") for r in range(setup.size))
         comm = _C.IpcComm(setup.rank, setup.size, setup.device, setup.timeout,
                           o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
                           o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True),
                           o.get("p2p_bytes", 4 << 20, "PYZERO_IPC_P2P_KB", kib=True),
-                          o.get("depth", 4, "PYZERO_IPC_DEPTH"))
+                          o.get("depth", 4, "PYZERO_IPC_DEPTH"), sharing)
         setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
         handles = [setup.store.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
         comm.connect(handles)

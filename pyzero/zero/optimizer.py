@@ -608,13 +608,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Per parameter, 1 if any rank's backward reached it since zero_grad (see [Note:
         parameters without gradients])."""
         used = self._has_grad.clone()
-        if self.world > 1:  # (on a GPU backend: through the device, one small read back per step)
+        if self.world > 1:
             if self.device.type == "cpu":
                 comm.all_reduce(used, op="max", group=self.group)
-            else:
+            else:  # through the device; read back only where this rank lacks a gradient: when every
+                # parameter got one here the maximum is all ones, and the host does not wait for the GPU
                 dev = used.to(self.device)
-                comm.all_reduce(dev, op="max", group=self.group)
-                used = dev.cpu()
+                comm.all_reduce(dev, op="max", group=self.group, async_op=True).wait()
+                if not bool(used.all()):
+                    used = dev.cpu()
         return used
 
     def _delayed_step(self):

@@ -90,8 +90,8 @@ constexpr int kIpcMaxBlocks = 32;
 // rank; the kernels take up to 72 registers per thread at 512 threads, one block per SM, so the kernels
 // of all processes on one GPU together must fit well within its SMs, beside the compute kernels they
 // wait on: at most a quarter of the SMs per process, half of them for all (eight processes on a 132-SM
-// GPU had asked for 256 resident blocks). Every rank of a group must get the same count (the host's
-// processes see the same GPUs and the same LOCAL_WORLD_SIZE).
+// GPU had asked for 256 resident blocks). Every rank of a group must get the same count: `sharing` is the
+// most ranks of the group on one GPU, from every rank's GPU (pyzero.backends.ipc.gpu_sharing).
 inline int ipc_blocks(int sms, int sharing) {
   const int share = sharing < 1 ? 1 : sharing;
   int b = sms / 4;

@@ -268,3 +268,10 @@ deepspeed_here() {
   fi
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"
+# GPU_CHECK_COPY=<dir>: also put the printed log and every file of this run (one .tgz) there, e.g. the
+# folder a remote runner sends back.
+if [ -n "${GPU_CHECK_COPY:-}" ]; then
+  mkdir -p "$GPU_CHECK_COPY"
+  cp "${OUT}.txt" "$GPU_CHECK_COPY/"
+  tar czf "$GPU_CHECK_COPY/$(basename "$OUT").tgz" "${OUT}"* && echo "copied to $GPU_CHECK_COPY"
+fi

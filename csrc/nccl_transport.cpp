@@ -254,9 +254,7 @@ struct NcclTransport::Impl {
   // so only the oldest one is polled.
   void watchdog_loop() {
     cudaSetDevice(device);
-    // Relaxed: its event queries are allowed (and harmless) while another thread captures a graph.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaThreadExchangeStreamCaptureMode(&mode);
+    RelaxedCaptureMode relaxed;  // its event queries are harmless while another thread captures a graph
     std::unique_lock<std::mutex> g(wmu);
     while (!stop) {
       if (watch.empty() || broken.load()) {

@@ -117,7 +117,7 @@ def _spawned(spec_path: str) -> None:
     _child(*spec)
 
 
-def _spawn(spec: tuple, spec_path: str) -> int:
+def _spawn(spec: tuple, spec_path: str, rank_env: dict | None) -> int:
     """Start a fresh interpreter running _child(*spec); `fn` travels by reference (module + name)."""
     with _private(spec_path) as f:
         pickle.dump(spec, f)
@@ -125,7 +125,7 @@ def _spawn(spec: tuple, spec_path: str) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)  # the parent's imports resolve alike
     # The rank's own variables are there from the interpreter's start: loading the spec imports `fn`'s module,
     # and what that imports may read them (pyzero chooses its NCCL library, CUDA its devices, at import).
-    env.update(spec[6] or {})
+    env.update(rank_env or {})
     code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1])"
     return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
 
@@ -180,7 +180,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
             spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
                     os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
             if start == "spawn":
-                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"))
+                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"), env)
             else:
                 pid = os.fork()
                 if pid == 0:

@@ -79,7 +79,8 @@ fi
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
 # all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests and
-# the "pyzero" torch backend's CUDA tests to the ipc part. The daemon is started for the part and stopped after it (GPU_CHECK_MPS=0: never).
+# the "pyzero" torch backend's CUDA tests to the ipc part. The daemon is started for the part and stopped
+# after it (GPU_CHECK_MPS=0: never).
 # nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
 # pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
 # test NCCL library (PYZERO_TEST_NCCL_ROOT, else one a build made in build/*/test-nccl, else
@@ -88,8 +89,8 @@ TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
 # reported while the rest still runs (a pytest part gets SIGINT at its limit: it prints its summary,
-# writes its XML and kills the ranks of the test it was in). The limits of the default parts add up to about 19.5 minutes;
-# a session with less device time names the parts it needs (GPU_CHECK_PARTS).
+# writes its XML and kills the ranks of the test it was in). The limits of the default parts add up to
+# about 19.5 minutes; a session with less device time names the parts it needs (GPU_CHECK_PARTS).
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi

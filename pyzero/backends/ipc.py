@@ -21,6 +21,7 @@ backend's ring schedule over this point-to-point.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import torch
 
@@ -48,10 +49,7 @@ def ipc_device(local_rank: int, device_count: int | None = None) -> int:
 def gpu_sharing(gpu_ids) -> int:
     """The most ranks on one physical GPU, given each rank's GPU identity: what the ipc kernels size their
     blocks by (_C.ipc_blocks), the same on every rank."""
-    counts: dict = {}
-    for g in gpu_ids:
-        counts[g] = counts.get(g, 0) + 1
-    return max(counts.values(), default=1)
+    return max(Counter(gpu_ids).values(), default=1)
 
 
 def _gpu_id(device: int) -> str:

@@ -13,6 +13,8 @@ Roles:
                     the communication dtype
     InFlight        launched collectives not yet waited on, each with what to do once
                     it is done; retired in launch order, at most `limit` outstanding
+    DeviceFlags     per-parameter int32 "used" flags on the device, copied from the host
+                    once per distinct vector (none per step, none in a graph capture)
     OrderedLaunch   counts ready gradients per bucket and launches complete buckets
                     in bucket order on every rank (shared with ZeRO stages 2 and 3)
     BucketReducer   feeds OrderedLaunch from post-accumulate-grad hooks, launches a
@@ -372,6 +374,50 @@ class InFlight:
     def forget(self) -> None:
         """Drop everything without waiting (after one of them raised)."""
         self._items = []
+
+
+def device_capturing(device: torch.device) -> bool:
+    """Whether work issued now for `device` is captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class DeviceFlags:
+    """Per-parameter int32 flags (which parameters got a gradient) as device tensors to all-reduce.
+
+    Each distinct vector is copied from the host once and cloned on the device after, so a step
+    makes no host-to-device copy, and a step captured into a CUDA graph makes none at all: its
+    replays read the tensor its clone came from, which is kept for them. A vector that no eager
+    step made cannot be made inside a capture (a clear error naming `owner`). Up to `keep`
+    vectors not read by a capture are cached (models whose used parameters vary by step).
+    Used by DataParallel's reducer and ZeroOptimizer (see [Note: DataParallel's used flags]).
+    """
+
+    def __init__(self, owner: str, keep: int = 8):
+        self.owner, self.keep = owner, keep
+        self._made: dict[tuple, torch.Tensor] = {}
+        self._captured: set[tuple] = set()
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def get(self, values, device: torch.device, capturing: bool) -> torch.Tensor:
+        """A fresh device tensor holding `values` (the all-reduce writes it); `capturing`: whether
+        the caller's stream is capturing a CUDA graph."""
+        key = tuple(int(v) for v in values)
+        made = self._made.get(key)
+        if made is None:
+            if capturing:
+                raise RuntimeError(
+                    f"{self.owner}: a backward captured into a CUDA graph used other parameters than the eager "
+                    "steps before the capture; run an eager step of the same model (warm-up, as "
+                    "torch.cuda.graph asks) before capturing it")
+            if len(self._made) >= self.keep:
+                for k in [k for k in self._made if k not in self._captured]:
+                    del self._made[k]
+            made = self._made[key] = torch.tensor(key, dtype=torch.int32).to(device)
+        if capturing:
+            self._captured.add(key)
+        return made.clone()
 
 
 class OrderedLaunch:

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import comm, wrappers
 from .backend import DTYPES
-from .bucketing import WIDEN, BucketReducer, broadcast_coalesced
+from .bucketing import WIDEN, BucketReducer, DeviceFlags, broadcast_coalesced, device_capturing
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,8 +45,7 @@ class _AllReduceBuckets(BucketReducer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._flag_tensors: dict[tuple, torch.Tensor] = {}  # flags -> the device tensor of them
-        self._captured_flags: set[tuple] = set()  # read by a captured graph's copy: kept for its replays
+        self.flags = DeviceFlags("pz.DataParallel")
 
     def _reduce(self, bucket):
         return comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
@@ -72,23 +71,8 @@ class _AllReduceBuckets(BucketReducer):
                 self._inflight.add(work)
 
     def _flags(self, values) -> torch.Tensor:
-        """The int32 flags on the buckets' device, as a fresh tensor (the all-reduce writes it)."""
-        key = tuple(values)
-        made = self._flag_tensors.get(key)
-        capturing = _capturing(self.buckets[0].flat.device)
-        if made is None:
-            if capturing:
-                raise RuntimeError(
-                    "pz.DataParallel: a backward captured into a CUDA graph used other parameters than the eager "
-                    "steps before the capture; run an eager step of the same model (warm-up, as "
-                    "torch.cuda.graph asks) before capturing it")
-            if len(self._flag_tensors) >= 8:  # (models whose used parameters vary from step to step)
-                for k in [k for k in self._flag_tensors if k not in self._captured_flags]:
-                    del self._flag_tensors[k]
-            made = self._flag_tensors[key] = torch.tensor(values, dtype=torch.int32).to(self.buckets[0].flat.device)
-        if capturing:
-            self._captured_flags.add(key)
-        return made.clone()
+        device = self.buckets[0].flat.device
+        return self.flags.get(values, device, _capturing(device))
 
     def _drop_unused(self, used: torch.Tensor, missing: list[list[bool]]) -> None:
         flags = iter(used.tolist())  # (one read of the device per synced backward)
@@ -105,8 +89,8 @@ class _AllReduceBuckets(BucketReducer):
 
 def _capturing(device: torch.device) -> bool:
     """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel's used
-    flags])."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    flags]; a name of this module, so that tests can stand in for a capture)."""
+    return device_capturing(device)
 
 
 def _positive(value, arg: str) -> float:

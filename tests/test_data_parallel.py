@@ -92,6 +92,31 @@ def test_inflight_bounds_outstanding_and_retires_in_launch_order():
     assert log[-2:] == [("wait", 9), ("done", 9)] and len(now) == 0
 
 
+def test_device_flags_copied_once_per_vector_and_never_in_a_capture(monkeypatch):
+    """DeviceFlags: one host copy per distinct vector, fresh clones after (writing one leaves the next
+    intact); a capture reuses a made vector, cannot make a new one, and keeps the vectors it read when
+    the cache is trimmed."""
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(bucketing.torch, "tensor", lambda *a, **k: (made.append(a[0]), real(*a, **k))[1])
+    flags = bucketing.DeviceFlags("owner", keep=2)
+    cpu = torch.device("cpu")
+    a = flags.get([True, False, True], cpu, capturing=False)
+    assert a.dtype == torch.int32 and a.tolist() == [1, 0, 1]
+    a.fill_(7)  # an all-reduce writes its copy
+    b = flags.get([1, 0, 1], cpu, capturing=True)
+    assert b.tolist() == [1, 0, 1] and b.data_ptr() != a.data_ptr()
+    assert made == [(1, 0, 1)]
+    with pytest.raises(RuntimeError, match=r"^owner: a backward captured into a CUDA graph used other parameters "
+                                           r"than the eager steps.*run an eager step"):
+        flags.get([0, 0, 1], cpu, capturing=True)
+    flags.get([1, 1, 1], cpu, capturing=False)
+    flags.get([0, 1, 1], cpu, capturing=False)  # over `keep`: the uncaptured vectors go, (1, 0, 1) stays
+    assert len(flags) == 2 and made == [(1, 0, 1), (1, 1, 1), (0, 1, 1)]
+    assert flags.get([1, 0, 1], cpu, capturing=True).tolist() == [1, 0, 1]
+    assert len(made) == 3
+
+
 def test_inflight_discard_waits_but_folds_nothing():
     log = []
     q = InFlight()
@@ -368,7 +393,7 @@ def _rank_capture_path(n):
         half(torch.ones(2, DIM)).sum().backward()
     except RuntimeError as e:
         errors.append(str(e))
-    return state, len(made), len(dp.reducer._flag_tensors), errors
+    return state, len(made), len(dp.reducer.flags), errors
 
 
 def _rank_count_flag_reads(model_name, n):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import comm, memtrace, wrappers
-from ..bucketing import InFlight
+from ..bucketing import DeviceFlags, InFlight, device_capturing
 from .. import optim as pz_optim
 from ..parallel import DataParallel
 from . import offload as _offload
@@ -198,6 +198,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Which parameters received a gradient since zero_grad: see [Note: parameters without gradients].
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._has_grad = torch.zeros(len(self.params), dtype=torch.int32)
+        self._used_flags = DeviceFlags("ZeroOptimizer")  # _has_grad's values on a GPU backend's device
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._mark_grad)
         # Every rank starts from the group's first rank's weights and buffers, as DDP does.
@@ -613,7 +614,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm.all_reduce(used, op="max", group=self.group)
             else:  # through the device; read back only where this rank lacks a gradient: when every
                 # parameter got one here the maximum is all ones, and the host does not wait for the GPU
-                dev = used.to(self.device)
+                dev = self._used_flags.get(used.tolist(), self.device, device_capturing(self.device))
                 comm.all_reduce(dev, op="max", group=self.group, async_op=True).wait()
                 if not bool(used.all()):
                     used = dev.cpu()

@@ -62,14 +62,14 @@ namespace pz {
 // arrival, with one more step); and the two-shot reduces each chunk in the
 // ring's order, so the results are bitwise the same whichever runs, piece by
 // piece. The same holds between the one-shot and the two-shot at the one-shot's
-// sizes above 4 KiB (kAdaptFromBytes in shm_transport.cpp), whole calls there:
+// sizes above 2 KiB (kAdaptFromBytes in shm_transport.cpp), whole calls there:
 // the one-shot's copy of the input into the area, made before the arrival, is
 // the two-shot's staging, and the two-shot then sums in the one-shot's order of
 // ranks.
 class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - kClassFrom
-  static constexpr int kClassFrom = 12;  // class 0: up to 8 KiB
+  static constexpr int kClassFrom = 11;  // class 0: up to 4 KiB
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
   static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
   static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;

@@ -29,8 +29,11 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 // 64 KiB 10-14 / 33-48, 128 KiB 16-20 / 68-71, 256 KiB 29-37 / 114-137, 512 KiB 52-69 /
 // 238-259; at 4 KiB 4-6 / 5-7. In the fast mode the one-shot leads or ties (8 KiB 3-6 /
 // 4-6, 16-128 KiB within 1-2 us, 256 KiB 30-35 / 38-42, 512 KiB 31-41 / 70-76).
-// (benchmarks/results/allreduce_small_streamed_pairs_cpu2_20261127.txt.)
-constexpr size_t kAdaptFromBytes = 4 << 10;
+// (benchmarks/results/allreduce_small_streamed_pairs_cpu2_20261127.txt.) From above 2 KiB,
+// so that 4 KiB is measured too: in a fast pair whose 8 KiB calls took the two-shot, the
+// one-shot's 4 KiB ran slower than them (4.4 against 4.2 us in place, 5.5 / 5.2 out of
+// place; collectives_pairs_cpu2_20261127, set 1).
+constexpr size_t kAdaptFromBytes = 2 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
 // mode, or a try of it there, still cost an 8 MiB call 2-3x its median.

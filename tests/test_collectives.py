@@ -383,7 +383,7 @@ def test_two_shot_in_pieces(world):
 
 
 def _rank_auto_adaptive():
-    """auto above 4 KiB: rank 0 tries the two-shot and tells the others in its descriptor; every rank
+    """auto above 2 KiB: rank 0 tries the two-shot and tells the others in its descriptor; every rank
     runs the same algorithm (a mismatch would fail the call), the results equal the ring's (the
     one-shot's at its sizes) bitwise, and only rank 0 keeps the measurements."""
     pz.init(timeout=60)
@@ -406,16 +406,18 @@ def _rank_auto_adaptive():
 
     # classes of 1, 4 and 1 MiB
     auto_equals([(600 << 10) // 4 + 7, (3 << 20) // 4 + 1, (1 << 20) // 4], "ring", 40, 7, "sum")
-    # the one-shot's sizes above 4 KiB: the one-shot or the two-shot (its copy made before the arrival
+    # the one-shot's sizes above 2 KiB: the one-shot or the two-shot (its copy made before the arrival
     # serves both; summed in the one-shot's order of ranks), bitwise the one-shot whichever runs, the
     # area streamed after rank 0 chose the two-shot (twoshot_stream_bytes: 8 KiB) or not
     auto_equals([(400 << 10) // 4 + 3], "oneshot", 16, 9, "avg")
     auto_equals([(20 << 10) // 4 + 1], "oneshot", 16, 11, "max")
-    auto_equals([(4 << 10) // 4], "oneshot", 4, 13, "sum")  # 4 KiB: the one-shot, not measured
+    auto_equals([(4 << 10) // 4], "oneshot", 16, 13, "sum")  # 4 KiB: measured, in its own class
+    auto_equals([(2 << 10) // 4], "oneshot", 4, 15, "sum")  # 2 KiB: the one-shot, not measured
     state = pz.comm.resolve_group(None).backend.comm.adapt_state()
     if me == 0:
-        if sorted(state) != [32 << 10, 512 << 10, 1 << 20, 4 << 20] or any(s["explored"] < 1 for s in state.values()) \
-                or [state[k]["other"] for k in sorted(state)] != ["oneshot", "oneshot", "ring", "ring"]:
+        if sorted(state) != [4 << 10, 32 << 10, 512 << 10, 1 << 20, 4 << 20] \
+                or any(s["explored"] < 1 for s in state.values()) \
+                or [state[k]["other"] for k in sorted(state)] != ["oneshot", "oneshot", "oneshot", "ring", "ring"]:
             ck.fail(f"rank 0's adaptive state: {state}")
         ck.cases += 1
     elif state:
@@ -501,8 +503,9 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
 
     for b in (600 << 10, 1 << 20, (1 << 20) + 1, 3 << 20, 4 << 20, (4 << 20) + 1, (4 << 10) + 1, 8 << 10,
               (8 << 10) + 1, 20 << 10):
-        assert _C.AdaptTwoShot.size_class(b) == (b - 1).bit_length() - 1 - 12, b
-    assert _C.AdaptTwoShot.size_class(1) == _C.AdaptTwoShot.size_class(4 << 10) == 0
+        assert _C.AdaptTwoShot.size_class(b) == (b - 1).bit_length() - 1 - 11, b
+    assert _C.AdaptTwoShot.size_class(1) == _C.AdaptTwoShot.size_class(2 << 10) == 0
+    assert _C.AdaptTwoShot.size_class(4 << 10) == 0 and _C.AdaptTwoShot.size_class((4 << 10) + 1) == 1
     # fast mode throughout (the ring twice as fast): tries only, ever rarer
     picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 3000)
     assert a.switches(3) == 0 and 7 <= a.explored(3) <= 20 and sum(picks) <= 70, (a.explored(3), sum(picks))

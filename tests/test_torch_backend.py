@@ -9,6 +9,7 @@ a gloo group of the same ranks, in the same processes.
 """
 import datetime
 import gc
+import re
 import time
 
 import pytest
@@ -606,6 +607,7 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         (k, b, ip) for k in (0, 1) for b in (8, 65536) for ip in (False, True)]
     for r in timed:  # the calls of both rounds pooled: at least 40 per form and rank
         assert r["wrong"] == 0 and 0 < r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"], r
+    assert re.search(r"^# size order, per set of ranks and form: .*\n#   pyzero: \d+ / \d+", text, re.M), text
     summary = text[text.index("# every set of ranks"):].splitlines()[2:6]
     assert [line.split()[:5] for line in summary] == [
         [str(k), probes[k - 1]["mode"], f"{probes[k - 1]['ns_per_line']:.2f}", "all_reduce", str(b)]
@@ -620,8 +622,9 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert len(rows) == 8 and all(r["calls"] == 3 * 7 and r["wrong"] == 0 for r in rows), rows
     start = {(r["bytes"], r["backend"], r["inplace"]): r["rounds_start_s"] for r in rows}
     order = sorted((t, k, size, b, ip) for (size, b, ip), ts in start.items() for k, t in enumerate(ts))
-    assert [o[1:] for o in order] == [  # round k runs every size, each with the backends and forms in turn
-        (k, size, b, ip) for k in range(3) for size in (8, 65536)
+    assert [o[1:] for o in order] == [  # round k runs every size, each with the backends and forms in turn,
+        # the sizes up on even rounds and down on odd ones
+        (k, size, b, ip) for k in range(3) for size in (8, 65536)[::1 if k % 2 == 0 else -1]
         for b in ("pyzero", "torch-pyzero")[::1 if k % 2 == 0 else -1] for ip in (False, True)], order
     out = tmp_path / "least.json"  # --min-calls: the rounds' blocks grow to reach it
     args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "4M", "--max", "4M",
@@ -638,6 +641,36 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: needs --nproc"):
         collectives.main(p.parse_args(["--pairs", "2"]))
+
+
+def test_bench_size_inversions_against_the_rounds_spread():
+    """pyzero-bench's size-order check: a size whose per-call median is above the fastest larger size's
+    (per set, backend and form) is an inversion, listed as beyond the rounds' spread only where it is over
+    2% and the two sizes' round medians lie apart (quartiles by the inclusive method, as numpy's linear)."""
+    import numpy as np
+
+    from pyzero.bench.collectives import size_inversions
+
+    def row(size, rounds, pair=0, inplace=True, backend="pyzero"):
+        return {"op": "all_reduce", "backend": backend, "pair": pair, "inplace": inplace, "bytes": size,
+                "timing": "per-call median", "rounds_time_us": rounds, "time_us": float(np.median(rounds))}
+
+    rows = [row(8, [3.0, 3.1, 3.2, 3.3]), row(16, [2.0, 2.1, 2.2, 2.3]), row(32, [3.4, 3.5, 3.6, 3.7]),
+            row(64, [2.15, 3.3, 3.5, 3.6]), row(128, [4.0] * 4),  # 64 B: the fastest above 32 B, spread wide
+            row(8, [5.0] * 4, pair=1), row(16, [4.0] * 4, pair=1),  # another set: its own sizes
+            row(8, [3.0] * 4, inplace=False), row(16, [2.95] * 4, inplace=False),  # 1.7% apart: within
+            row(8, [9.0] * 4, backend="deepspeed"), row(16, [1.0] * 4, backend="torch", inplace=False),
+            {"op": "all_reduce", "backend": "pyzero", "bytes": 8, "inplace": True, "pair": 2, "time_us": 1.0,
+             "timing": "loop mean"}]
+    got = [v[:6] + (round(v[6], 9), round(v[7], 9), v[8]) for v in size_inversions(rows)]
+    q = lambda v, k: float(np.percentile(v, 25 * k))  # noqa: E731
+    apart_32_64 = q([3.4, 3.5, 3.6, 3.7], 1) > q([2.15, 3.3, 3.5, 3.6], 3)
+    assert not apart_32_64
+    assert got == [
+        (0, "all_reduce", "pyzero", False, 8, 16, 3.0, 2.95, False),
+        (0, "all_reduce", "pyzero", True, 8, 16, 3.15, 2.15, True),
+        (0, "all_reduce", "pyzero", True, 32, 64, 3.55, 3.4, False),
+        (1, "all_reduce", "pyzero", True, 8, 16, 5.0, 4.0, True)], got
 
 
 @pytest.mark.parametrize("q", [0.01, 0.5, 0.9, 0.99, 1.0])

@@ -20,7 +20,7 @@ namespace pz {
 //         twoshot  53-112           354-777
 //   slow: ring     311-1313         3078
 //         twoshot  231-596          1606
-// (Since then the two-shot streams what its peers read (now from 8 KiB on),
+// (Since then the two-shot streams what its peers read (now from 4 KiB on),
 // which takes it to 86-285 and 375-878 us there, and covers every size, in
 // pieces of its area: at 32 MiB the ring ran 24454-29867 us in slow rounds, the
 // streamed two-shot 4401-6515; [Note: streamed two-shot] in shm_transport.cpp.
@@ -33,10 +33,15 @@ namespace pz {
 // takes, and tries the other one now and then: after 2 calls, then at intervals
 // doubling from 16 to 256 calls while it loses, and at once when the one in use
 // runs over 3x or under 0.5x its average 3 calls in a row (a change of mode),
-// or once over 4x its average with the other last measured below 0.9x this call
-// (a leap: the ring in the slow mode ran 5-17x its fast time; a stall of a call
-// looks alike, so after a leap's switch the one left is tried again 2 calls
-// later and wins back), or, at least 2 calls after the last try, when the median
+// or twice in a row over 4x its average with the other last measured below 0.9x
+// these calls (a leap: the ring in the slow mode ran 5-17x its fast time; after
+// a leap's switch the one left is tried again 2 calls later, and wins back if the
+// leap was a stall after all). One call over 4x is a stall, not a leap: in a fast
+// pair a ring piece stalled (4-47x its average) about once in 230 pieces of 1 MiB,
+// and leaping at each cost 8 MiB calls 10-20% at the median against the ring alone
+// (each stall ran the two-shot, 2.3x the ring there, for 5 pieces; 78 switches in
+// 8709 pieces); a stall lasts one piece, a mode a run of them. Or, at least 2 calls
+// after the last try, when the median
 // of its recent calls runs over 1/0.9 of the other's last measured time (behind:
 // a slowdown of under 3x, or one that its average has followed, which neither of
 // the others shows; without it, 16 MiB calls ran 11-13 ms for whole rounds of a
@@ -72,7 +77,7 @@ class AdaptTwoShot {
   static constexpr int kClassFrom = 11;  // class 0: up to 4 KiB
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
   static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
-  static constexpr int kSpikeCalls = 3, kTry = 3, kRecent = 16;
+  static constexpr int kSpikeCalls = 3, kLeapCalls = 2, kTry = 3, kRecent = 16;
 
   static int size_class(size_t bytes) {
     int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
@@ -110,8 +115,8 @@ class AdaptTwoShot {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
         s.nrecent = 0;
-        // after a leap, the one left is tried again soon: a stall of a call or two looks
-        // like a leap too, and then the one left wins that try back
+        // after a leap, the one left is tried again soon: a stall of two calls in a row
+        // looks like a leap too, and then the one left wins that try back
         s.every = leapt ? kFirst : kEvery;
         ++s.switches;
       } else {
@@ -125,10 +130,12 @@ class AdaptTwoShot {
     double& lvl = s.level[twoshot];
     bool jump = lvl > 0.0 && (ns_per_byte > kSpike * lvl || ns_per_byte < kDrop * lvl);
     s.spikes = jump ? s.spikes + 1 : 0;
-    // a leap: over kLeap x its average, with the other one last measured well below it
-    // (a change of mode, not a stall): try the other at once, judged against this call alone
+    // a leap: kLeapCalls in a row over kLeap x its average, with the other one last measured well
+    // below them (a change of mode; one such call is a stall): try the other at once, judged
+    // against these calls alone
     const double other = s.level[!twoshot];
-    const bool leap = lvl > 0.0 && ns_per_byte > kLeap * lvl && other > 0.0 && other < kBetter * ns_per_byte;
+    s.leaps = lvl > 0.0 && ns_per_byte > kLeap * lvl && other > 0.0 && other < kBetter * ns_per_byte ? s.leaps + 1 : 0;
+    const bool leap = s.leaps >= kLeapCalls;
     if (!jump) lvl = lvl > 0.0 ? lvl + kAlpha * (ns_per_byte - lvl) : ns_per_byte;  // (held during a jump)
     if (s.nrecent == kRecent) std::copy(s.recent + 1, s.recent + kRecent, s.recent);
     s.recent[s.nrecent < kRecent ? s.nrecent++ : kRecent - 1] = ns_per_byte;
@@ -143,6 +150,7 @@ class AdaptTwoShot {
       }
       s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
       s.leapt = leap;
+      s.leaps = 0;
     }
   }
 
@@ -156,6 +164,7 @@ class AdaptTwoShot {
     int ntried = 0, trying = 0;    // and how many of them are still to run
     uint32_t since = 0, every = kFirst;
     int spikes = 0;
+    int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap
     uint64_t switches = 0, explored = 0;
     uint64_t mixed = 0;  // calls whose pieces ran both algorithms

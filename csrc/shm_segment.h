@@ -163,7 +163,7 @@ struct ShmConfig {
   size_t stream_bytes = 8 << 20;  // ring outputs of at least this many bytes are streamed (shm_transport.cpp)
   size_t twoshot_bytes = 8 << 20;  // the two-shot's area: larger all_reduces go through it in pieces
   bool adaptive = true;            // auto picks ring or two-shot by measurement (shm_adapt.h)
-  size_t twoshot_stream_bytes = 8 << 10;  // two-shot messages of at least this many bytes stream their area
+  size_t twoshot_stream_bytes = 4 << 10;  // two-shot messages of at least this many bytes stream their area
 };
 
 // ----------------------------------------------------------------------------

@@ -30,9 +30,10 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 // 238-259; at 4 KiB 4-6 / 5-7. In the fast mode the one-shot leads or ties (8 KiB 3-6 /
 // 4-6, 16-128 KiB within 1-2 us, 256 KiB 30-35 / 38-42, 512 KiB 31-41 / 70-76).
 // (benchmarks/results/allreduce_small_streamed_pairs_cpu2_20261127.txt.) From above 2 KiB,
-// so that 4 KiB is measured too: in a fast pair whose 8 KiB calls took the two-shot, the
-// one-shot's 4 KiB ran slower than them (4.4 against 4.2 us in place, 5.5 / 5.2 out of
-// place; collectives_pairs_cpu2_20261127, set 1).
+// so that 4 KiB is measured too, and the two-shot streams from 4 KiB (twoshot_stream_bytes):
+// in pairs whose 8 KiB calls took the streamed two-shot, the one-shot's 4 KiB ran slower than
+// them (4.4 against 4.2 us in place, 5.5 / 5.2 out of place in collectives_pairs_cpu2_20261127,
+// set 1; 4.6-4.9 against 4.2 in two pairs of a later run).
 constexpr size_t kAdaptFromBytes = 2 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
@@ -269,8 +270,8 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     if (stream) stream_fence();
     seg_.arrive(d, what);
     leader_seen_[cls] = seg_.leader_word(seq) != 0;
-    ChunkLayout L(split_even(count, n_));
     if (leader_seen_[cls]) {
+      ChunkLayout L(split_even(count, n_));  // (only here: the one-shot's calls allocate nothing)
       algo = Algo::twoshot;
       // in the one-shot's order of sources: bitwise the one-shot whichever runs
       sent = finish_twoshot(buf, in, TwoShotPieces{L, L.longest(), 1, true, stream, true}, dt, op, seq);
@@ -337,7 +338,7 @@ uint64_t ShmTransport::oneshot_reduce(void* buf, const void* in, int64_t count, 
 //
 // [Note: streamed two-shot] What a rank writes into its area for its peers (the staged
 // chunks, its reduced chunk) goes out with streaming stores from twoshot_stream_bytes
-// (8 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
+// (4 KiB) on. Where the two cores pass freshly written lines slowly (the slow mode of
 // [Note: adaptive two-shot]), reading lines a peer streamed out to memory is far
 // cheaper than taking them from its cache; where they pass them fast, streaming costs
 // 1.1-2.5x, but there the one-shot or the ring wins and auto takes it. Measured (2

@@ -61,9 +61,10 @@ for w in $WHAT; do
           --factor 4 --nproc $n --backends pyzero,deepspeed --rounds 3 --json "$(tag collectives_peers_${n}ranks_run$i).json"
       done; done ;;
     pairs)  # fresh pairs of ranks, each with its exchange probe: both modes of a machine in one record
-      # (every size from 8 B to 64 MiB, at least 200 calls of each, so p99 is not just the slowest call)
+      # (every size from 8 B to 64 MiB, at least 200 calls of each, so p99 is not just the slowest call;
+      # pyzero-fixed: auto without its measured choice, what the choice costs or buys in each pair)
       run collectives_pairs $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 2 \
-        --nproc 2 --backends pyzero,deepspeed --per-call --rounds 10 --block 100 --min-calls 200 --pairs "${PAIRS:-8}" \
+        --nproc 2 --backends pyzero,pyzero-fixed,deepspeed --per-call --rounds 10 --block 100 --min-calls 200 --pairs "${PAIRS:-8}" \
         --json "$(tag collectives_pairs).json" ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;

@@ -408,7 +408,7 @@ def _rank_auto_adaptive():
     auto_equals([(600 << 10) // 4 + 7, (3 << 20) // 4 + 1, (1 << 20) // 4], "ring", 40, 7, "sum")
     # the one-shot's sizes above 2 KiB: the one-shot or the two-shot (its copy made before the arrival
     # serves both; summed in the one-shot's order of ranks), bitwise the one-shot whichever runs, the
-    # area streamed after rank 0 chose the two-shot (twoshot_stream_bytes: 8 KiB) or not
+    # area streamed after rank 0 chose the two-shot (twoshot_stream_bytes: 4 KiB) or not
     auto_equals([(400 << 10) // 4 + 3], "oneshot", 16, 9, "avg")
     auto_equals([(20 << 10) // 4 + 1], "oneshot", 16, 11, "max")
     auto_equals([(4 << 10) // 4], "oneshot", 16, 13, "sum")  # 4 KiB: measured, in its own class
@@ -522,16 +522,22 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
 
     picks, a = _simulate(cost, 1600)
     assert sum(picks[300:400]) <= 4  # fast: the ring
-    to_two = picks.index(True, 400)  # the ring's calls got 10x slower, a leap: the two-shot tried at once
-    assert to_two == 401 and all(picks[401:406]) and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
+    to_two = picks.index(True, 400)  # the ring's calls got 10x slower, two in a row: a leap, the two-shot tried
+    assert to_two == 402 and all(picks[402:407]) and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
     back = picks.index(False, 1000)
     assert back <= 1000 + 10 and sum(picks[1100:]) <= 10, back  # the two-shot's calls got 2.5x faster: the ring
     assert a.switches(3) == 2
-    # one call of the ring stalls (10x) in the fast mode: a leap too, so the two-shot is tried at once
-    # and wins against the stalled call; the ring is tried again two calls later and is back
-    picks, a = _simulate(lambda i, two: 10.0 if (i == 500 and not two) else (2.0 if two else 1.0), 1000)
-    assert picks[500:512] == [False] + [True] * 5 + [False] * 6 and a.switches(3) == 2, picks[500:512]
-    assert sum(picks[512:]) <= 3 * (488 // 16 + 1)  # then tries only, as before the stall
+    # one call of the ring stalls (10x, and 40x) in the fast mode: a stall, not a leap; the ring goes on
+    # and the two-shot is tried only when its turn comes
+    calm = _simulate(lambda i, two: 2.0 if two else 1.0, 1000)[0]
+    for stall in (10.0, 40.0):
+        picks, a = _simulate(lambda i, two: stall if (i == 500 and not two) else (2.0 if two else 1.0), 1000)
+        assert picks == calm and a.switches(3) == 0, [i for i in range(1000) if picks[i] != calm[i]]
+    # two calls in a row stall: taken for a leap, so the two-shot is tried at once and wins against the
+    # stalled calls; the ring is tried again two calls later and is back
+    picks, a = _simulate(lambda i, two: 10.0 if (i in (500, 501) and not two) else (2.0 if two else 1.0), 1000)
+    assert picks[500:513] == [False] * 2 + [True] * 5 + [False] * 6 and a.switches(3) == 2, picks[500:513]
+    assert sum(picks[513:]) <= 3 * (487 // 16 + 1)  # then tries only, as before the stall
     # the two-shot in use and the ring 5x slower: each later try of the ring ends after its one call
     picks, a = _simulate(lambda i, two: 1.0 if two else 5.0, 2000)
     first = picks.index(True)

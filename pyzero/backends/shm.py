@@ -51,7 +51,7 @@ class ShmBackend(Backend):
                           o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True),
                           o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
                           o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE"),
-                          o.get("twoshot_stream_bytes", 8 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB", kib=True))
+                          o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB", kib=True))
         try:
             store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)
             comm.attach()

@@ -30,7 +30,10 @@ going through torch's API costs on the same transport, beside the API's own floo
 call over torch's fake backend, which does nothing). ``deepspeed`` is
 DeepSpeed's CPU shared-memory all-reduce (deepspeed.comm.inference_all_reduce
 with DS_ACCELERATOR=cpu; all_reduce, sum only), where deepspeed is installed
-(its shm op compiles with ninja on first use, about a minute).
+(its shm op compiles with ninja on first use, about a minute). ``pyzero-fixed``
+is pyzero's shm backend on a group with ``adaptive=False``: auto's fixed choice
+by size (the one-shot, or the ring above its sizes) without the measured choice
+of the two-shot, beside ``pyzero`` to show what that choice changes.
 """
 from __future__ import annotations
 
@@ -172,6 +175,8 @@ class Runner:
             self.call = self._sendrecv(backend)
         elif backend == "pyzero":
             self.call = self._pyzero(op, inplace, algo)
+        elif backend == "pyzero-fixed":
+            self.call = self._pyzero(op, inplace, algo, PZ_GROUPS[backend])
         elif backend == "nccl":
             self.call = self._pyzero(op, inplace, "native")
         elif backend == "deepspeed":
@@ -208,21 +213,21 @@ class Runner:
             return lambda: dc.inference_all_reduce(inp)
         return lambda: (out.copy_(inp), dc.inference_all_reduce(out))
 
-    def _pyzero(self, op, inplace, algo):
+    def _pyzero(self, op, inplace, algo, group=None):
         import pyzero as pz  # noqa: PLC0415
 
-        inp, out = self.inp, self.out
+        inp, out, g = self.inp, self.out, group
         if op == "all_reduce":
             if inplace:
-                return lambda: pz.all_reduce(inp, algo=algo)
-            return lambda: pz.all_reduce(inp, algo=algo, out=out)
+                return lambda: pz.all_reduce(inp, algo=algo, group=g)
+            return lambda: pz.all_reduce(inp, algo=algo, out=out, group=g)
         if op == "reduce_scatter":
-            return lambda: pz.reduce_scatter(out, inp, algo=algo)
+            return lambda: pz.reduce_scatter(out, inp, algo=algo, group=g)
         if op == "all_gather":
-            return lambda: pz.all_gather(out, inp, algo=algo)
+            return lambda: pz.all_gather(out, inp, algo=algo, group=g)
         if inplace:
-            return lambda: pz.broadcast(inp, src=0, algo=algo)
-        return lambda: (out.copy_(inp) if self.rank == 0 else None, pz.broadcast(out, src=0, algo=algo))
+            return lambda: pz.broadcast(inp, src=0, algo=algo, group=g)
+        return lambda: (out.copy_(inp) if self.rank == 0 else None, pz.broadcast(out, src=0, algo=algo, group=g))
 
     def _torch(self, op, inplace, group, aliasing):
         """torch.distributed calls on `group`; `aliasing`: the backend takes the in-place forms as pz does."""
@@ -249,6 +254,7 @@ class Runner:
 # torch.distributed groups of the torch columns: "torch" is the default group (gloo/nccl),
 # "torch-pyzero" a group on pyzero's own torch backend beside it (or the default one when alone).
 TORCH_GROUPS: dict = {}
+PZ_GROUPS: dict = {}  # pyzero columns on a group of their own: "pyzero-fixed" (adaptive=False)
 
 
 def deepspeed_available() -> bool:
@@ -305,7 +311,7 @@ def _barrier(backend):
 
         dist.barrier(group=TORCH_GROUPS[backend])
     else:
-        pz.barrier()
+        pz.barrier(group=PZ_GROUPS.get(backend))
 
 
 def _syncer():
@@ -466,10 +472,10 @@ def rank_main(args) -> list[dict]:
     rounds = _rounds(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed") or (b == "nccl" and not cuda) \
-                or (b in ("torch-pyzero", "deepspeed") and cuda):
+        if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed", "pyzero-fixed") \
+                or (b == "nccl" and not cuda) or (b in ("torch-pyzero", "deepspeed", "pyzero-fixed") and cuda):
             raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
-                             "(cpu) deepspeed or (with --device cuda) nccl")
+                             "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
     gpu_backend = getattr(args, "gpu_backend", "nccl")
     if cuda and gpu_backend == "ipc" and backends != ["pyzero"]:
         raise ValueError("--gpu-backend ipc: only --backends pyzero (the ranks may share one GPU, which NCCL refuses)")
@@ -480,6 +486,8 @@ def rank_main(args) -> list[dict]:
     pz.init(backend=gpu_backend if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
     _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
+    if "pyzero-fixed" in backends:
+        PZ_GROUPS["pyzero-fixed"] = pz.new_group(range(n), options=pz.Options(adaptive=False))
     if "deepspeed" in backends:
         _init_deepspeed(args.timeout)
     dtype = DTYPES[args.dtype]
@@ -663,6 +671,8 @@ def _label(backend: str, args) -> str:
         return "torch.distributed on the 'pyzero' backend, shm, algo auto"
     if backend == "deepspeed":
         return "DeepSpeed CPU shm all-reduce, deepspeed.comm.inference_all_reduce"
+    if backend == "pyzero-fixed":
+        return f"pyzero shm backend, algo {_algo(backend, args)}, adaptive=False"
     return f"pyzero {getattr(args, 'gpu_backend', 'nccl') if cuda else 'shm'} backend, algo {_algo(backend, args)}"
 
 
@@ -738,28 +748,36 @@ def print_ratios(results: list) -> None:
 
 
 def print_pairs(results: list) -> None:
-    """One line per set of ranks and size: its exchange probe, pyzero's in-place per-call median and p99
-    (and DeepSpeed's, with their ratios time(deepspeed) / time(pyzero)) where measured per call."""
+    """One line per set of ranks and size: its exchange probe, pyzero's in-place per-call median and p99,
+    and where measured per call DeepSpeed's (with the ratios time(deepspeed) / time(pyzero)) and
+    pyzero-fixed's median (with time(pyzero-fixed) / time(pyzero))."""
     probes = {r["pair"]: r for r in results if r["backend"] == "exchange-probe"}
     rows = {(r["pair"], r["op"], r["bytes"], r["backend"]): r for r in results
-            if r.get("inplace") and "p99_us" in r and r["backend"] in ("pyzero", "deepspeed")}
+            if r.get("inplace") and "p99_us" in r and r["backend"] in ("pyzero", "deepspeed", "pyzero-fixed")}
     if not rows:
         return
     ds = any(k[3] == "deepspeed" for k in rows)
+    fx = any(k[3] == "pyzero-fixed" for k in rows)
     print("# every set of ranks, in place, each call timed alone (us): pyzero p50 p99" +
-          (", deepspeed p50 p99, time(deepspeed) / time(pyzero) at p50 and p99" if ds else ""))
+          (", deepspeed p50 p99, time(deepspeed) / time(pyzero) at p50 and p99" if ds else "") +
+          (", pyzero-fixed p50, time(pyzero-fixed) / time(pyzero) at p50" if fx else ""))
     print("#{:>4} {:>5} {:>8} {:>11} {:>12} {:>8} {:>8}".format("set", "mode", "ns/line", "op", "size (B)", "pz p50",
                                                                   "pz p99") +
-          (" {:>8} {:>8} {:>7} {:>7}".format("ds p50", "ds p99", "p50 x", "p99 x") if ds else ""))
+          (" {:>8} {:>8} {:>7} {:>7}".format("ds p50", "ds p99", "p50 x", "p99 x") if ds else "") +
+          (" {:>8} {:>7}".format("fx p50", "fx x") if fx else ""))
     for pair, op, nbytes, backend in sorted(k for k in rows if k[3] == "pyzero"):
         pz, pr = rows[(pair, op, nbytes, "pyzero")], probes.get(pair, {})
         line = " {:>4} {:>5} {:>8} {:>11} {:>12} {:>8.1f} {:>8.1f}".format(
             pair + 1, pr.get("mode", "-"), f"{pr['ns_per_line']:.2f}" if pr else "-", op, nbytes, pz["p50_us"],
             pz["p99_us"])
         d = rows.get((pair, op, nbytes, "deepspeed"))
-        if d:
-            line += " {:>8.1f} {:>8.1f} {:>7.2f} {:>7.2f}".format(d["p50_us"], d["p99_us"], d["p50_us"] / pz["p50_us"],
-                                                                d["p99_us"] / pz["p99_us"])
+        if ds:
+            line += (" {:>8.1f} {:>8.1f} {:>7.2f} {:>7.2f}".format(d["p50_us"], d["p99_us"], d["p50_us"] / pz["p50_us"],
+                                                                 d["p99_us"] / pz["p99_us"]) if d
+                     else " {:>8} {:>8} {:>7} {:>7}".format("-", "-", "-", "-"))
+        f = rows.get((pair, op, nbytes, "pyzero-fixed"))
+        if f:
+            line += " {:>8.1f} {:>7.2f}".format(f["p50_us"], f["p50_us"] / pz["p50_us"])
         print(line)
     print("#", flush=True)
 

@@ -99,6 +99,7 @@ ShmSegments::ShmSegments(std::string prefix, int rank, int size, ShmConfig cfg)
   maps_[rank_] = shm_create_segment(shm_segment_name(prefix_, rank_), seg_bytes_);
   new (ctrl(rank_)) RankCtrl();  // ftruncate zero-filled; placement-new for the atomics
   ctrl(rank_)->pid = int32_t(getpid());
+  ctrl(rank_)->cpu.store(-1, std::memory_order_relaxed);  // (no wait begun yet)
   for (int i = 0; i <= n_; ++i) new (chan_ctrl(rank_, i)) ChanCtrl();
 }
 

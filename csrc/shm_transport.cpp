@@ -32,7 +32,7 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 // (benchmarks/results/allreduce_small_streamed_pairs_cpu2_20261127.txt.) From above 2 KiB,
 // so that 4 KiB is measured too, and the two-shot streams from 4 KiB (twoshot_stream_bytes):
 // in pairs whose 8 KiB calls took the streamed two-shot, the one-shot's 4 KiB ran slower than
-// them (4.4 against 4.2 us in place, 5.5 / 5.2 out of place in collectives_pairs_cpu2_20261127,
+// them (4.4 against 4.2 us in place, 5.5 / 5.2 out of place in collectives_pairs_leap1_cpu2_20261127,
 // set 1; 4.6-4.9 against 4.2 in two pairs of a later run).
 constexpr size_t kAdaptFromBytes = 2 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least

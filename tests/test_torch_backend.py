@@ -590,8 +590,10 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--graph", "10", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--graph: expected a count of calls >= 0, got -1"):
         collectives.main(p.parse_args(["--graph", "-1", "--nproc", "2", "--device", "cuda"]))
-    out = tmp_path / "pairs.json"  # fresh sets of ranks, each with its exchange probe and per-call percentiles
-    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "64K",
+    out = tmp_path / "pairs.json"  # fresh sets of ranks, each with its exchange probe and per-call percentiles,
+    # auto beside its fixed choice (pyzero-fixed: a group with adaptive=False)
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero,pyzero-fixed", "--min", "8",
+                         "--max", "64K",
                          "--factor", "8192", "--iters", "20", "--warmup", "1", "--timeout", "120", "--per-call",
                          "--rounds", "2", "--pairs", "2", "--json", str(out)])
     assert collectives.main(args) == 0
@@ -602,16 +604,21 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
     assert [r["pair"] for r in probes] == [0, 1]
     for r in probes:
         assert 0 < r["ns_per_line"] < 1000 and r["mode"] == ("slow" if r["ns_per_line"] > 2.5 else "fast"), r
-    timed = [r for r in rows if r["backend"] == "pyzero"]
-    assert sorted((r["pair"], r["bytes"], r["inplace"]) for r in timed) == [
-        (k, b, ip) for k in (0, 1) for b in (8, 65536) for ip in (False, True)]
+    timed = [r for r in rows if r["backend"] in ("pyzero", "pyzero-fixed")]
+    assert sorted((r["backend"], r["pair"], r["bytes"], r["inplace"]) for r in timed) == [
+        (be, k, b, ip) for be in ("pyzero", "pyzero-fixed") for k in (0, 1) for b in (8, 65536) for ip in (False, True)]
     for r in timed:  # the calls of both rounds pooled: at least 40 per form and rank
         assert r["wrong"] == 0 and 0 < r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"], r
+    assert "# all_reduce, backend pyzero-fixed (pyzero shm backend, algo auto, adaptive=False)" in text
     assert re.search(r"^# size order, per set of ranks and form: .*\n#   pyzero: \d+ / \d+", text, re.M), text
     summary = text[text.index("# every set of ranks"):].splitlines()[2:6]
     assert [line.split()[:5] for line in summary] == [
         [str(k), probes[k - 1]["mode"], f"{probes[k - 1]['ns_per_line']:.2f}", "all_reduce", str(b)]
         for k in (1, 2) for b in (8, 65536)]
+    p50 = {(r["backend"], r["pair"], r["bytes"]): r["p50_us"] for r in timed if r["inplace"]}
+    for line, (k, b) in zip(summary, [(k, b) for k in (0, 1) for b in (8, 65536)]):  # fx p50, fx x
+        assert line.split()[7:] == [f"{p50[('pyzero-fixed', k, b)]:.1f}",
+                                    f"{p50[('pyzero-fixed', k, b)] / p50[('pyzero', k, b)]:.2f}"], line
     out = tmp_path / "block.json"  # short rounds of a fixed number of calls, the backends interleaved
     args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero,torch-pyzero", "--min", "8",
                          "--max", "64K", "--factor", "8192", "--warmup", "1", "--timeout", "120", "--per-call",
@@ -639,6 +646,11 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--block", "5", "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: expected a positive int, got 0"):
         collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
+    with pytest.raises(ValueError, match=r"--backends: unknown backend 'pyzero-fixed'; expected .*\(cpu\) pyzero-fixed"):
+        collectives.main(p.parse_args(["--backends", "pyzero-fixed", "--device", "cuda", "--nproc", "1"]))
+    with pytest.raises(ValueError, match=r"--gpu-backend ipc: only --backends pyzero \(the ranks may share one GPU"):
+        collectives.main(p.parse_args(["--backends", "pyzero,torch", "--device", "cuda", "--gpu-backend", "ipc",
+                                       "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: needs --nproc"):
         collectives.main(p.parse_args(["--pairs", "2"]))
 
@@ -660,6 +672,7 @@ def test_bench_size_inversions_against_the_rounds_spread():
             row(8, [5.0] * 4, pair=1), row(16, [4.0] * 4, pair=1),  # another set: its own sizes
             row(8, [3.0] * 4, inplace=False), row(16, [2.95] * 4, inplace=False),  # 1.7% apart: within
             row(8, [9.0] * 4, backend="deepspeed"), row(16, [1.0] * 4, backend="torch", inplace=False),
+            row(8, [4.0], pair=3), row(16, [2.0], pair=3),  # one round: no spread to be beyond
             {"op": "all_reduce", "backend": "pyzero", "bytes": 8, "inplace": True, "pair": 2, "time_us": 1.0,
              "timing": "loop mean"}]
     got = [v[:6] + (round(v[6], 9), round(v[7], 9), v[8]) for v in size_inversions(rows)]
@@ -670,7 +683,8 @@ def test_bench_size_inversions_against_the_rounds_spread():
         (0, "all_reduce", "pyzero", False, 8, 16, 3.0, 2.95, False),
         (0, "all_reduce", "pyzero", True, 8, 16, 3.15, 2.15, True),
         (0, "all_reduce", "pyzero", True, 32, 64, 3.55, 3.4, False),
-        (1, "all_reduce", "pyzero", True, 8, 16, 5.0, 4.0, True)], got
+        (1, "all_reduce", "pyzero", True, 8, 16, 5.0, 4.0, True),
+        (3, "all_reduce", "pyzero", True, 8, 16, 4.0, 2.0, False)], got
 
 
 @pytest.mark.parametrize("q", [0.01, 0.5, 0.9, 0.99, 1.0])

@@ -470,15 +470,8 @@ def rank_main(args) -> list[dict]:
 
     cuda = getattr(args, "device", "cpu") == "cuda"
     rounds = _rounds(args)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    for b in backends:
-        if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed", "pyzero-fixed") \
-                or (b == "nccl" and not cuda) or (b in ("torch-pyzero", "deepspeed", "pyzero-fixed") and cuda):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
-                             "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
+    backends = _backends(args)
     gpu_backend = getattr(args, "gpu_backend", "nccl")
-    if cuda and gpu_backend == "ipc" and backends != ["pyzero"]:
-        raise ValueError("--gpu-backend ipc: only --backends pyzero (the ranks may share one GPU, which NCCL refuses)")
     if "deepspeed" in backends and not deepspeed_available():
         if int(os.environ.get("RANK", "0")) == 0:
             print("# backend deepspeed: not installed here (pip install deepspeed), column left out", flush=True)
@@ -787,7 +780,7 @@ def size_inversions(results: list) -> list:
     (pair, op, backend, inplace, size, larger size, median, larger's median, apart), for each size the
     fastest of the larger sizes; `apart`: the inversion is over 2% (the tables' 0.1 us at the smallest
     sizes) and the two sizes' round medians do not overlap in their interquartile ranges (it is larger
-    than the rounds' spread); else it lies within the measurement's noise."""
+    than the rounds' spread; one round has none: not apart); else it lies within the measurement's noise."""
     by = {}
     for r in results:
         if "rounds_time_us" in r and r.get("timing") == "per-call median":
@@ -799,9 +792,10 @@ def size_inversions(results: list) -> list:
             larger = min(sizes[i + 1:], key=lambda z: (rows[z]["time_us"], z))
             t, tl = rows[size]["time_us"], rows[larger]["time_us"]
             if t > tl:
-                q = statistics.quantiles(rows[size]["rounds_time_us"], n=4, method="inclusive")
-                ql = statistics.quantiles(rows[larger]["rounds_time_us"], n=4, method="inclusive")
-                out.append((*key, size, larger, t, tl, t > 1.02 * tl and q[0] > ql[2]))
+                a, b = rows[size]["rounds_time_us"], rows[larger]["rounds_time_us"]
+                apart = t > 1.02 * tl and min(len(a), len(b)) >= 2 and \
+                    statistics.quantiles(a, n=4, method="inclusive")[0] > statistics.quantiles(b, n=4, method="inclusive")[2]
+                out.append((*key, size, larger, t, tl, apart))
     return out
 
 
@@ -856,6 +850,20 @@ def _count(op: str, size: int, esize: int, n: int) -> int:
     return max(size // esize, 1)
 
 
+def _backends(args) -> list[str]:
+    """--backends as a list; a ValueError naming what is wrong."""
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed", "pyzero-fixed") \
+                or (b == "nccl" and not cuda) or (b in ("torch-pyzero", "deepspeed", "pyzero-fixed") and cuda):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
+                             "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
+    if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" and backends != ["pyzero"]:
+        raise ValueError("--gpu-backend ipc: only --backends pyzero (the ranks may share one GPU, which NCCL refuses)")
+    return backends
+
+
 def _min_calls(args) -> int:
     least = getattr(args, "min_calls", 0)
     if not isinstance(least, int) or isinstance(least, bool) or least < 0 or (least and not _block(args)):
@@ -882,6 +890,7 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     _rounds(args)  # bad input fails here, before any rank starts
+    _backends(args)
     _block(args)
     _min_calls(args)
     graph = getattr(args, "graph", 0)

@@ -271,7 +271,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     seg_.arrive(d, what);
     leader_seen_[cls] = seg_.leader_word(seq) != 0;
     if (leader_seen_[cls]) {
-      ChunkLayout L(split_even(count, n_));  // (only here: the one-shot's calls allocate nothing)
+      ChunkLayout L(split_even(count, n_));  // (only here: the one-shot builds no layout)
       algo = Algo::twoshot;
       // in the one-shot's order of sources: bitwise the one-shot whichever runs
       sent = finish_twoshot(buf, in, TwoShotPieces{L, L.longest(), 1, true, stream, true}, dt, op, seq);

@@ -4,7 +4,8 @@
 # noise). Run inside the project's venv. Arguments: the benches to record (default: all), among
 #   collectives train ps optim plan faults hier peers pairs
 # (peers: the side-by-side set against DeepSpeed, gloo, torch DDP and FSDP2, three times each;
-#  pairs: all_reduce per call against DeepSpeed in PAIRS (default 8) fresh pairs of ranks)
+#  pairs: all_reduce per call against DeepSpeed in PAIRS (default 8) fresh pairs of ranks; MODE=slow
+#  or fast: only pairs in that exchange mode)
 # DeepSpeed's CPU all-reduce joins the collectives table when deepspeed is importable
 # (PYTHONPATH may point at a separate install of it).
 set -uo pipefail
@@ -63,9 +64,12 @@ for w in $WHAT; do
     pairs)  # fresh pairs of ranks, each with its exchange probe: both modes of a machine in one record
       # (every size from 8 B to 64 MiB, at least 200 calls of each, so p99 is not just the slowest call;
       # pyzero-fixed: auto without its measured choice, what the choice costs or buys in each pair)
-      run collectives_pairs $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 2 \
+      # (MODE=slow or fast: only sets of ranks the exchange probe puts in that mode, recorded as
+      #  collectives_pairs_<mode>; fresh sets start until PAIRS of them have run)
+      name=collectives_pairs${MODE:+_$MODE}
+      run $name $PY -m pyzero.bench collectives --op all_reduce --min 8 --max 64M --factor 2 \
         --nproc 2 --backends pyzero,pyzero-fixed,deepspeed --per-call --rounds 10 --block 100 --min-calls 200 --pairs "${PAIRS:-8}" \
-        --json "$(tag collectives_pairs).json" ;;
+        --exchange-mode "${MODE:-any}" --json "$(tag $name).json" ;;
     ps)
       run ps $PY -m pyzero.bench ps --samples 4096 --batch 32 --seq 64 --transport --json "$(tag ps).json" ;;
     optim)

@@ -655,6 +655,67 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--pairs", "2"]))
 
 
+def test_bench_exchange_mode_keeps_only_sets_in_the_mode_asked_for(tmp_path, capsys, monkeypatch):
+    """--exchange-mode fast|slow: a fresh set of ranks whose probe labels it in the other mode stops right
+    after its probe and the next one starts, until --pairs sets in the mode ran the comparison or --tries
+    sets started (then exit status 1). The label's bound is switched between the starts (forked ranks
+    see the parent's module): odd starts slow, even ones fast."""
+    import argparse
+    import json
+
+    from pyzero import launch
+    from pyzero.bench import collectives
+
+    starts, real = [], launch.run_ranks
+
+    def counting(*a, **k):
+        starts.append(1)
+        monkeypatch.setattr(collectives, "SLOW_EXCHANGE_NS", 1e9 if len(starts) % 2 == 0 else 0.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(launch, "run_ranks", counting)
+    p = argparse.ArgumentParser()
+    collectives.add_arguments(p)
+    base = ["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "8", "--max", "8", "--iters", "5",
+            "--warmup", "1", "--timeout", "60", "--per-call", "--pairs", "2", "--exchange-mode", "fast"]
+    out = tmp_path / "fast.json"
+    assert collectives.main(p.parse_args(base + ["--tries", "5", "--json", str(out)])) == 0
+    text = capsys.readouterr().out
+    assert len(starts) == 4, text  # slow, fast, slow, fast: two in the mode after four starts
+    rows = json.loads(out.read_text())["results"]
+    probes = [r for r in rows if r["backend"] == "exchange-probe"]
+    assert [(r["pair"], r["mode"], r.get("skipped", False)) for r in probes] == [
+        (0, "slow", True), (1, "fast", False), (2, "slow", True), (3, "fast", False)]
+    timed = [r for r in rows if r["backend"] == "pyzero"]
+    assert sorted((r["pair"], r["inplace"]) for r in timed) == [(k, ip) for k in (1, 3) for ip in (False, True)]
+    assert all(r["wrong"] == 0 and r["calls"] >= 5 for r in timed), timed
+    assert text.count("not the fast one asked for (--exchange-mode): it stops here") == 2, text
+    assert "# ---- set of ranks 3 (fresh processes; 1 of 2 in the fast mode so far, at most 5 sets) ----" in text
+    assert "# --exchange-mode fast: 2 of 2 sets of ranks in that mode ran the comparison, 2 others stopped after " \
+           "their probe\n" in text
+    summary = text[text.index("# every set of ranks"):].splitlines()[2:4]
+    assert [line.split()[:2] for line in summary] == [["2", "fast"], ["4", "fast"]], summary
+    starts.clear()  # too few starts for the sets asked for: what ran is kept, and the exit status says so
+    out = tmp_path / "short.json"
+    assert collectives.main(p.parse_args(base + ["--tries", "3", "--json", str(out)])) == 1
+    assert len(starts) == 3
+    assert "1 of 2 sets of ranks in that mode ran the comparison, 2 others stopped after their probe; 3 sets " \
+           "tried, FEWER THAN ASKED FOR" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert sorted({r["pair"] for r in rows if r["backend"] == "pyzero"}) == [1]
+    with pytest.raises(ValueError, match="--tries: only with --exchange-mode fast or slow"):
+        collectives.main(p.parse_args(["--tries", "3", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--tries: expected at least --pairs \\(2\\) sets, got 1"):
+        collectives.main(p.parse_args(["--exchange-mode", "slow", "--pairs", "2", "--tries", "1", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--tries: expected a count of sets of ranks >= 0, got -1"):
+        collectives.main(p.parse_args(["--exchange-mode", "slow", "--tries", "-1", "--nproc", "2"]))
+    with pytest.raises(ValueError, match="--exchange-mode slow: needs --nproc"):
+        collectives.main(p.parse_args(["--exchange-mode", "slow"]))
+    with pytest.raises(ValueError, match="--exchange-mode fast: the exchange probe measures the CPU shm backend; "
+                                         "needs --device cpu"):
+        collectives.main(p.parse_args(["--exchange-mode", "fast", "--device", "cuda", "--nproc", "1"]))
+
+
 def test_bench_size_inversions_against_the_rounds_spread():
     """pyzero-bench's size-order check: a size whose per-call median is above the fastest larger size's
     (per set, backend and form) is an inversion, listed as beyond the rounds' spread only where it is over

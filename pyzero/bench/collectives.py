@@ -106,6 +106,14 @@ def add_arguments(p) -> None:
                    help="with --nproc: run the whole comparison this many times, each in fresh rank processes (each "
                         "set of processes lands in its own exchange mode, see the exchange probe), then a summary "
                         "per set; the json's rows carry their set's index ('pair')")
+    p.add_argument("--exchange-mode", choices=("any", "fast", "slow"), default="any",
+                   help="with --nproc on CPU: keep only sets of ranks whose exchange probe labels them in this mode "
+                        "(fast or slow; see --pairs): a set in the other mode stops right after its probe and a fresh "
+                        "one starts, until --pairs sets in the mode have run the comparison or --tries sets were "
+                        "started (any: every set runs it)")
+    p.add_argument("--tries", type=int, default=0, metavar="N",
+                   help="with --exchange-mode fast or slow: start at most N sets of ranks in all (0: 20 per set "
+                        "asked for by --pairs); fewer sets in the mode than asked for is exit status 1")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each run")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -464,6 +472,28 @@ HEADER = ("#\n#{:>61}{:>32}\n".format("out-of-place", "in-place") +
               "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""))
 
 
+def _exchange_mode(args, pairs: int) -> tuple[str, int]:
+    """(--exchange-mode, how many sets of ranks may start), checked."""
+    want = getattr(args, "exchange_mode", "any")
+    if want not in ("any", "fast", "slow"):
+        raise ValueError(f"--exchange-mode: expected any, fast or slow, got {want!r}")
+    tries = getattr(args, "tries", 0)
+    if not isinstance(tries, int) or isinstance(tries, bool) or tries < 0:
+        raise ValueError(f"--tries: expected a count of sets of ranks >= 0, got {tries!r}")
+    if want == "any":
+        if tries:
+            raise ValueError("--tries: only with --exchange-mode fast or slow (every set runs the comparison)")
+        return want, pairs
+    if not args.nproc:
+        raise ValueError(f"--exchange-mode {want}: needs --nproc (sets of ranks are started afresh until one is "
+                         "in that mode)")
+    if getattr(args, "device", "cpu") != "cpu":
+        raise ValueError(f"--exchange-mode {want}: the exchange probe measures the CPU shm backend; needs --device cpu")
+    if tries and tries < pairs:
+        raise ValueError(f"--tries: expected at least --pairs ({pairs}) sets, got {tries}")
+    return want, tries or 20 * pairs
+
+
 def rank_main(args) -> list[dict]:
     import pyzero as pz  # noqa: PLC0415
     from .. import comm  # noqa: PLC0415
@@ -478,6 +508,19 @@ def rank_main(args) -> list[dict]:
         backends = [b for b in backends if b != "deepspeed"]
     pz.init(backend=gpu_backend if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
+    results = []
+    probe = exchange_probe()  # (first: a set in a mode other than --exchange-mode's starts nothing more)
+    if probe is not None:
+        results.append(probe)
+        if rank == 0:
+            print(f"# exchange probe: {probe['ns_per_line']:.2f} ns per 64-byte line read from the ring predecessor "
+                  f"just after it wrote it ({probe['mode']}; slow above {SLOW_EXCHANGE_NS} ns)", flush=True)
+        want = getattr(args, "exchange_mode", "any")
+        if want != "any" and probe["mode"] != want:  # (the probe is the slowest rank's: every rank stops here)
+            if rank == 0:
+                print(f"# this set of ranks is in the {probe['mode']} mode, not the {want} one asked for "
+                      "(--exchange-mode): it stops here", flush=True)
+            return [dict(probe, skipped=True)]
     _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
     if "pyzero-fixed" in backends:
         PZ_GROUPS["pyzero-fixed"] = pz.new_group(range(n), options=pz.Options(adaptive=False))
@@ -488,16 +531,9 @@ def rank_main(args) -> list[dict]:
     ops = OPS if args.op == "all" else (args.op,)
     if "sendrecv" in ops and n < 2:
         raise ValueError("--op sendrecv: needs two ranks or more (each sends to the next)")
-    results = []
     t_start = time.perf_counter()
     per_call = getattr(args, "per_call", False)
     block = _block(args)
-    probe = exchange_probe()
-    if probe is not None:
-        results.append(probe)
-        if rank == 0:
-            print(f"# exchange probe: {probe['ns_per_line']:.2f} ns per 64-byte line read from the ring predecessor "
-                  f"just after it wrote it ({probe['mode']}; slow above {SLOW_EXCHANGE_NS} ns)", flush=True)
     for op in ops:
         cols = [b for b in backends if (b != "deepspeed" or op == "all_reduce")
                 and not (op == "sendrecv" and b == "nccl")]  # (point-to-point: no native column)
@@ -905,19 +941,33 @@ def main(args) -> int:
         raise ValueError(f"--op sendrecv: needs --nproc 2 or more (each rank sends to the next), got {args.nproc}")
     if pairs > 1 and not args.nproc:
         raise ValueError("--pairs: needs --nproc (each set of ranks is started afresh by this process)")
+    want, tries = _exchange_mode(args, pairs)
+    short = False
     if args.nproc:
         # GPU ranks start as fresh interpreters (CUDA does not survive fork)
         start = "spawn" if getattr(args, "device", "cpu") == "cuda" else "fork"
-        results = []
-        for i in range(pairs):
-            if pairs > 1:
+        results, done = [], 0
+        for i in range(tries):
+            if done == pairs:
+                break
+            if want != "any":
+                print(f"# ---- set of ranks {i + 1} (fresh processes; {done} of {pairs} in the {want} mode so far, "
+                      f"at most {tries} sets) ----", flush=True)
+            elif pairs > 1:
                 print(f"# ---- set of ranks {i + 1} of {pairs} (fresh processes) ----", flush=True)
             # rank 0's table as it prints it: a run stopped part-way still shows the rows it measured
             res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1, start=start, echo=0)
-            if pairs > 1:
+            skipped = any(r.get("skipped") for r in res[0].value)
+            done += not skipped
+            if (pairs > 1 or want != "any") and not skipped:
                 print_ratios(res[0].value)
             results += [dict(r, pair=i) for r in res[0].value]
-        if pairs > 1:
+        if want != "any":
+            short = done < pairs
+            print(f"# --exchange-mode {want}: {done} of {pairs} sets of ranks in that mode ran the comparison, "
+                  f"{sum(bool(r.get('skipped')) for r in results)} others stopped after their probe"
+                  + (f"; {tries} sets tried, FEWER THAN ASKED FOR" if short else ""), flush=True)
+        if pairs > 1 or want != "any":
             print_pairs(results)
         print_size_order(results)
     else:
@@ -936,11 +986,11 @@ def main(args) -> int:
         for op, us in (floor or {}).items():
             results.append({"backend": "torch-api-floor", "op": op, "dtype": args.dtype, "world_size": n,
                             "time_us": us, "algo": "fake", "device": "cpu"})
-    if pairs == 1:
+    if pairs == 1 and want == "any":
         print_ratios(results)
     if args.json:
         write_json(args.json, results, {"command": "collectives", "args": vars(args)})
     if args.plot:
         plot(results, args.plot)
     wrong = sum(r.get("wrong", 0) for r in results)
-    return 1 if wrong else 0
+    return 1 if wrong or short else 0

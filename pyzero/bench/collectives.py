@@ -429,21 +429,48 @@ def percentiles(calls) -> dict:
 
 
 # [Note: exchange probe] in csrc/shm_transport.cpp: what one rank pays per cache line to read lines its
-# ring predecessor has just written. Pairs of ranks on this 2-vCPU VM measured 0.7-1.5 ns per line;
-# a pair above this bound is labelled "slow".
-SLOW_EXCHANGE_NS = 2.5
+# ring predecessor has just written (ns_per_line, recorded), and the mode label, which comes from the
+# one-shot all_reduce of 64 KiB (fp32, in place, on a group with adaptive=False: a copy into the area,
+# the arrival, the peers' areas read and summed), the median of PROBE_CALLS calls, the slowest rank's.
+# On this 2-vCPU VM, in fresh pairs of ranks (collectives_pairs_{mixed,slow,leap2}_cpu2_20261127):
+# pairs that ran as fast ones, 25 of them, one-shot 11.4-16.0 us, ns_per_line 0.64-4.10; the one that
+# ran slow (its 1 MiB ring 101 us at the median and 937 at p90, DeepSpeed's 1 MiB 514 us against 85-138
+# elsewhere), one-shot 35.3 us, ns_per_line 2.59; in a quick sample of 20 fresh pairs 6 took 36-47 us.
+# ns_per_line alone labelled 6 fast-running pairs slow (2.52-4.10), so the label is the one-shot's.
+SLOW_ONESHOT_US = 24.0
+PROBE_CALLS = 200
+
+
+def _fixed_group():
+    """The "pyzero-fixed" column's group (adaptive=False), made on first use by every rank of this run."""
+    import pyzero as pz  # noqa: PLC0415
+
+    if "pyzero-fixed" not in PZ_GROUPS:
+        PZ_GROUPS["pyzero-fixed"] = pz.new_group(range(pz.get_world_size()), options=pz.Options(adaptive=False))
+    return PZ_GROUPS["pyzero-fixed"]
 
 
 def exchange_probe() -> dict | None:
-    """The shm transport's exchange probe of the world group (CPU only; None elsewhere)."""
+    """The shm transport's exchange probe of the world group and the fixed one-shot's time at 64 KiB,
+    with the mode that time puts the set of ranks in (CPU only; None elsewhere)."""
     import pyzero as pz  # noqa: PLC0415
     from .. import comm  # noqa: PLC0415
 
     if comm_device().type != "cpu" or pz.get_backend() != "shm" or pz.get_world_size() < 2:
         return None
     ns = _max_over_ranks(comm.resolve_group(None).backend.comm.probe_exchange(256 << 10, 15))
-    return {"backend": "exchange-probe", "op": "exchange", "ns_per_line": ns,
-            "mode": "slow" if ns > SLOW_EXCHANGE_NS else "fast"}
+    group = _fixed_group()
+    x = torch.ones(16 << 10)
+    for _ in range(20):
+        pz.all_reduce(x, group=group)
+    times = []
+    for _ in range(PROBE_CALLS):
+        t0 = time.perf_counter()
+        pz.all_reduce(x, group=group)
+        times.append(time.perf_counter() - t0)
+    us = _max_over_ranks(statistics.median(times)) * 1e6
+    return {"backend": "exchange-probe", "op": "exchange", "ns_per_line": ns, "oneshot_64k_us": us,
+            "mode": "slow" if us > SLOW_ONESHOT_US else "fast"}
 
 
 def memcpy_gbps(nbytes: int, iters: int) -> float:
@@ -508,13 +535,15 @@ def rank_main(args) -> list[dict]:
         backends = [b for b in backends if b != "deepspeed"]
     pz.init(backend=gpu_backend if cuda else "shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
+    PZ_GROUPS.clear()  # (groups of an earlier run in this process are gone with its world)
     results = []
     probe = exchange_probe()  # (first: a set in a mode other than --exchange-mode's starts nothing more)
     if probe is not None:
         results.append(probe)
         if rank == 0:
             print(f"# exchange probe: {probe['ns_per_line']:.2f} ns per 64-byte line read from the ring predecessor "
-                  f"just after it wrote it ({probe['mode']}; slow above {SLOW_EXCHANGE_NS} ns)", flush=True)
+                  f"just after it wrote it; the one-shot all_reduce of 64 KiB {probe['oneshot_64k_us']:.1f} us "
+                  f"({probe['mode']}; slow above {SLOW_ONESHOT_US} us)", flush=True)
         want = getattr(args, "exchange_mode", "any")
         if want != "any" and probe["mode"] != want:  # (the probe is the slowest rank's: every rank stops here)
             if rank == 0:
@@ -523,7 +552,7 @@ def rank_main(args) -> list[dict]:
             return [dict(probe, skipped=True)]
     _init_torch_groups(backends, "nccl" if cuda else "gloo", args.timeout)
     if "pyzero-fixed" in backends:
-        PZ_GROUPS["pyzero-fixed"] = pz.new_group(range(n), options=pz.Options(adaptive=False))
+        _fixed_group()
     if "deepspeed" in backends:
         _init_deepspeed(args.timeout)
     dtype = DTYPES[args.dtype]
@@ -777,7 +806,8 @@ def print_ratios(results: list) -> None:
 
 
 def print_pairs(results: list) -> None:
-    """One line per set of ranks and size: its exchange probe, pyzero's in-place per-call median and p99,
+    """One line per set of ranks and size: its exchange probe (mode, ns per line, the fixed one-shot's time
+    at 64 KiB in us), pyzero's in-place per-call median and p99,
     and where measured per call DeepSpeed's (with the ratios time(deepspeed) / time(pyzero)) and
     pyzero-fixed's median (with time(pyzero-fixed) / time(pyzero))."""
     probes = {r["pair"]: r for r in results if r["backend"] == "exchange-probe"}
@@ -790,15 +820,15 @@ def print_pairs(results: list) -> None:
     print("# every set of ranks, in place, each call timed alone (us): pyzero p50 p99" +
           (", deepspeed p50 p99, time(deepspeed) / time(pyzero) at p50 and p99" if ds else "") +
           (", pyzero-fixed p50, time(pyzero-fixed) / time(pyzero) at p50" if fx else ""))
-    print("#{:>4} {:>5} {:>8} {:>11} {:>12} {:>8} {:>8}".format("set", "mode", "ns/line", "op", "size (B)", "pz p50",
-                                                                  "pz p99") +
+    print("#{:>4} {:>5} {:>8} {:>8} {:>11} {:>12} {:>8} {:>8}".format("set", "mode", "ns/line", "1s 64K", "op",
+                                                                        "size (B)", "pz p50", "pz p99") +
           (" {:>8} {:>8} {:>7} {:>7}".format("ds p50", "ds p99", "p50 x", "p99 x") if ds else "") +
           (" {:>8} {:>7}".format("fx p50", "fx x") if fx else ""))
     for pair, op, nbytes, backend in sorted(k for k in rows if k[3] == "pyzero"):
         pz, pr = rows[(pair, op, nbytes, "pyzero")], probes.get(pair, {})
-        line = " {:>4} {:>5} {:>8} {:>11} {:>12} {:>8.1f} {:>8.1f}".format(
-            pair + 1, pr.get("mode", "-"), f"{pr['ns_per_line']:.2f}" if pr else "-", op, nbytes, pz["p50_us"],
-            pz["p99_us"])
+        line = " {:>4} {:>5} {:>8} {:>8} {:>11} {:>12} {:>8.1f} {:>8.1f}".format(
+            pair + 1, pr.get("mode", "-"), f"{pr['ns_per_line']:.2f}" if pr else "-",
+            f"{pr['oneshot_64k_us']:.1f}" if pr else "-", op, nbytes, pz["p50_us"], pz["p99_us"])
         d = rows.get((pair, op, nbytes, "deepspeed"))
         if ds:
             line += (" {:>8.1f} {:>8.1f} {:>7.2f} {:>7.2f}".format(d["p50_us"], d["p99_us"], d["p50_us"] / pz["p50_us"],

@@ -436,7 +436,10 @@ def percentiles(calls) -> dict:
 # pairs that ran as fast ones, 25 of them, one-shot 11.4-16.0 us, ns_per_line 0.64-4.10; the one that
 # ran slow (its 1 MiB ring 101 us at the median and 937 at p90, DeepSpeed's 1 MiB 514 us against 85-138
 # elsewhere), one-shot 35.3 us, ns_per_line 2.59; in a quick sample of 20 fresh pairs 6 took 36-47 us.
-# ns_per_line alone labelled 6 fast-running pairs slow (2.52-4.10), so the label is the one-shot's.
+# ns_per_line labelled 6 fast-running pairs slow (2.52-4.10), so the label is the one-shot's. It is the
+# mode of the moment: here the mode turned out to be a phase of the machine (every set met slow rounds,
+# and the 6 sets this label put in the slow mode in collectives_pairs_slow2_cpu2_20261127, 25.7-48.8 us,
+# ran as fast ones), so --exchange-mode picks sets by their start, not by how they will run.
 SLOW_ONESHOT_US = 24.0
 PROBE_CALLS = 200
 

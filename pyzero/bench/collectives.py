@@ -432,7 +432,7 @@ def percentiles(calls) -> dict:
 # ring predecessor has just written (ns_per_line, recorded), and the mode label, which comes from the
 # one-shot all_reduce of 64 KiB (fp32, in place, on a group with adaptive=False: a copy into the area,
 # the arrival, the peers' areas read and summed), the median of PROBE_CALLS calls, the slowest rank's.
-# On this 2-vCPU VM, in fresh pairs of ranks (collectives_pairs_{mixed,slow,leap2}_cpu2_20261127):
+# On this 2-vCPU VM, in fresh pairs of ranks (collectives_pairs_{12sets,nslabel,leap2}_cpu2_20261127):
 # pairs that ran as fast ones, 25 of them, one-shot 11.4-16.0 us, ns_per_line 0.64-4.10; the one that
 # ran slow (its 1 MiB ring 101 us at the median and 937 at p90, DeepSpeed's 1 MiB 514 us against 85-138
 # elsewhere), one-shot 35.3 us, ns_per_line 2.59; in a quick sample of 20 fresh pairs 6 took 36-47 us.

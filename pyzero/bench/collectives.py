@@ -462,16 +462,9 @@ def exchange_probe() -> dict | None:
     if comm_device().type != "cpu" or pz.get_backend() != "shm" or pz.get_world_size() < 2:
         return None
     ns = _max_over_ranks(comm.resolve_group(None).backend.comm.probe_exchange(256 << 10, 15))
-    group = _fixed_group()
-    x = torch.ones(16 << 10)
-    for _ in range(20):
-        pz.all_reduce(x, group=group)
-    times = []
-    for _ in range(PROBE_CALLS):
-        t0 = time.perf_counter()
-        pz.all_reduce(x, group=group)
-        times.append(time.perf_counter() - t0)
-    us = _max_over_ranks(statistics.median(times)) * 1e6
+    _fixed_group()  # (the column's own timing: 20 calls of warm-up, then PROBE_CALLS timed one by one)
+    us, _, _ = measure("pyzero-fixed", "all_reduce", 16 << 10, torch.float32, True, "auto", PROBE_CALLS, 20,
+                       per_call=True, block=PROBE_CALLS, least=PROBE_CALLS)
     return {"backend": "exchange-probe", "op": "exchange", "ns_per_line": ns, "oneshot_64k_us": us,
             "mode": "slow" if us > SLOW_ONESHOT_US else "fast"}
 

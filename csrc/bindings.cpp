@@ -192,7 +192,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<AdaptTwoShot>(m, "AdaptTwoShot", "auto's ring/two-shot controller (shm_adapt.h), for tests")
       .def(py::init<>())
       .def_static("size_class", &AdaptTwoShot::size_class)
-      .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"))
+      .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"),
+           py::arg("now_ns"))
       .def("want_twoshot", &AdaptTwoShot::want_twoshot)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
       .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; });

@@ -31,7 +31,8 @@ namespace pz {
 // group creation did not tell the slow pairs from the others), so rank 0
 // measures, per size class (a power of two of bytes), what the algorithm in use
 // takes, and tries the other one now and then: after 2 calls, then at intervals
-// doubling from 16 to 256 calls while it loses, and at once when the one in use
+// doubling from 16 to 256 calls while it loses (or sooner once that measure is
+// old: [Note: stale measurement]), and at once when the one in use
 // runs over 3x or under 0.5x its average 3 calls in a row (a change of mode),
 // or twice in a row over 4x its average with the other last measured below 0.9x
 // these calls (a leap: the ring in the slow mode ran 5-17x its fast time; after
@@ -71,6 +72,26 @@ namespace pz {
 // the one-shot's copy of the input into the area, made before the arrival, is
 // the two-shot's staging, and the two-shot then sums in the one-shot's order of
 // ranks.
+//
+// [Note: stale measurement]
+// The other algorithm is also tried once it was last measured over 25 ms ago and
+// a quarter of the calls' interval has passed since (2 to 64 calls), an interval
+// in time that doubles while its tries lose, up to 100 times its last measured call
+// (the largest of the class): a lost try, which ends after one call over 2x the
+// one in use, then costs about 1% of the time at most (the ring collapsed at 1 MiB:
+// 0.8 ms a call, a try every 80 ms). Simulated (tests/test_collectives.py), a class
+// called once every 100 ms is back on the ring 30-45 calls after a collapse ends,
+// where counting calls alone left it on the two-shot for over 200.
+// The exchange mode is a phase of the machine, not of the calls, and comes and
+// goes in time: a fixed ring's blocks of 100 calls ran 2.5x their median or more
+// in 894 rounds of 24 fresh sets of ranks, from 16 KiB up, between calm rounds of
+// the same set (collectives_pairs_* in benchmarks/results). Counting calls alone,
+// a class called once per step (a gradient bucket's size) notices that the ring is
+// back only after up to 256 steps, and a class whose calls come between other
+// sizes' (the rounds of a benchmark, the buckets of a step) keeps the verdict of a
+// phase gone since: in one recorded set, 2 MiB ran the two-shot in pieces (178-313
+// us a call) for three rounds where the ring alone took 88-114 us, after 1 MiB
+// calls (the class of its pieces) had found the ring collapsed.
 class AdaptTwoShot {
  public:
   static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - kClassFrom
@@ -78,6 +99,8 @@ class AdaptTwoShot {
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
   static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
   static constexpr int kSpikeCalls = 3, kLeapCalls = 2, kTry = 3, kRecent = 16;
+  static constexpr int64_t kEveryNs = 25'000'000;  // [Note: stale measurement]
+  static constexpr double kTryShare = 0.01;
 
   static int size_class(size_t bytes) {
     int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
@@ -92,8 +115,9 @@ class AdaptTwoShot {
     return s.trying > 0 ? !s.twoshot : s.twoshot;
   }
 
-  // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`.
-  void observe(int c, bool twoshot, double ns_per_byte) {
+  // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`, ending at
+  // `now_ns` (a steady clock's nanoseconds).
+  void observe(int c, bool twoshot, double ns_per_byte, int64_t now_ns) {
     State& s = st_[c];
     bool warm = s.seen[twoshot];
     s.seen[twoshot] = true;
@@ -105,6 +129,7 @@ class AdaptTwoShot {
       if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * median(s.recent, s.nrecent)) s.trying = 1;
       if (--s.trying > 0) return;
       ++s.explored;
+      s.tried_ns = now_ns;
       s.since = 0;
       s.spikes = 0;
       const bool leapt = s.leapt;
@@ -118,11 +143,16 @@ class AdaptTwoShot {
         // after a leap, the one left is tried again soon: a stall of two calls in a row
         // looks like a leap too, and then the one left wins that try back
         s.every = leapt ? kFirst : kEvery;
+        s.every_ns = kEveryNs;
         ++s.switches;
       } else {
         if (t > 0.0) s.level[twoshot] = t;
         s.level[s.twoshot] = median(s.recent, s.nrecent);  // the one in use, as it runs now
         s.every = s.every < kEvery ? kEvery : (s.every * 2 > kMaxEvery ? kMaxEvery : s.every * 2);
+        // while the tries lose, twice as long, up to where a lost try (about one of its calls)
+        // costs kTryShare of the time
+        const double loss_ns = s.level[twoshot] * double(largest_bytes(c));
+        s.every_ns = std::min(2 * s.every_ns, std::max(kEveryNs, int64_t(loss_ns / kTryShare)));
       }
       return;
     }
@@ -143,7 +173,11 @@ class AdaptTwoShot {
     // under kSpike x, or one its average has followed, which neither a jump nor a leap shows)
     const bool behind = other > 0.0 && ns_per_byte * kBetter > other && s.nrecent >= kTry &&
                         median(s.recent, s.nrecent) * kBetter > other;
-    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst))) {
+    // stale: the other was last measured over every_ns ago, and a quarter of the calls' interval
+    // has passed ([Note: stale measurement])
+    const bool stale = s.tried_ns > 0 && now_ns - s.tried_ns >= s.every_ns;
+    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst) ||
+                          (stale && s.since >= std::max(kFirst, s.every / 4)))) {
       if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
         s.nrecent = s.spikes;
@@ -163,6 +197,8 @@ class AdaptTwoShot {
     double tried[kTry] = {};       // the calls of the one being tried
     int ntried = 0, trying = 0;    // and how many of them are still to run
     uint32_t since = 0, every = kFirst;
+    int64_t tried_ns = 0;          // when the last try ended (0: none yet)
+    int64_t every_ns = kEveryNs;   // and how long after it the next one is due at the latest
     int spikes = 0;
     int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap

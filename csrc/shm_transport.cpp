@@ -297,10 +297,13 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
       sent = ring_all_reduce_part(buf, in, L, dt, op, 0, INT64_MAX);
     }
   }
-  if (timed && whole_calls)  // whole calls: excluding the arrival would favour the one-shot,
-                             // whose waits for a peer still finishing the previous call fall into it
+  if (timed && whole_calls) {  // whole calls: excluding the arrival would favour the one-shot,
+                               // whose waits for a peer still finishing the previous call fall into it
+    const clock::time_point now = clock::now();
     adapt_.observe(cls, algo == Algo::twoshot,
-                   std::chrono::duration<double, std::nano>(clock::now() - t0).count() / double(bytes));
+                   std::chrono::duration<double, std::nano>(now - t0).count() / double(bytes),
+                   std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count());
+  }
   counters_.add(Coll::all_reduce, uint64_t(count), sent);
 }
 
@@ -472,7 +475,8 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
       int64_t elems = 0;
       for (int p = 0; p < n_; ++p) elems += P.count(p, k);
       const clock::time_point now = clock::now();
-      adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es));
+      adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es),
+                     std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count());
       t = now;
     }
   }

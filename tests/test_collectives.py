@@ -485,16 +485,22 @@ def test_auto_in_pieces_mixes_ring_and_two_shot_bitwise(world):
     assert_ranks_ok(run_ranks(_rank_auto_in_pieces, world, timeout=90), min_cases=360)
 
 
-def _simulate(cost, calls):
-    """Drive auto's controller (csrc/shm_adapt.h) with per-call costs cost(i, twoshot) for one size
-    class; returns the algorithm it picked at each call (True: two-shot) and the controller."""
+CLS, UNIT_NS = 8, 50_000  # the 1 MiB class; a call of cost 1.0 takes 50 us (the calm ring's 1 MiB piece)
+
+
+def _simulate(cost, calls, gap_ns=lambda i: 0):
+    """Drive auto's controller (csrc/shm_adapt.h) for the 1 MiB class with per-call costs cost(i, twoshot)
+    (a call of cost c takes c * UNIT_NS), call i coming gap_ns(i) after the one before ended; returns the
+    algorithm it picked at each call (True: two-shot) and the controller."""
     from pyzero import _C
 
-    a, picks = _C.AdaptTwoShot(), []
+    a, picks, now = _C.AdaptTwoShot(), [], 10**9
     for i in range(calls):
-        two = a.want_twoshot(3)
+        two = a.want_twoshot(CLS)
         picks.append(two)
-        a.observe(3, two, cost(i, two))
+        c = cost(i, two)
+        now += gap_ns(i) + int(c * UNIT_NS)
+        a.observe(CLS, two, c * UNIT_NS / (1 << 20), now)
     return picks, a
 
 
@@ -508,7 +514,7 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
     assert _C.AdaptTwoShot.size_class(4 << 10) == 0 and _C.AdaptTwoShot.size_class((4 << 10) + 1) == 1
     # fast mode throughout (the ring twice as fast): tries only, ever rarer
     picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 3000)
-    assert a.switches(3) == 0 and 7 <= a.explored(3) <= 20 and sum(picks) <= 70, (a.explored(3), sum(picks))
+    assert a.switches(CLS) == 0 and 7 <= a.explored(CLS) <= 20 and sum(picks) <= 70, (a.explored(CLS), sum(picks))
     assert sum(picks[1000:]) <= 3 * (2000 // 256 + 1)  # a try of 3 calls every 256 calls at most
     # slow mode from the start, where a fifth of the ring's calls still run fast: the two-shot
     # within the first tries, and kept
@@ -526,23 +532,23 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
     assert to_two == 402 and all(picks[402:407]) and sum(picks[to_two:1000]) >= 0.95 * (1000 - to_two), to_two
     back = picks.index(False, 1000)
     assert back <= 1000 + 10 and sum(picks[1100:]) <= 10, back  # the two-shot's calls got 2.5x faster: the ring
-    assert a.switches(3) == 2
+    assert a.switches(CLS) == 2
     # one call of the ring stalls (10x, and 40x) in the fast mode: a stall, not a leap; the ring goes on
     # and the two-shot is tried only when its turn comes
     calm = _simulate(lambda i, two: 2.0 if two else 1.0, 1000)[0]
     for stall in (10.0, 40.0):
         picks, a = _simulate(lambda i, two: stall if (i == 500 and not two) else (2.0 if two else 1.0), 1000)
-        assert picks == calm and a.switches(3) == 0, [i for i in range(1000) if picks[i] != calm[i]]
+        assert picks == calm and a.switches(CLS) == 0, [i for i in range(1000) if picks[i] != calm[i]]
     # two calls in a row stall: taken for a leap, so the two-shot is tried at once and wins against the
     # stalled calls; the ring is tried again two calls later and is back
     picks, a = _simulate(lambda i, two: 10.0 if (i in (500, 501) and not two) else (2.0 if two else 1.0), 1000)
-    assert picks[500:513] == [False] * 2 + [True] * 5 + [False] * 6 and a.switches(3) == 2, picks[500:513]
+    assert picks[500:513] == [False] * 2 + [True] * 5 + [False] * 6 and a.switches(CLS) == 2, picks[500:513]
     assert sum(picks[513:]) <= 3 * (487 // 16 + 1)  # then tries only, as before the stall
     # the two-shot in use and the ring 5x slower: each later try of the ring ends after its one call
     picks, a = _simulate(lambda i, two: 1.0 if two else 5.0, 2000)
     first = picks.index(True)
-    assert first <= 4 and a.switches(3) == 1 and picks[first:].count(False) == a.explored(3) - 1 >= 8, \
-        (first, picks[first:].count(False), a.explored(3))
+    assert first <= 4 and a.switches(CLS) == 1 and picks[first:].count(False) == a.explored(CLS) - 1 >= 8, \
+        (first, picks[first:].count(False), a.explored(CLS))
     # the ring slows 2.5x from call 600 (under a jump, so its average follows): once its recent calls
     # run slower than the two-shot was last measured, the two-shot is tried and kept
     picks, a = _simulate(lambda i, two: 2.0 if two else (2.5 if i >= 600 else 1.0), 1000)
@@ -555,6 +561,37 @@ def test_auto_controller_keeps_the_faster_and_follows_a_mode_change():
     to_two = picks.index(True, 600)
     assert to_two <= 620 and sum(picks[to_two:]) >= 0.9 * (1000 - to_two), (to_two, sum(picks[to_two:]))
 
+
+def test_auto_controller_retries_a_measure_gone_stale_in_time():
+    """[Note: stale measurement]: the other algorithm's last measure expires in time, not only in calls."""
+
+    def collapsed_until(end):  # the ring 10x (collapsed) before call `end`, then calm; the two-shot 2x
+        return lambda i, two: 2.0 if two else (10.0 if i < end else 1.0)
+
+    # dense calls, the two-shot in use through the collapse; at `end`, after 150 ms of other sizes' calls
+    # (a gap in this class), the ring is calm again. By the count of calls it would be tried again up to
+    # 256 calls later; its last measure is older than 100 of its collapsed calls (50 ms), so it is tried
+    # once a quarter of that count has passed since the last try (at once, or within 64 calls), wins, and
+    # stays
+    for end in (1500, 1563, 1641, 1700):
+        picks, a = _simulate(collapsed_until(end), end + 300, lambda i: 150_000_000 if i == end else 0)
+        assert sum(picks[200:end]) >= 0.97 * (end - 200), sum(picks[200:end])
+        back = picks.index(False, end)
+        assert back <= end + 65 and sum(picks[back:]) <= 6 * 3, (end, back, sum(picks[back:]))
+        # the lost tries of the collapse (one ring call each) cost at most 2.5% of its time
+        lost = picks[200:end].count(False)
+        assert lost * 10.0 <= 0.025 * ((end - 200 - lost) * 2.0 + lost * 10.0), lost
+    # a class called once every 100 ms (a bucket's size, once a step): the ring is back within a quarter
+    # of the count's interval (64 calls), where up to 256 calls (25 s) could pass otherwise, and the lost
+    # tries of the collapse are few
+    for end in (300, 350, 420, 480, 560):
+        picks, a = _simulate(collapsed_until(end), end + 200, lambda i: 100_000_000)
+        assert sum(picks[20:end]) >= 0.95 * (end - 20), sum(picks[20:end])
+        back = picks.index(False, end)
+        assert back <= end + 65 and sum(picks[back:]) <= 0.1 * (end + 200 - back), (end, back, sum(picks[back:]))
+    # and where the ring is the faster throughout, the two-shot's tries stay rare
+    picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 600, lambda i: 100_000_000)
+    assert sum(picks[100:]) <= 0.06 * 500, sum(picks[100:])
 
 # ---------------------------------------------------------------------------
 # fp32 accumulation of fp16/bf16 sums

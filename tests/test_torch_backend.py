@@ -761,6 +761,28 @@ def test_bench_percentiles_are_nearest_rank(q):
         assert nearest_rank(values, q) == np.percentile(values, 100 * q, method="inverted_cdf")
 
 
+def test_bench_expected_results_from_the_closed_form():
+    """The result pyzero-bench checks each call against (cached per size: every backend and form of a size
+    checks against the same) is the sum over ranks of their inputs ((7 i + 3 r) mod 5 - 2), written out
+    here with plain torch ops, and a later size does not get an earlier size's result."""
+    from pyzero.bench.collectives import expected
+
+    def inputs(count, r):
+        i = torch.arange(count, dtype=torch.int64)
+        return torch.remainder(7 * i + 3 * r, 5) - 2
+
+    for _ in range(2):  # the second pass from the cache where it holds the size
+        for count, n, dtype in ((12, 2, torch.float32), (1000, 3, torch.bfloat16), (12, 2, torch.float16),
+                                (7, 5, torch.float32)):
+            want = torch.stack([inputs(count, r) for r in range(n)]).sum(0)
+            assert torch.equal(expected("all_reduce", count, n, 1, 0, dtype), want.to(dtype))
+            per = count // n
+            assert torch.equal(expected("reduce_scatter", count, n, 1, 0, dtype), want[per:2 * per].to(dtype))
+            assert torch.equal(expected("broadcast", count, n, 1, n - 1, dtype), inputs(count, n - 1).to(dtype))
+            gathered = torch.cat([inputs(per, r) for r in range(n)])
+            assert torch.equal(expected("all_gather", count, n, 1, 0, dtype), gathered.to(dtype))
+
+
 def test_premul_factor_without_the_factor_attribute():
     """PREMUL_SUM ops of torch before 2.13 have no `.factor`; their state's second item is the factor."""
     from pyzero.distributed import _premul_factor  # noqa: PLC0415

@@ -37,6 +37,7 @@ of the two-shot, beside ``pyzero`` to show what that choice changes.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -129,6 +130,7 @@ def pattern(count: int, rank: int, dtype) -> torch.Tensor:
     return ((i * 7 + rank * 3) % 5 - 2).to(dtype)
 
 
+@functools.lru_cache(maxsize=2)  # (every backend and form of a size checks against the same; read only)
 def expected(op: str, count: int, n: int, rank: int, root: int, dtype) -> torch.Tensor:
     """The result this rank must hold, from the closed form, not from any collective."""
     if op == "broadcast":

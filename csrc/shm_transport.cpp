@@ -39,6 +39,10 @@ constexpr size_t kAdaptFromBytes = 2 << 10;
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
 // mode, or a try of it there, still cost an 8 MiB call 2-3x its median.
 constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
+// A steady clock's time in ns, as auto's controller takes a call's end ([Note: stale measurement]).
+int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 
 // Choice of ring vs one-shot, per (collective, per-rank input bytes).
 // Measured with `pyzero-bench collectives --algo ring|oneshot` on 2 CPU
@@ -302,7 +306,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
     const clock::time_point now = clock::now();
     adapt_.observe(cls, algo == Algo::twoshot,
                    std::chrono::duration<double, std::nano>(now - t0).count() / double(bytes),
-                   std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count());
+                   steady_ns(now));
   }
   counters_.add(Coll::all_reduce, uint64_t(count), sent);
 }
@@ -476,7 +480,7 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
       for (int p = 0; p < n_; ++p) elems += P.count(p, k);
       const clock::time_point now = clock::now();
       adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es),
-                     std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count());
+                     steady_ns(now));
       t = now;
     }
   }

@@ -593,6 +593,7 @@ def test_auto_controller_retries_a_measure_gone_stale_in_time():
     picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 600, lambda i: 100_000_000)
     assert sum(picks[100:]) <= 0.06 * 500, sum(picks[100:])
 
+
 # ---------------------------------------------------------------------------
 # fp32 accumulation of fp16/bf16 sums
 

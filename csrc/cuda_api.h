@@ -47,6 +47,10 @@ void launch_multi_tensor(const std::vector<void*>& ptrs, const std::vector<int64
                          const std::vector<int64_t>& offsets, DType dt, void* flat, DType flat_dt, bool to_flat,
                          double scale, uintptr_t stream);
 
+// Loads every kernel of these launchers on the current device (once per device; see
+// kernels.cu's [Note: kernels loaded before the first call]). The transports call it when created.
+void preload_kernels();
+
 // Number of visible CUDA devices (0 where there is no driver or GPU).
 int device_count();
 // CUDA device holding `ptr`, or -1 for host or unknown memory.

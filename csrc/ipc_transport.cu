@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -111,6 +112,29 @@ __global__ void ipc_announce_closed_kernel(IpcClosedFlags f) {
 }
 
 constexpr int kThreads = 512;
+
+// Loads this file's kernels and the element-wise ones on the current device before the first call
+// (kernels.cu's [Note: kernels loaded before the first call]): a lazy load at a launch would wait for
+// the process's kernels already queued, an ipc kernel waiting for its peers among them.
+void preload_ipc_kernels() {
+  static std::mutex mu;
+  static std::set<int> done;
+  int device = 0;
+  PZ_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(device)) return;
+  auto load = [](const void* k) {
+    cudaFuncAttributes a{};
+    PZ_CUDA_CHECK(cudaFuncGetAttributes(&a, k));
+  };
+  for (DType dt : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64})
+    for (RedOp op : {RedOp::sum, RedOp::avg, RedOp::max, RedOp::min, RedOp::prod})
+      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, { load(reinterpret_cast<const void*>(&ipc_kernel<T, OP>)); }));
+  load(reinterpret_cast<const void*>(&ipc_p2p_kernel));
+  load(reinterpret_cast<const void*>(&ipc_announce_closed_kernel));
+  pz::cuda::preload_kernels();
+  done.insert(device);
+}
 
 // A rank's registered buffer: IpcSignals | IpcP2PSignals | area 0 | area 1 | n - 1 incoming channels.
 size_t p2p_sig_offset() { return round_up(sizeof(IpcSignals), 256); }
@@ -472,6 +496,7 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   m.cfg = cfg;
   m.cfg.area_bytes = round_up(std::max<uint64_t>(cfg.area_bytes, 4096), 256);
   DeviceGuard guard(device);
+  preload_ipc_kernels();
   int sms = 0;
   PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   m.nblocks = ipc_blocks(sms, cfg.sharing);  // (every block resident at once, several processes per GPU)

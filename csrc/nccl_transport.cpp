@@ -527,6 +527,7 @@ NcclTransport::NcclTransport(const std::string& uid, int rank, int size, int dev
   t.cfg.oneshot_bytes = round_up(cfg.oneshot_bytes, 256);
 
   DeviceGuard dg(device);
+  pz::cuda::preload_kernels();  // (kernels.cu's [Note: kernels loaded before the first call])
   t.oneshot_off = 2 * t.cfg.slice_bytes;
   size_t oneshot_total = size_t(std::min(size, kMaxReduceSources)) * t.cfg.oneshot_bytes;
   t.barrier_off = t.oneshot_off + oneshot_total;

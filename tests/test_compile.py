@@ -209,20 +209,20 @@ def batch(rank, step):
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def train(model, opt, steps, rank, accumulate=False):
+def train(model, opt, steps, rank, accumulate=False, device="cpu"):
     """Outputs of each step's forward; with `accumulate`, step 1 accumulates two batches (no_sync first)."""
     outs = []
     for s in range(steps):
         if accumulate and s == 1:
             with model.no_sync():
-                x, t = batch(rank, 10)
+                x, t = (v.to(device) for v in batch(rank, 10))
                 F.mse_loss(model(x), t).backward()
-        x, t = batch(rank, s)
+        x, t = (v.to(device) for v in batch(rank, s))
         y = model(x)
         F.mse_loss(y, t).backward()
         opt.step()
         opt.zero_grad()
-        outs.append(y.detach().clone())
+        outs.append(y.detach().cpu().clone())
     return outs
 
 
@@ -243,13 +243,15 @@ def reference_outputs(steps, ranks, accumulate=False):
     return outs
 
 
-def rank_train(kind, steps):
-    pz.init()
+def rank_train(kind, steps, device="cpu"):
+    """Eager, then compiled: each step's outputs and the weights after them. On "cuda" the ranks
+    share GPU 0 over the ipc backend."""
+    pz.init(backend="ipc" if device == "cuda" else None)
     r = pz.get_rank()
     res = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        net = make_net(bn=kind == "dp_bn")
+        net = make_net(bn=kind == "dp_bn").to(device)
         if kind.startswith("dp"):
             model = pz.DataParallel(net, bucket_mb=0.0002, first_bucket_mb=0.0001)
             opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
@@ -261,16 +263,16 @@ def rank_train(kind, steps):
             opt = pz.ZeroOptimizer(net, torch.optim.AdamW, stage=stage, lr=0.05, weight_decay=0.1, **extra)
         run = model
         if compiled and kind.endswith("qw"):  # graph breaks expected: see the test
-            res["explain"] = explain(model, batch(r, 0)[0])
+            res["explain"] = explain(model, batch(r, 0)[0].to(device))
             run = torch.compile(model, backend="aot_eager")
         elif compiled:
             res["ops"] = set()
             run = compile_whole(model, res["ops"])
         torch._dynamo.utils.counters.clear()
-        res[compiled] = train(run, opt, steps, r, accumulate=kind == "dp")
+        res[compiled] = train(run, opt, steps, r, accumulate=kind == "dp", device=device)
         # the weights after the steps (ZeRO: this rank's fp32 master shards)
         weights = net.parameters() if kind.startswith("dp") else [m for _, m, _ in opt.shards()]
-        res[compiled, "weights"] = [w.detach().clone() for w in weights]
+        res[compiled, "weights"] = [w.detach().cpu().clone() for w in weights]
         if compiled:
             res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return res
@@ -293,6 +295,30 @@ def test_data_parallel_and_zero_compile_without_graph_breaks(kind):
             assert_same(yc, ye, f"rank {res.rank} step {s} compiled vs eager")
             if ref is not None:
                 assert_same(ye, ref[res.rank][s], f"rank {res.rank} step {s} vs one process", **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dp", "zero2", "zero3"])
+def test_data_parallel_and_zero_compile_on_the_gpu(kind):
+    """The same on CUDA tensors: 2 processes on GPU 0 over the ipc backend (scripts/gpu_check.sh runs
+    them under MPS). Compiled against eager on the GPU, exactly (aot_eager runs the eager kernels), and
+    the eager run against one CPU process within float tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    steps = 3
+    results = run_ranks(rank_train, 2, args=(kind, steps, "cuda"), start="spawn", timeout=300,
+                        env={"CUDA_VISIBLE_DEVICES": "0"})
+    ref = reference_outputs(steps, 2, accumulate=kind == "dp")
+    for res in results:
+        if kind == "zero3":
+            assert "pyzero.all_gather_into_tensor.default" in res.value["ops"], f"rank {res.rank}: {res.value['ops']}"
+        assert res.value["graphs"] <= (2 if kind == "dp" else 1), res.value["graphs"]
+        for k, (we, wc) in enumerate(zip(res.value[False, "weights"], res.value[True, "weights"])):
+            assert_same(wc, we, f"rank {res.rank} weights {k} after {steps} steps, compiled vs eager")
+        for s, (ye, yc) in enumerate(zip(res.value[False], res.value[True])):
+            assert_same(yc, ye, f"rank {res.rank} step {s} compiled vs eager")
+            assert_same(ye, ref[res.rank][s], f"rank {res.rank} step {s} on the GPU vs one CPU process",
+                        rtol=1e-4, atol=1e-5)
 
 
 def test_zero3_outside_the_traced_configuration_runs_its_hooks_at_graph_breaks():

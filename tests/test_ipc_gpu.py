@@ -7,6 +7,8 @@ CollectiveTimeout naming it, and the GPU stays usable), a mismatched call (Colle
 rank at the next host wait, the group usable after), DataParallel / ZeroOptimizer over ipc at 2
 ranks against one process, and calls captured into CUDA graphs and replayed (a DataParallel step too).
 """
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -367,6 +369,72 @@ def test_captured_data_parallel_step_equals_eager_training():
                                        msg=lambda m, k=k, r=r: f"rank {r.rank} {k}: {m}")
 
 
+def _rank_gpt2_graph(steps, per, seq):
+    """GPT-2 small (124M, tied embedding) under DataParallel's default buckets: two eager steps, then
+    the step captured once and replayed; each step's loss of this rank's half of the batch."""
+    from pyzero.bench.gpt import PRESETS, make_gpt, random_batch
+    pz.init(backend="ipc", timeout=120)
+    me = pz.get_rank()
+    model = make_gpt("gpt2").cuda()
+    dp = pz.DataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
+    idx = torch.zeros(per, seq, dtype=torch.long, device="cuda")
+    tgt = torch.zeros(per, seq, dtype=torch.long, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = dp(idx, tgt)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def load(k):
+        x, y = random_batch(PRESETS["gpt2"], 2 * per, seq, seed=k)
+        idx.copy_(x[me * per:(me + 1) * per])
+        tgt.copy_(y[me * per:(me + 1) * per])
+
+    losses = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for k in range(2):
+            load(k)
+            losses.append(float(step()))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        loss_static = step()
+    for k in range(2, steps):
+        load(k)
+        g.replay()
+        losses.append(float(loss_static))
+    pz.destroy()
+    return losses
+
+
+def test_captured_gpt2_data_parallel_step_equals_eager_training():
+    """GPT-2 small's whole DataParallel step (forward, backward with its 25 MB bucket all_reduces, the
+    AdamW step) in one CUDA graph at 2 processes: each replay's loss (the mean of the ranks' halves)
+    is the loss of one process training eagerly on the whole batch."""
+    from pyzero.bench.gpt import PRESETS, make_gpt, random_batch
+    steps, per, seq = 6, 4, 256
+    model = make_gpt("gpt2").cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ref = []
+    for k in range(steps):
+        x, y = (t.cuda() for t in random_batch(PRESETS["gpt2"], 2 * per, seq, seed=k))
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss))
+    del model, opt
+    torch.cuda.empty_cache()
+    res = run_ranks(_rank_gpt2_graph, 2, args=(steps, per, seq), start="spawn", timeout=300, env=ENV)
+    mean = [(a + b) / 2 for a, b in zip(res[0].value, res[1].value)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref), rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------
 # Point-to-point (csrc/ipc_p2p.h): send/recv, async, batches, a ring, CUDA graphs, pipeline, TP overlap
 
@@ -692,3 +760,40 @@ def test_ring_over_point_to_point_equals_torch(nprocs):
     # 64 KiB of staging: large calls in many groups
     res = run_ranks(_rank_collectives, nprocs, args=(cases, P2P_OPTIONS), start="spawn", timeout=600, env=ENV)
     check_collectives(res, cases)
+
+
+# ---------------------------------------------------------------------------
+# A fresh group's first calls: every kernel was loaded when the group was made
+
+
+def _rank_first_calls():
+    """The group's first calls (a one-shot fp32, then a ring in bf16 with its element-wise kernels),
+    each queued behind ~50 ms of work on the current stream. CUDA loads a kernel at its first launch
+    unless it was loaded before, and such a load waits for every kernel queued in the process: the
+    host would then wait for the queued work, and the work would be complete when the call returns."""
+    pz.init(backend="ipc")
+    n, me = pz.get_world_size(), pz.get_rank()
+    out = []
+    for algo, dtype in (("oneshot", torch.float32), ("ring", torch.bfloat16)):
+        t = torch.full((4099,), float(me + 1), dtype=dtype, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms on the current stream
+        start = time.perf_counter()
+        w = pz.all_reduce(t, async_op=True, algo=algo)
+        issued_s = time.perf_counter() - start
+        done_at_once = w.is_completed()
+        w.wait()
+        ok = torch.equal(t.cpu(), torch.full((4099,), float(n * (n + 1) // 2), dtype=dtype))
+        out.append((algo, issued_s, done_at_once, ok))
+    pz.destroy()
+    return out
+
+
+def test_first_calls_of_a_group_do_not_wait_for_queued_work():
+    for r in run_ranks(_rank_first_calls, 2, start="spawn", timeout=120, env=ENV):
+        for algo, issued_s, done_at_once, ok in r.value:
+            where = f"rank {r.rank}, {algo}"
+            assert ok, f"{where}: wrong sum"
+            assert not done_at_once and issued_s < 0.025, (
+                f"{where}: the call took {issued_s * 1e3:.1f} ms on the host and its work was "
+                f"{'complete' if done_at_once else 'pending'} when it returned (~50 ms of work was queued before it)")

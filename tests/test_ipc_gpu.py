@@ -325,7 +325,7 @@ def _rank_dp_graph(steps):
             x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(k))
             x_static.copy_(x)
             y_static.copy_(y)
-            losses.append(float(step()))
+            losses.append(step().item())
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -335,7 +335,7 @@ def _rank_dp_graph(steps):
         x_static.copy_(x)
         y_static.copy_(y)
         g.replay()
-        losses.append(float(loss_static))
+        losses.append(loss_static.item())
     state = {k: v.cpu() for k, v in model.state_dict().items()}
     pz.destroy()
     return losses, state
@@ -362,7 +362,7 @@ def test_captured_data_parallel_step_equals_eager_training():
         # each rank's loss is of its half of the batch; their mean is the full batch's loss
         assert len(losses) == steps
     mean = [(a + b) / 2 for a, b in zip(res[0].value[0], res[1].value[0])]
-    torch.testing.assert_close(torch.tensor(mean), torch.tensor([float(v) for v in ref_losses]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor([v.item() for v in ref_losses]), rtol=1e-5, atol=1e-6)
     for r in res:
         for k, want in ref.items():
             torch.testing.assert_close(r.value[1][k], want, rtol=1e-5, atol=1e-6,
@@ -399,7 +399,7 @@ def _rank_gpt2_graph(steps, per, seq):
     with torch.cuda.stream(s):
         for k in range(2):
             load(k)
-            losses.append(float(step()))
+            losses.append(step().item())
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -407,7 +407,7 @@ def _rank_gpt2_graph(steps, per, seq):
     for k in range(2, steps):
         load(k)
         g.replay()
-        losses.append(float(loss_static))
+        losses.append(loss_static.item())
     pz.destroy()
     return losses
 

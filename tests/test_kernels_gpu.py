@@ -148,10 +148,11 @@ def test_reduce_many_rejects_too_many_sources():
 def test_fp16_every_value_converts_as_torch():
     """Every fp16 bit pattern through the reduce kernel (a + b, a * 1 and a + (-a) style pairs), against
     torch's IEEE conversions on the CPU: subnormals, the overflow to inf at 65520, signed zeros. NaN
-    stays NaN (payloads are not compared)."""
+    stays NaN; max and min give the bits of the NaN they propagate (a's if a is NaN, else b's) as
+    float_to_half writes a NaN: its sign | 0x7e00."""
     a = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
     for b in (torch.zeros_like(a), a.roll(1), a.roll(12345), -a.roll(7), torch.full_like(a, 2.0**-14)):
-        for op in ("sum", "prod", "max"):
+        for op in ("sum", "prod", "max", "min"):
             out = torch.empty(a.numel(), dtype=torch.float16, device="cuda")
             ga, gb = a.cuda(), b.cuda()
             _C.cuda_reduce2(ga.data_ptr(), gb.data_ptr(), out.data_ptr(), a.numel(), _DTYPES[torch.float16],
@@ -160,4 +161,12 @@ def test_fp16_every_value_converts_as_torch():
             got, want = out.cpu(), _reference(a, b, op, 2)
             nan = want.isnan()
             assert torch.equal(got.isnan(), nan), op
-            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), op
+            if op != "min":  # (torch.minimum's choice between -0 and +0 is its own; min's rule below)
+                assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), op
+            if op in ("max", "min"):  # combine's rule, bit for bit: a if a is NaN or beats b, else b
+                beats = a.float() > b.float() if op == "max" else a.float() < b.float()
+                chosen = torch.where(a.isnan() | beats, a.view(torch.int16), b.view(torch.int16))
+                rule = torch.where(chosen < 0, torch.tensor(-512, dtype=torch.int16),  # 0xfe00
+                                   torch.tensor(0x7e00, dtype=torch.int16))  # a NaN: its sign | 0x7e00
+                rule = torch.where(chosen.view(torch.float16).isnan(), rule, chosen)
+                assert torch.equal(got.view(torch.int16), rule), op

@@ -137,8 +137,11 @@ def _calls(dev):
     # async works, futures, coalescing, functional collectives, barrier
     t = v(torch.float32, (1000,), 1500)
     w = dist.all_reduce(t, async_op=True)
-    w.wait()
-    got["async all_reduce"] = [t, w.is_completed()]
+    w.wait()  # (on CUDA, as on NCCL: the current stream waits, the host does not)
+    got["async all_reduce"] = t
+    if dev != "cpu":
+        torch.cuda.current_stream().synchronize()
+    got["async all_reduce complete after wait() and the stream's work"] = w.is_completed()
     t = v(torch.int8, (1000,), 1501)  # staged: the copy-back runs where the future is completed
     fut = dist.all_reduce(t, async_op=True).get_future()
     got["get_future().then int8"] = fut.then(lambda f: f.value()[0] * 2).wait()
@@ -296,6 +299,6 @@ def _rank_load(ckpt_dir):
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_torch_stacks_on_cuda_equal_one_process(nprocs, tmp_path):
     assert_ok(run_ranks(_rank_train, nprocs, args=(str(tmp_path),), start="spawn", timeout=300, env=ENV),
-              min_cases=10)
+              min_cases=9)
     assert_ok(run_ranks(_rank_load, 5 - nprocs, args=(str(tmp_path),), start="spawn", timeout=300, env=ENV),
               min_cases=1)

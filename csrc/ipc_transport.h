@@ -48,8 +48,10 @@ struct IpcConfig {
 };
 
 // auto -> one-shot or two-shot for all_reduce (the only collective with a choice).
-// Thresholds: vLLM's custom all-reduce switches at 256-512 KiB for 2-8 GPUs;
-// ours are to be measured on a GPU run (pyzero-bench collectives --device cuda).
+// Thresholds: vLLM's custom all-reduce switches at 256-512 KiB for 2-8 GPUs.
+// Processes sharing one GPU (gpu_NVIDIA_H200_20261127b: 4 and 8 of them, one-shot
+// still ahead at 512 KiB, two-shot at 8 MiB) share its memory and SMs, which
+// GPUs joined by NVLink do not: a machine with several GPUs is to set ours.
 // "ring": p2p_ring.h's schedule over the point-to-point channels (one launch per
 // group of a send to the next rank and a receive from the previous), for the
 // four ring collectives; at one rank there is no ring (one-shot).

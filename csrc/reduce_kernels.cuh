@@ -75,9 +75,13 @@ struct ConvertFn {
 // the kernel ran at 0.87x a device copy.
 template <RedOp OP>
 __device__ __forceinline__ half_t pick_half(half_t a, half_t b) {
+#if defined(__CUDA_ARCH__)
   float fa, fb;
   asm("cvt.f32.f16 %0, %1;" : "=f"(fa) : "h"(a.bits));  // exact but for NaN payloads (not compared)
   asm("cvt.f32.f16 %0, %1;" : "=f"(fb) : "h"(b.bits));
+#else  // (tests/cuda_kernels_on_cpu.cpp runs this body on the CPU)
+  const float fa = half_to_float(a), fb = half_to_float(b);
+#endif
   const bool a_nan = (a.bits & 0x7fffu) > 0x7c00u;
   const bool take_a = a_nan || (OP == RedOp::max ? fa > fb : fa < fb);  // combine<OP>'s rule
   const uint16_t r = take_a ? a.bits : b.bits;

@@ -37,7 +37,10 @@ ARCH=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(
 GPU=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 STAMP=$(date -u +%Y%m%d)
-OUT=benchmarks/results/gpu_${GPU}_${STAMP}
+# (a second run on the same day takes the next free name: ..._<date>b, c, ...; a record is never overwritten)
+BASE=benchmarks/results/gpu_${GPU}_${STAMP}
+OUT=$BASE
+for s in b c d e f g h i j; do [ -e "${OUT}.txt" ] || break; OUT=$BASE$s; done
 mkdir -p benchmarks/results
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
 PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi} "

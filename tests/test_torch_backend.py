@@ -649,7 +649,7 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
     with pytest.raises(ValueError, match=r"--backends: unknown backend 'pyzero-fixed'; expected .*\(cpu\) pyzero-fixed"):
         collectives.main(p.parse_args(["--backends", "pyzero-fixed", "--device", "cuda", "--nproc", "1"]))
-    with pytest.raises(ValueError, match=r"--gpu-backend ipc: only --backends pyzero \(the ranks may share one GPU"):
+    with pytest.raises(ValueError, match=r"--gpu-backend ipc: only --backends pyzero and torch-pyzero \(the ranks may "):
         collectives.main(p.parse_args(["--backends", "pyzero,torch", "--device", "cuda", "--gpu-backend", "ipc",
                                        "--nproc", "2"]))
     with pytest.raises(ValueError, match="--pairs: needs --nproc"):

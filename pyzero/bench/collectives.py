@@ -21,8 +21,10 @@ point-to-point channels.
 With ``--device cuda`` every rank uses one GPU (cuda:LOCAL_RANK) and the
 backends are: pyzero (pyzero's own algorithms on the nccl backend: --algo,
 auto meaning ring), nccl (pyzero's native passthrough to NCCL's collectives)
-and torch (torch.distributed with NCCL). Timed loops end with a device
-synchronisation.
+and torch (torch.distributed with NCCL); ``torch-pyzero`` is torch.distributed's API on the "pyzero"
+backend's CUDA transports (pyzero.distributed_cuda: nccl at one rank, ipc between processes of one
+host, with ``--gpu-backend ipc`` too), beside torch's NCCL the one-string switch of a GPU script.
+Timed loops end with a device synchronisation.
 
 On the CPU, ``torch-pyzero`` is torch.distributed's API on pyzero's own
 "pyzero" backend (pyzero.distributed): beside ``pyzero`` it measures what
@@ -77,7 +79,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend vs gloo; cuda: one GPU per rank, nccl backend vs torch's NCCL")
     p.add_argument("--backends", default="pyzero,torch",
-                   help="comma list of pyzero, torch, (cpu) torch-pyzero, (cpu) deepspeed and (cuda) nccl")
+                   help="comma list of pyzero, torch, torch-pyzero, (cpu) deepspeed and (cuda) nccl")
     p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
                    help="with --device cuda: the backend of the pyzero column (ipc: several ranks may share a GPU; "
                         "then only the pyzero column)")
@@ -724,7 +726,8 @@ def _label(backend: str, args) -> str:
     if backend == "torch":
         return f"torch.distributed, {_algo(backend, args)}"
     if backend == "torch-pyzero":
-        return "torch.distributed on the 'pyzero' backend, shm, algo auto"
+        return "torch.distributed on the 'pyzero' backend, " + (
+            "its CUDA transport (nccl at one rank, ipc on one host)" if cuda else "shm, algo auto")
     if backend == "deepspeed":
         return "DeepSpeed CPU shm all-reduce, deepspeed.comm.inference_all_reduce"
     if backend == "pyzero-fixed":
@@ -920,11 +923,12 @@ def _backends(args) -> list[str]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed", "pyzero-fixed") \
-                or (b == "nccl" and not cuda) or (b in ("torch-pyzero", "deepspeed", "pyzero-fixed") and cuda):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, (cpu) torch-pyzero, "
+                or (b == "nccl" and not cuda) or (b in ("deepspeed", "pyzero-fixed") and cuda):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, torch-pyzero, "
                              "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
-    if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" and backends != ["pyzero"]:
-        raise ValueError("--gpu-backend ipc: only --backends pyzero (the ranks may share one GPU, which NCCL refuses)")
+    if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" and not set(backends) <= {"pyzero", "torch-pyzero"}:
+        raise ValueError("--gpu-backend ipc: only --backends pyzero and torch-pyzero (the ranks may share one GPU, "
+                         "which NCCL refuses)")
     return backends
 
 
@@ -1005,7 +1009,7 @@ def main(args) -> int:
         pz.destroy()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
-    via_torch = [r for r in results if r["backend"] == "torch-pyzero"]  # a CPU column only
+    via_torch = [r for r in results if r["backend"] == "torch-pyzero" and getattr(args, "device", "cpu") == "cpu"]
     if via_torch:
         n = via_torch[0]["world_size"]
         floor = torch_api_floor(sorted({r["op"] for r in via_torch}), n, args.dtype)

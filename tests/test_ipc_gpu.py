@@ -298,6 +298,28 @@ def test_captured_calls_replay_like_eager_calls(nprocs):
             assert torch.equal(side, want), f"rank {r.rank} replay {i}: the eager call between replays"
 
 
+def _train_captured(step, load, steps):
+    """Two eager steps on a side stream (the warm-up torch.cuda.graph asks for; they train too), then
+    `step` captured once and replayed; `load(k)` puts step k's batch into the step's static inputs.
+    Each step's loss."""
+    losses = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for k in range(2):
+            load(k)
+            losses.append(step().item())
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        loss_static = step()
+    for k in range(2, steps):
+        load(k)
+        g.replay()
+        losses.append(loss_static.item())
+    return losses
+
+
 def _rank_dp_graph(steps):
     """A DataParallel step (forward, backward with the bucket hooks, a capturable AdamW step)
     captured once and replayed; the loss of each replay, and the parameters after."""
@@ -317,25 +339,12 @@ def _rank_dp_graph(steps):
         opt.step()
         return loss
 
-    losses = []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up steps, eager, on a side stream: they train too
-        for k in range(2):
-            x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(k))
-            x_static.copy_(x)
-            y_static.copy_(y)
-            losses.append(step().item())
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        loss_static = step()
-    for k in range(2, steps):
+    def load(k):
         x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(k))
         x_static.copy_(x)
         y_static.copy_(y)
-        g.replay()
-        losses.append(loss_static.item())
+
+    losses = _train_captured(step, load, steps)
     state = {k: v.cpu() for k, v in model.state_dict().items()}
     pz.destroy()
     return losses, state
@@ -393,21 +402,7 @@ def _rank_gpt2_graph(steps, per, seq):
         idx.copy_(x[me * per:(me + 1) * per])
         tgt.copy_(y[me * per:(me + 1) * per])
 
-    losses = []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for k in range(2):
-            load(k)
-            losses.append(step().item())
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        loss_static = step()
-    for k in range(2, steps):
-        load(k)
-        g.replay()
-        losses.append(loss_static.item())
+    losses = _train_captured(step, load, steps)
     pz.destroy()
     return losses
 

@@ -66,9 +66,6 @@ struct ConvertFn {
   }
 };
 
-// out = a (+) b. FINAL: finish() (avg's division) and round to TO, the last
-// step of a reduction; otherwise TO is the accumulator type and the partial
-// is kept unrounded. Pointers may alias elementwise (in-place).
 // fp16 max / min: the result is one of the two inputs, so its bits are taken as they are (a NaN as
 // float_to_half gives it: its sign | 0x7e00) instead of the round trip through float and back, which
 // gives the same bits for every pair (each fp16 value is exact in float) at twice the instructions:
@@ -88,6 +85,9 @@ __device__ __forceinline__ half_t pick_half(half_t a, half_t b) {
   return half_t{(r & 0x7fffu) > 0x7c00u ? uint16_t((r & 0x8000u) | 0x7e00u) : r};
 }
 
+// out = a (+) b. FINAL: finish() (avg's division) and round to TO, the last
+// step of a reduction; otherwise TO is the accumulator type and the partial
+// is kept unrounded. Pointers may alias elementwise (in-place).
 template <RedOp OP, bool FINAL, typename TA, typename TB, typename TO>
 struct Reduce2Fn {
   const TA* a;

@@ -649,6 +649,13 @@ def test_bench_runs_on_the_pyzero_backend(tmp_path, capsys):
         collectives.main(p.parse_args(["--pairs", "0", "--nproc", "2"]))
     with pytest.raises(ValueError, match=r"--backends: unknown backend 'pyzero-fixed'; expected .*\(cpu\) pyzero-fixed"):
         collectives.main(p.parse_args(["--backends", "pyzero-fixed", "--device", "cuda", "--nproc", "1"]))
+    # torch.distributed on "pyzero" beside torch's NCCL on GPUs, and beside pyzero's ipc column
+    assert collectives._backends(p.parse_args(["--backends", "torch,torch-pyzero", "--device", "cuda"])) == \
+        ["torch", "torch-pyzero"]
+    assert collectives._backends(p.parse_args(["--backends", "pyzero,torch-pyzero", "--device", "cuda",
+                                               "--gpu-backend", "ipc"])) == ["pyzero", "torch-pyzero"]
+    assert collectives._label("torch-pyzero", p.parse_args(["--device", "cuda"])) == \
+        "torch.distributed on the 'pyzero' backend, its CUDA transport (nccl at one rank, ipc on one host)"
     with pytest.raises(ValueError, match=r"--gpu-backend ipc: only --backends pyzero and torch-pyzero \(the ranks may "):
         collectives.main(p.parse_args(["--backends", "pyzero,torch", "--device", "cuda", "--gpu-backend", "ipc",
                                        "--nproc", "2"]))

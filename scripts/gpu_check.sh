@@ -208,10 +208,10 @@ deepspeed_here() {
       --nproc "$NP" --backends pyzero --op all --min 8 --max "$MAX" --factor 8 --json "${OUT}_ipc${NP}.json" \
       || echo "IPC BENCH FAILED (nproc $NP, or past $(lim 30) s)"
   done
-  echo "### ipc all_reduce at 2 processes: eager, then 20 calls captured in a CUDA graph, per call"
+  echo "### ipc all_reduce at 2 processes: eager, then 20 calls captured in a CUDA graph, per call (16 B - 1 MiB)"
   for G in 0 20; do
     CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
-      --nproc 2 --backends pyzero --op all_reduce --min 8 --max 1M --factor 4 --graph "$G" \
+      --nproc 2 --backends pyzero --op all_reduce --min 16 --max 1M --factor 4 --graph "$G" \
       --json "${OUT}_ipc2_graph${G}.json" || echo "IPC GRAPH BENCH FAILED (graph $G, or past $(lim 25) s)"
   done
   echo "### ipc point-to-point (sendrecv: each process sends to the next and receives from the previous, one batch)"

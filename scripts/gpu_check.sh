@@ -81,8 +81,8 @@ fi
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
-# all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests and
-# the "pyzero" torch backend's CUDA tests to the ipc part. The daemon is started for the part and stopped
+# all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests,
+# the "pyzero" torch backend's CUDA tests and torch.compile's on CUDA to the ipc part. The daemon is started for the part and stopped
 # after it (GPU_CHECK_MPS=0: never).
 # nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
 # pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
@@ -133,7 +133,9 @@ deepspeed_here() {
   echo "## GPU tests"
   # shellcheck disable=SC2086
   IGNORE=()
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && part ipc; then IGNORE=(--ignore tests/test_ipc_gpu.py --ignore tests/test_torch_backend_gpu.py); fi
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && part ipc; then
+    IGNORE=(--ignore tests/test_ipc_gpu.py --ignore tests/test_torch_backend_gpu.py --ignore tests/test_compile.py)
+  fi
   timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
     --junitxml "${OUT}_tests.xml" "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
   fi
@@ -198,9 +200,10 @@ deepspeed_here() {
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 process, then 2, 4 and 8 sharing GPU 0$([ "$MPS" = 1 ] && echo ", under MPS")"
   mps_start
   if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ]; then
-    echo "### ipc tests and the \"pyzero\" torch backend on CUDA tensors (2-4 processes on GPU 0)"
+    echo "### ipc tests, the \"pyzero\" torch backend on CUDA tensors and torch.compile on CUDA (2-4 processes on GPU 0)"
     timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=5 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
-      --junitxml "${OUT}_tests_ipc.xml" -m gpu tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py || echo "IPC TESTS FAILED (or past $(lim 240) s)"
+      --junitxml "${OUT}_tests_ipc.xml" -m gpu tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py tests/test_compile.py \
+      || echo "IPC TESTS FAILED (or past $(lim 240) s)"
   fi
   for NP_MAX in ${GPU_CHECK_IPC:-1:256M 2:64M 4:16M 8:4M}; do
     NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}

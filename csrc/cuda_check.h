@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "errors.h"
@@ -34,6 +36,32 @@ struct RelaxedCaptureMode {
   ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&prev); }
   RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
   RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+};
+
+// Loads `kernel` (a __global__ function's address) into the current device's context now rather than at
+// its first launch (kernels.cu's [Note: kernels loaded before the first call]).
+inline void load_kernel(const void* kernel) {
+  cudaFuncAttributes a{};
+  PZ_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+}
+
+// Runs a function once per CUDA device: the first time it is asked for with that device current
+// (one instance per job, e.g. a function's static; thread-safe).
+class OncePerDevice {
+ public:
+  template <typename F>
+  void operator()(F fn) {
+    int device = 0;
+    PZ_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_.count(device)) return;
+    fn();
+    done_.insert(device);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<int> done_;
 };
 
 // Makes `device` current for a scope and restores the caller's device after:

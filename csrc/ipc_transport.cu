@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -117,23 +116,16 @@ constexpr int kThreads = 512;
 // (kernels.cu's [Note: kernels loaded before the first call]): a lazy load at a launch would wait for
 // the process's kernels already queued, an ipc kernel waiting for its peers among them.
 void preload_ipc_kernels() {
-  static std::mutex mu;
-  static std::set<int> done;
-  int device = 0;
-  PZ_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(device)) return;
-  auto load = [](const void* k) {
-    cudaFuncAttributes a{};
-    PZ_CUDA_CHECK(cudaFuncGetAttributes(&a, k));
-  };
-  for (DType dt : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64})
-    for (RedOp op : {RedOp::sum, RedOp::avg, RedOp::max, RedOp::min, RedOp::prod})
-      PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, { load(reinterpret_cast<const void*>(&ipc_kernel<T, OP>)); }));
-  load(reinterpret_cast<const void*>(&ipc_p2p_kernel));
-  load(reinterpret_cast<const void*>(&ipc_announce_closed_kernel));
-  pz::cuda::preload_kernels();
-  done.insert(device);
+  static OncePerDevice once;
+  once([] {
+    for (DType dt : kAllDTypes)
+      for (RedOp op : kAllRedOps)
+        PZ_DISPATCH_DTYPE(dt, T,
+                          PZ_DISPATCH_OP(op, OP, { load_kernel(reinterpret_cast<const void*>(&ipc_kernel<T, OP>)); }));
+    load_kernel(reinterpret_cast<const void*>(&ipc_p2p_kernel));
+    load_kernel(reinterpret_cast<const void*>(&ipc_announce_closed_kernel));
+  });
+  pz::cuda::preload_kernels();  // (once per device itself)
 }
 
 // A rank's registered buffer: IpcSignals | IpcP2PSignals | area 0 | area 1 | n - 1 incoming channels.

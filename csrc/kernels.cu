@@ -7,8 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <mutex>
-#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -32,16 +30,11 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 // Set while preload_kernels() walks the launchers: they load their kernel instead of launching it.
 thread_local bool t_preload = false;
 
-void load(const void* kernel) {
-  cudaFuncAttributes a{};
-  PZ_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
-}
-
 // Runs `fn` over n elements; VEC elements per vector step (vec_elems of the
 // call's narrowest type), vectorised only when every pointer is 16-byte aligned.
 template <int VEC, typename Fn>
 void launch_map(const Fn& fn, int64_t n, bool vectorized, uintptr_t stream) {
-  if (t_preload) return load(reinterpret_cast<const void*>(&map_kernel<VEC, Fn>));
+  if (t_preload) return load_kernel(reinterpret_cast<const void*>(&map_kernel<VEC, Fn>));
   if (n <= 0) return;
   int64_t work = vectorized ? (n + VEC - 1) / VEC : n;
   int blocks = int(std::min<int64_t>(kMaxBlocks, (work + kThreads - 1) / kThreads));
@@ -143,7 +136,7 @@ void launch_multi_tensor(const std::vector<void*>& ptrs, const std::vector<int64
     dim3 grid(unsigned(std::min<int64_t>(kMaxBlocks, (longest + kThreads - 1) / kThreads)), unsigned(count));
     DType from = to_flat ? dt : flat_dt, into = to_flat ? flat_dt : dt;
     PZ_DISPATCH_DTYPE(from, S, PZ_DISPATCH_DTYPE(into, D, {
-      if (t_preload) return load(reinterpret_cast<const void*>(&multi_tensor_kernel<S, D>));
+      if (t_preload) return load_kernel(reinterpret_cast<const void*>(&multi_tensor_kernel<S, D>));
       multi_tensor_kernel<S, D><<<grid, kThreads, 0, s>>>(t, scale);
     }));
     PZ_CUDA_CHECK(cudaGetLastError());
@@ -158,34 +151,28 @@ void launch_multi_tensor(const std::vector<void*>& ptrs, const std::vector<int64
 // waits for a peer waits for that peer. So the transports load every kernel they may launch when
 // they are created (NCCL loads its own kernels at communicator creation): once per device.
 void preload_kernels() {
-  int device = 0;
-  PZ_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mu;
-  static std::set<int> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(device)) return;
-  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64};
-  const RedOp ops[] = {RedOp::sum, RedOp::avg, RedOp::max, RedOp::min, RedOp::prod};
-  struct Flag {
-    Flag() { t_preload = true; }
-    ~Flag() { t_preload = false; }
-  } flag;
-  // (no launch happens: these pointers are never read)
-  alignas(16) static char dummy[16];
-  void* p = dummy;
-  const void* srcs[1] = {dummy};
-  for (DType dt : dtypes) {
-    launch_copy(p, p, 1, dt, 0);
-    launch_pack_wire(p, p, 1, dt, 0);
-    for (RedOp op : ops) {
-      launch_reduce2(p, p, p, 1, dt, op, 1, 0);
-      launch_reduce_wire(p, p, p, 1, dt, op, 0);
-      launch_reduce_wire_final(p, p, p, 1, dt, op, 1, 0);
-      launch_reduce_many(srcs, 1, p, 1, dt, op, 1, 0);
+  static OncePerDevice once;
+  once([] {
+    struct Flag {
+      Flag() { t_preload = true; }
+      ~Flag() { t_preload = false; }
+    } flag;
+    // (no launch happens: these pointers are never read)
+    alignas(16) static char dummy[16];
+    void* p = dummy;
+    const void* srcs[1] = {dummy};
+    for (DType dt : kAllDTypes) {
+      launch_copy(p, p, 1, dt, 0);
+      launch_pack_wire(p, p, 1, dt, 0);
+      for (RedOp op : kAllRedOps) {
+        launch_reduce2(p, p, p, 1, dt, op, 1, 0);
+        launch_reduce_wire(p, p, p, 1, dt, op, 0);
+        launch_reduce_wire_final(p, p, p, 1, dt, op, 1, 0);
+        launch_reduce_many(srcs, 1, p, 1, dt, op, 1, 0);
+      }
+      for (DType flat : kAllDTypes) launch_multi_tensor({p}, {1}, {0}, dt, p, flat, true, 1.0, 0);
     }
-    for (DType flat : dtypes) launch_multi_tensor({p}, {1}, {0}, dt, p, flat, true, 1.0, 0);
-  }
-  done.insert(device);
+  });
 }
 
 // ----------------------------------------------------------------------------

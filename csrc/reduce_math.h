@@ -211,3 +211,9 @@ template <RedOp OP, typename A> PZ_HD A finish(A v, int nranks) {
     default: throw std::invalid_argument(                                         \
         "unsupported reduction op; expected sum, avg, max, min or prod");         \
   }
+
+namespace pz {
+// Every dtype and op the dispatch above takes (to walk all instantiations: the kernel preloads).
+inline constexpr DType kAllDTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64};
+inline constexpr RedOp kAllRedOps[] = {RedOp::sum, RedOp::avg, RedOp::max, RedOp::min, RedOp::prod};
+}  // namespace pz

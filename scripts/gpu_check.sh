@@ -82,8 +82,8 @@ fi
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
 # all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests,
-# the "pyzero" torch backend's CUDA tests and torch.compile's on CUDA to the ipc part. The daemon is started for the part and stopped
-# after it (GPU_CHECK_MPS=0: never).
+# the "pyzero" torch backend's CUDA tests and torch.compile's on CUDA to the ipc part. The daemon is
+# started for the part and stopped after it (GPU_CHECK_MPS=0: never).
 # nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
 # pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
 # test NCCL library (PYZERO_TEST_NCCL_ROOT, else one a build made in build/*/test-nccl, else

@@ -195,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
       .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"),
            py::arg("now_ns"))
       .def("want_twoshot", &AdaptTwoShot::want_twoshot)
+      .def("want_long", &AdaptTwoShot::want_long)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
       .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; });
 
@@ -228,6 +229,8 @@ PYBIND11_MODULE(_C, m) {
                e["switches"] = s.switches;
                e["explored"] = s.explored;
                e["mixed"] = s.mixed;
+               e["long_pieces"] = s.long_pieces;
+               e["mixed_long"] = s.mixed_long;
                out[py::int_(largest)] = e;
              }
              return out;

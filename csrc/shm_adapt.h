@@ -58,7 +58,9 @@ namespace pz {
 // an eighth, 1 MiB at least and the two-shot's area at most (kAdaptPieces in
 // shm_transport.cpp), and rank 0 chooses each piece's algorithm after the piece
 // before, so a call that finds the ring slowed down leaves it for its remaining
-// pieces and a try costs a piece, not a call (2 ranks, in place, per-call p99
+// pieces and a try costs a piece, not a call (while the ring holds, its pieces run
+// long, a round of the ring alone: [Note: long ring pieces] in shm_transport.cpp;
+// a long piece is one "call" here) (2 ranks, in place, per-call p99
 // against DeepSpeed's in two fresh pairs: 8 MiB 0.44-0.85x with whole calls,
 // 1.63-2.22x in pieces; 32 MiB 1.70-2.04x; collectives_pairs_* in
 // benchmarks/results has the record). Rank 0 puts its choice for a call's first
@@ -113,6 +115,14 @@ class AdaptTwoShot {
   bool want_twoshot(int c) const {
     const State& s = st_[c];
     return s.trying > 0 ? !s.twoshot : s.twoshot;
+  }
+
+  // Whether rank 0 runs the next ring piece of class c long (a whole round of the ring alone):
+  // on the ring, with no try due and no jump or leap under way ([Note: long ring pieces] in
+  // shm_transport.cpp).
+  bool want_long(int c) const {
+    const State& s = st_[c];
+    return !s.twoshot && s.trying == 0 && s.spikes == 0 && s.leaps == 0;
   }
 
   // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`, ending at
@@ -203,10 +213,17 @@ class AdaptTwoShot {
     int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap
     uint64_t switches = 0, explored = 0;
-    uint64_t mixed = 0;  // calls whose pieces ran both algorithms
+    uint64_t mixed = 0;        // calls whose pieces ran both algorithms
+    uint64_t mixed_long = 0;   // and of them, those with a long ring piece
+    uint64_t long_pieces = 0;  // long ring pieces run (shm_transport.cpp)
   };
   const State& state(int c) const { return st_[c]; }
-  void mixed(int c) { ++st_[c].mixed; }
+  // A call of class c ran both algorithms in its pieces (`with_long`: a long ring piece among them).
+  void mixed(int c, bool with_long) {
+    ++st_[c].mixed;
+    st_[c].mixed_long += with_long;
+  }
+  void ran_long(int c) { ++st_[c].long_pieces; }
 
  private:
   static double median(const double* v, int n) {  // of the first n; 0 for none

@@ -265,21 +265,23 @@ void ShmSegments::exchange_step(Step step, const char* what) {
   }
 }
 
-bool ShmSegments::piece_plan(bool twoshot, const char* what) {
+uint32_t ShmSegments::piece_plan(uint32_t choice, const char* what) {
+  constexpr int kBits = 8;  // the choice's bits, below the count
+  constexpr uint64_t kMask = (uint64_t(1) << kBits) - 1;
   const uint64_t count = ++plans_;
   RankCtrl* leader = ctrl(0);
   if (rank_ == 0) {
-    leader->plan.store(count << 1 | uint64_t(twoshot), std::memory_order_release);
+    leader->plan.store(count << kBits | (choice & kMask), std::memory_order_release);
     notify(leader->plan, leader->plan_waiters);
-    return twoshot;
+    return uint32_t(choice & kMask);
   }
-  wait_for([&] { return (leader->plan.load(std::memory_order_acquire) >> 1) >= count; }, 0, what, &leader->plan,
+  wait_for([&] { return (leader->plan.load(std::memory_order_acquire) >> kBits) >= count; }, 0, what, &leader->plan,
            &leader->plan_waiters);
   const uint64_t w = leader->plan.load(std::memory_order_acquire);
-  if ((w >> 1) != count)
-    throw CollectiveError(where(what) + ": rank 0's choice for a piece ran ahead (" + std::to_string(w >> 1) +
+  if ((w >> kBits) != count)
+    throw CollectiveError(where(what) + ": rank 0's choice for a piece ran ahead (" + std::to_string(w >> kBits) +
                           ", expected " + std::to_string(count) + ")");
-  return (w & 1) != 0;
+  return uint32_t(w & kMask);
 }
 
 // ---------------------------------------------------------------------------

@@ -231,8 +231,9 @@ class ShmSegments {
   // Auto's choice for the next piece of an all_reduce in pieces: rank 0 publishes it
   // (and returns it), every other rank waits for it. Every rank makes the same calls in
   // the same order; rank 0 publishes the next choice only after finishing the piece before,
-  // which needs every peer to have read this one, so the word never runs ahead.
-  bool piece_plan(bool twoshot, const char* what);
+  // which needs every peer to have read this one, so the word never runs ahead. The choice
+  // is a few bits (PieceChoice in shm_transport.cpp).
+  uint32_t piece_plan(uint32_t choice, const char* what);
   // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
   int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }
   // Throws if an earlier failure left the group unusable.

@@ -37,8 +37,25 @@ void copy_to_area(void* dst, const void* src, size_t n, bool streamed) {
 constexpr size_t kAdaptFromBytes = 2 << 10;
 // auto's messages at the ring's sizes go in pieces of an eighth, 1 MiB at least
 // ([Note: adaptive two-shot]): with quarters of 2 MiB, a ring piece that found the slow
-// mode, or a try of it there, still cost an 8 MiB call 2-3x its median.
+// mode, or a try of it there, still cost an 8 MiB call 2-3x its median. While the ring
+// holds, its pieces run long ([Note: long ring pieces]).
 constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
+// [Note: long ring pieces]
+// A ring piece costs by the rounds it runs more than by its bytes: the ring alone runs a
+// message in rounds of depth / 2 slices of every chunk (2 MiB of the message at 2 ranks from
+// 2 MiB up, in slices of 256 KiB), and a piece of 1 MiB is a round of its own, so auto ran
+// 2-8 MiB in twice the ring's rounds: 2 ranks, in place, fast mode, medians of 20-call blocks,
+// 10 rounds in each of 4 fresh pairs (us), the ring alone / the ring sliced as the pieces
+// (128 KiB) / auto in 1 MiB pieces: 2 MiB 101-104 / 108-112 / 108-115, 4 MiB 200-218 /
+// 215-232 / 216-225 (1.10-1.25x the ring alone in the 8 fast pairs of
+// collectives_pairs_fine2_cpu2_20261127). So rank 0 marks a ring piece long (kChoiceLong in
+// its word) while the ring is in use, no try is due and no jump or leap is under way
+// (AdaptTwoShot::want_long): the piece then covers as many pieces as make one of the ring's
+// rounds (two at 2 ranks up to 16 MiB), and is the ring alone's round. A try, the piece after
+// a jump (the second piece of a possible leap) and the ring's pieces while the two-shot is in
+// use stay short, so the ring is still left within a piece or two of 1 MiB where it slows.
+// After (same runs; a whole 2 MiB call is now one long piece, the ring alone's call): 2 MiB
+// 102-104 against 101-103, 4 MiB 202-205 / 200-203, 8 MiB 443-457 / 446-450.
 // A steady clock's time in ns, as auto's controller takes a call's end ([Note: stale measurement]).
 int64_t steady_ns(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -213,6 +230,14 @@ int64_t slice_elems(const ShmConfig& cfg, int64_t longest) {
   return std::min(hi, std::max(lo, want));
 }
 
+// The elements of every chunk that one round of the ring takes for a message whose longest
+// chunk has `longest` elements.
+int64_t ring_round_elems(const ShmConfig& cfg, DType dt, int64_t longest) {
+  int64_t r = 0;
+  PZ_DISPATCH_DTYPE(dt, T, { r = slice_elems<WireT<T>>(cfg, longest) * std::max(1, cfg.depth / 2); });
+  return r;
+}
+
 template <typename T, RedOp OP, typename F>
 uint64_t with_ring_prims(ShmSegments& s, const char* what, int64_t longest, bool stream_out, F body) {
   using W = WireT<T>;
@@ -257,9 +282,12 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   const bool timed = adaptive && rank_ == 0;
   const clock::time_point t0 = timed ? clock::now() : clock::time_point();
   uint64_t seq = seg_.begin(what);
-  CallDesc d{seq, int32_t(Coll::all_reduce), int32_t(op), int32_t(dt), 0,
-             int32_t(adaptive ? Algo::automatic : algo), rank_ == 0 && adaptive && adapt_.want_twoshot(cls),
-             count, 0};
+  // rank 0's word: at the one-shot's sizes whether the two-shot runs, at the ring's its first piece's choice
+  const int32_t word = rank_ != 0 || !adaptive ? 0
+                       : whole_calls         ? int32_t(adapt_.want_twoshot(cls))
+                                             : int32_t(leader_choice(cls));
+  CallDesc d{seq, int32_t(Coll::all_reduce), int32_t(op), int32_t(dt), 0, int32_t(adaptive ? Algo::automatic : algo),
+             word, count, 0};
   uint64_t sent = 0;
   if (n_ == 1) {
     seg_.arrive(d, what);  // the reduction of one contribution is itself (avg divides by 1)
@@ -461,30 +489,39 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
   using clock = std::chrono::steady_clock;
   const TwoShotPieces P = adaptive_pieces(L, dt);
   const size_t es = dtype_size(dt);
-  bool twoshot = seg_.leader_word(seq) != 0;
-  bool ran[2] = {false, false};
+  // a long ring piece: the pieces that make up one round of the ring alone ([Note: long ring pieces])
+  const int64_t round = ring_round_elems(config(), dt, L.longest());
+  const int64_t long_pieces = std::max<int64_t>(1, (round + P.per - 1) / P.per);
+  uint32_t choice = uint32_t(seg_.leader_word(seq));
+  bool ran[2] = {false, false}, ran_long = false;
   uint64_t sent = 0;
   clock::time_point t = t0;  // (the first piece's time includes the arrival, as a whole call's did)
-  for (int64_t k = 0; k < P.pieces; ++k) {
-    if (k > 0) twoshot = seg_.piece_plan(rank_ == 0 && adapt_.want_twoshot(cls), "all_reduce");
+  for (int64_t k = 0, next = 0; k < P.pieces; k = next) {
+    if (k > 0) choice = seg_.piece_plan(rank_ == 0 ? leader_choice(cls) : 0, "all_reduce");
+    const bool twoshot = (choice & kChoiceTwoshot) != 0;
+    const bool is_long = !twoshot && (choice & kChoiceLong) != 0;
+    next = is_long ? std::min(P.pieces, k + long_pieces) : k + 1;
     ran[twoshot] = true;
+    ran_long = ran_long || is_long;
     if (twoshot) {
       stage_twoshot(in, P, k, dt, seq);
       seg_.exchange_step(ShmSegments::Step::staged, "all_reduce");
       sent += twoshot_piece(buf, in, P, k, dt, op, seq);
     } else {
-      sent += ring_all_reduce_part(buf, in, L, dt, op, k * P.per, (k + 1) * P.per);
+      sent += ring_all_reduce_part(buf, in, L, dt, op, k * P.per, next * P.per);
     }
     if (rank_ == 0) {
       int64_t elems = 0;
-      for (int p = 0; p < n_; ++p) elems += P.count(p, k);
+      for (int p = 0; p < n_; ++p)
+        for (int64_t j = k; j < next; ++j) elems += P.count(p, j);
       const clock::time_point now = clock::now();
       adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es),
                      steady_ns(now));
       t = now;
+      if (is_long) adapt_.ran_long(cls);
     }
   }
-  if (rank_ == 0 && ran[0] && ran[1]) adapt_.mixed(cls);
+  if (rank_ == 0 && ran[0] && ran[1]) adapt_.mixed(cls, ran_long);
   return sent;
 }
 

@@ -128,6 +128,12 @@ class ShmTransport {
   uint64_t ring_all_reduce_part(void* buf, const void* in, const ChunkLayout& L, DType dt, RedOp op, int64_t begin,
                                 int64_t end);
   uint64_t oneshot_reduce(void* buf, const void* in, int64_t count, DType dt, RedOp op, uint64_t seq);
+  // Rank 0's choice for a piece of auto's all_reduce at the ring's sizes (its descriptor's word
+  // for the first, its plan word for the others): the two-shot, or a long ring piece.
+  static constexpr uint32_t kChoiceTwoshot = 1, kChoiceLong = 2;
+  uint32_t leader_choice(int cls) const {
+    return adapt_.want_twoshot(cls) ? kChoiceTwoshot : adapt_.want_long(cls) ? kChoiceLong : 0;
+  }
   // Rank 0's last word per size class as this rank read it (adaptive one-shot sizes: whether
   // the next copy into the area is streamed, [Note: adaptive two-shot]).
   std::array<bool, AdaptTwoShot::kClasses> leader_seen_{};

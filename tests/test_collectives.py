@@ -440,8 +440,9 @@ def test_auto_between_ring_and_two_shot(world):
 
 def _rank_auto_in_pieces():
     """auto at the ring's sizes goes in pieces, each run by the ring or the two-shot as rank 0 says after
-    the piece before (its plan word): any mix of the two is bitwise the ring, in every dtype and op, with
-    uneven chunks, in and out of place, with a rank running late, and with every rank on one core."""
+    the piece before (its plan word): any mix of the two, and of short and long ring pieces, is bitwise the
+    ring, in every dtype and op, with uneven chunks, in and out of place, with a rank running late, and with
+    every rank on one core."""
     pz.init(timeout=60)
     n, me = pz.get_world_size(), pz.get_rank()
     ck = Checker()
@@ -462,6 +463,8 @@ def _rank_auto_in_pieces():
     if me == 0:
         if not state or sum(s["mixed"] for s in state.values()) < 1:
             ck.fail(f"no call mixed the algorithms: {state}")
+        if sum(s["mixed_long"] for s in state.values()) < 1:  # the two-shot's pieces and a long ring piece
+            ck.fail(f"no call mixed the two-shot with a long ring piece: {state}")
         ck.cases += 1
     elif state:
         ck.fail(f"rank {me} keeps adaptive state: {state}")
@@ -592,6 +595,36 @@ def test_auto_controller_retries_a_measure_gone_stale_in_time():
     # and where the ring is the faster throughout, the two-shot's tries stay rare
     picks, a = _simulate(lambda i, two: 2.0 if two else 1.0, 600, lambda i: 100_000_000)
     assert sum(picks[100:]) <= 0.06 * 500, sum(picks[100:])
+
+
+def test_auto_controller_runs_long_ring_pieces_only_while_the_ring_holds():
+    """[Note: long ring pieces]: a ring piece runs long (a whole round of the ring alone) only while the
+    ring is in use with no try due and no jump or leap under way; never with the two-shot chosen."""
+    from pyzero import _C
+
+    def run(cost, calls):
+        a, out, now = _C.AdaptTwoShot(), [], 10**9
+        for i in range(calls):
+            two, long_ = a.want_twoshot(CLS), a.want_long(CLS)
+            assert not (two and long_), i
+            out.append("t" if two else "L" if long_ else "r")
+            c = cost(i, two)
+            now += int(c * UNIT_NS)
+            a.observe(CLS, two, c * UNIT_NS / (1 << 20), now)
+        return "".join(out)
+
+    # the ring twice as fast throughout: long pieces but for the two-shot's tries, after each of which the
+    # ring's next piece is long again
+    calm = run(lambda i, two: 2.0 if two else 1.0, 1000)
+    assert "r" not in calm and calm.count("L") >= 950 and "tL" in calm, calm[:80]
+    # one ring piece stalls (10x): the next one runs short, then long again
+    stalled = run(lambda i, two: 10.0 if (i == 500 and not two) else (2.0 if two else 1.0), 1000)
+    assert calm[500:503] == "LLL" and stalled[:501] == calm[:501] and stalled[501:503] == "rL", stalled[495:510]
+    # the ring 10x slower from piece 400 (a leap: the two-shot tried at once): the second slow piece short,
+    # then the two-shot; the ring's later tries short, and none long while the two-shot holds
+    slow = run(lambda i, two: (5.0 if two else 10.0) if i >= 400 else (2.0 if two else 1.0), 1000)
+    assert slow[400:403] == "Lrt" and "L" not in slow[403:], slow[398:420]
+    assert slow[403:].count("r") >= 5, slow[403:].count("r")
 
 
 # ---------------------------------------------------------------------------

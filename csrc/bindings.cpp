@@ -193,7 +193,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_static("size_class", &AdaptTwoShot::size_class)
       .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"),
-           py::arg("now_ns"))
+           py::arg("now_ns"), py::arg("call_end") = true)
       .def("want_twoshot", &AdaptTwoShot::want_twoshot)
       .def("want_long", &AdaptTwoShot::want_long)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })

@@ -75,6 +75,19 @@ namespace pz {
 // the two-shot's staging, and the two-shot then sums in the one-shot's order of
 // ranks.
 //
+// [Note: tries begin with a call]
+// A try due by count or by time (not one at a jump, a leap or behind) waits for the
+// call's last piece and begins with the next call. The first call after a pause
+// runs its pieces cold, either algorithm: in a full benchmark sweep (2 ranks, the
+// other sizes in between), the first out-of-place call of a block ran its 1 MiB
+// pieces at 200-600 us where the block's others took 50-60 on the ring and
+// 130-170 on the two-shot (its output's pages faulted in). A try due by time is due
+// at the first piece after a pause, so it ran on that call's next pieces, its ring
+// piece over kGiveUp x the two-shot's median, and lost: in 3 of 8 fast sets of
+// collectives_pairs_fine3_cpu2_20261128, after a slow phase of a few rounds, 2 MiB
+// stayed on the two-shot for 5-12 rounds (177-340 us a block) where the ring alone
+// ran 88-90, which left its median 1.11-1.16x the ring's.
+//
 // [Note: stale measurement]
 // The other algorithm is also tried once it was last measured over 25 ms ago and
 // a quarter of the calls' interval has passed since (2 to 64 calls), an interval
@@ -126,8 +139,8 @@ class AdaptTwoShot {
   }
 
   // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`, ending at
-  // `now_ns` (a steady clock's nanoseconds).
-  void observe(int c, bool twoshot, double ns_per_byte, int64_t now_ns) {
+  // `now_ns` (a steady clock's nanoseconds); `call_end`: the call's last piece (or the call).
+  void observe(int c, bool twoshot, double ns_per_byte, int64_t now_ns, bool call_end = true) {
     State& s = st_[c];
     bool warm = s.seen[twoshot];
     s.seen[twoshot] = true;
@@ -186,8 +199,10 @@ class AdaptTwoShot {
     // stale: the other was last measured over every_ns ago, and a quarter of the calls' interval
     // has passed ([Note: stale measurement])
     const bool stale = s.tried_ns > 0 && now_ns - s.tried_ns >= s.every_ns;
-    if (s.trying == 0 && (++s.since >= s.every || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst) ||
-                          (stale && s.since >= std::max(kFirst, s.every / 4)))) {
+    // a try that is due by count or by time begins with a call ([Note: tries begin with a call])
+    const bool due = s.trying == 0 &&
+                     (++s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4)));
+    if (s.trying == 0 && ((due && call_end) || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst))) {
       if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
         s.nrecent = s.spikes;

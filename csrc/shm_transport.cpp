@@ -47,15 +47,16 @@ constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
 // 2-8 MiB in twice the ring's rounds: 2 ranks, in place, fast mode, medians of 20-call blocks,
 // 10 rounds in each of 4 fresh pairs (us), the ring alone / the ring sliced as the pieces
 // (128 KiB) / auto in 1 MiB pieces: 2 MiB 101-104 / 108-112 / 108-115, 4 MiB 200-218 /
-// 215-232 / 216-225 (1.10-1.25x the ring alone in the 8 fast pairs of
+// 215-232 / 216-225 (1.10-1.22x the ring alone at 4 MiB in the 6 fast sets of
 // collectives_pairs_fine2_cpu2_20261127). So rank 0 marks a ring piece long (kChoiceLong in
 // its word) while the ring is in use, no try is due and no jump or leap is under way
-// (AdaptTwoShot::want_long): the piece then covers as many pieces as make one of the ring's
-// rounds (two at 2 ranks up to 16 MiB), and is the ring alone's round. A try, the piece after
-// a jump (the second piece of a possible leap) and the ring's pieces while the two-shot is in
-// use stay short, so the ring is still left within a piece or two of 1 MiB where it slows.
-// After (same runs; a whole 2 MiB call is now one long piece, the ring alone's call): 2 MiB
-// 102-104 against 101-103, 4 MiB 202-205 / 200-203, 8 MiB 443-457 / 446-450.
+// (AdaptTwoShot::want_long): the piece then covers as many pieces as one of the ring's rounds
+// holds, and is the ring alone's round (two pieces at 2 ranks from 2 to 8 MiB; from 16 MiB a
+// piece is a round or more). A try, the piece after a jump (the second piece of a possible
+// leap) and the ring's pieces while the two-shot is in use stay short, so the ring is still
+// left within a piece or two of 1 MiB where it slows. After (the same runs; a whole 2 MiB call
+// is now one long piece, the ring alone's call): 2 MiB 102-104 against 101-103, 4 MiB 202-205
+// / 200-203, 8 MiB 443-457 / 446-450.
 // A steady clock's time in ns, as auto's controller takes a call's end ([Note: stale measurement]).
 int64_t steady_ns(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -489,9 +490,8 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
   using clock = std::chrono::steady_clock;
   const TwoShotPieces P = adaptive_pieces(L, dt);
   const size_t es = dtype_size(dt);
-  // a long ring piece: the pieces that make up one round of the ring alone ([Note: long ring pieces])
-  const int64_t round = ring_round_elems(config(), dt, L.longest());
-  const int64_t long_pieces = std::max<int64_t>(1, (round + P.per - 1) / P.per);
+  // a long ring piece: as many pieces as one round of the ring alone holds ([Note: long ring pieces])
+  const int64_t long_pieces = std::max<int64_t>(1, ring_round_elems(config(), dt, L.longest()) / P.per);
   uint32_t choice = uint32_t(seg_.leader_word(seq));
   bool ran[2] = {false, false}, ran_long = false;
   uint64_t sent = 0;
@@ -516,7 +516,7 @@ uint64_t ShmTransport::adaptive_all_reduce(void* buf, const void* in, const Chun
         for (int64_t j = k; j < next; ++j) elems += P.count(p, j);
       const clock::time_point now = clock::now();
       adapt_.observe(cls, twoshot, std::chrono::duration<double, std::nano>(now - t).count() / double(elems * es),
-                     steady_ns(now));
+                     steady_ns(now), next >= P.pieces);
       t = now;
       if (is_long) adapt_.ran_long(cls);
     }

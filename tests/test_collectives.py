@@ -597,6 +597,30 @@ def test_auto_controller_retries_a_measure_gone_stale_in_time():
     assert sum(picks[100:]) <= 0.06 * 500, sum(picks[100:])
 
 
+def test_auto_controller_begins_a_due_try_with_a_call():
+    """[Note: tries begin with a call]: calls of 2 pieces in bursts of 42 (a benchmark's blocks of one size),
+    300 ms apart, the first call of each burst cold (its pieces 250 us slower, either algorithm); the ring
+    collapsed (10x) for 5 bursts, then calm (1.0 against the two-shot's 2.6). A try due by time is due at
+    the first piece after the pause; begun there it ran on the cold call, lost, and reset the count, burst
+    after burst. Begun with the next call, the ring is back within the first calm burst, and stays."""
+    from pyzero import _C
+
+    a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
+    for burst in range(30):
+        now += 300_000_000
+        n = 0
+        for call in range(42):
+            for k in range(2):
+                two = a.want_twoshot(CLS)
+                cost = (2.6 if two else (10.0 if burst < 5 else 1.0)) + (5.0 if call == 0 else 0.0)
+                n += two and call > 0
+                now += int(cost * UNIT_NS)
+                a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 1)
+        twoshot_pieces.append(n)
+    assert min(twoshot_pieces[1:5]) >= 78, twoshot_pieces  # collapsed: the two-shot (of 82 pieces after the first call)
+    assert twoshot_pieces[5] <= 8 and max(twoshot_pieces[6:]) <= 10, twoshot_pieces
+
+
 def test_auto_controller_runs_long_ring_pieces_only_while_the_ring_holds():
     """[Note: long ring pieces]: a ring piece runs long (a whole round of the ring alone) only while the
     ring is in use with no try due and no jump or leap under way; never with the two-shot chosen."""

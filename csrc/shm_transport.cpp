@@ -44,19 +44,18 @@ constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
 // A ring piece costs by the rounds it runs more than by its bytes: the ring alone runs a
 // message in rounds of depth / 2 slices of every chunk (2 MiB of the message at 2 ranks from
 // 2 MiB up, in slices of 256 KiB), and a piece of 1 MiB is a round of its own, so auto ran
-// 2-8 MiB in twice the ring's rounds: 2 ranks, in place, fast mode, medians of 20-call blocks,
-// 10 rounds in each of 4 fresh pairs (us), the ring alone / the ring sliced as the pieces
-// (128 KiB) / auto in 1 MiB pieces: 2 MiB 101-104 / 108-112 / 108-115, 4 MiB 200-218 /
-// 215-232 / 216-225 (1.10-1.22x the ring alone at 4 MiB in the 6 fast sets of
-// collectives_pairs_fine2_cpu2_20261127). So rank 0 marks a ring piece long (kChoiceLong in
-// its word) while the ring is in use, no try is due and no jump or leap is under way
-// (AdaptTwoShot::want_long): the piece then covers as many pieces as one of the ring's rounds
-// holds, and is the ring alone's round (two pieces at 2 ranks from 2 to 8 MiB; from 16 MiB a
-// piece is a round or more). A try, the piece after a jump (the second piece of a possible
-// leap) and the ring's pieces while the two-shot is in use stay short, so the ring is still
-// left within a piece or two of 1 MiB where it slows. After (the same runs; a whole 2 MiB call
-// is now one long piece, the ring alone's call): 2 MiB 102-104 against 101-103, 4 MiB 202-205
-// / 200-203, 8 MiB 443-457 / 446-450.
+// 2-8 MiB in twice the ring's rounds: auto's time / the ring alone's, per call at the median
+// (2 ranks, in place, the 6 fast sets of collectives_pairs_fine2_cpu2_20261127), 2 MiB
+// 1.09-1.26, 4 MiB 1.10-1.22, 8 MiB 1.02-1.10 (geometric means 1.13, 1.15, 1.06). So rank 0
+// marks a ring piece long (kChoiceLong in its word) while the ring is in use, no try is due and
+// no jump or leap is under way (AdaptTwoShot::want_long): the piece then covers as many pieces
+// as one of the ring's rounds holds, and is the ring alone's round (two pieces at 2 ranks from
+// 2 to 8 MiB; from 16 MiB a piece is a round or more). A try, the piece after a jump (the second
+// piece of a possible leap) and the ring's pieces while the two-shot is in use stay short, so the
+// ring is still left within a piece or two of 1 MiB where it slows. After (8 fast sets of
+// collectives_pairs_fine3_cpu2_20261128): 4 MiB 0.98-1.05, 8 MiB 0.96-1.11 (1.02, 1.03); 2 MiB
+// 0.98-1.16 (1.06), in the three sets above 1.1 after rounds on the two-shot that
+// [Note: tries begin with a call] (shm_adapt.h) ended.
 // A steady clock's time in ns, as auto's controller takes a call's end ([Note: stale measurement]).
 int64_t steady_ns(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();

@@ -199,10 +199,11 @@ class AdaptTwoShot {
     // stale: the other was last measured over every_ns ago, and a quarter of the calls' interval
     // has passed ([Note: stale measurement])
     const bool stale = s.tried_ns > 0 && now_ns - s.tried_ns >= s.every_ns;
+    if (s.trying > 0) return;
+    ++s.since;
     // a try that is due by count or by time begins with a call ([Note: tries begin with a call])
-    const bool due = s.trying == 0 &&
-                     (++s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4)));
-    if (s.trying == 0 && ((due && call_end) || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst))) {
+    const bool due = s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4));
+    if ((due && call_end) || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst)) {
       if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
         s.nrecent = s.spikes;

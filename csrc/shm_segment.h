@@ -232,7 +232,7 @@ class ShmSegments {
   // (and returns it), every other rank waits for it. Every rank makes the same calls in
   // the same order; rank 0 publishes the next choice only after finishing the piece before,
   // which needs every peer to have read this one, so the word never runs ahead. The choice
-  // is a few bits (PieceChoice in shm_transport.cpp).
+  // is a few bits (ShmTransport::kChoiceTwoshot, kChoiceLong).
   uint32_t piece_plan(uint32_t choice, const char* what);
   // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
   int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }

@@ -143,6 +143,10 @@ Algo ShmTransport::resolve(Coll c, size_t bytes, Algo algo) const {
 
 namespace {
 
+// Slices of every chunk in one ring round: at most half the slot depth per primitive (see
+// Round in ring.h).
+int slices_per_round(int depth) { return std::max(1, depth / 2); }
+
 template <typename T, RedOp OP>
 struct ShmRingPrims {
   using W = WireT<T>;
@@ -154,8 +158,7 @@ struct ShmRingPrims {
   bool stream_out;  // the user's output written with streaming stores ([Note: streamed output])
   uint64_t sent_bytes = 0;
 
-  // At most half the slot depth per primitive (see Round in ring.h).
-  int64_t round_elems() const { return per_slice * std::max(1, depth / 2); }
+  int64_t round_elems() const { return per_slice * slices_per_round(depth); }
 
   template <typename F> void slices(int64_t cnt, F f) {
     for (int64_t o = 0; o < cnt; o += per_slice) f(o, size_t(std::min(per_slice, cnt - o)));
@@ -223,7 +226,7 @@ struct ShmRingPrims {
 // most a slot.
 template <typename W>
 int64_t slice_elems(const ShmConfig& cfg, int64_t longest) {
-  int64_t per_round = std::max(1, cfg.depth / 2);
+  int64_t per_round = slices_per_round(cfg.depth);
   int64_t want = (longest + per_round - 1) / per_round;
   want = (want + 15) / 16 * 16;
   int64_t lo = int64_t(8192 / sizeof(W)), hi = int64_t(cfg.slice_bytes / sizeof(W));
@@ -234,7 +237,7 @@ int64_t slice_elems(const ShmConfig& cfg, int64_t longest) {
 // chunk has `longest` elements.
 int64_t ring_round_elems(const ShmConfig& cfg, DType dt, int64_t longest) {
   int64_t r = 0;
-  PZ_DISPATCH_DTYPE(dt, T, { r = slice_elems<WireT<T>>(cfg, longest) * std::max(1, cfg.depth / 2); });
+  PZ_DISPATCH_DTYPE(dt, T, { r = slice_elems<WireT<T>>(cfg, longest) * slices_per_round(cfg.depth); });
   return r;
 }
 

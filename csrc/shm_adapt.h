@@ -50,7 +50,8 @@ namespace pz {
 // caught one: the ring had slowed from 4 to 11-13 ms, the two-shot last measured
 // at 6 ms; with it, none in the record after). A try is 3 calls (one more the
 // first time: an algorithm's first call in a class warms its buffers and is not
-// counted), or ends after a counted call over 2x the median of the one in use;
+// counted; a try of the ring begins with such a call each time: [Note: how the ring
+// is tried]), or ends after a counted call over 2x the median of the one in use;
 // it switches when their median is under 0.9x the median of the last 16 calls
 // of the one in use, or of the calls since the change (medians, since in the
 // slow mode a part of the ring's calls still run fast).
@@ -87,6 +88,20 @@ namespace pz {
 // collectives_pairs_fine3_cpu2_20261128, after a slow phase of a few rounds, 2 MiB
 // stayed on the two-shot for 5-12 rounds (177-340 us a block) where the ring alone
 // ran 88-90, which left its median 1.11-1.16x the ring's.
+//
+// [Note: how the ring is tried]
+// A try of the ring (the two-shot in use) measures the ring as it would run: its first piece warms it
+// and is neither counted nor given up on, its first counted piece is short (1 MiB, so that the ring
+// still collapsed costs one short piece before the try gives up), and its later pieces are long, as
+// the ring's pieces run while it holds ([Note: long ring pieces] in shm_transport.cpp). Traced per
+// piece (2 ranks, 2-8 MiB calls in pieces of 1 MiB, 4 fresh sets of a full benchmark sweep, us per
+// MiB at the median): a try's first ring piece after the two-shot's ran 131-150 in place and 206-228
+// out of place in either mode (the ring's caches cold), its second 55-156 where the ring had come
+// back and 851-1076 where it was still collapsed; in use, the ring's long pieces ran 46-63 in place
+// and 52-105 out of place, its short ones 69-91 and 92-143, the two-shot's 101-133 and 140-141.
+// Judged on its first short pieces, the ring came back under 0.9x the two-shot's median in few
+// tries: in 3 of 6 sets of collectives_pairs_fine4_cpu2_20261128, 4 MiB stayed on the two-shot for up
+// to 3 rounds after the ring had come back (510-660 us a call where the ring alone ran 170-280).
 //
 // [Note: stale measurement]
 // The other algorithm is also tried once it was last measured over 25 ms ago and
@@ -132,10 +147,12 @@ class AdaptTwoShot {
 
   // Whether rank 0 runs the next ring piece of class c long (a whole round of the ring alone):
   // on the ring, with no try due and no jump or leap under way ([Note: long ring pieces] in
-  // shm_transport.cpp).
+  // shm_transport.cpp), or in a try of the ring past its first counted piece.
   bool want_long(int c) const {
     const State& s = st_[c];
-    return !s.twoshot && s.trying == 0 && s.spikes == 0 && s.leaps == 0;
+    // [Note: how the ring is tried]
+    if (s.twoshot) return s.trying > 0 && !s.warmup && s.ntried > 0;
+    return s.trying == 0 && s.spikes == 0 && s.leaps == 0;
   }
 
   // A call (or piece) of class c ran the two-shot (or the ring) at `ns_per_byte`, ending at
@@ -146,6 +163,11 @@ class AdaptTwoShot {
     s.seen[twoshot] = true;
     if (twoshot != s.twoshot) {
       if (s.trying == 0) return;
+      if (s.warmup) {  // a try of the ring: its first piece warms it, neither counted nor given up on
+        s.warmup = false;
+        s.warmed = ns_per_byte;
+        return;
+      }
       if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
       // a try whose call runs over kGiveUp x the one in use ends there: its other calls
       // would cost as much (the ring tried in the slow mode: 5x the two-shot)
@@ -172,9 +194,9 @@ class AdaptTwoShot {
         if (t > 0.0) s.level[twoshot] = t;
         s.level[s.twoshot] = median(s.recent, s.nrecent);  // the one in use, as it runs now
         s.every = s.every < kEvery ? kEvery : (s.every * 2 > kMaxEvery ? kMaxEvery : s.every * 2);
-        // while the tries lose, twice as long, up to where a lost try (about one of its calls)
-        // costs kTryShare of the time
-        const double loss_ns = s.level[twoshot] * double(largest_bytes(c));
+        // while the tries lose, twice as long, up to where a lost try (about one of its calls, and
+        // a try of the ring its warm-up piece too) costs kTryShare of the time
+        const double loss_ns = (s.level[twoshot] + s.warmed) * double(largest_bytes(c));
         s.every_ns = std::min(2 * s.every_ns, std::max(kEveryNs, int64_t(loss_ns / kTryShare)));
       }
       return;
@@ -209,6 +231,8 @@ class AdaptTwoShot {
         s.nrecent = s.spikes;
       }
       s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
+      s.warmup = twoshot;  // the ring tried ([Note: how the ring is tried])
+      s.warmed = 0.0;
       s.leapt = leap;
       s.leaps = 0;
     }
@@ -228,6 +252,8 @@ class AdaptTwoShot {
     int spikes = 0;
     int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap
+    bool warmup = false;  // the try of the ring under way has yet to run its first piece
+    double warmed = 0.0;  // and that piece's ns per byte (0: none)
     uint64_t switches = 0, explored = 0;
     uint64_t mixed = 0;        // calls whose pieces ran both algorithms
     uint64_t mixed_long = 0;   // and of them, those with a long ring piece

@@ -50,9 +50,11 @@ constexpr size_t kAdaptPieces = 8, kAdaptPieceBytes = 1 << 20;
 // marks a ring piece long (kChoiceLong in its word) while the ring is in use, no try is due and
 // no jump or leap is under way (AdaptTwoShot::want_long): the piece then covers as many pieces
 // as one of the ring's rounds holds, and is the ring alone's round (two pieces at 2 ranks from
-// 2 to 8 MiB; from 16 MiB a piece is a round or more). A try, the piece after a jump (the second
-// piece of a possible leap) and the ring's pieces while the two-shot is in use stay short, so the
-// ring is still left within a piece or two of 1 MiB where it slows. After (8 fast sets of
+// 2 to 8 MiB; from 16 MiB a piece is a round or more). A try of the two-shot, the piece after a jump (the
+// second piece of a possible leap) and the ring's pieces while the two-shot is in use stay short, so the
+// ring is still left within a piece or two of 1 MiB where it slows (but for a try of the ring
+// past its first counted piece, which measures the ring as it runs: [Note: how the ring is tried]
+// in shm_adapt.h). After (8 fast sets of
 // collectives_pairs_fine3_cpu2_20261128): 4 MiB 0.98-1.05, 8 MiB 0.96-1.11 (1.02, 1.03); 2 MiB
 // 0.98-1.16 (1.06), in the three sets above 1.1 after rounds on the two-shot that
 // [Note: tries begin with a call] (shm_adapt.h) ended.

@@ -102,6 +102,13 @@ namespace pz {
 // Judged on its first short pieces, the ring came back under 0.9x the two-shot's median in few
 // tries: in 3 of 6 sets of collectives_pairs_fine4_cpu2_20261128, 4 MiB stayed on the two-shot for up
 // to 3 rounds after the ring had come back (510-660 us a call where the ring alone ran 170-280).
+// At the one-shot's sizes (whole calls) a try of the one-shot begins the same way, with a call it
+// does not count (not traced there; in the same record 512 KiB - 1 MiB stayed on the two-shot for a
+// round after slow phases, 95-146 us a call where the one-shot and the ring alone ran 31-56).
+// After (6 fresh sets with slow phases in all, collectives_pairs_fine5_cpu2_20261128): rounds where
+// auto ran over 1.5x the ring alone while that ran fast, 1-16 MiB in place, 17 against 41; at 4 MiB
+// auto / the ring alone 0.99-1.11 (geometric mean 1.03, against 1.22). A try in a slow phase now costs
+// a collapsed piece (at 1 MiB a call: 789 us, DeepSpeed's calls there 544-589).
 //
 // [Note: stale measurement]
 // The other algorithm is also tried once it was last measured over 25 ms ago and

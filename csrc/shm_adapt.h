@@ -110,6 +110,27 @@ namespace pz {
 // auto / the ring alone 0.99-1.11 (geometric mean 1.03, against 1.22). A try in a slow phase now costs
 // a collapsed piece (at 1 MiB a call: 789 us, DeepSpeed's calls there 544-589).
 //
+// [Note: the mode is the machine's]
+// The classes of one group share what their tries of the ring or the one-shot (the two-shot in use)
+// find. A class whose own try comes due puts it off (as if it had tried and lost) when a smaller
+// class has given up such a try since its own last one (a call over kGiveUp x the two-shot: the slow
+// mode, not a close loss), up to kPutOff times in a row; and it tries at its next call once any class
+// has won such a try since its own (at least 2 calls after it). The slow mode is a phase of the
+// machine: rounds where the ring alone ran over 2.5x its median at 1 MiB were rounds where the one-shot
+// alone did at 64 or 128 KiB in 82 of 88 (collectives_pairs_fine4_cpu2_20261128) and 62 of 77
+// (collectives_pairs_fine5_cpu2_20261128); the one-shot slow with the ring fast in 0 and 4. So the
+// smaller classes pay for what all learn: a try of the one-shot at 64 KiB that meets the slow mode
+// costs a call of 35-52 us (the one-shot alone's slow rounds in the second record), one of the ring at
+// 1 MiB a collapsed call (789 us out of place, above DeepSpeed's p99 there, 749-788, in 2 sets of that
+// record, whose p99 at 1 MiB was such a call); and once one class finds the mode gone, the others
+// leave the two-shot at once instead of at their own next due try (a round of a benchmark later).
+// Smaller, so that the cheapest class called keeps its own schedule and finds the mode for the
+// others (deferring to any class's loss, the last to lose was the one left trying: in a simulated
+// sweep, the 1 MiB class); kPutOff, so that a class whose two-shot wins by over 2x for its own reasons
+// cannot hold a larger one on the two-shot. Simulated (a sweep of 16-128 KiB and 1 MiB, 10 slow rounds
+// in 30; test_auto_controller_classes_share_the_machines_mode), 1 MiB ran the collapsed ring in 4 calls
+// of the last 9 slow rounds against 12 alone, and was back in the round the mode ended, 2 rounds sooner.
+//
 // [Note: stale measurement]
 // The other algorithm is also tried once it was last measured over 25 ms ago and
 // a quarter of the calls' interval has passed since (2 to 64 calls), an interval
@@ -138,6 +159,7 @@ class AdaptTwoShot {
   static constexpr int kSpikeCalls = 3, kLeapCalls = 2, kTry = 3, kRecent = 16;
   static constexpr int64_t kEveryNs = 25'000'000;  // [Note: stale measurement]
   static constexpr double kTryShare = 0.01;
+  static constexpr int kPutOff = 4;  // [Note: the mode is the machine's]
 
   static int size_class(size_t bytes) {
     int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
@@ -178,7 +200,10 @@ class AdaptTwoShot {
       if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
       // a try whose call runs over kGiveUp x the one in use ends there: its other calls
       // would cost as much (the ring tried in the slow mode: 5x the two-shot)
-      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * median(s.recent, s.nrecent)) s.trying = 1;
+      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * median(s.recent, s.nrecent)) {
+        s.trying = 1;
+        s.gave_up = true;
+      }
       if (--s.trying > 0) return;
       ++s.explored;
       s.tried_ns = now_ns;
@@ -188,7 +213,10 @@ class AdaptTwoShot {
       s.leapt = false;
       double t = median(s.tried, s.ntried);
       s.ntried = 0;
-      if (t < kBetter * median(s.recent, s.nrecent)) {
+      const bool won = t < kBetter * median(s.recent, s.nrecent);
+      if (!twoshot && won) back_ns_ = now_ns;  // [Note: the mode is the machine's]
+      if (!twoshot && s.gave_up) s.lost_ns = now_ns;
+      if (won) {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
         s.nrecent = 0;
@@ -231,7 +259,20 @@ class AdaptTwoShot {
     if (s.trying > 0) return;
     ++s.since;
     // a try that is due by count or by time begins with a call ([Note: tries begin with a call])
-    const bool due = s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4));
+    bool due = s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4));
+    // what the other classes' tries found since this one's ([Note: the mode is the machine's])
+    if (twoshot && call_end) {
+      const int64_t lost = smaller_lost_ns(c);
+      if (back_ns_ > s.tried_ns && back_ns_ > lost && s.since >= kFirst) {
+        due = true;
+      } else if (due && lost > s.tried_ns && lost > back_ns_ && s.put_off < kPutOff) {
+        due = false;  // put off as if tried and lost
+        s.since = 0;
+        s.tried_ns = now_ns;
+        ++s.put_off;
+        ++s.heard;
+      }
+    }
     if ((due && call_end) || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst)) {
       if (s.spikes >= kSpikeCalls || leap) {  // judged against the calls since the change only (a leap is a jump)
         std::copy(s.recent + s.nrecent - s.spikes, s.recent + s.nrecent, s.recent);
@@ -240,6 +281,8 @@ class AdaptTwoShot {
       s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
       s.warmup = twoshot;  // the ring tried ([Note: how the ring is tried])
       s.warmed = 0.0;
+      s.gave_up = false;
+      s.put_off = 0;
       s.leapt = leap;
       s.leaps = 0;
     }
@@ -256,12 +299,16 @@ class AdaptTwoShot {
     uint32_t since = 0, every = kFirst;
     int64_t tried_ns = 0;          // when the last try ended (0: none yet)
     int64_t every_ns = kEveryNs;   // and how long after it the next one is due at the latest
+    int64_t lost_ns = 0;           // when a try of the ring or the one-shot last gave up here
+    bool gave_up = false;          // the try under way gave up (a call over kGiveUp x the one in use)
+    int put_off = 0;               // tries put off in a row ([Note: the mode is the machine's])
     int spikes = 0;
     int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap
     bool warmup = false;  // the try of the ring under way has yet to run its first piece
     double warmed = 0.0;  // and that piece's ns per byte (0: none)
     uint64_t switches = 0, explored = 0;
+    uint64_t heard = 0;        // tries put off for a smaller class's given-up try
     uint64_t mixed = 0;        // calls whose pieces ran both algorithms
     uint64_t mixed_long = 0;   // and of them, those with a long ring piece
     uint64_t long_pieces = 0;  // long ring pieces run (shm_transport.cpp)
@@ -283,6 +330,13 @@ class AdaptTwoShot {
     return n % 2 ? w[n / 2] : 0.5 * (w[n / 2 - 1] + w[n / 2]);
   }
   std::array<State, kClasses> st_{};
+  // when a try of the ring or the one-shot (the two-shot in use) last won, in any class
+  int64_t back_ns_ = 0;
+  int64_t smaller_lost_ns(int c) const {  // and the last lost in a class below c
+    int64_t t = 0;
+    for (int k = 0; k < c; ++k) t = std::max(t, st_[k].lost_ns);
+    return t;
+  }
 };
 
 }  // namespace pz

@@ -700,22 +700,24 @@ def test_auto_controller_tries_the_ring_as_it_runs():
 
 
 
-def _sweep(with_small, rounds=30, slow=range(5, 15), burst=26):
-    """A benchmark's sweep through auto's controller: each round a burst of calls of each of 16, 32, 64 and
-    128 KiB (the one-shot's sizes; left out unless with_small), then one of 1 MiB (the ring's), bursts 1 s
-    apart; the machine in the slow mode in rounds `slow`. Per call, in us (fast / slow mode): one-shot 5 /
-    15, 7 / 25, 11 / 40, 20 / 70, two-shot 7 / 6, 10 / 9, 15 / 14, 30 / 22; at 1 MiB the ring 53 / 800,
-    the two-shot 100 / 95, a ring call right after a two-shot call 200 in either. Returns, per round, the
-    1 MiB calls that ran the ring, and the controller."""
+# 16, 32, 64 and 128 KiB: bytes, the one-shot's and the two-shot's us a call (fast mode, slow mode)
+SWEEP_SMALL = [(16 << 10, (5, 15), (7, 6)), (32 << 10, (7, 25), (10, 9)), (64 << 10, (11, 40), (15, 14)),
+               (128 << 10, (20, 70), (30, 22))]
+
+
+def _sweep(small, rounds=30, slow=range(5, 15), burst=26):
+    """A benchmark's sweep through auto's controller: each round a burst of calls of each of the one-shot's
+    sizes in `small` (SWEEP_SMALL's form), then one of 1 MiB (the ring's), bursts 1 s apart; the machine in
+    the slow mode in rounds `slow`. At 1 MiB, in us (fast / slow mode): the ring 53 / 800, the two-shot
+    100 / 95, a ring call right after a two-shot call 200 in either. Returns, per round, the 1 MiB calls
+    that ran the ring, and the controller."""
     from pyzero import _C
 
-    small = [(16 << 10, (5, 15), (7, 6)), (32 << 10, (7, 25), (10, 9)), (64 << 10, (11, 40), (15, 14)),
-             (128 << 10, (20, 70), (30, 22))]
     a, now, ring_calls = _C.AdaptTwoShot(), 10**9, []
     big = _C.AdaptTwoShot.size_class(1 << 20)
     for r in range(rounds):
         s = r in slow
-        for nbytes, one, two_us in small if with_small else []:
+        for nbytes, one, two_us in small:
             cls = _C.AdaptTwoShot.size_class(nbytes)
             now += 10**9
             for _ in range(burst):
@@ -743,8 +745,8 @@ def test_auto_controller_classes_share_the_machines_mode():
     from pyzero import _C
 
     big = _C.AdaptTwoShot.size_class(1 << 20)
-    alone, a1 = _sweep(False)
-    shared, a2 = _sweep(True)
+    alone, a1 = _sweep([])
+    shared, a2 = _sweep(SWEEP_SMALL)
     # the fast mode: the ring (but for the two-shot's tries), alike; in the slow mode's first round both
     # leave the ring
     assert alone[:6] == shared[:6] and min(alone[:5]) >= 19 and alone[5] <= 6, (alone, shared)
@@ -756,25 +758,8 @@ def test_auto_controller_classes_share_the_machines_mode():
     assert shared[15] >= 20 and min(shared[16:]) >= 23 and alone[15] <= 2 and min(alone[17:]) >= 23, (alone, shared)
     # a smaller class whose two-shot wins by over 2x for its own reasons (its tries all give up) holds the
     # 1 MiB class on the two-shot after the slow mode for 4 of its due tries at most, not for good
-    a, now, ring_calls = _C.AdaptTwoShot(), 10**9, []
+    ring_calls, a = _sweep([(64 << 10, (30, 30), (10, 10))], rounds=40)
     sm = _C.AdaptTwoShot.size_class(64 << 10)
-    for r in range(40):
-        slow = 5 <= r < 15
-        now += 10**9
-        for _ in range(26):
-            two = a.want_twoshot(sm)
-            now += (10 if two else 30) * 1000
-            a.observe(sm, two, (10 if two else 30) * 1000 / (64 << 10), now)
-        now += 10**9
-        prev_two, n = True, 0
-        for _ in range(26):
-            two = a.want_twoshot(big)
-            us = (95 if slow else 100) if two else (200 if prev_two else (800 if slow else 53))
-            n += not two
-            prev_two = two
-            now += int(us * 1000)
-            a.observe(big, two, us * 1000 / (1 << 20), now)
-        ring_calls.append(n)
     assert a.switches(sm) == 1 and 1 <= a.heard(big) <= 8, (a.switches(sm), a.heard(big))
     back = next(r for r in range(15, 40) if ring_calls[r] >= 20)
     assert back <= 15 + 8 and min(ring_calls[back:]) >= 23, ring_calls

@@ -96,7 +96,7 @@ namespace pz {
 // the ring's pieces run while it holds ([Note: long ring pieces] in shm_transport.cpp). Traced per
 // piece (2 ranks, 2-8 MiB calls in pieces of 1 MiB, 4 fresh sets of a full benchmark sweep, us per
 // MiB at the median): a try's first ring piece after the two-shot's ran 131-150 in place and 206-228
-// out of place in either mode (the ring's caches cold), its second 55-156 where the ring had come
+// out of place in either mode, its second 55-156 where the ring had come
 // back and 851-1076 where it was still collapsed; in use, the ring's long pieces ran 46-63 in place
 // and 52-105 out of place, its short ones 69-91 and 92-143, the two-shot's 101-133 and 140-141.
 // Judged on its first short pieces, the ring came back under 0.9x the two-shot's median in few

@@ -198,7 +198,7 @@ PYBIND11_MODULE(_C, m) {
       .def("want_long", &AdaptTwoShot::want_long)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
       .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; })
-      .def("heard", [](const AdaptTwoShot& a, int c) { return a.state(c).heard; });
+      .def("tries_put_off", [](const AdaptTwoShot& a, int c) { return a.state(c).tries_put_off; });
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,
@@ -229,7 +229,7 @@ PYBIND11_MODULE(_C, m) {
                e["twoshot_ns_per_byte"] = s.level[1];
                e["switches"] = s.switches;
                e["explored"] = s.explored;
-               e["heard"] = s.heard;
+               e["put_off"] = s.tries_put_off;
                e["mixed"] = s.mixed;
                e["long_pieces"] = s.long_pieces;
                e["mixed_long"] = s.mixed_long;

@@ -264,7 +264,7 @@ class AdaptTwoShot {
     // a try that is due by count or by time begins with a call ([Note: tries begin with a call])
     bool due = s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4));
     // what the other classes' tries found since this one's ([Note: the mode is the machine's])
-    if (twoshot && call_end) {
+    if (twoshot && call_end && (due || back_ns_ > s.tried_ns)) {  // (else neither case below can hold)
       const int64_t lost = smaller_lost_ns(c);
       if (back_ns_ > s.tried_ns && back_ns_ > lost && s.since >= kFirst) {
         due = true;
@@ -273,7 +273,7 @@ class AdaptTwoShot {
         s.since = 0;
         s.tried_ns = now_ns;
         ++s.put_off;
-        ++s.heard;
+        ++s.tries_put_off;
       }
     }
     if ((due && call_end) || s.spikes >= kSpikeCalls || leap || (behind && s.since >= kFirst)) {
@@ -311,7 +311,7 @@ class AdaptTwoShot {
     bool warmup = false;  // the try of the ring under way has yet to run its first piece
     double warmed = 0.0;  // and that piece's ns per byte (0: none)
     uint64_t switches = 0, explored = 0;
-    uint64_t heard = 0;        // tries put off for a smaller class's given-up try
+    uint64_t tries_put_off = 0;  // for a smaller class's given-up try, in all
     uint64_t mixed = 0;        // calls whose pieces ran both algorithms
     uint64_t mixed_long = 0;   // and of them, those with a long ring piece
     uint64_t long_pieces = 0;  // long ring pieces run (shm_transport.cpp)

@@ -699,7 +699,6 @@ def test_auto_controller_tries_the_ring_as_it_runs():
     assert seq[back + 4:].count("L") >= 0.95 * (1500 - back - 4), seq[back:]
 
 
-
 # 16, 32, 64 and 128 KiB: bytes, the one-shot's and the two-shot's us a call (fast mode, slow mode)
 SWEEP_SMALL = [(16 << 10, (5, 15), (7, 6)), (32 << 10, (7, 25), (10, 9)), (64 << 10, (11, 40), (15, 14)),
                (128 << 10, (20, 70), (30, 22))]
@@ -753,14 +752,14 @@ def test_auto_controller_classes_share_the_machines_mode():
     # later slow rounds: alone, its tries run the ring (a warm-up call and a collapsed one each); with the
     # smaller classes, it puts them off
     assert sum(alone[6:15]) >= 8 and sum(shared[6:15]) <= sum(alone[6:15]) // 2, (alone, shared)
-    assert a2.heard(big) >= 4 and a1.heard(big) == 0, (a1.heard(big), a2.heard(big))
+    assert a2.tries_put_off(big) >= 4 and a1.tries_put_off(big) == 0, (a1.tries_put_off(big), a2.tries_put_off(big))
     # the mode gone (round 15): with the smaller classes the ring is back in that round, alone later
     assert shared[15] >= 20 and min(shared[16:]) >= 23 and alone[15] <= 2 and min(alone[17:]) >= 23, (alone, shared)
     # a smaller class whose two-shot wins by over 2x for its own reasons (its tries all give up) holds the
     # 1 MiB class on the two-shot after the slow mode for 4 of its due tries at most, not for good
     ring_calls, a = _sweep([(64 << 10, (30, 30), (10, 10))], rounds=40)
     sm = _C.AdaptTwoShot.size_class(64 << 10)
-    assert a.switches(sm) == 1 and 1 <= a.heard(big) <= 8, (a.switches(sm), a.heard(big))
+    assert a.switches(sm) == 1 and 1 <= a.tries_put_off(big) <= 8, (a.switches(sm), a.tries_put_off(big))
     back = next(r for r in range(15, 40) if ring_calls[r] >= 20)
     assert back <= 15 + 8 and min(ring_calls[back:]) >= 23, ring_calls
 

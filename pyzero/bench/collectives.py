@@ -617,7 +617,7 @@ def rank_main(args) -> list[dict]:
     if rank == 0 and probe is not None:  # where auto's choice (two-shot or one-shot / ring) ended, per size class
         for nbytes, st in sorted(comm.resolve_group(None).backend.comm.adapt_state().items()):
             results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, **st})
-            print(f"# auto up to {nbytes} B: {st['algo']} (tries {st['explored']}, put off {st['heard']}, "
+            print(f"# auto up to {nbytes} B: {st['algo']} (tries {st['explored']}, put off {st['put_off']}, "
                   f"switches {st['switches']})",
                   flush=True)
     if rank == 0:

@@ -192,6 +192,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<AdaptTwoShot>(m, "AdaptTwoShot", "auto's ring/two-shot controller (shm_adapt.h), for tests")
       .def(py::init<>())
       .def_static("size_class", &AdaptTwoShot::size_class)
+      .def_static("class_of", &AdaptTwoShot::class_of, py::arg("bytes"), py::arg("out_of_place"))
       .def("observe", &AdaptTwoShot::observe, py::arg("cls"), py::arg("twoshot"), py::arg("ns_per_byte"),
            py::arg("now_ns"), py::arg("call_end") = true)
       .def("want_twoshot", &AdaptTwoShot::want_twoshot)
@@ -233,12 +234,12 @@ PYBIND11_MODULE(_C, m) {
                e["mixed"] = s.mixed;
                e["long_pieces"] = s.long_pieces;
                e["mixed_long"] = s.mixed_long;
-               out[py::int_(largest)] = e;
+               out[py::make_tuple(largest, k < AdaptTwoShot::kSizes)] = e;
              }
              return out;
            },
-           "{largest bytes of a size class: rank 0's state} of auto's choice between the two-shot and the one-shot "
-           "or ring (empty on other ranks)")
+           "{(largest bytes of a size class, in place): rank 0's state} of auto's choice between the two-shot and "
+           "the one-shot or ring (empty on other ranks)")
       .def("probe_exchange", &ShmComm::probe_exchange, py::arg("bytes") = size_t(256) << 10, py::arg("reps") = 9,
            py::call_guard<py::gil_scoped_release>(),
            "ns per 64-byte line to read lines the ring predecessor has just written (median of reps; collective)")

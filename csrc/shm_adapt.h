@@ -29,8 +29,8 @@ namespace pz {
 // slow pairs: 821-907 us at 1 MiB.) Neither wins in
 // both modes, and the mode cannot be read off beforehand (an exchange probe at
 // group creation did not tell the slow pairs from the others), so rank 0
-// measures, per size class (a power of two of bytes), what the algorithm in use
-// takes, and tries the other one now and then: after 2 calls, then at intervals
+// measures, per size class (a power of two of bytes) and form (in place or not:
+// [Note: a class is a size and a form]), what the algorithm in use takes, and tries the other one now and then: after 2 calls, then at intervals
 // doubling from 16 to 256 calls while it loses (or sooner once that measure is
 // old: [Note: stale measurement]), and at once when the one in use
 // runs over 3x or under 0.5x its average 3 calls in a row (a change of mode),
@@ -134,6 +134,27 @@ namespace pz {
 // at or below DeepSpeed's in all 288 cells, 1 MiB out of place 1.11x at the lowest; 1-7 tries put off
 // per class and set.
 //
+// [Note: a class is a size and a form]
+// In place and out of place the algorithms run at different speeds, and the two-shot runs faster in the
+// slow mode than after it. Traced per piece (2 ranks, 3 fresh sets of a full benchmark sweep; us per MiB
+// at the median, 1 / 2 / 4 / 8 MiB): the two-shot in use (in and after slow phases) 88 / 92 / 90 / 100 in
+// place, 96 / 103 / 105 / 121 out of place; its tries while the ring held 149 / - / 148 / 154 and
+// 162 / 171 / 239 / 223; the ring's long pieces in use 51 / 47 / 51 / 61 and 54 / 54 / 74 / 102, its
+// first pieces after the two-shot's out of place at 4 MiB 92-160. Of 183 tries of the ring (the two-shot
+// in use) that did not find it collapsed, 15 lost, all out of place, each judged against the median of
+// its class's last 16 calls, most of them in place or of the slow mode (4 MiB: the ring's counted pieces
+// 143 / 143 / 92 against 103, where the out-of-place two-shot ran 145-186 in the calls after the try),
+// and each left its size on the two-shot for a round of the benchmark or less (4 MiB out of place:
+// 1.07x the ring alone over its fast rounds, collectives_pairs_fine7_cpu2_20261128). So a class is a
+// size class and a form (AdaptTwoShot::class_of), each with its own measures; a try is judged against
+// the one in use as it ran just before it (the median of its last kTry calls, as many as the try's own;
+// AdaptTwoShot::latest), not of its last 16; and a try by time or at another class's win waits until
+// more than kTry calls have run since the class's last pause (a gap over kEveryNs; the first of them
+// runs cold: [Note: tries begin with a call]), so that the calls it is judged against ran in the mode
+// it meets. A class called once after each pause (a bucket's size, once a step) tries as before.
+// Simulated (test_auto_controller_judges_a_try_by_its_own_form_and_time): out of place, the ring in 13
+// of the 26 calls of the first round after the slow mode, and in none with one class for both forms.
+//
 // [Note: stale measurement]
 // The other algorithm is also tried once it was last measured over 25 ms ago and
 // a quarter of the calls' interval has passed since (2 to 64 calls), an interval
@@ -155,8 +176,10 @@ namespace pz {
 // calls (the class of its pieces) had found the ring collapsed.
 class AdaptTwoShot {
  public:
-  static constexpr int kClasses = 32;  // size classes: floor(log2(bytes - 1)) - kClassFrom
-  static constexpr int kClassFrom = 11;  // class 0: up to 4 KiB
+  // a class: a size class (floor(log2(bytes - 1)) - kClassFrom) and a form, in place or out of place
+  // ([Note: a class is a size and a form])
+  static constexpr int kSizes = 32, kClasses = 2 * kSizes;
+  static constexpr int kClassFrom = 11;  // size class 0: up to 4 KiB
   static constexpr uint32_t kFirst = 2, kEvery = 16, kMaxEvery = 256;
   static constexpr double kSpike = 3.0, kDrop = 0.5, kBetter = 0.9, kAlpha = 0.25, kGiveUp = 2.0, kLeap = 4.0;
   static constexpr int kSpikeCalls = 3, kLeapCalls = 2, kTry = 3, kRecent = 16;
@@ -166,10 +189,12 @@ class AdaptTwoShot {
 
   static int size_class(size_t bytes) {
     int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
-    return c < 0 ? 0 : (c >= kClasses ? kClasses - 1 : c);
+    return c < 0 ? 0 : (c >= kSizes ? kSizes - 1 : c);
   }
+  // The class of a message of `bytes`, in place or not.
+  static int class_of(size_t bytes, bool out_of_place) { return size_class(bytes) + (out_of_place ? kSizes : 0); }
   // The largest message of class c.
-  static size_t largest_bytes(int c) { return size_t(1) << (c + kClassFrom + 1); }
+  static size_t largest_bytes(int c) { return size_t(1) << (c % kSizes + kClassFrom + 1); }
 
   // Whether rank 0 wants the two-shot for the next call (or piece) of class c.
   bool want_twoshot(int c) const {
@@ -191,6 +216,14 @@ class AdaptTwoShot {
   // `now_ns` (a steady clock's nanoseconds); `call_end`: the call's last piece (or the call).
   void observe(int c, bool twoshot, double ns_per_byte, int64_t now_ns, bool call_end = true) {
     State& s = st_[c];
+    // calls since this class's last pause (a gap over kEveryNs), and whether the calls before it were one
+    // at most (a class called once a step): [Note: a class is a size and a form]
+    if (s.last_ns > 0 && now_ns - s.last_ns > kEveryNs) {
+      s.sparse = s.run <= 1;
+      s.run = 0;
+    }
+    s.last_ns = now_ns;
+    s.run += call_end;
     bool warm = s.seen[twoshot];
     s.seen[twoshot] = true;
     if (twoshot != s.twoshot) {
@@ -203,7 +236,7 @@ class AdaptTwoShot {
       if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
       // a try whose call runs over kGiveUp x the one in use ends there: its other calls
       // would cost as much (the ring tried in the slow mode: 5x the two-shot)
-      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * median(s.recent, s.nrecent)) {
+      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * latest(s)) {
         s.trying = 1;
         s.gave_up = true;
       }
@@ -216,7 +249,7 @@ class AdaptTwoShot {
       s.leapt = false;
       double t = median(s.tried, s.ntried);
       s.ntried = 0;
-      const bool won = t < kBetter * median(s.recent, s.nrecent);
+      const bool won = t < kBetter * latest(s);  // ([Note: a class is a size and a form])
       if (!twoshot && won) back_ns_ = now_ns;  // [Note: the mode is the machine's]
       if (!twoshot && s.gave_up) s.lost_ns = now_ns;
       if (won) {
@@ -262,11 +295,14 @@ class AdaptTwoShot {
     if (s.trying > 0) return;
     ++s.since;
     // a try that is due by count or by time begins with a call ([Note: tries begin with a call])
-    bool due = s.since >= s.every || (stale && s.since >= std::max(kFirst, s.every / 4));
+    // a try by time or at another class's win waits until the calls it is judged against (the last kTry)
+    // ran after the class's last pause ([Note: a class is a size and a form])
+    const bool settled = s.run > kTry || s.sparse;
+    bool due = s.since >= s.every || (stale && settled && s.since >= std::max(kFirst, s.every / 4));
     // what the other classes' tries found since this one's ([Note: the mode is the machine's])
     if (twoshot && call_end && (due || back_ns_ > s.tried_ns)) {  // (else neither case below can hold)
       const int64_t lost = smaller_lost_ns(c);
-      if (back_ns_ > s.tried_ns && back_ns_ > lost && s.since >= kFirst) {
+      if (back_ns_ > s.tried_ns && back_ns_ > lost && s.since >= kFirst && settled) {
         due = true;
       } else if (due && lost > s.tried_ns && lost > back_ns_ && s.put_off < kPutOff) {
         due = false;  // put off as if tried and lost
@@ -308,6 +344,9 @@ class AdaptTwoShot {
     int spikes = 0;
     int leaps = 0;       // calls in a row over kLeap x the level (see observe)
     bool leapt = false;  // the try under way began at a leap
+    int64_t last_ns = 0;  // when this class's last call (or piece) ended
+    uint32_t run = 0;     // calls since its last pause
+    bool sparse = false;  // and the calls before that pause were one at most
     bool warmup = false;  // the try of the ring under way has yet to run its first piece
     double warmed = 0.0;  // and that piece's ns per byte (0: none)
     uint64_t switches = 0, explored = 0;
@@ -332,12 +371,18 @@ class AdaptTwoShot {
     std::sort(w.begin(), w.begin() + n);
     return n % 2 ? w[n / 2] : 0.5 * (w[n / 2 - 1] + w[n / 2]);
   }
+  // the one in use as it ran just before the try under way: the median of its last kTry calls
+  static double latest(const State& s) {
+    const int n = std::min(s.nrecent, kTry);
+    return median(s.recent + s.nrecent - n, n);
+  }
   std::array<State, kClasses> st_{};
   // when a try of the ring or the one-shot (the two-shot in use) last won, in any class
   int64_t back_ns_ = 0;
-  int64_t smaller_lost_ns(int c) const {  // and the last lost in a class below c
+  int64_t smaller_lost_ns(int c) const {  // and the last lost in a class of a smaller size than c's
     int64_t t = 0;
-    for (int k = 0; k < c; ++k) t = std::max(t, st_[k].lost_ns);
+    for (int k = 0; k < kClasses; ++k)
+      if (k % kSizes < c % kSizes) t = std::max(t, st_[k].lost_ns);
     return t;
   }
 };

@@ -281,7 +281,7 @@ void ShmTransport::all_reduce(void* buf, int64_t count, DType dt, RedOp op, Algo
   // after the arrival.
   const bool adaptive = automatic && n_ > 1 && config().adaptive &&
                         (algo == Algo::ring || (algo == Algo::oneshot && bytes > kAdaptFromBytes));
-  const int cls = adaptive ? AdaptTwoShot::size_class(bytes) : -1;
+  const int cls = adaptive ? AdaptTwoShot::class_of(bytes, in != buf) : -1;
   const bool whole_calls = adaptive && algo == Algo::oneshot;  // (the ring's sizes: measured per piece)
   using clock = std::chrono::steady_clock;
   const bool timed = adaptive && rank_ == 0;

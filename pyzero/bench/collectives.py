@@ -615,11 +615,11 @@ def rank_main(args) -> list[dict]:
     if "deepspeed" in backends:
         _remove_deepspeed_buffers(rank)
     if rank == 0 and probe is not None:  # where auto's choice (two-shot or one-shot / ring) ended, per size class
-        for nbytes, st in sorted(comm.resolve_group(None).backend.comm.adapt_state().items()):
-            results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, **st})
-            print(f"# auto up to {nbytes} B: {st['algo']} (tries {st['explored']}, put off {st['put_off']}, "
-                  f"switches {st['switches']})",
-                  flush=True)
+        for (nbytes, inplace), st in sorted(comm.resolve_group(None).backend.comm.adapt_state().items()):
+            results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, "inplace": inplace,
+                            **st})
+            print(f"# auto up to {nbytes} B {'in place' if inplace else 'out of place'}: {st['algo']} "
+                  f"(tries {st['explored']}, put off {st['put_off']}, switches {st['switches']})", flush=True)
     if rank == 0:
         for size in sorted({r["bytes"] for r in results if "bytes" in r}):
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,

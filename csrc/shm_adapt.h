@@ -30,7 +30,8 @@ namespace pz {
 // both modes, and the mode cannot be read off beforehand (an exchange probe at
 // group creation did not tell the slow pairs from the others), so rank 0
 // measures, per size class (a power of two of bytes) and form (in place or not:
-// [Note: a class is a size and a form]), what the algorithm in use takes, and tries the other one now and then: after 2 calls, then at intervals
+// [Note: a class is a size and a form]), what the algorithm in use takes, and
+// tries the other one now and then: after 2 calls, then at intervals
 // doubling from 16 to 256 calls while it loses (or sooner once that measure is
 // old: [Note: stale measurement]), and at once when the one in use
 // runs over 3x or under 0.5x its average 3 calls in a row (a change of mode),

@@ -234,7 +234,7 @@ PYBIND11_MODULE(_C, m) {
                e["mixed"] = s.mixed;
                e["long_pieces"] = s.long_pieces;
                e["mixed_long"] = s.mixed_long;
-               out[py::make_tuple(largest, k < AdaptTwoShot::kSizes)] = e;
+               out[py::make_tuple(largest, !AdaptTwoShot::out_of_place(k))] = e;
              }
              return out;
            },

@@ -192,10 +192,12 @@ class AdaptTwoShot {
     int c = (bytes > 1 ? 63 - __builtin_clzll(uint64_t(bytes - 1)) : 0) - kClassFrom;
     return c < 0 ? 0 : (c >= kSizes ? kSizes - 1 : c);
   }
-  // The class of a message of `bytes`, in place or not.
+  // The class of a message of `bytes`, in place or not; and a class's size class and form.
   static int class_of(size_t bytes, bool out_of_place) { return size_class(bytes) + (out_of_place ? kSizes : 0); }
+  static int size_of(int c) { return c % kSizes; }
+  static bool out_of_place(int c) { return c >= kSizes; }
   // The largest message of class c.
-  static size_t largest_bytes(int c) { return size_t(1) << (c % kSizes + kClassFrom + 1); }
+  static size_t largest_bytes(int c) { return size_t(1) << (size_of(c) + kClassFrom + 1); }
 
   // Whether rank 0 wants the two-shot for the next call (or piece) of class c.
   bool want_twoshot(int c) const {
@@ -383,7 +385,7 @@ class AdaptTwoShot {
   int64_t smaller_lost_ns(int c) const {  // and the last lost in a class of a smaller size than c's
     int64_t t = 0;
     for (int k = 0; k < kClasses; ++k)
-      if (k % kSizes < c % kSizes) t = std::max(t, st_[k].lost_ns);
+      if (size_of(k) < size_of(c)) t = std::max(t, st_[k].lost_ns);
     return t;
   }
 };

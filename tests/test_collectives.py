@@ -816,10 +816,10 @@ def _sweep_forms(rounds=12, slow=range(3, 7), burst=26, cls_of=None):
 
 def test_auto_controller_judges_a_try_by_its_own_form_and_time():
     """[Note: a class is a size and a form]: in place and out of place, the two algorithms cost differently,
-    and after the slow mode the two-shot runs slower than in it; a try of the ring out of place right after
-    the slow mode, judged against the in-place two-shot or against the two-shot's calls of the slow mode,
-    loses, and auto stays on the two-shot. Judged in its own form against the two-shot's calls just before
-    it, it wins in the first burst after the mode ends."""
+    and after the slow mode the two-shot runs slower than in it. Each form in its own class, measured and
+    tried on its own calls, is back on the ring in the first burst after the mode ends; with one class for
+    both forms, out of place is not. (A try judged against the slow mode's calls:
+    test_auto_controller_classes_share_the_machines_mode.)"""
     from pyzero import _C
 
     ring, a = _sweep_forms()
@@ -832,8 +832,8 @@ def test_auto_controller_judges_a_try_by_its_own_form_and_time():
         assert a.switches(_C.AdaptTwoShot.class_of(1 << 20, oop)) == 2, (oop, ring)
     assert _C.AdaptTwoShot.class_of(1 << 20, True) != _C.AdaptTwoShot.class_of(1 << 20, False)
     assert _C.AdaptTwoShot.class_of(1 << 20, False) == _C.AdaptTwoShot.size_class(1 << 20)
-    # one class for both forms: out of place, the ring's tries after the slow mode lose against the in-place
-    # two-shot's calls (90 us, the ring's first out-of-place calls 140), through the first fast round
+    # one class for both forms: the calls of both count toward its next try, which after the slow mode falls
+    # in the in-place burst; out of place runs the two-shot through the first fast round
     shared, _ = _sweep_forms(cls_of=lambda oop: _C.AdaptTwoShot.size_class(1 << 20))
     assert shared[7][0] <= 2 and min(shared[8]) >= 23, shared
 

@@ -756,6 +756,41 @@ def test_bench_size_inversions_against_the_rounds_spread():
         (3, "all_reduce", "pyzero", True, 8, 16, 4.0, 2.0, False)], got
 
 
+def test_bench_fast_rounds_leave_out_a_round_either_ran_slow(capsys):
+    """pyzero-bench's fast rounds: pyzero's round / pyzero-fixed's, over the rounds where neither ran over
+    1.5x its own lower quartile in that set (numpy's linear percentile), pooled over the sets; the rounds
+    one alone ran slow are counted for it, not in the ratios."""
+    import numpy as np
+
+    from pyzero.bench.collectives import fast_rounds, print_fast_rounds
+
+    def row(backend, rounds, pair=0, inplace=True, timing="per-call median", size=1 << 20):
+        return {"op": "all_reduce", "backend": backend, "pair": pair, "inplace": inplace, "bytes": size,
+                "timing": timing, "rounds_time_us": rounds}
+
+    a0, f0 = [10.0, 10.5, 11.0, 30.0, 10.0], [10.0, 10.0, 20.0, 10.0, 40.0]
+    a1, f1 = [20.0, 22.0, 60.0, 21.0], [20.0, 20.0, 80.0, 20.0]
+    for v in (a0, f0, a1, f1):  # the thresholds the rounds are judged by
+        assert 1.5 * np.percentile(v, 25) in (15.0, 30.0, 31.125)
+    rows = [row("pyzero", a0), row("pyzero-fixed", f0), row("pyzero", a1, pair=1), row("pyzero-fixed", f1, pair=1),
+            row("deepspeed", [1.0, 1.0, 1.0, 1.0]),
+            row("pyzero", [5.0, 5.0], inplace=False),  # no pyzero-fixed beside it: no line
+            row("pyzero", [1.0, 1.0], size=8, timing="loop mean"), row("pyzero-fixed", [2.0, 2.0], size=8,
+                                                                        timing="loop mean"),
+            row("pyzero", [1.0], size=16), row("pyzero-fixed", [2.0], size=16)]  # one round: no quartile
+    ratios = [10.0 / 10.0, 10.5 / 10.0, 20.0 / 20.0, 22.0 / 20.0, 21.0 / 20.0]
+    got = fast_rounds(rows)
+    assert len(got) == 1, got
+    op, size, inplace, n, med, geo, worst, sa, sb, both = got[0]
+    assert (op, size, inplace, n, sa, sb, both) == ("all_reduce", 1 << 20, True, 5, 1, 2, 1)
+    assert med == pytest.approx(np.median(ratios)) and geo == pytest.approx(np.exp(np.mean(np.log(ratios))))
+    assert worst[0] == 1 and worst[1] == pytest.approx(np.median(ratios[2:]))
+    print_fast_rounds(rows)
+    line = capsys.readouterr().out.splitlines()[2].split()
+    assert line == ["all_reduce", str(1 << 20), "in", "place", "5", "1.050", f"{geo:.3f}", "2:", "1.050", "1", "2",
+                    "1"], line
+
+
 @pytest.mark.parametrize("q", [0.01, 0.5, 0.9, 0.99, 1.0])
 def test_bench_percentiles_are_nearest_rank(q):
     """pyzero-bench's per-call percentiles against numpy's nearest-rank definition ('inverted_cdf')."""

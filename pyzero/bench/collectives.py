@@ -867,6 +867,62 @@ def size_inversions(results: list) -> list:
     return out
 
 
+def fast_rounds(results: list, of: str = "pyzero", against: str = "pyzero-fixed", slow: float = 1.5) -> list:
+    """`of`'s round against `against`'s round (the same round of the same set of ranks, size, op and form,
+    each a per-call median), over the rounds where both ran fast: under `slow` x their own lower quartile
+    of that set's rounds (the inclusive method, as in size_inversions). A slow phase of the machine that
+    falls on one backend's block and not on the other's, at a phase's start or end, is left out either
+    way, so rounds the fixed ring alone ran fast do not count the phase's end against `of` only. Per op,
+    size and form: (op, size, inplace, rounds, median ratio, geometric mean, the set with the highest
+    median (its index, median), rounds `of` alone ran slow, rounds `against` alone did, rounds both did);
+    a ratio above 1: `of` slower."""
+    by = {}
+    for r in results:
+        if r.get("backend") in (of, against) and len(r.get("rounds_time_us") or ()) >= 2 and \
+                r.get("timing") == "per-call median":
+            by.setdefault((r["op"], r["bytes"], r["inplace"]), {}).setdefault(r.get("pair", 0), {})[r["backend"]] = \
+                r["rounds_time_us"]
+    out = []
+    for (op, size, inplace), sets in sorted(by.items()):
+        ratios, worst, alone = [], None, [0, 0, 0]
+        for pair, rows in sorted(sets.items()):
+            if of not in rows or against not in rows:
+                continue
+            a, b = rows[of], rows[against]
+            qa = statistics.quantiles(a, n=4, method="inclusive")[0]
+            qb = statistics.quantiles(b, n=4, method="inclusive")[0]
+            mine = []
+            for x, y in zip(a, b):
+                sa, sb = x > slow * qa, y > slow * qb
+                alone[0 if sa and not sb else 1 if sb and not sa else 2] += sa or sb
+                if not (sa or sb):
+                    mine.append(x / y)
+            if mine:
+                ratios += mine
+                m = statistics.median(mine)
+                worst = (pair, m) if worst is None or m > worst[1] else worst
+        if ratios:
+            geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            out.append((op, size, inplace, len(ratios), statistics.median(ratios), geo, worst, *alone))
+    return out
+
+
+def print_fast_rounds(results: list) -> None:
+    """The fast rounds of pyzero (auto) against pyzero-fixed, where both ran (fast_rounds)."""
+    rows = fast_rounds(results)
+    if not rows:
+        return
+    print("# pyzero / pyzero-fixed per round, over the rounds where both ran fast (under 1.5x their set's lower "
+          "quartile): median and geometric mean of the ratios, the set with the highest median; and the rounds "
+          "where pyzero alone, pyzero-fixed alone or both ran slow")
+    print("#{:>11} {:>12} {:>8} {:>7} {:>7} {:>7} {:>12} {:>7} {:>7} {:>5}".format(
+        "op", "size (B)", "form", "rounds", "median", "geo", "worst set", "pz slow", "fx slow", "both"))
+    for op, size, inplace, n, med, geo, (pair, wm), sa, sb, both in rows:
+        print(" {:>11} {:>12} {:>8} {:>7} {:>7.3f} {:>7.3f} {:>12} {:>7} {:>7} {:>5}".format(
+            op, size, "in place" if inplace else "out", n, med, geo, f"{pair + 1}: {wm:.3f}", sa, sb, both))
+    print("#", flush=True)
+
+
 def print_size_order(results: list) -> None:
     """A line per backend: how many per-call medians lie above a larger size's, and how many of them by
     more than the rounds' spread (listed)."""
@@ -1003,6 +1059,7 @@ def main(args) -> int:
         if pairs > 1 or want != "any":
             print_pairs(results)
         print_size_order(results)
+        print_fast_rounds(results)
     else:
         import pyzero as pz  # noqa: PLC0415
 

@@ -713,6 +713,22 @@ def _big_us(slow, two, after_two):
     return (95 if slow else 100) if two else (200 if after_two == 1 else (800 if slow else 53))
 
 
+def _burst(a, now, cls, nbytes, us_of, calls=26):
+    """A burst of `calls` calls of `nbytes` in class `cls` through auto's controller `a`, 1 s after `now`:
+    `us_of(two, since_two)` a call's us (`since_two`: the ring's calls since the two-shot's, 1 the first).
+    Returns the time after it and how many of its calls ran the ring."""
+    now += 10**9
+    since_two = ring = 0
+    for _ in range(calls):
+        two = a.want_twoshot(cls)
+        since_two = 0 if two else since_two + 1
+        ring += not two
+        us = us_of(two, since_two)
+        now += int(us * 1000)
+        a.observe(cls, two, us * 1000 / nbytes, now)
+    return now, ring
+
+
 def _sweep(small, rounds=30, slow=range(5, 15), burst=26, big_us=_big_us):
     """A benchmark's sweep through auto's controller: each round a burst of calls of each of the one-shot's
     sizes in `small` (SWEEP_SMALL's form), then one of 1 MiB (the ring's; its us a call `big_us`), bursts 1 s
@@ -721,26 +737,13 @@ def _sweep(small, rounds=30, slow=range(5, 15), burst=26, big_us=_big_us):
     from pyzero import _C
 
     a, now, ring_calls = _C.AdaptTwoShot(), 10**9, []
-    big = _C.AdaptTwoShot.size_class(1 << 20)
     for r in range(rounds):
         s = r in slow
         for nbytes, one, two_us in small:
-            cls = _C.AdaptTwoShot.size_class(nbytes)
-            now += 10**9
-            for _ in range(burst):
-                two = a.want_twoshot(cls)
-                us = two_us[s] if two else one[s]
-                now += int(us * 1000)
-                a.observe(cls, two, us * 1000 / nbytes, now)
-        now += 10**9
-        after_two, n = 0, 0
-        for _ in range(burst):
-            two = a.want_twoshot(big)
-            after_two = 0 if two else after_two + 1
-            us = big_us(s, two, after_two)
-            n += not two
-            now += int(us * 1000)
-            a.observe(big, two, us * 1000 / (1 << 20), now)
+            now, _ = _burst(a, now, _C.AdaptTwoShot.size_class(nbytes), nbytes,
+                            lambda two, _k, one=one, two_us=two_us: two_us[s] if two else one[s], burst)
+        now, n = _burst(a, now, _C.AdaptTwoShot.size_class(1 << 20), 1 << 20,
+                        lambda two, k: big_us(s, two, k), burst)
         ring_calls.append(n)
     return ring_calls, a
 
@@ -796,20 +799,13 @@ def _sweep_forms(rounds=12, slow=range(3, 7), burst=26, cls_of=None):
     for r in range(rounds):
         s, n = r in slow, []
         for oop in (True, False):
-            cls, since_two = cls_of(oop), 0
-            now += 10**9
-            n.append(0)
-            for _ in range(burst):
-                two = a.want_twoshot(cls)
+            def us(two, since_two, oop=oop):
                 if two:
-                    us = (100 if oop else 90) if s else (190 if oop else 150)
-                    since_two = 0
-                else:
-                    since_two += 1
-                    us = 800 if s else ((140 if oop else 70) if since_two <= 3 else (60 if oop else 50))
-                    n[-1] += 1
-                now += int(us * 1000)
-                a.observe(cls, two, us * 1000 / (1 << 20), now)
+                    return (100 if oop else 90) if s else (190 if oop else 150)
+                return 800 if s else ((140 if oop else 70) if since_two <= 3 else (60 if oop else 50))
+
+            now, ring = _burst(a, now, cls_of(oop), 1 << 20, us, burst)
+            n.append(ring)
         ring_calls.append(tuple(n))
     return ring_calls, a
 

@@ -231,6 +231,7 @@ PYBIND11_MODULE(_C, m) {
                e["switches"] = s.switches;
                e["explored"] = s.explored;
                e["put_off"] = s.tries_put_off;
+               e["stalled"] = s.stalled_tries;
                e["mixed"] = s.mixed;
                e["long_pieces"] = s.long_pieces;
                e["mixed_long"] = s.mixed_long;

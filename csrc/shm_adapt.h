@@ -90,6 +90,22 @@ namespace pz {
 // stayed on the two-shot for 5-12 rounds (177-340 us a block) where the ring alone
 // ran 88-90, which left its median 1.11-1.16x the ring's.
 //
+// [Note: a try that meets a stall]
+// A try of the two-shot judges it by what its calls took, and a lost one sets its level, which decides
+// when the ring is next left: behind or at a leap, only once the ring runs slower than that level. In the
+// first call of a block (its output's pages faulted in) both run slow: traced per piece (2 ranks, a sweep
+// of 16-64 MiB, a fresh set of ranks), 31 of 146 lost tries of the two-shot ran it at 533-913 us per MiB
+// against its level of 235-353, all 31 in the first call after a pause, whose ring pieces had leapt (over
+// 4x their level) and started the try. After one (64 MiB out of place) the slow mode came: the ring's
+// pieces ran 460-1100 us per MiB (its level before, 174) for 9 calls, the two-shot's level stood at 893,
+// above most of them, and the block ran the collapsed ring throughout. The same showed in
+// collectives_pairs_fine10_cpu2_20261128: a block of 32 MiB out of place at 26.3 ms a call, one of 64 MiB
+// at 48.2 ms, the ring's collapsed times, which set those cells' p99 at 1.5x DeepSpeed's. So a lost try of
+// the two-shot whose median ran over kGiveUp x its own level met a stall, not the two-shot: both levels
+// and the schedule stay, and the rest of its call is not measured (its pieces run as slow); the next try
+// is judged as usual (`doubted`), so a two-shot that has truly slowed costs one such try more, and a pause
+// of the class clears that (its first call runs cold again).
+//
 // [Note: how the ring is tried]
 // A try of the ring (the two-shot in use) measures the ring as it would run: its first piece warms it
 // and is neither counted nor given up on, its first counted piece is short (1 MiB, so that the ring
@@ -224,6 +240,7 @@ class AdaptTwoShot {
     if (s.last_ns > 0 && now_ns - s.last_ns > kEveryNs) {
       s.sparse = s.run <= 1;
       s.run = 0;
+      s.doubted = false;  // ([Note: a try that meets a stall])
     }
     s.last_ns = now_ns;
     s.run += call_end;
@@ -255,7 +272,14 @@ class AdaptTwoShot {
       const bool won = t < kBetter * latest(s);  // ([Note: a class is a size and a form])
       if (!twoshot && won) back_ns_ = now_ns;  // [Note: the mode is the machine's]
       if (!twoshot && s.gave_up) s.lost_ns = now_ns;
-      if (won) {
+      // a lost try of the two-shot that ran over kGiveUp x its own level met a stall of the machine, not
+      // the two-shot: both levels and the schedule stay, once ([Note: a try that meets a stall])
+      const bool stalled = twoshot && !won && !s.doubted && s.level[1] > 0.0 && t > kGiveUp * s.level[1];
+      if (twoshot) s.doubted = stalled;
+      if (stalled) {
+        ++s.stalled_tries;
+        s.skip = !call_end;  // (and the rest of its call)
+      } else if (won) {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
         s.nrecent = 0;
@@ -276,6 +300,10 @@ class AdaptTwoShot {
       return;
     }
     if (!warm) return;
+    if (s.skip) {  // the rest of a call whose try met a stall ([Note: a try that meets a stall])
+      s.skip = !call_end;
+      return;
+    }
     double& lvl = s.level[twoshot];
     bool jump = lvl > 0.0 && (ns_per_byte > kSpike * lvl || ns_per_byte < kDrop * lvl);
     s.spikes = jump ? s.spikes + 1 : 0;
@@ -350,6 +378,9 @@ class AdaptTwoShot {
     int64_t last_ns = 0;  // when this class's last call (or piece) ended
     uint32_t run = 0;     // calls since its last pause
     bool sparse = false;  // and the calls before that pause were one at most
+    bool doubted = false;         // the last try of the two-shot met a stall ([Note: a try that meets a stall])
+    bool skip = false;            // and the rest of its call is not measured
+    uint64_t stalled_tries = 0;   // such tries, in all
     bool warmup = false;  // the try of the ring under way has yet to run its first piece
     double warmed = 0.0;  // and that piece's ns per byte (0: none)
     uint64_t switches = 0, explored = 0;

@@ -632,6 +632,43 @@ def test_auto_controller_begins_a_due_try_with_a_call():
     assert twoshot_pieces[5] <= 8 and max(twoshot_pieces[6:]) <= 10, twoshot_pieces
 
 
+def test_auto_controller_keeps_the_two_shots_level_past_a_stalled_try():
+    """[Note: a try that meets a stall]: calls of 8 pieces in bursts of 12, 300 ms apart, the first call of
+    each burst cold (every piece 5.0, either algorithm: its ring pieces leap and start a try of the two-shot
+    there); the ring 1.0, the two-shot 1.6; from burst 10 the ring collapsed (5.0), the two-shot 1.5. The
+    cold call's try lost at over 2x the two-shot's level; taken as its level, the collapsed ring stayed in
+    use for all of burst 10. Kept as a stall, the two-shot runs from burst 10's second call."""
+    from pyzero import _C
+
+    a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
+    for burst in range(16):
+        now += 300_000_000
+        if burst == 10:
+            switches = a.switches(CLS)
+        per_call = []
+        for call in range(12):
+            n = 0
+            for k in range(8):
+                two = a.want_twoshot(CLS)
+                if call == 0:
+                    cost = 5.0
+                elif two:
+                    cost = 1.5 if burst >= 10 else 1.6
+                else:
+                    cost = 5.0 if burst >= 10 else 1.0
+                n += two
+                now += int(cost * UNIT_NS)
+                a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 7)
+            per_call.append(n)
+        twoshot_pieces.append(per_call)
+    # fast bursts: the ring, but for the two-shot's tries (3 pieces each), none of them a switch
+    assert all(sum(b[1:]) <= 6 for b in twoshot_pieces[2:10]), twoshot_pieces[2:10]
+    # collapsed: from each burst's second call the two-shot, but for the ring's tries (a warm-up piece and
+    # a counted one, given up on), after one switch
+    assert all(min(b[1:]) >= 6 for b in twoshot_pieces[10:]), twoshot_pieces[10:]
+    assert a.switches(CLS) == switches + 1, (switches, a.switches(CLS))
+
+
 def test_auto_controller_runs_long_ring_pieces_only_while_the_ring_holds():
     """[Note: long ring pieces]: a ring piece runs long (a whole round of the ring alone) only while the
     ring is in use with no try due and no jump or leap under way, or in a try of the ring past its first

@@ -619,7 +619,8 @@ def rank_main(args) -> list[dict]:
             results.append({"backend": "pyzero-auto", "op": "all_reduce", "class_bytes": nbytes, "inplace": inplace,
                             **st})
             print(f"# auto up to {nbytes} B {'in place' if inplace else 'out of place'}: {st['algo']} "
-                  f"(tries {st['explored']}, put off {st['put_off']}, switches {st['switches']})", flush=True)
+                  f"(tries {st['explored']}, put off {st['put_off']}, met a stall {st['stalled']}, "
+                  f"switches {st['switches']})", flush=True)
     if rank == 0:
         for size in sorted({r["bytes"] for r in results if "bytes" in r}):
             results.append({"backend": "memcpy", "op": "memcpy", "bytes": size, "world_size": 1,

@@ -199,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
       .def("want_long", &AdaptTwoShot::want_long)
       .def("switches", [](const AdaptTwoShot& a, int c) { return a.state(c).switches; })
       .def("explored", [](const AdaptTwoShot& a, int c) { return a.state(c).explored; })
-      .def("tries_put_off", [](const AdaptTwoShot& a, int c) { return a.state(c).tries_put_off; });
+      .def("tries_put_off", [](const AdaptTwoShot& a, int c) { return a.state(c).tries_put_off; })
+      .def("stalled", [](const AdaptTwoShot& a, int c) { return a.state(c).stalled_tries; });
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& prefix, int rank, int size, size_t slice_bytes, int depth,

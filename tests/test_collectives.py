@@ -669,6 +669,31 @@ def test_auto_controller_keeps_the_two_shots_level_past_a_stalled_try():
     assert a.switches(CLS) == switches + 1, (switches, a.switches(CLS))
 
 
+def test_auto_controller_takes_a_second_slow_try_of_the_two_shot_as_its_measure():
+    """[Note: a try that meets a stall]: one try of the two-shot over 2x its level counts as a stall, not the
+    next: calls of 8 pieces, back to back; the ring 1.0 and the two-shot 1.6, then from call 40 the ring
+    5.0 and the two-shot 6.0, slower still. The first try there is a stall, the second sets the two-shot's
+    measure, and then its tries come at the schedule's doubling intervals; kept at its old measure each
+    time, the ring falling behind it would start a try every few pieces."""
+    from pyzero import _C
+
+    a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
+    for call in range(140):
+        n = 0
+        for k in range(8):
+            two = a.want_twoshot(CLS)
+            cost = (6.0 if two else 5.0) if call >= 40 else (1.6 if two else 1.0)
+            n += two
+            now += int(cost * UNIT_NS)
+            a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 7)
+        twoshot_pieces.append(n)
+        if call == 39:
+            stalled, switches = a.stalled(CLS), a.switches(CLS)
+    assert a.stalled(CLS) == stalled + 1 and a.switches(CLS) == switches, (a.stalled(CLS), stalled)
+    # then tries 3 pieces each, by count and by time (25 ms, doubling while they lose): 8 at most in 98 calls
+    assert sum(twoshot_pieces[40:42]) == 6 and sum(twoshot_pieces[42:]) <= 8 * 3, twoshot_pieces[40:]
+
+
 def test_auto_controller_runs_long_ring_pieces_only_while_the_ring_holds():
     """[Note: long ring pieces]: a ring piece runs long (a whole round of the ring alone) only while the
     ring is in use with no try due and no jump or leap under way, or in a try of the ring past its first

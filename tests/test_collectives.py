@@ -608,6 +608,23 @@ def test_auto_controller_retries_a_measure_gone_stale_in_time():
     assert sum(picks[100:]) <= 0.06 * 500, sum(picks[100:])
 
 
+def _piece_calls(a, now, calls, pieces, cost):
+    """`calls` calls of `pieces` pieces of the 1 MiB class through auto's controller `a`, back to back from
+    `now`: `cost(call, two)` a piece's cost (a piece of cost c takes c * UNIT_NS). Returns the time after
+    them and, per call, how many of its pieces ran the two-shot."""
+    per_call = []
+    for call in range(calls):
+        n = 0
+        for k in range(pieces):
+            two = a.want_twoshot(CLS)
+            c = cost(call, two)
+            n += two
+            now += int(c * UNIT_NS)
+            a.observe(CLS, two, c * UNIT_NS / (1 << 20), now, k == pieces - 1)
+        per_call.append(n)
+    return now, per_call
+
+
 def test_auto_controller_begins_a_due_try_with_a_call():
     """[Note: tries begin with a call]: calls of 2 pieces in bursts of 42 (a benchmark's blocks of one size),
     300 ms apart, the first call of each burst cold (its pieces 250 us slower, either algorithm); the ring
@@ -618,16 +635,9 @@ def test_auto_controller_begins_a_due_try_with_a_call():
 
     a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
     for burst in range(30):
-        now += 300_000_000
-        n = 0
-        for call in range(42):
-            for k in range(2):
-                two = a.want_twoshot(CLS)
-                cost = (2.6 if two else (10.0 if burst < 5 else 1.0)) + (5.0 if call == 0 else 0.0)
-                n += two and call > 0
-                now += int(cost * UNIT_NS)
-                a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 1)
-        twoshot_pieces.append(n)
+        now, per_call = _piece_calls(a, now + 300_000_000, 42, 2, lambda call, two, burst=burst: (
+            (2.6 if two else (10.0 if burst < 5 else 1.0)) + (5.0 if call == 0 else 0.0)))
+        twoshot_pieces.append(sum(per_call[1:]))
     assert min(twoshot_pieces[1:5]) >= 78, twoshot_pieces  # collapsed: the two-shot (of 82 pieces after the first call)
     assert twoshot_pieces[5] <= 8 and max(twoshot_pieces[6:]) <= 10, twoshot_pieces
 
@@ -640,26 +650,17 @@ def test_auto_controller_keeps_the_two_shots_level_past_a_stalled_try():
     use for all of burst 10. Kept as a stall, the two-shot runs from burst 10's second call."""
     from pyzero import _C
 
+    def cost(call, two, collapsed):
+        if call == 0:
+            return 5.0
+        return (1.5 if collapsed else 1.6) if two else (5.0 if collapsed else 1.0)
+
     a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
     for burst in range(16):
-        now += 300_000_000
         if burst == 10:
             switches = a.switches(CLS)
-        per_call = []
-        for call in range(12):
-            n = 0
-            for k in range(8):
-                two = a.want_twoshot(CLS)
-                if call == 0:
-                    cost = 5.0
-                elif two:
-                    cost = 1.5 if burst >= 10 else 1.6
-                else:
-                    cost = 5.0 if burst >= 10 else 1.0
-                n += two
-                now += int(cost * UNIT_NS)
-                a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 7)
-            per_call.append(n)
+        now, per_call = _piece_calls(a, now + 300_000_000, 12, 8,
+                                     lambda call, two, c=burst >= 10: cost(call, two, c))
         twoshot_pieces.append(per_call)
     # fast bursts: the ring, but for the two-shot's tries (3 pieces each), none of them a switch
     assert all(sum(b[1:]) <= 6 for b in twoshot_pieces[2:10]), twoshot_pieces[2:10]
@@ -677,18 +678,11 @@ def test_auto_controller_takes_a_second_slow_try_of_the_two_shot_as_its_measure(
     time, the ring falling behind it would start a try every few pieces."""
     from pyzero import _C
 
-    a, now, twoshot_pieces = _C.AdaptTwoShot(), 10**9, []
-    for call in range(140):
-        n = 0
-        for k in range(8):
-            two = a.want_twoshot(CLS)
-            cost = (6.0 if two else 5.0) if call >= 40 else (1.6 if two else 1.0)
-            n += two
-            now += int(cost * UNIT_NS)
-            a.observe(CLS, two, cost * UNIT_NS / (1 << 20), now, k == 7)
-        twoshot_pieces.append(n)
-        if call == 39:
-            stalled, switches = a.stalled(CLS), a.switches(CLS)
+    a = _C.AdaptTwoShot()
+    now, twoshot_pieces = _piece_calls(a, 10**9, 40, 8, lambda call, two: 1.6 if two else 1.0)
+    stalled, switches = a.stalled(CLS), a.switches(CLS)
+    now, slower = _piece_calls(a, now, 100, 8, lambda call, two: 6.0 if two else 5.0)
+    twoshot_pieces += slower
     assert a.stalled(CLS) == stalled + 1 and a.switches(CLS) == switches, (a.stalled(CLS), stalled)
     # then tries 3 pieces each, by count and by time (25 ms, doubling while they lose): 8 at most in 98 calls
     assert sum(twoshot_pieces[40:42]) == 6 and sum(twoshot_pieces[42:]) <= 8 * 3, twoshot_pieces[40:]

@@ -38,7 +38,8 @@ namespace pz {
 // or twice in a row over 4x its average with the other last measured below 0.9x
 // these calls (a leap: the ring in the slow mode ran 5-17x its fast time; after
 // a leap's switch the one left is tried again 2 calls later, and wins back if the
-// leap was a stall after all). One call over 4x is a stall, not a leap: in a fast
+// leap was a stall after all, unless the slow mode is the latest news: [Note: the mode
+// is the machine's]). One call over 4x is a stall, not a leap: in a fast
 // pair a ring piece stalled (4-47x its average) about once in 230 pieces of 1 MiB,
 // and leaping at each cost 8 MiB calls 10-20% at the median against the ring alone
 // (each stall ran the two-shot, 2.3x the ring there, for 5 pieces; 78 switches in
@@ -128,6 +129,14 @@ namespace pz {
 // auto ran over 1.5x the ring alone while that ran fast, 1-16 MiB in place, 17 against 41; at 4 MiB
 // auto / the ring alone 0.99-1.11 (geometric mean 1.03, against 1.22). A try in a slow phase now costs
 // a collapsed piece (at 1 MiB a call: 789 us, DeepSpeed's calls there 544-589).
+// Where a call is a piece (1 MiB), the warm-up is a whole call and often runs collapsed itself: traced
+// per piece (2 ranks, 128 KiB - 4 MiB, 6 fresh sets of 150 rounds of the benchmark's blocks; a try's
+// first ring piece against the two-shot's level), of 117 tries at 1 MiB whose counted piece ran over 2x
+// the two-shot, the warm-up ran over 4x (kLeap) in 77; of the 467 whose counted piece ran under, in 10
+// (2 MiB, pieces of 1 MiB: 121 of 215 and 1 of 1051; 4 MiB 77 of 349 and 15 of 1115; the one-shot's sizes
+// 2 of 278 and 5 of 1475). So a warm-up over kLeap x the two-shot's latest calls ends the try there, given
+// up on, and the try costs one collapsed call instead of two (test_auto_controller_keeps_the_faster_and_
+// follows_a_mode_change).
 //
 // [Note: the mode is the machine's]
 // The classes of one group share what their tries of the ring or the one-shot (the two-shot in use)
@@ -152,6 +161,18 @@ namespace pz {
 // Recorded (collectives_pairs_fine6_cpu2_20261128, 6 fresh sets, 1090 slow rounds from 16 KiB up): p99
 // at or below DeepSpeed's in all 288 cells, 1 MiB out of place 1.11x at the lowest; 1-7 tries put off
 // per class and set.
+// A leap is news too. In the trace of [Note: how the ring is tried], the timed 1 MiB calls (each block's
+// 20, after 6 untimed) that ran the collapsed ring, 167 in all (138 slow rounds of the ring alone at 1 MiB),
+// were tries of the ring but for 13, and of the 83 tries whose first piece ran collapsed, 58 came 2 calls
+// after a leap to the two-shot: the retry of a leap (which, the ring's level held at its fast one through
+// the leap, the two-shot's calls also started as "behind"). Such a retry is for a stall that looked like
+// a leap; in a slow phase the first class to leap pays it, then every other one again. So a class's leap
+// whose try of the two-shot wins is the slow mode (slow_ns_), as is a given-up try of the ring or the
+// one-shot; the ring's level becomes that of its leaping calls; and where the slow mode was the latest any
+// class found (no try of the ring or the one-shot won since), the ring is next tried on the schedule (16
+// calls, 25 ms), not 2 calls later (test_auto_controller_keeps_a_leap_to_the_two_shot_in_the_slow_mode).
+// With this and a warm-up given up on where it ran collapsed, the same trace after: 115 such calls in 177
+// slow rounds (0.65 a slow round against 1.21), 6 of the 18 tries that met the collapse a leap's retry.
 //
 // [Note: a class is a size and a form]
 // In place and out of place the algorithms run at different speeds, and the two-shot runs faster in the
@@ -193,6 +214,12 @@ namespace pz {
 // phase gone since: in one recorded set, 2 MiB ran the two-shot in pieces (178-313
 // us a call) for three rounds where the ring alone took 88-114 us, after 1 MiB
 // calls (the class of its pieces) had found the ring collapsed.
+// A class called in bursts after pauses (a benchmark's blocks of one size) may also try by time once in a
+// burst, once its first calls have run (after kTry, as above), however few calls it has run since its last
+// try: counting them alone (a quarter of the count's interval, up to 64 calls), after a slow mode of 4-6
+// bursts the ring came back 1-3 bursts late in 9 of 12 cases of bursts of 22-30 calls, by where the bursts'
+// tries fell (test_auto_controller_tries_once_in_a_burst_after_a_pause); now within the first calm burst
+// in all. A class called once a step (one call a pause) tries by the count as before.
 class AdaptTwoShot {
  public:
   // a class: a size class (floor(log2(bytes - 1)) - kClassFrom) and a form, in place or out of place
@@ -242,6 +269,7 @@ class AdaptTwoShot {
     if (s.last_ns > 0 && now_ns - s.last_ns > kEveryNs) {
       s.sparse = s.run <= 1;
       s.run = 0;
+      s.paused = true;
       s.doubted = false;  // ([Note: a try that meets a stall])
     }
     s.last_ns = now_ns;
@@ -250,17 +278,23 @@ class AdaptTwoShot {
     s.seen[twoshot] = true;
     if (twoshot != s.twoshot) {
       if (s.trying == 0) return;
-      if (s.warmup) {  // a try of the ring: its first piece warms it, neither counted nor given up on
-        s.warmup = false;
-        s.warmed = ns_per_byte;
-        return;
-      }
-      if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
-      // a try whose call runs over kGiveUp x the one in use ends there: its other calls
-      // would cost as much (the ring tried in the slow mode: 5x the two-shot)
-      if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * latest(s)) {
+      if (s.warmup) {  // a try of the ring: its first piece warms it and is not counted, but for a piece over
+        s.warmup = false;  // kLeap x the one in use, the ring still collapsed ([Note: how the ring is tried])
+        if (!warm || s.nrecent == 0 || ns_per_byte <= kLeap * latest(s)) {
+          s.warmed = ns_per_byte;
+          return;
+        }
+        s.tried[s.ntried++] = ns_per_byte;  // (the try's only piece: its cost, as its level)
         s.trying = 1;
         s.gave_up = true;
+      } else {
+        if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
+        // a try whose call runs over kGiveUp x the one in use ends there: its other calls
+        // would cost as much (the ring tried in the slow mode: 5x the two-shot)
+        if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * latest(s)) {
+          s.trying = 1;
+          s.gave_up = true;
+        }
       }
       if (--s.trying > 0) return;
       ++s.explored;
@@ -273,7 +307,7 @@ class AdaptTwoShot {
       s.ntried = 0;
       const bool won = t < kBetter * latest(s);  // ([Note: a class is a size and a form])
       if (!twoshot && won) back_ns_ = now_ns;  // [Note: the mode is the machine's]
-      if (!twoshot && s.gave_up) s.lost_ns = now_ns;
+      if (!twoshot && s.gave_up) s.lost_ns = slow_ns_ = now_ns;
       // a lost try of the two-shot that ran over kGiveUp x its own level met a stall of the machine, not
       // the two-shot: both levels and the schedule stay, once ([Note: a try that meets a stall])
       const bool stalled = twoshot && !won && !s.doubted && s.level[1] > 0.0 && t > kGiveUp * s.level[1];
@@ -284,10 +318,14 @@ class AdaptTwoShot {
       } else if (won) {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
+        if (twoshot && leapt) s.level[0] = median(s.recent, s.nrecent);  // the ring as it leapt (the try's measure)
         s.nrecent = 0;
         // after a leap, the one left is tried again soon: a stall of two calls in a row
-        // looks like a leap too, and then the one left wins that try back
-        s.every = leapt ? kFirst : kEvery;
+        // looks like a leap too, and then the one left wins that try back; but not after a leap of the ring
+        // while the slow mode is the latest any class found ([Note: the mode is the machine's])
+        const bool known_slow = twoshot && slow_ns_ > back_ns_;
+        if (twoshot && leapt) slow_ns_ = now_ns;
+        s.every = leapt && !known_slow ? kFirst : kEvery;
         s.every_ns = kEveryNs;
         ++s.switches;
       } else {
@@ -331,7 +369,9 @@ class AdaptTwoShot {
     // a try by time or at another class's win waits until the calls it is judged against (the last kTry)
     // ran after the class's last pause ([Note: a class is a size and a form])
     const bool settled = s.run > kTry || s.sparse;
-    bool due = s.since >= s.every || (stale && settled && s.since >= std::max(kFirst, s.every / 4));
+    // (and a burst of calls after a pause may try once by time, however few calls its bursts hold)
+    const bool quarter = s.since >= std::max(kFirst, s.every / 4) || (s.paused && !s.sparse && s.since >= kFirst);
+    bool due = s.since >= s.every || (stale && settled && quarter);
     // what the other classes' tries found since this one's ([Note: the mode is the machine's])
     if (twoshot && call_end && (due || back_ns_ > s.tried_ns)) {  // (else neither case below can hold)
       const int64_t lost = smaller_lost_ns(c);
@@ -351,6 +391,7 @@ class AdaptTwoShot {
         s.nrecent = s.spikes;
       }
       s.trying = kTry + (s.seen[!twoshot] ? 0 : 1);
+      s.paused = false;
       s.warmup = twoshot;  // the ring tried ([Note: how the ring is tried])
       s.warmed = 0.0;
       s.gave_up = false;
@@ -380,6 +421,7 @@ class AdaptTwoShot {
     int64_t last_ns = 0;  // when this class's last call (or piece) ended
     uint32_t run = 0;     // calls since its last pause
     bool sparse = false;  // and the calls before that pause were one at most
+    bool paused = false;  // a pause since the last try began
     bool doubted = false;         // the last try of the two-shot met a stall ([Note: a try that meets a stall])
     bool skip = false;            // and the rest of its call is not measured
     uint64_t stalled_tries = 0;   // such tries, in all
@@ -415,6 +457,8 @@ class AdaptTwoShot {
   std::array<State, kClasses> st_{};
   // when a try of the ring or the one-shot (the two-shot in use) last won, in any class
   int64_t back_ns_ = 0;
+  // and when a class last found the slow mode: such a try given up, or the two-shot's won at a leap of the ring
+  int64_t slow_ns_ = 0;
   int64_t smaller_lost_ns(int c) const {  // and the last lost in a class of a smaller size than c's
     int64_t t = 0;
     for (int k = 0; k < kClasses; ++k)

@@ -278,23 +278,20 @@ class AdaptTwoShot {
     s.seen[twoshot] = true;
     if (twoshot != s.twoshot) {
       if (s.trying == 0) return;
-      if (s.warmup) {  // a try of the ring: its first piece warms it and is not counted, but for a piece over
-        s.warmup = false;  // kLeap x the one in use, the ring still collapsed ([Note: how the ring is tried])
-        if (!warm || s.nrecent == 0 || ns_per_byte <= kLeap * latest(s)) {
-          s.warmed = ns_per_byte;
-          return;
-        }
-        s.tried[s.ntried++] = ns_per_byte;  // (the try's only piece: its cost, as its level)
+      // a try whose call runs over kGiveUp x the one in use ends there: its other calls would cost as much
+      // (the ring tried in the slow mode: 5x the two-shot). A try of the ring's first piece warms it and is
+      // not counted, but for a piece over kLeap x, the ring still collapsed ([Note: how the ring is tried])
+      const bool warming = s.warmup;
+      s.warmup = false;
+      const bool give_up = warm && s.nrecent > 0 && ns_per_byte > (warming ? kLeap : kGiveUp) * latest(s);
+      if (warming && !give_up) {
+        s.warmed = ns_per_byte;
+        return;
+      }
+      if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
+      if (give_up) {
         s.trying = 1;
         s.gave_up = true;
-      } else {
-        if (warm && s.ntried < kTry) s.tried[s.ntried++] = ns_per_byte;
-        // a try whose call runs over kGiveUp x the one in use ends there: its other calls
-        // would cost as much (the ring tried in the slow mode: 5x the two-shot)
-        if (warm && s.nrecent > 0 && ns_per_byte > kGiveUp * latest(s)) {
-          s.trying = 1;
-          s.gave_up = true;
-        }
       }
       if (--s.trying > 0) return;
       ++s.explored;
@@ -318,13 +315,15 @@ class AdaptTwoShot {
       } else if (won) {
         s.twoshot = twoshot;
         s.level[twoshot] = t;
-        if (twoshot && leapt) s.level[0] = median(s.recent, s.nrecent);  // the ring as it leapt (the try's measure)
-        s.nrecent = 0;
         // after a leap, the one left is tried again soon: a stall of two calls in a row
         // looks like a leap too, and then the one left wins that try back; but not after a leap of the ring
         // while the slow mode is the latest any class found ([Note: the mode is the machine's])
         const bool known_slow = twoshot && slow_ns_ > back_ns_;
-        if (twoshot && leapt) slow_ns_ = now_ns;
+        if (twoshot && leapt) {
+          s.level[0] = median(s.recent, s.nrecent);  // the ring as it leapt (the try's measure)
+          slow_ns_ = now_ns;
+        }
+        s.nrecent = 0;
         s.every = leapt && !known_slow ? kFirst : kEvery;
         s.every_ns = kEveryNs;
         ++s.switches;

@@ -104,7 +104,7 @@ struct Reduce2Fn {
                     std::is_same_v<TB, half_t> && std::is_same_v<TO, half_t>) {
         z.v[k] = pick_half<OP>(x.v[k], y.v[k]);
       } else {
-        auto v = combine<OP>(to_acc(x.v[k]), to_acc(y.v[k]));
+        auto v = combine<OP>(to_acc_operand<OP>(x.v[k]), to_acc_operand<OP>(y.v[k]));
         if constexpr (FINAL) z.v[k] = from_acc<TO>(finish<OP>(v, nranks));
         else z.v[k] = TO(v);
       }
@@ -131,12 +131,17 @@ struct ReduceManyFn {
     using A = typename Acc<T>::type;
     A acc[K];
     Pack<T, K> x = load_pack<K>(src.p[0] + i);
+    if (nsrc > 1) {  // (see [Note: fp16 operands of an arithmetic op])
 #pragma unroll
-    for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
+      for (int k = 0; k < K; ++k) acc[k] = to_acc_operand<OP>(x.v[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
+    }
     for (int s = 1; s < nsrc; ++s) {
       Pack<T, K> y = load_pack<K>(src.p[s] + i);
 #pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = combine<OP>(acc[k], to_acc(y.v[k]));
+      for (int k = 0; k < K; ++k) acc[k] = combine<OP>(acc[k], to_acc_operand<OP>(y.v[k]));
     }
     Pack<T, K> z;
 #pragma unroll

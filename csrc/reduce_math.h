@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define PZ_HD __host__ __device__ __forceinline__
@@ -174,6 +175,24 @@ template <RedOp OP, typename A> PZ_HD A combine(A a, A b) {
   } else {
     return (is_nan(a) || a < b) ? a : b;
   }
+}
+
+// [Note: fp16 operands of an arithmetic op] An operand that reaches combine<OP>'s add or multiply
+// (sum, avg, prod) is widened with the GPU's one conversion instruction, without half_to_float's NaN
+// select: the GPU's fp32 add and multiply return the canonical NaN (0x7fffffff) whatever NaN they are
+// given, so the payload that select keeps never reaches the result, and float_to_half writes every NaN
+// result as 0x7e00 either way. The select cost five instructions per element, which kept the fp16 sum
+// below a device copy's speed. The first operand of a reduction over one source reaches no add: it
+// keeps to_acc. tests/test_kernels_gpu.py checks the NaN bits against the fp32 kernel's.
+template <RedOp OP, typename T> PZ_HD typename Acc<T>::type to_acc_operand(T v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, half_t> && OP != RedOp::max && OP != RedOp::min) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+  }
+#endif
+  return to_acc(v);
 }
 
 // Final step applied once when a fully reduced value is stored: avg divides by

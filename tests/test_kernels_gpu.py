@@ -137,6 +137,43 @@ def test_reduce_many_in_rank_order(dtype, op, nsrc, n, offset):
     assert torch.equal(srcs[0].cpu(), want)
 
 
+def _fp16_as_before(r32):
+    """What the fp16 kernels stored before [Note: fp16 operands of an arithmetic op]: the fp32 result
+    (operands widened with their NaN payloads, which torch's CPU conversion keeps too), rounded to nearest
+    even, a NaN as float_to_half writes it: its sign | 0x7e00."""
+    r32 = r32.cpu()
+    rule = torch.where(r32.view(torch.int32) < 0, torch.tensor(-512, dtype=torch.int16),  # 0xfe00
+                       torch.tensor(0x7e00, dtype=torch.int16))
+    return torch.where(r32.isnan(), rule, r32.half().view(torch.int16))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+def test_fp16_arithmetic_bits_equal_the_fp32_kernels(op):
+    """fp16 sum, avg and prod (two-input and n-input kernels) store the very bits, NaNs included, that the
+    fp32 kernel's result gives once rounded: every fp16 bit pattern (NaNs of every payload and sign) meets
+    values, infinities and NaNs. The fp32 kernel runs on the fp16 inputs widened on the CPU."""
+    a = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    stream = torch.cuda.current_stream().cuda_stream
+    for b in (a.roll(1), a.roll(31744), -a.roll(333), torch.full_like(a, float("nan")), torch.full_like(a, 1.0)):
+        srcs = [a, b, a.roll(5)]
+        wide = [s.float().cuda() for s in srcs]
+        out, out32 = torch.empty(a.numel(), dtype=torch.float16, device="cuda"), torch.empty_like(wide[0])
+        _C.cuda_reduce2(srcs[0].cuda().data_ptr(), srcs[1].cuda().data_ptr(), out.data_ptr(), a.numel(),
+                        _DTYPES[torch.float16], _OPS[op], 2, stream)
+        _C.cuda_reduce2(wide[0].data_ptr(), wide[1].data_ptr(), out32.data_ptr(), a.numel(),
+                        _DTYPES[torch.float32], _OPS[op], 2, stream)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu().view(torch.int16), _fp16_as_before(out32)), op
+        for nsrc in (1, 2, 3):
+            g = [s.cuda() for s in srcs[:nsrc]]
+            _C.cuda_reduce_many([s.data_ptr() for s in g], out.data_ptr(), a.numel(), _DTYPES[torch.float16],
+                                _OPS[op], nsrc, stream)
+            _C.cuda_reduce_many([s.data_ptr() for s in wide[:nsrc]], out32.data_ptr(), a.numel(),
+                                _DTYPES[torch.float32], _OPS[op], nsrc, stream)
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu().view(torch.int16), _fp16_as_before(out32)), (op, nsrc)
+
+
 def test_reduce_many_rejects_too_many_sources():
     x = torch.zeros(4, device="cuda")
     with pytest.raises(ValueError, match="1 to 16 sources"):

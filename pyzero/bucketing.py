@@ -260,7 +260,11 @@ def broadcast_coalesced(tensors, src: int, group) -> None:
 class Bucket:
     """One bucket's storage. Owns `flat` (gradient dtype; gradients are views of
     flat[:numel]) plus `extra` trailing elements a reducer may use, and, when
-    the communication dtype differs, `comm` of the same length in that dtype."""
+    the communication dtype differs, `comm` of the same length in that dtype.
+
+    A gradient moves into its slot when autograd has made it (adopt(): one copy,
+    or one cast into `comm`), as DDP's gradient_as_bucket_view does; stage()
+    fills the slots no gradient was adopted into before the bucket travels."""
 
     def __init__(self, spec: BucketSpec, params, comm_dtype=None, extra: int = 0):
         self.spec = spec
@@ -270,6 +274,7 @@ class Bucket:
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, spec.offsets)]
         use_comm = comm_dtype is not None and comm_dtype != spec.dtype
         self.comm = torch.empty(self.flat.numel(), dtype=comm_dtype, device=spec.device) if use_comm else None
+        self.packed = [False] * len(self.params)  # (with `comm`) cast into it by adopt() since the last stage()
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -280,30 +285,35 @@ class Bucket:
         g = self.params[k].grad
         return g is not None and g.data_ptr() == self.views[k].data_ptr()
 
-    def attach(self) -> list[bool]:
-        """Point every missing gradient at its (zeroed) slot; which ones were missing."""
-        missing = [p.grad is None for p in self.params]
-        whole = all(missing)  # the usual case after zero_grad(): one memset for the bucket
-        if whole:
-            self.flat[:self.numel].zero_()
-        for k, p in enumerate(self.params):
-            if missing[k]:
-                if not whole:
-                    self.views[k].zero_()
-                p.grad = self.views[k]
-        return missing
+    def adopt(self, k: int) -> None:
+        """Move parameter k's gradient, just accumulated by autograd, into its slot and point the
+        gradient at it; the tensor autograd made is then freed. A gradient that is already its
+        slot (accumulated in place) stays. With `comm`, the gradient is cast into `comm` instead
+        and `flat` takes the reduced values at unstage()."""
+        p = self.params[k]
+        o = self.spec.offsets[k]
+        if self.comm is not None:
+            self.comm[o:o + p.numel()].copy_(p.grad.reshape(-1))
+            self.packed[k] = True
+        elif not self.is_view(k):
+            self.views[k].copy_(p.grad)
+        else:
+            return
+        p.grad = self.views[k]
 
     def stage(self) -> list[bool]:
-        """Make `buffer` hold every gradient: pack gradients that are not views
-        (replaced by autograd or the user), cast into `comm`, and re-point them.
-        Returns which gradients were missing (None: they contribute zeros)."""
+        """Make `buffer` hold every gradient: pack those not adopted (no gradient on
+        this rank: zeros; set by the user or made outside a synced backward: copied)
+        and point every gradient at its slot. Returns which gradients were missing
+        (None: they contribute zeros)."""
         missing = [p.grad is None for p in self.params]
         if self.comm is None:
-            stray = [k for k in range(len(self.params)) if not self.is_view(k)]
-            if stray:
-                self._pack_into(self.flat, stray)
+            rest = [k for k in range(len(self.params)) if not self.is_view(k)]
         else:
-            self._pack_into(self.comm, range(len(self.params)))
+            rest = [k for k in range(len(self.params)) if not self.packed[k]]
+            self.packed = [False] * len(self.params)
+        if rest:
+            self._pack_into(self.buffer, rest)
         for k, p in enumerate(self.params):
             if not self.is_view(k):
                 p.grad = self.views[k]
@@ -314,7 +324,7 @@ class Bucket:
         for k in ks:
             g = self.params[k].grad
             o = self.spec.offsets[k]
-            if g is None:  # no gradient and never attached: contributes zeros
+            if g is None:  # no gradient on this rank: contributes zeros
                 buf[o:o + self.params[k].numel()].zero_()
                 continue
             srcs.append(g.contiguous())
@@ -498,9 +508,8 @@ class BucketReducer:
         self.buckets = [Bucket(s, self.params, comm_dtype, self.extra_elements(s)) for s in self.specs]
         self._where = {id(self.params[i]): (s.index, k) for s in self.specs for k, i in enumerate(s.params)}
         self.sync = True  # False inside no_sync(): hooks only record which parameters were used
-        # Set by a compiled forward, which cannot point gradients at their buckets (no graph
-        # operation does that): prepare() then runs at the first gradient hook of the backward.
-        # The gradients accumulated before it are packed into their bucket at launch (stage()).
+        # Set by a compiled forward, which cannot look at the gradients (no graph operation
+        # does that): prepare() then runs at the first gradient hook of the backward.
         self.prepare_at_backward = False
         self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
         # used: got a gradient since the last reduction (no_sync steps included);
@@ -534,13 +543,14 @@ class BucketReducer:
         self._handles = []
 
     def prepare(self) -> None:
-        """Before a forward whose backward will come: gradients become views of their buckets."""
+        """Before a forward whose backward will come: note which parameters have no gradient yet."""
         self.prepare_at_backward = False
         if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
             self._discard()
         for b, bucket in enumerate(self.buckets):
-            for k, m in enumerate(bucket.attach()):
-                self.missing[b][k] |= m
+            for k, p in enumerate(bucket.params):
+                if p.grad is None:
+                    self.missing[b][k] = True
 
     def _on_grad(self, p) -> None:
         if self.prepare_at_backward:
@@ -548,8 +558,9 @@ class BucketReducer:
             self.prepare()
         b, k = self._where[id(p)]
         self.used[b][k] = True
-        if not self.sync:
+        if not self.sync:  # (no_sync: the gradient accumulates where autograd keeps it)
             return
+        self.buckets[b].adopt(k)
         if self._launch_order.begin():
             self.log = []
             _queue_callback(self._end_backward)
@@ -560,6 +571,8 @@ class BucketReducer:
         """Forget a backward that did not finish: wait for its in-flight collectives (they
         still read and write the bucket buffers the next backward fills), keep nothing."""
         self._inflight.discard()
+        for bucket in self.buckets:
+            bucket.packed = [False] * len(bucket.params)
         self._reset()
 
     def _launch(self, b: int) -> None:

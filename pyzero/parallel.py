@@ -1,11 +1,13 @@
 """pz.DataParallel: torch DDP's behaviour over pyzero collectives.
 
 At wrap time every rank takes the parameters and buffers of the group's
-first rank. Each forward re-broadcasts the buffers (BatchNorm running stats)
-and points every gradient at its bucket (bucketing.Bucket); during backward
-a bucket is all-reduced (op="avg", so averaging costs no extra pass) as soon
-as its last gradient is accumulated, overlapping the backward of earlier
-layers; when backward returns every gradient holds the group average.
+first rank. Each forward re-broadcasts the buffers (BatchNorm running stats).
+During backward each gradient moves into its bucket (bucketing.Bucket) as
+autograd makes it, and becomes a view of it, as with DDP's
+gradient_as_bucket_view; a bucket is all-reduced (op="avg", so averaging
+costs no extra pass) as soon as its last gradient is in, overlapping the
+backward of earlier layers; when backward returns every gradient holds the
+group average.
 """
 from __future__ import annotations
 
@@ -170,7 +172,7 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled():
             # Like DDP, whether this step's backward communicates is decided at forward.
             self.reducer.sync = self._require_sync
-            if compiling:  # pointing gradients at their buckets is no graph operation: see BucketReducer
+            if compiling:  # looking at the gradients is no graph operation: see BucketReducer
                 self.reducer.prepare_at_backward = True
             else:
                 self.reducer.prepare()

@@ -346,6 +346,62 @@ def test_gradients_replaced_after_forward_are_packed():
         check_state(r.value[0], want, FP32)
 
 
+def _rank_gradients_move(comm_dtype):
+    """One synced step, one no_sync step, one synced step, with the gradients looked at in between."""
+    pz.init()
+    rank = pz.get_rank()
+    dp = pz.DataParallel(make_mlp(), bucket_mb=TINY_MB, first_bucket_mb=TINY_MB, comm_dtype=comm_dtype)
+    params = list(dp.module.parameters())
+    slot = {id(p): (bucket, k) for bucket in dp.buckets for k, p in enumerate(bucket.params)}
+
+    def in_slot(p):
+        bucket, k = slot[id(p)]
+        return p.grad is not None and p.grad.data_ptr() == bucket.views[k].data_ptr()
+
+    at_hook = []  # (registered after DataParallel's hooks: runs right after the gradient moved)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: at_hook.append(in_slot(p)))
+    x, y = batch("mlp", 0)
+    loss = F.mse_loss(dp(x.chunk(2)[rank]), y.chunk(2)[rank])
+    after_forward = [p.grad is None for p in params]
+    loss.backward()
+    synced = [in_slot(p) for p in params], [p.grad.clone() for p in params], list(at_hook)
+    at_hook.clear()
+    dp.zero_grad(set_to_none=True)
+    with dp.no_sync():
+        F.mse_loss(dp(x.chunk(2)[rank]), y.chunk(2)[rank]).backward()
+    local = [in_slot(p) for p in params], [p.grad.clone() for p in params]
+    F.mse_loss(dp(x.chunk(2)[rank]), y.chunk(2)[rank]).backward()
+    again = [in_slot(p) for p in params], [p.grad.clone() for p in params]
+    return after_forward, synced, local, again
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16])
+def test_gradients_move_into_buckets_as_autograd_makes_them(comm_dtype):
+    """As DDP with gradient_as_bucket_view: forward leaves the gradients alone (None after zero_grad),
+    each gradient is in its bucket slot as soon as autograd has made it, the ranks' average once
+    backward returns; under no_sync the gradients stay where autograd made them (local sums), and the
+    next synced backward moves the accumulated sums in."""
+    model = make_mlp()
+    x, y = batch("mlp", 0)
+    full = [torch.autograd.grad(F.mse_loss(model(xs), ys), list(model.parameters()))
+            for xs, ys in zip(x.chunk(2), y.chunk(2))]
+    mean = [(a + b) / 2 for a, b in zip(*full)]
+    tol = FP32 if comm_dtype is None else dict(rtol=1e-2, atol=1e-3)
+    for r in run_ranks(_rank_gradients_move, 2, args=(comm_dtype,), timeout=60):
+        after_forward, synced, local, again = r.value
+        assert all(after_forward)
+        assert all(synced[0]) and all(synced[2]) and len(synced[2]) == len(mean)
+        for g, want in zip(synced[1], mean):
+            torch.testing.assert_close(g, want, **tol)
+        assert not any(local[0])
+        for g, want in zip(local[1], full[r.rank]):
+            torch.testing.assert_close(g, want, **FP32)
+        assert all(again[0])
+        for g, want in zip(again[1], mean):  # (no_sync's local gradient plus this backward's, averaged)
+            torch.testing.assert_close(g, 2 * want, **tol)
+
+
 class _HalfUsed(nn.Module):
     def __init__(self):
         super().__init__()

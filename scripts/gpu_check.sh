@@ -63,6 +63,19 @@ build() {
   fi
 }
 SECONDS=0
+# GPU_CHECK_PREBUILT=<dir> (what scripts/gpu_prebuild.sh makes on a machine without a GPU): its lib/_C*.so
+# goes into pyzero/ and is used as GPU_CHECK_BUILD=0 uses one, its test-nccl/ is the test NCCL library, and
+# its wheels/ (pytest-timeout) are installed into a temporary folder on PYTHONPATH when not importable.
+if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
+  cp "$GPU_CHECK_PREBUILT"/lib/_C*.so "$GPU_CHECK_PREBUILT"/lib/_build_config.py pyzero/
+  GPU_CHECK_BUILD=0
+  [ -n "${PYZERO_TEST_NCCL_ROOT:-}" ] || [ ! -d "$GPU_CHECK_PREBUILT/test-nccl" ] ||
+    PYZERO_TEST_NCCL_ROOT=$(cd "$GPU_CHECK_PREBUILT/test-nccl" && pwd)
+  if ! "$PY" -c "import pytest_timeout" 2>/dev/null && ls "$GPU_CHECK_PREBUILT"/wheels/*.whl >/dev/null 2>&1; then
+    EXTRA=$(mktemp -d) && "$PY" -m pip install -q --no-index --no-deps --target "$EXTRA" \
+      "$GPU_CHECK_PREBUILT"/wheels/*.whl && export PYTHONPATH=".:$EXTRA"
+  fi
+fi
 # GPU_CHECK_BUILD=0: use the pyzero/_C already there (e.g. built on another machine for this Python and
 # architecture, with PYZERO_TEST_NCCL=1 for nccl-multi) when it imports with CUDA for this GPU; else build.
 if [ "${GPU_CHECK_BUILD:-1}" = 0 ] && "$PY" -c "import sys, pyzero; i = pyzero.build_info(); \
@@ -73,8 +86,10 @@ else
   echo "built in ${SECONDS} s"
 fi
 # GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
-# ipc faults nccl-multi; capacity, memory (per-rank peaks with 2 and 4 processes on GPU 0) and ipc-algos (all_reduce
-# by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0) run only when named.
+# ipc faults nccl-multi; capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC, default "2 4", processes
+# on GPU 0), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0),
+# torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B - 1 MiB all_reduce and
+# GPT-2 small under DDP and FSDP2) and nccl-faults (nccl-multi's fault cells alone) run only when named.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
 # only when named.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
@@ -163,6 +178,15 @@ deepspeed_here() {
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
     --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
   fi
+  if part torch-backend; then
+  echo "## torch.distributed on the \"pyzero\" backend (CUDA tensors) against NCCL, world size 1"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
+    --backends torch,torch-pyzero --op all_reduce --min 8 --max 1M --factor 8 --json "${OUT}_torch_backend.json" \
+    || echo "TORCH BACKEND BENCH FAILED (or past $(lim 30) s)"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 100)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,fsdp2,fsdp2-pyzero --bucket-mb 25 --first-bucket-mb 1 \
+    --iters 10 --warmup 3 --json "${OUT}_torch_backend_train.json" || echo "TORCH BACKEND TRAIN FAILED (or past $(lim 100) s)"
+  fi
   if part memory; then
   echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
@@ -170,7 +194,7 @@ deepspeed_here() {
     --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
   echo "## per-rank memory with 2 and 4 processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
   mps_start
-  for NP in 2 4; do
+  for NP in ${GPU_CHECK_MEMORY_NPROC:-2 4}; do
     CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
       --nproc "$NP" --model gpt2 --batch 8 --seq 512 --runs torch-ddp,dp,zero2,zero3,fsdp2 --bucket-mb 25 \
       --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory${NP}.json" \
@@ -249,8 +273,7 @@ deepspeed_here() {
       || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
   fi
   fi
-  if part nccl-multi; then
-  echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
+  if part nccl-multi || part nccl-faults; then
   TNCCL=${PYZERO_TEST_NCCL_ROOT:-$(ls -d build/*/test-nccl 2>/dev/null | head -1)}
   if [ -z "$TNCCL" ] || [ ! -f "$TNCCL/lib/libnccl.so.2" ]; then
     TNCCL=build/test-nccl
@@ -258,20 +281,24 @@ deepspeed_here() {
     PYTHON="$PY" timeout "$(lim 400)" bash scripts/build_test_nccl.sh "$TNCCL" >"${OUT}_test_nccl_build.log" 2>&1 ||
       { tail -20 "${OUT}_test_nccl_build.log"; echo "TEST NCCL LIBRARY BUILD FAILED"; }
   fi
-  if [ -f "$TNCCL/lib/libnccl.so.2" ]; then
-    TNCCL=$(cd "$TNCCL" && pwd)
+  [ ! -f "$TNCCL/lib/libnccl.so.2" ] || TNCCL=$(cd "$TNCCL" && pwd)
+  fi
+  if part nccl-multi && [ -f "$TNCCL/lib/libnccl.so.2" ]; then
+    echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
     MULTI_TIMEOUT_ARGS=()  # (a spawned 4-rank matrix takes longer than one test of the tests part)
     [ ${#TIMEOUT_ARGS[@]} -eq 0 ] || MULTI_TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
     mps_start
     PYZERO_TEST_NCCL_ROOT=$TNCCL timeout -s INT -k 30 "$(lim 420)" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
       -p no:cacheprovider "${MULTI_TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu \
       tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
+  fi
+  if { part nccl-multi || part nccl-faults; } && [ -f "$TNCCL/lib/libnccl.so.2" ]; then
     echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"
+    mps_start
     CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL timeout "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
       --tries 1 --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl_test.json" \
       || echo "NCCL FAULT CELLS ON THE TEST LIBRARY FAILED (or past $(lim 60) s)"
     mps_stop
-  fi
   fi
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"

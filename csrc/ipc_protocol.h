@@ -181,7 +181,7 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   uint64_t now_ns();
 //   void store_release(uint64_t* p, uint64_t v);  uint64_t load_acquire(const uint64_t* p);
 //   uint32_t load_relaxed(const uint32_t* p);
-//   void fence();  (orders the block's earlier data writes before this thread's flag store, system-wide)
+//   void fence();  (earlier writes before this thread's next flag store, system-wide: ipc_p2p.h, closing)
 //   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
 //   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
 //   uint64_t next_epoch(uint64_t* counter);  (++*counter by one thread, the new value to every thread)
@@ -226,14 +226,17 @@ PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks],
   return x.sync_and(ok);
 }
 
-// Tells every peer that this rank's block reached `which` of epoch e.
+// Tells every peer that this rank's block reached `which` of epoch e. The block barrier orders every
+// thread's data writes before the signalling threads' release stores, and a release is cumulative: a
+// peer that acquires the flag sees those writes. (No fence before the store: on sm_90 the release store
+// is a system-scope membar and the store; a __threadfence_system() before it added a second membar,
+// sequentially consistent, and an L1 invalidation to every signal, two per call.)
 template <typename X>
 PZ_HD void ipc_signal(X& x, const IpcCall& c, uint64_t e, bool mid) {
   x.sync();  // every thread's data writes of this block are done
   int b = x.block();
   for (int p = x.tid(); p < c.nranks; p += x.nthreads()) {
     if (p == c.rank) continue;
-    x.fence();
     uint64_t* f = mid ? &c.sigs[p]->mid[b][c.rank] : &c.sigs[p]->start[b][c.rank];
     x.store_release(f, e);
   }

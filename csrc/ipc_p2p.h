@@ -167,11 +167,8 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
   // One thread reads a flag; the block decides on its value (see ipc_wait_all).
   auto ready = [&](const uint64_t* f, uint64_t want) { return x.sync_and(t0 != 0 || x.load_acquire(f) >= want); };
   auto signal = [&](uint64_t* f, uint64_t v) {
-    x.sync();  // the block's data writes are done
-    if (t0 == 0) {
-      x.fence();
-      x.store_release(f, v);
-    }
+    x.sync();  // the block's data writes are done; the release store publishes them (see ipc_signal)
+    if (t0 == 0) x.store_release(f, v);
   };
   auto desc_of = [&](const IpcP2POp& o) {
     return IpcP2PDesc{o.bytes, o.dtype, nb, int64_t(c.slot_bytes), int64_t(c.slots)};

@@ -181,7 +181,6 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   uint64_t now_ns();
 //   void store_release(uint64_t* p, uint64_t v);  uint64_t load_acquire(const uint64_t* p);
 //   uint32_t load_relaxed(const uint32_t* p);
-//   void fence();  (earlier writes before this thread's next flag store, system-wide: ipc_p2p.h, closing)
 //   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
 //   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
 //   uint64_t next_epoch(uint64_t* counter);  (++*counter by one thread, the new value to every thread)

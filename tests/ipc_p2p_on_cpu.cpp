@@ -63,7 +63,10 @@ struct CpuX {
   void path(bool vectorised) { __atomic_add_fetch(&paths[vectorised], 1, __ATOMIC_RELAXED); }
   bool sync_and(bool v) { return v; }
   uint64_t now_ns() const { return pz_cpu::now_ns(); }
-  void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  void store_release(uint64_t* p, uint64_t v) {  // a flag's store: a pause before it lets the peers run ahead
+    if (pause_us && (*rng)() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  }
   uint64_t load_acquire(const uint64_t* p) {
 #ifdef PZ_IPC_P2P_NO_SLOT_WAIT
     for (auto& r : consumed_ranges)
@@ -75,10 +78,6 @@ struct CpuX {
     return v;
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-  void fence() {  // before a flag's store: a pause here lets the peers run ahead
-    if (pause_us && (*rng)() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((*rng)() % pause_us));
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  }
   void fail_p2p(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq, int32_t p2p, int64_t bytes,
                 int64_t peer_bytes, int32_t dtype, int32_t peer_dtype) {
     uint32_t zero = 0;

@@ -58,7 +58,6 @@ struct CpuX {
     return v;
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-  void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
   uint64_t next_epoch(uint64_t* counter) { return ++*counter; }  // one thread per block here
   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
     uint32_t zero = 0;

@@ -560,6 +560,12 @@ def test_estimate_memory_offload_hand_computed():
     assert m["host"] == 8 * 5e8 + 4 * 5e8 + 4 * 5e8 + 4 * 5e8
     m = estimate_memory(1e9, 4, 2)
     assert m["device"] == m["total"] and m["host"] == m["disk"] == 0
+    m = estimate_memory(1e9, 1, 2, 4 + 2.03125, offload="cpu", host_grad_bytes=2)  # int8 moments, bf16 grads
+    assert m["host"] == pytest.approx((4 + 2.03125 + 2 + 2) * 1e9, rel=1e-12)
+    with pytest.raises(ValueError, match="host_grad_bytes: 2 .* needs mixed_precision=True"):
+        estimate_memory(1e9, 1, 2, 8, False, offload="cpu", host_grad_bytes=2)
+    with pytest.raises(ValueError, match="host_grad_bytes: expected 2 or 4"):
+        estimate_memory(1e9, 1, 2, offload="cpu", host_grad_bytes=3)
     with pytest.raises(ValueError, match="offload: needs a ZeRO stage"):
         estimate_memory(1e9, 4, 0, offload="cpu")
     with pytest.raises(ValueError, match="offload_params: needs stage=3"):
@@ -707,6 +713,30 @@ def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
         assert r["ok"] and r["layers"] == 2 and r["params"] == gpt_params(config(Args, 2)) == n, r
         assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
         assert r["tokens_per_s"] > 0 and [t["layers"] for t in r["tried"]] == [2], r
+
+
+def test_capacity_runs_with_compact_moments(tmp_path):
+    """zero2-offload-int8m and zero3-offload-int8m train (CPU processes, a tiny GPT) with int8 moments,
+    and the search plans each run with the host bytes docs/offload.md gives per parameter at one rank
+    and bf16 gradients: master 4 + moments (8 / 4 / 2.03) + gradient 2 + bf16 copy 2."""
+    import json
+
+    from pyzero.bench import __main__ as bench
+    from pyzero.bench.capacity import GPTConfig, estimate, gpt_params
+
+    out = tmp_path / "cap.json"
+    assert bench.main(["capacity", "--device", "cpu", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+                       "--seq", "16", "--steps", "3", "--max-layers", "1", "--attempts", "1",
+                       "--runs", "zero2-offload-int8m,zero3-offload-int8m", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["run"] for r in rows] == ["zero2-offload-int8m", "zero3-offload-int8m"]
+    for r in rows:
+        assert r["ok"] and all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
+    c = GPTConfig(vocab_size=50304, block_size=1024, n_layer=96, n_head=16, n_embd=2048)
+    n = gpt_params(c)
+    for run, per_param in (("zero2-offload", 16), ("zero2-offload-bf16m", 12), ("zero2-offload-int8m", 10.03125),
+                           ("zero3-offload-int8m", 10.03125)):
+        assert estimate(run, c, 1)["host"] == pytest.approx(per_param * n, rel=1e-12), run
 
 
 def test_capacity_reads_the_gpu_from_nvidia_smi(tmp_path, monkeypatch):

@@ -11,6 +11,10 @@ searched. Runs (--runs, each on one device, world size 1):
                    host memory, the step on the CPU (pz.optim's fused AdamW)
     zero3-offload  stage 3 with offload="cpu" and offload_params=True: the parameter shards in
                    host memory too; the device holds a unit's gathered parameters at a time
+    zero2-offload-bf16m, zero2-offload-int8m, zero3-offload-int8m
+                   the same with offload_moments="bf16" or "int8": AdamW's moments held in 4 or
+                   2.03 host bytes per parameter instead of 8 (host bytes per parameter, bf16
+                   gradients: 16 with fp32 moments, 12 bf16, 10.03 int8; docs/offload.md)
     ds-zero2-offload  DeepSpeed ZeRO-Offload (stage 2, bf16, offload_optimizer cpu, pinned, its
                    CPUAdam; bench/ds_runs.py), where deepspeed is importable
     ds-zenflow     the same with DeepSpeed's ZenFlow (ds_runs.ZENFLOW: top 10% of the gradient
@@ -43,6 +47,9 @@ RUNS = {
     "zero2": {"stage": 2},
     "zero2-offload": {"stage": 2, "offload": "cpu"},
     "zero3-offload": {"stage": 3, "offload": "cpu", "offload_params": True},
+    "zero2-offload-bf16m": {"stage": 2, "offload": "cpu", "moments": "bf16"},
+    "zero2-offload-int8m": {"stage": 2, "offload": "cpu", "moments": "int8"},
+    "zero3-offload-int8m": {"stage": 3, "offload": "cpu", "offload_params": True, "moments": "int8"},
     # planned with pyzero's zero2-offload estimate (the same placement of the same bytes)
     "ds-zero2-offload": {"stage": 2, "offload": "cpu", "deepspeed": "zero2-offload"},
     "ds-zenflow": {"stage": 2, "offload": "cpu", "deepspeed": "zenflow"},
@@ -51,8 +58,9 @@ GB = 1e9
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--runs", default=",".join(r for r in RUNS if not RUNS[r].get("deepspeed")),
-                   help=f"comma list of {list(RUNS)} (default: all but DeepSpeed's)")
+    p.add_argument("--runs", default=",".join(r for r in RUNS if not RUNS[r].get("deepspeed")
+                                              and not RUNS[r].get("moments")),
+                   help=f"comma list of {list(RUNS)} (default: all but DeepSpeed's and the compact moments')")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--n-embd", type=int, default=2048, help="hidden size")
     p.add_argument("--n-head", type=int, default=16)
@@ -82,6 +90,7 @@ def gpt_params(c: GPTConfig) -> int:
 
 def estimate(run: str, c: GPTConfig, batch: int) -> dict:
     """{"device", "host"} bytes pyzero.zero.estimate_memory gives `run` at config `c`."""
+    from ..optim.moments import bytes_per_element  # noqa: PLC0415
     from ..zero import estimate_memory  # noqa: PLC0415
 
     spec = {"layers": c.n_layer, "hidden": c.n_embd, "heads": c.n_head, "vocab": c.vocab_size, "seq": c.block_size,
@@ -91,10 +100,12 @@ def estimate(run: str, c: GPTConfig, batch: int) -> dict:
     if not opts:  # fp32 parameters and gradients, AdamW's two fp32 moments
         m = estimate_memory(n, 1, 0, optimizer_state_bytes_per_param=8, mixed_precision=False, model=spec,
                             micro_batch=batch, seq=c.block_size)
-    else:
-        m = estimate_memory(n, 1, opts["stage"], optimizer_state_bytes_per_param=12, mixed_precision=True,
-                            model=spec, micro_batch=batch, seq=c.block_size, offload=opts.get("offload"),
-                            offload_params=opts.get("offload_params", False))
+    else:  # the fp32 master and the moments; pyzero's offload keeps bf16 host gradients at one rank
+        m = estimate_memory(n, 1, opts["stage"], optimizer_state_bytes_per_param=4 + bytes_per_element(
+                                opts.get("moments", "fp32")), mixed_precision=True, model=spec, micro_batch=batch,
+                            seq=c.block_size, offload=opts.get("offload"),
+                            offload_params=opts.get("offload_params", False),
+                            host_grad_bytes=2 if opts.get("offload") and not opts.get("deepspeed") else 4)
     return {"device": m.get("device", m["total"]), "host": m.get("host", 0.0)}
 
 
@@ -149,7 +160,8 @@ def _try(run: str, c: GPTConfig, args) -> dict:
         elif opts:
             opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=opts["stage"], lr=1e-4, bucket_mb=64,
                                    param_dtype=torch.bfloat16, offload=opts.get("offload"),
-                                   offload_params=opts.get("offload_params", False))
+                                   offload_params=opts.get("offload_params", False),
+                                   offload_moments=opts.get("moments"))
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
         g = torch.Generator().manual_seed(1)

@@ -81,7 +81,7 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
                     recompute: str = "none", offload: str | None = None, offload_params: bool = False,
                     nvme_sub_group: int = 1 << 23, hpz_partition_size: int = 1,
                     largest_layer_params: float | None = None, step_impl: str = "fused",
-                    grads_done: float = 0.0) -> dict:
+                    grads_done: float = 0.0, host_grad_bytes: float = 4.0) -> dict:
     """Bytes per rank of parameters, gradients, optimizer state and activations.
 
     stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
@@ -90,7 +90,9 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     ranks holds) and activations are computed for ``micro_batch`` x ``seq``
     tokens, unless ``activation_bytes`` is given; without it they are 0.
     ``offload`` / ``offload_params`` (see the module docstring) add where the bytes live:
-    ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements.
+    ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements;
+    ``host_grad_bytes`` the bytes per element of the host gradient shard (4: fp32; 2 where the
+    offload pipeline keeps it in the model's 16-bit dtype, see docs/offload.md).
     ``hpz_partition_size`` P > 1 (stage 3, ZeRO++ hpZ) adds the secondary parameter shards,
     width x Ψ/P, under "hpz_secondary" (also counted in "params").
     ``largest_layer_params``, ``step_impl`` ("fused", "foreach" or "forloop") and
@@ -123,6 +125,11 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     if largest_layer_params is not None:
         _check_number("largest_layer_params", largest_layer_params, "a finite count >= 0", lambda v: v >= 0)
     _check_number("grads_done", grads_done, "a fraction from 0 to 1", lambda v: 0 <= v <= 1)
+    _check_number("host_grad_bytes", host_grad_bytes, "2 or 4 (bytes of a host gradient element)",
+                  lambda v: v in (2, 4))
+    if host_grad_bytes == 2 and not mixed_precision:
+        raise ValueError("host_grad_bytes: 2 (16-bit host gradients) needs mixed_precision=True; an fp32 model's "
+                         "host gradients are fp32 (4)")
     if step_impl not in ("fused", "foreach", "forloop"):
         raise ValueError(f"step_impl: expected 'fused', 'foreach' or 'forloop', got {step_impl!r}")
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
@@ -148,7 +155,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     out["step_temps"] = {"fused": 0.0, "foreach": 4 * stepped, "forloop": 2 * 4 * min(largest, stepped)}[step_impl]
     out["peak"] = params + optimizer + max(held_grads + out["activations"] + out["gathered"],
                                            grads + out["step_temps"])
-    out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group))
+    out.update(_placement(out, psi, n, stage, k, width, mixed_precision, offload, offload_params, nvme_sub_group,
+                          float(host_grad_bytes)))
     return out
 
 
@@ -163,7 +171,7 @@ def device_states(m: dict, stage: int, offload: str | None, offload_params: bool
             "optimizer": 0.0}
 
 
-def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_group) -> dict:
+def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_group, grad_bytes) -> dict:
     """device/host/disk bytes per rank (see the module docstring)."""
     if offload not in (None, "cpu", "nvme"):
         raise ValueError(f"offload: expected None, 'cpu' or 'nvme', got {offload!r}")
@@ -180,7 +188,7 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
     shard = psi / n
     device = sum(device_states(m, stage, offload, offload_params).values()) + m["activations"]
     master = 0.0 if mixed else 4 * shard  # K holds the fp32 master in mixed precision
-    host = k * shard + 4 * shard + width * shard + master
+    host = k * shard + grad_bytes * shard + width * shard + master
     disk = 0.0
     if offload == "nvme":
         disk = (k - 4 if mixed else k) * shard

@@ -290,9 +290,8 @@ PZ_HD void ipc_reduce(X& x, T* dst, T* dst2, const T* const* srcs, int n, int64_
   x.path(head >= 0);
   if (head < 0 || head > cnt) head = cnt;
   // the sources' fp16 operands: see [Note: fp16 operands of an arithmetic op] (reduce_math.h)
-  auto first = [&](T v) { return n > 1 ? to_acc_operand<OP>(v) : to_acc(v); };
   auto one = [&](int64_t i) {
-    A acc = first(srcs[0][i]);
+    A acc = to_acc_first<OP>(srcs[0][i], n);
     for (int p = 1; p < n; ++p) acc = combine<OP>(acc, to_acc_operand<OP>(srcs[p][i]));
     T v = from_acc<T>(finish<OP>(acc, n));
     dst[i] = v;
@@ -304,7 +303,7 @@ PZ_HD void ipc_reduce(X& x, T* dst, T* dst2, const T* const* srcs, int n, int64_
     const int64_t i = head + j * V;
     IpcVec<T> in = *reinterpret_cast<const IpcVec<T>*>(srcs[0] + i);
     A acc[V];
-    for (int l = 0; l < V; ++l) acc[l] = first(in.v[l]);
+    for (int l = 0; l < V; ++l) acc[l] = to_acc_first<OP>(in.v[l], n);
     for (int p = 1; p < n; ++p) {
       in = *reinterpret_cast<const IpcVec<T>*>(srcs[p] + i);
       for (int l = 0; l < V; ++l) acc[l] = combine<OP>(acc[l], to_acc_operand<OP>(in.v[l]));

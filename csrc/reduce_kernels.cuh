@@ -131,13 +131,8 @@ struct ReduceManyFn {
     using A = typename Acc<T>::type;
     A acc[K];
     Pack<T, K> x = load_pack<K>(src.p[0] + i);
-    if (nsrc > 1) {  // (see [Note: fp16 operands of an arithmetic op])
 #pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = to_acc_operand<OP>(x.v[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
-    }
+    for (int k = 0; k < K; ++k) acc[k] = to_acc_first<OP>(x.v[k], nsrc);
     for (int s = 1; s < nsrc; ++s) {
       Pack<T, K> y = load_pack<K>(src.p[s] + i);
 #pragma unroll

@@ -195,6 +195,15 @@ template <RedOp OP, typename T> PZ_HD typename Acc<T>::type to_acc_operand(T v) 
   return to_acc(v);
 }
 
+// The first of `nsrc` operands of a reduction: an operand of the op where another follows, else stored as
+// it is (see the note above).
+template <RedOp OP, typename T> PZ_HD typename Acc<T>::type to_acc_first(T v, int nsrc) {
+  if constexpr (std::is_same_v<T, half_t> && OP != RedOp::max && OP != RedOp::min)
+    return nsrc > 1 ? to_acc_operand<OP>(v) : to_acc(v);
+  else
+    return to_acc(v);  // (to_acc_operand is to_acc here)
+}
+
 // Final step applied once when a fully reduced value is stored: avg divides by
 // the number of contributions (floats only; the Python layer rejects avg on ints).
 template <RedOp OP, typename A> PZ_HD A finish(A v, int nranks) {

@@ -9,7 +9,8 @@
 # and, with DEEPSPEED=1, build/wheels/ (scripts/gpu_wheels.sh: DeepSpeed for the ZeRO-Offload rows).
 # Needs nvcc (/usr/local/cuda), pip with a package index, and an interpreter of the GPU machine's Python
 # version (GPU_PYTHON, default /root/.pyenv/versions/3.12.1/bin/python); PYZERO_CUDA_ARCH (default 90:
-# H100/H200) picks the architecture. About 3 minutes on 2 cores. Then, on the GPU machine:
+# H100/H200) picks the architecture. The build took 52 s on 2 cores (the venv's first set-up adds its pip
+# installs). Then, on the GPU machine:
 #   GPU_CHECK_PREBUILT=build/gpu312 GPU_CHECK_PARTS="..." bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -205,7 +205,9 @@ deepspeed_here() {
   if part offload; then
   echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed (ZeRO-Offload, ZenFlow, SuperOffload)"
   # --losses: every run's loss at each step (same batch, same start): ZenFlow is not exact, its curve shows by how much
-  OFFLOAD_RUNS=torch-local,zero2-offload
+  # zero2-offload: the CPU step slot by slot at step() (the default); -pipe: slots step during backward;
+  # -dpu: delayed_update, the CPU step behind the next forward and backward (updates one step late)
+  OFFLOAD_RUNS=torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu
   if deepspeed_here; then OFFLOAD_RUNS+=",ds-zero2-offload,ds-zenflow,ds-superoffload"; fi
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 330)" "$PY" -m pyzero.bench train \
     --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$OFFLOAD_RUNS" --bucket-mb 25 \

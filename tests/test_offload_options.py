@@ -340,3 +340,23 @@ def test_delayed_update_cuda_model_matches_one_step_late_reference():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"forward {t}")
     for k, v in ref.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_bench_train_delayed_update_run_is_one_step_late(tmp_path):
+    """`pyzero-bench train --runs zero2-offload-dpu` (one rank, the same batch every step): its forwards
+    run on the parameters one update late, so its first two losses are plain torch's first and its
+    third is plain torch's second (w1 is the same update in both); its fourth, on w2 made from the
+    gradient at w0, is not plain torch's third."""
+    import json
+
+    from pyzero.bench import __main__ as bench
+
+    out = tmp_path / "train.json"
+    assert bench.main(["train", "--model", "gpt-nano", "--runs", "torch-local,zero2-offload-dpu", "--nproc", "1",
+                       "--iters", "2", "--warmup", "2", "--seq", "16", "--json", str(out)]) == 0
+    local, dpu = json.loads(out.read_text())["results"]
+    assert dpu["run"] == "zero2-offload-dpu" and dpu["step_ms"] > 0
+    a, b = local["losses"], dpu["losses"]
+    assert b[0] == pytest.approx(a[0], rel=1e-6) and b[1] == pytest.approx(a[0], rel=1e-6), (a[:3], b[:3])
+    assert b[2] == pytest.approx(a[1], rel=1e-5), (a[:3], b[:3])
+    assert abs(b[3] - a[2]) > 1e-4, (a[:4], b[:4])

@@ -167,16 +167,18 @@ def _zero_comm_alone(opt) -> Callable:
     return run
 
 
-def _setup_zero(stage: int, offload: str | None = None, pipeline=False) -> Callable:
+def _setup_zero(stage: int, offload: str | None = None, pipeline=None, delayed=False) -> Callable:
     """ZeroOptimizer at `stage`; offload="cpu": masters and AdamW state in host memory, the step on
-    the CPU (stage 3: the parameter shards too), after backward (pipeline False, the -offload
-    runs) or with offload_pipeline=True (the -offload-pipe runs: bucket by bucket, during
-    backward from the second step on; see docs/offload.md)."""
+    the CPU (stage 3: the parameter shards too), slot by slot at step() (the default
+    offload_pipeline, the -offload runs), with offload_pipeline=True (the -offload-pipe runs:
+    during backward from the second step on) or with delayed_update=True (the -offload-dpu run:
+    the CPU step behind the next forward and backward, its update one step late); see
+    docs/offload.md."""
     def setup(model, args) -> Runner:
         import pyzero as pz  # noqa: PLC0415
 
         extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3,
-                                             "offload_pipeline": pipeline}
+                                             "offload_pipeline": pipeline, "delayed_update": delayed}
         opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb,
                                **_adamw_kwargs(model), **extra)
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
@@ -266,7 +268,8 @@ RUNS: dict[str, Callable] = {"torch-local": _setup_torch_local, "torch-ddp": _se
                              "zero3": _setup_zero(3), "zero2-offload": _setup_zero(2, "cpu"),
                              "zero3-offload": _setup_zero(3, "cpu"),
                              "zero2-offload-pipe": _setup_zero(2, "cpu", True),
-                             "zero3-offload-pipe": _setup_zero(3, "cpu", True), "torch-zero": _setup_torch_zero,
+                             "zero3-offload-pipe": _setup_zero(3, "cpu", True),
+                             "zero2-offload-dpu": _setup_zero(2, "cpu", delayed=True), "torch-zero": _setup_torch_zero,
                              "fsdp2": _setup_fsdp2("gloo"), "fsdp2-pyzero": _setup_fsdp2("pyzero"),
                              "ds-zero2": _setup_ds("zero2"), "ds-zero2-offload": _setup_ds("zero2-offload"),
                          "ds-zenflow": _setup_ds("zenflow"), "ds-superoffload": _setup_ds("superoffload")}
@@ -406,7 +409,8 @@ def _rank_main(run: str, args) -> dict:
 
 
 _STAGE = {"torch-local": 0, "torch-ddp": 0, "torch-ddp-pyzero": 0, "dp": 0, "zero1": 1, "zero2": 2, "zero3": 3,
-          "zero2-offload": 2, "zero3-offload": 3, "zero2-offload-pipe": 2, "zero3-offload-pipe": 3, "torch-zero": 1,
+          "zero2-offload": 2, "zero3-offload": 3, "zero2-offload-pipe": 2, "zero3-offload-pipe": 3,
+          "zero2-offload-dpu": 2, "torch-zero": 1,
           "fsdp2": 3, "fsdp2-pyzero": 3}
 
 

@@ -91,7 +91,8 @@ fi
 # torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B - 1 MiB all_reduce and
 # GPT-2 small under DDP and FSDP2) and nccl-faults (nccl-multi's fault cells alone) run only when named.
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
-# only when named.
+# only when named; GPU_CHECK_CAPACITY_RUNS replaces its runs, GPU_CHECK_CAPACITY_NPROC adds ZeRO-3 and
+# FSDP2 with that many ranks sharing GPU 0.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
@@ -216,11 +217,20 @@ deepspeed_here() {
   fi
   if part capacity; then
   echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"
-  CAP_RUNS=torch,zero2-offload,zero3-offload
+  CAP_RUNS=torch,zero3,fsdp2,zero2-offload,zero3-offload
   if [ -z "${GPU_CHECK_CAPACITY_RUNS:-}" ] && deepspeed_here; then CAP_RUNS+=",ds-zero2-offload"; fi
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
     --runs "${GPU_CHECK_CAPACITY_RUNS:-$CAP_RUNS}" --attempts 2 --steps 3 --timeout 200 \
     --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
+  # GPU_CHECK_CAPACITY_NPROC (e.g. "2"): ZeRO-3 and FSDP2 again with that many ranks sharing GPU 0 (ipc)
+  for NP in ${GPU_CHECK_CAPACITY_NPROC:-}; do
+    echo "### capacity with $NP ranks on GPU 0 (ipc$([ "$MPS" = 1 ] && echo ", MPS")): ZeRO-3 and FSDP2 on the \"pyzero\" backend"
+    mps_start
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 300)" "$PY" -m pyzero.bench capacity --device cuda --nproc "$NP" \
+      --gpu-backend ipc --runs zero3,fsdp2 --attempts 2 --steps 3 --timeout 150 --json "${OUT}_capacity${NP}.json" \
+      || echo "CAPACITY BENCH FAILED (nproc $NP, or past $(lim 300) s)"
+    mps_stop
+  done
   fi
   if part ipc; then
   echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 process, then 2, 4 and 8 sharing GPU 0$([ "$MPS" = 1 ] && echo ", under MPS")"

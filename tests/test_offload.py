@@ -703,7 +703,7 @@ def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
                        "--seq", "16", "--steps", "4", "--max-layers", "2", "--attempts", "2",
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["run"] for r in rows] == ["torch", "zero2", "zero2-offload", "zero3-offload"]
+    assert [r["run"] for r in rows] == ["torch", "zero2", "zero3", "fsdp2", "zero2-offload", "zero3-offload"]
 
     class Args:
         vocab, seq, n_head, n_embd = 64, 16, 2, 32
@@ -713,6 +713,71 @@ def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
         assert r["ok"] and r["layers"] == 2 and r["params"] == gpt_params(config(Args, 2)) == n, r
         assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
         assert r["tokens_per_s"] > 0 and [t["layers"] for t in r["tried"]] == [2], r
+
+
+def test_capacity_zero3_and_fsdp2_on_two_ranks(tmp_path):
+    """--nproc 2 (CPU processes): zero3, fsdp2 and zero2 train the largest size allowed with finite falling
+    losses, counting both ranks' tokens; zero3 and fsdp2 are planned with plain torch's fp32 model states,
+    16 bytes a parameter over the ranks (a rank holds 8 fewer per parameter at 2 ranks than at 1)."""
+    import json
+
+    from pyzero.bench import __main__ as bench
+    from pyzero.bench.capacity import GPTConfig, estimate, gpt_params
+
+    out = tmp_path / "cap.json"
+    assert bench.main(["capacity", "--device", "cpu", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+                       "--seq", "16", "--steps", "3", "--max-layers", "2", "--attempts", "1", "--nproc", "2",
+                       "--runs", "zero3,fsdp2,zero2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["run"] for r in rows] == ["zero3", "fsdp2", "zero2"]
+    for r in rows:
+        assert r["ok"] and r["layers"] == 2, r
+        assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
+        assert r["tokens_per_s"] == pytest.approx(2 * 16 / r["step_s"], rel=1e-9), r
+    c = GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=2048)
+    n = gpt_params(c)
+    for run in ("zero3", "fsdp2"):
+        one, two = estimate(run, c, 1)["device"], estimate(run, c, 1, 2)["device"]
+        assert one == pytest.approx(estimate("torch", c, 1)["device"], rel=1e-12), run
+        assert one - two == pytest.approx(8 * n, rel=1e-12), run
+
+
+def test_capacity_two_ranks_one_out_of_memory_fails_the_size_without_a_hang(tmp_path, monkeypatch):
+    """A rank out of device memory at 2 ranks (raised in its forward at 3 layers, while the other rank
+    waits for it in a collective) fails that size at once, named; the search keeps the size below."""
+    import json
+    import time
+
+    from pyzero.bench import __main__ as bench
+    from pyzero.bench import capacity
+
+    real = capacity.GPT.forward
+
+    def forward(self, idx, targets=None):
+        import pyzero as pz
+
+        if len(self.blocks) == 3 and pz.get_rank() == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, idx, targets)
+
+    monkeypatch.setattr(capacity.GPT, "forward", forward)  # (the ranks are forked: they see it)
+    out = tmp_path / "cap.json"
+    t0 = time.monotonic()
+    assert bench.main(["capacity", "--device", "cpu", "--n-embd", "32", "--n-head", "2", "--vocab", "64",
+                       "--seq", "16", "--steps", "2", "--max-layers", "3", "--attempts", "2", "--nproc", "2",
+                       "--runs", "zero3", "--timeout", "120", "--json", str(out)]) == 0
+    assert time.monotonic() - t0 < 60
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["ok"] and row["layers"] == 2, row
+    failed = [t for t in row["tried"] if t["layers"] == 3]
+    assert failed and not failed[0]["ok"] and failed[0]["why"] == "device out of memory (rank 1)", row["tried"]
+
+
+def test_capacity_one_rank_runs_refuse_nproc():
+    from pyzero.bench import __main__ as bench
+
+    with pytest.raises(SystemExit, match=r"--runs torch: trains on one rank; with --nproc 2"):
+        bench.main(["capacity", "--device", "cpu", "--runs", "torch,zero3", "--nproc", "2"])
 
 
 def test_capacity_runs_with_compact_moments(tmp_path):

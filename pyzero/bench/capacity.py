@@ -2,11 +2,15 @@
 offload, and the tokens/s at that size.
 
 The model is bench/gpt.py's GPT with --n-embd / --n-head fixed and the number of layers
-searched. Runs (--runs, each on one device, world size 1):
+searched. Runs (--runs; world size 1 unless --nproc says more):
     torch          plain torch: fp32 parameters and gradients, AdamW (fused on a GPU)
-                   -- 16 bytes per parameter on the device
+                   -- 16 bytes per parameter on the device; one rank only
     zero2          pz.ZeroOptimizer stage 2, bf16 parameters, fp32 masters and AdamW state
                    on the device
+    zero3          pz.ZeroOptimizer stage 3 with fp32 parameters, as plain torch's (fused
+                   AdamW on a GPU): 16 bytes per parameter over the ranks, one gathered unit
+    fsdp2          torch FSDP2 (fully_shard per transformer block and the root, fp32, fused
+                   AdamW on a GPU), planned as zero3: the sharding users compare ZeRO-3 with
     zero2-offload  the same with offload="cpu": masters, gradient shards and AdamW state in
                    host memory, the step on the CPU (pz.optim's fused AdamW)
     zero3-offload  stage 3 with offload="cpu" and offload_params=True: the parameter shards in
@@ -20,6 +24,10 @@ searched. Runs (--runs, each on one device, world size 1):
     ds-zenflow     the same with DeepSpeed's ZenFlow (ds_runs.ZENFLOW: top 10% of the gradient
                    columns stepped on the device every step, the rest on the CPU every 4th,
                    overlapped; not exact), planned as ds-zero2-offload
+--nproc N trains each size on N ranks (a GPU each with --gpu-backend nccl; all on GPU 0 with
+--gpu-backend ipc; CPU processes over shm with --device cpu: ranks sharing a device plan with
+1/N of its memory each); torch and the DeepSpeed runs train on one rank. fsdp2 runs on torch.distributed's
+NCCL, or on pyzero's "pyzero" backend with --gpu-backend ipc (NCCL refuses two ranks on one GPU).
 Each size is tried in a fresh process (an out-of-memory error there cannot poison the next
 try): build the model on the device, train --steps steps on random tokens, report tokens/s
 (median step after the first), the device's peak allocated bytes and the process's peak
@@ -35,6 +43,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -45,6 +54,8 @@ from .gpt import GPT, GPTConfig
 RUNS = {
     "torch": {},
     "zero2": {"stage": 2},
+    "zero3": {"stage": 3, "fp32": True},
+    "fsdp2": {"stage": 3, "fp32": True, "fsdp2": True},
     "zero2-offload": {"stage": 2, "offload": "cpu"},
     "zero3-offload": {"stage": 3, "offload": "cpu", "offload_params": True},
     "zero2-offload-bf16m": {"stage": 2, "offload": "cpu", "moments": "bf16"},
@@ -73,6 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device-gb", type=float, default=None, help="device memory the search plans with")
     p.add_argument("--host-gb", type=float, default=None, help="host memory the search plans with")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per try")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per try (zero2, zero3, fsdp2 and the pz offload runs)")
+    p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
+                   help="with --device cuda and --nproc > 1: a GPU per rank (nccl) or every rank on GPU 0 (ipc)")
     p.add_argument("--json", default=None)
 
 
@@ -88,8 +102,9 @@ def gpt_params(c: GPTConfig) -> int:
     return c.vocab_size * h + c.block_size * h + c.n_layer * per_layer + 2 * h
 
 
-def estimate(run: str, c: GPTConfig, batch: int) -> dict:
-    """{"device", "host"} bytes pyzero.zero.estimate_memory gives `run` at config `c`."""
+def estimate(run: str, c: GPTConfig, batch: int, world: int = 1) -> dict:
+    """{"device", "host"} bytes per rank pyzero.zero.estimate_memory gives `run` at config `c` on
+    `world` ranks."""
     from ..optim.moments import bytes_per_element  # noqa: PLC0415
     from ..zero import estimate_memory  # noqa: PLC0415
 
@@ -97,15 +112,16 @@ def estimate(run: str, c: GPTConfig, batch: int) -> dict:
             "batch": batch, "fused_attention": True}
     n = gpt_params(c)
     opts = RUNS[run]
-    if not opts:  # fp32 parameters and gradients, AdamW's two fp32 moments
-        m = estimate_memory(n, 1, 0, optimizer_state_bytes_per_param=8, mixed_precision=False, model=spec,
-                            micro_batch=batch, seq=c.block_size)
+    if not opts or opts.get("fp32"):  # fp32 parameters and gradients, AdamW's two fp32 moments
+        m = estimate_memory(n, world, opts.get("stage", 0), optimizer_state_bytes_per_param=8,
+                            mixed_precision=False, model=spec, micro_batch=batch, seq=c.block_size)
     else:  # the fp32 master and the moments; pyzero's offload keeps bf16 host gradients at one rank
-        m = estimate_memory(n, 1, opts["stage"], optimizer_state_bytes_per_param=4 + bytes_per_element(
+        m = estimate_memory(n, world, opts["stage"], optimizer_state_bytes_per_param=4 + bytes_per_element(
                                 opts.get("moments", "fp32")), mixed_precision=True, model=spec, micro_batch=batch,
                             seq=c.block_size, offload=opts.get("offload"),
                             offload_params=opts.get("offload_params", False),
-                            host_grad_bytes=2 if opts.get("offload") and not opts.get("deepspeed") else 4)
+                            host_grad_bytes=2 if opts.get("offload") and not opts.get("deepspeed") and world == 1
+                            else 4)
     return {"device": m.get("device", m["total"]), "host": m.get("host", 0.0)}
 
 
@@ -136,12 +152,30 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
 
 
+def _fsdp2(model, cuda: bool, ipc: bool):
+    """torch FSDP2 over the ranks: fully_shard per transformer block and the root, on torch.distributed's
+    NCCL (pyzero's "pyzero" backend where the ranks share a GPU), gloo on CPU."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    from .common import init_torch_distributed  # noqa: PLC0415
+
+    dist = init_torch_distributed(("pyzero" if ipc else "nccl") if cuda else "gloo")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
+
+
 def _try(run: str, c: GPTConfig, args) -> dict:
-    """One rank (world size 1): build, train args.steps steps; what it measured, or why it failed."""
+    """One rank of a try (args.nproc ranks): build, train args.steps steps; what it measured, or why it
+    failed."""
     import pyzero as pz  # noqa: PLC0415
 
     cuda = args.device == "cuda"
-    pz.init(backend="nccl" if cuda else None)
+    ipc = cuda and args.nproc > 1 and args.gpu_backend == "ipc"
+    pz.init(backend=("ipc" if ipc else "nccl") if cuda else None)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     out = {"run": run, "layers": c.n_layer, "params": gpt_params(c)}
     try:
@@ -149,7 +183,12 @@ def _try(run: str, c: GPTConfig, args) -> dict:
         with dev:
             model = GPT(c)
         opts = RUNS[run]
-        if opts.get("deepspeed"):
+        if opts.get("fsdp2"):
+            opt = _fsdp2(model, cuda, ipc)
+        elif opts.get("fp32"):
+            opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=opts["stage"], lr=1e-4, bucket_mb=64,
+                                   fused=True if cuda else None)
+        elif opts.get("deepspeed"):
             from . import ds_runs  # noqa: PLC0415
             from .common import init_torch_distributed  # noqa: PLC0415
 
@@ -164,7 +203,7 @@ def _try(run: str, c: GPTConfig, args) -> dict:
                                    offload_moments=opts.get("moments"))
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(1 + pz.get_rank())
         tokens = torch.randint(0, c.vocab_size, (args.batch, c.block_size + 1), generator=g).to(dev)
         x, y = tokens[:, :-1], tokens[:, 1:]
         times, losses = [], []
@@ -179,16 +218,37 @@ def _try(run: str, c: GPTConfig, args) -> dict:
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
         step_s = statistics.median(times[1:] or times)
-        out.update(ok=True, step_s=step_s, tokens_per_s=args.batch * c.block_size / step_s, losses=losses)
+        out.update(ok=True, step_s=step_s, tokens_per_s=args.nproc * args.batch * c.block_size / step_s,
+                   losses=losses)
     except torch.OutOfMemoryError as e:
-        out.update(ok=False, why="device out of memory: " + str(e).splitlines()[0][:160])
+        why = "device out of memory: " + str(e).splitlines()[0][:160]
+        if args.nproc > 1:
+            # The other ranks wait in a collective for this one, and so would its own clean-up (the
+            # transport finishes queued work): leave at once, failed, and the launcher stops them.
+            print(why, file=sys.stderr, flush=True)
+            os._exit(3)
+        out.update(ok=False, why=why)
     finally:
         out["peak_device_gb"] = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
         out["peak_rss_gb"] = _peak_rss_gb()
-        if torch.distributed.is_initialized():  # the DeepSpeed run's group
+        if torch.distributed.is_initialized():  # the DeepSpeed or FSDP2 run's group
             torch.distributed.destroy_process_group()
         pz.destroy()
     return out
+
+
+def _merge(values: list[dict]) -> dict:
+    """A try's row from its ranks' rows: ok where every rank trained, the largest peaks, the
+    slowest rank's step time and tokens/s, the first failing rank's reason."""
+    bad = [v for v in values if not v.get("ok")]
+    row = dict(bad[0] if bad else values[0])
+    for key in ("peak_device_gb", "peak_rss_gb"):
+        seen = [v[key] for v in values if v.get(key) is not None]
+        row[key] = max(seen) if seen else None
+    if not bad:
+        slow = max(values, key=lambda v: v["step_s"])
+        row.update(step_s=slow["step_s"], tokens_per_s=slow["tokens_per_s"])
+    return row
 
 
 def _gpu0() -> tuple[str, float]:
@@ -223,11 +283,12 @@ def _mem_available() -> float:
 
 
 def predicted_layers(run: str, args, device: float, host: float) -> int:
-    """The most layers (1..max_layers) whose estimate fits 90% of the device and 80% of the host."""
+    """The most layers (1..max_layers) whose estimate per rank fits 90% of `device` (a rank's device
+    memory) and, for the args.nproc ranks of the host together, 80% of `host`."""
     best = 1
     for n in range(1, args.max_layers + 1):
-        e = estimate(run, config(args, n), args.batch)
-        if e["device"] > 0.9 * device or e["host"] > 0.8 * host:
+        e = estimate(run, config(args, n), args.batch, args.nproc)
+        if e["device"] > 0.9 * device or e["host"] * args.nproc > 0.8 * host:
             break
         best = n
     return best
@@ -246,16 +307,28 @@ def main(args) -> int:
         raise SystemExit(f"--runs {','.join(r for r in runs if RUNS[r].get('deepspeed'))}: deepspeed is not "
                          "importable here (pip install deepspeed; for a machine without a package index, see "
                          "scripts/gpu_wheels.sh)")
-    for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts"):
+    for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts", "nproc"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
     if args.n_embd % args.n_head:
         raise SystemExit(f"--n-head: {args.n_head} does not divide --n-embd {args.n_embd}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible")
+    one_rank = [r for r in runs if not RUNS[r] or RUNS[r].get("deepspeed")]
+    if args.nproc > 1 and one_rank:
+        raise SystemExit(f"--runs {','.join(one_rank)}: trains on one rank; with --nproc {args.nproc} name "
+                         "zero2, zero3, fsdp2 or the pz offload runs")
+    # ranks that share one device: CPU processes, or every rank on GPU 0 (ipc)
+    shared = args.nproc > 1 and (args.device == "cpu" or args.gpu_backend == "ipc")
+    if args.device == "cuda" and args.nproc > 1 and not shared and torch.cuda.device_count() < args.nproc:
+        raise SystemExit(f"--nproc {args.nproc} with --gpu-backend nccl needs a GPU per rank, found "
+                         f"{torch.cuda.device_count()}; --gpu-backend ipc puts the ranks on GPU 0")
     where, device, host = _memory(args)
+    if shared:
+        where, device = f"{where} shared by {args.nproc} ranks", device / args.nproc
     print(f"# capacity: GPT n_embd {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, {args.batch} x {args.seq} "
-          f"tokens per step, AdamW; {where} ({device / GB:.1f} GB planned), host {host / GB:.1f} GB planned")
+          f"tokens per step and rank, {args.nproc} rank(s), AdamW; {where} ({device / GB:.1f} GB planned per rank), "
+          f"host {host / GB:.1f} GB planned")
     print(f"{'run':>16} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "
           f"{'rss GB':>7} {'est host':>8}  tried (layers: fits)")
     results = []
@@ -264,17 +337,22 @@ def main(args) -> int:
 
         def fits(n, run=run, tries=tries):
             c = config(args, n)
-            est = estimate(run, c, args.batch)
-            if est["host"] > 0.85 * host:
+            est = estimate(run, c, args.batch, args.nproc)
+            if est["host"] * args.nproc > 0.85 * host:
                 tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
-                            "why": f"host: the estimate {est['host'] / GB:.1f} GB exceeds 85% of the host"}
+                            "why": f"host: the estimate {est['host'] * args.nproc / GB:.1f} GB exceeds 85% of "
+                                   "the host"}
             else:
                 try:
-                    tries[n] = run_ranks(_try, 1, args=(run, c, args), timeout=args.timeout,
-                                         start="spawn" if args.device == "cuda" else "fork")[0].value
+                    ranks = run_ranks(_try, args.nproc, args=(run, c, args), timeout=args.timeout,
+                                      start="spawn" if args.device == "cuda" else "fork",
+                                      threads=max(1, (os.cpu_count() or 1) // args.nproc))
+                    tries[n] = _merge([r.value for r in ranks])
                 except RankFailure as e:  # a crash or a deadline: the size does not train
+                    oom = [r.rank for r in e.results if "device out of memory" in r.output]
                     tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
-                                "why": str(e).splitlines()[0][:200]}
+                                "why": f"device out of memory (rank {oom[0]})" if oom
+                                else str(e).splitlines()[0][:200]}
             tries[n].update(estimate_device_gb=est["device"] / GB, estimate_host_gb=est["host"] / GB)
             return tries[n]["ok"]
 

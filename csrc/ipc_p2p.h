@@ -128,6 +128,7 @@ struct IpcP2PCall {
   uint64_t seq;
   uint64_t timeout_ns;
   int32_t nops, slots, rank, nranks;
+  int32_t gpu_scope;  // as IpcCall::gpu_scope
 };
 
 // Channel src -> dst's lane of block b, in dst's buffer (dst keeps n - 1 channels, src order).

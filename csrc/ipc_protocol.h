@@ -163,6 +163,7 @@ struct IpcCall {
   uint64_t timeout_ns;
   IpcDesc desc;
   int32_t rank, nranks;
+  int32_t gpu_scope;      // the flags' scope: nonzero, the GPU's (every rank on this GPU); else the system's
 };
 
 // The elements [lo, hi) of a chunk of n that block b of nb handles.

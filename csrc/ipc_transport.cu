@@ -23,8 +23,20 @@ namespace pz {
 
 namespace {
 
+// [Note: ipc flag scope]
+// A flag's release store and the acquire loads that wait for it order the data writes before it for
+// the threads that see it. Ranks on other GPUs (peer memory over NVLink or PCIe) need system scope: on
+// sm_90 each release is then a MEMBAR.ALL.SYS, which waits until the block's writes are visible to the
+// whole system. Where every rank of the group runs on one GPU (several processes sharing it, under MPS
+// or taking turns), all their threads are that GPU's and every flag and area is in its memory: GPU
+// scope orders them (MEMBAR.ALL.GPU; the acquire loads still read at L2 and invalidate L1), and the
+// call's kernel is the same otherwise. IpcConfig::system_scope (option `system_scope`,
+// PYZERO_IPC_SYSTEM_SCOPE) keeps system scope there too. The closing flags (ipc_announce_closed_kernel)
+// always use system scope.
+
 // The executor of ipc_protocol.h on the GPU: a block of kThreads threads.
 struct GpuX {
+  bool gpu_scope = false;  // see [Note: ipc flag scope]
   __device__ int block() const { return int(blockIdx.x); }
   __device__ int nblocks() const { return int(gridDim.x); }
   __device__ int tid() const { return int(threadIdx.x); }
@@ -43,11 +55,17 @@ struct GpuX {
     return t;
   }
   __device__ void store_release(uint64_t* p, uint64_t v) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    if (gpu_scope)
+      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    else
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   }
   __device__ uint64_t load_acquire(const uint64_t* p) {
     uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    if (gpu_scope)
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    else
+      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
   }
   __device__ uint32_t load_relaxed(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
@@ -89,11 +107,13 @@ struct GpuX {
 template <typename T, RedOp OP>
 __global__ void ipc_kernel(IpcCall c) {
   GpuX x;
+  x.gpu_scope = c.gpu_scope != 0;
   ipc_run<T, OP>(x, c);
 }
 
 __global__ void ipc_p2p_kernel(IpcP2PCall c) {
   GpuX x;
+  x.gpu_scope = c.gpu_scope != 0;
   ipc_p2p_run(x, c);
 }
 
@@ -320,6 +340,7 @@ struct IpcTransport::Impl {
         c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
         c.rank = rank;
         c.nranks = size;
+        c.gpu_scope = gpu_scope();
         PZ_DISPATCH_DTYPE(dt, T, PZ_DISPATCH_OP(op, OP, {
           ipc_kernel<T, OP><<<nblocks, kThreads, 0, stream>>>(c);
         }));
@@ -328,6 +349,10 @@ struct IpcTransport::Impl {
       counters.add(coll, uint64_t(total), sent_bytes);
     });
   }
+
+  // The flags' scope (see [Note: ipc flag scope]): sharing is the most ranks of the group on one GPU, so
+  // sharing == size puts every rank on one.
+  int32_t gpu_scope() const { return !cfg.system_scope && cfg.sharing >= size ? 1 : 0; }
 
   // One point-to-point kernel on the group's stream (inside issue()).
   void launch_p2p_kernel(const IpcP2POp* ops, int nops) {
@@ -348,6 +373,7 @@ struct IpcTransport::Impl {
     c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
     c.rank = rank;
     c.nranks = size;
+    c.gpu_scope = gpu_scope();
     ipc_p2p_kernel<<<nblocks, kThreads, 0, stream>>>(c);
     PZ_CUDA_CHECK(cudaGetLastError());
   }

@@ -45,6 +45,9 @@ struct IpcConfig {
   uint64_t p2p_bytes = 4ull << 20;  // point-to-point: one incoming channel (a rank holds n - 1)
   uint64_t p2p_slots = 4;           // slots per block's lane of a channel
   int sharing = 1;                  // processes of the job on each GPU (see ipc_blocks)
+  // The flags' ordering scope (see [Note: ipc flag scope]): false takes the GPU's scope where every rank
+  // of the group is on one GPU (sharing == the group's size), true always the system's.
+  bool system_scope = false;
 };
 
 // auto -> one-shot or two-shot for all_reduce (the only collective with a choice).

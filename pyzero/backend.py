@@ -248,6 +248,8 @@ class Options:
       holds n - 1 of them (4 MiB [PYZERO_IPC_P2P_KB])
     - check_calls: hier, compare every collective's arguments across the group before it runs, so a
       mismatch is an error on every rank (True [PYZERO_HIER_CHECK])
+    - system_scope: ipc, order the kernels' flags at system scope even where every rank of the group is on
+      one GPU, where GPU scope suffices and is taken by default (False [PYZERO_IPC_SYSTEM_SCOPE])
     """
 
     slice_bytes: int | None = None
@@ -261,6 +263,7 @@ class Options:
     blocking_wait: bool | None = None
     check_calls: bool | None = None
     p2p_bytes: int | None = None
+    system_scope: bool | None = None
 
     def __post_init__(self):
         for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes", "twoshot_stream_bytes",
@@ -272,7 +275,7 @@ class Options:
             raise ValueError(f"options.depth: expected at least 2 slots, got {self.depth}")
         if self.slice_bytes is not None and self.slice_bytes < 64:
             raise ValueError(f"options.slice_bytes: expected at least 64 bytes, got {self.slice_bytes}")
-        for name in ("adaptive", "symmetric", "blocking_wait", "check_calls"):
+        for name in ("adaptive", "symmetric", "blocking_wait", "check_calls", "system_scope"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"options.{name}: expected True, False or None, got {v!r}")

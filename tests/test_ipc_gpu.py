@@ -94,11 +94,12 @@ def _expected(coll, dtype, op, size, n, k):
     return [make_input("sum", dtype, size, k % n, k)] * n
 
 
-@pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_every_collective_equals_torch_and_is_bitwise_equal_across_ranks(nprocs):
+@pytest.mark.parametrize("nprocs,system_scope", [(2, False), (3, False), (4, False), (2, True)])
+def test_every_collective_equals_torch_and_is_bitwise_equal_across_ranks(nprocs, system_scope):
+    """Every rank on GPU 0: the flags at GPU scope (the default there), and at system scope when asked."""
     cases = list(_cases())
-    res = run_ranks(_rank_collectives, nprocs, args=(cases, {"slice_bytes": AREA}), start="spawn", timeout=600,
-                    env=ENV)
+    res = run_ranks(_rank_collectives, nprocs, args=(cases, {"slice_bytes": AREA, "system_scope": system_scope}),
+                    start="spawn", timeout=600, env=ENV)
     check_collectives(res, cases)
 
 

@@ -30,6 +30,8 @@ def test_options_validate_and_merge():
         pz.Options(stream_bytes=-1)
     with pytest.raises(ValueError, match="options.symmetric: expected True, False or None"):
         pz.Options(symmetric="no")
+    with pytest.raises(ValueError, match="options.system_scope: expected True, False or None, got 1"):
+        pz.Options(system_scope=1)
 
 
 def test_options_get_reads_the_environment_as_default(monkeypatch):

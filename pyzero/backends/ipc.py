@@ -77,7 +77,8 @@ class IpcBackend(CudaCommBackend):
                           o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
                           o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True),
                           o.get("p2p_bytes", 4 << 20, "PYZERO_IPC_P2P_KB", kib=True),
-                          o.get("depth", 4, "PYZERO_IPC_DEPTH"), sharing)
+                          o.get("depth", 4, "PYZERO_IPC_DEPTH"), sharing,
+                          o.get("system_scope", False, "PYZERO_IPC_SYSTEM_SCOPE"))
         setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
         handles = [setup.store.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
         comm.connect(handles)

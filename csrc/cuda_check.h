@@ -5,9 +5,11 @@
 
 #include <cuda_runtime.h>
 
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "errors.h"
 
@@ -89,6 +91,42 @@ struct Event {
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
+};
+
+// Events of one device for reuse: a call's event is taken from here and comes back when its last owner
+// (the call's Work, the watchdog's queue, the transport's ordering) lets go, so a call costs a record,
+// not a cudaEventCreate and a cudaEventDestroy. Owners hold it through the shared_ptr as before; an
+// event is never handed out while any of them still holds it. Take it with the event's device current.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  static std::shared_ptr<EventPool> make() { return std::shared_ptr<EventPool>(new EventPool()); }
+
+  std::shared_ptr<Event> take() {
+    std::unique_ptr<Event> e;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!free_.empty()) {
+        e = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (!e) e = std::make_unique<Event>();
+    std::weak_ptr<EventPool> pool = weak_from_this();
+    return std::shared_ptr<Event>(e.release(), [pool](Event* ev) {
+      std::unique_ptr<Event> owned(ev);
+      if (auto p = pool.lock()) p->give(std::move(owned));  // else destroyed here
+    });
+  }
+
+ private:
+  EventPool() = default;
+  void give(std::unique_ptr<Event> e) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (free_.size() < kKeep) free_.push_back(std::move(e));  // (beyond that, destroyed on return)
+  }
+  static constexpr size_t kKeep = 1024;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Event>> free_;
 };
 
 }  // namespace pz

@@ -166,7 +166,7 @@ uint64_t counts_hash(const std::vector<int64_t>& counts) {
 
 struct IpcWork::State {
   std::weak_ptr<IpcTransport::Impl> impl;
-  Event done;  // recorded after the call's kernels
+  std::shared_ptr<Event> done;  // recorded after the call's kernels (from the group's EventPool)
   int device = 0;
   const char* what = "";
   uint64_t seq = 0;  // the host's number of the call's last launch
@@ -185,6 +185,7 @@ struct IpcTransport::Impl {
   cudaStream_t stream = nullptr;
   std::unique_ptr<Event> queued;        // recorded on the caller's stream: the group's stream waits for it
   std::unique_ptr<Event> finished;      // after a synchronous call: the caller's stream waits for it
+  std::shared_ptr<EventPool> events = EventPool::make();  // an async call's completion event
   uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
   uint64_t slot_bytes = 0, chan_bytes = 0;  // point-to-point: a slot, one incoming channel
   char* ring_stage = nullptr;           // algo="ring": send and receive staging, p2p_bytes each
@@ -306,7 +307,8 @@ struct IpcTransport::Impl {
     }
     auto st = std::make_shared<IpcWork::State>();
     st->impl = this_shared;
-    PZ_CUDA_CHECK(cudaEventRecord(st->done.e, stream));
+    st->done = events->take();
+    PZ_CUDA_CHECK(cudaEventRecord(st->done->e, stream));
     st->device = device;
     st->what = what;
     st->seq = seq;
@@ -464,7 +466,7 @@ IpcTransport::WorkPtr IpcTransport::Impl::ring_call(const char* what, Coll coll,
 
 void IpcWork::wait(uintptr_t stream) {
   DeviceGuard guard(s_->device);
-  PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->done.e, 0));
+  PZ_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), s_->done->e, 0));
   if (auto impl = s_->impl.lock()) {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->raise_status(s_->what, 0);  // (a mismatch: at a host wait, see raise_status)
@@ -486,7 +488,7 @@ bool IpcWork::completed() {
   refuse_host_wait(*s_, "is_completed()");
   DeviceGuard guard(s_->device);
   RelaxedCaptureMode relaxed;  // (an eager call's work polled while this thread captures a graph)
-  cudaError_t e = cudaEventQuery(s_->done.e);
+  cudaError_t e = cudaEventQuery(s_->done->e);
   if (e == cudaErrorNotReady) return false;
   PZ_CUDA_CHECK(e);
   return true;
@@ -495,7 +497,7 @@ bool IpcWork::completed() {
 void IpcWork::synchronize() {
   refuse_host_wait(*s_, "synchronize()");
   DeviceGuard guard(s_->device);
-  PZ_CUDA_CHECK(cudaEventSynchronize(s_->done.e));
+  PZ_CUDA_CHECK(cudaEventSynchronize(s_->done->e));
   if (auto impl = s_->impl.lock()) {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->raise_status(s_->what, s_->seq);

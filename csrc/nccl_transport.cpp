@@ -83,6 +83,7 @@ struct NcclTransport::Impl {
   std::mutex mu;  // one thread in NCCL at a time; abort takes it too
   uint64_t seq = 0;
   std::shared_ptr<Event> last;  // see [Note: ordering across streams]
+  std::shared_ptr<EventPool> events = EventPool::make();  // every call's completion event
   cudaStream_t last_stream = nullptr;
   unsigned long long last_capture = 0;  // the capture `last` was recorded in (0: none), see
                                         // [Note: nccl calls in a CUDA graph]
@@ -115,10 +116,9 @@ struct NcclTransport::Impl {
   char* send_stage() const { return staging; }
   char* recv_stage() const { return staging + cfg.slice_bytes; }
 
-  std::string where(const char* what) const {
-    std::ostringstream os;
-    os << what << " (rank " << rank << " of " << n << ", seq " << seq << ", nccl)";
-    return os.str();
+  std::string where(const char* what) const {  // (built for every call: no ostringstream)
+    return std::string(what) + " (rank " + std::to_string(rank) + " of " + std::to_string(n) + ", seq " +
+           std::to_string(seq) + ", nccl)";
   }
 
   // ---- failure ----
@@ -340,7 +340,7 @@ struct NcclTransport::Impl {
         if (last && last_stream != s && last_capture == capture_id)
           PZ_CUDA_CHECK(cudaStreamWaitEvent(s, last->e, 0));
         body(s);
-        ev = std::make_shared<Event>();
+        ev = events->take();
         PZ_CUDA_CHECK(cudaEventRecord(ev->e, s));
       } catch (const CollectiveError& e) {
         if (broken.load()) throw;
@@ -594,12 +594,10 @@ NcclTransport::WorkPtr NcclTransport::all_reduce(void* buf, int64_t count, DType
   algo = nccl_resolve_algo(Coll::all_reduce, bytes, algo, t.cfg.oneshot_bytes, t.n);
   uint64_t sent = 0;
   auto w = t.run(what, stream, async_op, true, false, [&](cudaStream_t s) {
-    if (count == 0) return;
+    if (count == 0 || t.n == 1) return;  // one contribution: already the result (avg divides by 1), as NCCL
     if (algo == Algo::native) {
       t.check(nccl().AllReduce(buf, buf, size_t(count), nccl_dtype(dt), nccl_op(op), t.comm, s), what);
       sent = 2 * (bytes - bytes / t.n);
-    } else if (t.n == 1) {
-      // one contribution: already the result (avg divides by 1)
     } else if (algo == Algo::oneshot) {
       char* gathered = t.staging + t.oneshot_off;
       t.check(nccl().AllGather(buf, gathered, size_t(count), nccl_dtype(dt), t.comm, s), what);

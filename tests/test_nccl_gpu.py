@@ -267,6 +267,21 @@ def test_world1_stream_ordering(monkeypatch):
         assert _stream_ordering() == []
 
 
+def test_buffers_take_the_current_stream_from_torchs_raw_query():
+    """A CUDA build of torch has the raw current-stream query the buffers use, and it names the stream
+    torch.cuda.current_stream does: the default one, and a side stream made current."""
+    from pyzero.backends import cuda_buffers
+
+    assert cuda_buffers._RAW_STREAM is not None
+    dev = torch.cuda.current_device()
+    assert cuda_buffers.current_raw_stream(dev) == torch.cuda.current_stream(dev).cuda_stream
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert cuda_buffers.current_raw_stream(dev) == side.cuda_stream != 0
+        b = cuda_buffers.as_buffer(torch.ones(4, device=f"cuda:{dev}"), "t", dev)
+        assert b.stream == side.cuda_stream
+
+
 # ---------------------------------------------------------------------------
 # CUDA graphs: calls captured with torch.cuda.graph and replayed
 

@@ -344,9 +344,13 @@ def main(args) -> int:
                                    "the host"}
             else:
                 try:
+                    # A GPU rank (spawned) gets its share of the cores for the CPU optimizer; CPU ranks
+                    # compute on the cores themselves, one thread each (a forked rank must not start
+                    # OpenMP threads once the parent has used its pool: libgomp hangs in the child).
+                    cuda = args.device == "cuda"
                     ranks = run_ranks(_try, args.nproc, args=(run, c, args), timeout=args.timeout,
-                                      start="spawn" if args.device == "cuda" else "fork",
-                                      threads=max(1, (os.cpu_count() or 1) // args.nproc))
+                                      start="spawn" if cuda else "fork",
+                                      threads=max(1, (os.cpu_count() or 1) // args.nproc) if cuda else 1)
                     tries[n] = _merge([r.value for r in ranks])
                 except RankFailure as e:  # a crash or a deadline: the size does not train
                     oom = [r.rank for r in e.results if "device out of memory" in r.output]

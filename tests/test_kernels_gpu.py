@@ -156,17 +156,17 @@ def test_fp16_arithmetic_bits_equal_the_fp32_kernels(op):
     stream = torch.cuda.current_stream().cuda_stream
     for b in (a.roll(1), a.roll(31744), -a.roll(333), torch.full_like(a, float("nan")), torch.full_like(a, 1.0)):
         srcs = [a, b, a.roll(5)]
+        dev = [s.cuda() for s in srcs]  # (held: a temporary's block would go to the next copy before the kernel)
         wide = [s.float().cuda() for s in srcs]
         out, out32 = torch.empty(a.numel(), dtype=torch.float16, device="cuda"), torch.empty_like(wide[0])
-        _C.cuda_reduce2(srcs[0].cuda().data_ptr(), srcs[1].cuda().data_ptr(), out.data_ptr(), a.numel(),
+        _C.cuda_reduce2(dev[0].data_ptr(), dev[1].data_ptr(), out.data_ptr(), a.numel(),
                         _DTYPES[torch.float16], _OPS[op], 2, stream)
         _C.cuda_reduce2(wide[0].data_ptr(), wide[1].data_ptr(), out32.data_ptr(), a.numel(),
                         _DTYPES[torch.float32], _OPS[op], 2, stream)
         torch.cuda.synchronize()
         assert torch.equal(out.cpu().view(torch.int16), _fp16_as_before(out32)), op
         for nsrc in (1, 2, 3):
-            g = [s.cuda() for s in srcs[:nsrc]]
-            _C.cuda_reduce_many([s.data_ptr() for s in g], out.data_ptr(), a.numel(), _DTYPES[torch.float16],
+            _C.cuda_reduce_many([s.data_ptr() for s in dev[:nsrc]], out.data_ptr(), a.numel(), _DTYPES[torch.float16],
                                 _OPS[op], nsrc, stream)
             _C.cuda_reduce_many([s.data_ptr() for s in wide[:nsrc]], out32.data_ptr(), a.numel(),
                                 _DTYPES[torch.float32], _OPS[op], nsrc, stream)

@@ -48,7 +48,7 @@ def weights(model):
     """Full fp32 weights (every rank calls it; a ZeroOptimizer gathers them on the first rank)."""
     zero = pz.zero.owner(model)
     sd = zero.full_state_dict() if zero is not None else model.state_dict()
-    return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
+    return None if sd is None else {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
 def comm_calls() -> dict:
@@ -78,8 +78,8 @@ class CommCounter(TrainerCallback):
 
 
 def train(out, cls=transformers.Trainer, steps=STEPS, max_norm=MAX_NORM, accum=1, bf16=False, save_steps=None,
-          resume=None, model=None, callbacks=(), args=None, **kwargs):
-    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True, seed=0, max_steps=steps,
+          resume=None, model=None, callbacks=(), args=None, use_cpu=True, **kwargs):
+    args = TrainingArguments(output_dir=out, use_cpu=use_cpu, report_to=[], disable_tqdm=True, seed=0, max_steps=steps,
                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=accum, logging_steps=1,
                              learning_rate=LR, weight_decay=WD, max_grad_norm=max_norm, bf16=bf16,
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -88,7 +88,8 @@ def train(out, cls=transformers.Trainer, steps=STEPS, max_norm=MAX_NORM, accum=1
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
-            "weights": weights(trainer.model), "best": trainer.state.best_model_checkpoint}
+            "weights": weights(trainer.model), "best": trainer.state.best_model_checkpoint,
+            "device": str(trainer.args.device)}
 
 
 def decay_groups(model):
@@ -362,3 +363,26 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="zero2", strategy_options=[1]), "strategy_options: expected a dict")]:
         with pytest.raises((ValueError, TypeError), match=words):
             hf.PyzeroTrainer(**kwargs)
+
+
+def test_frameworks_collectives_go_where_the_gpus_allow(monkeypatch):
+    """The torch backend hf.init (and PyzeroStrategy) start beside each pyzero backend: CUDA tensors on
+    NCCL with a GPU per process, on "pyzero" where processes share a GPU (NCCL refuses two ranks on
+    one device); a group of that kind carries CPU collectives (here at 2 CPU ranks)."""
+    from pyzero.integrations import _dist  # noqa: PLC0415
+    expected = {"shm": "gloo", "nccl": "cpu:gloo,cuda:nccl", "ipc": "cpu:gloo,cuda:pyzero"}
+    for backend, torch_backend in expected.items():
+        monkeypatch.setattr(pz.comm, "get_backend", lambda b=backend: b)
+        assert _dist.default_torch_backend() == torch_backend, backend
+    monkeypatch.undo()
+    got = run_ranks(_rank_mixed_group, 2, timeout=60)
+    assert [r.value for r in got] == [("cpu:gloo,cuda:pyzero", [3.0, 3.0])] * 2
+
+
+def _rank_mixed_group():
+    hf.init(timeout=30, torch_backend="cpu:gloo,cuda:pyzero")
+    t = torch.full((2,), pz.get_rank() + 1.0)
+    torch.distributed.all_reduce(t)
+    backend = str(torch.distributed.get_backend())
+    torch.distributed.destroy_process_group()
+    return backend, t.tolist()

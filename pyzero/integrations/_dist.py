@@ -1,5 +1,6 @@
 """torch.distributed beside pyzero: the frameworks' own collectives (losses, metrics, barriers) on
-torch's gloo (and NCCL on GPUs) over pyzero's store, so both share the job's one MASTER_PORT."""
+torch's gloo, and on GPUs NCCL or "pyzero" (see default_torch_backend), over pyzero's store, so both
+share the job's one MASTER_PORT."""
 from __future__ import annotations
 
 import datetime
@@ -9,11 +10,21 @@ import torch.distributed as dist
 from .. import comm
 
 
+def default_torch_backend() -> str:
+    """torch's backend for the frameworks' own collectives, by pyzero's backend: CPU tensors on gloo;
+    CUDA tensors on torch's NCCL beside pyzero's nccl backend (a GPU per process), on "pyzero"
+    beside its ipc backend (processes that share a GPU, which NCCL refuses)."""
+    backend = comm.get_backend()
+    if backend == "ipc":
+        return "cpu:gloo,cuda:pyzero"
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+
+
 def init_torch(torch_backend: str | None = None) -> None:
     """Start torch.distributed on pyzero's store (pyzero started; nothing to do at world size 1).
 
-    ``torch_backend``: default "gloo", or "cpu:gloo,cuda:nccl" when pyzero runs on GPUs. If
-    torch.distributed is already up, it must describe the same job.
+    ``torch_backend``: default :func:`default_torch_backend`. If torch.distributed is already up,
+    it must describe the same job.
     """
     world, rank = comm.get_world_size(), comm.get_rank()
     if world == 1:
@@ -24,6 +35,6 @@ def init_torch(torch_backend: str | None = None) -> None:
                                f"pyzero rank {rank} of {world}; both must describe the same job")
         return
     if torch_backend is None:
-        torch_backend = "cpu:gloo,cuda:nccl" if comm.get_backend() in ("nccl", "ipc") else "gloo"
+        torch_backend = default_torch_backend()
     dist.init_process_group(torch_backend, store=dist.PrefixStore("torch/", comm.get_store()), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=comm.get_timeout()))

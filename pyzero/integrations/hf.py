@@ -47,8 +47,8 @@ is built and cannot change how the model is wrapped or how checkpoints are writt
 
 ``init()`` exists because both pyzero and torch.distributed would open a store on MASTER_PORT:
 TrainingArguments (and Accelerator) call torch.distributed.init_process_group, so init() must
-come before them; it starts pyzero and puts torch.distributed (gloo; on GPUs also NCCL) on
-pyzero's store. A ZeroOptimizer or pz.DataParallel model given to a plain Trainer or Accelerator
+come before them; it starts pyzero and puts torch.distributed (gloo; for CUDA tensors NCCL, or
+"pyzero" where processes share a GPU) on pyzero's store. A ZeroOptimizer or pz.DataParallel model given to a plain Trainer or Accelerator
 raises at its first forward (see pyzero.wrappers).
 """
 from __future__ import annotations
@@ -84,8 +84,9 @@ def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str 
 
     Call it before ``TrainingArguments(...)``, which initialises torch.distributed itself on
     MASTER_PORT, the port pyzero's store holds. ``torch_backend`` is torch's backend for
-    accelerate's own collectives (gathering losses, metrics): default "gloo", or
-    "cpu:gloo,cuda:nccl" when pyzero runs on GPUs. Does nothing more at world size 1.
+    accelerate's own collectives (gathering losses, metrics): default "gloo"; on GPUs
+    "cpu:gloo,cuda:nccl" beside pyzero's nccl backend and "cpu:gloo,cuda:pyzero" beside its ipc
+    backend (processes that share a GPU, which NCCL refuses). Does nothing more at world size 1.
     """
     if not comm.is_initialized():
         if dist.is_available() and dist.is_initialized():

@@ -35,7 +35,8 @@ resharded on load, any world size or stage) and ``checkpoint.pt``, Lightning's o
 (loops, callbacks, LR schedulers, hyperparameters) with the consolidated fp32 ``state_dict``, so
 ``Model.load_from_checkpoint(path + "/checkpoint.pt")`` gives the trained model. With "dp" the
 checkpoints are Lightning's own files. Lightning's own collectives (logging with sync_dist,
-barriers) run on torch.distributed (gloo) over pyzero's store.
+barriers) run on torch.distributed over pyzero's store (gloo; CUDA tensors on NCCL, or on "pyzero"
+where processes share a GPU).
 
 Why these extension points: the Strategy decides how the model is wrapped (``setup``), which
 optimizers are used (``setup_optimizers``), how accumulation avoids communication
@@ -211,7 +212,7 @@ class PyzeroStrategy(DDPStrategy):
             raise RuntimeError(f"PyzeroStrategy: Lightning runs rank {rank} of {world}, pyzero rank "
                                f"{comm.get_rank()} of {comm.get_world_size()}; set devices= and num_nodes= to the "
                                "job's processes")
-        self._process_group_backend = "cpu:gloo,cuda:nccl" if comm.get_backend() in ("nccl", "ipc") else "gloo"
+        self._process_group_backend = _dist.default_torch_backend()
         _dist.init_torch(self._process_group_backend)
 
     # ---- model and optimizer ---------------------------------------------------

@@ -690,6 +690,40 @@ def test_bench_train_runs_end_to_end(tmp_path):
         assert r["hidden"] == pytest.approx(max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]))
 
 
+def _rank_offload_threads():
+    from types import SimpleNamespace
+
+    from pyzero.bench import train as bench
+
+    pz.init()
+    got = {}
+    for threads in (None, 1, 2):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        runner = bench._setup_zero(2, "cpu")(model, SimpleNamespace(bucket_mb=1.0, offload_threads=threads))
+        inner = runner.optimizer.inner
+        got[threads] = (type(inner).__module__ + "." + type(inner).__name__, inner.threads)
+    plain = bench._setup_zero(2)(nn.Linear(4, 2), SimpleNamespace(bucket_mb=1.0, offload_threads=1)).optimizer.inner
+    got["no offload"] = (type(plain).__module__ + "." + type(plain).__name__, getattr(plain, "threads", None))
+    return got
+
+
+def test_bench_train_offload_threads_set_the_cpu_steps_threads():
+    """--offload-threads N: the offload runs' CPU step (pz.optim.AdamW) runs on N threads; without it on
+    torch's intra-op threads (threads=None); runs without offload keep torch's AdamW; 0 is refused."""
+    import argparse
+
+    from pyzero.bench import train as bench
+
+    got = run_ranks(_rank_offload_threads, 1, timeout=60)[0].value
+    assert got[None] == ("pyzero.optim.adam.AdamW", None)
+    assert got[1] == ("pyzero.optim.adam.AdamW", 1) and got[2] == ("pyzero.optim.adam.AdamW", 2)
+    assert got["no offload"] == ("torch.optim.adamw.AdamW", None)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--offload-threads: expected >= 1, got 0"):
+        bench.main(parser.parse_args(["--model", "gpt-nano", "--offload-threads", "0"]))
+
+
 def test_bench_train_torch_local_is_the_one_rank_baseline(tmp_path):
     """At world size 1 plain torch (no communication) and the wrappers train alike: equal losses."""
     import argparse

@@ -179,8 +179,10 @@ def _setup_zero(stage: int, offload: str | None = None, pipeline=None, delayed=F
 
         extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3,
                                              "offload_pipeline": pipeline, "delayed_update": delayed}
-        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_mb=args.bucket_mb,
-                               **_adamw_kwargs(model), **extra)
+        cls = torch.optim.AdamW  # (offload swaps in pz.optim.AdamW, on torch's intra-op threads)
+        if offload is not None and getattr(args, "offload_threads", None) is not None:
+            cls, extra["threads"] = pz.optim.AdamW, args.offload_threads
+        opt = pz.ZeroOptimizer(model, cls, stage=stage, bucket_mb=args.bucket_mb, **_adamw_kwargs(model), **extra)
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
         # hooks and at step time, stage 3 also gathers in forward; +step counts them all.
         return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
@@ -292,6 +294,10 @@ def add_arguments(p) -> None:
                    help="torch intra-op threads per rank (the CPU optimizer of offload runs uses them too); "
                         "default 1 with --device cpu (the ranks compute on the cores), the cores divided "
                         "among the ranks with --device cuda")
+    p.add_argument("--offload-threads", type=int, default=None,
+                   help="threads of the CPU step in the pyzero offload runs (default: --threads); fewer than "
+                        "the cores leave cores to the threads that launch GPU work while the step runs "
+                        "(-offload-pipe during backward, -offload-dpu during forward and backward)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: shm backend and gloo; cuda: a GPU per rank, the nccl backend and torch's NCCL")
     p.add_argument("--gpu-backend", default="nccl", choices=("nccl", "ipc"),
@@ -596,8 +602,12 @@ def main(args) -> int:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc) if getattr(args, "device", "cpu") == "cuda" else 1
     if args.threads < 1:
         raise SystemExit(f"--threads: expected >= 1, got {args.threads}")
+    offload_threads = getattr(args, "offload_threads", None)
+    if offload_threads is not None and offload_threads < 1:
+        raise SystemExit(f"--offload-threads: expected >= 1, got {offload_threads}")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
-          f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank")
+          f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank"
+          + ("" if offload_threads is None else f", {offload_threads} in the offload runs' CPU step"))
     cuda = getattr(args, "device", "cpu") == "cuda"
     peak = "GPU MiB" if cuda else "peak MiB"  # max allocated / max RSS
     print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "

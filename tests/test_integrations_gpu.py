@@ -8,6 +8,8 @@ ZeRO-2/3. Torch DDP here reduces over the torch backend "pyzero" (NCCL refuses t
 GPU), whose CUDA calls tests/test_torch_backend_gpu.py checks against CPU ones. hf.init puts the
 Trainer's own CUDA collectives (the gathered loss it logs) on "pyzero" beside the ipc backend.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +28,9 @@ ENV = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 def _rank_trainer(out):
+    # accelerate hands torch DDP device_ids=[LOCAL_RANK] (the reference run): GPU 1 for the second process,
+    # which shares GPU 0 here; without device_ids DDP computes on the model's device, GPU 0
+    os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
     hf.init(backend="ipc", timeout=60)
     backend = str(dist.get_backend())
     runs = {"ddp": train(out, use_cpu=False)}

@@ -8,6 +8,7 @@ ZeRO-2/3. Torch DDP here reduces over the torch backend "pyzero" (NCCL refuses t
 GPU), whose CUDA calls tests/test_torch_backend_gpu.py checks against CPU ones. hf.init puts the
 Trainer's own CUDA collectives (the gathered loss it logs) on "pyzero" beside the ipc backend.
 """
+import functools
 import os
 
 import pytest
@@ -21,10 +22,11 @@ from pyzero.integrations import hf  # noqa: E402
 from pyzero.launch import run_ranks  # noqa: E402
 
 from compare_runs import assert_bf16_tracks, assert_same_run  # noqa: E402
-from test_integrations_hf import BF16_SHARE, MAX_NORM, finish, train  # noqa: E402
+from test_integrations_hf import BF16_SHARE, MAX_NORM, finish, train as train_any  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ENV = {"CUDA_VISIBLE_DEVICES": "0"}
+train = functools.partial(train_any, use_cpu=False)  # every run on the GPU
 
 
 def _rank_trainer(out):
@@ -33,14 +35,13 @@ def _rank_trainer(out):
     os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
     hf.init(backend="ipc", timeout=60)
     backend = str(dist.get_backend())
-    runs = {"ddp": train(out, use_cpu=False)}
+    runs = {"ddp": train(out)}
     for strategy in hf.STRATEGIES:
-        runs[strategy] = train(out, hf.PyzeroTrainer, strategy=strategy, use_cpu=False)
-    runs["zero2_offload"] = train(out, hf.PyzeroTrainer, strategy="zero2", strategy_options={"offload": "cpu"},
-                                  use_cpu=False)
-    bf16 = {"ddp_fp32": train(out, steps=3, use_cpu=False), "ddp": train(out, steps=3, bf16=True, use_cpu=False)}
+        runs[strategy] = train(out, hf.PyzeroTrainer, strategy=strategy)
+    runs["zero2_offload"] = train(out, hf.PyzeroTrainer, strategy="zero2", strategy_options={"offload": "cpu"})
+    bf16 = {"ddp_fp32": train(out, steps=3), "ddp": train(out, steps=3, bf16=True)}
     for strategy in ("zero2", "zero3"):
-        bf16[strategy] = train(out, hf.PyzeroTrainer, steps=3, bf16=True, strategy=strategy, use_cpu=False)
+        bf16[strategy] = train(out, hf.PyzeroTrainer, steps=3, bf16=True, strategy=strategy)
     torch.cuda.synchronize()
     return finish({"backend": backend, "runs": runs, "bf16": bf16})
 

@@ -693,14 +693,12 @@ def test_capacity_search_finds_the_largest_size_that_fits(limit, start, attempts
 def test_capacity_bench_trains_each_run_on_cpu(tmp_path):
     """The bench end to end on CPU processes (a tiny GPT): the default runs, and each of the one-rank ones
     trains the largest size allowed, with finite falling losses, and its parameter count is the model's."""
+    import argparse
     import json
 
     from pyzero.bench import __main__ as bench
-    from pyzero.bench.capacity import GPT, config, gpt_params
-
-    import argparse
-
     from pyzero.bench import capacity
+    from pyzero.bench.capacity import GPT, config, gpt_params
 
     parser = argparse.ArgumentParser()
     capacity.add_arguments(parser)

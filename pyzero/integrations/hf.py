@@ -48,8 +48,8 @@ is built and cannot change how the model is wrapped or how checkpoints are writt
 ``init()`` exists because both pyzero and torch.distributed would open a store on MASTER_PORT:
 TrainingArguments (and Accelerator) call torch.distributed.init_process_group, so init() must
 come before them; it starts pyzero and puts torch.distributed (gloo; for CUDA tensors NCCL, or
-"pyzero" where processes share a GPU) on pyzero's store. A ZeroOptimizer or pz.DataParallel model given to a plain Trainer or Accelerator
-raises at its first forward (see pyzero.wrappers).
+"pyzero" where processes share a GPU) on pyzero's store. A ZeroOptimizer or pz.DataParallel model
+given to a plain Trainer or Accelerator raises at its first forward (see pyzero.wrappers).
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from . import comm
 from .backend import DTYPES, SUPPORTED_DTYPES
 from .distributed_cuda import CudaGroups, CudaWork, Held, P2PEntry, P2PQueue, QueuedWork
 
-__all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "pz_group", "register"]
+__all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "cuda_backend_beside", "pz_group", "register"]
 
 NAME = "pyzero"
 
@@ -52,6 +52,15 @@ _BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bi
 _WIDEN = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
 _NO_TIMEOUT = datetime.timedelta(0)
 _OPTIONS = torch._C._distributed_c10d  # the option structs, for calls that pass none
+
+
+def cuda_backend_beside(gpu_backend: str) -> str:
+    """torch's backend for CUDA tensors in a job whose pyzero GPU backend is `gpu_backend`: "pyzero"
+    beside ipc (processes that may share a GPU, which NCCL refuses; its CUDA collectives then run on
+    pyzero's ipc transport), torch's "nccl" beside nccl (a GPU per process)."""
+    if gpu_backend not in ("ipc", "nccl"):
+        raise ValueError(f"gpu_backend={gpu_backend!r}: expected 'ipc' or 'nccl'")
+    return NAME if gpu_backend == "ipc" else "nccl"
 
 
 def register() -> None:

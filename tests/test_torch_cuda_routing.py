@@ -216,6 +216,16 @@ def test_device_maps():
         assert r.value["pyzero"] is None  # a plain "pyzero" subgroup carries CUDA tensors itself
 
 
+def test_cuda_backend_beside_each_gpu_backend():
+    """torch's CUDA backend beside pyzero's: NCCL beside nccl, "pyzero" beside ipc (NCCL refuses
+    processes that share a GPU); anything else named in the error."""
+    from pyzero.distributed import cuda_backend_beside
+    assert cuda_backend_beside("nccl") == "nccl"
+    assert cuda_backend_beside("ipc") == "pyzero"
+    with pytest.raises(ValueError, match=r"gpu_backend='shm': expected 'ipc' or 'nccl'"):
+        cuda_backend_beside("shm")
+
+
 # ---------------------------------------------------------------------------
 # Queued sends and receives of CUDA tensors ([Note: CUDA point-to-point is batched]), with a
 # recording issue function and CPU tensors standing for the CUDA buffers

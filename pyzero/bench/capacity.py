@@ -158,9 +158,10 @@ def _fsdp2(model, cuda: bool, ipc: bool):
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
+    from ..distributed import cuda_backend_beside  # noqa: PLC0415
     from .common import init_torch_distributed  # noqa: PLC0415
 
-    dist = init_torch_distributed(("pyzero" if ipc else "nccl") if cuda else "gloo")
+    dist = init_torch_distributed(cuda_backend_beside("ipc" if ipc else "nccl") if cuda else "gloo")
     mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

@@ -64,6 +64,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..distributed import cuda_backend_beside
 from . import ds_runs
 from .common import comm_device, init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
@@ -200,9 +201,9 @@ def _torch_backend(model, backend: str, args=None) -> str:
     which NCCL refuses)."""
     if not _on_cuda(model):
         return backend
-    if backend == "pyzero" or getattr(args, "gpu_backend", "nccl") == "ipc":
-        return "pyzero"
-    return "nccl"
+    if backend == "pyzero":
+        return backend
+    return cuda_backend_beside(getattr(args, "gpu_backend", "nccl"))
 
 
 def _close_torch(dist):

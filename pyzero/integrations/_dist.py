@@ -8,6 +8,7 @@ import datetime
 import torch.distributed as dist
 
 from .. import comm
+from ..distributed import cuda_backend_beside
 
 
 def default_torch_backend() -> str:
@@ -15,9 +16,7 @@ def default_torch_backend() -> str:
     CUDA tensors on torch's NCCL beside pyzero's nccl backend (a GPU per process), on "pyzero"
     beside its ipc backend (processes that share a GPU, which NCCL refuses)."""
     backend = comm.get_backend()
-    if backend == "ipc":
-        return "cpu:gloo,cuda:pyzero"
-    return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+    return f"cpu:gloo,cuda:{cuda_backend_beside(backend)}" if backend in ("ipc", "nccl") else "gloo"
 
 
 def init_torch(torch_backend: str | None = None) -> None:

@@ -6,9 +6,10 @@
 Every `--save-every` steps all ranks write their shards with
 pz.checkpoint.save (atomic: a crash mid-save leaves the previous checkpoint).
 On start, if `--ckpt` holds a checkpoint, training resumes from it, on any
-number of ranks and any stage. The data of step k is a function of k alone
-and the learning rate is set from k each step, so a resumed run takes the same
-steps as one that never stopped.
+number of ranks and any stage. The data of step k is a function of k alone,
+and the learning-rate schedule (a torch LambdaLR) is saved in the same
+checkpoint through `app_state`, so a resumed run takes the same steps as one
+that never stopped.
 
 `main(argv, on_step=None)` is importable: `on_step(step)` runs after each
 completed step (tests use it to kill a rank), and main returns the final full
@@ -55,12 +56,12 @@ def batch(step: int, size: int):
     return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
 
 
-def lr_at(step: int, args) -> float:
-    """Linear warm-up over 3 steps, then cosine decay to 10%."""
+def lr_factor(step: int, steps: int) -> float:
+    """The learning rate of step `step` over the peak: linear warm-up over 3 steps, then cosine decay to 10%."""
     if step < 3:
-        return args.lr * (step + 1) / 3
-    t = (step - 3) / max(1, args.steps - 3)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+        return (step + 1) / 3
+    t = (step - 3) / max(1, steps - 3)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * t))
 
 
 def main(argv=None, on_step=None):
@@ -71,24 +72,24 @@ def main(argv=None, on_step=None):
         raise ValueError(f"--batch {args.batch} must divide evenly over {world} ranks")
     model = make_model()
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage, lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, args.steps))
     start = 0
-    if os.path.exists(os.path.join(args.ckpt, "latest")):
-        start = pz.checkpoint.load(args.ckpt, model, opt)
+    if os.path.exists(os.path.join(args.ckpt, "latest")):  # (load raises FileNotFoundError on an empty directory)
+        start = pz.checkpoint.load(args.ckpt, model, opt, app_state={"scheduler": sched})
         if rank == 0:
             print(f"resumed from step {start} of {args.ckpt} on {world} ranks", flush=True)
     per = args.batch // world
     for step in range(start, args.steps):  # `step` steps are done; this one makes step + 1
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
         x, y = batch(step, args.batch)
         loss = F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
         opt.zero_grad()
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
+        sched.step()
         done = step + 1
         if done % args.save_every == 0 or done == args.steps:
-            pz.checkpoint.save(args.ckpt, model, opt, done, keep=args.keep)
+            pz.checkpoint.save(args.ckpt, model, opt, done, keep=args.keep, app_state={"scheduler": sched})
         if rank == 0:
             print(f"step {done}: loss of rank 0 {loss.item():.5f}", flush=True)
         if on_step is not None:

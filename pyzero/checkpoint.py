@@ -7,6 +7,9 @@ Layout of a checkpoint directory::
     DIR/step_00000042/rank00003.pt  that rank's pieces: (name, start, end), fp32 master values,
                                     optimizer state sliced the same way
     DIR/step_00000042/extra.pt  buffers and frozen parameters (from the first rank)
+    DIR/step_00000042/app.pt    the caller's ``app_state`` (LR scheduler, data position, ...; first rank)
+
+meta.json also holds the param groups' hyperparameters and the fp16 loss scaler's state.
 
 Each rank writes only what it owns, so a save moves no data between ranks.
 The size and CRC-32 of every file, taken from the bytes as they are written,
@@ -29,7 +32,9 @@ pieces of every old rank that overlap its new ones.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -138,16 +143,23 @@ def _model_meta(model, opt):
             "aliases": aliases}
 
 
-def save(path: str, model, opt, step: int, keep: int = 3) -> str:
+def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None = None) -> str:
     """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
 
-    If writing fails on any rank (a full disk, a read-only directory), every rank raises
-    CheckpointError naming the rank and its error, and `latest` still names the previous step.
+    ``app_state``: more of the training state to keep in the same atomic step, as
+    ``{name: value}``; a value with ``state_dict()`` (an LR scheduler, torch.amp.GradScaler, a
+    stateful data loader) is saved as its state dict, any other value as it is (a data position,
+    an RNG state tensor). Saved from the first rank (values every rank shares), in what
+    ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, lists, tuples, dicts.
+    If writing fails on any rank (a full disk, a read-only directory, an app_state value that
+    cannot be saved), every rank raises CheckpointError naming the rank and its error, and
+    `latest` still names the previous step.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
+    _check_app_state(app_state, "save")
     g, first = opt.group, opt.group.rank == 0
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
@@ -179,20 +191,45 @@ def save(path: str, model, opt, step: int, keep: int = 3) -> str:
             extra = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
                      if id(v) not in trainable}
             _save_file(extra, os.path.join(tmp, "extra.pt"))
+            if app_state:
+                _save_file(_app_state_values(app_state), os.path.join(tmp, "app.pt"))
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = e
     agree("writing the shards", error)
     error = None
     if first:
         try:
-            _publish(path, tmp, final, name, step, keep, model, opt)
+            _publish(path, tmp, final, name, step, keep, model, opt, sorted(app_state or ()))
         except Exception as e:  # noqa: BLE001
             error = e
     agree("publishing", error)
     return final
 
 
-def _publish(path, tmp, final, name, step, keep, model, opt):
+def _check_app_state(app_state, op: str) -> None:
+    if app_state is not None and not (isinstance(app_state, dict) and all(type(k) is str for k in app_state)):
+        raise TypeError(f"{op}: app_state: expected None or a dict with str keys, got {type(app_state).__name__}")
+
+
+def _app_state_values(app_state: dict) -> dict:
+    """{name: what is saved}, each value checked to load back with torch.load(weights_only=True)."""
+    out = {}
+    for k, v in app_state.items():
+        v = v.state_dict() if callable(getattr(v, "state_dict", None)) else v
+        buf = io.BytesIO()
+        torch.save(v, buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - the unpickler's refusal, named
+            raise ValueError(f"app_state[{k!r}]: {type(v).__name__} does not load back with torch.load("
+                             f"weights_only=True) ({type(e).__name__}: {str(e).splitlines()[0][:200]}); keep "
+                             "it to tensors, numbers, strings, lists, tuples and dicts") from e
+        out[k] = v
+    return out
+
+
+def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
     """First rank: meta.json (with every file's checksum), then the renames that make the step `latest`."""
     files = {}
     for f in sorted(os.listdir(tmp)):
@@ -207,6 +244,10 @@ def _publish(path, tmp, final, name, step, keep, model, opt):
             "optimizer": type(opt.inner).__name__,
             "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.inner.param_groups]}
     meta.update(_model_meta(model, opt))
+    if opt.scaler is not None:
+        meta["scaler"] = opt.scaler.state_dict()
+    if app_keys:
+        meta["app_state"] = app_keys
     meta["files"] = files
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
@@ -331,6 +372,14 @@ def _meta_problem(meta) -> str | None:
     aliases = meta.get("aliases", {})
     if type(aliases) is not dict or not all(type(k) is str and v in names for k, v in aliases.items()):
         return "'aliases': expected {alias: the name of a saved parameter}"
+    scaler = meta.get("scaler")
+    if scaler is not None and not (type(scaler) is dict and type(scaler.get("scale")) in (int, float)
+                                   and math.isfinite(scaler["scale"]) and scaler["scale"] > 0
+                                   and _is_count(scaler.get("good_steps")) and _is_count(scaler.get("skipped"))):
+        return "'scaler': expected {scale: a positive number, good_steps, skipped: integers >= 0}"
+    app = meta.get("app_state")
+    if app is not None and not (type(app) is list and all(type(k) is str for k in app)):
+        return "'app_state': expected a list of names"
     files = meta.get("files")
     if files is not None and (type(files) is not dict or not all(
             type(k) is str and type(v) is dict and _is_count(v.get("bytes")) and _is_count(v.get("crc32"), 1 << 32)
@@ -340,7 +389,8 @@ def _meta_problem(meta) -> str | None:
 
 
 def _data_files(meta: dict) -> list[str]:
-    return [f"rank{r:05d}.pt" for r in range(meta["world"])] + ["extra.pt"]
+    return [f"rank{r:05d}.pt" for r in range(meta["world"])] + ["extra.pt"] + (
+        ["app.pt"] if meta.get("app_state") else [])
 
 
 PROBLEMS = {1: "is missing", 2: "has the wrong size (truncated?)", 3: "does not match its CRC-32 (corrupted)",
@@ -410,15 +460,20 @@ def _gather(shards, name, start, end, take):
     return out
 
 
-def load(path: str, model, opt, fallback: bool = False) -> int:
+def load(path: str, model, opt, fallback: bool = False, app_state: dict | None = None) -> int:
     """Restore `model`/`opt` from the newest checkpoint in `path` (any world size, any stage); returns its step.
 
     Every file is checked against its recorded size and CRC-32 first: a damaged checkpoint raises
     CheckpointCorrupt naming the file, on every rank, and changes nothing. With ``fallback=True`` the
     newest older complete checkpoint in `path` is loaded instead, with a warning naming both.
+    The param groups' hyperparameters (lr, weight decay, ...) and the fp16 loss scaler's state are
+    restored over the optimizer's. ``app_state``: the names given to ``save``, each restored in
+    place as torch.distributed.checkpoint does: ``value.load_state_dict(saved)`` where the value has
+    one, else ``app_state[name] = saved``; a name the checkpoint lacks is a ValueError (nothing loaded).
     """
     if not isinstance(fallback, bool):
         raise TypeError(f"fallback: expected True or False, got {fallback!r}")
+    _check_app_state(app_state, "load")
     candidates = _candidates(path)
     damaged = []
     for step_dir in candidates if fallback else candidates[:1]:
@@ -427,6 +482,7 @@ def load(path: str, model, opt, fallback: bool = False) -> int:
             _verify(step_dir, meta, opt.group)
             shards = _read(step_dir, meta)
             extra = _torch_load(os.path.join(step_dir, "extra.pt"))
+            app = _torch_load(os.path.join(step_dir, "app.pt")) if app_state and meta.get("app_state") else {}
             break
         except CheckpointCorrupt as e:
             if not fallback:
@@ -450,6 +506,10 @@ def load(path: str, model, opt, fallback: bool = False) -> int:
     if len(meta["param_groups"]) != len(opt.inner.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer has "
                          f"{len(opt.inner.param_groups)}; nothing was loaded")
+    missing = sorted(set(app_state or ()) - set(app))
+    if missing:
+        raise ValueError(f"app_state: checkpoint {step_dir!r} holds no {missing} (it holds "
+                         f"{sorted(meta.get('app_state', []))}); nothing was loaded")
     new_state = []
     with torch.no_grad():
         values = [_gather(shards, pc.name, pc.start, pc.end, lambda sh, i: sh["master"][i])
@@ -469,6 +529,14 @@ def load(path: str, model, opt, fallback: bool = False) -> int:
         model.load_state_dict(extra, strict=False)
         # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
         opt.load_shard_state(values, new_state)
+    if opt.scaler is not None and "scaler" in meta:
+        opt.scaler.load_state_dict(meta["scaler"])
+    for k in app_state or ():
+        v = app_state[k]
+        if callable(getattr(v, "load_state_dict", None)):
+            v.load_state_dict(app[k])
+        else:
+            app_state[k] = app[k]
     comm.barrier(group=opt.group)
     return int(meta["step"])
 

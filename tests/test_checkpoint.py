@@ -438,6 +438,7 @@ def test_damaged_consolidate_and_old_format(kept, tmp_path):
                                                                             "dtype": "float32"}]),
     ("param_groups", [{"lr": {"__class__": "os.system"}}]), ("aliases", {"x": "not-a-parameter"}),
     ("files", {"rank00000.pt": {"bytes": "12", "crc32": 0}}), ("optimizer", None),
+    ("scaler", {"scale": float("inf"), "good_steps": 0, "skipped": 0}), ("app_state", ["x", 3]),
 ])
 def test_meta_json_fields_are_checked_before_use(kept, tmp_path, field, value):
     """meta.json is read from disk another process wrote: every field it is used for is checked first."""
@@ -451,6 +452,71 @@ def test_meta_json_fields_are_checked_before_use(kept, tmp_path, field, value):
         json.dump(meta, f)
     with pytest.raises(pz.checkpoint.CheckpointCorrupt, match=f"meta.json.*'{field}'"):
         pz.checkpoint.consolidate(ckpt)
+
+
+def _rank_app_state(ckpt):
+    """Train 2 steps with an LR scheduler and fp16-style loss scaling (the scale doubling at every good step),
+    save with app_state, and load into fresh objects; then the ways app_state can be wrong."""
+    pz.init(timeout=20)
+
+    def make():
+        model = build()
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD,
+                               loss_scale={"init_scale": 2.0**10, "growth_interval": 1})
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = make()
+    per, rank = BATCH // pz.get_world_size(), pz.get_rank()
+    for step in range(2):
+        x, y = batch(step)
+        opt.zero_grad()
+        opt.scale_loss(F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])).backward()
+        opt.step()
+        sched.step()
+    rng = torch.Generator().manual_seed(5).get_state()
+    pz.checkpoint.save(ckpt, model, opt, 2, app_state={"scheduler": sched, "seen": 24, "rng": rng})
+    out = {"saved_lr": [g["lr"] for g in opt.param_groups]}
+    model2, opt2, sched2 = make()
+    state = {"scheduler": sched2, "seen": None, "rng": None}
+    assert pz.checkpoint.load(ckpt, model2, opt2, app_state=state) == 2
+    out.update(scale=opt2.loss_scale, epoch=sched2.last_epoch, lr=[g["lr"] for g in opt2.param_groups],
+               seen=state["seen"], rng_equal=torch.equal(state["rng"], rng), same_object=state["scheduler"] is sched2)
+    out["no_app_state"] = pz.checkpoint.load(ckpt, model2, opt2)  # the app state is optional on load
+
+    def error(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return type(e).__name__, str(e)
+        return None
+    out["missing"] = error(lambda: pz.checkpoint.load(ckpt, model2, opt2, app_state={"scheduler": sched2, "epoch": 0}))
+    out["not_a_dict"] = error(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state=[sched]))
+    out["unloadable"] = error(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state={"fn": print}))
+    with open(os.path.join(ckpt, "latest")) as f:
+        out["latest"] = f.read().strip()
+    return out
+
+
+def test_app_state_and_loss_scale_resume_with_the_step(tmp_path):
+    """A scheduler, a count and an RNG state saved beside the shards come back (the scheduler in place, the
+    rest into the dict), as does the loss scale; a name the checkpoint lacks, a list, or a value that
+    torch.load(weights_only=True) cannot read are errors on every rank that save or load nothing."""
+    ckpt = str(tmp_path / "ckpt")
+    out = [r.value for r in run_ranks(_rank_app_state, 2, args=(ckpt,), timeout=60)]
+    for r in out:
+        assert r["scale"] == 2.0**12  # 2**10, doubled after each of the 2 good steps (growth_interval 1)
+        assert r["epoch"] == 2 and r["lr"] == r["saved_lr"] == [LR * 0.25]
+        assert r["seen"] == 24 and r["rng_equal"] and r["same_object"]
+        assert r["no_app_state"] == 2
+        kind, msg = r["missing"]
+        assert kind == "ValueError" and "holds no ['epoch']" in msg and "['rng', 'scheduler', 'seen']" in msg
+        assert r["not_a_dict"][0] == "TypeError" and "app_state: expected None or a dict" in r["not_a_dict"][1]
+        kind, msg = r["unloadable"]
+        assert kind == "CheckpointError" and "rank 0" in msg and "app_state['fn']" in msg and "weights_only" in msg
+        assert r["latest"] == "step_00000002"
+    with open(os.path.join(ckpt, "step_00000002", "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["app_state"] == ["rng", "scheduler", "seen"] and meta["scaler"]["scale"] == 2.0**12
+    assert "app.pt" in meta["files"]
 
 
 def _rank_save_fails(ckpt, mode):

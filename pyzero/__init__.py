@@ -31,7 +31,7 @@ from .comm import (
 )
 
 from . import checkpoint, optim, zero
-from .zero import ZeroOptimizer
+from .zero import ZeroOptimizer, estimate_memory
 from .flight import dump as debug_dump
 
 build_info = _C.build_info

@@ -421,6 +421,15 @@ def test_bad_input(world1, case):
         assert w in msg, f"{case}: message does not mention {w!r}: {msg}"
 
 
+def test_a_cpu_model_on_a_gpu_group_is_told_the_device_to_move_to():
+    """A GPU group (nccl, here standing in: its device index 0) and a model left on the CPU: the error
+    names the device pz.init made current, not one computed from the local rank."""
+    from types import SimpleNamespace
+    fake = SimpleNamespace(params=[torch.zeros(2)], group=SimpleNamespace(device=0))
+    with pytest.raises(ValueError, match=r"works on cuda:0, but the parameters are on cpu .*model\.to\('cuda:0'\)"):
+        pz.ZeroOptimizer._check_devices(fake)
+
+
 def test_bad_input_leaves_the_model_usable(world1):
     assert world1["bad"]["untouched"]
     assert_state_close(world1["after"]["state"], reference("adamw")["state"], rtol=0, atol=0)

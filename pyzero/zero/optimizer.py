@@ -228,7 +228,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         got = next(iter(devices))
         if got != want:
             hint = (" (use backend='nccl' for CUDA models)" if gpu is None
-                    else " (move the model to this rank's GPU: model.to(f'cuda:{pz.get_local_rank()}'))")
+                    else f" (move the model to this rank's GPU, the current one since pz.init: model.to('{want}'))")
             raise ValueError(f"model: the group's backend works on {want}, but the parameters are on {got}{hint}")
         self.device = want
 

@@ -583,6 +583,14 @@ def test_pyzero_estimate_offload_columns(capsys):
     # 13B on one 32 GB GPU (the ZeRO-Offload paper's case): 26 GB of fp16 parameters on the device
     assert rows["ZeRO-2"] == ["26.00", "234.00", "0.00", "yes"]
     assert rows["ZeRO-1"][0] == "52.00" and rows["ZeRO-1"][-1] == "no"
+    # 16-bit host gradients: 2 bytes less per parameter on the host (13e9 x 16 B)
+    main(["--params", "13e9", "--world", "1", "--offload", "cpu", "--gpu-gb", "32", "--host-grad-bytes", "2"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip().startswith("ZeRO")}
+    assert rows["ZeRO-2"] == ["26.00", "208.00", "0.00", "yes"] and "host gradients 2 B" in out
+    with pytest.raises(SystemExit):
+        main(["--params", "13e9", "--world", "1", "--offload", "cpu", "--fp32", "--host-grad-bytes", "2"])
+    assert "host_grad_bytes: 2" in capsys.readouterr().err
 
 
 def _bf16_ranks(nvme_dir):

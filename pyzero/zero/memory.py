@@ -232,12 +232,16 @@ def main(argv=None) -> int:
     ap.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                     help="optimizer state (and fp32 master) on the host, or on disk: adds host and disk columns")
     ap.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter shards on the host too")
+    ap.add_argument("--host-grad-bytes", type=int, choices=(2, 4), default=4,
+                    help="bytes per element of the host gradient shard with --offload: 4 (fp32), or 2 where the "
+                         "offload pipeline keeps 16-bit gradients (one rank, stage 1, or comm_dtype equal to "
+                         "the model dtype)")
     args = ap.parse_args(argv)
     try:
         estimate_memory(args.params, args.world, 0, args.k, not args.fp32)
         if args.offload != "none":
             estimate_memory(args.params, args.world, 3, args.k, not args.fp32, offload=args.offload,
-                            offload_params=args.offload_params)
+                            offload_params=args.offload_params, host_grad_bytes=args.host_grad_bytes)
     except (TypeError, ValueError) as e:
         ap.error(str(e))
     if args.offload != "none":
@@ -256,11 +260,11 @@ def main(argv=None) -> int:
 def _print_offload(args) -> int:
     print(f"# model states per rank: {args.params:.4g} parameters, {args.world} ranks, K={args.k:g}, "
           f"{'fp32' if args.fp32 else 'mixed precision'}, offload={args.offload}"
-          f"{' + params' if args.offload_params else ''}")
+          f"{' + params' if args.offload_params else ''}, host gradients {args.host_grad_bytes} B")
     print(f"{'stage':>10} {'device GB':>10} {'host GB':>9} {'disk GB':>9}  fits {args.gpu_gb:g} GB")
     for stage in (1, 2, 3):
         m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32, offload=args.offload,
-                            offload_params=args.offload_params and stage == 3)
+                            offload_params=args.offload_params and stage == 3, host_grad_bytes=args.host_grad_bytes)
         fits = "yes" if m["device"] <= args.gpu_gb * GB else "no"
         print(f"{'ZeRO-' + str(stage):>10} {m['device'] / GB:>10.2f} {m['host'] / GB:>9.2f} {m['disk'] / GB:>9.2f}"
               f"  {fits}")

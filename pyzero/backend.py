@@ -239,8 +239,8 @@ class Options:
     - twoshot_bytes: shm, the two-shot all_reduce's area (8 MiB [PYZERO_SHM_TWOSHOT_KB]): larger messages go
       through it in pieces; with oneshot_bytes it sizes each rank's two areas
     - twoshot_stream_bytes: shm, two-shot all_reduces of at least this many bytes write what their peers read
-      with streaming stores (8 KiB [PYZERO_SHM_TWOSHOT_STREAM_KB])
-    - adaptive: shm, auto all_reduce above 4 KiB takes the one-shot (up to oneshot_bytes) or the ring, or
+      with streaming stores (4 KiB [PYZERO_SHM_TWOSHOT_STREAM_KB])
+    - adaptive: shm, auto all_reduce above 2 KiB takes the one-shot (up to oneshot_bytes) or the ring, or
       the two-shot, by measured times (True [PYZERO_SHM_ADAPTIVE]; False: the one-shot or the ring by size)
     - symmetric: fused TP ops over symmetric buffers where the backend has them (True [PYZERO_SYMMETRIC])
     - blocking_wait: nccl, synchronous calls wait on the host (False [PYZERO_NCCL_BLOCKING_WAIT])

@@ -109,7 +109,8 @@ TIMEOUT_ARGS=()
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
 # reported while the rest still runs (a pytest part gets SIGINT at its limit: it prints its summary,
 # writes its XML and kills the ranks of the test it was in). The limits of the default parts add up to
-# about 19.5 minutes; a session with less device time names the parts it needs (GPU_CHECK_PARTS).
+# about 30 minutes on one GPU (37 when the test NCCL library is built here); a session with less device
+# time names the parts it needs (GPU_CHECK_PARTS).
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi

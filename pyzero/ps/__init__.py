@@ -42,8 +42,8 @@ def serve(model, optimizer_class, num_servers: int, index: int | None = None, po
     """Run server `index` (default: RANK) of the job until it finishes; returns its stats().
 
     It listens on `host` (default: the address the job advertises, rendezvous.advertised_host():
-    loopback for a one-host job, PYZERO_PS_HOST or this machine's name otherwise; never every
-    interface unless asked with host="0.0.0.0") and publishes its address in the job's store.
+    PYZERO_PS_HOST, else loopback when MASTER_ADDR is a loopback address or unset, else this machine's
+    name; never every interface unless asked with host="0.0.0.0") and publishes its address in the job's store.
     Workers authenticate with `key` (default PYZERO_PS_KEY, else a random key server 0 puts in
     the job's store). kwargs: Server's."""
     from .rendezvous import advertised_host, job_key, publish  # noqa: PLC0415

@@ -116,22 +116,33 @@ def _rank_trainer(out):
     for strategy in hf.STRATEGIES:
         runs[strategy] = train(out, hf.PyzeroTrainer, strategy=strategy)
     runs["zero2_offload"] = train(out, hf.PyzeroTrainer, strategy="zero2", strategy_options={"offload": "cpu"})
+    runs["zero2_offload_unpiped"] = train(out, hf.PyzeroTrainer, strategy="zero2",
+                                          strategy_options={"offload": "cpu", "offload_pipeline": False})
+    runs["zero3_prefetch0"] = train(out, hf.PyzeroTrainer, strategy="zero3", strategy_options={"prefetch": 0})
+    bf16_moments = train(out, hf.PyzeroTrainer, strategy="zero2",
+                         strategy_options={"offload": "cpu", "offload_moments": "bf16"})
     model = gpt()
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, param_groups=decay_groups(model), lr=LR)
     runs["own_zero3"] = train(out, hf.PyzeroTrainer, model=model, optimizers=(opt, None))
-    return finish(runs)
+    return finish({"runs": runs, "bf16_moments": bf16_moments})
 
 
 def test_trainer_matches_ddp(tmp_path):
-    runs = run_ranks(_rank_trainer, 2, args=(str(tmp_path),), timeout=120)[0].value
+    got = run_ranks(_rank_trainer, 2, args=(str(tmp_path),), timeout=120)[0].value
+    runs = got["runs"]
     ref = runs.pop("ddp")
     unclipped = runs.pop("ddp_unclipped")
     assert min(ref["grad_norm"]) > 5 * MAX_NORM  # every step clipped, by a factor of 5 or more
     close(unclipped["grad_norm"][0], ref["grad_norm"][0])  # the same first step; without clipping ...
     assert max_diff(unclipped["weights"], ref["weights"]) > 100 * TOL["atol"]  # ... it ends far away
-    assert set(runs) == {"dp", "zero1", "zero2", "zero3", "zero2_offload", "own_zero3"}
-    for name, got in runs.items():
-        assert_same_run(got, ref, name)
+    assert set(runs) == {"dp", "zero1", "zero2", "zero3", "zero2_offload", "zero2_offload_unpiped", "zero3_prefetch0",
+                         "own_zero3"}
+    for name, run in runs.items():
+        assert_same_run(run, ref, name)
+    # bf16 moments (strategy_options reach the optimizer): near AdamW's run, not equal to it
+    moments = max_diff(got["bf16_moments"]["weights"], ref["weights"])
+    print("bf16 moments vs fp32 AdamW: largest weight difference", moments)
+    assert 0 < moments < 1e-3
 
 
 def _rank_accumulation_bf16(out):

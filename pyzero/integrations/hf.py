@@ -75,7 +75,8 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 CHECKPOINT_DIR = "pyzero"  # the pz.checkpoint folder inside a Trainer checkpoint or a save_state folder
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for the LR scheduler's state
 # What strategy_options may set (the integration sets the model, optimizer, stage, groups and group).
-_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params")
+_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
+                 "offload_moments", "offload_pipeline", "prefetch")
 _DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 

@@ -77,7 +77,8 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 CHECKPOINT_DIR = "pyzero"  # the pz.checkpoint folder inside a ZeRO checkpoint folder
 LIGHTNING_FILE = "checkpoint.pt"  # Lightning's checkpoint dict inside it
 # What the options may set (the strategy sets the model, optimizer, stage and groups).
-_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params")
+_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
+                 "offload_moments", "offload_pipeline", "prefetch")
 _DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 

@@ -1,6 +1,6 @@
-"""torch.distributed beside pyzero: the frameworks' own collectives (losses, metrics, barriers) on
-torch's gloo, and on GPUs NCCL or "pyzero" (see default_torch_backend), over pyzero's store, so both
-share the job's one MASTER_PORT."""
+"""What the integrations share: torch.distributed beside pyzero (the frameworks' own collectives:
+losses, metrics, barriers) on torch's gloo, and on GPUs NCCL or "pyzero" (see default_torch_backend),
+over pyzero's store, so both share the job's one MASTER_PORT; and the options a strategy passes on."""
 from __future__ import annotations
 
 import datetime
@@ -9,6 +9,12 @@ import torch.distributed as dist
 
 from .. import comm
 from ..distributed import cuda_backend_beside
+
+# What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group);
+# ZeroOptimizer's zero_* (ZeRO++) options too.
+ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
+                "offload_moments", "offload_pipeline", "prefetch")
+DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 
 def default_torch_backend() -> str:

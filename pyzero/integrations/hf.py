@@ -74,10 +74,6 @@ __all__ = ["CHECKPOINT_DIR", "STRATEGIES", "PyzeroAccelerator", "PyzeroTrainer",
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 CHECKPOINT_DIR = "pyzero"  # the pz.checkpoint folder inside a Trainer checkpoint or a save_state folder
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for the LR scheduler's state
-# What strategy_options may set (the integration sets the model, optimizer, stage, groups and group).
-_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
-                 "offload_moments", "offload_pipeline", "prefetch")
-_DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 
 def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str | None = None) -> None:
@@ -136,7 +132,7 @@ class PyzeroAccelerator(Accelerator):
     """
 
     def __init__(self, *args, dp_options=None, **kwargs):
-        self._dp_options = _options(dp_options, _DP_OPTIONS, "pz.DataParallel")
+        self._dp_options = _options(dp_options, _dist.DP_OPTIONS, "pz.DataParallel")
         init()
         super().__init__(*args, **kwargs)
         world = comm.get_world_size()
@@ -286,7 +282,7 @@ class PyzeroTrainer(transformers.Trainer):
         if strategy is None and strategy_options is not None:
             raise ValueError("strategy_options: they configure the strategy; name it too (strategy='zero2', ...)")
         self._pz_strategy = strategy
-        self._pz_options = _options(strategy_options, _DP_OPTIONS if strategy == "dp" else _ZERO_OPTIONS,
+        self._pz_options = _options(strategy_options, _dist.DP_OPTIONS if strategy == "dp" else _dist.ZERO_OPTIONS,
                                     "pz.DataParallel" if strategy == "dp" else "ZeroOptimizer")
         super().__init__(*args, **kwargs)
         self._pz_stage = self._settle_strategy()

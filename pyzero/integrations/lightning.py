@@ -76,10 +76,6 @@ __all__ = ["CHECKPOINT_DIR", "LIGHTNING_FILE", "STRATEGIES", "PyzeroStrategy", "
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 CHECKPOINT_DIR = "pyzero"  # the pz.checkpoint folder inside a ZeRO checkpoint folder
 LIGHTNING_FILE = "checkpoint.pt"  # Lightning's checkpoint dict inside it
-# What the options may set (the strategy sets the model, optimizer, stage and groups).
-_ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
-                 "offload_moments", "offload_pipeline", "prefetch")
-_DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 
 def init(backend: str | None = None, timeout: float = 300.0) -> None:
@@ -149,7 +145,7 @@ class PyzeroStrategy(DDPStrategy):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
         self._stage = None if strategy == "dp" else int(strategy[-1])
-        allowed = _DP_OPTIONS if self._stage is None else _ZERO_OPTIONS
+        allowed = _dist.DP_OPTIONS if self._stage is None else _dist.ZERO_OPTIONS
         what = "pz.DataParallel" if self._stage is None else "pz.ZeroOptimizer"
         bad = sorted(k for k in options if k not in allowed and not (self._stage == 3 and k.startswith("zero_")))
         if bad:

@@ -44,6 +44,7 @@ import zlib
 import torch
 
 from . import comm
+from .zero import model_state
 
 FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
 
@@ -188,8 +189,7 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
         _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
         if first:
             trainable = {id(p) for p in opt.params}
-            extra = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
-                     if id(v) not in trainable}
+            extra = {k: v.detach().clone() for k, v in model_state(model).items() if id(v) not in trainable}
             _save_file(extra, os.path.join(tmp, "extra.pt"))
             if app_state:
                 _save_file(_app_state_values(app_state), os.path.join(tmp, "app.pt"))

@@ -7,6 +7,7 @@ plain dicts, so the whole matrix costs two rank launches.
 """
 import contextlib
 import functools
+import warnings
 
 import pytest
 import torch
@@ -435,7 +436,7 @@ def test_bad_input_leaves_the_model_usable(world1):
     assert_state_close(world1["after"]["state"], reference("adamw")["state"], rtol=0, atol=0)
 
 
-def rank_stage3_parameters_outside_forward():
+def rank_stage3_parameters_outside_forward(ckpt):
     pz.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
@@ -453,14 +454,30 @@ def rank_stage3_parameters_outside_forward():
         out["write"] = str(e)
     with torch.no_grad():  # and forward still sees the real values
         out["forward"] = model(torch.ones(1, 4))
-    state = opt.full_state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sd = model.state_dict()
+        out["sd_nan"] = all(bool(torch.isnan(v).all()) for v in sd.values())
+        out["sub_sd"] = len(caught)
+        model[1].state_dict()  # a submodule's own state dict too
+        out["warned"] = [(w.category.__name__, str(w.message)) for w in caught]
+        caught.clear()
+        state = opt.full_state_dict()  # these take the values from the shards: nothing to warn about
+        pz.checkpoint.save(ckpt, model, opt, 1)
+        out["quiet"] = [str(w.message) for w in caught]
+    try:
+        model.load_state_dict(sd)
+        out["load"] = "no error"
+    except RuntimeError as e:
+        out["load"] = str(e)
+    out["after_load"] = opt.full_state_dict()  # nothing was written
     return out, state
 
 
-def test_stage3_parameters_read_as_nan_outside_forward():
+def test_stage3_parameters_read_as_nan_outside_forward(tmp_path):
     """A freed stage-3 parameter keeps its shape, reads as NaN and refuses writes, rather than
     pointing at released memory; forward still computes with the gathered values."""
-    results = run_ranks(rank_stage3_parameters_outside_forward, 2)
+    results = run_ranks(rank_stage3_parameters_outside_forward, 2, args=(str(tmp_path / "ckpt"),))
     ref = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     ref.load_state_dict(results[0].value[1])  # the trained weights, gathered on the first rank
     for res in results:
@@ -468,3 +485,35 @@ def test_stage3_parameters_read_as_nan_outside_forward():
         assert out["shapes"] and out["nan"], out
         assert "single memory location" in out["write"], out["write"]
         torch.testing.assert_close(out["forward"], ref(torch.ones(1, 4)).detach())
+        # model.state_dict() there says so (once for the model, once for a submodule); the library's own
+        # readers do not; loading into the freed parameters is refused with the way to do it
+        assert out["sd_nan"] and out["sub_sd"] == 1 and len(out["warned"]) == 2, out["warned"]
+        for kind, msg in out["warned"]:
+            assert kind == "ShardedParametersWarning" and "opt.full_state_dict()" in msg
+        assert out["quiet"] == []
+        assert "['0.weight', '0.bias'] are ZeRO stage-3 parameters sharded over 2 ranks" in out["load"], out["load"]
+        assert "pz.checkpoint.load" in out["load"]
+    after = results[0].value[0]["after_load"]
+    assert all(torch.equal(after[k], v) for k, v in results[0].value[1].items())
+
+
+def rank_stage3_state_dict_at_one_rank():
+    pz.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning fails the rank
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    return sd, opt.full_state_dict()
+
+
+def test_stage3_state_dict_at_one_rank_holds_the_values():
+    """At one rank a unit's parameters are its shard, never freed: model.state_dict() is the trained
+    weights, and nothing warns."""
+    sd, full = run_ranks(rank_stage3_state_dict_at_one_rank, 1)[0].value
+    assert sd.keys() == full.keys()
+    for k, v in full.items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)

@@ -1,8 +1,8 @@
 """ZeRO: sharded optimizer state (stage 1), gradients (2) and parameters (3)."""
 from .memory import estimate_memory
 from . import stage3, stages  # noqa: F401  (register stages 1-3 with ZeroOptimizer)
-from .optimizer import CollectiveCall, ZeroOptimizer, owner, register_stage
+from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, model_state, owner, register_stage
 from .partition import FlatLayout, Piece, ShardInfo
 
 __all__ = ["ZeroOptimizer", "CollectiveCall", "owner", "register_stage", "estimate_memory", "FlatLayout", "Piece",
-           "ShardInfo"]
+           "ShardInfo", "ShardedParametersWarning", "model_state"]

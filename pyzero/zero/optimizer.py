@@ -12,6 +12,7 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple
@@ -38,6 +39,20 @@ def register_stage(stage: int):
         _STAGES[stage] = cls
         return cls
     return register
+
+
+class ShardedParametersWarning(UserWarning):
+    """``model.state_dict()`` of a ZeRO stage-3 model on more than one rank: the sharded parameters
+    are freed outside forward and backward and read as NaN there (``opt.full_state_dict()`` or
+    pz.checkpoint give their values)."""
+
+
+def model_state(model: nn.Module) -> dict:
+    """``model.state_dict(keep_vars=True)`` without the ShardedParametersWarning: for callers that take
+    the sharded parameters' values from elsewhere (the masters) and the rest from here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardedParametersWarning)
+        return model.state_dict(keep_vars=True)
 
 
 class CollectiveCall(NamedTuple):
@@ -1071,7 +1086,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         # model.state_dict()'s keys and order: tied parameters under every name, frozen ones, buffers.
         return {name: gathered[id(t)] if id(t) in gathered else t.detach().clone()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
+                for name, t in model_state(self.model).items()}
 
     def memory_stats(self) -> dict:
         """Bytes of model state this rank holds, in the ZeRO paper's terms: parameters (full or

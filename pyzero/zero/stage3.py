@@ -36,11 +36,13 @@ buffer of a reduce-scatter is kept by its Work until the work completed.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
-from .optimizer import CollectiveCall, ZeroOptimizer, _nbytes, register_stage
+from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
 from .zeropp import GatherPlan, QuantizedReduceScatter, check_options
 
@@ -216,8 +218,12 @@ class ZeroStage3(ZeroOptimizer):
                         k = [id(q) for q in u.layout.params].index(id(p))
                         swaps.append((name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
                 m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
+                m.register_load_state_dict_pre_hook(self._make_load_hook(needs, [name for name, *_ in swaps]))
                 m.register_forward_hook(self._make_post_forward(needs, {name: m._parameters[name]
                                                                         for name, *_ in swaps}))
+        state_dict_hook = self._make_state_dict_hook()
+        for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
+            m.register_state_dict_post_hook(state_dict_hook)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them
@@ -332,6 +338,31 @@ class ZeroStage3(ZeroOptimizer):
 
         at_graph_break = torch.compiler.disable(eager)
         return pre_forward
+
+    def _make_state_dict_hook(self):
+        def hook(module, state_dict, prefix, local_metadata):
+            """After module.state_dict(): a warning, once per call (at the module it was called on), if it
+            holds freed parameters (NaN)."""
+            if prefix == "" and any(not self._unit_of[id(p)].gathered for p in module.parameters()
+                                    if id(p) in self._unit_of):
+                warnings.warn("model.state_dict() of a ZeRO stage-3 model on more than one rank: its sharded "
+                              "parameters are freed outside forward and backward and read as NaN here; take "
+                              "their values from opt.full_state_dict() (first rank) or pz.checkpoint.save",
+                              ShardedParametersWarning, stacklevel=2)
+        return hook
+
+    def _make_load_hook(self, needs, names):
+        def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            if not any(not self.units[i].gathered for i in needs):
+                return
+            keys = [prefix + n for n in names if prefix + n in state_dict]
+            if keys:
+                raise RuntimeError(
+                    f"model.load_state_dict: {keys[:3]}{' ...' if len(keys) > 3 else ''} are ZeRO stage-3 parameters "
+                    f"sharded over {self.world} ranks (freed outside forward and backward), which loading cannot "
+                    "write; load into the model before building the ZeroOptimizer, or restore a pz.checkpoint "
+                    "with pz.checkpoint.load")
+        return hook
 
     def _make_post_forward(self, needs, params):
         traceable = self._traceable

@@ -370,6 +370,10 @@ def test_bad_arguments_name_the_argument():
     for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
                           (dict(strategy="zero2", strategy_options={"stage": 3}), "strategy_options: 'stage'"),
                           (dict(strategy="dp", strategy_options={"offload": "cpu"}), "strategy_options: 'offload'"),
+                          (dict(strategy="zero2", strategy_options={"prefetch": 0}),
+                           "'prefetch' .*a ZeRO stage-3 option, and the strategy is stage 2"),
+                          (dict(strategy="zero1", strategy_options={"zero_quantized_weights": True}),
+                           "'zero_quantized_weights' .*stage-3 option"),
                           (dict(strategy_options={"bucket_mb": 1}), "strategy_options: they configure"),
                           (dict(strategy="zero2", strategy_options=[1]), "strategy_options: expected a dict")]:
         with pytest.raises((ValueError, TypeError), match=words):

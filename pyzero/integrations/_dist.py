@@ -10,11 +10,21 @@ import torch.distributed as dist
 from .. import comm
 from ..distributed import cuda_backend_beside
 
-# What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group);
-# ZeroOptimizer's zero_* (ZeRO++) options too.
+# What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group).
 ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
-                "offload_moments", "offload_pipeline", "prefetch")
+                "offload_moments", "offload_pipeline")
 DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
+
+
+def option_refused(name: str, stage: int | None) -> str | None:
+    """Why a strategy with ZeRO stage `stage` (None: DataParallel) does not pass option `name` on, or None.
+    Stage 3 also takes prefetch and ZeroOptimizer's zero_* (ZeRO++) options."""
+    allowed = DP_OPTIONS if stage is None else ZERO_OPTIONS
+    if name in allowed or (stage == 3 and (name == "prefetch" or name.startswith("zero_"))):
+        return None
+    if stage is not None and (name == "prefetch" or name.startswith("zero_")):
+        return f"a ZeRO stage-3 option, and the strategy is stage {stage}"
+    return f"expected some of {list(allowed) + (['prefetch', 'zero_*'] if stage == 3 else [])}"
 
 
 def default_torch_backend() -> str:

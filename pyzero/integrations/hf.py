@@ -94,15 +94,17 @@ def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str 
     _dist.init_torch(torch_backend)
 
 
-def _options(options, allowed: tuple[str, ...], what: str) -> dict:
+def _options(options, stage: int | None) -> dict:
+    """`options` checked for a strategy of ZeRO stage `stage` (None: pz.DataParallel)."""
+    what = "pz.DataParallel" if stage is None else "ZeroOptimizer"
     if options is None:
         return {}
     if not isinstance(options, dict):
         raise TypeError(f"strategy_options: expected a dict of {what} options, got {type(options).__name__}")
-    bad = sorted(k for k in options if k not in allowed and not (what == "ZeroOptimizer" and k.startswith("zero_")))
-    if bad:
-        raise ValueError(f"strategy_options: {bad[0]!r} is not a {what} option the integration passes on "
-                         f"(expected some of {list(allowed)})")
+    for k in sorted(options):
+        why = _dist.option_refused(k, stage)
+        if why is not None:
+            raise ValueError(f"strategy_options: {k!r} is not a {what} option the integration passes on ({why})")
     return dict(options)
 
 
@@ -132,7 +134,7 @@ class PyzeroAccelerator(Accelerator):
     """
 
     def __init__(self, *args, dp_options=None, **kwargs):
-        self._dp_options = _options(dp_options, _dist.DP_OPTIONS, "pz.DataParallel")
+        self._dp_options = _options(dp_options, None)
         init()
         super().__init__(*args, **kwargs)
         world = comm.get_world_size()
@@ -282,8 +284,7 @@ class PyzeroTrainer(transformers.Trainer):
         if strategy is None and strategy_options is not None:
             raise ValueError("strategy_options: they configure the strategy; name it too (strategy='zero2', ...)")
         self._pz_strategy = strategy
-        self._pz_options = _options(strategy_options, _dist.DP_OPTIONS if strategy == "dp" else _dist.ZERO_OPTIONS,
-                                    "pz.DataParallel" if strategy == "dp" else "ZeroOptimizer")
+        self._pz_options = _options(strategy_options, None if strategy in (None, "dp") else int(strategy[-1]))
         super().__init__(*args, **kwargs)
         self._pz_stage = self._settle_strategy()
 

@@ -145,12 +145,11 @@ class PyzeroStrategy(DDPStrategy):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
         self._stage = None if strategy == "dp" else int(strategy[-1])
-        allowed = _dist.DP_OPTIONS if self._stage is None else _dist.ZERO_OPTIONS
         what = "pz.DataParallel" if self._stage is None else "pz.ZeroOptimizer"
-        bad = sorted(k for k in options if k not in allowed and not (self._stage == 3 and k.startswith("zero_")))
-        if bad:
-            raise ValueError(f"{bad[0]}: not a {what} option PyzeroStrategy(strategy={strategy!r}) passes on "
-                             f"(expected some of {list(allowed)})")
+        for k in sorted(options):
+            why = _dist.option_refused(k, self._stage)
+            if why is not None:
+                raise ValueError(f"{k}: not a {what} option PyzeroStrategy(strategy={strategy!r}) passes on ({why})")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.pyzero_strategy, self._options, self._backend, self._pz_timeout = strategy, dict(options), backend, timeout

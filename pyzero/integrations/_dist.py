@@ -20,9 +20,10 @@ def option_refused(name: str, stage: int | None) -> str | None:
     """Why a strategy with ZeRO stage `stage` (None: DataParallel) does not pass option `name` on, or None.
     Stage 3 also takes prefetch and ZeroOptimizer's zero_* (ZeRO++) options."""
     allowed = DP_OPTIONS if stage is None else ZERO_OPTIONS
-    if name in allowed or (stage == 3 and (name == "prefetch" or name.startswith("zero_"))):
+    stage3_only = name == "prefetch" or name.startswith("zero_")
+    if name in allowed or (stage == 3 and stage3_only):
         return None
-    if stage is not None and (name == "prefetch" or name.startswith("zero_")):
+    if stage is not None and stage3_only:
         return f"a ZeRO stage-3 option, and the strategy is stage {stage}"
     return f"expected some of {list(allowed) + (['prefetch', 'zero_*'] if stage == 3 else [])}"
 

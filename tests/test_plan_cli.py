@@ -35,7 +35,14 @@ def test_cli_ranks_layouts(tmp_path):
                                          (["validate", "--nproc", "two"], "--nproc"),
                                          (["--model", "gpt2-1.5b", "--world", "8", "--ranks-per-core", "0.5"],
                                           "ranks_per_core"),
-                                         (["validate", "--rounds", "0"], "--rounds")])
+                                         (["validate", "--rounds", "0"], "--rounds"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--stages", "0,x"], "--stages"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--stages", ""], "--stages"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--top", "-1"], "--top"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--gpus-per-host", "0"],
+                                          "gpus_per_host"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--reserved-gb", "-1"],
+                                          "reserved")])
 def test_cli_bad_input(args, named, capsys):
     """Usage errors exit 2 naming the argument (main() in this process; the command line's own entry
     point runs in the tests above)."""

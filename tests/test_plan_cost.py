@@ -289,6 +289,29 @@ def test_search_rules():
         pz.plan(spec, world=8, tables={"nvlink": "x.json"})
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gpus_per_host=0), "gpus_per_host: expected a positive int, got 0"),
+    (dict(reserved=-1e9), "reserved: expected bytes >= 0"),
+    (dict(reserved=math.inf), "reserved: expected bytes >= 0"),
+    (dict(grad_comm_bytes=0), "grad_comm_bytes: expected"),
+    (dict(bucket_bytes=-1), "bucket_bytes: expected a positive number"),
+    (dict(dp_bucket_bytes=0), "dp_bucket_bytes: expected a positive number"),
+    (dict(offload=("gpu",)), r"offload: expected values from \('none', 'cpu'\), got 'gpu'"),
+    (dict(offload=()), "offload: expected a non-empty"),
+    (dict(recompute="full"), "recompute: expected a non-empty"),
+    (dict(stages=()), "stages: expected a non-empty"),
+])
+def test_plan_refuses_bad_options(kwargs, match):
+    """Options out of range raise naming the option, rather than planning with a value the cost model
+    cannot mean (a negative reservation frees memory; gpus_per_host=0 read as one host; offload "gpu"
+    priced as no offload)."""
+    spec = ModelSpec(layers=4, hidden=64, heads=4, vocab=100, seq=32, batch=8)
+    with pytest.raises(ValueError, match=match):
+        pz.plan(spec, world=2, **kwargs)
+    with pytest.raises(ValueError, match=r"top: expected an int >= 0 .*got -1"):
+        pz.plan(spec, world=2).table(-1)
+
+
 def test_gpt3_175b_published_layout():
     """Korthikanti et al. 2022, Table 3: GPT-3 175B on 64 A100 80 GB (8 per node), global batch 64,
     micro-batch 1, sequence 2048: TP=8, PP=8 (DP=1), sequence parallelism + selective recomputation.

@@ -44,7 +44,8 @@ def plan(model_or_spec, world: int, gpus_per_host: int | None = None, device_mem
     spec = to_spec(model_or_spec, seq=seq, batch=batch, **(shape or {}))
     links = {**{k: v for k, v in cluster.items() if k in ("intra", "inter")}, **_tables(tables)}
     rest = {k: v for k, v in cluster.items() if k not in ("intra", "inter")}
-    c = Cluster(world=world, gpus_per_host=gpus_per_host or world, device_memory=device_memory, flops=flops,
+    per_host = world if gpus_per_host is None else gpus_per_host
+    c = Cluster(world=world, gpus_per_host=per_host, device_memory=device_memory, flops=flops,
                 **links, **rest)
     return search(spec, c, stages=stages, recompute=recompute, offload=offload)
 

@@ -93,6 +93,11 @@ def main(argv=None) -> int:
 
     try:
         stages = tuple(int(s) for s in args.stages.split(","))
+    except ValueError:
+        ap.error(f"--stages: expected comma-separated ZeRO stages (0-3), e.g. 0,1,2,3; got {args.stages!r}")
+    if args.top < 0:
+        ap.error(f"--top: expected an int >= 0 (layouts to show), got {args.top}")
+    try:
         p = plan(spec, world=args.world, gpus_per_host=args.gpus_per_host, device_memory=args.gpu_gb * GB,
                  flops=flops, stages=stages, offload=("none",) if args.no_offload else ("none", "cpu"),
                  intra=args.table_intra or args.intra_gbps * GB, inter=args.table_inter or args.inter_gbps * GB,

@@ -148,11 +148,21 @@ class Cluster:
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
                 raise ValueError(f"{arg}: expected a positive number, got {v!r}")
+        for arg in ("bucket_bytes", "dp_bucket_bytes"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+                raise ValueError(f"{arg}: expected a positive number, got {v!r}")
+        if isinstance(self.reserved, bool) or not isinstance(self.reserved, (int, float)) \
+                or not 0.0 <= self.reserved < math.inf:
+            raise ValueError(f"reserved: expected bytes >= 0, got {self.reserved!r}")
         if self.param_bytes not in (2, 4):
             raise ValueError(f"param_bytes: expected 2 (mixed precision) or 4 (fp32), got {self.param_bytes!r}")
         self.intra, self.inter = as_link(self.intra, "intra"), as_link(self.inter, "inter")
         if self.grad_comm_bytes is None:
             self.grad_comm_bytes = self.param_bytes
+        if self.grad_comm_bytes not in (2, 4):
+            raise ValueError(f"grad_comm_bytes: expected 2 (16-bit gradients on the wire) or 4 (fp32), "
+                             f"got {self.grad_comm_bytes!r}")
 
     def link(self, stride: int, n: int):
         """The link a group of n ranks spaced ``stride`` apart uses."""

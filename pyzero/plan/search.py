@@ -52,6 +52,8 @@ class Plan:
         return self.best.layout
 
     def table(self, top: int = 8) -> str:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise ValueError(f"top: expected an int >= 0 (rows of layouts to show), got {top!r}")
         s, c = self.spec, self.cluster
         lines = [f"# {s.name}: {s.params / 1e9:.3g}B parameters, L={s.layers} h={s.hidden} a={s.heads} V={s.vocab} "
                  f"s={s.seq}, global batch {s.batch}",
@@ -76,9 +78,23 @@ class Plan:
         return "\n".join(lines)
 
 
+def _choices(values, arg: str, allowed) -> tuple:
+    """The search space's ``arg`` (a non-empty sequence of values from ``allowed``), checked."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, set, frozenset, range)) \
+            or not values:
+        raise ValueError(f"{arg}: expected a non-empty sequence of values from {allowed}, got {values!r}")
+    for v in values:
+        if isinstance(v, bool) or v not in allowed:
+            raise ValueError(f"{arg}: expected values from {allowed}, got {v!r}")
+    return tuple(values)
+
+
 def layouts(spec: ModelSpec, c: Cluster, stages=(0, 1, 2, 3), recompute=RECOMPUTE, offload=OFFLOAD,
             max_micro_batch: int | None = None):
     """Yield (layout, reason or None) over the whole space."""
+    stages = _choices(stages, "stages", (0, 1, 2, 3))
+    recompute = _choices(recompute, "recompute", RECOMPUTE)
+    offload = _choices(offload, "offload", OFFLOAD)
     w = c.world
     for tp in _divisors(w):
         for pp in _divisors(w // tp):

@@ -58,7 +58,9 @@ class SymmetricBuffer:
         call's base `ready` value (values base+1 .. base+n mark its progress)."""
         be = self.g.backend
         be.sym_arrive(kind, like, dims, math.prod(dims))
-        if nbytes > self.bytes:  # equal dims on every rank (checked above): the same choice everywhere
+        # Equal dims on every rank (checked above): the same choice everywhere. A first call of
+        # 0 bytes maps the buffers too, so that its (empty) views exist.
+        if nbytes > self.bytes or not self.views:
             self.views = be.sym_grow(max(nbytes, 2 * self.bytes, _MIN_BYTES), lambda: comm.barrier(group=self.g))
             self.bytes = be.sym_bytes()
             self._typed = {}

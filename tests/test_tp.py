@@ -207,6 +207,33 @@ def test_overlapped_ops_match_unoverlapped(nprocs, use_symmetric):
             "buffers) and no all_gather"
 
 
+def rank_empty_shard(use_symmetric):
+    """A sequence shard of 0 tokens through the SP layers, overlapped or not: an empty output and zero
+    weight gradients, as nn.Linear gives, on the symmetric path as on the ring."""
+    pz.init(options={"symmetric": use_symmetric})
+    out = {}
+    for overlap in (True, False):
+        ref = make_mlp()
+        model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, sequence_parallel=True, overlap=overlap),
+                    pz.tp.RowParallelLinear.from_linear(ref.fc2, sequence_parallel=True, overlap=overlap))
+        x = torch.randn(0, BATCH, HIDDEN, requires_grad=True)
+        y = model(x)
+        y.sum().backward()
+        out[overlap] = (tuple(y.shape), tuple(x.grad.shape), {n: p.grad for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("use_symmetric", [True, False], ids=["symmetric", "ring"])
+def test_empty_sequence_shard(use_symmetric):
+    ref = make_mlp()
+    ref(torch.randn(0, BATCH, HIDDEN)).sum().backward()
+    for res in run_ranks(rank_empty_shard, 2, args=(use_symmetric,)):
+        for overlap, (y_shape, dx_shape, grads) in res.value.items():
+            assert y_shape == (0, BATCH, HIDDEN) and dx_shape == (0, BATCH, HIDDEN), (res.rank, overlap)
+            for name, g_ref in ref.named_parameters():
+                torch.testing.assert_close(grads[name], shard_of(name, g_ref.grad, res.rank, 2), rtol=0, atol=0)
+
+
 def rank_ring_in_flight():
     """While rank r computes on its own block (step 0), block r-1 must arrive."""
     pz.init()

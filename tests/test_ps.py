@@ -3,8 +3,10 @@ asynchronous and bounded runs learn, workers that die or join mid-run do not sto
 killed server's job resumes from its checkpoint, bad workers and bad pushes are refused."""
 from __future__ import annotations
 
+import math
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -313,6 +315,13 @@ def test_mismatched_model_refused_and_nonfinite_push_rejected():
     (dict(index=2), ["index"]),
     (dict(max_versions=0), ["max_versions"]),
     (dict(wait_for_workers=0), ["wait_for_workers"]),
+    (dict(worker_timeout=-1), ["worker_timeout", "-1"]),
+    (dict(worker_timeout="5"), ["worker_timeout", "'5'"]),
+    (dict(worker_timeout=math.nan), ["worker_timeout", "nan"]),
+    (dict(num_servers=True), ["num_servers", "True"]),
+    (dict(mode="bounded", staleness=True), ["staleness", "True"]),
+    (dict(max_versions=True), ["max_versions", "True"]),
+    (dict(checkpoint_every=False), ["checkpoint_every", "False"]),
 ])
 def test_server_argument_errors(kwargs, words):
     args = dict(index=0, num_servers=2)
@@ -320,6 +329,53 @@ def test_server_argument_errors(kwargs, words):
     with pytest.raises(ValueError) as e:
         pz.ps.Server(make_model(), torch.optim.SGD, lr=0.1, **args)
     assert all(w in str(e.value) for w in words)
+
+
+def test_worker_call_order_and_argument_errors():
+    """Sync mode takes one push per worker and round: a second push before the worker has pulled
+    raises (it used to replace the first one in the round, silently) and keeps the gradients; a
+    closed worker's push raises instead of reporting a push that was never sent; bad servers,
+    timeout and num_servers name the argument."""
+    server = pz.ps.Server(make_model(), torch.optim.SGD, 0, 1, mode="sync", wait_for_workers=2, lr=1.0)
+    addr = server.bind()
+    thread = threading.Thread(target=server.serve, kwargs=dict(idle_timeout=5), daemon=True)
+    thread.start()
+    a, b = make_model(), make_model()
+    wa = pz.ps.Worker(a, servers=[addr], key=server.key)
+    wb = pz.ps.Worker(b, servers=[addr], key=server.key)
+    for p in a.parameters():
+        p.grad = torch.ones_like(p)
+    assert wa.push() is True
+    for p in a.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    with pytest.raises(RuntimeError, match=r"push: .*sync.*pull\(\)"):
+        wa.push()
+    assert all(torch.equal(p.grad, torch.full_like(p, 10.0)) for p in a.parameters())
+    for p in b.parameters():
+        p.grad = torch.zeros_like(p)
+    assert wb.push() is True
+    assert wa.pull() and wb.pull()
+    for k, v in state(make_model()).items():  # SGD, lr 1: minus the mean of the round's pushes (1 and 0)
+        torch.testing.assert_close(state(a)[k], v - 0.5, rtol=0, atol=1e-6)
+        torch.testing.assert_close(state(b)[k], v - 0.5, rtol=0, atol=1e-6)
+    for p in a.parameters():  # the next round takes a's next push
+        p.grad = torch.zeros_like(p)
+    assert wa.push() is True
+    wa.close()
+    with pytest.raises(RuntimeError, match="push: this worker is closed"):
+        wa.push()
+    assert wa.pull() is False
+    wb.close()
+    server.stop()
+    thread.join(10)
+    assert not thread.is_alive() and server.stats()["pushes"] == 3
+    for kwargs, words in ((dict(servers=[]), "servers: expected a non-empty list of (host, port)"),
+                          (dict(servers=["localhost"]), "servers: expected a non-empty list of (host, port)"),
+                          (dict(servers=[addr], timeout=-1), "timeout: expected a positive number of seconds")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            pz.ps.Worker(make_model(), key=server.key, **kwargs)
+    with pytest.raises(ValueError, match="num_servers: expected an int >= 1, got 0"):
+        pz.ps.role(0)
 
 
 def test_worker_refuses_non_fp32_models():

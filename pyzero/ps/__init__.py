@@ -32,6 +32,8 @@ __all__ = ["MODES", "Server", "Worker", "ServerLost", "JoinRefused", "PeerLost",
 
 def role(num_servers: int) -> tuple[str, int]:
     """("server", i) for RANK < num_servers, else ("worker", RANK - num_servers)."""
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+        raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
     rank = int(os.environ.get("RANK", "0"))
     return ("server", rank) if rank < num_servers else ("worker", rank - num_servers)
 

@@ -60,6 +60,10 @@ def describe(params, names) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in zip(names, params)]
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class _Peer:
     def __init__(self, wid: int, clock: int):
         self.wid, self.clock, self.alive = wid, clock, True
@@ -77,20 +81,23 @@ class Server:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        if not isinstance(num_servers, int) or num_servers < 1:
+        if not _is_int(num_servers) or num_servers < 1:
             raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
-        if not isinstance(index, int) or not 0 <= index < num_servers:
+        if not _is_int(index) or not 0 <= index < num_servers:
             raise ValueError(f"index: expected 0 <= index < num_servers={num_servers}, got {index!r}")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if mode == "bounded" and (not isinstance(staleness, int) or staleness < 0):
+        if mode == "bounded" and (not _is_int(staleness) or staleness < 0):
             raise ValueError(f"staleness: expected an int >= 0 for mode='bounded', got {staleness!r}")
-        if max_versions is not None and (not isinstance(max_versions, int) or max_versions < 1):
+        if max_versions is not None and (not _is_int(max_versions) or max_versions < 1):
             raise ValueError(f"max_versions: expected None or an int >= 1, got {max_versions!r}")
-        if not isinstance(wait_for_workers, int) or wait_for_workers < 1:
+        if not _is_int(wait_for_workers) or wait_for_workers < 1:
             raise ValueError(f"wait_for_workers: expected an int >= 1, got {wait_for_workers!r}")
-        if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        if not _is_int(checkpoint_every) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every: expected an int >= 1, got {checkpoint_every!r}")
+        if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, (int, float)) \
+                or not 0 < worker_timeout < math.inf:
+            raise ValueError(f"worker_timeout: expected a positive number of seconds, got {worker_timeout!r}")
         # The job's key: given, else PYZERO_PS_KEY, else a fresh random one (serve() hands a job's
         # servers the one key server 0 put in the job's store; a Server made by hand passes
         # server.key to its workers).

@@ -43,6 +43,12 @@ class Worker:
         if bad:
             raise ValueError(f"model: parameter-server workers train fp32 CPU parameters, got {bad[:3]} "
                              f"({params[names.index(bad[0])].dtype})")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if servers is not None and (isinstance(servers, (str, bytes)) or not isinstance(servers, (list, tuple))
+                                    or not servers or not all(_is_address(a) for a in servers)):
+            raise ValueError(f"servers: expected a non-empty list of (host, port) pairs, one per server, got "
+                             f"{servers!r}")
         key = wire.resolve_key(key)
         if servers is None:
             if num_servers is None:
@@ -65,6 +71,7 @@ class Worker:
             v.copy_(p.detach())
             p.data = v
         self.versions = [0] * n
+        self._pushed = False  # sync mode: pushed into a round since the last pull (or the join)
         self.finished = [False] * n  # per server: its job is done (max_versions reached or stopped)
         self.clock_gaps: list[int] = []  # per pull: how far ahead of the slowest worker this one was
         self.conns = []
@@ -161,6 +168,7 @@ class Worker:
         if not self.conns:
             return False
         self._broadcast(lambda s: {"op": "pull", "have": self.versions[s]})
+        self._pushed = False
         gaps = []
         for s, (h, ts) in enumerate(self._gather("pull")):
             if h.get("changed"):
@@ -176,7 +184,15 @@ class Worker:
     def push(self) -> bool:
         """Send this worker's gradients (a parameter without .grad sends zeros) and clear them.
         True if every server still running applied them; False if one rejected them (NaN or
-        inf: counted by the server, not applied)."""
+        inf: counted by the server, not applied). In sync mode a round takes one push per worker:
+        pull() before pushing again."""
+        if not self.conns:
+            raise RuntimeError("push: this worker is closed (close() was called, or its join failed); "
+                               "make a new Worker to rejoin the job")
+        if self.mode == "sync" and self._pushed:
+            raise RuntimeError("push: in sync mode each round takes one push per worker, and this worker "
+                               "has pushed since its last pull; call pull() (it waits for the round) "
+                               "before pushing again")
         grad = torch.zeros(self.layout.padded, dtype=torch.float32)
         for v, p in zip(self.layout.views(grad), self.params):
             if p.grad is not None:
@@ -184,6 +200,7 @@ class Worker:
                 p.grad = None
         self._broadcast(lambda s: {"op": "push", "version": self.versions[s]},
                         lambda s: [grad[self.layout.shard(s).offset:][:self.layout.shard_size]])
+        self._pushed = True
         accepted = True
         for s, (h, _) in enumerate(self._gather("push")):
             if not self.finished[s]:
@@ -211,6 +228,11 @@ class Worker:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_address(a) -> bool:
+    return (isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[0], str)
+            and isinstance(a[1], int) and not isinstance(a[1], bool))
 
 
 def request(address, op: str, timeout: float = 30.0, key: bytes | str | None = None) -> dict:

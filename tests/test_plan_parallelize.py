@@ -124,6 +124,30 @@ def test_parallelized_gpt_matches_one_process(lay, ref):
         assert checked >= 4 * 12
 
 
+def _accumulating_rank(lay):
+    """Two train_steps without zero_grad between them: the gradients of both batches, summed."""
+    pz.init(timeout=60)
+    pm = pz.parallelize(model(), lay, torch.optim.SGD, lr=LR)
+    x, y = batch()
+    for _ in range(2):
+        pm.train_step(pm.local_batch(x), pm.local_batch(y))
+    return {f"{name}.{k}": p.grad.clone() for name, child in pm.stage.named_children()
+            for k, p in child.named_parameters()}, pm.tp_index
+
+
+@pytest.mark.parametrize("lay", [Layout(pp=2, micro_batch=4, micro_batches=2), Layout(dp=2, micro_batch=4),
+                                 Layout(tp=2, micro_batch=8)], ids=str)
+def test_gradients_accumulate_over_train_steps(lay, ref):
+    """Gradient accumulation: each train_step adds its batch's gradients, the tied embedding's
+    included (summed over the first and last stage once per step, not again with the earlier steps')."""
+    _, ref_grads = ref
+    for r in run_ranks(_accumulating_rank, 2, args=(lay,), timeout=120):
+        grads, tp = r.value
+        for key, g in grads.items():
+            want = 2 * _reference_slice(ref_grads, key, lay.tp, tp)
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r.rank} {key}: {m}")
+
+
 def _bad_rank(lay):
     pz.init(timeout=60)
     try:

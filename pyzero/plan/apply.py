@@ -235,19 +235,31 @@ class ParallelGPT(nn.Module):
         def loss_fn(logits, y):
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-        if self.pipe is None:
-            loss = loss_fn(self(idx), targets)
-            loss.backward()
-            loss = loss.item()
-        else:
-            loss = self.pipe.train_step(idx if self.pipe.is_first else None, targets if self.pipe.is_last else None,
-                                        loss_fn)
-        self._sync_grads()
+        # The tied embedding's copies are summed over the first and last stage: only this step's
+        # gradients, so that gradients accumulated by earlier steps (already summed) count once.
+        held = [w.grad for w in self._tied] if self._tie_group is not None else []
+        for w in self._tied[:len(held)]:
+            w.grad = None
+        try:
+            if self.pipe is None:
+                loss = loss_fn(self(idx), targets)
+                loss.backward()
+                loss = loss.item()
+            else:
+                loss = self.pipe.train_step(idx if self.pipe.is_first else None,
+                                            targets if self.pipe.is_last else None, loss_fn)
+            self._sync_grads()
+        finally:
+            for w, g in zip(self._tied, held):
+                if g is not None:
+                    w.grad = g if w.grad is None else w.grad.add_(g)
         return loss
 
     def _sync_grads(self):
         if self._tie_group is not None:  # first and last stage hold the tied embedding: sum their gradients
             for w in self._tied:
+                if w.grad is None:  # a stage whose tied copy got no gradient this step still takes part
+                    w.grad = torch.zeros_like(w)
                 comm.all_reduce(w.grad, op="sum", group=self._tie_group)
         if self.pipe is not None and self.layout.stage == 0 and self.dp_group is not None:
             grads = [p.grad for p in self.stage.parameters() if p.grad is not None]

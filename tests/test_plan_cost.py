@@ -290,6 +290,23 @@ def test_search_rules():
 
 
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(dp=-1, tp=-2), "dp: expected a positive int, got -1"),
+    (dict(tp=0), "tp: expected a positive int, got 0"),
+    (dict(pp=2.0), "pp: expected a positive int, got 2.0"),
+    (dict(micro_batches=True), "micro_batches: expected a positive int, got True"),
+    (dict(stage=4), r"stage: expected one of \(0, 1, 2, 3\).*got 4"),
+    (dict(sp=1), r"sp: expected a bool .*got 1"),
+    (dict(recompute="all"), "recompute: expected one of"),
+    (dict(offload="gpu"), "offload: expected one of"),
+])
+def test_layout_refuses_bad_fields(kwargs, match):
+    """A Layout made by hand (pz.parallelize takes one) is checked field by field: Layout(dp=-1, tp=-2)
+    on 2 ranks passed parallelize's dp*tp*pp == world check and trained unsplit replicas."""
+    with pytest.raises(ValueError, match=match):
+        Layout(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
     (dict(gpus_per_host=0), "gpus_per_host: expected a positive int, got 0"),
     (dict(reserved=-1e9), "reserved: expected bytes >= 0"),
     (dict(reserved=math.inf), "reserved: expected bytes >= 0"),

@@ -29,6 +29,20 @@ class Layout:
     recompute: str = "none"
     offload: str = "none"
 
+    def __post_init__(self):
+        for arg in ("dp", "tp", "pp", "micro_batch", "micro_batches"):
+            v = getattr(self, arg)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{arg}: expected a positive int, got {v!r}")
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage: expected one of (0, 1, 2, 3) (the ZeRO stage), got {self.stage!r}")
+        if not isinstance(self.sp, bool):
+            raise ValueError(f"sp: expected a bool (sequence parallelism), got {self.sp!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute: expected one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"offload: expected one of ('none', 'cpu'), got {self.offload!r}")
+
     def __str__(self):
         extra = "".join([" sp" if self.sp else "", f" rc={self.recompute}" if self.recompute != "none" else "",
                          " offload" if self.offload != "none" else ""])

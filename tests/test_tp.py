@@ -325,6 +325,16 @@ def rank_errors():
         (lambda: pz.mesh(dp=2.0, tp=1), T, "dp: expected an int"),
         (lambda: pz.tp.ColumnParallelLinear(8, 8, group="tp"), T, "group: expected a pz group"),
         (lambda: pz.tp.RowParallelLinear.from_linear(nn.Conv1d(2, 2, 1)), T, "linear: expected a torch.nn.Linear"),
+        (lambda: pz.tp.copy_to_tp([1.0]), T, "input: expected a torch.Tensor, got list"),
+        (lambda: pz.tp.reduce_from_tp(3.0), T, "input: expected a torch.Tensor, got float"),
+        (lambda: pz.tp.scatter_to_tp(torch.tensor(1.0)), V, "input: expected a tensor with a feature dim (the last) "
+                                                            "to split, got shape ()"),
+        (lambda: pz.tp.gather_from_tp(torch.tensor(1.0)), V, "input: expected a tensor with a feature dim"),
+        (lambda: pz.tp.gather_from_tp(None), T, "input: expected a torch.Tensor, got NoneType"),
+        (lambda: TransformerBlock(16, 0), V, "heads: expected a positive int, got 0"),
+        (lambda: TransformerBlock(0, 4), V, "hidden: expected a positive int, got 0"),
+        (lambda: TransformerBlock(16, 4, mlp_ratio=0), V, "mlp_ratio: expected a positive int, got 0"),
+        (lambda: TransformerBlock(16, "4"), T, "heads: expected an int, got str"),
     ]
     problems = []
     for i, (fn, kind, text) in enumerate(cases):

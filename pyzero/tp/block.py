@@ -34,6 +34,11 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4):
         super().__init__()
+        for arg, v in (("hidden", hidden), ("heads", heads), ("mlp_ratio", mlp_ratio)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{arg}: expected an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{arg}: expected a positive int, got {v}")
         if hidden % heads:
             raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
         self.heads = heads

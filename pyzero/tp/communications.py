@@ -40,9 +40,19 @@ def check_divisible(size: int, n: int, what: str) -> int:
     return size // n
 
 
-def _check_sp_input(x: torch.Tensor, arg: str) -> None:
+def _check_tensor(x, arg: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_tp_input(x, arg: str) -> None:
+    _check_tensor(x, arg)
+    if x.dim() < 1:
+        raise ValueError(f"{arg}: expected a tensor with a feature dim (the last) to split, got shape ()")
+
+
+def _check_sp_input(x: torch.Tensor, arg: str) -> None:
+    _check_tensor(x, arg)
     if x.dim() < 2:
         raise ValueError(f"{arg}: sequence parallelism splits dim 0 (the sequence) of a tensor with a feature "
                          f"dim after it; expected at least 2 dims, got shape {tuple(x.shape)}")
@@ -211,21 +221,28 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 
 def copy_to_tp(x, group=None):
-    return _CopyToTP.apply(x, tp_group(group))
+    g = tp_group(group)
+    _check_tensor(x, "input")
+    return _CopyToTP.apply(x, g)
 
 
 def reduce_from_tp(x, group=None):
-    return _ReduceFromTP.apply(x, tp_group(group))
+    g = tp_group(group)
+    _check_tensor(x, "input")
+    return _ReduceFromTP.apply(x, g)
 
 
 def scatter_to_tp(x, group=None):
     g = tp_group(group)
+    _check_tp_input(x, "input")
     check_divisible(x.shape[-1], g.size, "input.shape[-1]")
     return _ScatterToTP.apply(x, g)
 
 
 def gather_from_tp(x, group=None):
-    return _GatherFromTP.apply(x, tp_group(group))
+    g = tp_group(group)
+    _check_tp_input(x, "input")
+    return _GatherFromTP.apply(x, g)
 
 
 def scatter_to_sp(x, group=None):

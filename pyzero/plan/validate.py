@@ -30,6 +30,7 @@ import argparse
 import datetime
 import glob
 import json
+import math
 import os
 import platform
 import statistics
@@ -262,12 +263,19 @@ def main(argv=None) -> int:
     if args.warmup < 1 or args.steps < 1:
         ap.error(f"--warmup/--steps: expected >= 1 each (model states are read in the first, untimed step), "
                  f"got {args.warmup}/{args.steps}")
+    for flag, v in (("--batch", args.batch), ("--seq", args.seq)):
+        if v < 1:
+            ap.error(f"{flag}: expected >= 1, got {v}")
+    if not 0 < args.timeout < math.inf:
+        ap.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
     if args.model not in PRESETS:
         ap.error(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     try:
         nprocs = [int(n) for n in args.nproc.split(",")]
     except ValueError:
         ap.error(f"--nproc: expected comma-separated ints, got {args.nproc!r}")
+    if any(n < 1 for n in nprocs):
+        ap.error(f"--nproc: expected rank counts >= 1, got {args.nproc!r}")
     table = args.table or _default_table()
     if table is None:
         ap.error("--table: no collectives JSON given and none recorded in benchmarks/results/")

@@ -46,6 +46,17 @@ def test_spec_counts_parameters_like_the_module():
     assert to_spec(bare, heads=8).heads == 8
     with pytest.raises(ValueError, match="lacks heads"):
         to_spec({"n_layer": 2, "n_embd": 64, "vocab_size": 10, "n_positions": 8})
+    # a config's sizes are ints: 12.7 layers or True were truncated to 12 and 1
+    for bad in (12.7, True, "12"):
+        with pytest.raises(ValueError, match=f"model: the config's n_layer: expected an int, got {bad!r}"):
+            to_spec({"n_layer": bad, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8})
+    assert to_spec({"n_layer": 2.0, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8}).layers == 2
+    # shape= describes a module without a config; elsewhere it was ignored without a word
+    with pytest.raises(ValueError, match="shape: layers/hidden/heads/vocab describe a torch module without a config"):
+        pz.plan(dict(layers=4, hidden=64, heads=4, vocab=100, seq=32, batch=8), world=2, shape={"layers": 8})
+    with pytest.raises(ValueError, match=r"shape: expected keys from \('layers', 'hidden', 'heads', 'vocab'\), "
+                                         r"got \['depth'\]"):
+        to_spec(bare, heads=8, depth=2)
 
 
 @pytest.mark.parametrize("stage,total_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])

@@ -97,18 +97,32 @@ def _get(config, names):
 
 def from_config(config, seq: int | None = None, batch: int = 1, name: str = "model") -> ModelSpec:
     """A ModelSpec from an HF-style config (object or dict) or pyzero's GPTConfig."""
-    found = {k: _get(config, names) for k, names in _KEYS.items()}
+    found = {k: _config_int(config, names) for k, names in _KEYS.items()}
     positions = found["seq"]
     if seq is not None:
         found["seq"] = seq
     missing = [f"{k} (one of {', '.join(_KEYS[k])})" for k, v in found.items() if v is None]
     if missing:
         raise ValueError(f"model: the config lacks {'; '.join(missing)}")
-    inner = _get(config, ("n_inner", "intermediate_size"))
+    inner = _config_int(config, ("n_inner", "intermediate_size"))
     ffn = 4 if inner is None else max(1, round(inner / found["hidden"]))
     tied = _get(config, ("tie_word_embeddings",))
-    return ModelSpec(ffn=ffn, batch=batch, name=name, positions=None if positions is None else int(positions), tied_embedding=True if tied is None else bool(tied),
-                     **{k: int(v) for k, v in found.items()})
+    return ModelSpec(ffn=ffn, batch=batch, name=name, positions=positions,
+                     tied_embedding=True if tied is None else bool(tied), **found)
+
+
+def _config_int(config, names):
+    """The config's size under the first of `names` it has (None if none): an int, or a float with an
+    integral value, as some JSON writers give."""
+    key = next((n for n in names if _get(config, (n,)) is not None), None)
+    if key is None:
+        return None
+    v = _get(config, (key,))
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"model: the config's {key}: expected an int, got {v!r}")
+    return v
 
 
 def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) -> ModelSpec:
@@ -117,15 +131,21 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
     ``seq``/``batch`` override the sequence length and global batch; ``shape``
     gives layers/hidden/heads/vocab for a module that carries no config.
     """
+    allowed = ("layers", "hidden", "heads", "vocab")
+    if set(shape) - set(allowed):
+        raise ValueError(f"shape: expected keys from {allowed}, got {sorted(set(shape) - set(allowed))}")
+    try:
+        from torch import nn  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - torch is a dependency
+        nn = None
+    if shape and not (nn is not None and isinstance(model, nn.Module) and getattr(model, "config", None) is None):
+        raise ValueError(f"shape: layers/hidden/heads/vocab describe a torch module without a config (found by "
+                         f"walking it); {type(model).__name__} has its shape already, got shape={shape}")
     if isinstance(model, ModelSpec):
         out = model
     elif isinstance(model, dict) and "layers" in model:
         out = ModelSpec(**model)
     else:
-        try:
-            from torch import nn  # noqa: PLC0415
-        except ImportError:  # pragma: no cover - torch is a dependency
-            nn = None
         if nn is not None and isinstance(model, nn.Module):
             config = getattr(model, "config", None)
             if config is None:

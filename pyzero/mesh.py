@@ -8,6 +8,8 @@ fastest links (one node, NVLink); DP only syncs gradients once per step.
 """
 from __future__ import annotations
 
+import torch
+
 from . import comm
 
 
@@ -19,16 +21,41 @@ def _axis_size(value, axis: str) -> int:
     return value
 
 
+def _check(dp, tp, world: int) -> Exception | None:
+    try:
+        dp, tp = _axis_size(dp, "dp"), _axis_size(tp, "tp")
+    except (TypeError, ValueError) as e:
+        return e
+    if dp * tp != world:
+        return ValueError(f"mesh(dp={dp}, tp={tp}): dp * tp = {dp * tp} must equal the world size {world}")
+    return None
+
+
 def mesh(dp: int = 1, tp: int = 1) -> tuple[comm.Group, comm.Group]:
     """This rank's (dp_group, tp_group) in a DP x TP grid over the world.
 
     Every rank must call it (it creates every group of the grid, in the same
-    order on every rank); ``dp * tp`` must equal the world size.
+    order on every rank); ``dp * tp`` must equal the world size. The ranks
+    first compare their (dp, tp): a bad or differing value on any rank raises
+    on every rank.
     """
-    dp, tp = _axis_size(dp, "dp"), _axis_size(tp, "tp")
     world = comm.get_world_size()
-    if dp * tp != world:
-        raise ValueError(f"mesh(dp={dp}, tp={tp}): dp * tp = {dp * tp} must equal the world size {world}")
+    err = _check(dp, tp, world)
+    mine = torch.tensor([-1, -1] if err else [dp, tp], dtype=torch.int64)
+    g = comm.resolve_group(None)
+    if g.device is not None:
+        mine = mine.cuda(g.device)
+    table = mine.new_empty((world, 2))
+    comm.all_gather(table, mine)
+    rows = [tuple(row) for row in table.tolist()]
+    if err is not None:
+        raise err
+    bad = [r for r, row in enumerate(rows) if row == (-1, -1)]
+    if bad:
+        raise ValueError(f"mesh: global rank {bad[0]} passed an invalid dp or tp; expected positive ints with "
+                         f"dp * tp = {world} on every rank")
+    if len(set(rows)) > 1:
+        raise ValueError(f"mesh: expected the same dp and tp on every rank, got {rows} (by global rank)")
     rank = comm.get_rank()
     tp_group = dp_group = None
     for i in range(dp):

@@ -362,6 +362,40 @@ def rank_errors():
     return problems, t
 
 
+def rank_mesh_disagrees():
+    """Ranks that pass different mesh shapes (each valid alone) or an invalid one on one rank only."""
+    pz.init(timeout=20)
+    r = pz.get_rank()
+    out = []
+    for dp, tp in (((2, 1), (1, 2)), ((2, 1), (3, 1)), ((2, 1), (2.0, 1))):
+        start = time.monotonic()
+        try:
+            pz.mesh(*(dp if r == 0 else tp))
+            out.append(("nothing raised", 0.0))
+        except (TypeError, ValueError) as e:
+            out.append((f"{type(e).__name__}: {e}", time.monotonic() - start))
+    dp_group, tp_group = pz.mesh(dp=1, tp=2)  # the world still works, and so does an agreed mesh
+    t = torch.ones(1)
+    pz.all_reduce(t, group=tp_group)
+    return out, t.item(), dp_group.ranks, tp_group.ranks
+
+
+def test_mesh_shapes_that_differ_between_ranks_raise_on_every_rank():
+    for res in run_ranks(rank_mesh_disagrees, 2, timeout=60):
+        out, total, dp_ranks, tp_ranks = res.value
+        (differ, t0), (one_bad, t1), (one_float, t2) = out
+        assert differ.startswith("ValueError: mesh: expected the same dp and tp on every rank, got "
+                                 "[(2, 1), (1, 2)] (by global rank)"), differ
+        own = "ValueError: mesh(dp=3, tp=1): dp * tp = 3 must equal the world size 2"
+        assert one_bad == (own if res.rank == 1 else "ValueError: mesh: global rank 1 passed an invalid dp or tp; "
+                           "expected positive ints with dp * tp = 2 on every rank"), one_bad
+        own = "TypeError: dp: expected an int mesh axis size, got float"
+        assert one_float == (own if res.rank == 1 else "ValueError: mesh: global rank 1 passed an invalid dp or tp; "
+                             "expected positive ints with dp * tp = 2 on every rank"), one_float
+        assert max(t0, t1, t2) < 10, "raised at once, not at the group's timeout"
+        assert (total, dp_ranks, tp_ranks) == (2.0, (res.rank,), (0, 1))
+
+
 def test_bad_input_raises_clear_errors_on_every_rank():
     for res in run_ranks(rank_errors, 2):
         problems, t = res.value

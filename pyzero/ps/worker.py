@@ -49,6 +49,11 @@ class Worker:
                                     or not servers or not all(_is_address(a) for a in servers)):
             raise ValueError(f"servers: expected a non-empty list of (host, port) pairs, one per server, got "
                              f"{servers!r}")
+        if num_servers is not None and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
+                                        or num_servers < 1):
+            raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
+        if servers is not None and num_servers is not None and len(servers) != num_servers:
+            raise ValueError(f"num_servers: {num_servers} servers expected, but servers lists {len(servers)}")
         key = wire.resolve_key(key)
         if servers is None:
             if num_servers is None:

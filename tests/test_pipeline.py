@@ -128,6 +128,28 @@ def test_split_errors():
         pz.pipeline.split_sequential(seq, 2, costs=[1, "2", 3, 4, 5, 6, 7])
 
 
+def test_public_helpers_refuse_what_they_cannot_mean():
+    """balanced_cuts, the schedules and bubble_fraction are public: out of range they returned an
+    empty stage ([0, 1, 2, 2] for 3 stages of 2 layers), negative micro-batch indices or a negative
+    bubble without a word."""
+    P = pz.pipeline
+    assert P.balanced_cuts([1, 2, 3], 2) == [0, 2, 3]
+    cases = [(lambda: P.balanced_cuts([1, 2], 3), ValueError, r"num_stages: expected 1 <= num_stages <= len\(costs\) = 2"),
+             (lambda: P.balanced_cuts([1, 2], 0), ValueError, r"num_stages: expected 1 <= num_stages <= len\(costs\) = 2"),
+             (lambda: P.balanced_cuts([1, 2], 2.0), TypeError, "num_stages: expected an int"),
+             (lambda: P.balanced_cuts([1, "a"], 1), TypeError, r"costs\[1\]: expected a number"),
+             (lambda: P.one_f_one_b(5, 4, 2), ValueError, r"stage: expected 0 <= stage < num_stages = 4, got 5"),
+             (lambda: P.gpipe(-1, 4, 2), ValueError, r"stage: expected 0 <= stage < num_stages = 4, got -1"),
+             (lambda: P.gpipe(0, 4, 0), ValueError, "num_microbatches: expected an int >= 1, got 0"),
+             (lambda: P.one_f_one_b(0, 0, 2), ValueError, "num_stages: expected an int >= 1, got 0"),
+             (lambda: P.bubble_fraction(0, 4), ValueError, "num_stages: expected an int >= 1, got 0"),
+             (lambda: P.bubble_fraction(2, 0), ValueError, "num_microbatches: expected an int >= 1, got 0")]
+    for fn, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern):
+            fn()
+    assert P.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
 # ---------------------------------------------------------------------------
 # Schedules, simulated: unit-time forwards and backwards with their dependencies
 

@@ -33,15 +33,28 @@ from __future__ import annotations
 FORWARD, BACKWARD = "F", "B"
 
 
+def _positive(value, arg: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{arg}: expected an int >= 1, got {value!r}")
+    return value
+
+
+def _check(stage, num_stages, num_microbatches) -> int:
+    _positive(num_stages, "num_stages")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage: expected 0 <= stage < num_stages = {num_stages}, got {stage!r}")
+    return _positive(num_microbatches, "num_microbatches")
+
+
 def gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
     """All forwards, then all backwards (AFAB)."""
-    m = num_microbatches
+    m = _check(stage, num_stages, num_microbatches)
     return [(FORWARD, j) for j in range(m)] + [(BACKWARD, j) for j in range(m)]
 
 
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
     """Warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
-    m = num_microbatches
+    m = _check(stage, num_stages, num_microbatches)
     warmup = min(num_stages - stage - 1, m)
     actions = [(FORWARD, j) for j in range(warmup)]
     for j in range(m - warmup):  # steady state: the forward of j + warmup, then the oldest backward
@@ -79,4 +92,6 @@ def comm_steps(num_actions: int, needs, produces):
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """Idle share of each stage's time in an ideal pipeline: (p - 1) / (m + p - 1)."""
+    _positive(num_stages, "num_stages")
+    _positive(num_microbatches, "num_microbatches")
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

@@ -42,13 +42,25 @@ def _check_costs(costs, n: int) -> list[float]:
     return out
 
 
+def _check_num_stages(num_stages, n: int, what: str) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+        raise TypeError(f"num_stages: expected an int, got {type(num_stages).__name__}")
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"num_stages: expected 1 <= num_stages <= {what} = {n} (every stage needs a layer), "
+                         f"got {num_stages}")
+
+
 def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
     """Stage boundaries [0, b1, ..., len(costs)] of a contiguous partition
     into num_stages non-empty parts whose largest sum is minimal.
 
     O(num_stages * n^2) time for n layers: a few ms for hundreds of layers.
     """
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
+        raise TypeError(f"costs: expected a sequence of numbers (one per layer), got {type(costs).__name__}")
     n = len(costs)
+    costs = _check_costs(costs, n)
+    _check_num_stages(num_stages, n, "len(costs)")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -91,12 +103,8 @@ def split_sequential(seq: nn.Sequential, num_stages: int, costs=None) -> list[nn
     """
     if not isinstance(seq, nn.Sequential):
         raise TypeError(f"seq: expected an nn.Sequential, got {type(seq).__name__}")
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
-        raise TypeError(f"num_stages: expected an int, got {type(num_stages).__name__}")
     n = len(seq)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"num_stages: expected 1 <= num_stages <= len(seq) = {n} (every stage needs a layer), "
-                         f"got {num_stages}")
+    _check_num_stages(num_stages, n, "len(seq)")
     costs = layer_costs(seq) if costs is None else _check_costs(costs, n)
     cuts = balanced_cuts(costs, num_stages)
     named = list(seq.named_children())

@@ -144,6 +144,40 @@ def test_init_matches_one_nn_linear():
         torch.testing.assert_close(res.value["row.weight"], ref.weight.detach()[:, 3 * r:3 * r + 3], rtol=0, atol=0)
 
 
+def rank_frozen():
+    """from_linear of frozen layers (weight, or bias only): the shards stay frozen, and the input
+    gradient still flows through them."""
+    pz.init()
+    out = {}
+    for overlap, sp in CONFIGS:
+        ref = make_mlp()
+        ref.fc1.weight.requires_grad_(False)
+        ref.fc2.bias.requires_grad_(False)
+        opts = dict(sequence_parallel=sp, overlap=overlap)
+        model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
+                    pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+        flags = {n: p.requires_grad for n, p in model.named_parameters()}
+        y, dx, grads = forward_backward(model, *make_data(), sp)
+        out[f"overlap={overlap},sp={sp}"] = (flags, y, dx, grads)
+    return out
+
+
+def test_from_linear_keeps_frozen_parameters_frozen():
+    ref = make_mlp()
+    ref.fc1.weight.requires_grad_(False)
+    ref.fc2.bias.requires_grad_(False)
+    y_ref, dx_ref, grads_ref = forward_backward(ref, *make_data())
+    for res in run_ranks(rank_frozen, 2):
+        for config, (flags, y, dx, grads) in res.value.items():
+            where = f"rank {res.rank}, {config}"
+            assert flags == {"fc1.weight": False, "fc1.bias": True, "fc2.weight": True, "fc2.bias": False}, where
+            torch.testing.assert_close(y, y_ref, **TOL)
+            torch.testing.assert_close(dx, dx_ref, **TOL)
+            assert grads["fc1.weight"] is None and grads["fc2.bias"] is None, where
+            for name in ("fc1.bias", "fc2.weight"):
+                torch.testing.assert_close(grads[name], shard_of(name, grads_ref[name], res.rank, 2), **TOL)
+
+
 # ---------------------------------------------------------------------------
 # Overlapped ops vs their unoverlapped versions and closed-form references
 

@@ -96,6 +96,8 @@ class _Block(nn.Module):
             qkv.weight.copy_(block.qkv.weight[order])
             if qkv.bias is not None:
                 qkv.bias.copy_(block.qkv.bias[order])
+                qkv.bias.requires_grad_(block.qkv.bias.requires_grad)
+            qkv.weight.requires_grad_(block.qkv.weight.requires_grad)  # frozen stays frozen
         opts = dict(group=group, sequence_parallel=sp)
         self.qkv = ptp.ColumnParallelLinear.from_linear(qkv, **opts)
         self.proj = ptp.RowParallelLinear.from_linear(block.proj, **opts)

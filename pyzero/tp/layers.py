@@ -53,14 +53,16 @@ class _ParallelLinear(nn.Module):
         with torch.no_grad():
             w = linear.weight.detach()
             w = w[r * k:(r + 1) * k] if self._split == 0 else w[:, r * k:(r + 1) * k]
-            self.weight = nn.Parameter(w.clone().contiguous())
+            # A frozen weight or bias stays frozen in its shard.
+            self.weight = nn.Parameter(w.clone().contiguous(), requires_grad=linear.weight.requires_grad)
             self.weight.tp_sharded = True  # each TP rank holds a different part (clipping sums them)
             b = linear.bias
             if b is None:
                 self.bias = None
             else:
+                frozen = not b.requires_grad
                 b = b.detach()[r * k:(r + 1) * k] if self._split == 0 else b.detach()
-                self.bias = nn.Parameter(b.clone())
+                self.bias = nn.Parameter(b.clone(), requires_grad=not frozen)
                 self.bias.tp_sharded = self._split == 0  # a row layer's bias is replicated
 
     @classmethod

@@ -378,6 +378,13 @@ def test_worker_call_order_and_argument_errors():
             pz.ps.Worker(make_model(), key=server.key, **kwargs)
     with pytest.raises(ValueError, match="num_servers: expected an int >= 1, got 0"):
         pz.ps.role(0)
+    # serve(idle_timeout=-1) stopped at once, before any worker could join; a string failed inside its loop
+    for bad in (-1, 0, "5", math.inf):
+        idle = pz.ps.Server(make_model(), torch.optim.SGD, 0, 1, lr=1.0)
+        with pytest.raises(ValueError, match=re.escape(f"idle_timeout: expected None or a positive number of "
+                                                       f"seconds, got {bad!r}")):
+            idle.serve(idle_timeout=bad)
+        assert idle.address is None  # refused before it listened
 
 
 def test_worker_refuses_non_fp32_models():

@@ -49,7 +49,9 @@ def serve(model, optimizer_class, num_servers: int, index: int | None = None, po
     Workers authenticate with `key` (default PYZERO_PS_KEY, else a random key server 0 puts in
     the job's store). kwargs: Server's."""
     from .rendezvous import advertised_host, job_key, publish  # noqa: PLC0415
+    from .server import check_idle_timeout  # noqa: PLC0415
 
+    check_idle_timeout(idle_timeout)  # before the server listens and publishes its address
     index = int(os.environ.get("RANK", "0")) if index is None else index
     key = resolve_key(key) or job_key(create=index == 0)
     server = Server(model, optimizer_class, index, num_servers, key=key, **kwargs)

@@ -60,6 +60,12 @@ def describe(params, names) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in zip(names, params)]
 
 
+def check_idle_timeout(idle_timeout) -> None:
+    if idle_timeout is not None and (isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float))
+                                     or not 0 < idle_timeout < math.inf):
+        raise ValueError(f"idle_timeout: expected None or a positive number of seconds, got {idle_timeout!r}")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -400,6 +406,7 @@ class Server:
         """Accept workers until stopped (``stop()``, a worker's stop request, or max_versions
         reached and every worker gone); returns stats(). ``idle_timeout``: also stop after that
         many seconds without any live worker."""
+        check_idle_timeout(idle_timeout)
         if self._listener is None:
             self.bind()
         threads = []

@@ -108,8 +108,11 @@ def main(argv=None) -> int:
     print(p.table(args.top))
     if args.json:
         rows = [{"layout": e.layout.__dict__, "memory": e.memory, "time": e.time} for e in p.ranked]
-        with open(args.json, "w") as f:
-            json.dump({"spec": spec.__dict__, "pruned": dict(p.pruned), "ranked": rows}, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"spec": spec.__dict__, "pruned": dict(p.pruned), "ranked": rows}, f, indent=1)
+        except OSError as e:
+            ap.error(f"--json: cannot write {args.json!r}: {e.strerror or e}")
     return 0 if p.ranked else 1
 
 

@@ -268,6 +268,9 @@ def main(argv=None) -> int:
             ap.error(f"{flag}: expected >= 1, got {v}")
     if not 0 < args.timeout < math.inf:
         ap.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json: the directory of {args.json!r} does not exist (checked before the runs, which it "
+                 "would be written after)")
     if args.model not in PRESETS:
         ap.error(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     try:

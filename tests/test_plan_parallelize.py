@@ -148,6 +148,41 @@ def test_gradients_accumulate_over_train_steps(lay, ref):
             torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r.rank} {key}: {m}")
 
 
+def _microbatch_rank(lay):
+    """One train_step; the batch sizes the model's forward saw, the loss and the gradients."""
+    pz.init(timeout=60)
+    pm = pz.parallelize(model(), lay, torch.optim.SGD, lr=LR)
+    seen = []
+    pm.stage[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    x, y = batch()
+    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(y))]
+    grads = {f"{name}.{k}": p.grad.clone() for name, child in pm.stage.named_children()
+             for k, p in child.named_parameters()} if lay.stage == 0 else None
+    pm.optimizer.step()  # the second loss checks the step the accumulated gradients made (ZeRO's too)
+    pm.optimizer.zero_grad()
+    losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+    return seen[:lay.micro_batches], losses, grads, pm.tp_index
+
+
+@pytest.mark.parametrize("lay", [Layout(dp=2, micro_batch=2, micro_batches=2),
+                                 Layout(tp=2, sp=True, micro_batch=2, micro_batches=4),
+                                 Layout(dp=2, stage=2, micro_batch=1, micro_batches=4)], ids=str)
+def test_micro_batches_without_pipelining_accumulate(lay, ref):
+    """A layout of m micro-batches without pipelining (the planner's gradient accumulation, whose
+    activation memory it predicts for one micro-batch) runs m forwards of micro_batch rows each;
+    the step's loss and gradients equal one process's full batch."""
+    ref_losses, ref_grads = ref
+    results = [r.value for r in run_ranks(_microbatch_rank, 2, args=(lay,), timeout=120)]
+    for seen, losses, grads, tp in results:
+        assert seen == [lay.micro_batch] * lay.micro_batches
+        for key, g in (grads or {}).items():
+            torch.testing.assert_close(g, _reference_slice(ref_grads, key, lay.tp, tp), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{key}: {m}")
+    for step in range(2):  # each DP replica's loss is the mean over its half of the batch
+        replicas = [r[1][step] for r in results if r[3] == 0]
+        assert sum(replicas) / len(replicas) == pytest.approx(ref_losses[step], rel=1e-5)
+
+
 def _bad_rank(lay):
     pz.init(timeout=60)
     try:

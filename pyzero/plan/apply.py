@@ -23,6 +23,8 @@ rank = (pp_i * dp + dp_i) * tp + tp_i. On its stage a rank holds:
   the last stage and their gradients are summed, as Megatron does.
 * Recomputation: "full" checkpoints each block (torch.utils.checkpoint,
   non-reentrant), "selective" only its attention core.
+* Micro-batches without a pipeline: gradient accumulation, one forward and
+  backward per micro-batch (DataParallel under no_sync until the last).
 * DP: ``pz.DataParallel`` (stage 0, no pipeline), ``pz.ZeroOptimizer`` over the
   DP group with ``tp_group`` (stages 1-3), or for stage 0 with a pipeline one
   all-reduce of the gradients after the pipeline flush.
@@ -31,6 +33,8 @@ The embedding and head stay replicated over TP (not vocab-parallel); the
 planner's ``ModelSpec.embedding_tp=False`` describes exactly that.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -244,9 +248,7 @@ class ParallelGPT(nn.Module):
             w.grad = None
         try:
             if self.pipe is None:
-                loss = loss_fn(self(idx), targets)
-                loss.backward()
-                loss = loss.item()
+                loss = self._accumulate(idx, targets, loss_fn)
             else:
                 loss = self.pipe.train_step(idx if self.pipe.is_first else None,
                                             targets if self.pipe.is_last else None, loss_fn)
@@ -256,6 +258,29 @@ class ParallelGPT(nn.Module):
                 if g is not None:
                     w.grad = g if w.grad is None else w.grad.add_(g)
         return loss
+
+    def _accumulate(self, idx, targets, loss_fn) -> float:
+        """Without pipelining: the layout's m micro-batches, one forward and backward each (gradient
+        accumulation, each loss scaled by 1/m), so activations are held for one micro-batch at a time
+        as planned. DataParallel reduces once, after the last; ZeRO reduces as each backward ends."""
+        m = self.layout.micro_batches
+        if m == 1:
+            loss = loss_fn(self(idx), targets)
+            loss.backward()
+            return loss.item()
+        for arg, t in (("idx", idx), ("targets", targets)):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] % m:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{arg}: this replica's batch (dim 0) must split into the layout's "
+                                 f"micro_batches={m} equal parts, got {shape}")
+        total = 0.0
+        for j, (x, y) in enumerate(zip(idx.chunk(m), targets.chunk(m))):
+            last = j == m - 1
+            with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
+                loss = loss_fn(self(x), y) / m
+                loss.backward()
+            total += loss.item()
+        return total
 
     def _sync_grads(self):
         if self._tie_group is not None:  # first and last stage hold the tied embedding: sum their gradients

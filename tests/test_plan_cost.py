@@ -340,6 +340,15 @@ def test_plan_refuses_bad_options(kwargs, match):
         pz.plan(spec, world=2).table(-1)
 
 
+
+def test_plan_searches_a_repeated_option_once():
+    spec = ModelSpec(layers=4, hidden=64, heads=4, vocab=100, seq=32, batch=8)
+    once = pz.plan(spec, world=2, stages=(0,), recompute=("none",), offload=("none",))
+    twice = pz.plan(spec, world=2, stages=(0, 0), recompute=("none", "none"), offload=("none",))
+    assert [e.layout for e in twice.ranked] == [e.layout for e in once.ranked]
+    assert len({e.layout for e in once.ranked}) == len(once.ranked) and twice.pruned == once.pruned
+
+
 def test_gpt3_175b_published_layout():
     """Korthikanti et al. 2022, Table 3: GPT-3 175B on 64 A100 80 GB (8 per node), global batch 64,
     micro-batch 1, sequence 2048: TP=8, PP=8 (DP=1), sequence parallelism + selective recomputation.

@@ -86,7 +86,7 @@ def _choices(values, arg: str, allowed) -> tuple:
     for v in values:
         if isinstance(v, bool) or v not in allowed:
             raise ValueError(f"{arg}: expected values from {allowed}, got {v!r}")
-    return tuple(values)
+    return tuple(dict.fromkeys(values))  # a value given twice is searched once
 
 
 def layouts(spec: ModelSpec, c: Cluster, stages=(0, 1, 2, 3), recompute=RECOMPUTE, offload=OFFLOAD,

@@ -369,6 +369,10 @@ def rank_errors():
         (lambda: TransformerBlock(0, 4), V, "hidden: expected a positive int, got 0"),
         (lambda: TransformerBlock(16, 4, mlp_ratio=0), V, "mlp_ratio: expected a positive int, got 0"),
         (lambda: TransformerBlock(16, "4"), T, "heads: expected an int, got str"),
+        (lambda: pz.tp.causal_attention(torch.randn(4, 2, 10), 3), V,
+         "qkv: expected shape (seq, batch, heads * 3 * head_dim) with heads=3, got (4, 2, 10)"),
+        (lambda: pz.tp.causal_attention(torch.randn(4, 12), 1), V, "qkv: expected shape (seq, batch, "),
+        (lambda: pz.tp.causal_attention(torch.randn(4, 2, 12), 0), V, "heads: expected a positive int, got 0"),
     ]
     problems = []
     for i, (fn, kind, text) in enumerate(cases):

@@ -23,6 +23,12 @@ def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
 
     The per-head layout is what lets a column-parallel split of the qkv weight
     rows hand each rank whole heads."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads: expected a positive int, got {heads!r}")
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] % (3 * heads) \
+            or qkv.shape[-1] == 0:
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv: expected shape (seq, batch, heads * 3 * head_dim) with heads={heads}, got {shape}")
     s, b, _ = qkv.shape
     q, k, v = qkv.view(s, b, heads, 3, -1).permute(3, 1, 2, 0, 4).unbind(0)  # 3 x (b, heads, s, d)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, d)

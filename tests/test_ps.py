@@ -376,8 +376,9 @@ def test_worker_call_order_and_argument_errors():
                           (dict(servers=[addr], num_servers=2), "num_servers: 2 servers expected, but servers lists 1")):
         with pytest.raises(ValueError, match=re.escape(words)):
             pz.ps.Worker(make_model(), key=server.key, **kwargs)
-    with pytest.raises(ValueError, match="num_servers: expected an int >= 1, got 0"):
-        pz.ps.role(0)
+    for fn in (pz.ps.role, pz.ps.stats, pz.ps.stop):  # stats(0) and stop(0) asked no server, without a word
+        with pytest.raises(ValueError, match="num_servers: expected an int >= 1, got 0"):
+            fn(0)
     # serve(idle_timeout=-1) stopped at once, before any worker could join; a string failed inside its loop
     for bad in (-1, 0, "5", math.inf):
         idle = pz.ps.Server(make_model(), torch.optim.SGD, 0, 1, lr=1.0)

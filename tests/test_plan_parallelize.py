@@ -166,7 +166,8 @@ def _microbatch_rank(lay):
 
 @pytest.mark.parametrize("lay", [Layout(dp=2, micro_batch=2, micro_batches=2),
                                  Layout(tp=2, sp=True, micro_batch=2, micro_batches=4),
-                                 Layout(dp=2, stage=2, micro_batch=1, micro_batches=4)], ids=str)
+                                 Layout(dp=2, stage=2, micro_batch=1, micro_batches=4),
+                                 Layout(dp=2, stage=3, micro_batch=2, micro_batches=2)], ids=str)
 def test_micro_batches_without_pipelining_accumulate(lay, ref):
     """A layout of m micro-batches without pipelining (the planner's gradient accumulation, whose
     activation memory it predicts for one micro-batch) runs m forwards of micro_batch rows each;

@@ -373,7 +373,8 @@ def test_worker_call_order_and_argument_errors():
                           (dict(servers=["localhost"]), "servers: expected a non-empty list of (host, port)"),
                           (dict(servers=[addr], timeout=-1), "timeout: expected a positive number of seconds"),
                           (dict(num_servers=0), "num_servers: expected an int >= 1, got 0"),
-                          (dict(servers=[addr], num_servers=2), "num_servers: 2 servers expected, but servers lists 1")):
+                          (dict(servers=[addr], num_servers=2),
+                           "num_servers: 2 servers expected, but servers lists 1")):
         with pytest.raises(ValueError, match=re.escape(words)):
             pz.ps.Worker(make_model(), key=server.key, **kwargs)
     for fn in (pz.ps.role, pz.ps.stats, pz.ps.stop):  # stats(0) and stop(0) asked no server, without a word

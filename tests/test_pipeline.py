@@ -446,6 +446,29 @@ def test_bad_input_raises_on_every_rank():
     assert results[0].value["after"] is None
 
 
+def rank_detached_loss():
+    pz.init(timeout=20)
+    r = pz.get_rank()
+    stage = pz.pipeline.split_sequential(make_model(), 2)[r]
+    pipe = pz.pipeline.Pipeline(stage, 2)
+    x, y = make_batch(1, 4, "mse")
+    try:
+        pipe.train_step(x, y, lambda out, t: F.mse_loss(out, t).detach())
+        return None, {n: p.grad for n, p in stage.named_parameters()}
+    except Exception as e:  # noqa: BLE001  (the first stage fails as its peer exits: any error)
+        return f"{type(e).__name__}: {e}", None
+
+
+def test_loss_cut_from_the_graph_raises():
+    """A loss_fn whose loss does not require grad (detached, or computed under no_grad) left every
+    gradient None or zero and reported the loss as usual; plain loss.backward() raises. The last
+    stage raises naming loss_fn; its peers fail as it leaves the pipeline."""
+    first, last = (res.value for res in run_ranks(rank_detached_loss, 2, timeout=60))
+    assert last[0] is not None and last[0].startswith("TypeError: loss_fn: the loss of micro-batch 0 does not "
+                                                      "require grad"), last
+    assert first[0] is not None, first
+
+
 # ---------------------------------------------------------------------------
 # The measured bubble follows (p - 1) / (m + p - 1) when stages take known time
 

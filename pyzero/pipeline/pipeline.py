@@ -133,6 +133,7 @@ class Pipeline:
         outbox: dict[tuple, torch.Tensor] = {}  # messages to send, until their group goes out
         sends_in_flight: list = []  # Works of send-only groups, waited at the end
         busy, max_inflight, loss_sum = 0.0, 0, 0.0  # loss_sum becomes a tensor: no host sync per micro-batch
+        trainable = self.is_last and any(p.requires_grad for p in self.module.parameters())
 
         def needs(i):
             op, j = actions[i]
@@ -160,6 +161,10 @@ class Pipeline:
                     out = self.module(x)
                     if self.is_last:
                         loss = _check_loss(loss_fn(out, ys[j]))
+                        if not loss.requires_grad and (x.requires_grad or trainable):
+                            raise TypeError(f"loss_fn: the loss of micro-batch {j} does not require grad (detached, "
+                                            "or computed under no_grad) while the stage's input or parameters do: "
+                                            "every gradient would be zero; expected the loss tensor itself")
                         loss_sum = loss_sum + loss.detach()
                         out = loss / m
                 busy += time.perf_counter() - t0

@@ -43,6 +43,8 @@ def test_cli_ranks_layouts(tmp_path):
                                          (["validate", "--timeout", "-5"], "--timeout"),
                                          (["validate", "--timeout", "nan"], "--timeout"),
                                          (["validate", "--json", "/nonexistent/v.json"], "--json"),
+                                         (["validate", "--nproc", "2", "--layouts", "dp2 tp1 pp1 zero9 b4x1"],
+                                          "--layouts"),
                                          (["--model", "gpt2-1.5b", "--world", "8", "--stages", "0,x"], "--stages"),
                                          (["--model", "gpt2-1.5b", "--world", "8", "--stages", ""], "--stages"),
                                          (["--model", "gpt2-1.5b", "--world", "8", "--top", "-1"], "--top"),

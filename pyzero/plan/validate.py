@@ -288,6 +288,11 @@ def main(argv=None) -> int:
         ap.error(f"--table: {e}")
     by_size = {t.world: t for t in reversed(tables)}
     config = PRESETS[args.model]
+    if args.layouts:
+        runnable = [str(lay) for n in nprocs for lay in runnable_layouts(n, config.n_layer, config.n_head, args.batch)]
+        unknown = [name for name in args.layouts.split(";") if name not in runnable]
+        if unknown:
+            ap.error(f"--layouts: {unknown} not among the runnable layouts of --nproc {args.nproc}: {runnable}")
     spec = to_spec(make_gpt(args.model), seq=args.seq, batch=args.batch).with_(embedding_tp=False, fused_attention=True)
     cores = os.cpu_count() or 1
     flops1 = _measure_flops(config.n_embd, args.batch * args.seq)

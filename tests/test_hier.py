@@ -318,6 +318,67 @@ def test_mismatched_calls_raise_on_every_rank():
         assert r.value["auto"][0] == "ok", r.value["auto"]
 
 
+P2P_MISMATCH = {  # case: (what rank 0 sends, what rank 1 receives into)
+    "fewer": (torch.arange(5.0), torch.full((6,), -1.0)),
+    "more": (torch.arange(6.0), torch.full((5,), -1.0)),
+    "dtype": (torch.arange(4.0), torch.full((4,), -1, dtype=torch.int32)),
+    "empty_sent": (torch.zeros(0), torch.full((3,), -1.0)),
+    "empty_expected": (torch.arange(3.0), torch.zeros(0)),
+}
+
+
+def _rank_p2p_across_hosts():
+    pz.init(timeout=10)
+    me, out = pz.get_rank(), {}
+    for case, (sent, expected) in P2P_MISMATCH.items():
+        if me == 0:
+            out[case] = outcome(lambda: pz.send(sent, dst=1))
+        else:
+            buf = expected.clone()
+            out[case] = outcome(lambda: pz.recv(buf, src=0))
+            out[case + "/untouched"] = torch.equal(buf, expected)
+        # the pair stays in step: the next message arrives whole
+        if me == 0:
+            pz.send(torch.arange(3.0) + 100, dst=1)
+        else:
+            got = torch.zeros(3)
+            pz.recv(got, src=0)
+            out[case + "/after"] = got.tolist()
+    # empty messages asynchronously: a Work to wait on, like any other
+    works = [pz.send(torch.zeros(0), dst=1, async_op=True) if me == 0 else
+             pz.recv(torch.zeros(0), src=0, async_op=True)]
+    works.append(pz.send(torch.arange(2.0), dst=1, async_op=True) if me == 0 else
+                 pz.recv(got := torch.zeros(2), src=0, async_op=True))
+    out["async"] = [outcome(w.wait) for w in works]
+    if me == 1:
+        out["async/got"] = got.tolist()
+    t = torch.full((3,), float(me + 1))
+    pz.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    return out
+
+
+def test_send_recv_across_hosts_that_disagree_raise_on_the_receiver():
+    """A send and its receive across hosts that differ in size or dtype: the receiver raises naming both (as
+    on one host), its buffer untouched, never a partial message, a reinterpreted one or an aborted process;
+    the pair and the group go on."""
+    res = run_ranks(simulated, 2, args=(_rank_p2p_across_hosts,), kwargs={"per_host": 1}, timeout=60)
+    sender, receiver = res[0].value, res[1].value
+    for case, (sent, expected) in P2P_MISMATCH.items():
+        assert sender[case] == ("ok", None), (case, sender[case])
+        etype, msg = receiver[case]
+        assert etype == "CollectiveError", (case, receiver[case])
+        for words in ("mismatched send/recv", "rank 0", f"sent {sent.numel()} elements of "
+                      f"{str(sent.dtype)[6:]}", f"expected {expected.numel()} elements of {str(expected.dtype)[6:]}"):
+            assert words in msg, (case, words, msg)
+        assert receiver[case + "/untouched"], case
+        assert receiver[case + "/after"] == [100.0, 101.0, 102.0], case
+    for v in (sender, receiver):
+        assert v["async"] == [("ok", None)] * 2, v["async"]
+        assert v["all_reduce"] == [3.0] * 3
+    assert receiver["async/got"] == [0.0, 1.0]
+
+
 # ---------------------------------------------------------------------------
 # Training over 2 x 2 equals one process (the single-host suites' models and references)
 

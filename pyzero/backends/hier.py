@@ -33,9 +33,11 @@ check: one small inter-host message less per call).
 
 Collectives run in order on one worker thread per group (an async call
 returns at once; the shm and gloo calls inside release the GIL); send/recv
-bypass it (see HierBackend.send). A failure (a dead or stuck peer) is raised
-as CollectiveTimeout naming the ranks that did not answer a store probe
-afterwards (see [Note: hier failure probe]); the group is then unusable.
+bypass it (see HierBackend.send; a receive from another host runs on a thread
+per peer, which checks the message's size and dtype first: [Note: hier send
+header]). A failure (a dead or stuck peer) is raised as CollectiveTimeout
+naming the ranks that did not answer a store probe afterwards (see
+[Note: hier failure probe]); the group is then unusable.
 
 ``stats()`` counts, per collective, what this rank sent in total, and under
 the extra keys "intra_host" and "inter_host" the bytes it sent inside and
@@ -58,6 +60,8 @@ import torch
 import torch.distributed as dist
 
 from ..backend import (
+    DTYPE_NAMES,
+    DTYPES,
     OPS,
     TORCH_DTYPES,
     Backend,
@@ -65,6 +69,7 @@ from ..backend import (
     CollectiveError,
     CollectiveTimeout,
     GroupSetup,
+    RawGroup,
     check_contiguous,
     tensor_code,
 )
@@ -96,7 +101,8 @@ _PROBE_S = 3.0  # at most this long a failed rank waits for its peers to report 
 
 
 class _Mismatch(Exception):
-    """The ranks of a group made different calls (found by HierBackend._check_call on every rank)."""
+    """The ranks of a group made different calls (found by HierBackend._check_call on every rank), or a
+    send and its receive across hosts disagree (found by the receiver, HierBackend._recv_inter)."""
 
 
 def _show(field: int, v: int) -> str:
@@ -133,6 +139,8 @@ class _P2P:
     def wait(self, *_):
         try:
             self.raw.wait()
+        except _Mismatch as e:  # a send and its recv that disagree: the message was discarded, the pair goes on
+            raise CollectiveError(str(e)) from None
         except (CollectiveError, RuntimeError) as e:
             self.backend.broken = f"{self.kind}: {e}"
             raise self.backend._failed(self.kind, e) from e
@@ -158,6 +166,16 @@ class _Pending:
 
     def is_completed(self) -> bool:
         return self.fut.done()
+
+
+def _serve(q: queue.SimpleQueue) -> None:
+    """Run the (function, future) items of `q` in order, until None."""
+    while (item := q.get()) is not None:
+        fn, fut = item
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
 
 
 def tensor_of(b: Buffer) -> torch.Tensor:
@@ -220,8 +238,9 @@ class HierBackend(Backend):
         # One daemon worker runs the calls in order (a ThreadPoolExecutor's worker would be joined at
         # interpreter exit, holding it up for the timeout behind a call stuck on a dead peer).
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.worker = threading.Thread(target=self._serve, name="pz-hier", daemon=True)
+        self.worker = threading.Thread(target=_serve, args=(self.queue,), name="pz-hier", daemon=True)
         self.worker.start()
+        self.receivers: dict[int, queue.SimpleQueue] = {}  # peer on another host -> its receiving thread's queue
 
     @classmethod
     def create(cls, setup: GroupSetup) -> "HierBackend":
@@ -252,18 +271,11 @@ class HierBackend(Backend):
 
     # ---- plumbing ----
 
-    def _submit(self, fn) -> concurrent.futures.Future:
+    def _submit(self, fn, q: queue.SimpleQueue | None = None) -> concurrent.futures.Future:
+        """Run `fn` on the worker (or on the thread serving `q`) after what was queued before it."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((fn, fut))
+        (self.queue if q is None else q).put((fn, fut))
         return fut
-
-    def _serve(self) -> None:
-        while (item := self.queue.get()) is not None:
-            fn, fut = item
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-                fut.set_exception(e)
 
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
         code = tensor_code(x, arg)
@@ -590,19 +602,56 @@ class HierBackend(Backend):
         if peer in self.local and self.intra is not None:
             fn = self.intra.send if kind == "send" else self.intra.recv
             raw = fn(self.buffer(x, "tensor"), self.local.index(peer), True)
-        elif x.numel():
-            fn = self.full.send if kind == "send" else self.full.recv
-            raw = fn([_bytes(x)], peer, 0)
-            if kind == "send":
-                self._count("inter_host", 0, x.numel() * x.element_size())
-                self._count(kind, 0, x.numel() * x.element_size(), calls=0)
-        else:
-            return None
+        elif kind == "send":
+            raw = self._send_inter(x, peer)
+        else:  # in order per peer, on a thread of its own: the data's size is known once the header is in
+            q = self.receivers.get(peer)
+            if q is None:
+                q = self.receivers[peer] = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(q,), name=f"pz-hier-recv{peer}", daemon=True).start()
+            raw = _Pending(self._submit(lambda: self._recv_inter(x, peer), q))
         handle = _P2P(self, kind, raw)
         if async_op:
             return handle
         handle.wait()
         return None
+
+    # [Note: hier send header] Across hosts every message is its element count and dtype code (two int64)
+    # followed by the data (if any), both over gloo, which matches them in order per pair. The receiver
+    # takes the data only when both agree with its buffer; otherwise it reads the data into scratch
+    # memory and raises, naming both, as the shm transport does (gloo itself would deliver a shorter
+    # message as a partial one, a different dtype reinterpreted, and abort the process on a longer one).
+
+    def _send_inter(self, x: torch.Tensor, peer: int):
+        head = torch.tensor([x.numel(), DTYPES[x.dtype]], dtype=torch.int64)
+        raws = [self.full.send([head], peer, 0)]
+        if x.numel():
+            raws.append(self.full.send([_bytes(x)], peer, 0))
+            self._count("inter_host", 0, x.numel() * x.element_size())
+            self._count("send", 0, x.numel() * x.element_size(), calls=0)
+        return RawGroup(raws)
+
+    def _recv_inter(self, x: torch.Tensor, peer: int) -> None:
+        """Receive one message from `peer` on another host into `x` (the peer's receiving thread)."""
+        full = self.full
+        if full is None:
+            raise CollectiveError(f"recv: the group is unusable after an earlier failure: {self.broken}")
+        head = torch.empty(2, dtype=torch.int64)
+        full.recv([head], peer, 0).wait()
+        count, code = head.tolist()
+        mine = DTYPES[x.dtype]
+        if count == x.numel() and code == mine:
+            if count:
+                full.recv([_bytes(x)], peer, 0).wait()
+            return
+        who = f"rank {self.global_ranks[peer]}"
+        if code not in TORCH_DTYPES or count < 0:
+            raise CollectiveError(f"recv: {who} sent a malformed header (count {count}, dtype code {code})")
+        if count:
+            full.recv([torch.empty(count * TORCH_DTYPES[code].itemsize, dtype=torch.uint8)], peer, 0).wait()
+        raise _Mismatch(f"recv (rank {self.rank} of {self.size}): mismatched send/recv: {who} sent {count} "
+                        f"elements of {DTYPE_NAMES[code]}, this rank expected {x.numel()} elements of "
+                        f"{DTYPE_NAMES[mine]} (the message was discarded)")
 
     # ---- stats and teardown ----
 
@@ -620,6 +669,8 @@ class HierBackend(Backend):
 
     def close(self):
         self.closed = True
+        for q in self.receivers.values():
+            q.put(None)
         if self.worker.is_alive():
             self.queue.put(None)
             if self.broken is None:

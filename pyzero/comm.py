@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
+import operator
 import os
 import secrets
 import time
@@ -272,10 +274,13 @@ def _settle(store, rank: int, size: int, join_timeout: float, failed: bool) -> N
         pass
 
 
-def _make_group(ranks: tuple[int, ...], options: Options) -> Group:
+def _make_group(ranks: tuple[int, ...], options: Options, agree: bool = False) -> Group:
+    """`agree`: first check that the ranks agree on `ranks` (a new_group; the world group needs not)."""
     w = _world
     gid = w.next_gid
-    w.next_gid += 1
+    w.next_gid += 1  # consumed even if the ranks disagree: every rank's next group takes the next id
+    if agree:
+        _agree_on_ranks(w, gid, ranks)
     if w.rank not in ranks:
         return Group(ranks, -1, gid, options=options)
     me = ranks.index(w.rank)
@@ -341,16 +346,51 @@ def destroy() -> None:
 
 
 def new_group(ranks: Sequence[int], options=None) -> Group:
-    """A subgroup of the world; every rank of the world must call this, in the same order.
-    ``options`` (pz.Options or a dict) overrides the world's options for this group."""
+    """A subgroup of the world; every rank of the world must call this, in the same order, with the
+    same ranks (their order is the group's). ``options`` (pz.Options or a dict) overrides the world's
+    options for this group."""
     w = _require_init()
     try:
-        ranks = tuple(int(r) for r in ranks)
-    except (TypeError, ValueError):
-        raise TypeError(f"ranks: expected a sequence of ints, got {ranks!r}") from None
+        if isinstance(ranks, (str, bytes)):
+            raise TypeError
+        given = tuple(ranks)  # an iterator is read once
+        if any(isinstance(r, bool) for r in given):
+            raise TypeError
+        ranks = tuple(operator.index(r) for r in given)
+    except TypeError:
+        raise TypeError(f"ranks: expected a sequence of int global ranks, got {ranks!r}") from None
     if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < w.size for r in ranks):
         raise ValueError(f"ranks: expected distinct global ranks in [0, {w.size}), got {list(ranks)}")
-    return _make_group(ranks, Options.make(options).merged(w.options))
+    return _make_group(ranks, Options.make(options).merged(w.options), agree=True)
+
+
+def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
+    """Every rank publishes the ranks it gave new_group; a member then checks that the other members gave
+    the same (ranks that disagree would otherwise set up different transports, which fail obscurely or
+    wait for the timeout)."""
+    key = f"pz/g{gid}/ranks"
+    w.store.set(f"{key}/{w.rank}", json.dumps(ranks))
+    if w.rank not in ranks:
+        return
+    from torch.distributed import DistError  # noqa: PLC0415
+
+    try:
+        w.store.wait([f"{key}/{r}" for r in ranks], datetime.timedelta(seconds=w.timeout))
+    except DistError:
+        absent = [r for r in ranks if not w.store.check([f"{key}/{r}"])]
+        raise CollectiveTimeout(f"new_group({list(ranks)}): ranks {absent} did not call new_group within "
+                                f"timeout={w.timeout:g} s (every rank of the world calls it, in the same "
+                                "order)") from None
+    bad = []
+    for r in ranks:
+        theirs = _topology.peer_json(w.store.get(f"{key}/{r}"), f"{key}/{r}", lambda v: type(v) is list
+                                     and all(type(x) is int for x in v), "a list of ranks")
+        if theirs != list(ranks):
+            bad.append(f"rank {r} gave {theirs}")
+    if bad:
+        raise CollectiveError(f"new_group: the ranks disagree on the group's ranks (every rank of the world calls "
+                              f"new_group with the same ranks, in the same order): this rank ({w.rank}) gave "
+                              f"{list(ranks)}, " + ", ".join(bad))
 
 
 _STORE_BACKENDS = ("shm", "ipc", "nccl")

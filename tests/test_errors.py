@@ -96,6 +96,9 @@ BAD_ARGS = {
     "new_group_bad_ranks": ("ValueError", ["ranks"]),
     "new_group_duplicates": ("ValueError", ["ranks"]),
     "new_group_empty": ("ValueError", ["ranks"]),
+    "new_group_string": ("TypeError", ["ranks", "'01'"]),
+    "new_group_float": ("TypeError", ["ranks", "1.5"]),
+    "new_group_bool": ("TypeError", ["ranks", "True"]),
     "send_to_self": ("ValueError", ["dst"]),
     "recv_from_self": ("ValueError", ["src"]),
     "send_dst_out_of_range": ("ValueError", ["dst"]),
@@ -205,6 +208,9 @@ def _rank_bad_args():
     o["new_group_bad_ranks"] = outcome(lambda: pz.new_group([0, n]))
     o["new_group_duplicates"] = outcome(lambda: pz.new_group([0, 0]))
     o["new_group_empty"] = outcome(lambda: pz.new_group([]))
+    o["new_group_string"] = outcome(lambda: pz.new_group("01"))
+    o["new_group_float"] = outcome(lambda: pz.new_group([0, 1.5]))
+    o["new_group_bool"] = outcome(lambda: pz.new_group([True]))
     o["send_to_self"] = outcome(lambda: pz.send(t, dst=me))
     o["recv_from_self"] = outcome(lambda: pz.recv(t, src=me))
     o["send_dst_out_of_range"] = outcome(lambda: pz.send(t, dst=n + 3))
@@ -321,6 +327,37 @@ def test_mismatched_collectives(world):
         odd = world - 1
         assert f"rank {odd}" in msg if r.rank != odd else "rank 0" in msg, msg
     assert "p2p" in results[1].value["outcomes"]
+
+
+def _rank_new_group_disagree():
+    pz.init(timeout=20)
+    me, o = pz.get_rank(), {}
+    t0 = time.monotonic()
+    o["order"] = outcome(lambda: pz.new_group([0, 1] if me == 0 else [1, 0]))
+    o["members"] = outcome(lambda: pz.new_group((0, 1) if me == 0 else (0,)))  # a tuple is a sequence too
+    o["seconds"] = time.monotonic() - t0
+    g = pz.new_group(r for r in (1, 0))  # agreeing calls still make a group (ranks from an iterator too)
+    x = torch.full((3,), float(me + 1))
+    pz.all_reduce(x, group=g)
+    o["after"] = (g.rank, x.tolist())
+    return o
+
+
+def test_new_group_ranks_that_disagree_raise_on_the_members():
+    """Ranks that give new_group different member lists (or orders) fail with an error naming both lists,
+    at once, not an obscure transport error on one and a store timeout on the other; a rank outside
+    the group it asked for gets its non-member group."""
+    res = [r.value for r in run_ranks(_rank_new_group_disagree, 2, timeout=60)]
+    for me, v in enumerate(res):
+        etype, msg = v["order"]
+        assert etype == "CollectiveError", v["order"]
+        for words in ("new_group", "ranks", "[0, 1]", "[1, 0]", f"rank {1 - me} gave"):
+            assert words in msg, (words, msg)
+        assert v["seconds"] < 10, v
+        assert v["after"] == (1 - me, [3.0] * 3), v
+    etype, msg = res[0]["members"]
+    assert etype == "CollectiveError" and "rank 1 gave [0]" in msg, res[0]["members"]
+    assert res[1]["members"] == ("ok", None)
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import operator
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple, Sequence
 
@@ -105,8 +106,8 @@ def check_same_dtype(b: Buffer, ref: Buffer, arg: str, ref_arg: str) -> None:
 
 def check_counts(counts, n: int, total: int, arg_total: str) -> list[int]:
     try:
-        counts = [int(c) for c in counts]
-    except (TypeError, ValueError):
+        counts = [operator.index(c) for c in counts]  # ints (or integer scalars), never a float cut down
+    except TypeError:
         raise TypeError(f"counts: expected a sequence of {n} ints, got {counts!r}") from None
     if len(counts) != n or any(c < 0 for c in counts):
         raise ValueError(f"counts: expected {n} non-negative ints (one per rank of the group), got {counts}")

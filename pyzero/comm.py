@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import operator
 import os
 import secrets
@@ -191,12 +192,13 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     global _world
     if _world is not None:
         raise RuntimeError("pz.init(): already initialised; call pz.destroy() first")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
     if join_timeout is None:
         join_timeout = max(float(timeout), 60.0)
-    elif not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool) or join_timeout <= 0:
-        raise ValueError(f"join_timeout: expected a positive number of seconds or None, got {join_timeout!r}")
+    elif (not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool)
+          or not 0 < join_timeout < math.inf):
+        raise ValueError(f"join_timeout: expected a positive, finite number of seconds or None, got {join_timeout!r}")
     opts = Options.make(options)
     if backend is not None:
         backends.backend_class(backend)  # a bad name fails before any rendezvous
@@ -600,6 +602,9 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
     that both send first wait for each other forever. All ops in one group."""
     if not isinstance(ops, (list, tuple)) or not ops:
         raise ValueError("ops: expected a non-empty list of pz.P2POp")
+    for i, o in enumerate(ops):
+        if not isinstance(o, P2POp):
+            raise TypeError(f"ops[{i}]: expected a pz.P2POp, got {type(o).__name__}")
     groups_ = {id(resolve_group(o.group)) for o in ops}
     if len(groups_) != 1:
         raise ValueError("ops: every P2POp must use the same group")

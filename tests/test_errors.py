@@ -49,6 +49,9 @@ BAD_ARGS = {
     "before_init_comm_stats": ("RuntimeError", ["pz.init"]),
     "init_bad_timeout": ("ValueError", ["timeout"]),
     "init_bad_join_timeout": ("ValueError", ["join_timeout", "positive"]),
+    "init_nan_timeout": ("ValueError", ["timeout", "nan"]),
+    "init_inf_timeout": ("ValueError", ["timeout", "inf"]),
+    "init_nan_join_timeout": ("ValueError", ["join_timeout", "nan"]),
     "init_bad_backend": ("ValueError", ["backend"]),
     "init_twice": ("RuntimeError", ["already"]),
     "non_tensor": ("TypeError", ["tensor"]),
@@ -78,6 +81,8 @@ BAD_ARGS = {
     "counts_negative": ("ValueError", ["counts"]),
     "counts_wrong_sum": ("ValueError", ["counts", "sum"]),
     "counts_not_ints": ("TypeError", ["counts"]),
+    "counts_floats": ("TypeError", ["counts"]),
+    "ag_counts_floats": ("TypeError", ["counts"]),
     "ag_counts_wrong_sum": ("ValueError", ["counts"]),
     "ag_counts_wrong_length": ("ValueError", ["counts"]),
     "rs_counts_mine_wrong": ("ValueError", ["out", "counts"]),
@@ -102,6 +107,7 @@ BAD_ARGS = {
     "send_to_self": ("ValueError", ["dst"]),
     "recv_from_self": ("ValueError", ["src"]),
     "send_dst_out_of_range": ("ValueError", ["dst"]),
+    "batch_not_p2pop": ("TypeError", ["ops[0]", "P2POp", "tuple"]),
     # world >= 2 only
     "non_member_all_reduce": ("ValueError", ["group", "not a member"]),
     "non_member_barrier": ("ValueError", ["group", "not a member"]),
@@ -130,6 +136,9 @@ def _rank_bad_args():
     o["before_init_comm_stats"] = outcome(lambda: pz.comm_stats())
     o["init_bad_timeout"] = outcome(lambda: pz.init(timeout=-1))
     o["init_bad_join_timeout"] = outcome(lambda: pz.init(timeout=30, join_timeout=0))
+    o["init_nan_timeout"] = outcome(lambda: pz.init(timeout=float("nan")))
+    o["init_inf_timeout"] = outcome(lambda: pz.init(timeout=float("inf")))
+    o["init_nan_join_timeout"] = outcome(lambda: pz.init(timeout=30, join_timeout=float("nan")))
     o["init_bad_backend"] = outcome(lambda: pz.init(backend="gloo"))
     assert not pz.is_initialized()
     pz.init(timeout=30)
@@ -168,6 +177,8 @@ def _rank_bad_args():
                                                               if n > 1 else [-k]))
     o["counts_wrong_sum"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n - 1) + [k + 1]))
     o["counts_not_ints"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=["a"] * n))
+    o["counts_floats"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k + 0.5] * n))
+    o["ag_counts_floats"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[float(k)] * n))
     o["ag_counts_wrong_sum"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k),
                                                              counts=[k] * (n - 1) + [k - 1]))
     o["ag_counts_wrong_length"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[n * k]
@@ -214,6 +225,7 @@ def _rank_bad_args():
     o["send_to_self"] = outcome(lambda: pz.send(t, dst=me))
     o["recv_from_self"] = outcome(lambda: pz.recv(t, src=me))
     o["send_dst_out_of_range"] = outcome(lambda: pz.send(t, dst=n + 3))
+    o["batch_not_p2pop"] = outcome(lambda: pz.batch_isend_irecv([("send", t, 0)]))
     if n > 1:
         if me != 0:
             o["non_member_all_reduce"] = outcome(lambda: pz.all_reduce(t, group=g0))

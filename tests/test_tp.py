@@ -332,6 +332,30 @@ def test_symmetric_gather_reads_peers_in_place():
             torch.testing.assert_close(blocks[c], torch.full((4, 3), float(c)), rtol=0, atol=0)
 
 
+def rank_empty_first_fused_call():
+    """A group's first fused calls have no rows (an empty batch), then a real one."""
+    pz.init()
+    r = pz.get_rank()
+    w = torch.arange(12.0).view(3, 4)
+    out = {}
+    for sym in (True, False):
+        g = pz.new_group(range(pz.get_world_size()), options={"symmetric": sym})
+        out[sym] = [pz.tp.all_gather_matmul(torch.zeros(0, 4), w, group=g),
+                    pz.tp.matmul_reduce_scatter(torch.zeros(0, 4), w, group=g),
+                    pz.tp.all_gather_matmul(torch.full((2, 4), float(r + 1)), w, group=g)]
+    return out
+
+
+def test_fused_ops_take_an_empty_first_call():
+    """Before, an empty first call on symmetric buffers (none made yet) raised IndexError."""
+    n, w = 2, torch.arange(12.0).view(3, 4)
+    want = torch.cat([torch.full((2, 4), float(c + 1)) for c in range(n)]) @ w.t()
+    for res in run_ranks(rank_empty_first_fused_call, n):
+        for sym, (ag0, rs0, ag) in res.value.items():
+            assert ag0.shape == (0, 3) and rs0.shape == (0, 3), (sym, ag0.shape, rs0.shape)
+            torch.testing.assert_close(ag, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------
 # Bad input: a clear error on every rank, and the group still works afterwards
 

@@ -315,6 +315,8 @@ def test_mismatched_calls_raise_on_every_rank():
             etype, msg = r.value[case]
             assert etype == "CollectiveError" and f"the ranks differ in {field}" in msg, (r.rank, case, msg)
             assert r.value[case + "/after"] == [6.0] * 5, (r.rank, case)
+        assert "op or root (sum .. max)" in r.value["op"][1], r.value["op"]  # ops by name, roots by number
+        assert "op or root (0 .. 1)" in r.value["root"][1], r.value["root"]
         assert r.value["auto"][0] == "ok", r.value["auto"]
 
 

@@ -105,11 +105,15 @@ class _Mismatch(Exception):
     send and its receive across hosts disagree (found by the receiver, HierBackend._recv_inter)."""
 
 
-def _show(field: int, v: int) -> str:
+def _show(field: int, v: int, kind: int | None = None) -> str:
+    """Field `field` of a call descriptor; `kind`, the collective every rank called (if they agree), tells
+    an op (by name) from a root (a number)."""
     if field == 0 and 0 <= v < len(_KINDS):
         return _KINDS[v]
     if field == 3 and v in TORCH_DTYPES:
         return str(TORCH_DTYPES[v]).replace("torch.", "")
+    if field == 4 and kind in (_KINDS.index("all_reduce"), _KINDS.index("reduce_scatter")) and v in _OP_NAMES:
+        return _OP_NAMES[v]
     return str(v)
 
 
@@ -381,7 +385,8 @@ class HierBackend(Backend):
         self._fold_intra(self.current, collectives=False)  # comm_stats() counts data, not these checks
         n = len(_FIELDS)
         hi, lo = v[:n].tolist(), [-x for x in v[n:].tolist()]
-        bad = [f"{_FIELDS[i]} ({_show(i, lo[i])} .. {_show(i, hi[i])})" for i in range(n)
+        kind = hi[0] if hi[0] == lo[0] else None
+        bad = [f"{_FIELDS[i]} ({_show(i, lo[i], kind)} .. {_show(i, hi[i], kind)})" for i in range(n)
                if hi[i] != _UNSET and hi[i] != lo[i]]
         if bad:
             mine = _show(0, desc[0])

@@ -381,6 +381,36 @@ def test_send_recv_across_hosts_that_disagree_raise_on_the_receiver():
     assert receiver["async/got"] == [0.0, 1.0]
 
 
+def _rank_p2p_inside_host():
+    pz.init(timeout=10)
+    me, out = pz.get_rank(), {}
+    if me == 0:  # rank 1 shares its host
+        pz.send(torch.arange(5.0), dst=1)
+        pz.send(torch.arange(3.0) + 100, dst=1)
+    elif me == 1:
+        out["mismatch"] = outcome(lambda: pz.recv(torch.zeros(6), src=0))
+        got = torch.zeros(3)
+        out["next"] = outcome(lambda: pz.recv(got, src=0))
+        out["next/got"] = got.tolist()
+    t = torch.full((3,), float(me + 1))
+    out["all_reduce"] = outcome(lambda: pz.all_reduce(t))
+    out["all_reduce/got"] = t.tolist()
+    return out
+
+
+def test_send_recv_inside_a_host_that_disagree_leave_the_group_usable():
+    """A mismatched send/recv between two ranks of one host raises on the receiver (the shm transport
+    discards the message, as on one host); before, the hier group took it for a failure, broke itself and
+    every rank's next collective failed, naming live ranks as dead."""
+    res = run_ranks(simulated, 4, args=(_rank_p2p_inside_host,), timeout=60)
+    etype, msg = res[1].value["mismatch"]
+    assert etype == "CollectiveError" and "mismatched send/recv" in msg and "did not respond" not in msg, msg
+    assert res[1].value["next"] == ("ok", None) and res[1].value["next/got"] == [100.0, 101.0, 102.0]
+    for r in res:
+        assert r.value["all_reduce"] == ("ok", None), (r.rank, r.value["all_reduce"])
+        assert r.value["all_reduce/got"] == [10.0] * 3
+
+
 # ---------------------------------------------------------------------------
 # Training over 2 x 2 equals one process (the single-host suites' models and references)
 

@@ -146,6 +146,8 @@ class _P2P:
         except _Mismatch as e:  # a send and its recv that disagree: the message was discarded, the pair goes on
             raise CollectiveError(str(e)) from None
         except (CollectiveError, RuntimeError) as e:
+            if type(e) is CollectiveError and "mismatched send/recv" in str(e):  # the same inside the host (shm)
+                raise CollectiveError(f"{self.backend._where(self.kind)}: {e}") from None
             self.backend.broken = f"{self.kind}: {e}"
             raise self.backend._failed(self.kind, e) from e
 
@@ -354,8 +356,7 @@ class HierBackend(Backend):
             missing = [0] if self.rank != 0 else missing
         who = ", ".join(f"rank {self.global_ranks[r]} (host {self.host_names[self._host_of(r)]!r})"
                         for r in missing)
-        local = ", ".join(f"local rank {i} = rank {self.global_ranks[r]}" for i, r in enumerate(self.local))
-        where = f"{what} on host {self.host_names[self.h]!r} ({local})"
+        where = self._where(what)
         if isinstance(err, CollectiveError):  # from the shm group of this host
             tail = f"; did not respond: {who}" if missing else ""
             return type(err)(f"{where}: {err}{tail}")
@@ -363,6 +364,11 @@ class HierBackend(Backend):
             return CollectiveError(f"{where}: an inter-host transfer failed on every rank: {err}")
         return CollectiveTimeout(f"{where}: an inter-host transfer failed; {who} did not respond "
                                  f"(dead or stuck): {err}")
+
+    def _where(self, what: str) -> str:
+        """`what` on this host, with its local ranks (those the shm transport's messages name) as global ones."""
+        local = ", ".join(f"local rank {i} = rank {self.global_ranks[r]}" for i, r in enumerate(self.local))
+        return f"{what} on host {self.host_names[self.h]!r} ({local})"
 
     def _check_call(self, what: str, desc: tuple) -> None:
         """Raise _Mismatch on every rank if the ranks' descriptors of this call differ (field by field:

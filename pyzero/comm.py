@@ -208,13 +208,18 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
         rank, size, local_rank, addr, port = 0, 1, 0, "127.0.0.1", 0
     else:
         rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
         addr = os.environ.get("MASTER_ADDR")
         if addr is None:
             raise ValueError("pz.init(): environment variable MASTER_ADDR is not set")
         port = _env_int("MASTER_PORT")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
+    if local_rank < 0:
+        raise ValueError(f"pz.init(): LOCAL_RANK={local_rank} must be non-negative")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"pz.init(): MASTER_PORT={port} is not a TCP port (expected 0 to 65535)")
+    _topology.claimed_local_size()  # a bad LOCAL_WORLD_SIZE fails here, before any rendezvous
     from torch.distributed import TCPStore  # noqa: PLC0415
 
     from torch.distributed import DistError  # noqa: PLC0415

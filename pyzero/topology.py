@@ -35,12 +35,18 @@ def host_name() -> str:
     return socket.gethostname() + (f"#{node}" if node is not None else "")
 
 
-def _claimed_local_size() -> int | None:
+def claimed_local_size() -> int | None:
+    """LOCAL_WORLD_SIZE (the ranks the launcher started on this host), None when not set."""
     raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return None
     try:
-        return int(raw) if raw is not None else None
+        value = int(raw)
     except ValueError:
         raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected an integer") from None
+    if not 1 <= value <= 1 << 20:
+        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: expected a positive number of ranks (at most {1 << 20})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ def host_report(raw: bytes, what: str) -> list:
 
 def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology") -> Topology:
     """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
-    store.set(f"{key}/{rank}", json.dumps([host_name(), _claimed_local_size()]))
+    store.set(f"{key}/{rank}", json.dumps([host_name(), claimed_local_size()]))
     keys = [f"{key}/{r}" for r in range(size)]
     store.wait(keys, datetime.timedelta(seconds=timeout))
     reports = [tuple(host_report(store.get(k), k)) for k in keys]

@@ -341,6 +341,23 @@ def test_mismatched_collectives(world):
     assert "p2p" in results[1].value["outcomes"]
 
 
+def _rank_init_outcome():
+    return outcome(lambda: pz.init(timeout=5, join_timeout=5))
+
+
+@pytest.mark.parametrize("var,value,words", [("MASTER_PORT", "70000", ["MASTER_PORT=70000", "65535"]),
+                                             ("MASTER_PORT", "-1", ["MASTER_PORT=-1", "65535"]),
+                                             ("LOCAL_RANK", "x", ["LOCAL_RANK='x'", "integer"]),
+                                             ("LOCAL_RANK", "-3", ["LOCAL_RANK=-3", "non-negative"]),
+                                             ("LOCAL_WORLD_SIZE", "0", ["LOCAL_WORLD_SIZE='0'", "positive"])])
+def test_bad_environment_variable_is_named(var, value, words):
+    """torchrun's variables out of range: a ValueError naming the variable, not torch's constructor
+    signature (a port out of range), a bare int() error, a negative local rank taken as given, or a
+    store entry."""
+    etype, msg = run_ranks(_rank_init_outcome, 1, env={var: value}, timeout=30)[0].value
+    assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)
+
+
 def _rank_new_group_disagree():
     pz.init(timeout=20)
     me, o = pz.get_rank(), {}

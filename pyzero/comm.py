@@ -220,16 +220,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     if not 0 <= port <= 65535:
         raise ValueError(f"pz.init(): MASTER_PORT={port} is not a TCP port (expected 0 to 65535)")
     _topology.claimed_local_size()  # a bad LOCAL_WORLD_SIZE fails here, before any rendezvous
-    from torch.distributed import TCPStore  # noqa: PLC0415
-
-    from torch.distributed import DistError  # noqa: PLC0415
-
-    try:
-        store = TCPStore(addr, port, size, rank == 0, timeout=datetime.timedelta(seconds=join_timeout),
-                         wait_for_workers=False)
-    except DistError as e:
-        raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
-                                f"join_timeout={join_timeout:g} s: {e}") from None
+    store = _connect(addr, port, size, rank, join_timeout)
     try:
         _join(store, rank, size, local_rank, backend, timeout, join_timeout, opts)
     except BaseException:
@@ -237,6 +228,33 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
         raise
     _settle(store, rank, size, join_timeout, failed=False)
     flight.listen(store)
+
+
+def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
+    """The job's store: rank 0 hosts it, the others connect to it.
+
+    A rank that calls pz.init again after pz.destroy may reach the previous world's store, still served
+    by rank 0 until rank 0 leaves that world too. Such a store already holds "pz/token", which rank 0
+    of a new world sets only once every rank has joined it; the rank then connects again until it
+    reaches the new store (within join_timeout)."""
+    from torch.distributed import DistError, TCPStore  # noqa: PLC0415
+
+    deadline = time.monotonic() + join_timeout
+    while True:
+        try:
+            store = TCPStore(addr, port, size, rank == 0, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            if rank == 0 or not store.check(["pz/token"]):
+                return store
+        except DistError as e:
+            raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
+                                    f"join_timeout={join_timeout:g} s: {e}") from None
+        del store
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"pz.init(): rank {rank} reached only the previous world's store at "
+                                    f"{addr}:{port} within join_timeout={join_timeout:g} s (rank 0 has not called "
+                                    "pz.destroy() for it)")
+        time.sleep(0.05)
 
 
 def _join(store, rank: int, size: int, local_rank: int, backend, timeout: float, join_timeout: float, opts) -> None:

@@ -358,6 +358,30 @@ def test_bad_environment_variable_is_named(var, value, words):
     assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)
 
 
+def _rank_init_again():
+    pz.init(timeout=10, join_timeout=10)
+    me = pz.get_rank()
+    pz.barrier()
+    if me == 0:
+        time.sleep(1.0)  # rank 0, which hosts the store, leaves the first world a little later
+    pz.destroy()
+    t0 = time.monotonic()
+    again = outcome(lambda: pz.init(timeout=10, join_timeout=10))
+    x = torch.full((3,), float(me + 1))
+    if again[0] == "ok":
+        pz.all_reduce(x)
+    return again, x.tolist(), time.monotonic() - t0
+
+
+def test_init_again_after_destroy_waits_for_the_new_store():
+    """A rank that calls pz.init again while rank 0 is still in the previous world used to reach that
+    world's store and take its stale keys (a failed shm_open there, a join timeout on rank 0)."""
+    for r in run_ranks(_rank_init_again, 2, timeout=60):
+        again, x, seconds = r.value
+        assert again == ("ok", None) and x == [3.0] * 3, (r.rank, r.value)
+        assert seconds < 8, (r.rank, seconds)
+
+
 def _rank_new_group_disagree():
     pz.init(timeout=20)
     me, o = pz.get_rank(), {}

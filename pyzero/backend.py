@@ -229,7 +229,8 @@ class Options:
     None means the backend's default, which an environment variable may set
     (in brackets); a subgroup without options inherits the world's.
 
-    - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB]; nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);
+    - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB], a multiple of 64 bytes from 4096;
+      nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);
       ipc: each rank's registered area, the largest piece of one call (32 MiB [PYZERO_IPC_AREA_KB])
     - depth: shm slots per peer (8 [PYZERO_SHM_DEPTH]); ipc, slots per block of a point-to-point channel
       (4 [PYZERO_IPC_DEPTH])

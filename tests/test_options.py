@@ -65,18 +65,28 @@ def _rank_groups():
         bad = None
     except ValueError as e:
         bad = str(e)
-    return seen, sums, bad
+    try:  # valid for Options (at least 64), not for the shm transport
+        pz.new_group(range(n), options={"slice_bytes": 1000})
+        bad_slice = None
+    except ValueError as e:
+        bad_slice = str(e)
+    t = torch.full((3,), float(r + 1))
+    pz.all_reduce(t)  # the world goes on
+    return seen, sums, bad, (bad_slice, t.tolist())
 
 
 def test_groups_take_their_own_options():
     n = 2
     for res in run_ranks(_rank_groups, n, timeout=60):
-        seen, sums, bad = res.value
+        seen, sums, bad, (bad_slice, after) = res.value
         assert seen == {"world": (0, False), "inherit": (0, False), "override": (1 << 20, True)}
         expected = torch.arange(10007, dtype=torch.float64) * sum(range(1, n + 1))
         for t in sums.values():
             torch.testing.assert_close(t, expected, rtol=0, atol=0)
         assert bad is not None and "options.depth: expected at least 2" in bad
+        assert bad_slice is not None and all(w in bad_slice for w in ("slice_bytes=1000", "PYZERO_SHM_SLICE_KB",
+                                                                        "multiple of 64", "4096")), bad_slice
+        assert after == [3.0] * 3
 
 
 def test_environment_settings_share_one_parser(monkeypatch):

@@ -45,8 +45,11 @@ class ShmBackend(Backend):
     def create(cls, setup: GroupSetup) -> "ShmBackend":
         o = setup.options
         oneshot = o.get("oneshot_bytes", 512 << 10, "PYZERO_SHM_ONESHOT_KB", kib=True)
-        comm = _C.ShmComm(setup.name, setup.rank, setup.size,
-                          o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True),
+        slice_bytes = o.get("slice_bytes", 256 << 10, "PYZERO_SHM_SLICE_KB", kib=True)
+        if slice_bytes < 4096 or slice_bytes % 64:
+            raise ValueError(f"slice_bytes={slice_bytes} (options.slice_bytes or PYZERO_SHM_SLICE_KB): the shm "
+                             "backend takes a multiple of 64 bytes, at least 4096")
+        comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes,
                           o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout,
                           o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True),
                           o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),

@@ -247,6 +247,7 @@ class HierBackend(Backend):
         self.worker = threading.Thread(target=_serve, args=(self.queue,), name="pz-hier", daemon=True)
         self.worker.start()
         self.receivers: dict[int, queue.SimpleQueue] = {}  # peer on another host -> its receiving thread's queue
+        self.send_lock = threading.Lock()
 
     @classmethod
     def create(cls, setup: GroupSetup) -> "HierBackend":
@@ -635,9 +636,11 @@ class HierBackend(Backend):
 
     def _send_inter(self, x: torch.Tensor, peer: int):
         head = torch.tensor([x.numel(), DTYPES[x.dtype]], dtype=torch.int64)
-        raws = [self.full.send([head], peer, 0)]
+        with self.send_lock:  # a header and its data are adjacent, whichever threads send
+            raws = [self.full.send([head], peer, 0)]
+            if x.numel():
+                raws.append(self.full.send([_bytes(x)], peer, 0))
         if x.numel():
-            raws.append(self.full.send([_bytes(x)], peer, 0))
             self._count("inter_host", 0, x.numel() * x.element_size())
             self._count("send", 0, x.numel() * x.element_size(), calls=0)
         return RawGroup(raws)

@@ -223,6 +223,42 @@ def _rank_bitwise_async_p2p():
     return out
 
 
+def _rank_pieces_uneven_hosts():
+    """Hosts of 2 and 1 ranks: rank 1 has no lane (no rank of host 1 shares its local index)."""
+    r = int(os.environ["RANK"])
+    os.environ["PYZERO_HOST"] = f"host{int(r == 2)}"
+    os.environ["LOCAL_WORLD_SIZE"] = str(1 if r == 2 else 2)
+    pz.init(timeout=20)
+    from pyzero.backends import hier  # noqa: PLC0415
+    hier.PIPELINE_BYTES = 8 << 10  # all_reduces above 16 KiB run in pieces
+    out = {}
+    for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg"), (torch.int64, "max")):
+        x = make_input(op, dtype, 20011, r, 3)
+        out[(str(dtype), op)] = outcome(lambda: pz.all_reduce(x, op=op)), x
+    counts = [7000, 0, 13011]
+    rs = torch.empty(counts[r])
+    out["reduce_scatter"] = outcome(lambda: pz.reduce_scatter(rs, make_input("sum", torch.float32, 20011, r, 4),
+                                                              counts=counts)), rs
+    return out
+
+
+def test_pieces_on_uneven_hosts_equal_reference():
+    """An all_reduce above the pipelining size on hosts of different sizes: every rank of a host must
+    cut it into the same pieces (before, a rank without a lane took it whole while its host peer
+    took pieces, and the call failed on every rank)."""
+    res = [r.value for r in run_ranks(_rank_pieces_uneven_hosts, 3, timeout=60)]
+    for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg"), (torch.int64, "max")):
+        want = reference([make_input(op, dtype, 20011, r, 3) for r in range(3)], op, dtype)
+        for r, v in enumerate(res):
+            done, got = v[(str(dtype), op)]
+            assert done == ("ok", None), (r, dtype, op, done)
+            assert (d := first_diff(got, want)) is None, (r, dtype, op, d)
+    full = reference([make_input("sum", torch.float32, 20011, r, 4) for r in range(3)], "sum", torch.float32)
+    for r, (lo, hi) in enumerate(((0, 7000), (7000, 7000), (7000, 20011))):
+        done, got = res[r]["reduce_scatter"]
+        assert done == ("ok", None) and first_diff(got, full[lo:hi]) is None, (r, done)
+
+
 def test_bitwise_same_on_every_rank_async_p2p_and_stats():
     res = [r.value for r in run_ranks(simulated, 4, args=(_rank_bitwise_async_p2p,), timeout=120)]
     for dtype in (torch.float32, torch.bfloat16):

@@ -449,8 +449,8 @@ class HierBackend(Backend):
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         w = x.float() if x.dtype in _WIDE else x
         nbytes = w.numel() * w.element_size()
-        if self.lane is None or nbytes <= 2 * PIPELINE_BYTES:
-            self._ar_finish(*self._ar_start(x, w, op))
+        if self.H == 1 or nbytes <= 2 * PIPELINE_BYTES:  # the same choice on every rank of the host: a rank
+            self._ar_finish(*self._ar_start(x, w, op))   # without a lane (uneven hosts) takes the pieces too
             return
         pieces = -(-nbytes // PIPELINE_BYTES)
         pending = None

@@ -233,10 +233,10 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
 def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
     """The job's store: rank 0 hosts it, the others connect to it.
 
-    A rank that calls pz.init again after pz.destroy may reach the previous world's store, still served
-    by rank 0 until rank 0 leaves that world too. Such a store already holds "pz/token", which rank 0
-    of a new world sets only once every rank has joined it; the rank then connects again until it
-    reaches the new store (within join_timeout)."""
+    A rank that calls pz.init again (after pz.destroy, or after a failed pz.init) may reach the previous
+    world's store, still served by rank 0 until rank 0 leaves that world too. Such a store already holds
+    this rank's host report (pz/topology/<rank>, which a new store cannot hold before this rank joins
+    it); the rank then connects again until it reaches the new store (within join_timeout)."""
     from torch.distributed import DistError, TCPStore  # noqa: PLC0415
 
     deadline = time.monotonic() + join_timeout
@@ -244,11 +244,14 @@ def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
         try:
             store = TCPStore(addr, port, size, rank == 0, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            if rank == 0 or not store.check(["pz/token"]):
-                return store
         except DistError as e:
             raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
                                     f"join_timeout={join_timeout:g} s: {e}") from None
+        try:
+            if rank == 0 or not store.check([f"pz/topology/{rank}"]):
+                return store
+        except DistError:  # the previous world's store closed as this rank reached it: connect again
+            pass
         del store
         if time.monotonic() >= deadline:
             raise CollectiveTimeout(f"pz.init(): rank {rank} reached only the previous world's store at "

@@ -382,6 +382,30 @@ def test_init_again_after_destroy_waits_for_the_new_store():
         assert seconds < 8, (r.rank, seconds)
 
 
+def _rank_init_after_failed_init():
+    try:
+        pz.init(timeout=10, join_timeout=10, options={"slice_bytes": 1000})
+        first = ("ok", None)
+    except ValueError as e:
+        first = (type(e).__name__, str(e))
+        if int(os.environ["RANK"]) == 0:
+            time.sleep(1.0)  # the error's traceback keeps the failed init's store (served by rank 0) open
+    again = outcome(lambda: pz.init(timeout=10, join_timeout=10))
+    x = torch.full((3,), float(pz.get_rank() + 1)) if again[0] == "ok" else torch.zeros(3)
+    if again[0] == "ok":
+        pz.all_reduce(x)
+    return first, again, x.tolist()
+
+
+def test_init_again_after_a_failed_init():
+    """Every rank's init fails (options the transport refuses) and is called again: rank 0 may still
+    host the failed attempt's store when the others come back; they wait for the new one."""
+    for r in run_ranks(_rank_init_after_failed_init, 2, timeout=60):
+        first, again, x = r.value
+        assert first[0] == "ValueError" and "slice_bytes=1000" in first[1], first
+        assert again == ("ok", None) and x == [3.0] * 3, (r.rank, r.value)
+
+
 def _rank_new_group_disagree():
     pz.init(timeout=20)
     me, o = pz.get_rank(), {}

@@ -574,10 +574,10 @@ def barrier(group=None, async_op: bool = False):
     return g.track(raw, (), None, i)
 
 
-def _peer(g: Group, global_rank: int, arg: str) -> int:
+def _peer(g: Group, global_rank: int, arg: str, sending: bool) -> int:
     peer = g.group_rank(global_rank, arg)
     if peer == g.rank:
-        raise ValueError(f"{arg}={global_rank}: cannot {'send to' if arg == 'dst' else 'receive from'} "
+        raise ValueError(f"{arg}={global_rank}: cannot {'send to' if sending else 'receive from'} "
                          "this rank itself")
     return peer
 
@@ -585,7 +585,7 @@ def _peer(g: Group, global_rank: int, arg: str) -> int:
 def send(t, dst: int, group=None, async_op: bool = False):
     """Send `t` to global rank `dst` (matched by one recv there, in order)."""
     g = resolve_group(group)
-    peer = _peer(g, dst, "dst")
+    peer = _peer(g, dst, "dst", True)
     be = g.backend
     b = be.buffer(t, "tensor", writable=False)
     fr = g.flight
@@ -600,7 +600,7 @@ def send(t, dst: int, group=None, async_op: bool = False):
 def recv(t, src: int, group=None, async_op: bool = False):
     """Receive into `t` the next message that global rank `src` sends to this rank."""
     g = resolve_group(group)
-    peer = _peer(g, src, "src")
+    peer = _peer(g, src, "src", False)
     be = g.backend
     b = be.buffer(t, "tensor")
     fr = g.flight
@@ -640,9 +640,10 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
     for i, o in enumerate(ops):
         kind = getattr(o.op, "__name__", o.op)
         if kind in ("isend", "send"):
-            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor", writable=False), _peer(g, o.peer, "dst"), True))
+            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor", writable=False),
+                          _peer(g, o.peer, f"ops[{i}].peer", True), True))
         elif kind in ("irecv", "recv"):
-            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor"), _peer(g, o.peer, "src"), False))
+            batch.append((be.buffer(o.tensor, f"ops[{i}].tensor"), _peer(g, o.peer, f"ops[{i}].peer", False), False))
         else:
             raise ValueError(f"ops[{i}].op: expected 'send' or 'recv', got {o.op!r}")
         keep.append(o.tensor)

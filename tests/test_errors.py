@@ -108,6 +108,8 @@ BAD_ARGS = {
     "recv_from_self": ("ValueError", ["src"]),
     "send_dst_out_of_range": ("ValueError", ["dst"]),
     "batch_not_p2pop": ("TypeError", ["ops[0]", "P2POp", "tuple"]),
+    "batch_peer_out_of_range": ("ValueError", ["ops[0].peer", "expected a global rank"]),
+    "batch_peer_self": ("ValueError", ["ops[0].peer", "send to"]),
     # world >= 2 only
     "non_member_all_reduce": ("ValueError", ["group", "not a member"]),
     "non_member_barrier": ("ValueError", ["group", "not a member"]),
@@ -226,6 +228,8 @@ def _rank_bad_args():
     o["recv_from_self"] = outcome(lambda: pz.recv(t, src=me))
     o["send_dst_out_of_range"] = outcome(lambda: pz.send(t, dst=n + 3))
     o["batch_not_p2pop"] = outcome(lambda: pz.batch_isend_irecv([("send", t, 0)]))
+    o["batch_peer_out_of_range"] = outcome(lambda: pz.batch_isend_irecv([pz.P2POp("recv", t, n + 3)]))
+    o["batch_peer_self"] = outcome(lambda: pz.batch_isend_irecv([pz.P2POp("send", t, me)]))
     if n > 1:
         if me != 0:
             o["non_member_all_reduce"] = outcome(lambda: pz.all_reduce(t, group=g0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import faulthandler
+import math
 import os
 import pickle
 import shutil
@@ -158,15 +159,21 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     in each rank (None leaves torch's default), so N ranks do not oversubscribe
     the cores.
     With ``check`` (default) raise RankFailure unless every rank exits 0 in
-    time; without, return whatever happened (exit codes, outputs).
+    time with a value this process can unpickle; without, return whatever
+    happened (exit codes, outputs; the value None where it did not come back,
+    the output saying why).
     ``start="spawn"`` runs each rank in a fresh interpreter (``fn`` must be
     importable by module and name, its arguments picklable): what GPU ranks
     need once the parent has initialised CUDA. ``echo``: a rank whose output this process
     copies to its own stdout as the rank writes it (a bench's table, shown even if this process
     is stopped before the ranks end); the rank's RankResult.output still holds all of it.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs: expected >= 1, got {nprocs}")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"nprocs: expected an int >= 1, got {nprocs!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads: expected None or an int >= 1, got {threads!r}")
     if start not in ("fork", "spawn"):
         raise ValueError(f"start: expected 'fork' or 'spawn', got {start!r}")
     if echo is not None and not (isinstance(echo, int) and 0 <= echo < nprocs):
@@ -227,7 +234,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _kill_and_reap(pids, codes)  # whatever is left
-    results = []
+    results, unloadable = [], set()
     for r in range(nprocs):
         out_path, res_path = os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl")
         spec_path = os.path.join(tmp, f"rank{r}.spec")
@@ -239,14 +246,19 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
                 output = f.read()
         value = None
         if os.path.exists(res_path):
-            with open(res_path, "rb") as f:
-                value = pickle.load(f)
+            if codes[r] == 0:  # (a failed rank's file may hold part of a value that did not pickle)
+                try:
+                    with open(res_path, "rb") as f:
+                        value = pickle.load(f)
+                except Exception as e:  # noqa: BLE001 - that rank's failure, reported with its output
+                    unloadable.add(r)
+                    output += f"\nrun_ranks: rank {r}'s return value could not be unpickled: {type(e).__name__}: {e}\n"
             os.unlink(res_path)
         if os.path.exists(out_path):
             os.unlink(out_path)
         results.append(RankResult(r, codes[r], value, output))
     os.rmdir(tmp)
-    if check and any(res.exitcode != 0 for res in results):
+    if check and (unloadable or any(res.exitcode != 0 for res in results)):
         why = f"ranks did not finish within {timeout} s" if timed_out else "a rank failed"
         raise RankFailure(f"run_ranks({getattr(fn, '__name__', fn)}, nprocs={nprocs}): {why}", results)
     return results

@@ -84,6 +84,53 @@ def test_bad_nprocs():
         run_ranks(_hang_on_rank_zero, 0)
 
 
+@pytest.mark.parametrize("kwargs, name", [({"nprocs": "2"}, "nprocs"), ({"nprocs": 2.0}, "nprocs"),
+                                          ({"nprocs": True}, "nprocs"), ({"timeout": None}, "timeout"),
+                                          ({"timeout": "5"}, "timeout"), ({"timeout": -1}, "timeout"),
+                                          ({"timeout": float("nan")}, "timeout"), ({"threads": 0}, "threads"),
+                                          ({"threads": 1.5}, "threads")])
+def test_bad_arguments_raise_before_any_rank_starts(kwargs, name, tmp_path):
+    """Checked before anything forks (a bad timeout failed after the ranks had started; a NaN one never
+    expired)."""
+    marker = tmp_path / "started"
+    args = {"nprocs": 2, "timeout": 10} | kwargs
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        run_ranks(_touch, args.pop("nprocs"), args=(str(marker),), **args)
+    assert not marker.exists()
+
+
+def _touch(path):
+    open(path, "w").close()
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return int, ("not an int",)  # pickles in the rank; fails to unpickle in the parent
+
+
+def _unpicklable_value():
+    if os.environ["RANK"] == "1":
+        return [bytes(300_000), lambda: 0]  # the bytes reach the file before the lambda fails to pickle
+    return "fine"
+
+
+def _unloadable_value():
+    return _Unloadable() if os.environ["RANK"] == "1" else "fine"
+
+
+@pytest.mark.parametrize("fn, why", [(_unpicklable_value, "Can't pickle"),
+                                     (_unloadable_value, "could not be unpickled")])
+def test_a_rank_whose_value_does_not_come_back_is_a_failure(fn, why):
+    """A value a rank cannot pickle (part of it written) or the parent cannot unpickle is that rank's
+    failure, not an EOFError or the unpickler's error in the parent with every rank's output lost."""
+    with pytest.raises(RankFailure, match="a rank failed") as info:
+        run_ranks(fn, 2, timeout=30)
+    assert why in str(info.value) and "--- rank 1 (exit" in str(info.value)
+    results = run_ranks(fn, 2, timeout=30, check=False)
+    assert [r.value for r in results] == ["fine", None]
+    assert why in results[1].output
+
+
 
 def _print_slowly():
     for k in range(3):

@@ -724,6 +724,41 @@ def test_bench_exchange_mode_keeps_only_sets_in_the_mode_asked_for(tmp_path, cap
         collectives.main(p.parse_args(["--exchange-mode", "fast", "--device", "cuda", "--nproc", "1"]))
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["collectives", "--nproc", "0"], "--nproc: expected >= 1, got 0"),  # (ran the whole sweep in-process)
+    (["collectives", "--pairs", "0"], "--pairs: expected a positive int"),
+    (["collectives", "--backends", "foo"], "--backends: unknown backend 'foo'"),
+    (["collectives", "--min", "-5"], "--min '-5': expected a number"),
+    (["collectives", "--max", "1x"], "--max '1x': expected a number"),
+    (["collectives", "--factor", "nan"], "--factor: expected a number > 1, got nan"),
+    (["collectives", "--iters", "0"], "--iters: expected >= 1, got 0"),
+    (["collectives", "--timeout", "nan"], "--timeout: expected a positive number of seconds, got nan"),
+    (["train", "--timeout", "-1"], "--timeout: expected a positive number of seconds, got -1.0"),
+    (["tp", "--nproc", "1"], "--nproc: expected >= 2"),
+    (["tp", "--rows", "0"], "--rows: expected >= 1, got 0"),
+    (["tp", "--iters", "0"], "--iters: expected >= 1, got 0"),
+    (["pipeline", "--steps", "0"], "--steps: expected >= 1, got 0"),
+    (["pipeline", "--layers", "1"], "--layers: expected >= --nproc=2"),
+    (["moments", "--runs", "bogus"], "--runs: expected names from"),
+    (["moments", "--steps", "0"], "--steps: expected >= 1, got 0"),
+    (["optim", "--factor", "0.5"], "--factor: expected a number > 1, got 0.5"),
+    (["optim", "--warmup", "-1"], "--warmup: expected >= 0, got -1"),
+    (["hier", "--iters", "0"], "--iters: expected >= 1, got 0"),
+    (["soak", "--nproc", "2", "0"], "--nproc: expected >= 1, got 0"),
+])
+def test_bench_bad_flag_values_are_usage_errors(argv, flag, capsys):
+    """pyzero-bench exits 2 with its usage and the flag's error before anything runs, as argparse does for
+    the values it checks itself (these were tracebacks: a ValueError, StatisticsError, ZeroDivisionError or a
+    torch error from inside the ranks)."""
+    from pyzero.bench import __main__ as bench
+
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"pyzero-bench {argv[0]}: error: {flag}" in err, err
+
+
 def test_bench_size_inversions_against_the_rounds_spread():
     """pyzero-bench's size-order check: a size whose per-call median is above the fastest larger size's
     (per set, backend and form) is an inversion, listed as beyond the rounds' spread only where it is over

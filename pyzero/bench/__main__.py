@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+
+from .common import UsageError
 
 SUBCOMMANDS = {
     "collectives": "nccl-tests style table for all_reduce / reduce_scatter / all_gather / broadcast",
@@ -24,10 +27,27 @@ SUBCOMMANDS = {
 }
 
 
+# Flags several subcommands take, with one meaning in each: counts (their least value), checked before any runs.
+COUNTS = {"nproc": 1, "iters": 1, "warmup": 0, "steps": 1, "batch": 1, "seq": 1, "rows": 1, "hidden": 1,
+          "layers": 1}
+
+
+def check_shared(args) -> None:
+    """A UsageError for a shared flag out of its range: COUNTS, and --timeout (seconds, positive)."""
+    for name, least in COUNTS.items():
+        values = getattr(args, name, None)
+        for v in values if isinstance(values, list) else [values]:
+            if isinstance(v, int) and not isinstance(v, bool) and v < least:
+                raise UsageError(f"--{name}: expected >= {least}, got {v}")
+    timeout = getattr(args, "timeout", None)
+    if isinstance(timeout, float) and not 0 < timeout < math.inf:
+        raise UsageError(f"--timeout: expected a positive number of seconds, got {timeout}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pyzero-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    modules, parsers = {}, {}
     for name, help_text in SUBCOMMANDS.items():
         try:
             modules[name] = importlib.import_module(f"pyzero.bench.{name}")
@@ -35,10 +55,14 @@ def main(argv=None) -> int:
             if e.name != f"pyzero.bench.{name}":
                 raise
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         modules[name].add_arguments(p)
     args = parser.parse_args(argv)
-    return int(modules[args.command].main(args) or 0)
+    try:
+        check_shared(args)
+        return int(modules[args.command].main(args) or 0)
+    except UsageError as e:  # a flag's value: exit 2 with the subcommand's usage, as for argparse's own checks
+        parsers[args.command].error(str(e))
 
 
 if __name__ == "__main__":

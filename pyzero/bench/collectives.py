@@ -51,7 +51,7 @@ import time
 
 import torch
 
-from .common import comm_device, init_torch_distributed, parse_size, size_steps, write_json
+from .common import UsageError, comm_device, init_torch_distributed, parse_size, size_steps, write_json
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 MIN_TIMED_S = 0.05
@@ -183,7 +183,7 @@ class Runner:
         self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
         if op == "sendrecv":
             if inplace or backend not in ("pyzero", "torch", "torch-pyzero"):
-                raise ValueError(f"--op sendrecv: out of place, on the pyzero and torch columns only (not {backend})")
+                raise UsageError(f"--op sendrecv: out of place, on the pyzero and torch columns only (not {backend})")
             self.call = self._sendrecv(backend)
         elif backend == "pyzero":
             self.call = self._pyzero(op, inplace, algo)
@@ -219,7 +219,7 @@ class Runner:
         import deepspeed.comm as dc  # noqa: PLC0415
 
         if op != "all_reduce":
-            raise ValueError(f"--backends deepspeed: only all_reduce (its CPU shm path), not {op}")
+            raise UsageError(f"--backends deepspeed: only all_reduce (its CPU shm path), not {op}")
         inp, out = self.inp, self.out
         if inplace:
             return lambda: dc.inference_all_reduce(inp)
@@ -503,21 +503,21 @@ def _exchange_mode(args, pairs: int) -> tuple[str, int]:
     """(--exchange-mode, how many sets of ranks may start), checked."""
     want = getattr(args, "exchange_mode", "any")
     if want not in ("any", "fast", "slow"):
-        raise ValueError(f"--exchange-mode: expected any, fast or slow, got {want!r}")
+        raise UsageError(f"--exchange-mode: expected any, fast or slow, got {want!r}")
     tries = getattr(args, "tries", 0)
     if not isinstance(tries, int) or isinstance(tries, bool) or tries < 0:
-        raise ValueError(f"--tries: expected a count of sets of ranks >= 0, got {tries!r}")
+        raise UsageError(f"--tries: expected a count of sets of ranks >= 0, got {tries!r}")
     if want == "any":
         if tries:
-            raise ValueError("--tries: only with --exchange-mode fast or slow (every set runs the comparison)")
+            raise UsageError("--tries: only with --exchange-mode fast or slow (every set runs the comparison)")
         return want, pairs
     if not args.nproc:
-        raise ValueError(f"--exchange-mode {want}: needs --nproc (sets of ranks are started afresh until one is "
+        raise UsageError(f"--exchange-mode {want}: needs --nproc (sets of ranks are started afresh until one is "
                          "in that mode)")
     if getattr(args, "device", "cpu") != "cpu":
-        raise ValueError(f"--exchange-mode {want}: the exchange probe measures the CPU shm backend; needs --device cpu")
+        raise UsageError(f"--exchange-mode {want}: the exchange probe measures the CPU shm backend; needs --device cpu")
     if tries and tries < pairs:
-        raise ValueError(f"--tries: expected at least --pairs ({pairs}) sets, got {tries}")
+        raise UsageError(f"--tries: expected at least --pairs ({pairs}) sets, got {tries}")
     return want, tries or 20 * pairs
 
 
@@ -559,7 +559,7 @@ def rank_main(args) -> list[dict]:
     esize = torch.empty(0, dtype=dtype).element_size()
     ops = OPS if args.op == "all" else (args.op,)
     if "sendrecv" in ops and n < 2:
-        raise ValueError("--op sendrecv: needs two ranks or more (each sends to the next)")
+        raise UsageError("--op sendrecv: needs two ranks or more (each sends to the next)")
     t_start = time.perf_counter()
     per_call = getattr(args, "per_call", False)
     block = _block(args)
@@ -982,10 +982,10 @@ def _backends(args) -> list[str]:
     for b in backends:
         if b not in ("pyzero", "torch", "nccl", "torch-pyzero", "deepspeed", "pyzero-fixed") \
                 or (b == "nccl" and not cuda) or (b in ("deepspeed", "pyzero-fixed") and cuda):
-            raise ValueError(f"--backends: unknown backend {b!r}; expected pyzero, torch, torch-pyzero, "
+            raise UsageError(f"--backends: unknown backend {b!r}; expected pyzero, torch, torch-pyzero, "
                              "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
     if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" and not set(backends) <= {"pyzero", "torch-pyzero"}:
-        raise ValueError("--gpu-backend ipc: only --backends pyzero and torch-pyzero (the ranks may share one GPU, "
+        raise UsageError("--gpu-backend ipc: only --backends pyzero and torch-pyzero (the ranks may share one GPU, "
                          "which NCCL refuses)")
     return backends
 
@@ -993,7 +993,7 @@ def _backends(args) -> list[str]:
 def _min_calls(args) -> int:
     least = getattr(args, "min_calls", 0)
     if not isinstance(least, int) or isinstance(least, bool) or least < 0 or (least and not _block(args)):
-        raise ValueError(f"--min-calls: expected a non-negative int, with --block; got {least!r}")
+        raise UsageError(f"--min-calls: expected a non-negative int, with --block; got {least!r}")
     return least
 
 
@@ -1001,14 +1001,14 @@ def _block(args) -> int:
     block = getattr(args, "block", 0)
     if not isinstance(block, int) or isinstance(block, bool) or block < 0 or (block and not getattr(args, "per_call",
                                                                                                      False)):
-        raise ValueError(f"--block: expected a non-negative int, with --per-call; got {block!r}")
+        raise UsageError(f"--block: expected a non-negative int, with --per-call; got {block!r}")
     return block
 
 
 def _rounds(args) -> int:
     rounds = getattr(args, "rounds", 1)
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
-        raise ValueError(f"--rounds: expected a positive int, got {rounds!r}")
+        raise UsageError(f"--rounds: expected a positive int, got {rounds!r}")
     return rounds
 
 
@@ -1016,21 +1016,22 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     _rounds(args)  # bad input fails here, before any rank starts
+    size_steps(parse_size(args.min, "--min"), parse_size(args.max, "--max"), args.factor)
     _backends(args)
     _block(args)
     _min_calls(args)
     graph = getattr(args, "graph", 0)
     if not isinstance(graph, int) or isinstance(graph, bool) or graph < 0:
-        raise ValueError(f"--graph: expected a count of calls >= 0, got {graph!r}")
+        raise UsageError(f"--graph: expected a count of calls >= 0, got {graph!r}")
     if graph and getattr(args, "device", "cpu") != "cuda":
-        raise ValueError("--graph: CUDA graphs need --device cuda")
+        raise UsageError("--graph: CUDA graphs need --device cuda")
     pairs = getattr(args, "pairs", 1)
     if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
-        raise ValueError(f"--pairs: expected a positive int, got {pairs!r}")
+        raise UsageError(f"--pairs: expected a positive int, got {pairs!r}")
     if getattr(args, "op", None) == "sendrecv" and args.nproc is not None and args.nproc < 2:
-        raise ValueError(f"--op sendrecv: needs --nproc 2 or more (each rank sends to the next), got {args.nproc}")
+        raise UsageError(f"--op sendrecv: needs --nproc 2 or more (each rank sends to the next), got {args.nproc}")
     if pairs > 1 and not args.nproc:
-        raise ValueError("--pairs: needs --nproc (each set of ranks is started afresh by this process)")
+        raise UsageError("--pairs: needs --nproc (each set of ranks is started afresh by this process)")
     want, tries = _exchange_mode(args, pairs)
     short = False
     if args.nproc:

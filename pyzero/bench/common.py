@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
 import sys
+
+
+class UsageError(ValueError):
+    """A flag's value a subcommand cannot run with, found before anything runs: ``pyzero-bench`` exits 2
+    with the message, as argparse does for the values it checks itself."""
 
 
 def init_torch_distributed(backend: str, timeout: float = 300.0):
@@ -121,19 +127,19 @@ def write_json(path: str, results: list, extra: dict | None = None) -> None:
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def parse_size(text: str) -> int:
-    """'8', '64K', '128M', '1G' -> bytes."""
+def parse_size(text: str, flag: str = "size") -> int:
+    """'8', '64K', '128M', '1G' -> bytes; a UsageError naming `flag` otherwise."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
+        raise UsageError(f"{flag} {text!r}: expected a number with an optional K, M or G suffix")
     return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
 
 
 def size_steps(lo: int, hi: int, factor: float) -> list[int]:
     if lo < 1 or hi < lo:
-        raise ValueError(f"--min/--max: expected 1 <= min <= max, got {lo}, {hi}")
-    if factor <= 1:
-        raise ValueError(f"--factor: expected > 1, got {factor}")
+        raise UsageError(f"--min/--max: expected 1 <= min <= max, got {lo}, {hi}")
+    if not 1 < factor < math.inf:
+        raise UsageError(f"--factor: expected a number > 1, got {factor}")
     out, s = [], lo
     while s <= hi:
         out.append(int(s))

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import UsageError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -79,7 +81,7 @@ class GPT(nn.Module):
 
 def make_gpt(name: str, seed: int = 0) -> GPT:
     if name not in PRESETS:
-        raise ValueError(f"--model: expected one of {list(PRESETS)}, got {name!r}")
+        raise UsageError(f"--model: expected one of {list(PRESETS)}, got {name!r}")
     torch.manual_seed(seed)
     return GPT(PRESETS[name])
 
@@ -87,7 +89,7 @@ def make_gpt(name: str, seed: int = 0) -> GPT:
 def random_batch(config: GPTConfig, batch: int, seq: int, seed: int):
     """(inputs, targets) of random token ids, shape (batch, seq)."""
     if not 1 <= seq <= config.block_size:
-        raise ValueError(f"--seq: expected 1..{config.block_size} for this model, got {seq}")
+        raise UsageError(f"--seq: expected 1..{config.block_size} for this model, got {seq}")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

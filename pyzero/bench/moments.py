@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .common import write_json
+from .common import UsageError, write_json
 from .gpt import PRESETS, make_gpt
 
 RUNS = ("torch", "fp32", "bf16", "int8")
@@ -124,7 +124,7 @@ def main(args) -> int:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs if r not in RUNS]
     if bad:
-        raise ValueError(f"--runs: expected names from {RUNS}, got {bad}")
+        raise UsageError(f"--runs: expected names from {RUNS}, got {bad}")
     cfg = PRESETS[args.model]
     batches = markov_batches(cfg.vocab_size, args.branch, args.batch, args.seq, args.steps)
     results = [train(r, args, batches) for r in runs]

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import write_json
+from .common import UsageError, write_json
 
 SCHEDULES = ("gpipe", "1f1b")
 COMPUTES = ("matmul", "sleep")
@@ -188,9 +188,9 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     if args.nproc < 2:
-        raise ValueError(f"--nproc: expected >= 2 (a pipeline of one stage has no bubble), got {args.nproc}")
+        raise UsageError(f"--nproc: expected >= 2 (a pipeline of one stage has no bubble), got {args.nproc}")
     if args.layers < args.nproc:
-        raise ValueError(f"--layers: expected >= --nproc={args.nproc} (each stage needs a layer), got {args.layers}")
+        raise UsageError(f"--layers: expected >= --nproc={args.nproc} (each stage needs a layer), got {args.layers}")
     _ints(args.microbatches, "--microbatches")
     _choices(args.schedules, SCHEDULES, "--schedules")
     _choices(args.compute, COMPUTES, "--compute")

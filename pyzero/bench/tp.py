@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from .common import interleaved_medians, write_json
+from .common import UsageError, interleaved_medians, write_json
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 COMPUTES = ("matmul", "sleep")
@@ -245,7 +245,7 @@ def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     if args.nproc < 2:
-        raise ValueError(f"--nproc: expected >= 2 (the ops communicate), got {args.nproc}")
+        raise UsageError(f"--nproc: expected >= 2 (the ops communicate), got {args.nproc}")
     res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
     print(res[0].output, end="")
     results = res[0].value

@@ -566,7 +566,15 @@ def main(argv=None) -> int:
     c.add_argument("dir", help="checkpoint directory (its latest step) or one step directory")
     c.add_argument("out", help="output .pt file (torch.save of the state dict)")
     args = ap.parse_args(argv)
-    sd = consolidate(args.dir)
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        c.error(f"out: {args.out!r}: no folder {folder!r} to write it in")
+    try:
+        sd = consolidate(args.dir)
+    except FileNotFoundError as e:  # (no checkpoint there at all: the argument; a missing file of one is damage)
+        c.error(f"dir: {e}")
+    except CheckpointError as e:
+        raise SystemExit(f"pyzero-checkpoint consolidate: {e}") from None
     torch.save(sd, args.out)
     print(f"wrote {len(sd)} tensors ({sum(t.numel() for t in sd.values() if torch.is_tensor(t))} elements) "
           f"to {args.out}")

@@ -195,6 +195,26 @@ def test_consolidate_cli(kept, tmp_path):
     assert_same(torch.load(out, weights_only=True), pz.checkpoint.consolidate(ckpt))
 
 
+def test_consolidate_cli_bad_arguments(kept, tmp_path, capsys):
+    """A dir holding no checkpoint or an out in no folder is a usage error naming the argument (exit 2,
+    before anything is read); a damaged checkpoint an error message (exit 1); neither a traceback."""
+    out = tmp_path / "full.pt"
+    for argv, code, want in [([str(tmp_path / "none"), str(out)], 2, "dir: "),
+                             ([kept[0], str(tmp_path / "no" / "full.pt")], 2, "out: "),
+                             ([str(tmp_path), str(out)], 2, "dir: ")]:
+        with pytest.raises(SystemExit) as info:
+            pz.checkpoint.main(["consolidate", *argv])
+        err = capsys.readouterr().err
+        assert info.value.code == code and f"pyzero-checkpoint consolidate: error: {want}" in err, err
+        assert not out.exists()
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(kept[0], ckpt)
+    damage(os.path.join(ckpt, f"step_{STEPS:08d}", "rank00000.pt"), "truncate")
+    with pytest.raises(SystemExit) as info:
+        pz.checkpoint.main(["consolidate", ckpt, str(out)])
+    assert "rank00000.pt" in info.value.code and not out.exists()  # (a message: printed, exit status 1)
+
+
 def test_save_dying_while_replacing_a_step(kept, tmp_path):
     """Saving step k again sets the old step_k aside before renaming the new one in: a crash between
     the two renames leaves `latest` naming a missing directory, and the set-aside copy is used."""

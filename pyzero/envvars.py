@@ -1,11 +1,12 @@
 """Reading pyzero's settings from environment variables, with one wording for bad values.
 
-Every ``PYZERO_*`` integer or flag a module reads goes through these, so a bad value gets the
+Every ``PYZERO_*`` integer, flag or time a module reads goes through these, so a bad value gets the
 same error wherever it is read: the variable, its value and what was expected. An unset or
 blank variable means the default.
 """
 from __future__ import annotations
 
+import math
 import os
 
 _TRUE = ("1", "true", "yes", "on")
@@ -33,6 +34,20 @@ def env_int(name: str, default: int, *, kib: bool = False, environ=None) -> int:
     if v < 0:
         raise ValueError(f"{name}={raw!r}: {expected}")
     return v << 10 if kib else v
+
+
+def env_seconds(name: str, default: float, *, environ=None) -> float:
+    """Non-negative, finite number of seconds `name`, else `default`; ValueError naming it otherwise."""
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < math.inf:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative number of seconds")
+    return v
 
 
 def env_bool(name: str, default: bool, *, environ=None) -> bool:

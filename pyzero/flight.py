@@ -36,7 +36,7 @@ import threading
 import time
 
 from . import _C
-from .envvars import env_int
+from .envvars import env_int, env_seconds
 from .topology import peer_json
 
 _DTYPES = {code: name for name, code in dict(_C.DTYPES).items()}
@@ -267,7 +267,7 @@ class _Process:
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
         self.size = env_int("PYZERO_FLIGHT", 256)
         self.trace = _trace_dir()
-        self.wait_s = float(os.environ.get("PYZERO_FLIGHT_WAIT", "1"))
+        self.wait_s = env_seconds("PYZERO_FLIGHT_WAIT", 1.0)
 
 
 _proc = _Process()

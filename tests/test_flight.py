@@ -156,6 +156,21 @@ def test_trace_and_off_switch(tmp_path):
     assert not os.path.exists("pyzero_trace_rank0.json")
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1s"])
+def test_bad_flight_wait_names_the_variable(value, monkeypatch):
+    """PYZERO_FLIGHT_WAIT is read as the other settings are: a bad value is a ValueError naming it (it was
+    float()'s own error at import, and inf or NaN let a failing rank wait for its peers' records forever
+    or broke the answering thread)."""
+    from pyzero import flight
+
+    monkeypatch.setenv("PYZERO_FLIGHT_WAIT", value)
+    with pytest.raises(ValueError, match=rf"PYZERO_FLIGHT_WAIT='{value}': expected a non-negative number of seconds"):
+        flight._Process()
+    for good, want in (("0", 0.0), ("2.5", 2.5), (" ", 1.0)):
+        monkeypatch.setenv("PYZERO_FLIGHT_WAIT", good)
+        assert flight._Process().wait_s == want
+
+
 def test_ring_keeps_the_newest_records():
     """The C++ ring: capacity rounded up to a power of two, the oldest records overwritten, a finish for
     an overwritten record ignored, p2p records without a sequence number."""

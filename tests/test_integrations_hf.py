@@ -375,7 +375,12 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="zero1", strategy_options={"zero_quantized_weights": True}),
                            "'zero_quantized_weights' .*stage-3 option"),
                           (dict(strategy_options={"bucket_mb": 1}), "strategy_options: they configure"),
-                          (dict(strategy="zero2", strategy_options=[1]), "strategy_options: expected a dict")]:
+                          (dict(strategy="zero2", strategy_options=[1]), "strategy_options: expected a dict"),
+                          # (an AttributeError and a TypeError from sorting the names before)
+                          (dict(strategy="zero2", strategy_options={1: 2}),
+                           "strategy_options: 1 is not an option name"),
+                          (dict(strategy="dp", strategy_options={"bucket_mb": 1, None: 2}),
+                           "strategy_options: None is not an option name")]:
         with pytest.raises((ValueError, TypeError), match=words):
             hf.PyzeroTrainer(**kwargs)
 

@@ -258,7 +258,11 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="zero2", zero_hpz_partition_size=2), "zero_hpz_partition_size: not a"),
                           (dict(strategy="zero2", prefetch=0), "prefetch: .*a ZeRO stage-3 option, and the strategy"),
                           (dict(strategy="zero3", prefetch0=0), r"expected some of \[.*'prefetch', 'zero_\*'\]"),
-                          (dict(strategy="zero2", timeout=0), "timeout: expected a positive")]:
+                          (dict(strategy="zero2", timeout=0), "timeout: expected a positive"),
+                          # (a timedelta's own errors before: NaN, infinity and beyond its range)
+                          (dict(strategy="zero2", timeout=float("nan")), "timeout: expected a positive"),
+                          (dict(strategy="zero2", timeout=float("inf")), "timeout: expected a positive"),
+                          (dict(strategy="zero2", timeout=1e30), "timeout: expected a positive")]:
         with pytest.raises(ValueError, match=words):
             pzl.PyzeroStrategy(**kwargs)
     pzl.PyzeroStrategy("zero3", prefetch=0, zero_hpz_partition_size=1, offload_moments="bf16")  # accepted

@@ -101,6 +101,9 @@ def _options(options, stage: int | None) -> dict:
         return {}
     if not isinstance(options, dict):
         raise TypeError(f"strategy_options: expected a dict of {what} options, got {type(options).__name__}")
+    for k in options:
+        if not isinstance(k, str):
+            raise TypeError(f"strategy_options: {k!r} is not an option name; expected names of {what} options")
     for k in sorted(options):
         why = _dist.option_refused(k, stage)
         if why is not None:

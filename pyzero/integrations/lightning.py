@@ -76,6 +76,7 @@ __all__ = ["CHECKPOINT_DIR", "LIGHTNING_FILE", "STRATEGIES", "PyzeroStrategy", "
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 CHECKPOINT_DIR = "pyzero"  # the pz.checkpoint folder inside a ZeRO checkpoint folder
 LIGHTNING_FILE = "checkpoint.pt"  # Lightning's checkpoint dict inside it
+_MAX_TIMEOUT = 999_999_999 * 86_400.0  # seconds, at most what a timedelta holds (NaN and infinity refused)
 
 
 def init(backend: str | None = None, timeout: float = 300.0) -> None:
@@ -150,7 +151,7 @@ class PyzeroStrategy(DDPStrategy):
             why = _dist.option_refused(k, self._stage)
             if why is not None:
                 raise ValueError(f"{k}: not a {what} option PyzeroStrategy(strategy={strategy!r}) passes on ({why})")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= _MAX_TIMEOUT:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.pyzero_strategy, self._options, self._backend, self._pz_timeout = strategy, dict(options), backend, timeout
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -34,6 +34,7 @@ import os
 import re
 import threading
 import time
+import warnings
 
 from . import _C
 from .envvars import env_int, env_seconds
@@ -288,6 +289,9 @@ def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:
 def start(rank: int, size: int, token: str) -> None:
     """At pz.init(), before any group: read the settings, forget the previous job's rings."""
     _proc.__init__()
+    if _proc.trace and not os.path.isdir(_proc.trace):  # (found now, not when the trace is written at the end)
+        raise ValueError(f"PYZERO_TRACE={os.environ['PYZERO_TRACE']!r}: expected 1 or an existing directory "
+                         "to write the trace in")
     _proc.rank, _proc.world, _proc.prefix = rank, size, f"pz/flight/{token}"
 
 
@@ -305,7 +309,10 @@ def listen(store) -> None:
 def stop() -> None:
     """At pz.destroy(): write the trace (PYZERO_TRACE), stop the answering thread."""
     if _proc.trace and _proc.rings:
-        write_trace()
+        try:
+            write_trace()
+        except OSError as e:  # (destroy still frees everything: a warning, not an error that stops it part-way)
+            warnings.warn(f"PYZERO_TRACE: could not write the trace: {e}", RuntimeWarning, stacklevel=3)
     if _proc.thread is not None:
         # A thread still opening its store connections (right after pz.init) is inside a C++ store
         # call; if the interpreter exits then, finalisation unwinds it through C++ and the process

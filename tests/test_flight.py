@@ -156,6 +156,46 @@ def test_trace_and_off_switch(tmp_path):
     assert not os.path.exists("pyzero_trace_rank0.json")
 
 
+def _rank_trace_dir(path, remove):
+    import shutil
+    import warnings
+
+    from pyzero import flight
+
+    try:
+        pz.init(timeout=20)
+    except ValueError as e:
+        return str(e)
+    pz.all_reduce(torch.ones(1))
+    pz.barrier()
+    if remove and pz.get_rank() == 0:
+        shutil.rmtree(path)
+    pz.barrier()
+    groups = pz.comm._world.groups
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pz.destroy()
+    # (a complete destroy: the answering thread stopped, every group's transport closed)
+    return [str(w.message) for w in caught], flight._proc.thread, [g._closed for g in groups]
+
+
+def test_trace_directory_missing_or_gone(tmp_path):
+    """PYZERO_TRACE naming no directory is an error naming it at pz.init, before the run; a trace that
+    cannot be written at pz.destroy() (the directory removed since) is a warning, and destroy still frees
+    the groups and stops the answering thread (it raised, leaving both behind)."""
+    missing = str(tmp_path / "missing")
+    res = run_ranks(_rank_trace_dir, 2, args=(missing, False), timeout=60, env={"PYZERO_TRACE": missing})
+    for r in res:
+        assert r.value.startswith(f"PYZERO_TRACE={missing!r}: expected 1 or an existing directory"), r.value
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    res = run_ranks(_rank_trace_dir, 2, args=(str(gone), True), timeout=60, env={"PYZERO_TRACE": str(gone)})
+    for r in res:
+        warned, thread, closed = r.value
+        assert len(warned) == 1 and warned[0].startswith("PYZERO_TRACE: could not write the trace"), warned
+        assert thread is None and closed and all(closed), closed
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1s"])
 def test_bad_flight_wait_names_the_variable(value, monkeypatch):
     """PYZERO_FLIGHT_WAIT is read as the other settings are: a bad value is a ValueError naming it (it was

@@ -27,21 +27,27 @@ SUBCOMMANDS = {
 }
 
 
-# Flags several subcommands take, with one meaning in each: counts (their least value), checked before any runs.
+# Flags with one meaning in every subcommand that takes them, checked before any runs: counts (their least
+# value), and amounts (finite; positive, or also 0).
 COUNTS = {"nproc": 1, "iters": 1, "warmup": 0, "steps": 1, "batch": 1, "seq": 1, "rows": 1, "hidden": 1,
-          "layers": 1}
+          "layers": 1, "mb_size": 1, "branch": 1, "stream_mib": 1, "staleness": 0, "step_elems": 0,
+          "transport_iters": 1}
+POSITIVE = ("timeout", "seconds", "bucket_mb", "first_bucket_mb", "device_gb", "host_gb", "throttle")
+NON_NEGATIVE = ("lr", "flush_mib", "sleep_ms", "window", "margin")
 
 
 def check_shared(args) -> None:
-    """A UsageError for a shared flag out of its range: COUNTS, and --timeout (seconds, positive)."""
+    """A UsageError naming the first shared flag out of its range: COUNTS, POSITIVE, NON_NEGATIVE."""
     for name, least in COUNTS.items():
         values = getattr(args, name, None)
         for v in values if isinstance(values, list) else [values]:
             if isinstance(v, int) and not isinstance(v, bool) and v < least:
-                raise UsageError(f"--{name}: expected >= {least}, got {v}")
-    timeout = getattr(args, "timeout", None)
-    if isinstance(timeout, float) and not 0 < timeout < math.inf:
-        raise UsageError(f"--timeout: expected a positive number of seconds, got {timeout}")
+                raise UsageError(f"--{name.replace('_', '-')}: expected >= {least}, got {v}")
+    for name in POSITIVE + NON_NEGATIVE:
+        v = getattr(args, name, None)
+        if isinstance(v, float) and not (0 < v < math.inf or (v == 0 and name in NON_NEGATIVE)):
+            what = "a positive" if name in POSITIVE else "a non-negative"
+            raise UsageError(f"--{name.replace('_', '-')}: expected {what} finite number, got {v}")
 
 
 def main(argv=None) -> int:

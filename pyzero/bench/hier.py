@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import init_torch_distributed, interleaved_medians, parse_size, size_steps, write_json
+from .common import UsageError, init_torch_distributed, interleaved_medians, parse_size, size_steps, write_json
 from .gpt import PRESETS, make_gpt
 from .ps import structured_batch
 
@@ -190,6 +190,7 @@ def main(args) -> int:
         raise SystemExit("--hosts: expected >= 2 and --per-host >= 1")
     if args.model not in PRESETS:
         raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+    size_steps(parse_size(args.min, "--min"), parse_size(args.max, "--max"), args.factor)  # (read by the ranks)
     world = args.hosts * args.per_host
     env = None
     link = f"veth limited to {args.throttle:g} Mbit/s" if args.throttle else "loopback"

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .common import mem_available, parse_size, size_steps, write_json
+from .common import UsageError, mem_available, parse_size, size_steps, write_json
 
 RUNS = ("pz", "torch-foreach", "torch-fused", "deepspeed")
 BYTES = {"plain": 28, "offload": 30}
@@ -198,8 +198,15 @@ def main(args) -> int:
     steps = [s for s in args.steps.split(",") if s]
     if any(s not in BYTES for s in steps):
         raise SystemExit(f"--steps: expected a comma list of {tuple(BYTES)}, got {args.steps!r}")
-    thread_counts = [int(t) for t in args.threads.split(",")]
-    sizes = size_steps(parse_size(args.min), parse_size(args.max), args.factor)
+    try:
+        thread_counts = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        thread_counts = []
+    if not thread_counts or min(thread_counts) < 1:
+        raise UsageError(f"--threads: expected a comma list of thread counts >= 1, got {args.threads!r}")
+    sizes = size_steps(parse_size(args.min, "--min"), parse_size(args.max, "--max"), args.factor)
+    if parse_size(args.sub_group, "--sub-group") < 1:
+        raise UsageError(f"--sub-group: expected at least one element, got {args.sub_group!r}")
     if args.tensors < 1 or args.tensors > min(sizes):
         raise SystemExit(f"--tensors: expected 1 to {min(sizes)} (the smallest size), got {args.tensors}")
     from .. import optim as pz_optim  # noqa: PLC0415

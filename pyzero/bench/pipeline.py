@@ -52,9 +52,9 @@ def _ints(text: str, arg: str) -> list[int]:
     try:
         out = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{arg}: expected a comma list of ints, got {text!r}") from None
+        raise UsageError(f"{arg}: expected a comma list of ints, got {text!r}") from None
     if not out or any(v < 1 for v in out):
-        raise ValueError(f"{arg}: expected positive ints, got {text!r}")
+        raise UsageError(f"{arg}: expected positive ints, got {text!r}")
     return out
 
 
@@ -62,7 +62,7 @@ def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
     out = [o.strip() for o in text.split(",") if o.strip()]
     bad = [o for o in out if o not in allowed]
     if bad or not out:
-        raise ValueError(f"{arg}: expected some of {allowed}, got {text!r}")
+        raise UsageError(f"{arg}: expected some of {allowed}, got {text!r}")
     return out
 
 

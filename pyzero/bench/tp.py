@@ -199,7 +199,7 @@ def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
     out = [o.strip() for o in text.split(",") if o.strip()]
     for o in out:
         if o not in allowed:
-            raise ValueError(f"{arg}: unknown value {o!r}; expected some of {allowed}")
+            raise UsageError(f"{arg}: unknown value {o!r}; expected some of {allowed}")
     return out
 
 

@@ -758,6 +758,9 @@ def test_bench_exchange_mode_keeps_only_sets_in_the_mode_asked_for(tmp_path, cap
     (["hier", "--iters", "0"], "--iters: expected >= 1, got 0"),
     (["hier", "--min", "0"], "--min/--max: expected 1 <= min <= max"),
     (["faults", "--window", "-1"], "--window: expected a non-negative finite number, got -1.0"),
+    (["faults", "--rounds", "0"], "--rounds: expected >= 1, got 0"),
+    (["faults", "--margin", "-1"], "--margin: expected a non-negative finite number, got -1.0"),
+    (["capacity", "--device-gb", "-1"], "--device-gb: expected a positive finite number, got -1.0"),
     (["soak", "--seconds", "nan"], "--seconds: expected a positive finite number, got nan"),
     (["soak", "--nproc", "2", "0"], "--nproc: expected >= 1, got 0"),
 ])

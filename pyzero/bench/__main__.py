@@ -31,7 +31,7 @@ SUBCOMMANDS = {
 # value), and amounts (finite; positive, or also 0).
 COUNTS = {"nproc": 1, "iters": 1, "warmup": 0, "steps": 1, "batch": 1, "seq": 1, "rows": 1, "hidden": 1,
           "layers": 1, "mb_size": 1, "branch": 1, "stream_mib": 1, "staleness": 0, "step_elems": 0,
-          "transport_iters": 1}
+          "transport_iters": 1, "rounds": 1}
 POSITIVE = ("timeout", "seconds", "bucket_mb", "first_bucket_mb", "device_gb", "host_gb", "throttle")
 NON_NEGATIVE = ("lr", "flush_mib", "sleep_ms", "window", "margin")
 

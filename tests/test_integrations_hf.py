@@ -366,6 +366,42 @@ def test_misuse_raises_and_names_the_integration(tmp_path):
     assert_same_run(one["ours"], one["plain"], "one process")
 
 
+def _rank_ddp_settings(out):
+    """torch DDP settings given to the frameworks, which PyzeroAccelerator (no torch DDP) cannot honour."""
+    from accelerate import DistributedDataParallelKwargs  # noqa: PLC0415
+    from accelerate.utils import DDPCommunicationHookType  # noqa: PLC0415
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)  # (one plain process, as _rank_misuse_one_process)
+    found = {}
+    for name, kw in [("bucket_cap_mb", {"bucket_cap_mb": 50}), ("broadcast_buffers", {"broadcast_buffers": False}),
+                     ("comm_hook", {"comm_hook": DDPCommunicationHookType.FP16}),
+                     ("find_unused_parameters", {"find_unused_parameters": True})]:  # (pz.DataParallel finds them)
+        found[name] = outcome(lambda kw=kw: hf.PyzeroAccelerator(cpu=True,
+                                                                 kwargs_handlers=[DistributedDataParallelKwargs(**kw)]))
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    for arg in ("ddp_bucket_cap_mb", "ddp_broadcast_buffers"):
+        found[arg] = outcome(lambda arg=arg: train(out, hf.PyzeroTrainer, strategy="dp", steps=1,
+                                                   args={arg: 50 if arg == "ddp_bucket_cap_mb" else False}))
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return found
+
+
+def test_torch_ddp_settings_are_refused_not_ignored(tmp_path):
+    """A DistributedDataParallelKwargs setting that changes what torch DDP would do (its buckets, buffers or
+    communication hook) is a ValueError naming it and pyzero's own option, not silently dropped; the
+    Trainer's ddp_bucket_cap_mb and ddp_broadcast_buffers reach it the same way."""
+    found = run_ranks(_rank_ddp_settings, 1, args=(str(tmp_path),), timeout=60)[0].value
+    for name, option in [("bucket_cap_mb", "bucket_mb"), ("broadcast_buffers", "broadcast_buffers"),
+                         ("comm_hook", "comm_dtype"), ("ddp_bucket_cap_mb", "bucket_mb"),
+                         ("ddp_broadcast_buffers", "broadcast_buffers")]:
+        kind, msg = found[name]
+        assert kind == "ValueError" and "DistributedDataParallelKwargs" in msg and option in msg, (name, msg)
+    assert found["find_unused_parameters"] == ("ok", None)
+
+
 def test_bad_arguments_name_the_argument():
     for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
                           (dict(strategy="zero2", strategy_options={"stage": 3}), "strategy_options: 'stage'"),

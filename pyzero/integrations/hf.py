@@ -62,7 +62,7 @@ import torch.distributed as dist
 import transformers
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import DDPCommunicationHookType, DistributedType
 
 from .. import checkpoint, comm, wrappers
 from . import _dist
@@ -150,6 +150,25 @@ class PyzeroAccelerator(Accelerator):
                              "be combined with it (drop the DeepSpeed/FSDP/... configuration)")
         if self.parallelism_config is not None:
             raise ValueError("parallelism_config: pyzero does the data parallelism; drop the ParallelismConfig")
+        self._check_ddp_handler()
+
+    def _check_ddp_handler(self) -> None:
+        """Refuse the torch DDP settings that would change the training (there is no torch DDP here): its
+        buckets, buffer broadcasts and communication hook. (find_unused_parameters, which the Trainer sets
+        for its models, and DDP's other switches change nothing pyzero does.)"""
+        handler = self.ddp_handler
+        if handler is None:
+            return
+        use = {"bucket_cap_mb": "bucket_mb", "broadcast_buffers": "broadcast_buffers"}
+        given = {k: v for k, v in handler.to_kwargs().items() if k in use}
+        if handler.comm_hook != DDPCommunicationHookType.NO:
+            given["comm_hook"] = handler.comm_hook
+            use["comm_hook"] = "comm_dtype"
+        if given:
+            name = sorted(given)[0]
+            raise ValueError(f"kwargs_handlers: DistributedDataParallelKwargs({name}={given[name]!r}) configures torch "
+                             f"DDP, which pyzero replaces; pass the pz.DataParallel option {use[name]!r} in "
+                             "dp_options= (PyzeroTrainer: strategy_options=, instead of TrainingArguments' ddp_*)")
 
     # ---- preparing -----------------------------------------------------------
 

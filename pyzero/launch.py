@@ -254,6 +254,9 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
                     unloadable.add(r)
                     output += f"\nrun_ranks: rank {r}'s return value could not be unpickled: {type(e).__name__}: {e}\n"
             os.unlink(res_path)
+        elif codes[r] == 0:  # (its process ended, status 0, before fn returned: os._exit(0) somewhere)
+            unloadable.add(r)
+            output += f"\nrun_ranks: rank {r} exited without returning from {getattr(fn, '__name__', fn)}\n"
         if os.path.exists(out_path):
             os.unlink(out_path)
         results.append(RankResult(r, codes[r], value, output))

@@ -103,6 +103,24 @@ def _touch(path):
     open(path, "w").close()
 
 
+def _exit_early():
+    if os.environ["RANK"] == "1":
+        print("leaving", flush=True)
+        os._exit(0)  # exit status 0, but fn never returned
+    return "fine"
+
+
+def test_a_rank_that_exits_without_returning_is_a_failure():
+    """A rank whose process ends with status 0 before fn returns (os._exit(0) in a library) has no value:
+    that is its failure, not a value of None indistinguishable from fn returning None."""
+    with pytest.raises(RankFailure, match="a rank failed") as info:
+        run_ranks(_exit_early, 2, timeout=30)
+    assert "rank 1 exited without returning from _exit_early" in str(info.value)
+    results = run_ranks(_exit_early, 2, timeout=30, check=False)
+    assert [(r.exitcode, r.value) for r in results] == [(0, "fine"), (0, None)]
+    assert "leaving" in results[1].output and "exited without returning" in results[1].output
+
+
 class _Unloadable:
     def __reduce__(self):
         return int, ("not an int",)  # pickles in the rank; fails to unpickle in the parent

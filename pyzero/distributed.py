@@ -952,7 +952,13 @@ def _check_tag(tag: int, op: str) -> None:
 
 
 def _split_dim0(t: torch.Tensor, sizes, n: int, arg: str) -> list[torch.Tensor]:
+    if t.dim() == 0:
+        raise ValueError(f"all_to_all_single: {arg} is 0-dimensional; expected a tensor split along dim 0 into "
+                         f"{n} chunks (one per rank)")
     sizes = list(sizes)
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in sizes):
+        raise ValueError(f"all_to_all_single: {arg}_split_sizes={sizes} must hold {n} non-negative ints summing to "
+                         f"{arg}.shape[0]={t.shape[0]}")
     if not sizes:
         if t.shape[0] % n:
             raise ValueError(f"all_to_all_single: {arg}.shape[0]={t.shape[0]} is not divisible by the group size "

@@ -349,6 +349,15 @@ def _rank_errors():
     expect(ValueError, ["src=None"], lambda: dist.recv(t))
     expect(ValueError, ["all_to_all_single", "input_split_sizes"],
            lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [2, 2], [1, 1]))
+    # (torch's own IndexError and split errors before; gloo keeps each rank's own 0-dim value, and crashes on
+    # a negative size)
+    expect(ValueError, ["all_to_all_single", "output", "0-dimensional"],
+           lambda: dist.all_to_all_single(torch.empty(()), torch.empty(())))
+    expect(ValueError, ["all_to_all_single", "input_split_sizes=[3, -1]", "non-negative"],
+           lambda: dist.all_to_all_single(torch.empty(2), torch.empty(2), [1, 1], [3, -1]))
+    expect(ValueError, ["all_to_all_single", "output_split_sizes=[1.0, 1.0]", "non-negative"],
+           lambda: dist.distributed_c10d._get_default_group().alltoall_base(torch.empty(2), torch.empty(2),
+                                                                            [1.0, 1.0], [1, 1]))
     # ranks calling different collectives: both fail, naming what each called
     expect(pyzero.CollectiveError, ["mismatched", "all_reduce", "broadcast"],
            lambda: dist.all_reduce(t) if me == 1 else dist.broadcast(t, 0))

@@ -176,7 +176,10 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
         raise ValueError(f"threads: expected None or an int >= 1, got {threads!r}")
     if start not in ("fork", "spawn"):
         raise ValueError(f"start: expected 'fork' or 'spawn', got {start!r}")
-    if echo is not None and not (isinstance(echo, int) and 0 <= echo < nprocs):
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in env.items())):
+        raise ValueError(f"env: expected None or a dict of str names to str values, got {env!r}")
+    if echo is not None and not (isinstance(echo, int) and not isinstance(echo, bool) and 0 <= echo < nprocs):
         raise ValueError(f"echo: expected None or a rank in [0, {nprocs}), got {echo!r}")
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")  # 0700: the ranks' outputs and results are private

@@ -88,7 +88,8 @@ def test_bad_nprocs():
                                           ({"nprocs": True}, "nprocs"), ({"timeout": None}, "timeout"),
                                           ({"timeout": "5"}, "timeout"), ({"timeout": -1}, "timeout"),
                                           ({"timeout": float("nan")}, "timeout"), ({"threads": 0}, "threads"),
-                                          ({"threads": 1.5}, "threads")])
+                                          ({"threads": 1.5}, "threads"), ({"env": {"X": 1}}, "env"),
+                                          ({"env": ["X"]}, "env"), ({"echo": True}, "echo")])
 def test_bad_arguments_raise_before_any_rank_starts(kwargs, name, tmp_path):
     """Checked before anything forks (a bad timeout failed after the ranks had started; a NaN one never
     expired)."""

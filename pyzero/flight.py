@@ -542,6 +542,8 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
 def dump(path: str | None = None) -> dict:
     """This rank's records of every group it is in: {"rank", "groups": [{"gid", "ranks", "records"}]};
     written as JSON to `path` too when given."""
+    if path is not None and not isinstance(path, (str, bytes, os.PathLike)):  # (open() takes an int as an fd)
+        raise TypeError(f"path: expected None or a file path, got {type(path).__name__} {path!r}")
     out = {"rank": _proc.rank, "time": time.time(),
            "groups": [{"gid": r.gid, "ranks": list(r.ranks), "records": r.records()}
                       for r in _proc.rings.values()]}

@@ -142,6 +142,16 @@ def _rank_trace(n):
     return len(pz.debug_dump()["groups"][0]["records"])
 
 
+@pytest.mark.parametrize("path", [True, 1, 2.5])
+def test_dump_path_must_be_a_path(path):
+    """open() takes an int as a file descriptor: pz.debug_dump(True) wrote the records to fd 1 and closed
+    this process's stdout. A path that is not a str or os.PathLike is a TypeError naming it."""
+    before = os.fstat(1)
+    with pytest.raises(TypeError, match="path: expected None or a file path"):
+        pz.debug_dump(path)
+    assert os.fstat(1) == before  # stdout still open
+
+
 def test_trace_and_off_switch(tmp_path):
     run_ranks(_rank_trace, 2, args=(3,), timeout=60, env={"PYZERO_TRACE": str(tmp_path)})
     for rank in range(2):

@@ -402,6 +402,25 @@ def test_torch_ddp_settings_are_refused_not_ignored(tmp_path):
     assert found["find_unused_parameters"] == ("ok", None)
 
 
+def _rank_init_twice():
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)  # (one plain process)
+    from pyzero.integrations import lightning as pzl  # noqa: PLC0415
+
+    hf.init(backend="shm")
+    return {"again": outcome(lambda: hf.init(backend="shm")), "other": outcome(lambda: hf.init(backend="nccl")),
+            "default": outcome(hf.init), "lightning": outcome(lambda: pzl.init(backend="ipc"))}
+
+
+def test_init_again_with_another_backend_names_it():
+    """init() once pyzero runs: the same backend or none is fine; another was silently not used."""
+    found = run_ranks(_rank_init_twice, 1, timeout=60)[0].value
+    assert found["again"] == found["default"] == ("ok", None)
+    for case, asked in (("other", "nccl"), ("lightning", "ipc")):
+        kind, msg = found[case]
+        assert kind == "ValueError" and f"asks for {asked!r}" in msg and "already started with backend 'shm'" in msg
+
+
 def test_bad_arguments_name_the_argument():
     for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
                           (dict(strategy="zero2", strategy_options={"stage": 3}), "strategy_options: 'stage'"),

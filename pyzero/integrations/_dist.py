@@ -28,6 +28,13 @@ def option_refused(name: str, stage: int | None) -> str | None:
     return f"expected some of {list(allowed) + (['prefetch', 'zero_*'] if stage == 3 else [])}"
 
 
+def check_started(backend: str | None, who: str) -> None:
+    """pyzero is already started (an earlier pz.init): a `backend` asked for must be the one it runs."""
+    if backend is not None and backend != comm.get_backend():
+        raise ValueError(f"backend: {who} asks for {backend!r}, but pyzero is already started with backend "
+                         f"{comm.get_backend()!r}; pass backend=None, or start it with {backend!r}")
+
+
 def default_torch_backend() -> str:
     """torch's backend for the frameworks' own collectives, by pyzero's backend: CPU tensors on gloo;
     CUDA tensors on torch's NCCL beside pyzero's nccl backend (a GPU per process), on "pyzero"

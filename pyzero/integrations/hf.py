@@ -77,7 +77,8 @@ SCHEDULER_NAME = "scheduler.pt"  # the Trainer's name for the LR scheduler's sta
 
 
 def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str | None = None) -> None:
-    """Start pyzero (``pz.init(backend, timeout)``, unless started) and torch.distributed on its store.
+    """Start pyzero (``pz.init(backend, timeout)``, unless started: then a ``backend`` other than None
+    must be the one it runs) and torch.distributed on its store.
 
     Call it before ``TrainingArguments(...)``, which initialises torch.distributed itself on
     MASTER_PORT, the port pyzero's store holds. ``torch_backend`` is torch's backend for
@@ -91,6 +92,8 @@ def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str 
                                "Accelerator(...) do that) and holds the port pyzero's store needs: call "
                                "pyzero.integrations.hf.init() before creating TrainingArguments or an Accelerator")
         comm.init(backend=backend, timeout=timeout)
+    else:
+        _dist.check_started(backend, "init()")
     _dist.init_torch(torch_backend)
 
 

@@ -89,6 +89,8 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
                                "store needs; call pyzero.integrations.lightning.init() before the first "
                                "Trainer.fit")
         comm.init(backend=backend, timeout=timeout)
+    else:
+        _dist.check_started(backend, "init()")
     _dist.init_torch()
 
 
@@ -133,7 +135,8 @@ class PyzeroStrategy(DDPStrategy):
 
     ``PyzeroStrategy(strategy="zero2", backend=None, timeout=300.0, **options)``: ``strategy`` one
     of STRATEGIES; ``options`` pz.DataParallel ("dp") or pz.ZeroOptimizer options; ``backend`` and
-    ``timeout`` start pyzero (``pz.init``) unless it is started already. Lightning's own arguments
+    ``timeout`` start pyzero (``pz.init``) unless it is started already (then a ``backend`` other than
+    None must be the one it runs). Lightning's own arguments
     (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin) as for
     DDPStrategy.
     """
@@ -205,6 +208,8 @@ class PyzeroStrategy(DDPStrategy):
                    "MASTER_PORT": self.cluster_environment.main_port}
             os.environ.update({k: str(v) for k, v in env.items()})
             comm.init(backend=self._backend, timeout=self._pz_timeout)
+        else:
+            _dist.check_started(self._backend, "PyzeroStrategy")
         if (comm.get_rank(), comm.get_world_size()) != (rank, world):
             raise RuntimeError(f"PyzeroStrategy: Lightning runs rank {rank} of {world}, pyzero rank "
                                f"{comm.get_rank()} of {comm.get_world_size()}; set devices= and num_nodes= to the "

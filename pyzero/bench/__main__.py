@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import sys
 
 from .common import UsageError
@@ -48,6 +49,10 @@ def check_shared(args) -> None:
         if isinstance(v, float) and not (0 < v < math.inf or (v == 0 and name in NON_NEGATIVE)):
             what = "a positive" if name in POSITIVE else "a non-negative"
             raise UsageError(f"--{name.replace('_', '-')}: expected {what} finite number, got {v}")
+    for name in ("json", "plot"):  # written at the end: a folder that is not there fails now, not after the run
+        path = getattr(args, name, None)
+        if isinstance(path, str) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"--{name} {path}: no folder {os.path.dirname(os.path.abspath(path))!r} to write it in")
 
 
 def main(argv=None) -> int:

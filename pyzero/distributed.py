@@ -262,8 +262,14 @@ def _stage(t: torch.Tensor, op: str, arg: str, copy_in: bool = True):
     wrap-around); non-contiguous tensors through a contiguous copy."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_cpu and t.dtype in DTYPES and t.is_contiguous():  # the common case, checked first
-        return t, None
+    try:
+        if t.is_cpu and t.dtype in DTYPES and t.is_contiguous():  # the common case, checked first
+            return t, None
+    except RuntimeError:  # (sparse compressed layouts have no is_contiguous: refused below)
+        pass
+    if t.layout != torch.strided:
+        raise TypeError(f"{op}: {arg} is a {t.layout} tensor, which the {NAME!r} backend cannot carry; expected "
+                        "a dense (torch.strided) tensor (.to_dense())")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{op}: {arg}: the {NAME!r} backend carries CPU and CUDA tensors, got one on {t.device} "
                          f"(map that device to another backend, e.g. 'cpu:{NAME},{t.device.type}:<backend>')")

@@ -345,6 +345,13 @@ def _rank_errors():
            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG))
     expect(TypeError, ["float8", "dtype"], lambda: dist.all_reduce(torch.ones(2).to(torch.float8_e4m3fn)))
     expect(ValueError, ["meta", "cpu:pyzero,meta:"], lambda: dist.all_reduce(torch.ones(2, device="meta")))
+    # (torch's own copy_() and is_contiguous() errors before; gloo sums sparse COO tensors, pyzero carries none)
+    expect(TypeError, ["allreduce", "tensors[0]", "torch.sparse_coo", "dense"],
+           lambda: dist.all_reduce(torch.sparse_coo_tensor([[me]], [1.0], (3,))))
+    expect(TypeError, ["broadcast", "tensors[0]", "torch.sparse_csr", "dense"],
+           lambda: dist.broadcast(torch.ones(2, 2).to_sparse_csr(), 0))
+    expect(TypeError, ["send", "tensor", "torch.sparse_coo"],
+           lambda: dist.send(torch.ones(2).to_sparse(), 1 - me))
     expect(ValueError, ["tag=5"], lambda: dist.send(t, 1 - me, tag=5))
     expect(ValueError, ["src=None"], lambda: dist.recv(t))
     expect(ValueError, ["all_to_all_single", "input_split_sizes"],

@@ -777,6 +777,8 @@ def test_bench_exchange_mode_keeps_only_sets_in_the_mode_asked_for(tmp_path, cap
     (["faults", "--rounds", "0"], "--rounds: expected >= 1, got 0"),
     (["faults", "--margin", "-1"], "--margin: expected a non-negative finite number, got -1.0"),
     (["capacity", "--device-gb", "-1"], "--device-gb: expected a positive finite number, got -1.0"),
+    pytest.param(["collectives", "--device", "cuda", "--nproc", "2"], "--device cuda: no CUDA GPU visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible")),
     (["collectives", "--json", "/nonexistent/c.json"], "--json /nonexistent/c.json: no folder '/nonexistent'"),
     (["train", "--plot", "/nonexistent/t.png"], "--plot /nonexistent/t.png: no folder '/nonexistent'"),
     (["soak", "--seconds", "nan"], "--seconds: expected a positive finite number, got nan"),

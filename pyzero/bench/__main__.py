@@ -49,6 +49,11 @@ def check_shared(args) -> None:
         if isinstance(v, float) and not (0 < v < math.inf or (v == 0 and name in NON_NEGATIVE)):
             what = "a positive" if name in POSITIVE else "a non-negative"
             raise UsageError(f"--{name.replace('_', '-')}: expected {what} finite number, got {v}")
+    if getattr(args, "device", None) == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():  # (the ranks failed one by one, each with its traceback)
+            raise UsageError("--device cuda: no CUDA GPU visible to this process")
     for name in ("json", "plot"):  # written at the end: a folder that is not there fails now, not after the run
         path = getattr(args, name, None)
         if isinstance(path, str) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

@@ -49,6 +49,12 @@ def check_shared(args) -> None:
         if isinstance(v, float) and not (0 < v < math.inf or (v == 0 and name in NON_NEGATIVE)):
             what = "a positive" if name in POSITIVE else "a non-negative"
             raise UsageError(f"--{name.replace('_', '-')}: expected {what} finite number, got {v}")
+    model, seq = getattr(args, "model", None), getattr(args, "seq", None)
+    if isinstance(model, str) and isinstance(seq, int):  # (the GPT benches: a longer sequence than the model's
+        from .gpt import PRESETS  # noqa: PLC0415  position table failed inside the ranks, an IndexError in some)
+
+        if model in PRESETS and seq > PRESETS[model].block_size:
+            raise UsageError(f"--seq: expected 1..{PRESETS[model].block_size} for --model {model}, got {seq}")
     if getattr(args, "device", None) == "cuda":
         import torch  # noqa: PLC0415
 

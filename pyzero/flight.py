@@ -40,6 +40,7 @@ from . import _C
 from .envvars import env_int, env_seconds
 from .topology import peer_json
 
+MAX_RECORDS = 1 << 20  # PYZERO_FLIGHT's largest value: records kept per group (about 80 MiB)
 _DTYPES = {code: name for name, code in dict(_C.DTYPES).items()}
 _OPS = {code: name for name, code in dict(_C.OPS).items()}
 _ALGOS = {code: name for name, code in dict(_C.ALGOS).items()}
@@ -267,6 +268,9 @@ class _Process:
         self.thread: threading.Thread | None = None
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
         self.size = env_int("PYZERO_FLIGHT", 256)
+        if self.size > MAX_RECORDS:  # (each group allocates its ring at once: a huge value is out of memory)
+            raise ValueError(f"PYZERO_FLIGHT={self.size}: expected at most {MAX_RECORDS} records per group "
+                             "(0 turns the recorder off)")
         self.trace = _trace_dir()
         self.wait_s = env_seconds("PYZERO_FLIGHT_WAIT", 1.0)
 

@@ -112,3 +112,6 @@ def test_environment_settings_share_one_parser(monkeypatch):
     import pyzero.flight as flight
     with pytest.raises(ValueError, match="PYZERO_FLIGHT='lots': expected a non-negative integer"):
         flight.start(0, 1, "t")
+    monkeypatch.setenv("PYZERO_FLIGHT", str(flight.MAX_RECORDS + 1))  # a ring that size would not fit in memory
+    with pytest.raises(ValueError, match=f"PYZERO_FLIGHT={flight.MAX_RECORDS + 1}: expected at most 1048576"):
+        flight.start(0, 1, "t")

@@ -340,6 +340,12 @@ def _rank_mismatch():
         out[case + "/after"] = t.tolist()
     # "auto" matches an explicit algo (it may pick it), as on one host
     out["auto"] = outcome(lambda: pz.all_reduce(torch.ones(8), algo="ring" if pz.get_rank() else None))
+    # algo names the shm backend refuses for a collective are refused here too, on every rank
+    out["native"] = outcome(lambda: pz.broadcast(torch.ones(8), src=0, algo="native"))
+    out["twoshot"] = outcome(lambda: pz.reduce_scatter(torch.zeros(2), torch.ones(8), algo="twoshot"))
+    t = torch.full((5,), float(pz.get_rank()))
+    pz.all_reduce(t, algo="twoshot")  # an all_reduce algorithm: taken (hier runs its own)
+    out["twoshot/all_reduce"] = t.tolist()
     return out
 
 
@@ -354,6 +360,9 @@ def test_mismatched_calls_raise_on_every_rank():
         assert "op or root (sum .. max)" in r.value["op"][1], r.value["op"]  # ops by name, roots by number
         assert "op or root (0 .. 1)" in r.value["root"][1], r.value["root"]
         assert r.value["auto"][0] == "ok", r.value["auto"]
+        assert r.value["native"][0] == "ValueError" and "algo='native'" in r.value["native"][1], r.value["native"]
+        assert r.value["twoshot"][0] == "ValueError" and "all_reduce algorithm" in r.value["twoshot"][1], r.value
+        assert r.value["twoshot/all_reduce"] == [6.0] * 5, r.value
 
 
 P2P_MISMATCH = {  # case: (what rank 0 sends, what rank 1 receives into)

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend import (
+    ALGOS,
     DTYPE_NAMES,
     DTYPES,
     OPS,
@@ -85,7 +86,14 @@ _AUTO = 0  # algo "auto" of the shm transport
 PIPELINE_BYTES = 1 << 20
 
 
-def _algo(algo: int) -> int:
+def _algo(algo: int, kind: str) -> int:
+    """`algo` as the call's descriptor carries it ("auto" matches anything). Whatever it names, hier runs
+    its own two-level algorithm; the names the shm backend refuses for `kind` are refused here too."""
+    if algo == ALGOS["native"]:
+        raise ValueError(f"{kind}: algo='native' is NCCL's own collective, for the nccl backend; the hier "
+                         "backend takes 'auto', 'ring', 'oneshot' or 'twoshot'")
+    if algo == ALGOS["twoshot"] and kind != "all_reduce":
+        raise ValueError(f"{kind}: algo='twoshot' is an all_reduce algorithm; use 'auto', 'ring' or 'oneshot'")
     return _UNSET if algo == _AUTO else algo
 _OP_NAMES = {code: name for name, code in OPS.items()}
 _GLOO_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -444,7 +452,7 @@ class HierBackend(Backend):
     def all_reduce(self, b, op, algo, async_op):
         x = tensor_of(b)
         return self._run("all_reduce", x.numel(), lambda: self._all_reduce(x, _OP_NAMES[op]), async_op,
-                         (_UNSET, b.code, op, _algo(algo)))
+                         (_UNSET, b.code, op, _algo(algo, "all_reduce")))
 
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         w = x.float() if x.dtype in _WIDE else x
@@ -492,7 +500,7 @@ class HierBackend(Backend):
         o, i = tensor_of(out), tensor_of(inp)
         counts = list(counts)
         return self._run("reduce_scatter", i.numel(), lambda: self._reduce_scatter(o, i, counts, _OP_NAMES[op]),
-                         async_op, (_counts_hash(counts), out.code, op, _algo(algo)))
+                         async_op, (_counts_hash(counts), out.code, op, _algo(algo, "reduce_scatter")))
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int], op: str) -> None:
         wide = torch.float32 if inp.dtype in _WIDE else inp.dtype
@@ -529,7 +537,7 @@ class HierBackend(Backend):
         o, i = tensor_of(out), tensor_of(inp)
         counts = list(counts)
         return self._run("all_gather", o.numel(), lambda: self._all_gather(o, i, counts), async_op,
-                         (_counts_hash(counts), out.code, _UNSET, _algo(algo)))
+                         (_counts_hash(counts), out.code, _UNSET, _algo(algo, "all_gather")))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, counts: list[int]) -> None:
         starts = [sum(counts[:r]) for r in range(self.size)]
@@ -569,7 +577,7 @@ class HierBackend(Backend):
     def broadcast(self, b, root, algo, async_op):
         x = tensor_of(b)
         return self._run("broadcast", x.numel(), lambda: self._broadcast(x, root), async_op,
-                         (_UNSET, b.code, root, _algo(algo)))
+                         (_UNSET, b.code, root, _algo(algo, "broadcast")))
 
     def _broadcast(self, x: torch.Tensor, root: int) -> None:
         hr = self._host_of(root)

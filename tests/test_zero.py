@@ -517,3 +517,48 @@ def test_stage3_state_dict_at_one_rank_holds_the_values():
     assert sd.keys() == full.keys()
     for k, v in full.items():
         torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
+
+
+class LateUnused(nn.Module):
+    """`late` takes part in the first step only, `never` in none."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.late, self.never = nn.Linear(IN, OUT), nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x, step):
+        return self.fc(x) + (self.late(x) if step == 0 else 0)
+
+
+def train_zeroing_to_zero(world=None, stage=None):
+    """Three steps with zero_grad(set_to_none=False), SGD with momentum and weight decay; ZeRO's
+    first rank returns the full state, plain torch (world None) the model's."""
+    torch.manual_seed(0)
+    model = LateUnused()
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, **kw) if world else torch.optim.SGD(
+        model.parameters(), **kw)
+    per = BATCH // (world or 1)
+    lo = pz.get_rank() * per if world else 0
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        x, y = batch(BASE, step, 0)
+        F.mse_loss(model(x[lo:lo + per], step), y[lo:lo + per]).backward()
+        opt.step()
+    return opt.full_state_dict() if world else {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rank_zeroing_to_zero():
+    pz.init(timeout=30)
+    return {stage: train_zeroing_to_zero(pz.get_world_size(), stage) for stage in (1, 2, 3)}
+
+
+def test_zero_grad_to_zero_steps_what_torch_steps():
+    """zero_grad(set_to_none=False) zeroes the gradients that exist, as torch's does: a parameter
+    that got a gradient in an earlier step is stepped with zeros (momentum, weight decay), one
+    that never got one keeps grad=None and is not touched."""
+    want = train_zeroing_to_zero()
+    assert not torch.equal(want["late.weight"], LateUnused().late.weight)  # (stepped after its use too)
+    got = run_ranks(rank_zeroing_to_zero, 2, timeout=60)[0].value
+    for stage in (1, 2, 3):
+        assert_state_close(got[stage], want, **TOL)

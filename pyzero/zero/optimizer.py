@@ -213,6 +213,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Which parameters received a gradient since zero_grad: see [Note: parameters without gradients].
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._has_grad = torch.zeros(len(self.params), dtype=torch.int32)
+        # Which parameters hold a gradient tensor in torch's terms (got one since the last
+        # zero_grad(set_to_none=True)): zero_grad(set_to_none=False) zeroes those, the rest keep None.
+        self._grad_exists = torch.zeros(len(self.params), dtype=torch.int32)
         self._used_flags = DeviceFlags("ZeroOptimizer")  # _has_grad's values on a GPU backend's device
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._mark_grad)
@@ -595,7 +598,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         if self._check_overflow():
             self.scaler.update(overflow=True)
-            self.zero_grad()
+            self._clear_grads()
             return
         # [Note: parameters without gradients]
         # torch's optimizers skip a parameter whose .grad is None (no update, no weight decay, no
@@ -618,7 +621,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.update(overflow=False)
         # The gradients are consumed: a stage's shards mix reduced and local values, and
         # model.zero_grad() cannot reach them, so start the next step from zero either way.
-        self.zero_grad()
+        self._clear_grads()
 
     def _used(self) -> torch.Tensor:
         """Per parameter, 1 if any rank's backward reached it since zero_grad (see [Note:
@@ -633,6 +636,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm.all_reduce(dev, op="max", group=self.group, async_op=True).wait()
                 if not bool(used.all()):
                     used = dev.cpu()
+        torch.maximum(self._grad_exists, used, out=self._grad_exists)
         return used
 
     def _delayed_step(self):
@@ -645,7 +649,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish_delayed()  # the step of step t-1: its parameters go to the model now
         if overflow:
             self.scaler.update(overflow=True)
-            self.zero_grad()
+            self._clear_grads()
             return
         spare = self._delayed.grads
         views = []  # per piece: its view of the job's gradient copy, None where skipped
@@ -670,7 +674,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._delayed.submit(self._shard_grads, job)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        self.zero_grad()
+        self._clear_grads()
 
     def synchronize(self) -> None:
         """With delayed_update: wait for the CPU step in flight and put its parameters into the
@@ -857,7 +861,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._check_overflow():  # (never with early slots: they need no loss scaling)
             self._learn_loop_shape()
             self.scaler.update(overflow=True)
-            self.zero_grad()
+            self._clear_grads()
             return
         used = self._used()
         factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
@@ -887,7 +891,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._learn_loop_shape()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        self.zero_grad()
+        self._clear_grads()
 
     def _learn_loop_shape(self):
         """After a step: slots may step during the next backward if this step's loop allows it."""
@@ -971,7 +975,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes the gradient shards; set_to_none (the default, as torch's) releases their
-        memory instead (see [Note: gradient segments hold storage only while they hold values])."""
+        memory instead (see [Note: gradient segments hold storage only while they hold values]).
+        As with torch, set_to_none=False gives a zero gradient (stepped: momentum, weight decay)
+        only to the parameters that got one since the last zero_grad(set_to_none=True); the others
+        stay without one, skipped by step()."""
+        torch.maximum(self._grad_exists, self._has_grad, out=self._grad_exists)
+        if set_to_none:
+            self._grad_exists.zero_()
+        self._clear_grads(set_to_none)
+
+    def _clear_grads(self, set_to_none: bool = True):
+        """zero_grad() without forgetting which parameters hold a gradient in torch's terms: the
+        end of step(), which consumes the gradients."""
         self._check_loop_shape("zero_grad() before step()")
         self._synced_backwards = 0
         self._drain()  # a reduce-scatter still in flight must not land in the zeroed shards
@@ -986,7 +1001,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero_model_grads(set_to_none)
         self._grads_ready = False
         self._overflow = None
-        self._has_grad.fill_(0 if set_to_none else 1)  # torch steps zero (not None) gradients
+        if set_to_none:
+            self._has_grad.zero_()
+        else:  # torch steps zero (not None) gradients
+            self._has_grad.copy_(self._grad_exists)
 
     def _forget_host_copies(self):
         """Before the gradients start afresh: no copy to the host may still be landing, the host

@@ -478,6 +478,32 @@ def test_adagrad_random_grads_with_weight_decay():
     assert set(sd["state"][0]) == {"step", "sum"} and sd["state"][0]["step"].item() == 5
 
 
+def test_adam_decoupled_weight_decay_as_torch():
+    """torch.optim.Adam(decoupled_weight_decay=True) is AdamW: so is pz.optim.Adam's, and a torch
+    state dict that says so keeps saying so when loaded (pz.optim.AdamW takes no such switch, as torch's)."""
+    n = 1001
+    p, q, gen = pair(n, 11)
+    r = q.detach().clone().requires_grad_()
+    kw = dict(lr=1e-2, betas=(0.8, 0.0), weight_decay=0.1)
+    ours = pz.optim.Adam([p], decoupled_weight_decay=True, **kw)
+    ref = torch.optim.Adam([q], foreach=False, decoupled_weight_decay=True, **kw)
+    plain = torch.optim.Adam([r], foreach=False, **kw)  # (coupled: another result)
+    for _ in range(4):
+        g = dyadic_grad(n, gen)
+        p.grad, q.grad, r.grad = g.clone(), g.clone(), g.clone()
+        ours.step(), ref.step(), plain.step()
+    assert torch.equal(p, q) and not torch.equal(q, r)
+    back = pz.optim.Adam([p], lr=1.0)
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))  # (torch's load keeps the tensors it is given)
+    assert back.param_groups[0]["decoupled_weight_decay"] is True
+    g = dyadic_grad(n, gen)
+    p.grad, q.grad = g.clone(), g.clone()
+    back.step(), ref.step()
+    assert torch.equal(p, q)
+    with pytest.raises(TypeError, match="decoupled_weight_decay"):
+        pz.optim.AdamW([p], decoupled_weight_decay=True)
+
+
 @pytest.mark.parametrize("cls", ["Adam", "SGD"])
 def test_maximize_and_torch_switches(cls):
     n = 4099

@@ -179,6 +179,43 @@ def test_bad_arguments_name_the_argument_on_every_rank():
             assert m.startswith("offload_pipeline:"), m
 
 
+def _decoupled_rank(tmp):
+    pz.init()
+    rank, world = pz.get_rank(), pz.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = Net()
+        opt = pz.ZeroOptimizer(model, torch.optim.Adam, stage=stage, offload="cpu", lr=1e-2, weight_decay=0.1,
+                               decoupled_weight_decay=True)
+        for step in range(3):
+            local_loss(model, step, world, rank).backward()
+            opt.step()
+        out[stage] = opt.full_state_dict()
+    # an argument only the class offload steps with refuses: refused before the model is touched
+    out["nvme_moments"] = _bad(dict(offload="nvme", nvme_path=tmp, cls=pz.optim.AdamW, moments="bf16"))
+    return out
+
+
+def test_adam_decoupled_weight_decay_with_offload_as_torch(tmp_path):
+    """torch.optim.Adam(decoupled_weight_decay=True) with offload="cpu" (stepped by pz.optim.Adam)
+    trains as torch's: its AdamW."""
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    for step in range(3):
+        local_loss(ref, step, 1, 0).backward()
+        opt.step()
+        opt.zero_grad()
+    res = run_ranks(_decoupled_rank, 2, args=(str(tmp_path),), timeout=120)
+    for stage in (1, 2, 3):
+        got = res[0].value[stage]
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"stage {stage} {k}: {m}")
+    for r in res:
+        assert r.value["nvme_moments"].startswith("moments: offload='nvme' keeps fp32 state"), r.value
+
+
 # ---- delayed_update -------------------------------------------------------------------------
 
 def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_dtype=None, device="cpu"):

@@ -33,8 +33,11 @@ class Adam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 threads: int | None = None, isa: str = "best", moments: str = "fp32"):
+                 decoupled_weight_decay: bool = False, threads: int | None = None, isa: str = "best",
+                 moments: str = "fp32"):
         F.check_torch_only_kwargs(f"pz.optim.{type(self).__name__}", foreach, fused, capturable, differentiable)
+        if not isinstance(decoupled_weight_decay, bool):
+            raise TypeError(f"decoupled_weight_decay: expected True or False, got {decoupled_weight_decay!r}")
         if not 0.0 <= F.as_float(lr, "lr"):
             raise ValueError(f"lr: expected >= 0, got {lr}")
         if not 0.0 <= eps:
@@ -50,7 +53,7 @@ class Adam(torch.optim.Optimizer):
         self.moments = M.check(moments, bool(amsgrad))
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
-                        decoupled_weight_decay=self._decoupled)
+                        decoupled_weight_decay=self._decoupled or decoupled_weight_decay)
         super().__init__(params, defaults)
 
     def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
@@ -60,7 +63,9 @@ class Adam(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
-            group["decoupled_weight_decay"] = self._decoupled
+            if self._decoupled:  # (AdamW; Adam's groups say, as torch.optim.Adam's)
+                group["decoupled_weight_decay"] = True
+            group.setdefault("decoupled_weight_decay", False)
             for p in group["params"]:
                 s = self.state.get(p, {})
                 if s and not torch.is_tensor(s["step"]):
@@ -141,8 +146,8 @@ class Adam(torch.optim.Optimizer):
                            [s["exp_avg_sq"] for s in states], [s["exp_avg_sq_absmax"] for s in states], cs,
                            step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
                            beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
-                           decoupled=self._decoupled, maximize=group["maximize"], grad_scale=grad_scale,
-                           threads=self.threads, isa=self.isa)
+                           decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
+                           grad_scale=grad_scale, threads=self.threads, isa=self.isa)
             return
         if any(M.stored_as(s) != "fp32" for s in states):  # (loaded in another format)
             for p, s in zip(ps, states):
@@ -156,7 +161,8 @@ class Adam(torch.optim.Optimizer):
                     [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
                     copies, step=step, lr=F.as_float(group["lr"], "lr"), beta1=F.as_float(beta1, "betas[0]"),
                     beta2=F.as_float(beta2, "betas[1]"), eps=group["eps"], weight_decay=group["weight_decay"],
-                    decoupled=self._decoupled, amsgrad=amsgrad, maximize=group["maximize"], grad_scale=grad_scale,
+                    decoupled=group["decoupled_weight_decay"], amsgrad=amsgrad, maximize=group["maximize"],
+                    grad_scale=grad_scale,
                     threads=self.threads, isa=self.isa, checked=checked)
 
 
@@ -164,4 +170,6 @@ class AdamW(Adam):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        if "decoupled_weight_decay" in kw:  # (as torch.optim.AdamW, which always is)
+            raise TypeError("AdamW.__init__() got an unexpected keyword argument 'decoupled_weight_decay'")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)

@@ -268,7 +268,7 @@ class NvmeAdam(Adam):
                         [r[2][1] for r in rows], [r[2][2] for r in rows] if ams else None,
                         [r[3] for r in rows] if has_copy else None, step=step,
                         lr=F.as_float(group["lr"], "lr"), beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], decoupled=self._decoupled, amsgrad=ams,
+                        weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"], amsgrad=ams,
                         maximize=group["maximize"], grad_scale=float(grad_scale), threads=self.threads,
                         isa=self.isa)
 
@@ -277,6 +277,8 @@ class NvmeAdamW(NvmeAdam):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        if "decoupled_weight_decay" in kw:  # (as torch.optim.AdamW, which always is)
+            raise TypeError("AdamW.__init__() got an unexpected keyword argument 'decoupled_weight_decay'")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
 
 

@@ -74,17 +74,23 @@ class Offload:
 
     def build_optimizer(self, optimizer_class, groups, kwargs):
         """The inner optimizer over the master-shard pieces in `groups` (the hook in ZeroOptimizer)."""
-        if self.mode is None:
-            return optimizer_class(groups, **kwargs)
-        fast, nvme = _FAST.get(optimizer_class, (None, None))
-        if fast is None:  # offload="cpu" with another optimizer: its own CPU code, state on the host
-            return optimizer_class(groups, **kwargs)
+        cls, kw = self.inner_class(optimizer_class, kwargs)
+        if self.mode == "nvme":
+            return _FAST[optimizer_class][1](groups, nvme_path=self.nvme_path, sub_group_elems=self.sub_group_elems,
+                                             **kw)
+        return cls(groups, **kw)
+
+    def inner_class(self, optimizer_class, kwargs):
+        """(class, kwargs) the inner optimizer is built with; with "nvme" the in-memory class of
+        the same step, whose arguments the on-disk one takes too (ZeroOptimizer tries them on a
+        dummy tensor before changing anything)."""
+        fast = _FAST.get(optimizer_class, (None, None))[0]
+        if self.mode is None or fast is None:  # (offload="cpu" with another optimizer: its own CPU code)
+            return optimizer_class, kwargs
         kw = {k: v for k, v in kwargs.items() if k not in _TORCH_ONLY}
         if self.moments is not None:
             kw["moments"] = self.moments
-        if self.mode == "nvme":
-            return nvme(groups, nvme_path=self.nvme_path, sub_group_elems=self.sub_group_elems, **kw)
-        return fast(groups, **kw)
+        return fast, kw
 
     @staticmethod
     def state_bytes(inner) -> tuple[int, int] | None:
@@ -148,6 +154,9 @@ def resolve(offload, nvme_path, offload_params, stage, optimizer_class, kwargs, 
         if nvme is None:
             raise ValueError(f"offload='nvme': supports torch.optim.Adam/AdamW (or pz.optim's), got "
                              f"{optimizer_class.__name__}")
+        if kwargs.get("moments", "fp32") != "fp32":
+            raise ValueError(f"moments: offload='nvme' keeps fp32 state on disk (moments='fp32'), "
+                             f"got {kwargs['moments']!r}")
         numel = sum(p.numel() for p in params)
         shard = -(-numel // world)
         swap.check_path(nvme_path, shard * 4 * state_elems_per_param(optimizer_class, kwargs))

@@ -161,10 +161,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._delayed = None  # offload.DelayedStep with delayed_update
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
-        _probe_optimizer(optimizer_class, param_groups, optimizer_kwargs)  # bad kwargs raise before any change
+        _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)  # bad kwargs raise before any change
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
                                         optimizer_kwargs, self.params, self.world, moments=offload_moments,
                                         delayed_update=delayed_update, pipeline=offload_pipeline)
+        if offload is not None:  # (the class offload steps with takes the arguments too)
+            _probe_optimizer(*self.offload.inner_class(optimizer_class, optimizer_kwargs), param_groups)
         # [Note: offload pipeline]
         # offload_pipeline (offload="cpu" with host copies; None: "step" there, off elsewhere, as
         # with delayed_update) runs the host step in *slots*: a bucket's part of the shard in
@@ -1324,7 +1326,7 @@ def owner(obj) -> ZeroOptimizer | None:
     return None if obj is None else _owner_of(obj)
 
 
-def _probe_optimizer(optimizer_class, param_groups, kwargs):
+def _probe_optimizer(optimizer_class, kwargs, param_groups):
     """Build the inner optimizer once on a dummy tensor, so bad kwargs fail before the model is touched."""
     groups = [dict(g, params=[nn.Parameter(torch.zeros(1))]) for g in (param_groups or [{}])]
     try:

@@ -562,3 +562,32 @@ def test_zero_grad_to_zero_steps_what_torch_steps():
     got = run_ranks(rank_zeroing_to_zero, 2, timeout=60)[0].value
     for stage in (1, 2, 3):
         assert_state_close(got[stage], want, **TOL)
+
+
+def rank_step_hooks():
+    pz.init(timeout=30)
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Linear(IN, OUT)
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1)
+        seen = []
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o is opt, o.full_state_dict())))
+        opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o is opt, o.full_state_dict())))
+        x, y = batch(BASE, 0, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        out[stage] = [s[:2] for s in seen], [s[2] for s in seen if len(s) > 2], opt.full_state_dict()
+    return out
+
+
+def test_step_hooks_run_as_torch_runs_them():
+    """register_step_pre_hook / register_step_post_hook run around step(), before and after the
+    update, as with a torch optimizer."""
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in nn.Linear(IN, OUT).state_dict().items()}
+    for stage, (calls, states, final) in run_ranks(rank_step_hooks, 1, timeout=60)[0].value.items():
+        assert calls == [("pre", True), ("post", True)], (stage, calls)
+        assert_state_close(states[0], init, rtol=0, atol=0)
+        assert_state_close(states[1], final, rtol=0, atol=0)
+        assert not torch.equal(final["weight"], init["weight"])

@@ -583,8 +583,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         part = self._all_reduce_small(acc[:1].clone(), "sum", self.tp_group)
         return (part[0] + acc[1]).pow(1.0 / norm_type).to(torch.float32)
 
-    @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step on the reduced gradients, between the hooks of register_step_pre_hook and
+        register_step_post_hook, as torch runs them (torch's global step hooks run with the inner
+        optimizer's step)."""
+        args, kwargs = (self,), ({} if closure is None else {"closure": closure})
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"step pre-hook {hook!r} must return None or a tuple of (new_args, new_kwargs), "
+                                       f"but got {result!r}")
+                args, kwargs = result
+        out = self._step(*args[1:], **kwargs)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return out
+
+    @torch.no_grad()
+    def _step(self, closure=None):
         if closure is not None:
             raise ValueError("closure: not supported by ZeroOptimizer (call the model, backward, then step()); "
                              "lightning.Trainer steps with a closure unless its strategy is "

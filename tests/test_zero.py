@@ -328,6 +328,9 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "unknown_kwarg": (lambda m: pz.ZeroOptimizer(m, AdamW, betaz=(0.9, 0.99)), "TypeError", ["betaz", "AdamW"]),
     "group_missing_param": (lambda m: pz.ZeroOptimizer(m, AdamW, param_groups=[{"params": [m.fc1.weight]}]),
                             "ValueError", ["param_groups", "fc1.bias"]),
+    "group_foreign_param": (lambda m: pz.ZeroOptimizer(m, AdamW, param_groups=[
+        {"params": list(m.parameters())}, {"params": [nn.Parameter(torch.zeros(3))], "lr": 0.1}]),
+        "ValueError", ["param_groups[1]", "not a parameter of the model"]),
     "data_parallel_model": (lambda m: pz.ZeroOptimizer(pz.DataParallel(MLP()), AdamW), "ValueError",
                             ["model", "pz.DataParallel"]),
     "moved_after_build_stage1": (lambda m: _moved_after_build(1), "RuntimeError", ["flat buffer", "model.to"]),
@@ -339,6 +342,8 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
     "clip_negative": (lambda o: o.clip_grad_norm_(-1.0), "ValueError", ["max_norm"]),
     "clip_norm_type": (lambda o: o.clip_grad_norm_(1.0, norm_type="fro"), "ValueError", ["norm_type"]),
     "closure": (lambda o: o.step(closure=lambda: 0.0), "ValueError", ["closure"]),
+    "add_param_group": (lambda o: o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), "ValueError",
+                        ["add_param_group", "param_groups="]),
     "second_optimizer": (lambda o: pz.ZeroOptimizer(o.model, AdamW), "ValueError", ["another ZeroOptimizer"]),
 }
 
@@ -591,3 +596,42 @@ def test_step_hooks_run_as_torch_runs_them():
         assert_state_close(states[0], init, rtol=0, atol=0)
         assert_state_close(states[1], final, rtol=0, atol=0)
         assert not torch.equal(final["weight"], init["weight"])
+
+
+
+def groups_in_form(model, form):
+    """fc1.weight at lr 0.03, the rest (fc2.bias frozen, still listed) without weight decay; "params" as
+    one tensor and a list of tensors, or as (name, parameter) pairs."""
+    model.fc2.bias.requires_grad_(False)
+    rest = [(n, p) for n, p in model.named_parameters() if n != "fc1.weight"]
+    if form == "named":
+        return [{"params": [("fc1.weight", model.fc1.weight)], "lr": 0.03}, {"params": rest, "weight_decay": 0.0}]
+    return [{"params": model.fc1.weight, "lr": 0.03}, {"params": [p for _, p in rest], "weight_decay": 0.0}]
+
+
+def rank_group_forms(form):
+    pz.init(timeout=30)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = pz.ZeroOptimizer(model, AdamW, stage=2, lr=1e-2, param_groups=groups_in_form(model, form))
+    for step in range(2):
+        x, y = batch(BASE, step, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return opt.full_state_dict()
+
+
+@pytest.mark.parametrize("form", ["tensor", "named"])
+def test_param_groups_take_the_forms_torch_takes(form):
+    """A group's "params" may be one tensor or (name, parameter) pairs, and may hold frozen
+    parameters, as torch's optimizers take them."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = AdamW(groups_in_form(model, form), lr=1e-2)
+    for step in range(2):
+        x, y = batch(BASE, step, 0)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    got = run_ranks(rank_group_forms, 1, args=(form,), timeout=60)[0].value
+    assert_state_close(got, model.state_dict(), rtol=0, atol=0)

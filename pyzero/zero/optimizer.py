@@ -258,16 +258,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not isinstance(param_groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g
                                                                   for g in param_groups):
             raise TypeError("param_groups: expected a list of dicts with a 'params' entry, like torch optimizers")
+        trainable_ids = {id(p) for p in self.params}
+        in_model = {id(p) for p in self.model.parameters()}
         out = {}
         for i, g in enumerate(param_groups):
-            for p in g["params"]:
+            ps = g["params"]
+            for p in [ps] if isinstance(ps, torch.Tensor) else ps:
+                if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+                    p = p[1]  # (torch's named form: (name, parameter))
+                if not isinstance(p, torch.Tensor) or id(p) not in in_model:
+                    what = f"a {type(p).__name__}" if not isinstance(p, torch.Tensor) else f"a tensor of shape " \
+                        f"{tuple(p.shape)}"
+                    raise ValueError(f"param_groups[{i}]: holds {what} that is not a parameter of the model; "
+                                     f"expected the model's parameters")
+                if id(p) not in trainable_ids:
+                    continue  # frozen: never stepped, as by torch
                 if id(p) in out:
-                    raise ValueError("param_groups: a parameter appears in more than one group")
+                    where = f"twice in param_groups[{i}]" if out[id(p)] == i else "in more than one group"
+                    raise ValueError(f"param_groups: a parameter appears {where}")
                 out[id(p)] = i
         missing = [n for n, p in zip(self.names, self.params) if id(p) not in out]
         if missing:
             raise ValueError(f"param_groups: trainable parameters missing from every group: {missing[:5]}")
         return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Not supported: the groups are laid out in the shards at construction."""
+        raise ValueError("add_param_group: ZeroOptimizer shards the parameters it was built with and cannot take "
+                         "more; pass every group to the constructor (param_groups=[...]), or build a new "
+                         "ZeroOptimizer on a fresh model")
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of `t`, page-locked where CUDA is (offload of a CUDA model: DMA copies; see

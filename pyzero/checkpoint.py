@@ -494,10 +494,11 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
         warnings.warn(f"checkpoint: fell back to {step_dir!r} (step {meta['step']}) because newer ones are "
                       f"damaged: {' | '.join(damaged)}", stacklevel=2)
     mine = _model_meta(model, opt)
-    if meta["params"] != mine["params"]:
-        theirs = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
-        ours = {p["name"]: tuple(p["shape"]) for p in mine["params"]}
-        diff = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:4]
+    # (names and shapes: the fp32 masters and the state load whatever the parameters' dtype)
+    theirs = [(p["name"], tuple(p["shape"])) for p in meta["params"]]
+    ours = [(p["name"], tuple(p["shape"])) for p in mine["params"]]
+    if theirs != ours:
+        diff = sorted(set(theirs) ^ set(ours), key=str)[:4] or ["the same parameters in another order"]
         raise ValueError(f"checkpoint {step_dir!r} is for a different model (parameter names/shapes differ, "
                          f"e.g. {diff}); nothing was loaded")
     if meta.get("optimizer") != type(opt.inner).__name__:

@@ -308,6 +308,36 @@ def test_bad_loads_and_crashed_save(kept, tmp_path):
     assert_same(model.state_dict(), Tied().state_dict())
 
 
+def _rank_other_param_dtype(ckpt):
+    """Save from fp32 parameters (stage 2), load into bf16 ones (stage 3), and back."""
+    pz.init(timeout=30)
+    out = []
+    for i, (save_dtype, load_dtype) in enumerate([(None, torch.bfloat16), (torch.bfloat16, None)]):
+        path = os.path.join(ckpt, str(i))
+        model = build()
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, param_dtype=save_dtype)
+        x, y = (t.chunk(2)[pz.get_rank()] for t in batch(0))
+        w = next(model.parameters())
+        F.mse_loss(model(x.to(w.dtype)).float(), y).backward()
+        opt.step()
+        pz.checkpoint.save(path, model, opt, 1)
+        saved = opt.full_state_dict()
+        model2 = build()
+        opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=3, lr=LR, param_dtype=load_dtype)
+        step = pz.checkpoint.load(path, model2, opt2)
+        out.append((step, saved, opt2.full_state_dict()))
+    return out
+
+
+def test_load_into_another_param_dtype(tmp_path):
+    """The fp32 master weights and optimizer state load whatever the parameters' dtype (param_dtype)
+    of the run that saved them and of the one that loads them."""
+    res = run_ranks(_rank_other_param_dtype, 2, args=(str(tmp_path),), timeout=60)
+    for step, saved, loaded in res[0].value:
+        assert step == 1
+        assert_same(loaded, saved)
+
+
 # ---------------------------------------------------------------------------
 # examples/zero_train.py: a rank dies, the job is restarted and resumes
 

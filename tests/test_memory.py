@@ -122,6 +122,16 @@ def test_cli_bad_input():
     assert proc.returncode == 2 and "world_size" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args,word", [(["--gpu-gb", "-5"], "--gpu-gb"), (["--gpu-gb", "nan"], "--gpu-gb"),
+                                       (["--gpu-gb", "0"], "--gpu-gb"), (["--offload-params"], "--offload-params"),
+                                       (["--host-grad-bytes", "2"], "--host-grad-bytes")])
+def test_cli_refuses_options_it_would_ignore_or_misread(args, word):
+    """A GPU size that is not a positive number (every stage would print "no"), and the offload
+    options without --offload (they change nothing there), are errors naming the option."""
+    proc = run_cli("--params", "7.5e9", "--world", "64", *args)
+    assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("stage,activations,peak", [
     (0, 5e9, 4e9 + 8e9 + 4e9 + 5e9),  # data parallelism keeps its gradient buckets through forward
     (1, 5e9, 4e9 + 8e9 / 2 + 5e9),  # ZeRO: no gradient memory when backward starts

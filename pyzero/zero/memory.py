@@ -237,6 +237,12 @@ def main(argv=None) -> int:
                          "offload pipeline keeps 16-bit gradients (one rank, stage 1, or comm_dtype equal to "
                          "the model dtype)")
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
+        ap.error(f"--gpu-gb: expected a positive number of GB, got {args.gpu_gb!r}")
+    if args.offload == "none":
+        for flag, given in (("--offload-params", args.offload_params), ("--host-grad-bytes", args.host_grad_bytes != 4)):
+            if given:
+                ap.error(f"{flag}: needs --offload cpu or nvme")
     try:
         estimate_memory(args.params, args.world, 0, args.k, not args.fp32)
         if args.offload != "none":

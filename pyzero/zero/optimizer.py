@@ -12,6 +12,7 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections import OrderedDict
@@ -102,7 +103,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
         if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
-        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or bucket_mb <= 0:
+        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not 0 < bucket_mb < math.inf:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         if param_dtype not in _PARAM_DTYPES:
             raise ValueError(f"param_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
@@ -116,7 +117,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group = comm.resolve_group(group)
         # With tensor parallelism (pz.mesh): the TP group whose ranks hold other parts of the
         # parameters marked tp_sharded; clip_grad_norm_ adds those up and counts the rest once.
-        self.tp_group = None if tp_group is None else comm.resolve_group(tp_group)
+        try:
+            self.tp_group = None if tp_group is None else comm.resolve_group(tp_group)
+        except TypeError as e:
+            raise TypeError(f"tp_group: {str(e).removeprefix('group: ')}") from None
         self.group.backend  # raises unless this rank is a member
         self.world, self.rank = self.group.size, self.group.rank
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))

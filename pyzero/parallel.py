@@ -129,6 +129,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named, g.device)
         self.module = module
+        self._trainable = {id(p) for _, p in named}  # (the parameters with buckets)
         self.group = g
         self.broadcast_buffers = broadcast_buffers
         self._buffer_list = list(module.buffers())
@@ -170,6 +171,8 @@ class DataParallel(nn.Module):
             else:
                 broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
         if torch.is_grad_enabled():
+            if not compiling:
+                self._check_trainable()
             # Like DDP, whether this step's backward communicates is decided at forward.
             self.reducer.sync = self._require_sync
             if compiling:  # looking at the gradients is no graph operation: see BucketReducer
@@ -177,6 +180,15 @@ class DataParallel(nn.Module):
             else:
                 self.reducer.prepare()
         return self.module(*args, **kwargs)
+
+    def _check_trainable(self) -> None:
+        """Refuse parameters made trainable after wrapping: they have no bucket, their gradients
+        would stay each rank's own."""
+        late = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._trainable]
+        if late:
+            raise RuntimeError(f"module: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
+                               f"after pz.DataParallel wrapped the module; their gradients would not be averaged "
+                               f"across ranks. Set requires_grad before wrapping")
 
     @contextlib.contextmanager
     def no_sync(self):

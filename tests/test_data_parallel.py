@@ -663,6 +663,35 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         assert summed == [3.0, 3.0, 3.0]
 
 
+def _rank_unfrozen_after_wrap():
+    pz.init()
+    model = make_mlp()
+    model[0].requires_grad_(False)
+    dp = pz.DataParallel(model)
+    model[0].requires_grad_(True)  # would train without its gradients averaged
+    x, _ = batch("mlp", 0)
+    try:
+        dp(x)
+        out = None
+    except RuntimeError as e:
+        out = str(e)
+    model[0].requires_grad_(False)  # as it was wrapped: trains again
+    dp(x).sum().backward()
+    with torch.no_grad():  # a no-grad forward (evaluation) does not look
+        model[0].requires_grad_(True)
+        dp(x)
+    return out, model[2].weight.grad is not None
+
+
+def test_parameter_made_trainable_after_wrap_is_refused_at_forward():
+    """A parameter frozen when DataParallel wrapped the module has no bucket: set trainable later,
+    its gradient would stay this rank's own. The next training forward says so on every rank."""
+    for r in run_ranks(_rank_unfrozen_after_wrap, 2, timeout=60):
+        msg, trained = r.value
+        assert msg is not None and "['0.weight', '0.bias']" in msg and "after pz.DataParallel wrapped" in msg, msg
+        assert trained
+
+
 def test_bench_train_runs_end_to_end(tmp_path):
     """pyzero-bench train, torch DDP beside pz.DataParallel: both train the same model on the
     same data, so their losses agree; the overlap columns are filled and consistent."""

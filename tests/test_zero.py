@@ -639,3 +639,29 @@ def test_param_groups_take_the_forms_torch_takes(form):
         opt.step()
     got = run_ranks(rank_group_forms, 1, args=(form,), timeout=60)[0].value
     assert_state_close(got, model.state_dict(), rtol=0, atol=0)
+
+
+def rank_unfrozen_after_build():
+    pz.init(timeout=30)
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = MLP()
+        model.fc1.requires_grad_(False)
+        opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2)
+        model.fc1.requires_grad_(True)  # not in the shards: would never be stepped
+        x, y = batch(BASE, 0, 0)
+        out[stage] = outcome(lambda: model(x))
+        model.fc1.requires_grad_(False)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return out
+
+
+def test_parameter_made_trainable_after_build_is_refused_at_forward():
+    """The shards hold the parameters trainable at construction; one set trainable later would get
+    gradients that nothing steps. The next forward says so, on every rank."""
+    for r in run_ranks(rank_unfrozen_after_build, 2, timeout=60):
+        for stage, (kind, msg) in r.value.items():
+            assert kind == "RuntimeError" and "['fc1.weight', 'fc1.bias']" in msg, (stage, kind, msg)
+            assert "after the ZeroOptimizer was built" in msg, msg

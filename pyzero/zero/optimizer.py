@@ -394,6 +394,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
         if not torch.compiler.is_compiling():  # no data pointers in a graph: step() checks a compiled model
             self._check_home()
+            late = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in self._param_index]
+            if late:
+                raise RuntimeError(f"model: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
+                                   f"after the ZeroOptimizer was built; its shards hold the parameters trainable "
+                                   f"then, so nothing would step these. Set requires_grad before building it")
 
     # ---- what a stage provides ----------------------------------------------
 

@@ -44,7 +44,7 @@ import zlib
 import torch
 
 from . import comm
-from .zero import model_state
+from .zero import ZeroOptimizer, model_state
 
 FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
 
@@ -144,6 +144,19 @@ def _model_meta(model, opt):
             "aliases": aliases}
 
 
+def _check_pair(model, opt) -> None:
+    """`opt` a ZeroOptimizer and `model` the module it trains (or one holding it): its buffers and
+    frozen parameters are saved and loaded beside the optimizer's shards."""
+    if not isinstance(opt, ZeroOptimizer):
+        raise TypeError(f"opt: expected a pz.ZeroOptimizer (checkpoints hold its shards), got {type(opt).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    held = {id(p) for p in model.parameters()}
+    if not all(id(p) in held for p in opt.params):
+        raise ValueError("model: it does not hold the parameters the optimizer trains; expected the model given to "
+                         "the ZeroOptimizer (or a module holding it)")
+
+
 def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None = None) -> str:
     """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
 
@@ -156,11 +169,12 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
     cannot be saved), every rank raises CheckpointError naming the rank and its error, and
     `latest` still names the previous step.
     """
-    if not isinstance(step, int) or step < 0:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
-    if not isinstance(keep, int) or keep < 1:
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
     _check_app_state(app_state, "save")
+    _check_pair(model, opt)
     g, first = opt.group, opt.group.rank == 0
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
@@ -474,6 +488,7 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
     if not isinstance(fallback, bool):
         raise TypeError(f"fallback: expected True or False, got {fallback!r}")
     _check_app_state(app_state, "load")
+    _check_pair(model, opt)
     candidates = _candidates(path)
     damaged = []
     for step_dir in candidates if fallback else candidates[:1]:

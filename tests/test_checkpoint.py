@@ -338,6 +338,43 @@ def test_load_into_another_param_dtype(tmp_path):
         assert_same(loaded, saved)
 
 
+def _rank_mismatched_arguments(ckpt):
+    pz.init(timeout=30)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR)
+    pz.checkpoint.save(ckpt, model, opt, 1)
+    other = build()
+    calls = {"save_torch_optimizer": lambda: pz.checkpoint.save(ckpt, model, torch.optim.SGD(model.parameters()), 2),
+             "save_other_model": lambda: pz.checkpoint.save(ckpt, other, opt, 2),
+             "save_bool_step": lambda: pz.checkpoint.save(ckpt, model, opt, True),
+             "load_torch_optimizer": lambda: pz.checkpoint.load(ckpt, model, torch.optim.SGD(model.parameters())),
+             "load_other_model": lambda: pz.checkpoint.load(ckpt, other, opt)}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ("ok", None)
+        except Exception as e:  # noqa: BLE001
+            out[name] = (type(e).__name__, str(e))
+    out["listing"] = sorted(os.listdir(ckpt))
+    return out
+
+
+def test_save_and_load_check_what_they_are_given(tmp_path):
+    """An optimizer that is not a ZeroOptimizer, a model that is not the one it trains (whose buffers
+    would be saved or overwritten beside its weights), a bool step: errors naming the argument, on
+    every rank, and nothing saved."""
+    want = {"save_torch_optimizer": ("TypeError", "opt: expected a pz.ZeroOptimizer"),
+            "save_other_model": ("ValueError", "model: it does not hold the parameters"),
+            "save_bool_step": ("ValueError", "step: expected a non-negative int, got True"),
+            "load_torch_optimizer": ("TypeError", "opt: expected a pz.ZeroOptimizer"),
+            "load_other_model": ("ValueError", "model: it does not hold the parameters")}
+    for r in run_ranks(_rank_mismatched_arguments, 2, args=(str(tmp_path / "ck"),), timeout=60):
+        for name, (kind, words) in want.items():
+            assert r.value[name][0] == kind and words in r.value[name][1], (name, r.value[name])
+        assert r.value["listing"] == ["latest", "step_00000001"]
+
+
 # ---------------------------------------------------------------------------
 # examples/zero_train.py: a rank dies, the job is restarted and resumes
 

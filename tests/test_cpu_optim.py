@@ -437,6 +437,16 @@ def test_bad_input_names_argument():
         pz.optim.AdamW([q]).step(copies={q: torch.empty(5, dtype=torch.bfloat16)})
 
 
+@pytest.mark.parametrize("arg", ["lr_decay", "weight_decay", "initial_accumulator_value", "eps"])
+def test_adagrad_refuses_nan_as_torch_does(arg):
+    """A NaN setting would turn every parameter into NaN at the first step; torch refuses it."""
+    p = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError):
+        torch.optim.Adagrad([p], **{arg: float("nan")})
+    with pytest.raises(ValueError, match=f"{arg}: expected >= 0, got nan"):
+        pz.optim.Adagrad([p], **{arg: float("nan")})
+
+
 def pythagorean_grads(n, gen):
     """Per element a power-of-two scale and sign times 3, 4, 12, 84, 3612: the running sum of
     squares is 9, 25, 169, 7225, 3613^2 (times the scale squared), a perfect square every step."""

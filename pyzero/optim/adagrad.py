@@ -14,7 +14,7 @@ class Adagrad(torch.optim.Optimizer):
                  isa: str = "best"):
         for arg, v in (("lr", F.as_float(lr, "lr")), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
                        ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
-            if v < 0.0:
+            if not v >= 0.0:  # (NaN too)
                 raise ValueError(f"{arg}: expected >= 0, got {v}")
         F.check_torch_only_kwargs("pz.optim.Adagrad", foreach, fused, differentiable=differentiable)
         F._threads(threads)

@@ -348,8 +348,17 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
     "closure": (lambda o: o.step(closure=lambda: 0.0), "ValueError", ["closure"]),
     "add_param_group": (lambda o: o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), "ValueError",
                         ["add_param_group", "param_groups="]),
+    "load_state_dict_not_a_dict": (lambda o: o.load_state_dict("ckpt.pt"), "TypeError", ["state_dict", "str"]),
+    "load_state_dict_other_groups": (lambda o: o.load_state_dict(_other_groups(o.state_dict())), "ValueError",
+                                     ["parameter groups"]),
     "second_optimizer": (lambda o: pz.ZeroOptimizer(o.model, AdamW), "ValueError", ["another ZeroOptimizer"]),
 }
+
+
+def _other_groups(sd):
+    """`sd` changed: other master values, and one more param group than the optimizer has."""
+    inner = dict(sd["inner"], param_groups=sd["inner"]["param_groups"] + [dict(sd["inner"]["param_groups"][0])])
+    return dict(sd, master=[m + 1.0 for m in sd["master"]], inner=inner)
 
 
 def _rank_world1():

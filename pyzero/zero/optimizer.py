@@ -1119,16 +1119,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish_parameters()
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore what state_dict() gave on this rank (the same shard); nothing changes if it fails."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
         mine = [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]
         if sd.get("pieces") != mine:
             raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model); "
                              "use pz.checkpoint.load to reshard")
         self._settle()
         self._before_host_writes()
+        self.inner.load_state_dict(sd["inner"])  # (first: it checks the param groups before changing anything)
         with torch.no_grad():
             for (_, leaf, _), t in zip(self.pieces, sd["master"]):
                 leaf.copy_(t)
-        self.inner.load_state_dict(sd["inner"])
         if self.scaler is not None and "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
         self._refresh_low()

@@ -139,8 +139,8 @@ _MSG_BYTES = 512
 def _model_meta(model, opt):
     names = dict(zip(map(id, opt.params), opt.names))
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in names}
-    return {"params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
-                       for n, p in zip(opt.names, opt.params)],
+    return {"params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+                        "group": opt._group_of[id(p)]} for n, p in zip(opt.names, opt.params)],
             "aliases": aliases}
 
 
@@ -522,6 +522,14 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
     if len(meta["param_groups"]) != len(opt.inner.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer has "
                          f"{len(opt.inner.param_groups)}; nothing was loaded")
+    # (the hyperparameters are restored group by group: the groups must hold the same parameters)
+    moved = [(p["name"], p["group"], q["group"]) for p, q in zip(meta["params"], mine["params"])
+             if type(p.get("group")) is int and p["group"] != q["group"]]  # (older checkpoints do not say)
+    if moved:
+        name, theirs, ours = moved[0]
+        raise ValueError(f"checkpoint {step_dir!r}: {name!r} was in param group {theirs} when saved, it is in "
+                         f"param group {ours} now (the groups' lr, weight decay, ... are restored group by group); "
+                         f"nothing was loaded")
     missing = sorted(set(app_state or ()) - set(app))
     if missing:
         raise ValueError(f"app_state: checkpoint {step_dir!r} holds no {missing} (it holds "

@@ -375,6 +375,43 @@ def test_save_and_load_check_what_they_are_given(tmp_path):
         assert r.value["listing"] == ["latest", "step_00000001"]
 
 
+def _rank_regrouped(ckpt):
+    """Save with [matrices, vectors] groups, load into [vectors, matrices] ones: as many groups,
+    other parameters in each."""
+    pz.init(timeout=30)
+
+    def groups(model, flip):
+        mats = [p for p in model.parameters() if p.dim() > 1]
+        vecs = [p for p in model.parameters() if p.dim() == 1]
+        g = [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0, "lr": 0.03}]
+        return g[::-1] if flip else g
+
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, param_groups=groups(model, False))
+    pz.checkpoint.save(ckpt, model, opt, 1)
+    model2 = build()
+    opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=2, lr=LR, param_groups=groups(model2, True))
+    before = [dict((k, v) for k, v in g.items() if k != "params") for g in opt2.param_groups]
+    try:
+        pz.checkpoint.load(ckpt, model2, opt2)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    same = before == [dict((k, v) for k, v in g.items() if k != "params") for g in opt2.param_groups]
+    model3 = build()  # the same grouping loads
+    opt3 = pz.ZeroOptimizer(model3, torch.optim.AdamW, stage=2, lr=LR, param_groups=groups(model3, False))
+    return msg, same, pz.checkpoint.load(ckpt, model3, opt3)
+
+
+def test_load_into_other_param_groups_is_refused(tmp_path):
+    """The saved hyperparameters (lr, weight decay) are restored group by group: into groups that hold
+    other parameters they would land on the wrong ones, so that is an error naming a parameter."""
+    for r in run_ranks(_rank_regrouped, 2, args=(str(tmp_path / "ck"),), timeout=60):
+        msg, same, step = r.value
+        assert msg is not None and "param group" in msg and "'0.weight'" in msg and "nothing was loaded" in msg, msg
+        assert same and step == 1
+
+
 # ---------------------------------------------------------------------------
 # examples/zero_train.py: a rank dies, the job is restarted and resumes
 

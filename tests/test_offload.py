@@ -875,3 +875,35 @@ def test_chunked_host_step_sends_each_chunk_before_the_next_steps():
     assert all(s == list(range(s[0], s[-1] + 1)) for s in steps)  # consecutive pieces
     assert [n for k, n in log if k == "copy"] == [sum(numels[i] for i in s) for s in steps]
     assert sum(numels) <= shard
+
+
+def _clip_twice_rank(host, pipeline):
+    pz.init()
+    zero_optimizer._host_copies = (lambda device: True) if host else (lambda device: device.type == "cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    kw = dict(offload="cpu", offload_pipeline=pipeline) if host else {}
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9, **kw)
+    norms = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+        lo = pz.get_rank() * 4
+        torch.nn.functional.mse_loss(model(x[lo:lo + 4]), y[lo:lo + 4]).mul(10).backward()
+        norms.append([float(opt.clip_grad_norm_(0.1)), float(opt.clip_grad_norm_(0.1))])
+        opt.step()
+    return norms, opt.full_state_dict()
+
+
+@pytest.mark.parametrize("pipeline", [False, "step"])
+def test_zero_offload_clipping_twice_clips_once_as_torch(pipeline):
+    """A second clip_grad_norm_ before step() sees the clipped gradients, as torch's does: it returns
+    their norm (max_norm) and changes nothing more. The host path of offload applies the clip in the
+    step; it must not apply the first coefficient twice."""
+    from pyzero.launch import run_ranks
+    want_norms, want = run_ranks(_clip_twice_rank, 2, args=(False, None), timeout=60)[0].value
+    got_norms, got = run_ranks(_clip_twice_rank, 2, args=(True, pipeline), timeout=60)[0].value
+    assert all(a > 0.1 and b == pytest.approx(0.1, rel=1e-4) for a, b in want_norms), want_norms
+    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), rtol=1e-5, atol=0)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

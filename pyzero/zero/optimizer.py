@@ -569,6 +569,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
             # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
             total = total * (1.0 / self.scaler.scale)
+        if self._host and self._clip_coef is not None:
+            # (clipped before in this step: the step applies that coefficient, the norm is of the clipped gradients)
+            total = total * self._clip_coef
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         if self._host:  # the step applies it (see _host_step)
             self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef

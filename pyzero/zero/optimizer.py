@@ -221,7 +221,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._has_grad = torch.zeros(len(self.params), dtype=torch.int32)
         # Which parameters hold a gradient tensor in torch's terms (got one since the last
         # zero_grad(set_to_none=True)): zero_grad(set_to_none=False) zeroes those, the rest keep None.
-        self._grad_exists = torch.zeros(len(self.params), dtype=torch.int32)
+        self._grad_exists = set()  # (indices into self.params)
         self._used_flags = DeviceFlags("ZeroOptimizer")  # _has_grad's values on a GPU backend's device
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._mark_grad)
@@ -686,7 +686,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm.all_reduce(dev, op="max", group=self.group, async_op=True).wait()
                 if not bool(used.all()):
                     used = dev.cpu()
-        torch.maximum(self._grad_exists, used, out=self._grad_exists)
+        self._grad_exists.update(used.nonzero().flatten().tolist())
         return used
 
     def _delayed_step(self):
@@ -1029,9 +1029,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         As with torch, set_to_none=False gives a zero gradient (stepped: momentum, weight decay)
         only to the parameters that got one since the last zero_grad(set_to_none=True); the others
         stay without one, skipped by step()."""
-        torch.maximum(self._grad_exists, self._has_grad, out=self._grad_exists)
+        self._grad_exists.update(self._has_grad.nonzero().flatten().tolist())
         if set_to_none:
-            self._grad_exists.zero_()
+            self._grad_exists.clear()
         self._clear_grads(set_to_none)
 
     def _clear_grads(self, set_to_none: bool = True):
@@ -1054,7 +1054,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._has_grad.zero_()
         else:  # torch steps zero (not None) gradients
-            self._has_grad.copy_(self._grad_exists)
+            self._has_grad.zero_()
+            self._has_grad[sorted(self._grad_exists)] = 1
 
     def _forget_host_copies(self):
         """Before the gradients start afresh: no copy to the host may still be landing, the host

@@ -96,6 +96,12 @@ def test_stages_only_save_memory():
     (dict(grads_done=1.5), ValueError, "grads_done"),
     (dict(grads_done=-0.1), ValueError, "grads_done"),
     (dict(grads_done="half"), TypeError, "grads_done"),
+    (dict(stage=3, hpz_partition_size=3), ValueError, "hpz_partition_size"),  # (world_size 8)
+    (dict(stage=3, hpz_partition_size=16), ValueError, "hpz_partition_size"),
+    (dict(micro_batch=0), ValueError, "micro_batch"),
+    (dict(tp=0), ValueError, "tp"),
+    (dict(seq=-5), ValueError, "seq"),
+    (dict(recompute="most"), ValueError, "recompute"),
 ])
 def test_bad_input(kwargs, exc, word):
     args = dict(num_params=1.5e9, world_size=8, stage=2) | kwargs

@@ -99,6 +99,7 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     ``grads_done`` (0 to 1) shape ``peak`` (see the module docstring), whose parts are also given: ``gathered`` (stage 3's
     gathered unit) and ``step_temps``.
     """
+    _check_layout(micro_batch, seq, tp, sequence_parallel, recompute)  # (checked with or without model=)
     if model is not None:
         num_params, activation_bytes, largest = _from_model(model, num_params, activation_bytes, micro_batch, seq,
                                                             tp, sequence_parallel, recompute, mixed_precision)
@@ -122,6 +123,9 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
         raise ValueError(f"hpz_partition_size: expected a positive int (1: no hpZ), got {hpz_partition_size!r}")
     if hpz_partition_size > 1 and stage != 3:
         raise ValueError(f"hpz_partition_size: hpZ is for stage 3, got stage={stage}")
+    if hpz_partition_size > 1 and world_size % hpz_partition_size:
+        raise ValueError(f"hpz_partition_size: expected a divisor of world_size={world_size} (ranks per host), "
+                         f"got {hpz_partition_size}")
     if largest_layer_params is not None:
         _check_number("largest_layer_params", largest_layer_params, "a finite count >= 0", lambda v: v >= 0)
     _check_number("grads_done", grads_done, "a fraction from 0 to 1", lambda v: 0 <= v <= 1)
@@ -197,17 +201,20 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
     return {"device": device, "host": host, "disk": disk, "peak": device}
 
 
-def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):
-    from ..plan.activations import Layout, activation_memory, stage_params  # noqa: PLC0415
-    from ..plan.spec import to_spec  # noqa: PLC0415
-
-    for arg, v in (("micro_batch", micro_batch), ("tp", tp)):
+def _check_layout(micro_batch, seq, tp, sp, recompute) -> None:
+    for arg, v in (("micro_batch", micro_batch), ("tp", tp)) + ((("seq", seq),) if seq is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{arg}: expected a positive int, got {v!r}")
     if sp and tp == 1:
         raise ValueError("sequence_parallel: needs tp > 1 (it splits the sequence over the tensor-parallel ranks)")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute: expected 'none', 'selective' or 'full', got {recompute!r}")
+
+
+def _from_model(model, num_params, activation_bytes, micro_batch, seq, tp, sp, recompute, mixed_precision):
+    from ..plan.activations import Layout, activation_memory, stage_params  # noqa: PLC0415
+    from ..plan.spec import to_spec  # noqa: PLC0415
+
     spec = to_spec(model, seq=seq)
     if spec.heads % tp:
         raise ValueError(f"tp: heads={spec.heads} is not divisible by tp={tp}")

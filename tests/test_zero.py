@@ -325,6 +325,7 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "bucket_inf": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, bucket_mb=float("inf")), "ValueError",
                    ["bucket_mb", "inf"]),
     "tp_group_not_a_group": (lambda m: pz.ZeroOptimizer(m, AdamW, tp_group=2), "TypeError", ["tp_group:", "int"]),
+    "overlap_not_a_bool": (lambda m: pz.ZeroOptimizer(m, AdamW, overlap="no"), "TypeError", ["overlap", "'no'"]),
     "param_dtype_int8": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, param_dtype=torch.int8), "ValueError",
                          ["param_dtype", "int8"]),
     "no_trainable": (lambda m: pz.ZeroOptimizer(MLP().requires_grad_(False), AdamW), "ValueError", ["trainable"]),

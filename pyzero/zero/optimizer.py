@@ -105,6 +105,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
         if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not 0 < bucket_mb < math.inf:
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap: expected True or False, got {overlap!r}")
         if param_dtype not in _PARAM_DTYPES:
             raise ValueError(f"param_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
                              f"got {param_dtype!r}")

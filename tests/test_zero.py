@@ -6,6 +6,7 @@ same scenarios with plain torch optimizers and compares. Scenarios are
 plain dicts, so the whole matrix costs two rank launches.
 """
 import contextlib
+import copy
 import functools
 import warnings
 
@@ -675,3 +676,37 @@ def test_parameter_made_trainable_after_build_is_refused_at_forward():
         for stage, (kind, msg) in r.value.items():
             assert kind == "RuntimeError" and "['fc1.weight', 'fc1.bias']" in msg, (stage, kind, msg)
             assert "after the ZeroOptimizer was built" in msg, msg
+
+
+def train_resumed_in_place(world=None, stage=None):
+    """Two steps, the optimizer's own state_dict() loaded back into it, two more steps under a
+    LambdaLR created after the load: the scheduler must reach the optimizer that steps."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2) if world else AdamW(model.parameters(), lr=1e-2)
+    for step in range(4):
+        if step == 2:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.1 ** (k + 1))
+        opt.zero_grad()
+        x, y = batch(BASE, step, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if step >= 2:
+            sched.step()
+    lrs = [g["lr"] for g in opt.param_groups]
+    return (opt.full_state_dict() if world else {k: v.detach().clone() for k, v in model.state_dict().items()}), lrs
+
+
+def rank_resumed_in_place():
+    pz.init(timeout=30)
+    return {stage: train_resumed_in_place(1, stage) for stage in (1, 2, 3)}
+
+
+def test_param_groups_after_load_state_dict_are_the_ones_that_step():
+    """load_state_dict replaces the inner optimizer's param groups (as torch's does): opt.param_groups
+    (what LR schedulers change) must be those, not the groups from before."""
+    want, want_lrs = train_resumed_in_place()
+    for stage, (got, lrs) in run_ranks(rank_resumed_in_place, 1, timeout=60)[0].value.items():
+        assert lrs == want_lrs, stage
+        assert_state_close(got, want, rtol=0, atol=0)

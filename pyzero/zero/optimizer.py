@@ -383,11 +383,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._host:
             for k in range(len(self._shard_grads)):
                 self._release_grad(k)
-        self.defaults, self.state, self.param_groups = self.inner.defaults, self.inner.state, self.inner.param_groups
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # The inner optimizer's param groups, state and defaults, as they are now: its load_state_dict
+    # replaces them (as torch's does), and LR schedulers change the ones that step.
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.inner.param_groups = groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, state):
+        self.inner.state = state
+
+    @property
+    def defaults(self) -> dict:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, defaults):
+        self.inner.defaults = defaults
 
     def _before_forward(self, module, args):
         """Forward pre-hook on the model: refuse a second data-parallel layer (see pyzero.wrappers) and

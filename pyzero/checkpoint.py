@@ -256,7 +256,7 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
         raise OSError(f"shard files {missing} are missing from {tmp!r}")
     meta = {"format": FORMAT, "step": step, "world": opt.world, "stage": opt.stage,
             "optimizer": type(opt.inner).__name__,
-            "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.inner.param_groups]}
+            "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.param_groups]}
     meta.update(_model_meta(model, opt))
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
@@ -519,9 +519,9 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
     if meta.get("optimizer") != type(opt.inner).__name__:
         raise ValueError(f"checkpoint {step_dir!r} holds {meta.get('optimizer')} state, the optimizer is "
                          f"{type(opt.inner).__name__}; nothing was loaded")
-    if len(meta["param_groups"]) != len(opt.inner.param_groups):
+    if len(meta["param_groups"]) != len(opt.param_groups):
         raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer has "
-                         f"{len(opt.inner.param_groups)}; nothing was loaded")
+                         f"{len(opt.param_groups)}; nothing was loaded")
     # (the hyperparameters are restored group by group: the groups must hold the same parameters)
     moved = [(p["name"], p["group"], q["group"]) for p, q in zip(meta["params"], mine["params"])
              if type(p.get("group")) is int and p["group"] != q["group"]]  # (older checkpoints do not say)
@@ -548,7 +548,7 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
                 else:
                     st[k] = v.clone() if torch.is_tensor(v) else v
             new_state.append(st)
-        for grp, saved in zip(opt.inner.param_groups, meta["param_groups"]):
+        for grp, saved in zip(opt.param_groups, meta["param_groups"]):
             grp.update({k: v for k, v in saved.items() if k in grp})
         model.load_state_dict(extra, strict=False)
         # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.

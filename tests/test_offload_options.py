@@ -9,6 +9,7 @@ a CUDA model takes (host masters and gradient copies) runs here with the CPU as 
 import copy
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -218,17 +219,28 @@ def test_adam_decoupled_weight_decay_with_offload_as_torch(tmp_path):
 
 # ---- delayed_update -------------------------------------------------------------------------
 
-def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_dtype=None, device="cpu"):
+def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_dtype=None, device="cpu",
+                  lr_decay=None, slow=False):
     if device == "cuda":
         pz.init(backend="nccl", timeout=60)
     else:
         pz.init()
+    if slow:  # the CPU step starts late: after what the main thread does next (an LR scheduler's step)
+        submit = pz.zero.offload.DelayedStep.submit
+
+        def late(self, shards, step):
+            def job():
+                time.sleep(0.05)
+                step()
+            submit(self, shards, job)
+        pz.zero.offload.DelayedStep.submit = late
     torch.manual_seed(0)
     model = Net().to(device)
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, offload="cpu", delayed_update=delayed,
                            loss_scale=loss_scale, offload_moments=moments, param_dtype=param_dtype, lr=1e-2,
                            weight_decay=0.1)
     rank, world = pz.get_rank(), pz.get_world_size()
+    sched = None if lr_decay is None else torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_decay ** k)
     seen = []  # the parameters each forward used
     for step in range(steps):
         seen.append(model.fc1.weight.detach().float().clone())
@@ -237,12 +249,14 @@ def _delayed_rank(stage, delayed, steps, clip, loss_scale, moments=None, param_d
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
+        if sched is not None:
+            sched.step()
     opt.synchronize()
     scales = opt.loss_scale
     return {k: v.float().cpu() for k, v in model.state_dict().items()}, [t.cpu() for t in seen], scales
 
 
-def reference_delayed(steps, clip, loss_scale=None, device="cpu"):
+def reference_delayed(steps, clip, loss_scale=None, device="cpu", lr_decay=None):
     """Plain torch: the model computes with w_{t-2}; torch.optim.AdamW steps a master copy with
     g_t; w_{t-1} goes into the model after step t's gradients are in (dynamic loss scaling:
     a step with inf/NaN gradients is skipped, the scale halved; it doubles after `growth`
@@ -273,6 +287,8 @@ def reference_delayed(steps, clip, loss_scale=None, device="cpu"):
             continue
         for q, g in zip(master.parameters(), grads):
             q.grad = g
+        if lr_decay is not None:  # (LambdaLR stepped after every step: step t's update at lr * decay**t)
+            opt.param_groups[0]["lr"] = 1e-2 * lr_decay ** step
         opt.step()
         pending = True
         if growth:
@@ -306,6 +322,47 @@ def test_delayed_update_matches_one_step_late_reference(world, stage):
     assert torch.equal(res[0].value[1][1], res[0].value[1][0])  # step 1's forward: still w_0
     plain = run_ranks(_delayed_rank, 1, args=(stage, False, steps, 0.5, None), timeout=120)[0].value[0]
     assert not torch.allclose(plain["fc1.weight"], ref["fc1.weight"], atol=1e-2)
+
+
+def _delayed_ckpt_rank(ckpt):
+    pz.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, offload="cpu", delayed_update=True, lr=1e-2)
+    local_loss(model, 0, 1, 0).backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 5e-3  # (as a scheduler sets the next step's)
+    pz.checkpoint.save(ckpt, model, opt, 1)
+    sd_lr = opt.state_dict()["inner"]["param_groups"][0]["lr"]
+    model2 = Net()
+    opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=2, offload="cpu", delayed_update=True, lr=1.0)
+    torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 1.0)  # (made before the load, as a resumed run does)
+    pz.checkpoint.load(ckpt, model2, opt2)
+    local_loss(model2, 1, 1, 0).backward()
+    opt2.step()
+    lrs = [opt2.param_groups[0]["lr"], opt2.inner.param_groups[0]["lr"]]  # (the second: what the step used)
+    opt2.synchronize()
+    return sd_lr, lrs
+
+
+def test_delayed_update_checkpoint_keeps_the_lr_set_after_the_step(tmp_path):
+    """The lr set on param_groups after a delayed step is the one saved (state_dict and checkpoint)
+    and the one a resumed run steps with."""
+    sd_lr, lrs = run_ranks(_delayed_ckpt_rank, 1, args=(str(tmp_path / "ck"),), timeout=120)[0].value
+    assert sd_lr == 5e-3 and lrs == [5e-3, 5e-3]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_delayed_update_steps_with_the_lr_of_its_step(slow):
+    """An LR scheduler stepped right after opt.step() sets the next step's lr while the CPU step of
+    this one may not have started: that step still uses its own lr (the reference's), however late
+    it runs."""
+    steps = 4
+    ref, _, _ = reference_delayed(steps, clip=None, lr_decay=0.3)
+    state, _, _ = run_ranks(_delayed_rank, 1, args=(2, True, steps, None, None), timeout=120,
+                            kwargs=dict(lr_decay=0.3, slow=slow))[0].value
+    for k, v in ref.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_delayed_update_with_loss_scaling_skips_overflow_steps():

@@ -165,6 +165,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # memory_stats wait for it and read the masters with every update applied.
         self._host = offload is not None and (_host_copies(self.device) or delayed_update is True)
         self._delayed = None  # offload.DelayedStep with delayed_update
+        self._front, self._front_of = None, None  # delayed_update: param_groups and the inner list they mirror
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)  # bad kwargs raise before any change
@@ -390,13 +391,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # The inner optimizer's param groups, state and defaults, as they are now: its load_state_dict
     # replaces them (as torch's does), and LR schedulers change the ones that step.
+    # With delayed_update the inner optimizer steps in the background, after step() returned, while
+    # the caller (an LR scheduler) already sets the next step's lr: it steps its own groups, which
+    # take the values of these (param_groups) when step() starts the job (_sync_groups).
     @property
     def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
+        inner = self.inner.param_groups
+        if self._delayed is None:
+            return inner
+        if self._front_of is not inner:  # (new inner groups: load_state_dict)
+            self._front, self._front_of = [dict(g) for g in inner], inner
+        return self._front
 
     @param_groups.setter
     def param_groups(self, groups):
         self.inner.param_groups = groups
+
+    def _sync_groups(self):
+        """delayed_update, no CPU step running: the inner groups take the hyperparameters set on
+        param_groups since the last step (see the note at param_groups)."""
+        if self._delayed is not None:
+            for front, g in zip(self.param_groups, self.inner.param_groups):
+                g.update((k, v) for k, v in front.items() if k != "params")
 
     @property
     def state(self):
@@ -748,6 +764,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             finally:
                 for (_, leaf, _), g in zip(self.pieces, grads):
                     leaf.grad = g
+        self._sync_groups()  # (this step's hyperparameters; the job steps with them, however late it starts)
         self._delayed.submit(self._shard_grads, job)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
@@ -769,6 +786,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Wait for a delayed CPU step in flight (its masters and state are then final)."""
         if self._delayed is not None:
             self._delayed.wait()
+            self._sync_groups()
 
     def _host_step(self):
         """The inner step on the host copies, applying 1/scale times the clip coefficient to the

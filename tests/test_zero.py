@@ -710,3 +710,40 @@ def test_param_groups_after_load_state_dict_are_the_ones_that_step():
     for stage, (got, lrs) in run_ranks(rank_resumed_in_place, 1, timeout=60)[0].value.items():
         assert lrs == want_lrs, stage
         assert_state_close(got, want, rtol=0, atol=0)
+
+
+def conv_channels_last():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)
+
+
+def conv_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+
+
+def rank_channels_last():
+    pz.init(timeout=30)
+    out = {}
+    for stage in (1, 2, 3):
+        model = conv_channels_last()
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
+        for step in range(3):
+            model(conv_batch(step).chunk(2)[pz.get_rank()]).square().mean().backward()
+            opt.step()
+        out[stage] = opt.full_state_dict()
+    return out
+
+
+def test_channels_last_model_trains_as_torch():
+    """Convolutions in channels_last (strided, not contiguous, parameters): ZeroOptimizer starts
+    every rank from the first rank's weights and trains them as torch does."""
+    model = conv_channels_last()
+    assert not model[0].weight.is_contiguous()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        (sum(model(x).square().mean() for x in conv_batch(step).chunk(2)) / 2).backward()
+        opt.step()
+    for stage, got in run_ranks(rank_channels_last, 2, timeout=60)[0].value.items():
+        assert_state_close(got, model.state_dict(), **TOL)

@@ -230,7 +230,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p.register_post_accumulate_grad_hook(self._mark_grad)
         # Every rank starts from the group's first rank's weights and buffers, as DDP does.
         for t in [p.data for p in self.params] + list(model.buffers()):
-            comm.broadcast(t, src=self.group.ranks[0], group=self.group)
+            if t.is_contiguous():
+                comm.broadcast(t, src=self.group.ranks[0], group=self.group)
+            else:  # (channels_last and other strided tensors: through a contiguous copy)
+                c = t.contiguous()
+                comm.broadcast(c, src=self.group.ranks[0], group=self.group)
+                t.copy_(c)
         self._setup()
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:

@@ -95,6 +95,13 @@ def _capturing(device: torch.device) -> bool:
     return device_capturing(device)
 
 
+def sparse_grad_modules(module: nn.Module) -> list[tuple[str, str]]:
+    """(name, class) of the submodules whose trainable weight gets sparse gradients (nn.Embedding /
+    nn.EmbeddingBag with sparse=True): neither DataParallel nor ZeRO reduces those."""
+    return [(name, type(m).__name__) for name, m in module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+
+
 def _positive(value, arg: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{arg}: expected a positive number of MiB, got {value!r}")
@@ -152,6 +159,11 @@ class DataParallel(nn.Module):
             raise ValueError(f"module: the group's backend works on {want}, but the module's tensors are on "
                              f"{next(iter(devices))}" + (" (use backend='nccl' for CUDA modules)" if gpu is None
                                                            else " (this rank's GPU)"))
+        sparse = sparse_grad_modules(module)
+        if sparse:
+            name, kind = sparse[0]
+            raise ValueError(f"module: {name!r} ({kind}) makes sparse gradients, which pz.DataParallel does not "
+                             f"reduce; use sparse=False")
         for name, p in named:
             if p.dtype not in DTYPES or not p.is_floating_point():
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "

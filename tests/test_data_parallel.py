@@ -622,6 +622,7 @@ def bad_input_rank():
         lambda: pz.DataParallel(meta_model()),
         lambda: pz.DataParallel(make_mlp(), comm_dtype=torch.int32),
         lambda: pz.DataParallel(make_mlp(), group="world"),
+        lambda: pz.DataParallel(nn.Sequential(nn.Linear(2, 2), nn.EmbeddingBag(5, 3, sparse=True))),
     ]
     out = []
     for case in cases:
@@ -652,6 +653,8 @@ def test_bad_input_raises_clear_errors_on_every_rank():
                        "'2.weight' on meta"),
         ("ValueError", "comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
         ("TypeError", "group: expected a pz group (from pz.new_group) or None, got str"),
+        ("ValueError", "module: '1' (EmbeddingBag) makes sparse gradients, which pz.DataParallel does not reduce; "
+                       "use sparse=False"),
     ]
     for r in run_ranks(bad_input_rank, 2):
         assert r.value[:len(expected)] == expected

@@ -24,7 +24,7 @@ from torch import nn
 from .. import comm, memtrace, wrappers
 from ..bucketing import DeviceFlags, InFlight, device_capturing
 from .. import optim as pz_optim
-from ..parallel import DataParallel
+from ..parallel import DataParallel, sparse_grad_modules
 from . import offload as _offload
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
@@ -132,6 +132,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")
         self._check_devices()
+        sparse = sparse_grad_modules(model)
+        if sparse:
+            name, kind = sparse[0]
+            raise ValueError(f"model: {name!r} ({kind}) makes sparse gradients, which ZeroOptimizer does not shard; "
+                             f"use sparse=False")
         # [Note: offload of a CUDA model]
         # The fp32 master shards (and with offload_params the stage 3 parameter shards) live in
         # pinned host memory, the inner optimizer (pz.optim's fused CPU step) steps them there.
@@ -255,6 +260,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"model: trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; "
                              "keep the model in fp32 and use param_dtype= for mixed precision")
+        wide = sorted(str(d) for d in dtypes if d not in _PARAM_DTYPES)
+        if wide:
+            raise ValueError(f"model: trainable parameters are {wide[0]}; ZeroOptimizer keeps fp32 master weights and "
+                             "reduces gradients in fp32 at most, so expected torch.float32, bfloat16 or float16")
         gpu = self.group.device
         want = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
         got = next(iter(devices))

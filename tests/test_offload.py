@@ -75,6 +75,17 @@ def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
     assert ours.state[ps[2]]["step"].item() == 4
 
 
+def test_nvme_add_param_group_is_refused(tmp_path):
+    """The swap files are laid out for the parameters given at construction: a group added later would
+    never be stepped, so adding one raises (and changes nothing)."""
+    ps, _, _ = make_params(5)
+    opt = pz.optim.NvmeAdamW(ps[:2], nvme_path=tmp_path, sub_group_elems=100_000)
+    with pytest.raises(ValueError, match="add_param_group: .*construction"):
+        opt.add_param_group({"params": ps[2:]})
+    assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == 2
+    opt.close()
+
+
 def test_swap_files_removed_on_close(tmp_path):
     ps, _, _ = make_params(2)
     opt = pz.optim.NvmeAdamW(ps, nvme_path=tmp_path, sub_group_elems=100_000)

@@ -118,6 +118,12 @@ class NvmeAdam(Adam):
         self._disk = self.state = _DiskState(self)  # one object: holders of .state stay valid
         self.io_stats = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0, "step_s": 0.0}
 
+    def add_param_group(self, param_group: dict) -> None:
+        if "_swap" in self.__dict__:  # (torch's __init__ adds the groups given at construction)
+            raise ValueError("add_param_group: the swap files are laid out for the parameters given at construction; "
+                             "build a new optimizer with every group")
+        super().add_param_group(param_group)
+
     def _plan(self, sub_group_elems):
         """Cut the parameters, in order, into sub-groups of <= sub_group_elems elements."""
         self._segments: list[list[tuple[int, int, int, int]]] = []  # per group: (param, start, end, local)

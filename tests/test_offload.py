@@ -94,6 +94,16 @@ def test_swap_files_removed_on_close(tmp_path):
     assert len(files) == len(opt._segments) and all(f.endswith(".swap") for f in files)
     opt.close()
     assert os.listdir(tmp_path) == []
+    opt.close()  # (again: nothing to do)
+    opt = pz.optim.NvmeAdamW(ps, nvme_path=tmp_path, sub_group_elems=100_000)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.close()  # then the state on disk is gone: a clear error, not an IndexError
+    with pytest.raises(swap.SwapError, match="removed by close"):
+        opt.step()
+    with pytest.raises(swap.SwapError, match="removed by close"):
+        opt.state_dict()
 
 
 def test_nvme_path_checks(tmp_path, monkeypatch):

@@ -119,8 +119,14 @@ class Swapper:
         if pool is not None:
             pool.shutdown(wait=True)
         self._finalizer()
+        self.closed = True
+
+    closed = False
 
     def _check(self):
+        if self.closed:
+            raise SwapError("the swap files were removed by close(): the optimizer state on disk is gone (save it "
+                            "before closing; a new optimizer can load that)")
         if self.failed is not None:
             raise SwapError(f"{self.failed} (an earlier transfer failed; the swapper is unusable)") from self.failed
 

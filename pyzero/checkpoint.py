@@ -256,7 +256,7 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
         raise OSError(f"shard files {missing} are missing from {tmp!r}")
     meta = {"format": FORMAT, "step": step, "world": opt.world, "stage": opt.stage,
             "optimizer": type(opt.inner).__name__,
-            "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in opt.param_groups]}
+            "param_groups": [{k: _setting(v) for k, v in grp.items() if k != "params"} for grp in opt.param_groups]}
     meta.update(_model_meta(model, opt))
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
@@ -284,6 +284,24 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
     stale = [d for d in entries if d.startswith((".tmp_step_", ".old_step_"))]  # crashed or replaced saves
     for d in others[:max(0, len(others) - (keep - 1))] + stale:
         shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+
+
+def _setting(v):
+    """A param group's hyperparameter as JSON holds it: tensors (a tensor lr, betas) as numbers."""
+    if torch.is_tensor(v):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, (tuple, list)):
+        return [_setting(x) for x in v]
+    return v
+
+
+def _restored(current, saved):
+    """A saved hyperparameter in the form the optimizer holds it now (a tensor, a tuple)."""
+    if torch.is_tensor(current) and type(saved) in (int, float):
+        return torch.as_tensor(saved, dtype=current.dtype, device=current.device)
+    if isinstance(current, tuple) and type(saved) is list and len(saved) == len(current):
+        return tuple(_restored(c, x) for c, x in zip(current, saved))
+    return saved
 
 
 def _step_of(d: str) -> int:
@@ -549,7 +567,7 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
                     st[k] = v.clone() if torch.is_tensor(v) else v
             new_state.append(st)
         for grp, saved in zip(opt.param_groups, meta["param_groups"]):
-            grp.update({k: v for k, v in saved.items() if k in grp})
+            grp.update({k: _restored(grp[k], v) for k, v in saved.items() if k in grp})
         model.load_state_dict(extra, strict=False)
         # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
         opt.load_shard_state(values, new_state)

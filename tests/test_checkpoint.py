@@ -412,6 +412,33 @@ def test_load_into_other_param_groups_is_refused(tmp_path):
         assert same and step == 1
 
 
+def _rank_tensor_lr(ckpt):
+    """A tensor lr (torch optimizers take one): saved, loaded and stepped with as a number."""
+    pz.init(timeout=30)
+    out = []
+    for lr in (torch.tensor(0.01), 0.01):
+        model = build()
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=lr, betas=(0.8, 0.9))
+        F.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
+        opt.step()
+        pz.checkpoint.save(ckpt + str(type(lr).__name__), model, opt, 1)
+        model2 = build()
+        opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=2, lr=lr * 50, betas=(0.5, 0.5))
+        pz.checkpoint.load(ckpt + str(type(lr).__name__), model2, opt2)
+        group = opt2.param_groups[0]
+        kinds = (type(group["lr"]).__name__, type(group["betas"]).__name__)
+        F.mse_loss(model2(batch(1)[0]), batch(1)[1]).backward()
+        opt2.step()
+        out.append((kinds, float(group["lr"]), opt2.full_state_dict()))
+    return out
+
+
+def test_tensor_lr_saved_and_restored_as_a_number(tmp_path):
+    (kinds, lr, got), (_, _, want) = run_ranks(_rank_tensor_lr, 1, args=(str(tmp_path / "ck"),), timeout=60)[0].value
+    assert kinds == ("Tensor", "tuple") and lr == pytest.approx(0.01)
+    assert_same(got, want, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------
 # examples/zero_train.py: a rank dies, the job is restarted and resumes
 

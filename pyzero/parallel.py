@@ -136,7 +136,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named, g.device)
         self.module = module
-        self._trainable = {id(p) for _, p in named}  # (the parameters with buckets)
+        self._trainable = {id(p): (p.dtype, p.device) for _, p in named}  # (the parameters with buckets)
         self.group = g
         self.broadcast_buffers = broadcast_buffers
         self._buffer_list = list(module.buffers())
@@ -196,7 +196,19 @@ class DataParallel(nn.Module):
     def _check_trainable(self) -> None:
         """Refuse parameters made trainable after wrapping: they have no bucket, their gradients
         would stay each rank's own."""
-        late = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._trainable]
+        late, moved = [], []
+        for n, p in self.module.named_parameters():
+            was = self._trainable.get(id(p))
+            if was is None:
+                if p.requires_grad:
+                    late.append(n)
+            elif was != (p.dtype, p.device):
+                moved.append((n, was, p))
+        if moved:
+            n, (dtype, device), p = moved[0]
+            raise RuntimeError(f"module: parameter {n!r} is {p.dtype} on {p.device} now, {dtype} on {device} when "
+                               f"pz.DataParallel wrapped the module (its gradient bucket is laid out for that); "
+                               f"convert the module before wrapping it")
         if late:
             raise RuntimeError(f"module: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
                                f"after pz.DataParallel wrapped the module; their gradients would not be averaged "

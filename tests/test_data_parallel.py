@@ -686,6 +686,26 @@ def _rank_unfrozen_after_wrap():
     return out, model[2].weight.grad is not None
 
 
+def _rank_converted_after_wrap():
+    pz.init()
+    model = make_mlp()
+    dp = pz.DataParallel(model)
+    model.to(torch.bfloat16)
+    try:
+        dp(batch("mlp", 0)[0].bfloat16())
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_module_converted_after_wrap_is_refused_at_forward():
+    """The buckets are laid out for the parameters' dtype and device at wrap time: a module converted
+    afterwards (model.to(torch.bfloat16)) is refused at the next training forward, on every rank,
+    saying so (its backward failed inside autograd, naming no parameter)."""
+    for r in run_ranks(_rank_converted_after_wrap, 2, timeout=60):
+        assert r.value is not None and "'0.weight' is torch.bfloat16 on cpu now, torch.float32" in r.value, r.value
+
+
 def test_parameter_made_trainable_after_wrap_is_refused_at_forward():
     """A parameter frozen when DataParallel wrapped the module has no bucket: set trainable later,
     its gradient would stay this rank's own. The next training forward says so on every rank."""

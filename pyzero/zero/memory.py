@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     if not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
         ap.error(f"--gpu-gb: expected a positive number of GB, got {args.gpu_gb!r}")
     if args.offload == "none":
-        for flag, given in (("--offload-params", args.offload_params), ("--host-grad-bytes", args.host_grad_bytes != 4)):
+        for flag, given in (("--offload-params", args.offload_params),
+                            ("--host-grad-bytes", args.host_grad_bytes != 4)):
             if given:
                 ap.error(f"{flag}: needs --offload cpu or nvme")
     try:

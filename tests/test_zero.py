@@ -601,15 +601,27 @@ def rank_step_hooks():
         F.mse_loss(model(x), y).backward()
         opt.step()
         out[stage] = [s[:2] for s in seen], [s[2] for s in seen if len(s) > 2], opt.full_state_dict()
+        calls = []
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: dict(sd, note="added") if calls.append("sd post") is None
+                                          else None)
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load pre", sd.get("note"))))
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+        opt.load_state_dict(opt.state_dict())
+        out[stage, "state_dict"] = calls
     return out
 
 
 def test_step_hooks_run_as_torch_runs_them():
     """register_step_pre_hook / register_step_post_hook run around step(), before and after the
-    update, as with a torch optimizer."""
+    update, as with a torch optimizer; so do the state_dict and load_state_dict hooks (a post-hook's
+    dict is the one returned)."""
     torch.manual_seed(0)
     init = {k: v.clone() for k, v in nn.Linear(IN, OUT).state_dict().items()}
-    for stage, (calls, states, final) in run_ranks(rank_step_hooks, 1, timeout=60)[0].value.items():
+    res = run_ranks(rank_step_hooks, 1, timeout=60)[0].value
+    for stage in (1, 2, 3):
+        calls, states, final = res[stage]
+        assert res[stage, "state_dict"] == ["sd pre", "sd post", ("load pre", "added"), "load post"], stage
         assert calls == [("pre", True), ("post", True)], (stage, calls)
         assert_state_close(states[0], init, rtol=0, atol=0)
         assert_state_close(states[1], final, rtol=0, atol=0)

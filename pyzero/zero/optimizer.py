@@ -1128,7 +1128,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p.grad = None
 
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer: inner state plus what each piece is."""
+        """This rank's shard of the optimizer: inner state plus what each piece is. The hooks of
+        register_state_dict_pre_hook / register_state_dict_post_hook run around it, as torch runs them."""
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
         self._settle()
         out = {"stage": self.stage, "world": self.world, "rank": self.rank,
                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
@@ -1136,6 +1139,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                "inner": self.inner.state_dict()}
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            changed = hook(self, out)
+            if changed is not None:
+                out = changed
         return out
 
     def shard_state(self) -> dict:
@@ -1182,7 +1189,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish_parameters()
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore what state_dict() gave on this rank (the same shard); nothing changes if it fails."""
+        """Restore what state_dict() gave on this rank (the same shard); nothing changes if it fails.
+        The hooks of register_load_state_dict_pre_hook / _post_hook run around it, as torch runs them."""
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            changed = hook(self, sd)
+            if changed is not None:
+                sd = changed
+        self._load_state_dict(sd)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+    def _load_state_dict(self, sd: dict) -> None:
         if not isinstance(sd, dict):
             raise TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
         mine = [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]

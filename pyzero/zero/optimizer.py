@@ -245,6 +245,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:
             p._pz_zero_owner = weakref.ref(self)
+        # the model's parameters not trainable now: each forward checks that they stay so (a linear scan
+        # of these few, not of every parameter)
+        self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in self._param_index]
         model.register_forward_pre_hook(self._before_forward)
 
     # ---- set-up -------------------------------------------------------------
@@ -451,7 +454,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
         if not torch.compiler.is_compiling():  # no data pointers in a graph: step() checks a compiled model
             self._check_home()
-            late = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in self._param_index]
+            late = [n for n, p in self._frozen if p.requires_grad]
             if late:
                 raise RuntimeError(f"model: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
                                    f"after the ZeroOptimizer was built; its shards hold the parameters trainable "

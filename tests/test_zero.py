@@ -667,6 +667,54 @@ def test_param_groups_take_the_forms_torch_takes(form):
     assert_state_close(got, model.state_dict(), rtol=0, atol=0)
 
 
+def rank_step_after_no_sync():
+    """Stage 1 reduces at step(); stages 2-3 refuse a step whose last backward ran inside no_sync
+    (nothing stepped), then step after a synced backward on what both backwards accumulated."""
+    pz.init(timeout=30)
+    out, per = {}, BATCH // 2
+    lo = pz.get_rank() * per
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1)
+        before = opt.full_state_dict()  # (the first rank's; None on the other)
+        micro = [batch(BASE, 0, j) for j in range(2)]
+        with opt.no_sync():
+            F.mse_loss(model(micro[0][0][lo:lo + per]), micro[0][1][lo:lo + per]).backward()
+        refused = outcome(opt.step)
+        after = opt.full_state_dict()
+        untouched = after is None or all(torch.equal(v, before[k]) for k, v in after.items())
+        if stage > 1:
+            F.mse_loss(model(micro[1][0][lo:lo + per]), micro[1][1][lo:lo + per]).backward()
+            opt.step()
+        out[stage] = refused, untouched, opt.full_state_dict()
+    return out
+
+
+def test_step_after_a_no_sync_backward():
+    """A step must not drop the gradients of a backward inside no_sync: stage 1 reduces them at step(),
+    stages 2-3 (which reduce during a synced backward) raise on every rank, weights untouched."""
+    refs = {}
+    for n in (1, 2):  # the reference: SGD on the first micro-batch, or on both accumulated
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for j in range(n):
+            F.mse_loss(model(batch(BASE, 0, j)[0]), batch(BASE, 0, j)[1]).backward()
+        opt.step()
+        refs[n] = model.state_dict()
+    for r in run_ranks(rank_step_after_no_sync, 2, timeout=60):
+        for stage, (refused, untouched, state) in r.value.items():
+            if stage == 1:
+                assert refused[0] == "ok", refused
+            else:
+                assert refused[0] == "RuntimeError" and "inside no_sync()" in refused[1], (stage, refused)
+                assert untouched, stage
+            assert (state is None) == (r.rank == 1)
+            if state is not None:
+                assert_state_close(state, refs[1 if stage == 1 else 2], rtol=1e-5, atol=1e-6)
+
+
 def rank_unfrozen_after_build():
     pz.init(timeout=30)
     out = {}

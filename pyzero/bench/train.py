@@ -6,7 +6,8 @@ the same model (seed 0), trains on its own random batch, and times, as
 medians over --iters steps (each started together after a barrier; the
 slowest rank counts):
     step     zero_grad + forward + backward + optimizer step
-    nocomm   the same step inside no_sync(): no gradient communication
+    nocomm   the same step inside no_sync(): no gradient communication (DDP-style
+             runs; a ZeRO step communicates in any case: no nocomm)
     comm     the run's bucketed collectives alone, without backward
     exposed  (runs whose gradients are all reduced when backward returns:
              torch-ddp, dp) per step, from the moment the last rank
@@ -185,8 +186,10 @@ def _setup_zero(stage: int, offload: str | None = None, pipeline=None, delayed=F
             cls, extra["threads"] = pz.optim.AdamW, args.offload_threads
         opt = pz.ZeroOptimizer(model, cls, stage=stage, bucket_mb=args.bucket_mb, **_adamw_kwargs(model), **extra)
         # Not timed as exposed: stage 1 reduces at step time, stage 2 waits for its buckets in the
-        # hooks and at step time, stage 3 also gathers in forward; +step counts them all.
-        return Runner(model, opt, opt.no_sync, _zero_comm_alone(opt), memory=opt.memory_stats)
+        # hooks and at step time, stage 3 also gathers in forward. No nocomm step: a ZeRO step
+        # communicates whatever no_sync does (stage 1 reduces at step(), stages 2-3 refuse a step
+        # after a no_sync backward, whose gradients they have not reduced).
+        return Runner(model, opt, None, _zero_comm_alone(opt), memory=opt.memory_stats)
     return setup
 
 

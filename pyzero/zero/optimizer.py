@@ -221,6 +221,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._early_ok = False  # the loop's shape allows slot steps during backward
         self._sync = True
         self._grads_ready = False
+        # stages 2-3: a backward inside no_sync() left gradients in .grad after the last synced one (the
+        # hooks reduce .grad, accumulated, only in a synced backward): step() refuses to drop them
+        self._unreduced = False
         # Reductions launched during backward (stages 2, 3) and not yet folded into the shards;
         # at most two stay in flight, bounding the staging memory they hold.
         self._inflight = InFlight(limit=2 if self.overlap else 0)
@@ -698,6 +701,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "lightning.Trainer steps with a closure unless its strategy is "
                              "pyzero.integrations.lightning.PyzeroStrategy")
         self._require_grads("step")
+        if self._unreduced:
+            raise RuntimeError("step: the last backward ran inside no_sync(), so its gradients (and those it "
+                               "accumulated) are in .grad, not reduced into this rank's shard (stages 2-3 "
+                               "reduce during a synced backward); run the last micro-batch's backward outside "
+                               "no_sync() (the weights were not touched)")
         self._check_home()
         self._finish_gradients()
         if self._delayed is not None:
@@ -1111,7 +1119,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     self._grow_grad(k, zero=False).zero_()
         self._zero_model_grads(set_to_none)
-        self._grads_ready = False
+        self._grads_ready = self._unreduced = False
         self._overflow = None
         if set_to_none:
             self._has_grad.zero_()

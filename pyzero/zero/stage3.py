@@ -448,6 +448,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _on_grad(self, p):
         self._grads_ready = True
+        self._unreduced = not self._sync
         u = self._unit_of[id(p)]
         u.pending -= 1
         if self._sync:

@@ -251,6 +251,7 @@ class ZeroStage2(_FlatParams):
 
     def _on_grad(self, p):
         self._grads_ready = True
+        self._unreduced = not self._sync
         if not self._sync:
             return  # no_sync: p.grad keeps accumulating locally
         if self._launch_order.begin():

@@ -285,6 +285,41 @@ def test_a_hostile_server_cannot_run_code_in_a_worker(tmp_path, allocs):
     assert allocs == []  # nothing of a bad reply was allocated
 
 
+def test_a_second_push_into_one_sync_round_is_rejected():
+    """Sync mode takes one push per worker and round: a client that pushes twice before the round
+    closes gets the second rejected (counted), and the round applies the mean of the first pushes."""
+    srv = pz.ps.Server(make_model(), torch.optim.SGD, 0, 1, mode="sync", wait_for_workers=2, lr=LR)
+    srv.bind()
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        n, start = srv.master.numel(), srv.master.detach().clone()
+        join = {"op": "join", "signature": [[k, list(v)] for k, v in srv.signature], "num_servers": 1}
+        conns = []
+        for wid in range(2):
+            c = wire.connect(*srv.address, srv.key)
+            wire.send(c, {**join, "wid": wid})
+            h, _ = wire.recv(c, lambda h: [(torch.float32, n)] if h.get("ok") else [], timeout=10)
+            assert h["ok"], h
+            conns.append(c)
+
+        def push(c, value):
+            wire.send(c, {"op": "push", "version": 0}, [torch.full((n,), value)])
+            return wire.recv(c, lambda h: [], timeout=10)[0]["accepted"]
+
+        assert push(conns[0], 1.0) is True
+        assert push(conns[0], 100.0) is False  # before: it replaced the first
+        assert srv.stats()["rejected_repeat"] == 1 and srv.version == 0
+        assert push(conns[1], 3.0) is True  # the round closes: the mean of 1 and 3
+        wait_for(lambda: srv.version == 1)
+        torch.testing.assert_close(srv.master.detach(), start - LR * 2.0, rtol=0, atol=1e-6)
+        for c in conns:
+            c.close()
+    finally:
+        srv.stop()
+        t.join(10)
+
+
 # ---------------------------------------------------------------------------
 # a bounded fuzz run of the format
 

@@ -133,7 +133,7 @@ class Server:
         self._stopped = False
         self.counters = {"pushes": 0, "applied": 0, "rejected_nonfinite": 0, "dropped_dead": 0, "joined": 0,
                          "left": 0, "died": 0, "max_staleness": 0, "max_clock_gap": 0, "pulls": 0,
-                         "bad_messages": 0, "refused_auth": 0}
+                         "bad_messages": 0, "refused_auth": 0, "rejected_repeat": 0}
         self._listener, self._bound = None, None
 
     # ---- state ------------------------------------------------------------------
@@ -285,6 +285,9 @@ class Server:
             if not finite:
                 self.counters["rejected_nonfinite"] += 1
             if self._finished():
+                accepted = False
+            elif self.mode == "sync" and peer.wid in self._pending:  # a second push into the open round:
+                self.counters["rejected_repeat"] += 1                  # the first stands (one per worker)
                 accepted = False
             elif self.mode == "sync":
                 peer.round = self.version

@@ -667,6 +667,29 @@ def test_param_groups_take_the_forms_torch_takes(form):
     assert_state_close(got, model.state_dict(), rtol=0, atol=0)
 
 
+def _hooks(model):
+    """What ZeRO may hang on a model: forward (pre-)hooks on its modules, hooks on its parameters."""
+    mods = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    params = [(len(p._backward_hooks or {}), len(getattr(p, "_post_accumulate_grad_hooks", None) or {}),
+               hasattr(p, "_pz_zero_owner")) for p in model.parameters()]
+    return mods, params
+
+
+def rank_bad_zeropp_option():
+    pz.init(timeout=30)
+    model = MLP()
+    before = _hooks(model)
+    err = outcome(lambda: pz.ZeroOptimizer(model, AdamW, stage=3, zero_quantized_weights="yes"))
+    return err, before == _hooks(model)
+
+
+def test_bad_zeropp_option_is_refused_before_the_model_is_touched():
+    for r in run_ranks(rank_bad_zeropp_option, 2, timeout=60):
+        err, same = r.value
+        assert err[0] == "ValueError" and "zero_quantized_weights: expected True or False" in err[1], err
+        assert same, "hooks left on the model"
+
+
 def rank_step_after_no_sync():
     """Stage 1 reduces at step(); stages 2-3 refuse a step whose last backward ran inside no_sync
     (nothing stepped), then step after a synced backward on what both backwards accumulated."""

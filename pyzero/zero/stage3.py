@@ -44,7 +44,7 @@ from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
 from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
-from .zeropp import GatherPlan, QuantizedReduceScatter, check_options
+from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_values
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -172,6 +172,7 @@ class ZeroStage3(ZeroOptimizer):
                              f"0: none), got {prefetch!r}")
         self.prefetch = prefetch
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
+        check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _setup)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
 
     def _setup(self):

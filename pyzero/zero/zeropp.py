@@ -33,8 +33,9 @@ def hosts_of(group) -> list[list[int]]:
     return [[r for r in h if r in members] for h in topo.hosts if any(r in members for r in h)]
 
 
-def check_options(hpz, qw, qg, group) -> tuple[int, bool, int]:
-    """Validated (hpz partition size, quantised weights, gradient bits or 0); errors name the option."""
+def check_values(hpz, qw, qg) -> tuple[int, bool, int]:
+    """The options' types and values, before anything is set up: (hpz partition size, quantised
+    weights, gradient bits or 0); errors name the option."""
     if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
         raise ValueError(f"zero_hpz_partition_size: expected a positive int (ranks per host; 1 = off), got {hpz!r}")
     if not isinstance(qw, bool):
@@ -45,6 +46,12 @@ def check_options(hpz, qw, qg, group) -> tuple[int, bool, int]:
         bits = qg
     else:
         raise ValueError(f"zero_quantized_gradients: expected False, True (int8), 8 or 4 (int4), got {qg!r}")
+    return hpz, qw, bits
+
+
+def check_options(hpz, qw, qg, group) -> tuple[int, bool, int]:
+    """check_values, then what the options need of the group; errors name the option."""
+    hpz, qw, bits = check_values(hpz, qw, qg)
     if hpz > 1:
         if group.size % hpz:
             raise ValueError(f"zero_hpz_partition_size={hpz}: expected a divisor of the group's {group.size} ranks")

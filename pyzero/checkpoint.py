@@ -95,11 +95,15 @@ def _fsync_dir(path):
 
 
 def _save_file(obj, path):
-    """torch.save `obj` to `path` (fsynced) and its size and CRC-32 to `path`.sum."""
+    """torch.save `obj` (or write `obj`'s bytes, already serialised) to `path` (fsynced) and its size
+    and CRC-32 to `path`.sum."""
     with open(path, "wb") as f:
         w = _Summing(f)
         try:
-            torch.save(obj, w)
+            if isinstance(obj, bytes):
+                w.write(obj)
+            else:
+                torch.save(obj, w)
         except Exception as e:
             if w.error is not None:  # the cause (a full disk, ...) rather than torch's "unexpected pos"
                 raise w.error from e
@@ -206,7 +210,7 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
             extra = {k: v.detach().clone() for k, v in model_state(model).items() if id(v) not in trainable}
             _save_file(extra, os.path.join(tmp, "extra.pt"))
             if app_state:
-                _save_file(_app_state_values(app_state), os.path.join(tmp, "app.pt"))
+                _save_file(_app_state_bytes(app_state), os.path.join(tmp, "app.pt"))
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = e
     agree("writing the shards", error)
@@ -225,22 +229,27 @@ def _check_app_state(app_state, op: str) -> None:
         raise TypeError(f"{op}: app_state: expected None or a dict with str keys, got {type(app_state).__name__}")
 
 
-def _app_state_values(app_state: dict) -> dict:
-    """{name: what is saved}, each value checked to load back with torch.load(weights_only=True)."""
-    out = {}
-    for k, v in app_state.items():
-        v = v.state_dict() if callable(getattr(v, "state_dict", None)) else v
-        buf = io.BytesIO()
-        torch.save(v, buf)
-        buf.seek(0)
-        try:
-            torch.load(buf, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - the unpickler's refusal, named
-            raise ValueError(f"app_state[{k!r}]: {type(v).__name__} does not load back with torch.load("
-                             f"weights_only=True) ({type(e).__name__}: {str(e).splitlines()[0][:200]}); keep "
-                             "it to tensors, numbers, strings, lists, tuples and dicts") from e
-        out[k] = v
-    return out
+def _app_state_bytes(app_state: dict) -> bytes:
+    """{name: what is saved} serialised once, checked to load back with torch.load(weights_only=True);
+    a value that does not is named (found, on that path only, by trying each)."""
+    values = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in app_state.items()}
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - the unpickler's refusal: name the value
+        for k, v in values.items():
+            one = io.BytesIO()
+            torch.save(v, one)
+            one.seek(0)
+            try:
+                torch.load(one, weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"app_state[{k!r}]: {type(v).__name__} does not load back with torch.load("
+                                 f"weights_only=True) ({type(e).__name__}: {str(e).splitlines()[0][:200]}); keep "
+                                 "it to tensors, numbers, strings, lists, tuples and dicts") from e
+        raise
+    return buf.getvalue()
 
 
 def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):

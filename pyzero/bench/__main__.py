@@ -51,10 +51,10 @@ def check_shared(args) -> None:
             raise UsageError(f"--{name.replace('_', '-')}: expected {what} finite number, got {v}")
     model, seq = getattr(args, "model", None), getattr(args, "seq", None)
     if isinstance(model, str) and isinstance(seq, int):  # (the GPT benches: a longer sequence than the model's
-        from .gpt import PRESETS  # noqa: PLC0415  position table failed inside the ranks, an IndexError in some)
+        from .gpt import PRESETS, check_seq  # noqa: PLC0415  position table failed inside the ranks, an IndexError)
 
-        if model in PRESETS and seq > PRESETS[model].block_size:
-            raise UsageError(f"--seq: expected 1..{PRESETS[model].block_size} for --model {model}, got {seq}")
+        if model in PRESETS:
+            check_seq(PRESETS[model], seq, model)
     if getattr(args, "device", None) == "cuda":
         import torch  # noqa: PLC0415
 

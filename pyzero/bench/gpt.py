@@ -86,10 +86,16 @@ def make_gpt(name: str, seed: int = 0) -> GPT:
     return GPT(PRESETS[name])
 
 
+def check_seq(config: GPTConfig, seq: int, model: str | None = None) -> None:
+    """--seq within the model's position table (`model`: the preset's name, for the message)."""
+    if not 1 <= seq <= config.block_size:
+        raise UsageError(f"--seq: expected 1..{config.block_size} for {f'--model {model}' if model else 'this model'}"
+                         f", got {seq}")
+
+
 def random_batch(config: GPTConfig, batch: int, seq: int, seed: int):
     """(inputs, targets) of random token ids, shape (batch, seq)."""
-    if not 1 <= seq <= config.block_size:
-        raise UsageError(f"--seq: expected 1..{config.block_size} for this model, got {seq}")
+    check_seq(config, seq)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from .server import MODES, Server
+from .server import MODES, Server, check_num_servers
 from .wire import AuthError, BadMessage, PeerLost, resolve_key
 from .worker import JoinRefused, ServerLost, Worker, request
 
@@ -30,14 +30,9 @@ __all__ = ["MODES", "Server", "Worker", "ServerLost", "JoinRefused", "PeerLost",
            "role", "stats", "stop"]
 
 
-def _check_num_servers(num_servers) -> None:
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-        raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
-
-
 def role(num_servers: int) -> tuple[str, int]:
     """("server", i) for RANK < num_servers, else ("worker", RANK - num_servers)."""
-    _check_num_servers(num_servers)
+    check_num_servers(num_servers)
     rank = int(os.environ.get("RANK", "0"))
     return ("server", rank) if rank < num_servers else ("worker", rank - num_servers)
 
@@ -68,7 +63,7 @@ def stats(num_servers: int) -> list[dict]:
     """Every server's counters (version, live workers, staleness seen, rejected pushes, ...)."""
     from .rendezvous import lookup  # noqa: PLC0415
 
-    _check_num_servers(num_servers)
+    check_num_servers(num_servers)
     return [request(a, "stats") for a in lookup(num_servers)]
 
 
@@ -76,6 +71,6 @@ def stop(num_servers: int) -> None:
     """Ask every server to finish (workers' next pull returns False)."""
     from .rendezvous import lookup  # noqa: PLC0415
 
-    _check_num_servers(num_servers)
+    check_num_servers(num_servers)
     for a in lookup(num_servers):
         request(a, "stop")

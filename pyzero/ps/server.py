@@ -70,6 +70,12 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_num_servers(num_servers) -> None:
+    """The job's server count, as Server, Worker and the module's functions take it."""
+    if not _is_int(num_servers) or num_servers < 1:
+        raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
+
+
 class _Peer:
     def __init__(self, wid: int, clock: int):
         self.wid, self.clock, self.alive = wid, clock, True
@@ -87,8 +93,7 @@ class Server:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        if not _is_int(num_servers) or num_servers < 1:
-            raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
+        check_num_servers(num_servers)
         if not _is_int(index) or not 0 <= index < num_servers:
             raise ValueError(f"index: expected 0 <= index < num_servers={num_servers}, got {index!r}")
         if mode not in MODES:

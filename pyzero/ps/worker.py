@@ -20,7 +20,7 @@ from torch import nn
 
 from ..zero.partition import FlatLayout, trainable
 from . import wire
-from .server import MODES, describe
+from .server import MODES, check_num_servers, describe
 
 
 class ServerLost(RuntimeError):
@@ -49,9 +49,8 @@ class Worker:
                                     or not servers or not all(_is_address(a) for a in servers)):
             raise ValueError(f"servers: expected a non-empty list of (host, port) pairs, one per server, got "
                              f"{servers!r}")
-        if num_servers is not None and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
-                                        or num_servers < 1):
-            raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
+        if num_servers is not None:
+            check_num_servers(num_servers)
         if servers is not None and num_servers is not None and len(servers) != num_servers:
             raise ValueError(f"num_servers: {num_servers} servers expected, but servers lists {len(servers)}")
         key = wire.resolve_key(key)

@@ -1121,10 +1121,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero_model_grads(set_to_none)
         self._grads_ready = self._unreduced = False
         self._overflow = None
-        if set_to_none:
-            self._has_grad.zero_()
-        else:  # torch steps zero (not None) gradients
-            self._has_grad.zero_()
+        self._has_grad.zero_()
+        if not set_to_none:  # torch steps zero (not None) gradients
             self._has_grad[sorted(self._grad_exists)] = 1
 
     def _forget_host_copies(self):

@@ -393,24 +393,25 @@ def new_group(ranks: Sequence[int], options=None) -> Group:
 
 
 def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
-    """Every rank publishes the ranks it gave new_group; a member then checks that the other members gave
-    the same (ranks that disagree would otherwise set up different transports, which fail obscurely or
-    wait for the timeout)."""
+    """Every rank publishes the ranks it gave new_group; a member then checks that every rank of the world
+    gave the same (ranks that disagree, or disjoint subsets each calling new_group for their own group, would
+    otherwise set up transports under one group id, which fail obscurely or wait for the timeout)."""
     key = f"pz/g{gid}/ranks"
     w.store.set(f"{key}/{w.rank}", json.dumps(ranks))
     if w.rank not in ranks:
         return
     from torch.distributed import DistError  # noqa: PLC0415
 
+    everyone = range(w.size)
     try:
-        w.store.wait([f"{key}/{r}" for r in ranks], datetime.timedelta(seconds=w.timeout))
+        w.store.wait([f"{key}/{r}" for r in everyone], datetime.timedelta(seconds=w.timeout))
     except DistError:
-        absent = [r for r in ranks if not w.store.check([f"{key}/{r}"])]
+        absent = [r for r in everyone if not w.store.check([f"{key}/{r}"])]
         raise CollectiveTimeout(f"new_group({list(ranks)}): ranks {absent} did not call new_group within "
                                 f"timeout={w.timeout:g} s (every rank of the world calls it, in the same "
                                 "order)") from None
     bad = []
-    for r in ranks:
+    for r in everyone:
         theirs = _topology.peer_json(w.store.get(f"{key}/{r}"), f"{key}/{r}", lambda v: type(v) is list
                                      and all(type(x) is int for x in v), "a list of ranks")
         if theirs != list(ranks):

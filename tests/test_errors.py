@@ -416,6 +416,7 @@ def _rank_new_group_disagree():
     t0 = time.monotonic()
     o["order"] = outcome(lambda: pz.new_group([0, 1] if me == 0 else [1, 0]))
     o["members"] = outcome(lambda: pz.new_group((0, 1) if me == 0 else (0,)))  # a tuple is a sequence too
+    o["disjoint"] = outcome(lambda: pz.new_group([me]))  # each rank makes its own group: not every rank calls it
     o["seconds"] = time.monotonic() - t0
     g = pz.new_group(r for r in (1, 0))  # agreeing calls still make a group (ranks from an iterator too)
     x = torch.full((3,), float(me + 1))
@@ -425,9 +426,9 @@ def _rank_new_group_disagree():
 
 
 def test_new_group_ranks_that_disagree_raise_on_the_members():
-    """Ranks that give new_group different member lists (or orders) fail with an error naming both lists,
-    at once, not an obscure transport error on one and a store timeout on the other; a rank outside
-    the group it asked for gets its non-member group."""
+    """Ranks that give new_group different member lists (or orders), or each a group of their own, fail
+    with an error naming both lists, at once, not an obscure transport error on one and a store timeout on
+    the other; a rank outside the group it asked for gets its non-member group."""
     res = [r.value for r in run_ranks(_rank_new_group_disagree, 2, timeout=60)]
     for me, v in enumerate(res):
         etype, msg = v["order"]
@@ -439,6 +440,9 @@ def test_new_group_ranks_that_disagree_raise_on_the_members():
     etype, msg = res[0]["members"]
     assert etype == "CollectiveError" and "rank 1 gave [0]" in msg, res[0]["members"]
     assert res[1]["members"] == ("ok", None)
+    for me, v in enumerate(res):
+        etype, msg = v["disjoint"]
+        assert etype == "CollectiveError" and f"gave [{me}], rank {1 - me} gave [{1 - me}]" in msg, v["disjoint"]
 
 
 # ---------------------------------------------------------------------------

@@ -680,14 +680,20 @@ def rank_bad_zeropp_option():
     model = MLP()
     before = _hooks(model)
     err = outcome(lambda: pz.ZeroOptimizer(model, AdamW, stage=3, zero_quantized_weights="yes"))
-    return err, before == _hooks(model)
+    kept = before == _hooks(model)
+    unfit = outcome(lambda: pz.ZeroOptimizer(model, AdamW, stage=3, zero_hpz_partition_size=3))  # not the group's
+    return err, kept, unfit, before == _hooks(model)
 
 
 def test_bad_zeropp_option_is_refused_before_the_model_is_touched():
+    """A bad value, or one the group cannot take (hpZ partitions of 3 in a group of 2), is refused
+    before any hook is hung on the model."""
     for r in run_ranks(rank_bad_zeropp_option, 2, timeout=60):
-        err, same = r.value
+        err, kept, unfit, kept_unfit = r.value
         assert err[0] == "ValueError" and "zero_quantized_weights: expected True or False" in err[1], err
-        assert same, "hooks left on the model"
+        assert kept, "hooks left on the model"
+        assert unfit[0] == "ValueError" and "zero_hpz_partition_size=3: expected a divisor" in unfit[1], unfit
+        assert kept_unfit, "hooks left on the model by a group-dependent refusal"
 
 
 def rank_step_after_no_sync():

@@ -125,6 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError(f"tp_group: {str(e).removeprefix('group: ')}") from None
         self.group.backend  # raises unless this rank is a member
         self.world, self.rank = self.group.size, self.group.rank
+        self._check_group()
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
         self.params, self.names = trainable(model)
@@ -467,6 +468,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _check_home(self):
         """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put)."""
+
+    def _check_group(self):
+        """Refuse options the group cannot take, before anything touches the model (a stage's own checks)."""
 
     def _setup(self):
         raise NotImplementedError

@@ -172,11 +172,14 @@ class ZeroStage3(ZeroOptimizer):
                              f"0: none), got {prefetch!r}")
         self.prefetch = prefetch
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
-        check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _setup)
+        check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _check_group)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
 
+    def _check_group(self):
+        self._zeropp = check_options(*self._zeropp, self.group)
+
     def _setup(self):
-        hpz, qw, qg_bits = check_options(*self._zeropp, self.group)
+        hpz, qw, qg_bits = self._zeropp
         self.zeropp = {"hpz_partition_size": hpz, "quantized_weights": qw, "quantized_gradient_bits": qg_bits}
         self._plan = GatherPlan(self.group, hpz, qw)
         self._qg = QuantizedReduceScatter(self.group, qg_bits) if qg_bits else None

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from . import _C
+from .checks import is_int
 from .envvars import env_bool, env_int
 
 CollectiveError = _C.CollectiveError
@@ -271,7 +272,7 @@ class Options:
         for name in ("slice_bytes", "depth", "oneshot_bytes", "stream_bytes", "twoshot_bytes", "twoshot_stream_bytes",
                      "p2p_bytes"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 raise ValueError(f"options.{name}: expected a non-negative int or None, got {v!r}")
         if self.depth is not None and self.depth < 2:
             raise ValueError(f"options.depth: expected at least 2 slots, got {self.depth}")

@@ -33,6 +33,7 @@ import torch
 
 from . import _C, comm
 from .backend import check_contiguous, tensor_code
+from .checks import is_real
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -148,7 +149,7 @@ def _table(tensors, offsets, flat: torch.Tensor, arg: str):
 def _flat_code(flat, scale) -> int:
     code = tensor_code(flat, "flat")
     check_contiguous(flat, "flat")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if not is_real(scale):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
     return code
 

@@ -45,6 +45,7 @@ import torch
 
 from . import comm
 from .zero import ZeroOptimizer, model_state
+from .checks import is_int
 
 FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
 
@@ -173,9 +174,9 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
     cannot be saved), every rank raises CheckpointError naming the rank and its error, and
     `latest` still names the previous step.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+    if not is_int(keep) or keep < 1:
         raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
     _check_app_state(app_state, "save")
     _check_pair(model, opt)

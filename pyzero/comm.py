@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
-import math
 import operator
 import os
 import secrets
@@ -41,6 +40,7 @@ from .backend import (
     check_same_dtype,
     resolve_counts,
 )
+from .checks import is_int, is_positive_finite
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "Group", "Options", "Work"]
 
@@ -96,7 +96,7 @@ class Group:
         return getattr(self._backend, "device", None)
 
     def group_rank(self, global_rank: int, arg: str) -> int:
-        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+        if not is_int(global_rank):
             raise TypeError(f"{arg}: expected an int global rank, got {type(global_rank).__name__}")
         try:
             return self.ranks.index(global_rank)
@@ -192,12 +192,11 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     global _world
     if _world is not None:
         raise RuntimeError("pz.init(): already initialised; call pz.destroy() first")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+    if not is_positive_finite(timeout):
         raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
     if join_timeout is None:
         join_timeout = max(float(timeout), 60.0)
-    elif (not isinstance(join_timeout, (int, float)) or isinstance(join_timeout, bool)
-          or not 0 < join_timeout < math.inf):
+    elif not is_positive_finite(join_timeout):
         raise ValueError(f"join_timeout: expected a positive, finite number of seconds or None, got {join_timeout!r}")
     opts = Options.make(options)
     if backend is not None:
@@ -436,7 +435,7 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
         raise ValueError(f"backend: a group from a store supports {list(_STORE_BACKENDS)}, got {backend!r}")
     if backend == "shm":
         device = None
-    elif not isinstance(device, int) or isinstance(device, bool) or device < 0:
+    elif not is_int(device) or device < 0:
         raise ValueError(f"device: backend={backend!r} needs this process's CUDA device index, got {device!r}")
     ranks = tuple(int(r) for r in ranks)
     if not 0 <= rank < len(ranks):

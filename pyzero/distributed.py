@@ -38,6 +38,7 @@ from torch.futures import Future
 from . import comm
 from .backend import DTYPES, SUPPORTED_DTYPES
 from .distributed_cuda import CudaGroups, CudaWork, Held, P2PEntry, P2PQueue, QueuedWork
+from .checks import is_int
 
 __all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "cuda_backend_beside", "pz_group", "register"]
 
@@ -962,7 +963,7 @@ def _split_dim0(t: torch.Tensor, sizes, n: int, arg: str) -> list[torch.Tensor]:
         raise ValueError(f"all_to_all_single: {arg} is 0-dimensional; expected a tensor split along dim 0 into "
                          f"{n} chunks (one per rank)")
     sizes = list(sizes)
-    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in sizes):
+    if any(not is_int(s) or s < 0 for s in sizes):
         raise ValueError(f"all_to_all_single: {arg}_split_sizes={sizes} must hold {n} non-negative ints summing to "
                          f"{arg}.shape[0]={t.shape[0]}")
     if not sizes:

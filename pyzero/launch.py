@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import codecs
 import faulthandler
-import math
 import os
 import pickle
 import shutil
@@ -24,6 +23,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from .checks import is_int, is_positive_finite
 
 
 @dataclass
@@ -168,18 +168,18 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     copies to its own stdout as the rank writes it (a bench's table, shown even if this process
     is stopped before the ranks end); the rank's RankResult.output still holds all of it.
     """
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+    if not is_int(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs: expected an int >= 1, got {nprocs!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+    if not is_positive_finite(timeout):
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+    if threads is not None and (not is_int(threads) or threads < 1):
         raise ValueError(f"threads: expected None or an int >= 1, got {threads!r}")
     if start not in ("fork", "spawn"):
         raise ValueError(f"start: expected 'fork' or 'spawn', got {start!r}")
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                               for k, v in env.items())):
         raise ValueError(f"env: expected None or a dict of str names to str values, got {env!r}")
-    if echo is not None and not (isinstance(echo, int) and not isinstance(echo, bool) and 0 <= echo < nprocs):
+    if echo is not None and not (is_int(echo) and 0 <= echo < nprocs):
         raise ValueError(f"echo: expected None or a rank in [0, {nprocs}), got {echo!r}")
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="pyzero-ranks-")  # 0700: the ranks' outputs and results are private

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .checks import is_int
 
 
 def _axis_size(value, axis: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{axis}: expected an int mesh axis size, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{axis}: expected a positive mesh axis size, got {value}")

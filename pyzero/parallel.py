@@ -12,7 +12,6 @@ group average.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from torch import nn
 from . import comm, wrappers
 from .backend import DTYPES
 from .bucketing import WIDEN, BucketReducer, DeviceFlags, broadcast_coalesced, device_capturing
+from .checks import is_positive_finite
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -103,7 +103,7 @@ def sparse_grad_modules(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def _positive(value, arg: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_positive_finite(value):
         raise ValueError(f"{arg}: expected a positive number of MiB, got {value!r}")
     return float(value)
 

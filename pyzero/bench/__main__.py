@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from ..checks import is_int
 from .common import UsageError
 
 SUBCOMMANDS = {
@@ -42,7 +43,7 @@ def check_shared(args) -> None:
     for name, least in COUNTS.items():
         values = getattr(args, name, None)
         for v in values if isinstance(values, list) else [values]:
-            if isinstance(v, int) and not isinstance(v, bool) and v < least:
+            if is_int(v) and v < least:
                 raise UsageError(f"--{name.replace('_', '-')}: expected >= {least}, got {v}")
     for name in POSITIVE + NON_NEGATIVE:
         v = getattr(args, name, None)

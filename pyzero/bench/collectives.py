@@ -51,6 +51,7 @@ import time
 
 import torch
 
+from ..checks import is_int
 from .common import UsageError, comm_device, init_torch_distributed, parse_size, size_steps, write_json
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -505,7 +506,7 @@ def _exchange_mode(args, pairs: int) -> tuple[str, int]:
     if want not in ("any", "fast", "slow"):
         raise UsageError(f"--exchange-mode: expected any, fast or slow, got {want!r}")
     tries = getattr(args, "tries", 0)
-    if not isinstance(tries, int) or isinstance(tries, bool) or tries < 0:
+    if not is_int(tries) or tries < 0:
         raise UsageError(f"--tries: expected a count of sets of ranks >= 0, got {tries!r}")
     if want == "any":
         if tries:
@@ -992,14 +993,14 @@ def _backends(args) -> list[str]:
 
 def _min_calls(args) -> int:
     least = getattr(args, "min_calls", 0)
-    if not isinstance(least, int) or isinstance(least, bool) or least < 0 or (least and not _block(args)):
+    if not is_int(least) or least < 0 or (least and not _block(args)):
         raise UsageError(f"--min-calls: expected a non-negative int, with --block; got {least!r}")
     return least
 
 
 def _block(args) -> int:
     block = getattr(args, "block", 0)
-    if not isinstance(block, int) or isinstance(block, bool) or block < 0 or (block and not getattr(args, "per_call",
+    if not is_int(block) or block < 0 or (block and not getattr(args, "per_call",
                                                                                                      False)):
         raise UsageError(f"--block: expected a non-negative int, with --per-call; got {block!r}")
     return block
@@ -1007,7 +1008,7 @@ def _block(args) -> int:
 
 def _rounds(args) -> int:
     rounds = getattr(args, "rounds", 1)
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+    if not is_int(rounds) or rounds < 1:
         raise UsageError(f"--rounds: expected a positive int, got {rounds!r}")
     return rounds
 
@@ -1021,12 +1022,12 @@ def main(args) -> int:
     _block(args)
     _min_calls(args)
     graph = getattr(args, "graph", 0)
-    if not isinstance(graph, int) or isinstance(graph, bool) or graph < 0:
+    if not is_int(graph) or graph < 0:
         raise UsageError(f"--graph: expected a count of calls >= 0, got {graph!r}")
     if graph and getattr(args, "device", "cpu") != "cuda":
         raise UsageError("--graph: CUDA graphs need --device cuda")
     pairs = getattr(args, "pairs", 1)
-    if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
+    if not is_int(pairs) or pairs < 1:
         raise UsageError(f"--pairs: expected a positive int, got {pairs!r}")
     if getattr(args, "op", None) == "sendrecv" and args.nproc is not None and args.nproc < 2:
         raise UsageError(f"--op sendrecv: needs --nproc 2 or more (each rank sends to the next), got {args.nproc}")

@@ -70,6 +70,7 @@ from .. import comm, wrappers
 from ..parallel import DataParallel, broadcast_coalesced
 from ..zero import ZeroOptimizer, owner
 from . import _dist
+from ..checks import is_real
 
 __all__ = ["CHECKPOINT_DIR", "LIGHTNING_FILE", "STRATEGIES", "PyzeroStrategy", "init"]
 
@@ -154,7 +155,7 @@ class PyzeroStrategy(DDPStrategy):
             why = _dist.option_refused(k, self._stage)
             if why is not None:
                 raise ValueError(f"{k}: not a {what} option PyzeroStrategy(strategy={strategy!r}) passes on ({why})")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= _MAX_TIMEOUT:
+        if not is_real(timeout) or not 0 < timeout <= _MAX_TIMEOUT:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.pyzero_strategy, self._options, self._backend, self._pz_timeout = strategy, dict(options), backend, timeout
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -21,6 +21,7 @@ from .. import comm
 from ..backend import DTYPES
 from .schedules import SCHEDULES
 from .split import StageInfo
+from ..checks import is_int
 
 _NAMES = list(SCHEDULES)
 _ABSENT = -(1 << 62)  # "not mine to say" in a max all-reduce
@@ -33,7 +34,7 @@ _NOT_TENSOR, _BAD_DTYPE, _TOO_MANY_DIMS = -1, -2, -3
 
 
 def _m_error(m):
-    if isinstance(m, bool) or not isinstance(m, int):
+    if not is_int(m):
         return TypeError(f"num_microbatches: expected an int >= 1, got {type(m).__name__}")
     if m < 1:
         return ValueError(f"num_microbatches: expected an int >= 1, got {m}")

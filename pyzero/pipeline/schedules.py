@@ -29,19 +29,20 @@ same bubble, (p - 1) / (m + p - 1) of each stage's time when forward and
 backward costs are equal on every stage.
 """
 from __future__ import annotations
+from ..checks import is_int
 
 FORWARD, BACKWARD = "F", "B"
 
 
 def _positive(value, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{arg}: expected an int >= 1, got {value!r}")
     return value
 
 
 def _check(stage, num_stages, num_microbatches) -> int:
     _positive(num_stages, "num_stages")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+    if not is_int(stage) or not 0 <= stage < num_stages:
         raise ValueError(f"stage: expected 0 <= stage < num_stages = {num_stages}, got {stage!r}")
     return _positive(num_microbatches, "num_microbatches")
 

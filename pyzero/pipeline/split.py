@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 from torch import nn
+from ..checks import is_int, is_real
 
 
 class StageInfo(NamedTuple):
@@ -34,7 +35,7 @@ def _check_costs(costs, n: int) -> list[float]:
         raise ValueError(f"costs: expected {n} numbers (one per layer of seq), got {len(costs)}")
     out = []
     for i, c in enumerate(costs):
-        if isinstance(c, bool) or not isinstance(c, (int, float)):
+        if not is_real(c):
             raise TypeError(f"costs[{i}]: expected a number, got {type(c).__name__}")
         if not math.isfinite(c) or c < 0:
             raise ValueError(f"costs[{i}]: expected a finite cost >= 0, got {c}")
@@ -43,7 +44,7 @@ def _check_costs(costs, n: int) -> list[float]:
 
 
 def _check_num_stages(num_stages, n: int, what: str) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+    if not is_int(num_stages):
         raise TypeError(f"num_stages: expected an int, got {type(num_stages).__name__}")
     if not 1 <= num_stages <= n:
         raise ValueError(f"num_stages: expected 1 <= num_stages <= {what} = {n} (every stage needs a layer), "

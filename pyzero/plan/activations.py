@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .spec import ModelSpec
+from ..checks import is_int
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -32,7 +33,7 @@ class Layout:
     def __post_init__(self):
         for arg in ("dp", "tp", "pp", "micro_batch", "micro_batches"):
             v = getattr(self, arg)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{arg}: expected a positive int, got {v!r}")
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage: expected one of (0, 1, 2, 3) (the ZeRO stage), got {self.stage!r}")

@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 from .comm_model import Link, Table, as_link
 from .activations import RECOMPUTE, Layout, activation_memory, layer_activation_bytes, stage_params  # noqa: F401
 from .spec import ModelSpec
+from ..checks import is_int, is_positive_finite, is_real
 
 GB = 1e9
 
@@ -133,27 +134,23 @@ class Cluster:
     def __post_init__(self):
         for arg in ("world", "gpus_per_host"):
             v = getattr(self, arg)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{arg}: expected a positive int, got {v!r}")
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) \
-                or not 0.0 <= self.overlap <= 1.0:
+        if not is_real(self.overlap) or not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap: expected a number in [0, 1], got {self.overlap!r}")
-        if isinstance(self.ranks_per_core, bool) or not isinstance(self.ranks_per_core, (int, float)) \
-                or not 1.0 <= self.ranks_per_core < math.inf:
+        if not is_real(self.ranks_per_core) or not 1.0 <= self.ranks_per_core < math.inf:
             raise ValueError(f"ranks_per_core: expected a number >= 1, got {self.ranks_per_core!r}")
-        if isinstance(self.op_overhead, bool) or not isinstance(self.op_overhead, (int, float)) \
-                or not 0.0 <= self.op_overhead < math.inf:
+        if not is_real(self.op_overhead) or not 0.0 <= self.op_overhead < math.inf:
             raise ValueError(f"op_overhead: expected seconds >= 0, got {self.op_overhead!r}")
         for arg in ("device_memory", "flops", "mem_bw", "host_memory", "pcie_bw", "cpu_adam"):
             v = getattr(self, arg)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+            if not is_positive_finite(v):
                 raise ValueError(f"{arg}: expected a positive number, got {v!r}")
         for arg in ("bucket_bytes", "dp_bucket_bytes"):
             v = getattr(self, arg)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+            if not is_positive_finite(v):
                 raise ValueError(f"{arg}: expected a positive number, got {v!r}")
-        if isinstance(self.reserved, bool) or not isinstance(self.reserved, (int, float)) \
-                or not 0.0 <= self.reserved < math.inf:
+        if not is_real(self.reserved) or not 0.0 <= self.reserved < math.inf:
             raise ValueError(f"reserved: expected bytes >= 0, got {self.reserved!r}")
         if self.param_bytes not in (2, 4):
             raise ValueError(f"param_bytes: expected 2 (mixed precision) or 4 (fp32), got {self.param_bytes!r}")

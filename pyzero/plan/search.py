@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .cost import GB, OFFLOAD, RECOMPUTE, Cluster, Estimate, Layout, estimate
 from .spec import ModelSpec
+from ..checks import is_int
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,7 +53,7 @@ class Plan:
         return self.best.layout
 
     def table(self, top: int = 8) -> str:
-        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        if not is_int(top) or top < 0:
             raise ValueError(f"top: expected an int >= 0 (rows of layouts to show), got {top!r}")
         s, c = self.spec, self.cluster
         lines = [f"# {s.name}: {s.params / 1e9:.3g}B parameters, L={s.layers} h={s.hidden} a={s.heads} V={s.vocab} "

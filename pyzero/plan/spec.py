@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from ..checks import is_int
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ModelSpec:
     def __post_init__(self):
         for arg in ("layers", "hidden", "heads", "vocab", "seq", "batch", "ffn"):
             v = getattr(self, arg)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{arg}: expected a positive int, got {v!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; expected a multiple")
@@ -120,7 +121,7 @@ def _config_int(config, names):
     v = _get(config, (key,))
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise ValueError(f"model: the config's {key}: expected an int, got {v!r}")
     return v
 

@@ -38,6 +38,7 @@ from torch import nn
 from .. import optim as pz_optim
 from ..zero.partition import FlatLayout, trainable
 from . import wire
+from ..checks import is_int, is_positive_finite
 
 MODES = ("sync", "bounded", "async")
 log = logging.getLogger("pyzero.ps")
@@ -61,18 +62,13 @@ def describe(params, names) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def check_idle_timeout(idle_timeout) -> None:
-    if idle_timeout is not None and (isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float))
-                                     or not 0 < idle_timeout < math.inf):
+    if idle_timeout is not None and not is_positive_finite(idle_timeout):
         raise ValueError(f"idle_timeout: expected None or a positive number of seconds, got {idle_timeout!r}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_num_servers(num_servers) -> None:
     """The job's server count, as Server, Worker and the module's functions take it."""
-    if not _is_int(num_servers) or num_servers < 1:
+    if not is_int(num_servers) or num_servers < 1:
         raise ValueError(f"num_servers: expected an int >= 1, got {num_servers!r}")
 
 
@@ -94,20 +90,19 @@ class Server:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         check_num_servers(num_servers)
-        if not _is_int(index) or not 0 <= index < num_servers:
+        if not is_int(index) or not 0 <= index < num_servers:
             raise ValueError(f"index: expected 0 <= index < num_servers={num_servers}, got {index!r}")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if mode == "bounded" and (not _is_int(staleness) or staleness < 0):
+        if mode == "bounded" and (not is_int(staleness) or staleness < 0):
             raise ValueError(f"staleness: expected an int >= 0 for mode='bounded', got {staleness!r}")
-        if max_versions is not None and (not _is_int(max_versions) or max_versions < 1):
+        if max_versions is not None and (not is_int(max_versions) or max_versions < 1):
             raise ValueError(f"max_versions: expected None or an int >= 1, got {max_versions!r}")
-        if not _is_int(wait_for_workers) or wait_for_workers < 1:
+        if not is_int(wait_for_workers) or wait_for_workers < 1:
             raise ValueError(f"wait_for_workers: expected an int >= 1, got {wait_for_workers!r}")
-        if not _is_int(checkpoint_every) or checkpoint_every < 1:
+        if not is_int(checkpoint_every) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every: expected an int >= 1, got {checkpoint_every!r}")
-        if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, (int, float)) \
-                or not 0 < worker_timeout < math.inf:
+        if not is_positive_finite(worker_timeout):
             raise ValueError(f"worker_timeout: expected a positive number of seconds, got {worker_timeout!r}")
         # The job's key: given, else PYZERO_PS_KEY, else a fresh random one (serve() hands a job's
         # servers the one key server 0 put in the job's store; a Server made by hand passes

@@ -21,6 +21,7 @@ from torch import nn
 from ..zero.partition import FlatLayout, trainable
 from . import wire
 from .server import MODES, check_num_servers, describe
+from ..checks import is_positive_finite
 
 
 class ServerLost(RuntimeError):
@@ -43,7 +44,7 @@ class Worker:
         if bad:
             raise ValueError(f"model: parameter-server workers train fp32 CPU parameters, got {bad[:3]} "
                              f"({params[names.index(bad[0])].dtype})")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        if not is_positive_finite(timeout):
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         if servers is not None and (isinstance(servers, (str, bytes)) or not isinstance(servers, (list, tuple))
                                     or not servers or not all(_is_address(a) for a in servers)):

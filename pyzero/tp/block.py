@@ -16,6 +16,7 @@ from torch import nn
 
 from . import communications as C
 from .layers import ColumnParallelLinear, RowParallelLinear
+from ..checks import is_int
 
 
 def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -23,7 +24,7 @@ def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
 
     The per-head layout is what lets a column-parallel split of the qkv weight
     rows hand each rank whole heads."""
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+    if not is_int(heads) or heads < 1:
         raise ValueError(f"heads: expected a positive int, got {heads!r}")
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] % (3 * heads) \
             or qkv.shape[-1] == 0:
@@ -41,7 +42,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4):
         super().__init__()
         for arg, v in (("hidden", hidden), ("heads", heads), ("mlp_ratio", mlp_ratio)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not is_int(v):
                 raise TypeError(f"{arg}: expected an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"{arg}: expected a positive int, got {v}")

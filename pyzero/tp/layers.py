@@ -23,10 +23,11 @@ from torch import nn
 
 from . import communications as C
 from . import overlap as O
+from ..checks import is_int
 
 
 def _positive_int(value, arg: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{arg}: expected a positive int, got {value}")

@@ -63,12 +63,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from ..checks import is_int, is_real
 
 GB = 1e9
 
 
 def _check_number(arg, value, what, ok):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         raise TypeError(f"{arg}: expected {what}, got {value!r}")
     if not math.isfinite(value) or not ok(value):
         raise ValueError(f"{arg}: expected {what}, got {value!r}")
@@ -108,18 +109,18 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     elif activation_bytes is None:
         activation_bytes = 0
     _check_number("num_params", num_params, "a positive, finite count", lambda v: v > 0)
-    if not isinstance(world_size, int) or isinstance(world_size, bool):
+    if not is_int(world_size):
         raise TypeError(f"world_size: expected an int >= 1, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if not is_int(stage) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage: expected 0 (no sharding), 1, 2 or 3, got {stage!r}")
     _check_number("optimizer_state_bytes_per_param", optimizer_state_bytes_per_param, "a finite number >= 0",
                   lambda v: v >= 0)
     _check_number("activation_bytes", activation_bytes, "a finite number >= 0", lambda v: v >= 0)
     if not isinstance(mixed_precision, bool):
         raise TypeError(f"mixed_precision: expected True or False, got {mixed_precision!r}")
-    if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) or hpz_partition_size < 1:
+    if not is_int(hpz_partition_size) or hpz_partition_size < 1:
         raise ValueError(f"hpz_partition_size: expected a positive int (1: no hpZ), got {hpz_partition_size!r}")
     if hpz_partition_size > 1 and stage != 3:
         raise ValueError(f"hpz_partition_size: hpZ is for stage 3, got stage={stage}")
@@ -203,7 +204,7 @@ def _placement(m, psi, n, stage, k, width, mixed, offload, offload_params, sub_g
 
 def _check_layout(micro_batch, seq, tp, sp, recompute) -> None:
     for arg, v in (("micro_batch", micro_batch), ("tp", tp)) + ((("seq", seq),) if seq is not None else ()):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{arg}: expected a positive int, got {v!r}")
     if sp and tp == 1:
         raise ValueError("sequence_parallel: needs tp > 1 (it splits the sequence over the tensor-parallel ranks)")

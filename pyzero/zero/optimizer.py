@@ -12,7 +12,6 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from collections import OrderedDict
@@ -28,6 +27,7 @@ from ..parallel import DataParallel, sparse_grad_modules
 from . import offload as _offload
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
+from ..checks import is_positive_finite, is_real
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 _STAGES: dict[int, type] = {}  # stage number -> class, filled by register_stage
@@ -103,7 +103,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
         if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
-        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not 0 < bucket_mb < math.inf:
+        if not is_positive_finite(bucket_mb):
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap: expected True or False, got {overlap!r}")
@@ -599,7 +599,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp32 coefficient), so a group of one rank clips bit for bit like torch. Across ranks the
         per-rank norms are combined in fp64.
         """
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
+        if not is_real(max_norm) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a non-negative number, got {max_norm!r}")
         try:
             norm_type = float(norm_type)

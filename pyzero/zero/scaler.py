@@ -10,14 +10,14 @@ torch.amp.GradScaler's (init 2**16, growth 2, backoff 0.5, interval 2000). A num
 """
 from __future__ import annotations
 
-import math
+from ..checks import is_positive_finite
 
 
 class LossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, dynamic: bool = True, min_scale: float = 1.0):
         for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor), ("min_scale", min_scale)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+            if not is_positive_finite(v):
                 raise ValueError(f"loss_scale: {name} must be a positive finite number, got {v!r}")
         if not 0 < backoff_factor < 1:
             raise ValueError(f"loss_scale: backoff_factor must be in (0, 1), got {backoff_factor!r}")

@@ -45,6 +45,7 @@ from ..bucketing import OrderedLaunch
 from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
 from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_values
+from ..checks import is_int
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -167,7 +168,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def __init__(self, model, optimizer_class, stage=3, *args, zero_hpz_partition_size=1,
                  zero_quantized_weights=False, zero_quantized_gradients=False, prefetch=1, **kwargs):
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        if not is_int(prefetch) or prefetch < 0:
             raise ValueError(f"prefetch: expected an int >= 0 (units gathered ahead of the one computing; "
                              f"0: none), got {prefetch!r}")
         self.prefetch = prefetch

@@ -24,6 +24,7 @@ import torch
 
 from .. import comm
 from .quantize import all_to_all, dequantize, packed_words, quantize
+from ..checks import is_int
 
 
 def hosts_of(group) -> list[list[int]]:
@@ -36,7 +37,7 @@ def hosts_of(group) -> list[list[int]]:
 def check_values(hpz, qw, qg) -> tuple[int, bool, int]:
     """The options' types and values, before anything is set up: (hpz partition size, quantised
     weights, gradient bits or 0); errors name the option."""
-    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+    if not is_int(hpz) or hpz < 1:
         raise ValueError(f"zero_hpz_partition_size: expected a positive int (ranks per host; 1 = off), got {hpz!r}")
     if not isinstance(qw, bool):
         raise ValueError(f"zero_quantized_weights: expected True or False, got {qw!r}")

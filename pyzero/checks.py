@@ -1,0 +1,22 @@
+"""Argument predicates shared by pyzero's checks; each caller words its own error, naming the argument.
+
+bool is an int subclass in Python, and a flag passed where a count or a number of seconds belongs is a
+mistake: these refuse it, as they refuse NaN and the infinities where a finite value is needed."""
+from __future__ import annotations
+
+import math
+
+
+def is_int(v) -> bool:
+    """A Python int, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A Python int or float, not a bool (NaN and the infinities included)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_positive_finite(v) -> bool:
+    """A real number in (0, inf): a timeout in seconds, a size in MiB."""
+    return is_real(v) and 0 < v < math.inf

@@ -136,11 +136,14 @@ PYBIND11_MODULE(_C, m) {
 
   static py::exception<CollectiveError> coll_err(m, "CollectiveError", PyExc_RuntimeError);
   static py::exception<CollectiveTimeout> coll_timeout(m, "CollectiveTimeout", coll_err.ptr());
+  static py::exception<MessageMismatch> msg_mismatch(m, "MessageMismatch", coll_err.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const CollectiveTimeout& e) {
       py::set_error(coll_timeout, e.what());
+    } catch (const MessageMismatch& e) {
+      py::set_error(msg_mismatch, e.what());
     } catch (const CollectiveError& e) {
       py::set_error(coll_err, e.what());
     }

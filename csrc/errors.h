@@ -14,6 +14,12 @@ struct CollectiveError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A recv whose matching send has another element count or dtype: the message was
+// discarded and the pair (and group) stay usable.
+struct MessageMismatch : CollectiveError {
+  using CollectiveError::CollectiveError;
+};
+
 // A collective that could not finish within the timeout, or a peer that died.
 struct CollectiveTimeout : CollectiveError {
   using CollectiveError::CollectiveError;

@@ -231,7 +231,7 @@ struct IpcTransport::Impl {
            << (send ? rank : s.peer) << " to rank " << (send ? s.peer : rank)
            << "); both ranks skipped it (sizes and dtypes of a send and its receive must agree)";
         std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
-        throw CollectiveError(os.str());
+        throw MessageMismatch(os.str());
       }
       os << op << " rank " << s.peer << " (" << s.bytes << " bytes, message " << s.epoch << " on the channel) ";
       if (s.code == kIpcAborted) os << "was aborted";

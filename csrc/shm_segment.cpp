@@ -165,9 +165,18 @@ void ShmSegments::fail_timeout(int peer, const char* what) {
   os << where(what) << ": ";
   if (!dead.empty()) os << "waiting for rank " << peer << ", which has exited";
   else os << "timed out after " << cfg_.timeout_s << " s waiting for rank " << peer;
-  os << "; ranks that never arrived: [";
-  for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
-  os << "]";
+  if (p2p && dead.empty()) {
+    // A send or recv waits for its one peer's matching call, not for an arrival at a collective.
+    if (std::strcmp(what, "send") == 0)
+      os << " to receive (a send waits until its recv takes the data; two ranks that each send to the other "
+            "first wait for each other: start one side with isend, or order the calls)";
+    else
+      os << " to send";
+  } else {
+    os << "; ranks that never arrived: [";
+    for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+    os << "]";
+  }
   if (!dead.empty()) {
     os << " (exited: [";
     for (size_t i = 0; i < dead.size(); ++i) os << (i ? ", " : "") << dead[i];

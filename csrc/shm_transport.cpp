@@ -703,7 +703,7 @@ void ShmTransport::recv(void* buf, int64_t cnt, DType dt, int src) {
     os << "recv (rank " << rank_ << " of " << n_ << "): mismatched send/recv: rank " << src << " sent "
        << h.count << " elements of " << dtype_name(DType(h.dtype)) << ", this rank expected " << cnt
        << " elements of " << dtype_name(dt) << " (the message was discarded)";
-    throw CollectiveError(os.str());
+    throw MessageMismatch(os.str());
   }
   counters_.add(Coll::recv, uint64_t(cnt), 0);
 }

@@ -7,6 +7,7 @@ from .comm import (
     CollectiveError,
     CollectiveTimeout,
     Group,
+    MessageMismatch,
     Options,
     P2POp,
     Work,

@@ -28,6 +28,7 @@ from .envvars import env_bool, env_int
 
 CollectiveError = _C.CollectiveError
 CollectiveTimeout = _C.CollectiveTimeout
+MessageMismatch = _C.MessageMismatch  # a CollectiveError: a send and its recv disagree in size or dtype
 
 # Codes shared with csrc (reduce_math.h / collective.h), exported by _C.
 DTYPE_CODES: dict[str, int] = dict(_C.DTYPES)

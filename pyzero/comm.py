@@ -31,6 +31,7 @@ from .backend import (
     Backend,
     CollectiveError,
     CollectiveTimeout,
+    MessageMismatch,
     GroupSetup,
     Options,
     Work,
@@ -42,7 +43,7 @@ from .backend import (
 )
 from .checks import is_int, is_positive_finite
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "Group", "Options", "Work"]
+__all__ = ["CollectiveError", "CollectiveTimeout", "MessageMismatch", "Group", "Options", "Work"]
 
 Work.explain = staticmethod(flight.work_failed)  # async errors explained like synchronous ones
 

@@ -497,6 +497,8 @@ def work_failed(raw, error: BaseException) -> BaseException:
 
 def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str = "") -> str:
     """One message: who is behind and where each rank is, silent ranks, the first mismatched call."""
+    if failed["call"] in P2P:
+        return _summarize_p2p(r, failed, by_rank, note)
     seq = failed["seq"]
     lines = [f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global "
              f"{_proc.rank}) failed in seq {seq} {describe(failed)}"]
@@ -534,6 +536,32 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
             lines.append(f"mismatched calls at seq {s}: " + ", ".join(
                 f"rank {g} called {describe(d)}" for g, d in sorted(calls.items())))
             break
+    if silent:
+        lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
+    return "\n  ".join(lines)
+
+
+def _summarize_p2p(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str) -> str:
+    """summarize for a send/recv (no sequence number; a peer, not the group, it waits for): what the peer
+    (a batch: every other rank) is doing."""
+    lines = [f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global "
+             f"{_proc.rank}) failed in {describe(failed)}"]
+    peers = [failed["peer"]] if "peer" in failed else [g for g in r.ranks if g != _proc.rank]
+    silent = []
+    for g in peers:
+        ans = by_rank.get(g)
+        if ans is None:
+            silent.append(g)
+            continue
+        recs = ans["records"]
+        open_ = [d for d in recs if d["state"] in ("started", "queued")]
+        for d in open_[:4]:
+            lines.append(f"rank {g} is in {describe(d)} [{d['state']}, {time.time() - d['start']:.1f} s]")
+        if not open_:
+            lines.append(f"rank {g}: last call {describe(recs[-1])} [{recs[-1]['state']}]" if recs else
+                         f"rank {g} has made no call on this group")
+        for og, d in ans.get("other_groups", {}).items():
+            lines.append(f"rank {g} is also in group {og} seq {d['seq']} {describe(d)} [{d['state']}]")
     if silent:
         lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
     return "\n  ".join(lines)

@@ -331,7 +331,7 @@ def test_mismatched_collectives(world):
         expected[case] = ("CollectiveError", ["mismatched", "seq", "rank"] + words)
         expected[case + "/after/ring"] = ("ok", [])
         expected[case + "/after/oneshot"] = ("ok", [])
-    expected["p2p"] = ("CollectiveError", ["mismatched send/recv", "rank 0", "5", "6"])
+    expected["p2p"] = ("MessageMismatch", ["mismatched send/recv", "rank 0", "5", "6"])  # (a CollectiveError)
     expected["p2p/after"] = ("ok", [])
     _check_outcomes(results, expected)
     for r in results:
@@ -559,6 +559,40 @@ def test_rank_that_never_joins_is_named():
     assert 1.4 < took < 6, took
     kind, msg, took = res[1].value  # by then rank 0 and its store are gone
     assert kind == "CollectiveTimeout" and "rank 1" in msg and "join_timeout=1.5 s" in msg, msg
+
+
+def _rank_p2p_waits():
+    pz.init(timeout=1)
+    me, other, o = pz.get_rank(), 1 - pz.get_rank(), {}
+    small = pz.Options(slice_bytes=4096, depth=2)  # a send holds 8 KiB in the channel, then waits for its recv
+    both_send, lone_recv = pz.new_group([0, 1], options=small), pz.new_group([0, 1], options=small)
+    # each rank sends 64 KiB to the other first, then would receive: the sends wait for each other
+    o["both_send"] = outcome(lambda: pz.send(torch.ones(16384), dst=other, group=both_send))
+    if me == 0:  # a receive whose send never comes (rank 1 is in no call)
+        o["lone_recv"] = outcome(lambda: pz.recv(torch.zeros(4), src=1, group=lone_recv))
+    else:
+        time.sleep(1.5)
+    return o
+
+
+def test_send_and_recv_timeouts_say_what_they_waited_for():
+    """A send or recv that times out names its peer and what it waited for, not a peer that "never arrived" (an
+    arrival at a collective); two ranks that each send to the other first are told how to order the calls."""
+    res = [r.value for r in run_ranks(_rank_p2p_waits, 2, timeout=60)]
+    for me, v in enumerate(res):
+        etype, msg = v["both_send"]
+        assert etype == "CollectiveTimeout", v
+        # (the rank that times out second may instead report the first one's giving up, which says the same)
+        for words in ("send (rank", "to receive", "isend", "order the calls"):
+            assert words in msg, (words, msg)
+        # the flight recorder shows what the peer is doing: its own send to this rank (no "seq", no "behind")
+        assert f"failed in send(count=16384, peer={1 - me}, dtype=float32)" in msg, msg
+        assert re.search(rf"rank {1 - me}(: last call| is in) send\(count=16384, peer={me}, dtype=float32\)", msg), msg
+        assert "never arrived" not in msg and "behind" not in msg, msg
+    etype, msg = res[0]["lone_recv"]
+    assert etype == "CollectiveTimeout" and "recv (rank 0" in msg and "waiting for rank 1 to send" in msg, msg
+    assert "rank 1 has made no call on this group" in msg, msg
+    assert "never arrived" not in msg and "behind" not in msg, msg
 
 
 def test_missing_rank_times_out():

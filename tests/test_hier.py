@@ -414,7 +414,7 @@ def test_send_recv_across_hosts_that_disagree_raise_on_the_receiver():
     for case, (sent, expected) in P2P_MISMATCH.items():
         assert sender[case] == ("ok", None), (case, sender[case])
         etype, msg = receiver[case]
-        assert etype == "CollectiveError", (case, receiver[case])
+        assert etype == "MessageMismatch", (case, receiver[case])
         for words in ("mismatched send/recv", "rank 0", f"sent {sent.numel()} elements of "
                       f"{str(sent.dtype)[6:]}", f"expected {expected.numel()} elements of {str(expected.dtype)[6:]}"):
             assert words in msg, (case, words, msg)
@@ -449,7 +449,7 @@ def test_send_recv_inside_a_host_that_disagree_leave_the_group_usable():
     every rank's next collective failed, naming live ranks as dead."""
     res = run_ranks(simulated, 4, args=(_rank_p2p_inside_host,), timeout=60)
     etype, msg = res[1].value["mismatch"]
-    assert etype == "CollectiveError" and "mismatched send/recv" in msg and "did not respond" not in msg, msg
+    assert etype == "MessageMismatch" and "mismatched send/recv" in msg and "did not respond" not in msg, msg
     assert res[1].value["next"] == ("ok", None) and res[1].value["next/got"] == [100.0, 101.0, 102.0]
     for r in res:
         assert r.value["all_reduce"] == ("ok", None), (r.rank, r.value["all_reduce"])

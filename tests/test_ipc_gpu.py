@@ -565,7 +565,7 @@ def _rank_p2p_faults():
     try:
         pz.barrier()
     except pz.CollectiveError as e:
-        out["mismatch"] = str(e)
+        out["mismatch"], out["mismatch_type"] = str(e), type(e).__name__
     t = torch.full((64,), float(me + 1), device="cuda")
     if me == 0:
         pz.send(t, dst=1)
@@ -588,6 +588,7 @@ def test_point_to_point_mismatch_and_missing_receive_are_errors_not_hangs():
     v0, v1 = res[0].value, res[1].value
     assert "a send to rank 1 of 400 bytes (float32) does not match rank 1's receive of 480 bytes" in v0["mismatch"]
     assert "a receive from rank 0 of 480 bytes (float32) does not match rank 0's send of 400 bytes" in v1["mismatch"]
+    assert v0["mismatch_type"] == v1["mismatch_type"] == "MessageMismatch"  # (a CollectiveError)
     assert torch.equal(v0["after"], torch.ones(64)) and torch.equal(v1["after"], torch.ones(64))
     assert "a send to rank 1" in v0["timeout"] and "waiting for rank 1 to post the matching receive" in v0["timeout"]
     assert v0["usable"] == 16.0

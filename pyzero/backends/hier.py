@@ -70,6 +70,7 @@ from ..backend import (
     CollectiveError,
     CollectiveTimeout,
     GroupSetup,
+    MessageMismatch,
     RawGroup,
     check_contiguous,
     tensor_code,
@@ -152,10 +153,10 @@ class _P2P:
         try:
             self.raw.wait()
         except _Mismatch as e:  # a send and its recv that disagree: the message was discarded, the pair goes on
-            raise CollectiveError(str(e)) from None
+            raise MessageMismatch(str(e)) from None
+        except MessageMismatch as e:  # the same inside the host (shm)
+            raise MessageMismatch(f"{self.backend._where(self.kind)}: {e}") from None
         except (CollectiveError, RuntimeError) as e:
-            if type(e) is CollectiveError and "mismatched send/recv" in str(e):  # the same inside the host (shm)
-                raise CollectiveError(f"{self.backend._where(self.kind)}: {e}") from None
             self.backend.broken = f"{self.kind}: {e}"
             raise self.backend._failed(self.kind, e) from e
 

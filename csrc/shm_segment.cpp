@@ -141,19 +141,26 @@ bool ShmSegments::peer_alive(int r) const {
   return !(got && close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
 }
 
-std::string ShmSegments::where(const char* what) const {
+namespace {
+bool point_to_point(const char* what) { return std::strcmp(what, "send") == 0 || std::strcmp(what, "recv") == 0; }
+}  // namespace
+
+std::string ShmSegments::where(const char* what, bool entering) const {
   std::ostringstream os;
-  os << what << " (rank " << rank_ << " of " << n_ << ", seq " << seq_ << ")";
+  os << what << " (rank " << rank_ << " of " << n_;
+  if (!point_to_point(what)) os << ", seq " << (entering ? seq_ + 1 : seq_);  // (a send/recv has none)
+  os << ")";
   return os.str();
 }
 
-void ShmSegments::check_usable(const char* what) {
-  if (broken_.load()) throw CollectiveError(where(what) + ": group unusable after an earlier failure: " + broken_why_);
+void ShmSegments::check_usable(const char* what, bool entering) {
+  if (broken_.load())
+    throw CollectiveError(where(what, entering) + ": group unusable after an earlier failure: " + broken_why_);
 }
 
 void ShmSegments::fail_timeout(int peer, const char* what) {
   std::vector<int> missing, dead;
-  bool p2p = std::strcmp(what, "send") == 0 || std::strcmp(what, "recv") == 0;
+  bool p2p = point_to_point(what);
   for (int r = 0; r < n_; ++r) {
     if (r == rank_ || (p2p && r != peer)) continue;
     bool alive = peer_alive(r);
@@ -165,19 +172,19 @@ void ShmSegments::fail_timeout(int peer, const char* what) {
   os << where(what) << ": ";
   if (!dead.empty()) os << "waiting for rank " << peer << ", which has exited";
   else os << "timed out after " << cfg_.timeout_s << " s waiting for rank " << peer;
-  if (p2p && dead.empty()) {
-    // A send or recv waits for its one peer's matching call, not for an arrival at a collective.
-    if (std::strcmp(what, "send") == 0)
-      os << " to receive (a send waits until its recv takes the data; two ranks that each send to the other "
-            "first wait for each other: start one side with isend, or order the calls)";
-    else
-      os << " to send";
-  } else {
+  // A send or recv waits for its one peer's matching call, not for an arrival at a collective.
+  if (p2p && dead.empty() && std::strcmp(what, "send") == 0) {
+    os << " to receive (a send waits until its recv takes the data; two ranks that each send to the other "
+          "first wait for each other: post the pair in one batch_isend_irecv, send with async_op=True, or "
+          "order the calls)";
+  } else if (p2p && dead.empty()) {
+    os << " to send";
+  } else if (!p2p) {
     os << "; ranks that never arrived: [";
     for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
     os << "]";
   }
-  if (!dead.empty()) {
+  if (!dead.empty()) {  // (the flight recorder reads this list: it does not wait for these ranks' records)
     os << " (exited: [";
     for (size_t i = 0; i < dead.size(); ++i) os << (i ? ", " : "") << dead[i];
     os << "])";
@@ -229,7 +236,7 @@ std::string ShmSegments::describe(const CallDesc& d) const {
 }
 
 uint64_t ShmSegments::begin(const char* what) {
-  check_usable(what);
+  check_usable(what, /*entering=*/true);
   return ++seq_;
 }
 

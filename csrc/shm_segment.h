@@ -237,7 +237,7 @@ class ShmSegments {
   // Rank 0's CallDesc::pad of call `seq`; read right after arriving at `seq`.
   int32_t leader_word(uint64_t seq) const { return ctrl(0)->desc[seq % 2].pad; }
   // Throws if an earlier failure left the group unusable.
-  void check_usable(const char* what);
+  void check_usable(const char* what, bool entering = false);
   // Rank r's one-shot (and two-shot) area for collective `seq`: max(oneshot_bytes, twoshot_bytes).
   char* area(int r, uint64_t seq) const { return maps_[r] + ctrl_bytes_ + (seq % 2) * area_bytes_; }
 
@@ -281,7 +281,9 @@ class ShmSegments {
   }
 
  private:
-  std::string where(const char* what) const;  // "what (rank r of n, seq s)", for errors
+  // "what (rank r of n, seq s)", for errors: s is the call's (entering: the one about to begin); a send or
+  // recv has no sequence number.
+  std::string where(const char* what, bool entering = false) const;
   RankCtrl* ctrl(int r) const { return reinterpret_cast<RankCtrl*>(maps_[r]); }
   ChanCtrl* chan_ctrl(int owner, int idx) const {
     return reinterpret_cast<ChanCtrl*>(maps_[owner] + sizeof(RankCtrl)) + idx;

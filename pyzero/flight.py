@@ -257,7 +257,9 @@ def _same_call(a: dict, b: dict) -> bool:
 
 
 class _Process:
-    def __init__(self):
+    def __init__(self, read_env: bool = True):
+        """`read_env`: read (and check) PYZERO_FLIGHT, PYZERO_TRACE and PYZERO_FLIGHT_WAIT; pz.init does, through
+        start(); at import the defaults stand (a bad value is pz.init's error, not import pyzero's)."""
         self.rings: dict[int, Ring] = {}
         self.store = None  # this process's own store connection for answering and asking
         self.prefix = ""
@@ -267,6 +269,9 @@ class _Process:
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
+        self.size, self.trace, self.wait_s = 256, None, 1.0
+        if not read_env:
+            return
         self.size = env_int("PYZERO_FLIGHT", 256)
         if self.size > MAX_RECORDS:  # (each group allocates its ring at once: a huge value is out of memory)
             raise ValueError(f"PYZERO_FLIGHT={self.size}: expected at most {MAX_RECORDS} records per group "
@@ -275,7 +280,7 @@ class _Process:
         self.wait_s = env_seconds("PYZERO_FLIGHT_WAIT", 1.0)
 
 
-_proc = _Process()
+_proc = _Process(read_env=False)
 
 
 def ring(gid: int, ranks: tuple[int, ...], rank: int) -> Ring:

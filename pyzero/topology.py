@@ -108,7 +108,8 @@ def group_hosts(reports: list[tuple[str, int | None]], rank: int) -> Topology:
         claims = {reports[r][1] for r in ranks} - {None}
         if claims and claims != {len(ranks)}:
             detail = ", ".join(f"rank {r}: LOCAL_WORLD_SIZE={reports[r][1]}" for r in ranks)
-            problems.append(f"host {name!r} has ranks {ranks} ({len(ranks)} ranks) but its ranks claim {detail}")
+            found = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
+            problems.append(f"host {name!r} has ranks {ranks} ({found}) but its ranks claim {detail}")
     if problems:
         raise ValueError("pz.init(): inconsistent topology: " + "; ".join(problems)
                          + " (set PYZERO_HOST to the same name on every rank of a host, or fix LOCAL_WORLD_SIZE)")

@@ -23,13 +23,15 @@ except ImportError:  # a torch build without torch.distributed has no DDP to run
     _DDP = None
 
 
-def refuse_ddp(what: str) -> None:
-    """Raise if the caller's forward runs inside torch DDP's forward (which marks itself active)."""
+def refuse_ddp(what: str, sharded: bool = False) -> None:
+    """Raise if the caller's forward runs inside torch DDP's forward (which marks itself active); `sharded`:
+    the caller keeps the gradients in shards (ZeRO), which clipping model.parameters() misses."""
     if _DDP is not None and _DDP._get_active_ddp_module() is not None:
+        clip = (", and clipping model.parameters() there misses the gradients ZeRO keeps in its shards"
+                if sharded else "")
         raise RuntimeError(f"{what}: this model runs inside torch DistributedDataParallel, which reduces every "
-                           f"gradient a second time (pyzero already reduces them), and clipping model.parameters() "
-                           f"there misses the gradients ZeRO keeps in its shards; {USE_INSTEAD}; elsewhere, do "
-                           "not wrap the model in DistributedDataParallel")
+                           f"gradient a second time (pyzero already reduces them){clip}; {USE_INSTEAD}; elsewhere, "
+                           "do not wrap the model in DistributedDataParallel")
 
 
 def refuse_accelerate(module, what: str) -> None:

@@ -520,13 +520,18 @@ def test_dead_rank_detected_fast(how, world):
         etype, msg = v["first"]
         assert etype == "CollectiveTimeout", (r.rank, v)
         assert f"rank {victim}" in msg and "exited" in msg, msg
-        # listed among the ranks that never arrived (survivors that already failed and
-        # exited may be listed too)
-        m = re.search(r"never arrived: \[([0-9, ]*)\]", msg)
-        assert m and victim in [int(x) for x in m.group(1).split(",")], msg
+        if how == "sigkill_recv":  # a recv waits for its sender, not for arrivals at a collective (no seq)
+            assert msg.startswith(f"recv (rank {r.rank} of {world}): waiting for rank {victim}, which has exited"), msg
+            assert "never arrived" not in msg, msg
+        else:  # listed among the ranks that never arrived (survivors that already failed and exited may be too)
+            m = re.search(r"never arrived: \[([0-9, ]*)\]", msg)
+            assert m and victim in [int(x) for x in m.group(1).split(",")], msg
         # a 60 s timeout, yet the dead rank is noticed within seconds
         assert v["seconds"] < 5, (r.rank, v)
         assert v["again"][0] == "CollectiveError" and "unusable" in v["again"][1], (r.rank, v)
+        if how in ("exit", "sigkill", "sigkill_recv"):  # the refused call's own number: after 1 or 2 all_reduces
+            seq = 2 if how == "sigkill_recv" else 3
+            assert v["again"][1].startswith(f"all_reduce (rank {r.rank} of {world}, seq {seq}): group unusable"), v
     assert elapsed < 30
     assert isinstance(pz.CollectiveTimeout("x"), pz.CollectiveError)
     left = _segments() - before
@@ -583,14 +588,16 @@ def test_send_and_recv_timeouts_say_what_they_waited_for():
         etype, msg = v["both_send"]
         assert etype == "CollectiveTimeout", v
         # (the rank that times out second may instead report the first one's giving up, which says the same)
-        for words in ("send (rank", "to receive", "isend", "order the calls"):
+        for words in ("send (rank", "to receive", "batch_isend_irecv", "async_op=True", "order the calls"):
             assert words in msg, (words, msg)
         # the flight recorder shows what the peer is doing: its own send to this rank (no "seq", no "behind")
         assert f"failed in send(count=16384, peer={1 - me}, dtype=float32)" in msg, msg
         assert re.search(rf"rank {1 - me}(: last call| is in) send\(count=16384, peer={me}, dtype=float32\)", msg), msg
         assert "never arrived" not in msg and "behind" not in msg, msg
+        assert msg.startswith(f"send (rank {me} of 2): "), msg  # (a send or recv has no sequence number)
     etype, msg = res[0]["lone_recv"]
-    assert etype == "CollectiveTimeout" and "recv (rank 0" in msg and "waiting for rank 1 to send" in msg, msg
+    assert etype == "CollectiveTimeout" and msg.startswith("recv (rank 0 of 2): timed out after 1 s waiting for rank 1 "
+                                                           "to send"), msg
     assert "rank 1 has made no call on this group" in msg, msg
     assert "never arrived" not in msg and "behind" not in msg, msg
 

@@ -64,6 +64,8 @@ def test_group_hosts_orders_hosts_by_lowest_rank():
 def test_group_hosts_rejects_disagreeing_host():
     with pytest.raises(ValueError, match=r"host 'a' has ranks \[0, 1\] \(2 ranks\).*LOCAL_WORLD_SIZE=3"):
         group_hosts([("a", 2), ("a", 3)], rank=0)
+    with pytest.raises(ValueError, match=r"host 'b' has ranks \[1\] \(1 rank\) but its ranks claim rank 1: LOCAL_WORLD"):
+        group_hosts([("a", 1), ("b", 2)], rank=0)
 
 
 def test_host_name_override_and_torchrun_node_rank(monkeypatch):

@@ -354,6 +354,7 @@ def test_misuse_raises_and_names_the_integration(tmp_path):
     for case in ("trainer_zero", "trainer_dp"):
         kind, msg = found[case]
         assert kind == "RuntimeError" and "DistributedDataParallel" in msg and "PyzeroTrainer" in msg, (case, msg)
+        assert ("gradients ZeRO keeps in its shards" in msg) == (case == "trainer_zero"), (case, msg)
     kind, msg = found["accelerate_zero"]
     assert kind == "RuntimeError" and "PyzeroAccelerator" in msg, msg
     assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]

@@ -115,3 +115,21 @@ def test_environment_settings_share_one_parser(monkeypatch):
     monkeypatch.setenv("PYZERO_FLIGHT", str(flight.MAX_RECORDS + 1))  # a ring that size would not fit in memory
     with pytest.raises(ValueError, match=f"PYZERO_FLIGHT={flight.MAX_RECORDS + 1}: expected at most 1048576"):
         flight.start(0, 1, "t")
+
+
+def test_a_bad_recorder_setting_fails_pz_init_not_the_import():
+    """PYZERO_FLIGHT is pz.init's setting: a script that only imports pyzero (a tool, a single-process run)
+    still imports; pz.init names the value."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = ("import pyzero as pz\nprint('imported')\ntry:\n    pz.init()\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "PYZERO_FLIGHT": "lots"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0] == "imported", out.stdout
+    assert "PYZERO_FLIGHT='lots': expected a non-negative integer" in out.stdout, out.stdout

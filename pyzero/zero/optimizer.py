@@ -454,7 +454,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _before_forward(self, module, args):
         """Forward pre-hook on the model: refuse a second data-parallel layer (see pyzero.wrappers) and
         parameters that no longer live where this optimizer keeps them."""
-        wrappers.refuse_ddp("pz.ZeroOptimizer")
+        wrappers.refuse_ddp("pz.ZeroOptimizer", sharded=True)
         wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
         if not torch.compiler.is_compiling():  # no data pointers in a graph: step() checks a compiled model
             self._check_home()

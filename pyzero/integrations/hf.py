@@ -374,11 +374,18 @@ class PyzeroTrainer(transformers.Trainer):
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        given = self.optimizer_cls_and_kwargs is not None
+        what = "optimizer_cls_and_kwargs" if given else f"optim: {getattr(self.args.optim, 'value', self.args.optim)!r}"
+        cls, kwargs = self.optimizer_cls_and_kwargs if given else self.get_optimizer_cls_and_kwargs(self.args,
+                                                                                                     opt_model)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or \
                 {"params", "model", "optimizer_dict"} & set(kwargs):
-            raise ValueError(f"optim: {self.args.optim!r} does not build a plain torch.optim.Optimizer, which "
-                             "ZeroOptimizer needs (e.g. optim='adamw_torch')")
+            raise ValueError(f"{what} does not build a plain torch.optim.Optimizer, which ZeroOptimizer needs "
+                             "(e.g. optim='adamw_torch')")
+        why = _dist.whole_tensor_optimizer(cls)
+        if why is not None:
+            raise ValueError(f"{what}: {why}; use an elementwise optimizer (optim='adamw_torch', 'sgd', "
+                             "'adagrad', 'rmsprop', ...) or strategy='dp'")
         self.optimizer = ZeroOptimizer(opt_model, cls, stage=self._pz_stage,
                                        param_groups=[g for g in groups if g["params"]],
                                        **self._pz_options, **kwargs)

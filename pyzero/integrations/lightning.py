@@ -282,6 +282,10 @@ class PyzeroStrategy(DDPStrategy):
         if not isinstance(opt, torch.optim.Optimizer) or opt.state:
             raise ValueError(f"configure_optimizers: ZeRO builds its optimizer from a fresh torch.optim.Optimizer, "
                              f"got {type(opt).__name__}")
+        why = _dist.whole_tensor_optimizer(type(opt))
+        if why is not None:
+            raise ValueError(f"configure_optimizers: {why}; return an elementwise optimizer (AdamW, Adam, SGD, "
+                             "...), or use PyzeroStrategy('dp')")
         # The same class, groups and hyperparameters (lr, betas, weight_decay, ... as set in each group).
         groups = [dict(g) for g in opt.param_groups]
         return ZeroOptimizer(module, type(opt), stage=self._stage, param_groups=groups, **self._options)

@@ -420,13 +420,19 @@ def _rank_ddp_settings(out):
                                                    args={arg: 50 if arg == "ddp_bucket_cap_mb" else False}))
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+    # ddp_timeout: torch.distributed is already up (hf.init, the accelerators above: 300 s, pyzero's too)
+    for timeout in (7200, 300):
+        found[f"ddp_timeout={timeout}"] = outcome(lambda t=timeout: train(out, hf.PyzeroTrainer, strategy="zero2",
+                                                                          steps=1, args={"ddp_timeout": t}))
+    found["waits"] = pz.comm.get_timeout()
     return found
 
 
 def test_torch_ddp_settings_are_refused_not_ignored(tmp_path):
     """A DistributedDataParallelKwargs setting that changes what torch DDP would do (its buckets, buffers or
     communication hook) is a ValueError naming it and pyzero's own option, not silently dropped; the
-    Trainer's ddp_bucket_cap_mb and ddp_broadcast_buffers reach it the same way."""
+    Trainer's ddp_bucket_cap_mb and ddp_broadcast_buffers reach it the same way. Its ddp_timeout, which
+    would start torch.distributed (hf.init started it already), is refused unless it is pyzero's timeout."""
     found = run_ranks(_rank_ddp_settings, 1, args=(str(tmp_path),), timeout=60)[0].value
     for name, option in [("bucket_cap_mb", "bucket_mb"), ("broadcast_buffers", "broadcast_buffers"),
                          ("comm_hook", "comm_dtype"), ("ddp_bucket_cap_mb", "bucket_mb"),
@@ -434,6 +440,10 @@ def test_torch_ddp_settings_are_refused_not_ignored(tmp_path):
         kind, msg = found[name]
         assert kind == "ValueError" and "DistributedDataParallelKwargs" in msg and option in msg, (name, msg)
     assert found["find_unused_parameters"] == ("ok", None)
+    # a ddp_timeout that would go unused: named, with where the timeout goes instead; pyzero's own is fine
+    kind, msg = found["ddp_timeout=7200"]
+    assert kind == "ValueError" and msg.startswith("ddp_timeout: 7200 s") and "init(timeout=7200)" in msg, msg
+    assert found["waits"] == 300 and found["ddp_timeout=300"] == ("ok", None)
 
 
 def _rank_init_twice():

@@ -311,7 +311,18 @@ class PyzeroTrainer(transformers.Trainer):
         self._pz_strategy = strategy
         self._pz_options = _options(strategy_options, None if strategy in (None, "dp") else int(strategy[-1]))
         super().__init__(*args, **kwargs)
+        self._check_timeout()
         self._pz_stage = self._settle_strategy()
+
+    def _check_timeout(self) -> None:
+        """TrainingArguments' ddp_timeout would start torch.distributed, which init() started before them with
+        pyzero's timeout: one set to something else would go unused."""
+        default = transformers.TrainingArguments.__dataclass_fields__["ddp_timeout"].default
+        timeout = self.args.ddp_timeout
+        if timeout != default and timeout != comm.get_timeout():
+            raise ValueError(f"ddp_timeout: {timeout!r} s, but pyzero and torch.distributed (started by "
+                             f"pyzero.integrations.hf.init) wait {comm.get_timeout():g} s; pass the timeout to "
+                             f"init(timeout={timeout!r}) before creating TrainingArguments")
 
     def _settle_strategy(self) -> int | None:
         """The ZeRO stage in use (None: "dp"), checked against the model and optimizer given."""

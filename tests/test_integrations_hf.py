@@ -334,6 +334,53 @@ def test_accelerate_matches_ddp(tmp_path):
             assert max_diff(bf16["zero2"]["weights"], ref) <= BF16_SHARE * own_error
 
 
+def clip_by_value_run(cls, make_opt, steps=2):
+    """Plain accelerate steps with accelerator.clip_grad_value_ (each rank its own batches)."""
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    acc = cls(cpu=True)
+    model = gpt()
+    model, opt = acc.prepare(model, make_opt(model))
+    data = dataset(2 * BATCH * steps)
+    for step in range(steps):
+        acc.backward(model(**default_data_collator(data[(2 * step + pz.get_rank()) * BATCH:][:BATCH])).loss)
+        acc.clip_grad_value_(model.parameters(), 1e-3)  # (the gradient elements reach 0.1: many are clipped)
+        opt.step()
+        opt.zero_grad()
+    return weights(acc.unwrap_model(model))
+
+
+def _rank_clip_by_value():
+    hf.init(timeout=60)
+    ddp = clip_by_value_run(accelerate.Accelerator, adamw)
+    unclipped = torch.nn.utils.clip_grad_value_  # (the same run without value clipping, for scale)
+    torch.nn.utils.clip_grad_value_ = lambda params, value, foreach=None: None
+    try:
+        ddp_unclipped = clip_by_value_run(accelerate.Accelerator, adamw)
+    finally:
+        torch.nn.utils.clip_grad_value_ = unclipped
+    dp = clip_by_value_run(hf.PyzeroAccelerator, adamw)
+    found = {stage: outcome(lambda stage=stage: clip_by_value_run(hf.PyzeroAccelerator, zero(stage)))
+             for stage in (1, 2, 3)}
+    torch.distributed.destroy_process_group()
+    return {"ddp": ddp, "ddp_unclipped": ddp_unclipped, "dp": dp, "found": found}
+
+
+def test_accelerate_clip_by_value(tmp_path):
+    """accelerator.clip_grad_value_ on a pz.DataParallel model clips its averaged gradients as under DDP; on a
+    ZeroOptimizer's parameters it would clip the local gradients before averaging (stage 1: 0.03 off in
+    the weights after 2 steps) or fail inside torch (stages 2-3): a ValueError naming it, every rank."""
+    ranks = [r.value for r in run_ranks(_rank_clip_by_value, 2, timeout=120)]
+    got = ranks[0]
+    assert max_diff(got["ddp_unclipped"], got["ddp"]) > 100 * TOL["atol"]  # the clipping matters
+    assert_same_run({"loss": [], "grad_norm": [], "weights": got["dp"]},
+                    {"loss": [], "grad_norm": [], "weights": got["ddp"]}, "dp, clip_grad_value_")
+    for got in ranks:
+        for stage, (kind, msg) in got["found"].items():
+            assert kind == "ValueError" and msg.startswith("clip_grad_value_: a ZeroOptimizer") and \
+                "clip_grad_norm_" in msg, (stage, msg)
+
+
 # ---------------------------------------------------------------------------
 # misuse and bad arguments
 

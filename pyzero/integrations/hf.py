@@ -235,6 +235,15 @@ class PyzeroAccelerator(Accelerator):
             return super().clip_grad_norm_(params, max_norm, norm_type)
         return zero.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grad_value_(self, parameters, clip_value):
+        params = list(parameters)
+        if any(owner(p) is not None for p in params):
+            raise ValueError("clip_grad_value_: a ZeroOptimizer averages the gradients over the ranks into its shards "
+                             "(stage 1 at its step, from the local .grad this would clip; stages 2 and 3 in "
+                             "backward, leaving no .grad), out of reach of clipping each .grad by value; clip by "
+                             "norm with clip_grad_norm_, which spans every rank's shard")
+        return super().clip_grad_value_(params, clip_value)
+
     # ---- state -----------------------------------------------------------------
 
     def get_state_dict(self, model, unwrap=True):

@@ -314,6 +314,11 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "stage4": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=4), "ValueError", ["stage", "4"]),
     "stage_true": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=True), "ValueError", ["stage"]),
     "not_an_optimizer_class": (lambda m: pz.ZeroOptimizer(m, nn.Linear), "TypeError", ["optimizer_class"]),
+    # optimizers that compute on whole tensors: on ZeRO's flat pieces they would train differently
+    "adafactor": (lambda m: pz.ZeroOptimizer(m, torch.optim.Adafactor), "ValueError",
+                  ["optimizer_class: Adafactor computes on whole parameter tensors", "elementwise"]),
+    "muon_subclass": (lambda m: pz.ZeroOptimizer(m, type("MyMuon", (torch.optim.Muon,), {}), stage=1), "ValueError",
+                      ["optimizer_class: MyMuon computes on whole parameter tensors", "orthogonalised"]),
     "optimizer_instance": (lambda m: pz.ZeroOptimizer(m, AdamW(m.parameters())), "TypeError",
                            ["optimizer_class"]),
     "not_a_module": (lambda m: pz.ZeroOptimizer(list(m.parameters()), AdamW), "TypeError", ["model", "Module"]),

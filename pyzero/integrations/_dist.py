@@ -4,9 +4,7 @@ over pyzero's store, so both share the job's one MASTER_PORT; and the options a 
 from __future__ import annotations
 
 import datetime
-import sys
 
-import torch
 import torch.distributed as dist
 
 from .. import comm
@@ -28,24 +26,6 @@ def option_refused(name: str, stage: int | None) -> str | None:
     if stage is not None and stage3_only:
         return f"a ZeRO stage-3 option, and the strategy is stage {stage}"
     return f"expected some of {list(allowed) + (['prefetch', 'zero_*'] if stage == 3 else [])}"
-
-
-def whole_tensor_optimizer(cls: type) -> str | None:
-    """Why ZeRO cannot run optimizer class `cls` as the framework would, or None. ZeRO gives the optimizer
-    flat pieces of parameters (this rank's part of each): an elementwise optimizer (Adam, AdamW, SGD,
-    Adagrad, RMSprop, ...) computes there what it would on the whole tensor; one that computes on whole
-    tensors (their shape, their norm) trains differently and does not say so."""
-    factored = "its second moments factored by rows and columns, its steps scaled by each tensor's RMS"
-    known = [(getattr(torch.optim, "Adafactor", None), factored),
-             (getattr(torch.optim, "Muon", None), "its update of each matrix orthogonalised as a whole")]
-    hf_optimization = sys.modules.get("transformers.optimization")  # (imported where its classes are in use)
-    if hf_optimization is not None:
-        known.append((getattr(hf_optimization, "Adafactor", None), factored))
-    for base, how in known:
-        if isinstance(base, type) and isinstance(cls, type) and issubclass(cls, base):
-            return (f"{cls.__name__} computes on whole parameter tensors ({how}), and ZeRO hands it flat pieces "
-                    "of them, so it would train differently from the same optimizer without ZeRO")
-    return None
 
 
 def check_started(backend: str | None, who: str) -> None:

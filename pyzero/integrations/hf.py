@@ -68,6 +68,7 @@ from .. import checkpoint, comm, wrappers
 from . import _dist
 from ..parallel import DataParallel
 from ..zero import ZeroOptimizer, owner
+from ..zero.optimizer import whole_tensor_optimizer
 
 __all__ = ["CHECKPOINT_DIR", "STRATEGIES", "PyzeroAccelerator", "PyzeroTrainer", "init"]
 
@@ -402,7 +403,7 @@ class PyzeroTrainer(transformers.Trainer):
                 {"params", "model", "optimizer_dict"} & set(kwargs):
             raise ValueError(f"{what} does not build a plain torch.optim.Optimizer, which ZeroOptimizer needs "
                              "(e.g. optim='adamw_torch')")
-        why = _dist.whole_tensor_optimizer(cls)
+        why = whole_tensor_optimizer(cls)
         if why is not None:
             raise ValueError(f"{what}: {why}; use an elementwise optimizer (optim='adamw_torch', 'sgd', "
                              "'adagrad', 'rmsprop', ...) or strategy='dp'")

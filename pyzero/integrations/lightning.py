@@ -69,6 +69,7 @@ from .. import checkpoint as pz_checkpoint
 from .. import comm, wrappers
 from ..parallel import DataParallel, broadcast_coalesced
 from ..zero import ZeroOptimizer, owner
+from ..zero.optimizer import whole_tensor_optimizer
 from . import _dist
 from ..checks import is_real
 
@@ -282,7 +283,7 @@ class PyzeroStrategy(DDPStrategy):
         if not isinstance(opt, torch.optim.Optimizer) or opt.state:
             raise ValueError(f"configure_optimizers: ZeRO builds its optimizer from a fresh torch.optim.Optimizer, "
                              f"got {type(opt).__name__}")
-        why = _dist.whole_tensor_optimizer(type(opt))
+        why = whole_tensor_optimizer(type(opt))
         if why is not None:
             raise ValueError(f"configure_optimizers: {why}; return an elementwise optimizer (AdamW, Adam, SGD, "
                              "...), or use PyzeroStrategy('dp')")

@@ -12,6 +12,7 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -30,6 +31,24 @@ from .scaler import LossScaler
 from ..checks import is_positive_finite, is_real
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+def whole_tensor_optimizer(cls: type) -> str | None:
+    """Why ZeRO cannot run optimizer class `cls` as it runs without ZeRO, or None. ZeRO gives the optimizer
+    flat pieces of parameters (this rank's part of each): an elementwise optimizer (Adam, AdamW, SGD,
+    Adagrad, RMSprop, ...) computes there what it would on the whole tensor; one that computes on whole
+    tensors (their shape, their norm) would train differently and not say so."""
+    factored = "its second moments factored by rows and columns, its steps scaled by each tensor's RMS"
+    known = [(getattr(torch.optim, "Adafactor", None), factored),
+             (getattr(torch.optim, "Muon", None), "its update of each matrix orthogonalised as a whole")]
+    hf_optimization = sys.modules.get("transformers.optimization")  # (imported where its classes are in use)
+    if hf_optimization is not None:
+        known.append((getattr(hf_optimization, "Adafactor", None), factored))
+    for base, how in known:
+        if isinstance(base, type) and isinstance(cls, type) and issubclass(cls, base):
+            return (f"{cls.__name__} computes on whole parameter tensors ({how}), and ZeRO hands it flat pieces "
+                    "of them, so it would train differently from the same optimizer without ZeRO")
+    return None
+
+
 _STAGES: dict[int, type] = {}  # stage number -> class, filled by register_stage
 
 
@@ -98,6 +117,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                             f"got {optimizer_class!r}")
+        why = whole_tensor_optimizer(optimizer_class)
+        if why is not None:
+            raise ValueError(f"optimizer_class: {why}; use an elementwise optimizer (torch.optim.AdamW, Adam, SGD, "
+                             "Adagrad, RMSprop, ...), or pz.DataParallel, which keeps whole tensors")
         if "prefetch" in optimizer_kwargs:  # (stage 3's own option reaches here only for stages 1-2)
             raise ValueError(f"prefetch: gathering units ahead is for stage=3, got stage={stage!r}")
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))

@@ -407,6 +407,10 @@ def _rank_misuse(out):
                                                    strategy="zero2"))
     found["plain_with_zero"] = outcome(lambda: train(out, hf.PyzeroTrainer, strategy="zero1",
                                                     optimizers=(adamw(gpt()), None)))
+    # a scheduler of another optimizer beside the one the Trainer builds: its lr would never move
+    other = torch.optim.lr_scheduler.LambdaLR(adamw(gpt()), lambda step: 0.5 ** step)
+    found["foreign_scheduler"] = outcome(lambda: train(out, hf.PyzeroTrainer, strategy="zero2",
+                                                      optimizers=(None, other)))
 
     def zero_fp16():
         AcceleratorState._reset_state(reset_partial_state=False)
@@ -439,6 +443,9 @@ def test_misuse_raises_and_names_the_integration(tmp_path):
     assert kind == "RuntimeError" and "PyzeroAccelerator" in msg, msg
     assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
     assert found["plain_with_zero"][0] == "ValueError" and "optimizers" in found["plain_with_zero"][1]
+    assert "optimizers=(None, scheduler)" not in found["plain_with_zero"][1]  # (that advice fails: see the next)
+    kind, msg = found["foreign_scheduler"]
+    assert kind == "ValueError" and "optimizers" in msg and "steps another optimizer" in msg, found["foreign_scheduler"]
     assert found["fp16"][0] == "ValueError" and "mixed_precision: 'fp16'" in found["fp16"][1]
 
     one = run_ranks(_rank_misuse_one_process, 1, args=(str(tmp_path),), timeout=60)[0].value

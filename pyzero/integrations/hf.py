@@ -358,7 +358,8 @@ class PyzeroTrainer(transformers.Trainer):
             return None
         if opt is not None:
             raise ValueError(f"optimizers: strategy={strategy!r} builds a pz.ZeroOptimizer from TrainingArguments; "
-                             "pass optimizers=(None, scheduler), or a pz.ZeroOptimizer")
+                             "pass no optimizer (optimizer_cls_and_kwargs= picks its class), or a pz.ZeroOptimizer "
+                             "built on the model (optimizers=(opt, scheduler))")
         return int(strategy[-1])
 
     def _zero(self) -> ZeroOptimizer | None:
@@ -407,6 +408,11 @@ class PyzeroTrainer(transformers.Trainer):
         if why is not None:
             raise ValueError(f"{what}: {why}; use an elementwise optimizer (optim='adamw_torch', 'sgd', "
                              "'adagrad', 'rmsprop', ...) or strategy='dp'")
+        if self.lr_scheduler is not None and not getattr(self, "_created_lr_scheduler", False):
+            raise ValueError("optimizers: the scheduler given in optimizers=(None, scheduler) steps another optimizer "
+                             "than the pz.ZeroOptimizer the Trainer builds, so the learning rate would never move; "
+                             "build the ZeroOptimizer on the model and pass optimizers=(opt, scheduler), or let the "
+                             "Trainer build both (lr_scheduler_type=...)")
         self.optimizer = ZeroOptimizer(opt_model, cls, stage=self._pz_stage,
                                        param_groups=[g for g in groups if g["params"]],
                                        **self._pz_options, **kwargs)

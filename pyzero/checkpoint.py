@@ -162,8 +162,13 @@ def _check_pair(model, opt) -> None:
                          "the ZeroOptimizer (or a module holding it)")
 
 
-def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None = None) -> str:
+def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None = None,
+         optimizer_state: bool = True) -> str:
     """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
+
+    ``optimizer_state=False`` leaves the inner optimizer's state (Adam's moments: two thirds of an
+    AdamW checkpoint) out: the fp32 weights, hyperparameters and app_state are saved; ``load`` then
+    restores the weights and starts the optimizer afresh, with a warning (a Trainer's save_only_model).
 
     ``app_state``: more of the training state to keep in the same atomic step, as
     ``{name: value}``; a value with ``state_dict()`` (an LR scheduler, torch.amp.GradScaler, a
@@ -178,6 +183,8 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     if not is_int(keep) or keep < 1:
         raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
+    if not isinstance(optimizer_state, bool):
+        raise TypeError(f"optimizer_state: expected True or False, got {optimizer_state!r}")
     _check_app_state(app_state, "save")
     _check_pair(model, opt)
     g, first = opt.group, opt.group.rank == 0
@@ -203,6 +210,8 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
             error = e
     agree("creating the directory", error)
     shard = opt.shard_state()  # waits for reductions in flight: the shards hold still while read
+    if not optimizer_state:
+        shard["state"] = [{} for _ in shard["state"]]  # (as a piece never stepped: load leaves it fresh)
     error = None
     try:
         _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
@@ -218,7 +227,7 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
     error = None
     if first:
         try:
-            _publish(path, tmp, final, name, step, keep, model, opt, sorted(app_state or ()))
+            _publish(path, tmp, final, name, step, keep, model, opt, sorted(app_state or ()), optimizer_state)
         except Exception as e:  # noqa: BLE001
             error = e
     agree("publishing", error)
@@ -253,7 +262,7 @@ def _app_state_bytes(app_state: dict) -> bytes:
     return buf.getvalue()
 
 
-def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
+def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer_state=True):
     """First rank: meta.json (with every file's checksum), then the renames that make the step `latest`."""
     files = {}
     for f in sorted(os.listdir(tmp)):
@@ -272,6 +281,8 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys):
         meta["scaler"] = opt.scaler.state_dict()
     if app_keys:
         meta["app_state"] = app_keys
+    if not optimizer_state:  # (absent: saved with it, as every checkpoint before this field)
+        meta["optimizer_state"] = False
     meta["files"] = files
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
@@ -422,6 +433,8 @@ def _meta_problem(meta) -> str | None:
     app = meta.get("app_state")
     if app is not None and not (type(app) is list and all(type(k) is str for k in app)):
         return "'app_state': expected a list of names"
+    if type(meta.get("optimizer_state", True)) is not bool:
+        return "'optimizer_state': expected true or false"
     files = meta.get("files")
     if files is not None and (type(files) is not dict or not all(
             type(k) is str and type(v) is dict and _is_count(v.get("bytes")) and _is_count(v.get("crc32"), 1 << 32)
@@ -589,6 +602,9 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
             v.load_state_dict(app[k])
         else:
             app_state[k] = app[k]
+    if meta.get("optimizer_state") is False:
+        warnings.warn(f"checkpoint: {step_dir!r} was saved with optimizer_state=False: the weights are restored, "
+                      f"the {meta['optimizer']} state starts afresh", stacklevel=2)
     comm.barrier(group=opt.group)
     return int(meta["step"])
 

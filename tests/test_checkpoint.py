@@ -24,6 +24,8 @@ from torch import nn
 import pyzero as pz
 from pyzero.launch import run_ranks
 
+from outcomes import outcome
+
 IN, HID, OUT, BATCH, STEPS, SAVE_AT = 10, 26, 3, 12, 6, 3  # odd sizes: shards cut parameters differently
 LR, WD = 1e-2, 0.1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -338,6 +340,74 @@ def test_load_into_another_param_dtype(tmp_path):
         assert_same(loaded, saved)
 
 
+def _rank_weights_only(ckpt):
+    """Two steps of ZeRO-2, saved with and without the optimizer state; each loaded into stage 3, then one step."""
+    import warnings  # noqa: PLC0415
+
+    pz.init(timeout=30)
+    me = pz.get_rank()
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD)
+    for step in range(2):
+        x, y = (t.chunk(2)[me] for t in batch(step))
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    full, light = os.path.join(ckpt, "full"), os.path.join(ckpt, "light")
+    pz.checkpoint.save(full, model, opt, 2)
+    pz.checkpoint.save(light, model, opt, 2, optimizer_state=False)
+    bad = outcome(lambda: pz.checkpoint.save(light, model, opt, 3, optimizer_state="no"))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {"bad": bad, "weights": weights}
+    for name in ("full", "light"):
+        m = build()
+        o = pz.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=LR, weight_decay=WD)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out[f"{name}/step"] = pz.checkpoint.load(os.path.join(ckpt, name), m, o)
+        out[f"{name}/warnings"] = [str(w.message) for w in seen]
+        out[f"{name}/loaded"] = o.full_state_dict()
+        out[f"{name}/states"] = sum(len(st) for st in o.inner.state.values())
+        x, y = (t.chunk(2)[me] for t in batch(2))
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+        out[f"{name}/after"] = o.full_state_dict()
+    # the reference for the light load: a fresh ZeroOptimizer over the saved weights takes the same step
+    m = build()
+    m.load_state_dict(weights)
+    o = pz.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=LR, weight_decay=WD)
+    x, y = (t.chunk(2)[me] for t in batch(2))
+    F.mse_loss(m(x), y).backward()
+    o.step()
+    out["fresh/after"] = o.full_state_dict()
+    sizes = {n: os.path.getsize(os.path.join(ckpt, n, "step_00000002", f"rank{me:05d}.pt")) for n in ("full", "light")}
+    out["sizes"] = sizes
+    with open(os.path.join(light, "step_00000002", "meta.json")) as f:
+        out["meta"] = json.load(f).get("optimizer_state")
+    return out
+
+
+def test_a_checkpoint_without_the_optimizer_state(tmp_path):
+    """optimizer_state=False keeps the weights (and leaves Adam's moments out: about a third of the bytes);
+    loading it restores the weights exactly, warns, and the optimizer starts afresh, as one built on those
+    weights; a full checkpoint's load carries on with its moments."""
+    for r in run_ranks(_rank_weights_only, 2, args=(str(tmp_path),), timeout=60):
+        v = r.value
+        assert v["bad"][0] == "TypeError" and "optimizer_state: expected True or False" in v["bad"][1], v["bad"]
+        assert v["meta"] is False
+        assert v["sizes"]["light"] < 0.5 * v["sizes"]["full"], v["sizes"]
+        assert v["full/step"] == v["light/step"] == 2
+        assert v["full/warnings"] == [] and v["full/states"] > 0
+        assert len(v["light/warnings"]) == 1 and "optimizer_state=False" in v["light/warnings"][0], v["light/warnings"]
+        assert v["light/states"] == 0
+        if r.rank == 0:  # (full_state_dict: the first rank's)
+            assert_same(v["full/loaded"], v["weights"])
+            assert_same(v["light/loaded"], v["weights"])
+            assert_same(v["light/after"], v["fresh/after"])  # a fresh optimizer's first step, bitwise
+            assert max((v["full/after"][k] - v["fresh/after"][k]).abs().max().item() for k in v["weights"]) > 1e-4
+
+
 def _rank_mismatched_arguments(ckpt):
     pz.init(timeout=30)
     model = build()
@@ -590,6 +660,7 @@ def test_damaged_consolidate_and_old_format(kept, tmp_path):
     ("param_groups", [{"lr": {"__class__": "os.system"}}]), ("aliases", {"x": "not-a-parameter"}),
     ("files", {"rank00000.pt": {"bytes": "12", "crc32": 0}}), ("optimizer", None),
     ("scaler", {"scale": float("inf"), "good_steps": 0, "skipped": 0}), ("app_state", ["x", 3]),
+    ("optimizer_state", "no"),
 ])
 def test_meta_json_fields_are_checked_before_use(kept, tmp_path, field, value):
     """meta.json is read from disk another process wrote: every field it is used for is checked first."""

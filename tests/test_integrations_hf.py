@@ -7,6 +7,7 @@ norms the framework logged, and the final weights. Clipping is on (MAX_NORM is f
 gradient norms, and a run without it ends measurably elsewhere), so a norm that misses ZeRO's
 shards cannot pass.
 """
+import json
 import os
 
 import pytest
@@ -430,6 +431,14 @@ def _rank_misuse_one_process(out):
     found = {"trainer_zero": outcome(lambda: train(out, model=model, optimizers=(opt, None)))}
     found["ours"] = train(out, hf.PyzeroTrainer, strategy="zero2", steps=2)
     found["plain"] = train(out, steps=2)
+    only = os.path.join(out, "only_model")  # save_only_model: the checkpoint's shards hold no optimizer state
+    found["only_model"] = train(only, hf.PyzeroTrainer, strategy="zero2", steps=2, save_steps=2,
+                                args=dict(save_only_model=True))
+    step = os.path.join(only, "checkpoint-2", hf.CHECKPOINT_DIR, "step_00000002")
+    with open(os.path.join(step, "meta.json")) as f:
+        found["only_model/meta"] = json.load(f).get("optimizer_state")
+    found["only_model/state"] = torch.load(os.path.join(step, "rank00000.pt"), weights_only=True)["state"]
+    found["only_model/files"] = sorted(os.listdir(os.path.join(only, "checkpoint-2")))
     return found
 
 
@@ -452,6 +461,11 @@ def test_misuse_raises_and_names_the_integration(tmp_path):
     kind, msg = one["trainer_zero"]
     assert kind == "RuntimeError" and "clips nothing" in msg and "PyzeroTrainer" in msg, msg
     assert_same_run(one["ours"], one["plain"], "one process")
+    # save_only_model: the weights in pyzero/ (and the consolidated model), not the optimizer, scheduler or RNG
+    assert one["only_model/meta"] is False and all(st == {} for st in one["only_model/state"]), one["only_model/meta"]
+    files = one["only_model/files"]
+    assert hf.CHECKPOINT_DIR in files and "model.safetensors" in files, files
+    assert not {hf.SCHEDULER_NAME, "rng_state.pth", "optimizer.pt"} & set(files), files
 
 
 def _rank_ddp_settings(out):

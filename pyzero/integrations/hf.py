@@ -426,7 +426,9 @@ class PyzeroTrainer(transformers.Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         sharded = os.path.join(output_dir, CHECKPOINT_DIR)
-        checkpoint.save(sharded, self.model, zero, self.state.global_step)  # every rank, its shard
+        # every rank, its shard (a checkpoint under save_only_model: the weights, not the optimizer's moments)
+        checkpoint.save(sharded, self.model, zero, self.state.global_step,
+                        optimizer_state=not (_internal_call and self.args.save_only_model))
         if self.args.should_save:  # read back from disk: no gathering, fp32 masters, any stage
             self._save(output_dir, state_dict=checkpoint.consolidate(sharded))
         if self.args.push_to_hub and not _internal_call:

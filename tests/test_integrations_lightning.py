@@ -7,6 +7,7 @@ gradient norms, and a run without it ends measurably elsewhere), and an LR sched
 norm that misses ZeRO's shards or a schedule left on the wrong optimizer cannot pass.
 """
 import ast
+import json
 import os
 import signal
 import subprocess
@@ -104,7 +105,7 @@ def weights(module):
 
 
 def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callbacks=(), ckpt_path=None, epochs=None,
-        save=None, **kwargs):
+        save=None, weights_only=False, **kwargs):
     """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs; then trainer.save_checkpoint(save)."""
     module = module or Net()
     steps = {"max_steps": steps} if epochs is None else {"max_epochs": epochs}
@@ -115,7 +116,7 @@ def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callback
                                                  for c in callbacks), **kwargs)
     trainer.fit(module, loader(), ckpt_path=ckpt_path)
     if save is not None:
-        trainer.save_checkpoint(save)
+        trainer.save_checkpoint(save, weights_only=weights_only)
     return {"loss": module.losses, "grad_norm": module.norms, "weights": weights(module)}
 
 
@@ -201,6 +202,14 @@ def _rank_resume_and_misuse(out):
     ddp = fit("ddp", epochs=2, callbacks=[ddp_epochs])
     first = os.path.join(out, "first.ckpt")
     fit(pzl.PyzeroStrategy("zero2"), epochs=1, save=first)
+    light = os.path.join(out, "light.ckpt")  # weights only: the shards hold no optimizer state either
+    fit(pzl.PyzeroStrategy("zero2"), epochs=1, save=light, weights_only=True)
+    metas = {}
+    for name, path in (("first", first), ("light", light)):
+        with open(os.path.join(path, pzl.CHECKPOINT_DIR, "latest")) as f:
+            step = f.read().strip()
+        with open(os.path.join(path, pzl.CHECKPOINT_DIR, step, "meta.json")) as f:
+            metas[name] = json.load(f).get("optimizer_state", True)
     resumed = fit(pzl.PyzeroStrategy("zero2"), epochs=2, ckpt_path=first)
     # the same checkpoint into stage 3 (pz.checkpoint reshards)
     as_zero3 = fit(pzl.PyzeroStrategy("zero3"), epochs=2, ckpt_path=first)
@@ -220,7 +229,7 @@ def _rank_resume_and_misuse(out):
     found["clip_value"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero1"), gradient_clip_algorithm="value"))
     return finish({"full": full, "ddp": ddp, "ddp_epochs": ddp_epochs.weights, "resumed": resumed,
                    "as_zero3": as_zero3, "epochs": epochs.weights,
-                   "files": files, "loaded": loaded, "found": found})
+                   "files": files, "loaded": loaded, "found": found, "metas": metas})
 
 
 def test_resume_bitwise_and_misuse_raises(tmp_path):
@@ -240,6 +249,7 @@ def test_resume_bitwise_and_misuse_raises(tmp_path):
             assert torch.equal(loaded[k], v), (name, k)
         for k, v in got["ddp_epochs"][0].items():
             torch.testing.assert_close(loaded[k], v, **TOL)
+    assert got["metas"] == {"first": True, "light": False}, got["metas"]
     found = got["found"]
     # Lightning's DDPStrategy steps with a closure, which ZeroOptimizer refuses before anything runs
     kind, msg = found["ddp_zero"]

@@ -355,9 +355,11 @@ class PyzeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise ValueError("storage_options: not supported for ZeRO checkpoints (pz.checkpoint writes them)")
         folder = str(filepath)
-        # every rank its shard; keep=1: the folder is one checkpoint, its checkpoint.pt goes with the newest step
+        # every rank its shard; keep=1: the folder is one checkpoint, its checkpoint.pt goes with the newest step;
+        # a weights-only checkpoint (ModelCheckpoint(save_weights_only=True)) has no optimizer_states: nor its shards
         pz_checkpoint.save(os.path.join(folder, CHECKPOINT_DIR), self.lightning_module, zero,
-                           step=int(checkpoint.get("global_step", 0)), keep=1)
+                           step=int(checkpoint.get("global_step", 0)), keep=1,
+                           optimizer_state="optimizer_states" in checkpoint)
         if self.is_global_zero:
             rest = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
             self.checkpoint_io.save_checkpoint(rest, os.path.join(folder, LIGHTNING_FILE))

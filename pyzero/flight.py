@@ -269,15 +269,15 @@ class _Process:
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
-        self.size, self.trace, self.wait_s = 256, None, 1.0
+        self.size, self.trace, self.wait_s = 256, None, 1.0  # (the defaults)
         if not read_env:
             return
-        self.size = env_int("PYZERO_FLIGHT", 256)
+        self.size = env_int("PYZERO_FLIGHT", self.size)
         if self.size > MAX_RECORDS:  # (each group allocates its ring at once: a huge value is out of memory)
             raise ValueError(f"PYZERO_FLIGHT={self.size}: expected at most {MAX_RECORDS} records per group "
                              "(0 turns the recorder off)")
         self.trace = _trace_dir()
-        self.wait_s = env_seconds("PYZERO_FLIGHT_WAIT", 1.0)
+        self.wait_s = env_seconds("PYZERO_FLIGHT_WAIT", self.wait_s)
 
 
 _proc = _Process(read_env=False)
@@ -505,8 +505,7 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
     if failed["call"] in P2P:
         return _summarize_p2p(r, failed, by_rank, note)
     seq = failed["seq"]
-    lines = [f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global "
-             f"{_proc.rank}) failed in seq {seq} {describe(failed)}"]
+    lines = [_header(r, f"seq {seq} {describe(failed)}")]
     silent, behind, colls = [], [], {}
     for g in r.ranks:
         ans = by_rank.get(g)
@@ -530,8 +529,7 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
                          f"{time.time() - d['start']:.1f} s]")
         else:
             lines.append(f"rank {g}: last call seq {last['seq']} {describe(last)} [{last['state']}]")
-        for og, d in ans.get("other_groups", {}).items():
-            lines.append(f"rank {g} is also in group {og} seq {d['seq']} {describe(d)} [{d['state']}]")
+        lines += _elsewhere(g, ans)
     # The first sequence number at which two answering ranks called different collectives.
     common = sorted(set.intersection(*(set(c) for c in colls.values()))) if len(colls) > 1 else []
     for s in common:
@@ -542,15 +540,14 @@ def summarize(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str 
                 f"rank {g} called {describe(d)}" for g, d in sorted(calls.items())))
             break
     if silent:
-        lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
+        lines.append(_unanswered(silent, note))
     return "\n  ".join(lines)
 
 
 def _summarize_p2p(r: Ring, failed: dict, by_rank: dict[int, dict | None], note: str) -> str:
     """summarize for a send/recv (no sequence number; a peer, not the group, it waits for): what the peer
     (a batch: every other rank) is doing."""
-    lines = [f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global "
-             f"{_proc.rank}) failed in {describe(failed)}"]
+    lines = [_header(r, describe(failed))]
     peers = [failed["peer"]] if "peer" in failed else [g for g in r.ranks if g != _proc.rank]
     silent = []
     for g in peers:
@@ -565,11 +562,26 @@ def _summarize_p2p(r: Ring, failed: dict, by_rank: dict[int, dict | None], note:
         if not open_:
             lines.append(f"rank {g}: last call {describe(recs[-1])} [{recs[-1]['state']}]" if recs else
                          f"rank {g} has made no call on this group")
-        for og, d in ans.get("other_groups", {}).items():
-            lines.append(f"rank {g} is also in group {og} seq {d['seq']} {describe(d)} [{d['state']}]")
+        lines += _elsewhere(g, ans)
     if silent:
-        lines.append(f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else ""))
+        lines.append(_unanswered(silent, note))
     return "\n  ".join(lines)
+
+
+def _header(r: Ring, call: str) -> str:
+    """The summary's first line: the group and the call that failed here."""
+    return (f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global {_proc.rank}) "
+            f"failed in {call}")
+
+
+def _elsewhere(g: int, ans: dict) -> list[str]:
+    """Where rank `g` is in its other groups, from its answer."""
+    return [f"rank {g} is also in group {og} seq {d['seq']} {describe(d)} [{d['state']}]"
+            for og, d in ans.get("other_groups", {}).items()]
+
+
+def _unanswered(silent: list[int], note: str) -> str:
+    return f"ranks {silent} did not answer (exited, stopped or unreachable)" + (f"; {note}" if note else "")
 
 
 # ---------------------------------------------------------------------------

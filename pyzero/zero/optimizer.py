@@ -31,6 +31,8 @@ from .scaler import LossScaler
 from ..checks import is_positive_finite, is_real
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
 def whole_tensor_optimizer(cls: type) -> str | None:
     """Why ZeRO cannot run optimizer class `cls` as it runs without ZeRO, or None. ZeRO gives the optimizer
     flat pieces of parameters (this rank's part of each): an elementwise optimizer (Adam, AdamW, SGD,
@@ -201,8 +203,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
                                         optimizer_kwargs, self.params, self.world, moments=offload_moments,
                                         delayed_update=delayed_update, pipeline=offload_pipeline)
-        if offload is not None:  # (the class offload steps with takes the arguments too)
-            _probe_optimizer(*self.offload.inner_class(optimizer_class, optimizer_kwargs), param_groups)
+        # The class and arguments offload steps with, where they are not those just tried, must take them too.
+        inner_class, inner_kwargs = self.offload.inner_class(optimizer_class, optimizer_kwargs)
+        if inner_class is not optimizer_class or inner_kwargs is not optimizer_kwargs:
+            _probe_optimizer(inner_class, inner_kwargs, param_groups)
         # [Note: offload pipeline]
         # offload_pipeline (offload="cpu" with host copies; None: "step" there, off elsewhere, as
         # with delayed_update) runs the host step in *slots*: a bucket's part of the shard in

@@ -220,6 +220,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     if not 0 <= port <= 65535:
         raise ValueError(f"pz.init(): MASTER_PORT={port} is not a TCP port (expected 0 to 65535)")
     _topology.claimed_local_size()  # a bad LOCAL_WORLD_SIZE fails here, before any rendezvous
+    flight.wait_connecting()  # the previous job's store (on rank 0, perhaps this port) is let go first
     store = _connect(addr, port, size, rank, join_timeout)
     try:
         _join(store, rank, size, local_rank, backend, timeout, join_timeout, opts)

@@ -48,8 +48,9 @@ _AUTO = dict(_C.ALGOS)["auto"]
 
 QUEUED, STARTED, DONE, FAILED = 0, 1, 2, 3
 STATES = ("queued", "started", "done", "failed")
-# pz.destroy() waits at most this long for the answering thread to finish connecting (see stop()).
+# The exit waits at most this long for answering threads still connecting (see stop()).
 CONNECT_WAIT_S = 5.0
+_connecting: list[threading.Thread] = []  # answering threads pz.destroy() left connecting
 P2P = ("send", "recv", "batch_isend_irecv")  # point-to-point calls: a peer, no sequence number
 
 _now = time.monotonic_ns
@@ -269,6 +270,7 @@ class _Process:
         self.errored = False  # a collective failed here: peers may want this rank's records
         self.thread: threading.Thread | None = None
         self.connected = threading.Event()  # the answering thread has its store connections (or gave up)
+        self.lock = threading.Lock()  # orders that thread's taking the connection with stop()
         self.size, self.trace, self.wait_s = 256, None, 1.0  # (the defaults)
         if not read_env:
             return
@@ -310,7 +312,7 @@ def listen(store) -> None:
     opened while ranks are still joining can stall the store for seconds)."""
     if _proc.world < 2 or _proc.thread is not None:
         return
-    _proc.thread = threading.Thread(target=_answer_loop, args=(store, _proc.prefix, _proc.rank),
+    _proc.thread = threading.Thread(target=_answer_loop, args=(store, _proc.prefix, _proc.rank, _proc.connected, _proc.lock),
                                     name="pyzero-flight", daemon=True)
     _proc.thread.start()
 
@@ -322,12 +324,16 @@ def stop() -> None:
             write_trace()
         except OSError as e:  # (destroy still frees everything: a warning, not an error that stops it part-way)
             warnings.warn(f"PYZERO_TRACE: could not write the trace: {e}", RuntimeWarning, stacklevel=3)
-    if _proc.thread is not None:
-        # A thread still opening its store connections (right after pz.init) is inside a C++ store
-        # call; if the interpreter exits then, finalisation unwinds it through C++ and the process
-        # aborts ("terminate called without an active exception"). Let it connect, then tell it to end.
-        _proc.connected.wait(CONNECT_WAIT_S)
-    if _proc.thread is not None and _proc.store is not None:
+    with _proc.lock:
+        connecting = _proc.thread is not None and not _proc.connected.is_set()
+        if connecting:
+            # Still opening its store connections (right after pz.init, or held up by a slow reverse DNS lookup
+            # inside torch's TCPStore): it ends once connected, the prefix no longer matching. It is inside a C++
+            # store call, and if the interpreter exits then, finalisation unwinds it through C++ and the process
+            # aborts ("terminate called without an active exception"): the exit waits for it (_at_exit).
+            _connecting.append(_proc.thread)
+            _proc.prefix = ""
+    if not connecting and _proc.thread is not None and _proc.store is not None:
         # A stopped store host never answers (a plain store call would block for good): bounded.
         try:  # rank 0 waits up to 1 s for the others (see _leave); a store op takes milliseconds
             _bounded(_leave, (2 * _proc.wait_s if _proc.errored else 0) + (2.0 if _proc.rank == 0 else 0.5))
@@ -337,6 +343,17 @@ def stop() -> None:
     _proc.thread = None
     _proc.store = None
     _proc.rings = {}
+
+
+def wait_connecting() -> None:
+    """Let the answering threads pz.destroy() left connecting end (at most CONNECT_WAIT_S in all). Each holds
+    its job's store, which on rank 0 serves the job's port, until it ends."""
+    deadline = time.monotonic() + CONNECT_WAIT_S
+    while _connecting:
+        _connecting[0].join(max(deadline - time.monotonic(), 0.0))
+        if _connecting[0].is_alive():
+            return
+        _connecting.pop(0)
 
 
 def _bounded(fn, seconds: float):
@@ -393,18 +410,20 @@ def _answer(gid: int) -> dict:
     return {"rank": _proc.rank, "records": [] if r is None else r.records(), "other_groups": other}
 
 
-def _answer_loop(store, prefix: str, rank: int) -> None:
+def _answer_loop(store, prefix: str, rank: int, connected: threading.Event, lock: threading.Lock) -> None:
+    """`connected`, `lock`: this job's (a later job has its own); `connected` is set once connected or given up."""
     try:
         st = store.clone()  # for waiting on requests
         asking = store.clone()  # for this process's own requests (pyzero.flight.collect)
         asking.set_timeout(datetime.timedelta(seconds=max(_proc.wait_s, 0.1)))
     except Exception:  # noqa: BLE001 - no second connection: records stay local
-        _proc.connected.set()
+        connected.set()
         return
-    if _proc.prefix != prefix:  # the job ended while connecting
-        return
-    _proc.store = asking
-    _proc.connected.set()
+    with lock:
+        connected.set()
+        if _proc.prefix != prefix:  # the job ended while connecting
+            return
+        _proc.store = asking
     n = 0
     while True:
         key = f"{prefix}/{rank}/req{n + 1}"
@@ -478,7 +497,12 @@ def explain(r: Ring, error: BaseException, rec: tuple) -> BaseException:
                 _proc.store.set(f"{_proc.prefix}/{_proc.rank}/posted{r.gid}", posted)
             return collect(r, skip=dead)
         try:
-            answers, note = _bounded(exchange, 2 * _proc.wait_s + 0.5)
+            if all(g == _proc.rank or g in dead for g in r.ranks):
+                # No peer left to ask or to answer later: no store needed (nor a wait for this process's
+                # store connections, which a slow reverse DNS lookup in torch's TCPStore can hold up for seconds).
+                answers, note = {g: None for g in r.ranks if g != _proc.rank}, ""
+            else:
+                answers, note = _bounded(exchange, 2 * _proc.wait_s + 0.5)
         except Exception as e:  # noqa: BLE001 - the store host is stopped or gone
             answers, note = {g: None for g in r.ranks if g != _proc.rank}, f"the store did not answer ({e})"
         summary = summarize(r, _as_dict(rec, r.ranks), {_proc.rank: {"records": mine}, **answers}, note)
@@ -627,13 +651,13 @@ def _at_exit():
     if os.getpid() != _proc.pid:
         return
     if _proc.thread is not None:  # a script that ends without pz.destroy(): end the answering thread
-        try:  # as destroy does (a daemon thread left in a C++ store call aborts the exit; see stop())
+        try:  # as destroy does
             stop()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-        return
-    if _proc.trace and _proc.rings:
+    elif _proc.trace and _proc.rings:
         try:
             write_trace()
         except OSError:
             pass
+    wait_connecting()  # a daemon thread left in a C++ store call aborts the exit (see stop())

@@ -322,3 +322,68 @@ def test_python_recorded_ring_states():
     for _ in range(10):  # wraps the 8-record ring
         ring.done(ring.begin("barrier", 0, 0))
     assert len(ring.records()) == 8 and ring.records()[-1]["seq"] == 12
+
+
+def _rank_peer_exits():
+    """Rank 1 exits after a barrier; rank 0's all_reduce fails. Rank 0's answering thread is made to look
+    unconnected (as while a slow store connection is still being opened): with no live peer to ask, the error
+    must not wait PYZERO_FLIGHT_WAIT (3 s) for it."""
+    import threading  # noqa: PLC0415
+
+    from pyzero import flight  # noqa: PLC0415
+    pz.init(timeout=10)
+    pz.barrier()
+    if pz.get_rank() == 1:
+        os._exit(0)
+    assert flight._proc.connected.wait(10)
+    flight._proc.connected = threading.Event()  # (the thread has connected: nothing sets this one)
+    start = time.monotonic()
+    try:
+        pz.all_reduce(torch.ones(4))
+    except pz.CollectiveError as e:
+        return str(e), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_error_with_no_live_peer_does_not_wait_for_the_store():
+    res = run_ranks(_rank_peer_exits, 2, timeout=60, check=False, env={"PYZERO_FLIGHT_WAIT": "3"})
+    msg, took = res[0].value
+    assert "waiting for rank 1, which has exited" in msg, msg
+    assert "ranks [1] did not answer" in msg, msg
+    assert took < 2.0, f"the error took {took:.1f} s"
+
+
+def _rank_destroy_while_connecting():
+    """Each store connection of the answering thread takes 1.5 s (as behind a slow reverse DNS lookup)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pyzero import flight  # noqa: PLC0415
+    clone = dist.TCPStore.clone
+
+    def slow_clone(self):
+        time.sleep(1.5)
+        return clone(self)
+    dist.TCPStore.clone = slow_clone
+    pz.init(timeout=10)
+    t = torch.full((2,), float(pz.get_rank() + 1))
+    pz.all_reduce(t)  # (the collectives do not wait for the answering thread)
+    thread = flight._proc.thread
+    start = time.monotonic()
+    pz.destroy()
+    took = time.monotonic() - start
+    alive = thread.is_alive()
+    pz.init(timeout=10)  # a second job on the same port: its store waits for the first's thread to let go
+    pz.all_reduce(t)
+    flight._proc.connected.wait(10)
+    second = flight._proc.store is not None
+    pz.destroy()
+    return t.tolist(), took, alive, thread.is_alive(), second
+
+
+def test_destroy_does_not_wait_for_a_connecting_thread():
+    for r in run_ranks(_rank_destroy_while_connecting, 2, timeout=60):
+        got, took, alive_after_destroy, alive_after_init, second = r.value
+        assert got == [6.0, 6.0]
+        assert took < 1.0, f"pz.destroy() took {took:.1f} s"
+        assert alive_after_destroy and not alive_after_init
+        assert second  # the second job's thread connected: the first one's did not take its place

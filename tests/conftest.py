@@ -10,6 +10,11 @@ import torch
 # never copies a live OpenMP pool.
 torch.set_num_threads(1)
 
+# torch's TCPStore looks up the peer's host name on every connection (the job's store in pz.init, the
+# flight recorder's, torch.distributed's). Where the name server drops a query, glibc waits 5 s before it
+# asks again; each rank that forks from here asks after 1 s instead (see docs/troubleshooting.md).
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
+
 
 def _shm_segments():
     return set(glob.glob("/dev/shm/pz*"))

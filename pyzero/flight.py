@@ -420,10 +420,11 @@ def _answer_loop(store, prefix: str, rank: int, connected: threading.Event, lock
         connected.set()
         return
     with lock:
-        connected.set()
         if _proc.prefix != prefix:  # the job ended while connecting
+            connected.set()
             return
         _proc.store = asking
+        connected.set()
     n = 0
     while True:
         key = f"{prefix}/{rank}/req{n + 1}"

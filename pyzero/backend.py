@@ -73,8 +73,15 @@ def tensor_code(t, arg: str) -> int:
 
 
 def check_contiguous(t: torch.Tensor, arg: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{arg}: expected a contiguous tensor (call .contiguous() first)")
+    try:
+        if t.is_contiguous():
+            return
+    except RuntimeError:  # (sparse compressed layouts have no is_contiguous)
+        pass
+    if t.layout is not torch.strided:
+        raise TypeError(f"{arg}: expected a dense (torch.strided) tensor, got a {t.layout} tensor (call .to_dense() "
+                        "first)")
+    raise ValueError(f"{arg}: expected a contiguous tensor (call .contiguous() first)")
 
 
 # ---------------------------------------------------------------------------

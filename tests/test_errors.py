@@ -60,6 +60,8 @@ BAD_ARGS = {
     "non_contiguous": ("ValueError", ["tensor", "contiguous"]),
     "non_contiguous_inp": ("ValueError", ["inp", "contiguous"]),
     "non_contiguous_out": ("ValueError", ["out", "contiguous"]),
+    "sparse": ("TypeError", ["tensor", "dense", "sparse_coo", "to_dense()"]),
+    "sparse_csr_out": ("TypeError", ["out", "dense", "sparse_csr", "to_dense()"]),
     "dtype_uint8": ("TypeError", ["tensor", "uint8"]),
     "dtype_complex": ("TypeError", ["tensor", "complex64"]),
     "dtype_bool_broadcast": ("TypeError", ["tensor", "bool"]),
@@ -156,6 +158,8 @@ def _rank_bad_args():
     o["non_contiguous"] = outcome(lambda: pz.all_reduce(torch.ones(4, 4).t()))
     o["non_contiguous_inp"] = outcome(lambda: pz.reduce_scatter(out, torch.ones(2 * n * k)[::2]))
     o["non_contiguous_out"] = outcome(lambda: pz.all_gather(torch.ones(2 * n * k)[::2], torch.ones(k)))
+    o["sparse"] = outcome(lambda: pz.all_reduce(torch.ones(4).to_sparse()))
+    o["sparse_csr_out"] = outcome(lambda: pz.all_gather(torch.zeros(n, k).to_sparse_csr(), torch.ones(k)))
     o["dtype_uint8"] = outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.uint8)))
     o["dtype_complex"] = outcome(lambda: pz.all_reduce(torch.ones(4, dtype=torch.complex64)))
     o["dtype_bool_broadcast"] = outcome(lambda: pz.broadcast(torch.ones(4, dtype=torch.bool), src=0))

@@ -387,6 +387,10 @@ def test_worker_call_order_and_argument_errors():
                                                        f"seconds, got {bad!r}")):
             idle.serve(idle_timeout=bad)
         assert idle.address is None  # refused before it listened
+    model = make_model()
+    with pytest.raises(TypeError, match=re.escape("optimizer_class: expected a torch.optim.Optimizer subclass, got an "
+                                                  "optimizer built already (SGD; pass the class and its arguments)")):
+        pz.ps.Server(model, torch.optim.SGD(model.parameters(), lr=1.0), 0, 1)
 
 
 def test_worker_refuses_non_fp32_models():

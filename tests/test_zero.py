@@ -320,7 +320,7 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "muon_subclass": (lambda m: pz.ZeroOptimizer(m, type("MyMuon", (torch.optim.Muon,), {}), stage=1), "ValueError",
                       ["optimizer_class: MyMuon computes on whole parameter tensors", "orthogonalised"]),
     "optimizer_instance": (lambda m: pz.ZeroOptimizer(m, AdamW(m.parameters())), "TypeError",
-                           ["optimizer_class"]),
+                           ["optimizer_class", "an optimizer built already (AdamW)", "pass the class"]),
     "not_a_module": (lambda m: pz.ZeroOptimizer(list(m.parameters()), AdamW), "TypeError", ["model", "Module"]),
     "mixed_devices": (lambda m: pz.ZeroOptimizer(_on_meta(), AdamW), "ValueError", ["devices", "meta"]),
     "wrong_device": (lambda m: pz.ZeroOptimizer(MLP().to("meta"), AdamW), "ValueError",

@@ -88,7 +88,9 @@ class Server:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+            got = (f"an optimizer built already ({type(optimizer_class).__name__}; pass the class and its arguments)"
+                   if isinstance(optimizer_class, torch.optim.Optimizer) else repr(optimizer_class))
+            raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {got}")
         check_num_servers(num_servers)
         if not is_int(index) or not 0 <= index < num_servers:
             raise ValueError(f"index: expected 0 <= index < num_servers={num_servers}, got {index!r}")

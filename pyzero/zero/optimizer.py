@@ -117,8 +117,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("model: it is (or holds) a pz.DataParallel, which reduces the gradients itself; give "
                              "ZeroOptimizer the module without DataParallel (ZeRO does the data parallelism)")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            got = (f"an optimizer built already ({type(optimizer_class).__name__}); pass the class and its arguments, "
+                   "e.g. pz.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3): each rank builds one on its shard"
+                   if isinstance(optimizer_class, torch.optim.Optimizer) else repr(optimizer_class))
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
-                            f"got {optimizer_class!r}")
+                            f"got {got}")
         why = whole_tensor_optimizer(optimizer_class)
         if why is not None:
             raise ValueError(f"optimizer_class: {why}; use an elementwise optimizer (torch.optim.AdamW, Adam, SGD, "

@@ -162,7 +162,7 @@ def _check_pair(model, opt) -> None:
                          "the ZeroOptimizer (or a module holding it)")
 
 
-def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None = None,
+def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_state: dict | None = None,
          optimizer_state: bool = True) -> str:
     """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
 
@@ -179,6 +179,7 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
     cannot be saved), every rank raises CheckpointError naming the rank and its error, and
     `latest` still names the previous step.
     """
+    path = _path(path, "save")
     if not is_int(step) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     if not is_int(keep) or keep < 1:
@@ -232,6 +233,16 @@ def save(path: str, model, opt, step: int, keep: int = 3, app_state: dict | None
             error = e
     agree("publishing", error)
     return final
+
+
+def _path(path, op: str) -> str:
+    """`path` as a str (an os.PathLike, e.g. pathlib.Path, is taken); a TypeError naming it for anything else."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{op}: path: expected a directory path (str or os.PathLike), got {type(path).__name__}")
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"{op}: path: expected a str path, got {type(path).__name__}")
+    return path
 
 
 def _check_app_state(app_state, op: str) -> None:
@@ -515,7 +526,7 @@ def _gather(shards, name, start, end, take):
     return out
 
 
-def load(path: str, model, opt, fallback: bool = False, app_state: dict | None = None) -> int:
+def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state: dict | None = None) -> int:
     """Restore `model`/`opt` from the newest checkpoint in `path` (any world size, any stage); returns its step.
 
     Every file is checked against its recorded size and CRC-32 first: a damaged checkpoint raises
@@ -526,6 +537,7 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
     place as torch.distributed.checkpoint does: ``value.load_state_dict(saved)`` where the value has
     one, else ``app_state[name] = saved``; a name the checkpoint lacks is a ValueError (nothing loaded).
     """
+    path = _path(path, "load")
     if not isinstance(fallback, bool):
         raise TypeError(f"fallback: expected True or False, got {fallback!r}")
     _check_app_state(app_state, "load")
@@ -609,9 +621,9 @@ def load(path: str, model, opt, fallback: bool = False, app_state: dict | None =
     return int(meta["step"])
 
 
-def consolidate(path: str) -> dict:
+def consolidate(path: str | os.PathLike) -> dict:
     """The full fp32 state dict of the checkpoint in `path`, loadable with model.load_state_dict (no GPU, no ranks)."""
-    step_dir = _resolve(path)
+    step_dir = _resolve(_path(path, "consolidate"))
     meta = _read_meta(step_dir)
     _verify(step_dir, meta)
     shards = _read(step_dir, meta)

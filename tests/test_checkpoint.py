@@ -9,6 +9,7 @@ import errno
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -418,8 +419,11 @@ def _rank_mismatched_arguments(ckpt):
              "save_other_model": lambda: pz.checkpoint.save(ckpt, other, opt, 2),
              "save_bool_step": lambda: pz.checkpoint.save(ckpt, model, opt, True),
              "load_torch_optimizer": lambda: pz.checkpoint.load(ckpt, model, torch.optim.SGD(model.parameters())),
-             "load_other_model": lambda: pz.checkpoint.load(ckpt, other, opt)}
-    out = {}
+             "load_other_model": lambda: pz.checkpoint.load(ckpt, other, opt),
+             "save_no_path": lambda: pz.checkpoint.save(None, model, opt, 2),
+             "load_int_path": lambda: pz.checkpoint.load(3, model, opt),
+             "consolidate_bytes_path": lambda: pz.checkpoint.consolidate(ckpt.encode())}
+    out = {"pathlib": pz.checkpoint.load(pathlib.Path(ckpt), model, opt)}
     for name, call in calls.items():
         try:
             call()
@@ -432,17 +436,22 @@ def _rank_mismatched_arguments(ckpt):
 
 def test_save_and_load_check_what_they_are_given(tmp_path):
     """An optimizer that is not a ZeroOptimizer, a model that is not the one it trains (whose buffers
-    would be saved or overwritten beside its weights), a bool step: errors naming the argument, on
-    every rank, and nothing saved."""
+    would be saved or overwritten beside its weights), a bool step, a path that is not one: errors naming the
+    argument, on every rank, and nothing saved; a pathlib.Path is a path."""
     want = {"save_torch_optimizer": ("TypeError", "opt: expected a pz.ZeroOptimizer"),
             "save_other_model": ("ValueError", "model: it does not hold the parameters"),
             "save_bool_step": ("ValueError", "step: expected a non-negative int, got True"),
             "load_torch_optimizer": ("TypeError", "opt: expected a pz.ZeroOptimizer"),
-            "load_other_model": ("ValueError", "model: it does not hold the parameters")}
+            "load_other_model": ("ValueError", "model: it does not hold the parameters"),
+            "save_no_path": ("TypeError", "save: path: expected a directory path (str or os.PathLike), got NoneType"),
+            "load_int_path": ("TypeError", "load: path: expected a directory path (str or os.PathLike), got int"),
+            "consolidate_bytes_path": ("TypeError", "consolidate: path: expected a directory path (str or "
+                                                    "os.PathLike), got bytes")}
     for r in run_ranks(_rank_mismatched_arguments, 2, args=(str(tmp_path / "ck"),), timeout=60):
         for name, (kind, words) in want.items():
             assert r.value[name][0] == kind and words in r.value[name][1], (name, r.value[name])
         assert r.value["listing"] == ["latest", "step_00000001"]
+        assert r.value["pathlib"] == 1
 
 
 def _rank_regrouped(ckpt):

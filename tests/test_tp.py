@@ -72,17 +72,18 @@ def forward_backward(model, x, t, sp=False):
     return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_against(results, ref):
-    """results: per rank, {config: forward_backward(...)}; ref: forward_backward of the reference."""
+def check_against(results, ref, tol=TOL):
+    """results: per rank, {config: forward_backward(...)}; ref: forward_backward of the reference (outputs,
+    gradients and their dtypes alike)."""
     y_ref, dx_ref, grads_ref = ref
     for res in results:
         for config, (y, dx, grads) in res.value.items():
             where = f"rank {res.rank}, config {config}"
-            torch.testing.assert_close(y, y_ref, **TOL, msg=lambda m: f"{where} output: {m}")
-            torch.testing.assert_close(dx, dx_ref, **TOL, msg=lambda m: f"{where} input grad: {m}")
+            torch.testing.assert_close(y, y_ref, **tol, msg=lambda m: f"{where} output: {m}")
+            torch.testing.assert_close(dx, dx_ref, **tol, msg=lambda m: f"{where} input grad: {m}")
             assert sorted(grads) == sorted(grads_ref), where
             for name, g_ref in grads_ref.items():
-                torch.testing.assert_close(grads[name], shard_of(name, g_ref, res.rank, len(results)), **TOL,
+                torch.testing.assert_close(grads[name], shard_of(name, g_ref, res.rank, len(results)), **tol,
                                            msg=lambda m: f"{where} grad {name}: {m}")
 
 
@@ -94,6 +95,15 @@ def rank_models(which):
     pz.init()
     x, t = make_data()
     out = {}
+    if which == "mlp-autocast":
+        for overlap, sp in CONFIGS:
+            ref = make_mlp()
+            opts = dict(sequence_parallel=sp, overlap=overlap)
+            model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
+                        pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
+        return out
     for overlap, sp in CONFIGS:
         opts = dict(sequence_parallel=sp, overlap=overlap)
         if which == "mlp":
@@ -116,6 +126,15 @@ def test_mlp_matches_single_process(nprocs):
     results = run_ranks(rank_models, nprocs, args=("mlp",))
     check_against(results, forward_backward(make_mlp(), *make_data()))
     assert len(results[0].value) == len(CONFIGS) + 1
+
+
+def test_mlp_under_autocast_matches_single_process():
+    """Under torch.autocast (bf16) the layers compute in bf16 and return bf16 as nn.Linear does, the fp32
+    parameters get fp32 gradients (the overlapped ops mixed bf16 and fp32 in their backward)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = forward_backward(make_mlp(), *make_data())
+    assert ref[0].dtype == torch.bfloat16 and ref[2]["fc1.weight"].dtype == torch.float32
+    check_against(run_ranks(rank_models, 2, args=("mlp-autocast",)), ref, tol=dict(rtol=2e-2, atol=2e-2))
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

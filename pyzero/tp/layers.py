@@ -26,6 +26,14 @@ from . import overlap as O
 from ..checks import is_int
 
 
+def _in_dtype_of(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The bias to add to y: under torch.autocast in y's (the autocast) dtype, as torch's linear adds it; else as
+    it is."""
+    if bias.dtype != y.dtype and torch.is_autocast_enabled(y.device.type):
+        return bias.to(y.dtype)
+    return bias
+
+
 def _positive_int(value, arg: str) -> int:
     if not is_int(value):
         raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
@@ -121,7 +129,7 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             y = F.linear(C.copy_to_tp(x, g), self.weight)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + _in_dtype_of(self.bias, y)
         return C.gather_from_tp(y, g) if self.gather_output else y
 
 
@@ -159,12 +167,12 @@ class RowParallelLinear(_ParallelLinear):
             x = C.scatter_to_tp(x, g)
         if not self.sequence_parallel:
             y = C.reduce_from_tp(F.linear(x, self.weight), g)
-            return y + self.bias if self.bias is not None else y
+            return y + _in_dtype_of(self.bias, y) if self.bias is not None else y
         if self.overlap:
             y = O.matmul_reduce_scatter(x, self.weight, g)
         else:
             y = C.reduce_scatter_to_sp(F.linear(x, self.weight), g)
         if self.bias is not None:
             # Each rank adds the bias to its own tokens only: f sums the bias gradient over the group.
-            y = y + C.copy_to_tp(self.bias, g)
+            y = y + C.copy_to_tp(_in_dtype_of(self.bias, y), g)
         return y

@@ -30,6 +30,8 @@ block moves. Both ops are differentiable and their backward overlaps too
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .communications import tp_group
@@ -41,6 +43,19 @@ from .ring import (  # noqa: F401  (the ring helpers, also used from here)
     ring_matmul_reduce_scatter,
     ring_reduce_scatter,
 )
+
+
+def _autocast(x, weight):
+    """Under torch.autocast the overlapped matmuls compute in its dtype, as torch's linear does: x and the weight
+    are cast first (autograd ops: an fp32 weight gets its gradient in fp32), and the op runs with autocast off (its
+    matmuls write into buffers, where autocast does not cast, and its backward must not mix dtypes)."""
+    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_floating_point() \
+            and weight.is_floating_point():
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            return x.to(dt), weight.to(dt), torch.autocast(dev, enabled=False)
+    return x, weight, contextlib.nullcontext()
 
 
 def _check_matmul(x, weight, x_arg: str, min_dim: int = 2):
@@ -139,29 +154,35 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group=None) -
     """``all_gather(x_shard, dim 0) @ weight.T`` with the gather split into ring
     steps under the matmuls. x_shard (m, ..., k), weight (o, k) -> (n*m, ..., o)."""
     g = tp_group(group)
+    x_shard, weight, autocast_off = _autocast(x_shard, weight)
     _check_matmul(x_shard, weight, "x_shard")
-    if torch.compiler.is_compiling():
-        return _ops().all_gather_matmul(x_shard, weight, g.name)
-    return _AllGatherMatmul.apply(x_shard, weight, g)
+    with autocast_off:
+        if torch.compiler.is_compiling():
+            return _ops().all_gather_matmul(x_shard, weight, g.name)
+        return _AllGatherMatmul.apply(x_shard, weight, g)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
     """``reduce_scatter(x @ weight.T, dim 0)`` computed block by block with the
     partial sums passed around the ring. x (n*m, ..., k), weight (o, k) -> (m, ..., o)."""
     g = tp_group(group)
+    x, weight, autocast_off = _autocast(x, weight)
     _check_matmul(x, weight, "x")
     if x.shape[0] % g.size:
         raise ValueError(f"x: dim 0 (sequence length) {x.shape[0]} is not divisible by the tensor-parallel "
                          f"group size {g.size}; expected a multiple of {g.size}")
-    if torch.compiler.is_compiling():
-        return _ops().matmul_reduce_scatter(x, weight, g.name)
-    return _MatmulReduceScatter.apply(x, weight, g)
+    with autocast_off:
+        if torch.compiler.is_compiling():
+            return _ops().matmul_reduce_scatter(x, weight, g.name)
+        return _MatmulReduceScatter.apply(x, weight, g)
 
 
 def linear_async_all_reduce(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
     """``x @ weight.T`` whose backward all-reduces dx over the group while dw is computed."""
     g = tp_group(group)
+    x, weight, autocast_off = _autocast(x, weight)
     _check_matmul(x, weight, "x", min_dim=1)
-    if torch.compiler.is_compiling():
-        return _ops().linear_all_reduce(x, weight, g.name)
-    return _LinearAsyncAllReduce.apply(x, weight, g)
+    with autocast_off:
+        if torch.compiler.is_compiling():
+            return _ops().linear_all_reduce(x, weight, g.name)
+        return _LinearAsyncAllReduce.apply(x, weight, g)

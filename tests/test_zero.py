@@ -26,7 +26,7 @@ OPTS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
         "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
         "adagrad": (torch.optim.Adagrad, dict(lr=0.05))}
 BASE = dict(model="mlp", opt="adamw", steps=3, clip=(0.5, 2.0), groups=False, accum=1, bucket_mb=25,
-            overlap=True, dtype=None, sched=None, zero="opt", discard=False, eval=False)
+            overlap=True, dtype=None, sched=None, zero="opt", discard=False, eval=False, clip_with="opt")
 # name: changes to BASE; each runs under every stage
 VARIANTS = {"adamw": {}, "sgd": dict(opt="sgd", clip=(0.5, float("inf"))), "unused": dict(model="unused"),
             "groups": dict(groups=True), "accum": dict(opt="sgd", accum=3), "adagrad": dict(opt="adagrad"),
@@ -34,7 +34,9 @@ VARIANTS = {"adamw": {}, "sgd": dict(opt="sgd", clip=(0.5, float("inf"))), "unus
             "lambda_lr": dict(sched="lambda"), "step_lr": dict(opt="sgd", sched="step"),
             "tied": dict(model="tied"), "model_zero_grad": dict(zero="model"),
             "discarded_backward": dict(discard=True), "eval_forward": dict(eval=True),
-            "reused_layer": dict(model="reuse"), "bf16": dict(dtype=torch.bfloat16, steps=4)}
+            "reused_layer": dict(model="reuse"), "bf16": dict(dtype=torch.bfloat16, steps=4),
+            # torch.nn.utils.clip_grad_norm_(model.parameters()) (a frozen and a tied parameter among them)
+            "torch_clip": dict(model="tied", clip_with="torch")}
 
 
 class MLP(nn.Module):
@@ -134,9 +136,12 @@ def train(s, world=None, model=None, before=None):
             with opt.no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
                 (loss_fn(s, model, x[lo:lo + per], y[lo:lo + per]) / len(micro)).backward()
         if s["clip"]:
-            clip = opt.clip_grad_norm_ if world else (
-                lambda m, t: nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], m, t))
-            norms.append(float(clip(*s["clip"])))
+            if world and s["clip_with"] == "opt":
+                norm = opt.clip_grad_norm_(*s["clip"])
+            else:  # torch's function; under ZeRO on the whole model, as a script written for torch calls it
+                params = model.parameters() if world else [p for p in model.parameters() if p.requires_grad]
+                norm = nn.utils.clip_grad_norm_(params, *s["clip"])
+            norms.append(float(norm))
         opt.step()
         if sched is not None:
             sched.step()
@@ -355,6 +360,15 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
     "clip_before_backward": (lambda o: o.clip_grad_norm_(1.0), "RuntimeError", ["clip_grad_norm_", "backward"]),
     "clip_negative": (lambda o: o.clip_grad_norm_(-1.0), "ValueError", ["max_norm"]),
     "clip_norm_type": (lambda o: o.clip_grad_norm_(1.0, norm_type="fro"), "ValueError", ["norm_type"]),
+    "clip_error_if_nonfinite": (lambda o: o.clip_grad_norm_(1.0, error_if_nonfinite=1), "TypeError",
+                                ["error_if_nonfinite: expected True or False"]),
+    # torch's functions on the parameters a ZeroOptimizer trains: its clip_grad_norm_, or errors
+    "torch_clip_before_backward": (lambda o: nn.utils.clip_grad_norm_(o.model.parameters(), 1.0), "RuntimeError",
+                                   ["clip_grad_norm_", "backward"]),
+    "torch_clip_part": (lambda o: nn.utils.clip_grad_norm_(list(o.model.parameters())[:1], 1.0), "ValueError",
+                        ["torch.nn.utils.clip_grad_norm_: parameters", "pass model.parameters()"]),
+    "torch_clip_value": (lambda o: nn.utils.clip_grad_value_(o.model.parameters(), 1.0), "ValueError",
+                         ["torch.nn.utils.clip_grad_value_", "clip by norm"]),
     "closure": (lambda o: o.step(closure=lambda: 0.0), "ValueError", ["closure"]),
     "add_param_group": (lambda o: o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), "ValueError",
                         ["add_param_group", "param_groups="]),
@@ -385,7 +399,21 @@ def _rank_world1():
         out["untouched"] &= all(torch.equal(v, before[k]) for k, v in opt.full_state_dict().items())
     # The same model then trains exactly like torch: the failed calls left nothing behind.
     return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse),
-            "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)}}
+            "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)},
+            "nonfinite": {stage: nonfinite_clip(stage) for stage in (None, 2)}}
+
+
+def nonfinite_clip(stage):
+    """torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) on a NaN gradient: plain torch (stage None)
+    or ZeRO; the error, and whether a step after it still finds the gradients (nothing consumed)."""
+    s = spec("adamw", stage or 1)
+    model = build(s)
+    opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2) if stage else AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(s, 0, 0)
+    x[0, 0] = float("nan")
+    loss_fn(s, model, x, y).backward()
+    error = outcome(lambda: nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True))
+    return error, outcome(opt.step)
 
 
 def shard_state_round_trip(stage):
@@ -457,6 +485,13 @@ def test_a_cpu_model_on_a_gpu_group_is_told_the_device_to_move_to():
     fake = SimpleNamespace(params=[torch.zeros(2)], group=SimpleNamespace(device=0))
     with pytest.raises(ValueError, match=r"works on cuda:0, but the parameters are on cpu .*model\.to\('cuda:0'\)"):
         pz.ZeroOptimizer._check_devices(fake)
+
+
+def test_torch_clip_error_if_nonfinite_as_torch(world1):
+    """error_if_nonfinite=True: torch's error, raised before anything is clipped or consumed."""
+    torch_error, zero_error = world1["nonfinite"][None], world1["nonfinite"][2]
+    assert torch_error[0] == ("RuntimeError", torch_error[0][1]) and "non-finite" in torch_error[0][1], torch_error
+    assert zero_error == torch_error, (zero_error, torch_error)
 
 
 def test_bad_input_leaves_the_model_usable(world1):

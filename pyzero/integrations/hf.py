@@ -68,6 +68,7 @@ from .. import checkpoint, comm, wrappers
 from . import _dist
 from ..parallel import DataParallel
 from ..zero import ZeroOptimizer, owner
+from ..zero.clip import refuse_clip_by_value, zero_of_params
 from ..zero.optimizer import whole_tensor_optimizer
 
 __all__ = ["CHECKPOINT_DIR", "STRATEGIES", "PyzeroAccelerator", "PyzeroTrainer", "init"]
@@ -113,19 +114,6 @@ def _options(options, stage: int | None) -> dict:
         if why is not None:
             raise ValueError(f"strategy_options: {k!r} is not a {what} option the integration passes on ({why})")
     return dict(options)
-
-
-def _zero_of_params(params: list) -> ZeroOptimizer | None:
-    """The ZeroOptimizer managing `params` (all of its trainable parameters), or None if it manages none."""
-    owners = {id(o): o for o in map(owner, params) if o is not None}
-    if not owners:
-        return None
-    opt = next(iter(owners.values()))
-    given = {id(p) for p in params if p.requires_grad}
-    if len(owners) > 1 or given != {id(p) for p in opt.params}:
-        raise ValueError("parameters: a ZeroOptimizer clips all of its model's gradients at once (their norm spans "
-                         "every rank's shard); pass model.parameters() of the model it manages")
-    return opt
 
 
 class PyzeroAccelerator(Accelerator):
@@ -231,18 +219,14 @@ class PyzeroAccelerator(Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
-        zero = _zero_of_params(params)
+        zero = zero_of_params(params, "clip_grad_norm_")
         if zero is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
         return zero.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, parameters, clip_value):
         params = list(parameters)
-        if any(owner(p) is not None for p in params):
-            raise ValueError("clip_grad_value_: a ZeroOptimizer averages the gradients over the ranks into its shards "
-                             "(stage 1 at its step, from the local .grad this would clip; stages 2 and 3 in "
-                             "backward, leaving no .grad), out of reach of clipping each .grad by value; clip by "
-                             "norm with clip_grad_norm_, which spans every rank's shard")
+        refuse_clip_by_value(params, "clip_grad_value_")
         return super().clip_grad_value_(params, clip_value)
 
     # ---- state -----------------------------------------------------------------

@@ -3,6 +3,9 @@ from .memory import estimate_memory
 from . import stage3, stages  # noqa: F401  (register stages 1-3 with ZeroOptimizer)
 from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, model_state, owner, register_stage
 from .partition import FlatLayout, Piece, ShardInfo
+from . import clip
+
+clip.install()  # torch.nn.utils.clip_grad_norm_ of a ZeroOptimizer's parameters clips all its shards
 
 __all__ = ["ZeroOptimizer", "CollectiveCall", "owner", "register_stage", "estimate_memory", "FlatLayout", "Piece",
            "ShardInfo", "ShardedParametersWarning", "model_state"]

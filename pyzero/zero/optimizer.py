@@ -622,12 +622,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "(the weights were not touched)")
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
         """Clip the gradients of the whole model (all shards); returns the total norm, like torch's.
 
         The arithmetic is torch.nn.utils.clip_grad_norm_'s (fp32 norm of the per-tensor norms, one
         fp32 coefficient), so a group of one rank clips bit for bit like torch. Across ranks the
-        per-rank norms are combined in fp64.
+        per-rank norms are combined in fp64. ``error_if_nonfinite``: as torch's, a RuntimeError (on every
+        rank, nothing clipped) when the norm is NaN or infinite (not for an fp16 overflow, which step()
+        skips).
         """
         if not is_real(max_norm) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a non-negative number, got {max_norm!r}")
@@ -637,6 +640,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type: expected a number or float('inf'), got {norm_type!r}") from None
         if not norm_type > 0:
             raise ValueError(f"norm_type: expected a positive p (or inf), got {norm_type!r}")
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite: expected True or False, got {error_if_nonfinite!r}")
         self._require_grads("clip_grad_norm_")
         self._check_loop_shape("clip_grad_norm_")
         self._clipped = True
@@ -669,6 +674,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._host and self._clip_coef is not None:
             # (clipped before in this step: the step applies that coefficient, the norm is of the clipped gradients)
             total = total * self._clip_coef
+        if error_if_nonfinite and not torch.isfinite(total):  # (the same total on every rank)
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         if self._host:  # the step applies it (see _host_step)
             self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef

@@ -1,0 +1,83 @@
+"""torch.nn.utils.clip_grad_norm_ and clip_grad_value_ on the parameters a ZeroOptimizer trains.
+
+After backward a ZeroOptimizer's gradients are in its buckets and shards, not in ``p.grad`` (None in
+stages 2 and 3; in stage 1 this rank's own, unreduced): torch's functions would clip nothing there,
+or clip each rank's part by its own norm before the average. FSDP2's sharded gradients make torch's
+``clip_grad_norm_`` clip the whole model; so does pyzero's version of it, which ``import pyzero``
+puts in torch's place: parameters a ZeroOptimizer trains go to its ``clip_grad_norm_`` (the global
+norm over every rank's shard, torch's arithmetic), every other call to torch's unchanged (also
+inside torch.compile, where it is not looked at). ``clip_grad_value_`` on them raises: an average
+of clipped parts is not the clipped average.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .optimizer import ZeroOptimizer, owner
+
+
+def zero_of_params(params: list, what: str) -> ZeroOptimizer | None:
+    """The ZeroOptimizer managing `params` (all of its trainable parameters), or None if it manages none;
+    a ValueError naming `what` for a part of its parameters or parameters of two."""
+    owners = {id(o): o for o in map(owner, params) if o is not None}
+    if not owners:
+        return None
+    opt = next(iter(owners.values()))
+    given = {id(p) for p in params if p.requires_grad}
+    if len(owners) > 1 or given != {id(p) for p in opt.params}:
+        raise ValueError(f"{what}: parameters: a ZeroOptimizer clips all of its model's gradients at once (their "
+                         "norm spans every rank's shard); pass model.parameters() of the model it manages")
+    return opt
+
+
+def refuse_clip_by_value(params: list, what: str) -> None:
+    """A ValueError naming `what` if a ZeroOptimizer trains any of `params`."""
+    if any(owner(p) is not None for p in params):
+        raise ValueError(f"{what}: a ZeroOptimizer averages the gradients over the ranks into its shards (stage 1 at "
+                         "its step, from the local .grad this would clip; stages 2 and 3 in backward, leaving no "
+                         ".grad), out of reach of clipping each .grad by value; clip by norm with clip_grad_norm_, "
+                         "which spans every rank's shard")
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+# torch's own (a second import of this module, as importlib.reload makes, finds these wrappers in their place)
+_torch_clip_grad_norm_ = getattr(torch.nn.utils.clip_grad.clip_grad_norm_, "_pz_torch",
+                                 torch.nn.utils.clip_grad.clip_grad_norm_)
+_torch_clip_grad_value_ = getattr(torch.nn.utils.clip_grad.clip_grad_value_, "_pz_torch",
+                                  torch.nn.utils.clip_grad.clip_grad_value_)
+
+
+@functools.wraps(_torch_clip_grad_norm_, assigned=("__name__", "__qualname__", "__doc__"))
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    if torch.compiler.is_compiling():
+        return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    params = _as_list(parameters)
+    zero = zero_of_params(params, "torch.nn.utils.clip_grad_norm_")
+    if zero is None:
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    return zero.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+
+@functools.wraps(_torch_clip_grad_value_, assigned=("__name__", "__qualname__", "__doc__"))
+def clip_grad_value_(parameters, clip_value, foreach=None):
+    if torch.compiler.is_compiling():
+        return _torch_clip_grad_value_(parameters, clip_value, foreach)
+    params = _as_list(parameters)
+    refuse_clip_by_value(params, "torch.nn.utils.clip_grad_value_")
+    return _torch_clip_grad_value_(params, clip_value, foreach)
+
+
+clip_grad_norm_._pz_torch = _torch_clip_grad_norm_
+clip_grad_value_._pz_torch = _torch_clip_grad_value_
+
+
+def install() -> None:
+    """Put these in torch.nn.utils' place (import pyzero does)."""
+    for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
+        mod.clip_grad_norm_ = clip_grad_norm_
+        mod.clip_grad_value_ = clip_grad_value_

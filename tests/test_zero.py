@@ -8,6 +8,7 @@ plain dicts, so the whole matrix costs two rank launches.
 import contextlib
 import copy
 import functools
+import math
 import warnings
 
 import pytest
@@ -400,7 +401,27 @@ def _rank_world1():
     # The same model then trains exactly like torch: the failed calls left nothing behind.
     return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse),
             "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)},
-            "nonfinite": {stage: nonfinite_clip(stage) for stage in (None, 2)}}
+            "nonfinite": {stage: nonfinite_clip(stage) for stage in (None, 2)},
+            "grad_scaler": {stage: grad_scaler_refused(stage) for stage in (1, 2, 3)}}
+
+
+def grad_scaler_refused(stage):
+    """The inner optimizer's leaves (opt.param_groups, which torch.amp.GradScaler walks) read safely after
+    zero_grad and after backward (a released gradient segment was read as a dangling view: a segfault in stage
+    1), and GradScaler's unscale_ and step refuse the optimizer (before anything is unscaled or stepped)."""
+    s = spec("adamw", stage)
+    model = build(s)
+    opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2)
+    before = {k: v.clone() for k, v in opt.full_state_dict().items()}
+    scaler = torch.amp.GradScaler("cpu")
+    leaves = [p for g in opt.param_groups for p in g["params"]]
+    opt.zero_grad()
+    after_zero = [p.grad for p in leaves]
+    scaler.scale(loss_fn(s, model, *batch(s, 0, 0))).backward()
+    sums = [float(p.grad.sum()) for p in leaves if p.grad is not None]  # (reads every element)
+    refused = [outcome(lambda: scaler.unscale_(opt)), outcome(lambda: scaler.step(opt))]
+    unchanged = all(torch.equal(v, before[k]) for k, v in opt.full_state_dict().items())
+    return {"after_zero": after_zero, "sums": sums, "refused": refused, "unchanged": unchanged}
 
 
 def nonfinite_clip(stage):
@@ -485,6 +506,19 @@ def test_a_cpu_model_on_a_gpu_group_is_told_the_device_to_move_to():
     fake = SimpleNamespace(params=[torch.zeros(2)], group=SimpleNamespace(device=0))
     with pytest.raises(ValueError, match=r"works on cuda:0, but the parameters are on cpu .*model\.to\('cuda:0'\)"):
         pz.ZeroOptimizer._check_devices(fake)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_scaler_is_refused_and_param_groups_read_safely(world1, stage):
+    r = world1["grad_scaler"][stage]
+    assert r["after_zero"] == [None] * len(r["after_zero"])  # as torch's zero_grad() leaves them
+    assert all(math.isfinite(x) for x in r["sums"])
+    if stage > 1:  # the reduced shard, in the leaves from backward on (stage 1 reduces at step())
+        assert len(r["sums"]) > 0
+    for kind, msg in r["refused"]:  # unscale_, step
+        assert kind == "RuntimeError" and "torch.amp.GradScaler does not work with a ZeroOptimizer" in msg \
+            and "loss_scale='dynamic'" in msg, r["refused"]
+    assert r["unchanged"]
 
 
 def test_torch_clip_error_if_nonfinite_as_torch(world1):

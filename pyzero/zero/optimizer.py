@@ -428,8 +428,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # that writes the whole segment writes straight into it (_grad_target), others are
         # added (_add_grad). So between steps, through forward and while backward has not yet
         # reached a bucket, no gradient memory is held, and backward allocates it bucket by
-        # bucket, as plain torch allocates .grad. Views of a segment (the inner optimizer's
-        # leaves' .grad) stay valid across release and regrowth (the storage is resized in place).
+        # bucket, as plain torch allocates .grad. Views of a segment stay valid across release and
+        # regrowth (the storage is resized in place), but one read while released reads memory that is
+        # not there: the inner optimizer's leaves (opt.param_groups, which code such as
+        # torch.amp.GradScaler walks) hold their views as .grad only while the segment is live.
+        segment_of = {id(g): k for k, g in enumerate(self._shard_grads)}
+        self._leaves_of: list[list] = [[] for _ in self._shard_grads]  # per segment: (leaf, its view)
+        for _, leaf, g in [] if self._host else self.pieces:  # (host segments are never released)
+            k = segment_of.get(id(g._base)) if g is not None and g.dtype == torch.float32 else None
+            if k is not None:
+                self._leaves_of[k].append((leaf, g))
         self._grad_live = [True] * len(self._shard_grads)
         self._direct: set[int] = set()  # segments a reduction of this backward writes straight into
         if not self._host:
@@ -447,6 +455,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # take the values of these (param_groups) when step() starts the job (_sync_groups).
     @property
     def param_groups(self) -> list[dict]:
+        if _called_by_grad_scaler():
+            raise RuntimeError("torch.amp.GradScaler does not work with a ZeroOptimizer (it would unscale and check "
+                               "for overflow only what this rank holds of the gradients: ranks could step and skip "
+                               "apart); give the ZeroOptimizer loss_scale='dynamic' (GradScaler's rules, every "
+                               "rank's gradients checked) and use opt.scale_loss(loss).backward() and opt.step() "
+                               "instead of the scaler")
         inner = self.inner.param_groups
         if self._delayed is None:
             return inner
@@ -533,6 +547,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         g = self._shard_grads[k]
         if g.numel():
             g.untyped_storage().resize_(0)
+        for leaf, _ in self._leaves_of[k]:
+            leaf.grad = None
         self._grad_live[k] = False
 
     def _grow_grad(self, k: int, zero: bool) -> torch.Tensor:
@@ -543,6 +559,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     g.untyped_storage().resize_(g.numel() * g.element_size())
                 if zero:
                     g.zero_()
+            for leaf, view in self._leaves_of[k]:
+                leaf.grad = view
             self._grad_live[k] = True
         return g
 
@@ -1481,6 +1499,19 @@ class _HostGrads:
 
 _SCALED_STEP = (pz_optim.Adam, pz_optim.SGD, pz_optim.Adagrad)  # step(grad_scale=) in the kernel's pass
 _STEP_CHUNK_ELEMS = 1 << 26  # a chunk of the host step that sends its values on (see [Note: chunked host step])
+
+
+def _called_by_grad_scaler() -> bool:
+    """Whether the caller's caller is torch.amp.GradScaler (unscale_ or step, which read param_groups to unscale
+    and check each .grad), a few frames up."""
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__") == "torch.amp.grad_scaler":
+            return True
+        f = f.f_back
+    return False
 
 
 def _host_copies(device: torch.device) -> bool:

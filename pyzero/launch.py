@@ -15,6 +15,7 @@ import codecs
 import faulthandler
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -58,6 +59,24 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def free_port() -> int:
+    """A TCP port nothing listens on now, for a job's store. Picked below the kernel's ephemeral port range
+    where one is free: a port from bind(0) lies in that range, where any outgoing connection (a store client's
+    among them) may take it as its local port before the store listens on it (EADDRINUSE at pz.init)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.SystemRandom()
+    for _ in range(32) if low > 2048 else ():
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

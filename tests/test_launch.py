@@ -259,3 +259,19 @@ def test_without_nproc_drops_only_the_launch_count():
     assert without_nproc(["--a", "1", "--nproc", "2", "--b", "--nproc=3", "--nprocs", "4"]) == \
         ["--a", "1", "--b", "--nprocs", "4"]
     assert without_nproc([]) == []
+
+
+def test_free_port_lies_below_the_ephemeral_range():
+    """A port from bind(0) can be taken as the local port of any outgoing connection before the store
+    listens on it; free_port picks one outside that range, that binds."""
+    import socket  # noqa: PLC0415
+
+    from pyzero.launch import free_port  # noqa: PLC0415
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(8)]
+    for port in ports:
+        assert 1024 <= port < low, (port, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
+    assert len(set(ports)) > 1  # (drawn at random: two jobs started together rarely meet)

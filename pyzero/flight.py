@@ -312,7 +312,8 @@ def listen(store) -> None:
     opened while ranks are still joining can stall the store for seconds)."""
     if _proc.world < 2 or _proc.thread is not None:
         return
-    _proc.thread = threading.Thread(target=_answer_loop, args=(store, _proc.prefix, _proc.rank, _proc.connected, _proc.lock),
+    _proc.thread = threading.Thread(target=_answer_loop,
+                                    args=(store, _proc.prefix, _proc.rank, _proc.connected, _proc.lock),
                                     name="pyzero-flight", daemon=True)
     _proc.thread.start()
 

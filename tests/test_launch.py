@@ -228,7 +228,8 @@ def test_an_interrupted_parent_leaves_no_rank_running(start):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT, start, os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT, start, os.path.dirname(__file__)],
+                            stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         rank0 = int(proc.stdout.readline())  # (the echo of rank 0: both ranks have started by then or soon)

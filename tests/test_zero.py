@@ -913,3 +913,21 @@ def test_channels_last_model_trains_as_torch():
         opt.step()
     for stage, got in run_ranks(rank_channels_last, 2, timeout=60)[0].value.items():
         assert_state_close(got, model.state_dict(), **TOL)
+
+
+def test_torch_clip_of_other_parameters_is_torch_s():
+    """import pyzero puts its clip_grad_norm_ / clip_grad_value_ in torch.nn.utils' place: parameters no
+    ZeroOptimizer trains are clipped as torch does (computed here by hand)."""
+    assert nn.utils.clip_grad_norm_.__module__ == "pyzero.zero.clip"
+    torch.manual_seed(0)
+    model = MLP()
+    model(torch.randn(4, IN)).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    got = nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # a generator, as scripts pass it
+    assert torch.equal(got, norm)
+    coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
+    nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    assert all(p.grad.abs().max() <= 1e-3 for p in model.parameters())

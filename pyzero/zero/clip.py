@@ -53,23 +53,26 @@ _torch_clip_grad_value_ = getattr(torch.nn.utils.clip_grad.clip_grad_value_, "_p
 
 
 @functools.wraps(_torch_clip_grad_norm_, assigned=("__name__", "__qualname__", "__doc__"))
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
-        return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach, **kwargs)
     params = _as_list(parameters)
     zero = zero_of_params(params, "torch.nn.utils.clip_grad_norm_")
     if zero is None:
-        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach, **kwargs)
+    if kwargs:  # (arguments a later torch may add: not guessed at)
+        raise TypeError(f"torch.nn.utils.clip_grad_norm_: {sorted(kwargs)} are not taken for a ZeroOptimizer's "
+                        "parameters (it clips them with opt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite))")
     return zero.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
 
 @functools.wraps(_torch_clip_grad_value_, assigned=("__name__", "__qualname__", "__doc__"))
-def clip_grad_value_(parameters, clip_value, foreach=None):
+def clip_grad_value_(parameters, clip_value, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
-        return _torch_clip_grad_value_(parameters, clip_value, foreach)
+        return _torch_clip_grad_value_(parameters, clip_value, foreach, **kwargs)
     params = _as_list(parameters)
     refuse_clip_by_value(params, "torch.nn.utils.clip_grad_value_")
-    return _torch_clip_grad_value_(params, clip_value, foreach)
+    return _torch_clip_grad_value_(params, clip_value, foreach, **kwargs)
 
 
 clip_grad_norm_._pz_torch = _torch_clip_grad_norm_

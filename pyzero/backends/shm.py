@@ -64,13 +64,14 @@ class ShmBackend(Backend):
         return cls(comm, oneshot)
 
     def buffer(self, x, arg: str, writable: bool = True) -> Buffer:
-        try:
-            if isinstance(x, torch.Tensor) and x.is_cpu and x.is_contiguous():  # the common case, checked cheaply
-                cs = _CODE_SIZE.get(x.dtype)
-                if cs is not None:
-                    return _new_tuple(Buffer, (x.data_ptr(), x.numel(), cs[1], cs[0], 0, "torch"))
-        except RuntimeError:  # (sparse compressed layouts have no is_contiguous: refused below)
-            pass
+        if isinstance(x, torch.Tensor) and x.is_cpu:  # the common case, checked cheaply
+            try:
+                contiguous = x.is_contiguous()
+            except RuntimeError:  # (sparse compressed layouts have no is_contiguous: refused below)
+                contiguous = False
+            cs = _CODE_SIZE.get(x.dtype) if contiguous else None
+            if cs is not None:
+                return _new_tuple(Buffer, (x.data_ptr(), x.numel(), cs[1], cs[0], 0, "torch"))
         code = tensor_code(x, arg)
         check_contiguous(x, arg)
         if not x.is_cpu:

@@ -73,6 +73,27 @@ class Unscheduled(Net):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
 
 
+class Manual(Net):
+    """Net in manual optimization: manual_backward, self.clip_gradients, opt.step every second batch
+    (accumulation by hand, every backward synchronised as under DDP), opt.zero_grad, the scheduler by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(opt, gradient_clip_val=MAX_NORM, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+
 def loader():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, DIM, generator=g)
@@ -143,11 +164,14 @@ def _rank_matches_ddp():
     # configure_optimizers returning its own pz.ZeroOptimizer
     own = {"ddp": fit("ddp", module=Unscheduled()),
            "zero3": fit(pzl.PyzeroStrategy("zero3"), module=Unscheduled(zero_stage=3))}
+    manual = {"ddp": fit("ddp", module=Manual(), max_norm=None)}  # (Lightning refuses gradient_clip_val there)
+    for strategy in pzl.STRATEGIES:
+        manual[strategy] = fit(pzl.PyzeroStrategy(strategy), module=Manual(), max_norm=None)
     bf16 = {"ddp": fit("ddp", precision="bf16-mixed")}
     for strategy in ("dp", "zero2", "zero3"):
         bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
     return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16,
-                   "own": own})
+                   "own": own, "manual": manual})
 
 
 def test_matches_ddp_with_clipping_accumulation_and_bf16():
@@ -172,6 +196,10 @@ def test_matches_ddp_with_clipping_accumulation_and_bf16():
             assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
         assert all(set(s) - {"all_gather"} for s in synced), f"{name}: no reduction when synchronised: {synced}"
     assert_same_run(got["own"]["zero3"], got["own"]["ddp"], "configure_optimizers' own ZeroOptimizer")
+    ref = got["manual"].pop("ddp")
+    assert len(ref["loss"]) == 2 * STEPS and len(ref["grad_norm"]) == STEPS
+    for name, run in got["manual"].items():
+        assert_same_run(run, ref, f"{name}, manual optimization")
     bf16 = got["bf16"]
     ref = bf16.pop("ddp")
     assert_bf16_tracks(bf16, ref, fp32, BF16_SHARE)

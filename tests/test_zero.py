@@ -370,6 +370,13 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
                         ["torch.nn.utils.clip_grad_norm_: parameters", "pass model.parameters()"]),
     "torch_clip_value": (lambda o: nn.utils.clip_grad_value_(o.model.parameters(), 1.0), "ValueError",
                          ["torch.nn.utils.clip_grad_value_", "clip by norm"]),
+    # torch's own clip_grad_norm_, as a `from torch.nn.utils import clip_grad_norm_` before `import pyzero` binds it
+    "torch_clip_bound_before_import": (lambda o: nn.utils.clip_grad_norm_._pz_torch(o.model.parameters(), 1.0),
+                                       "RuntimeError",
+                                       ["clip_grads_with_norm_", "opt.clip_grad_norm_", "import pyzero"]),
+    "torch_clip_grads_with_norm": (lambda o: nn.utils.clip_grads_with_norm_(o.model.parameters(), 1.0,
+                                                                            torch.tensor(2.0)),
+                                   "RuntimeError", ["clip_grads_with_norm_", "clips nothing"]),
     "closure": (lambda o: o.step(closure=lambda: 0.0), "ValueError", ["closure"]),
     "add_param_group": (lambda o: o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), "ValueError",
                         ["add_param_group", "param_groups="]),
@@ -929,5 +936,9 @@ def test_torch_clip_of_other_parameters_is_torch_s():
     coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g * coef, rtol=1e-6, atol=0)
+    grads = [p.grad.clone() for p in model.parameters()]
+    nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, torch.tensor(4.0))
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * (0.5 / (4.0 + 1e-6)), rtol=1e-6, atol=0)
     nn.utils.clip_grad_value_(model.parameters(), 1e-3)
     assert all(p.grad.abs().max() <= 1e-3 for p in model.parameters())

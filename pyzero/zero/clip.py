@@ -7,7 +7,10 @@ or clip each rank's part by its own norm before the average. FSDP2's sharded gra
 puts in torch's place: parameters a ZeroOptimizer trains go to its ``clip_grad_norm_`` (the global
 norm over every rank's shard, torch's arithmetic), every other call to torch's unchanged (also
 inside torch.compile, where it is not looked at). ``clip_grad_value_`` on them raises: an average
-of clipped parts is not the clipped average.
+of clipped parts is not the clipped average. torch's ``clip_grads_with_norm_``, which torch's own
+``clip_grad_norm_`` calls last, refuses them too: a script that bound torch's ``clip_grad_norm_``
+before ``import pyzero`` (``from torch.nn.utils import clip_grad_norm_``) gets an error, not a
+clipping of nothing.
 """
 from __future__ import annotations
 
@@ -75,6 +78,29 @@ def clip_grad_value_(parameters, clip_value, foreach=None, **kwargs):
     return _torch_clip_grad_value_(params, clip_value, foreach, **kwargs)
 
 
+# (torch.nn.utils.clip_grads_with_norm_, since torch 2.6; torch's clip_grad_norm_ looks it up in its module)
+_torch_clip_grads_with_norm_ = getattr(torch.nn.utils.clip_grad, "_clip_grads_with_norm_", None)
+_torch_clip_grads_with_norm_ = getattr(_torch_clip_grads_with_norm_, "_pz_torch", _torch_clip_grads_with_norm_)
+
+
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, **kwargs):
+    if torch.compiler.is_compiling():
+        return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach, **kwargs)
+    params = _as_list(parameters)
+    if any(owner(p) is not None for p in params):
+        raise RuntimeError("torch.nn.utils.clip_grads_with_norm_ (which torch's clip_grad_norm_ calls) got the "
+                           "parameters a ZeroOptimizer trains: their gradients are in its shards, where torch's "
+                           "clipping computes no norm and clips nothing (stages 2-3) or clips each rank's part alone "
+                           "(stage 1); call opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_ looked up "
+                           "after `import pyzero` (a `from torch.nn.utils import clip_grad_norm_` that runs before it "
+                           "keeps torch's own)")
+    return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach, **kwargs)
+
+
+if _torch_clip_grads_with_norm_ is not None:
+    functools.update_wrapper(clip_grads_with_norm_, _torch_clip_grads_with_norm_,
+                             assigned=("__name__", "__qualname__", "__doc__"))
+    clip_grads_with_norm_._pz_torch = _torch_clip_grads_with_norm_
 clip_grad_norm_._pz_torch = _torch_clip_grad_norm_
 clip_grad_value_._pz_torch = _torch_clip_grad_value_
 
@@ -84,3 +110,6 @@ def install() -> None:
     for mod in (torch.nn.utils, torch.nn.utils.clip_grad):
         mod.clip_grad_norm_ = clip_grad_norm_
         mod.clip_grad_value_ = clip_grad_value_
+    if _torch_clip_grads_with_norm_ is not None:
+        torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+        torch.nn.utils.clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_

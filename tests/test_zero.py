@@ -35,6 +35,8 @@ VARIANTS = {"adamw": {}, "sgd": dict(opt="sgd", clip=(0.5, float("inf"))), "unus
             "lambda_lr": dict(sched="lambda"), "step_lr": dict(opt="sgd", sched="step"),
             "tied": dict(model="tied"), "model_zero_grad": dict(zero="model"),
             "discarded_backward": dict(discard=True), "eval_forward": dict(eval=True),
+            # a backward, model.zero_grad() (a ZeroOptimizer's gradients are in its shards), the real backward
+            "discarded_by_model_zero_grad": dict(discard=True, zero="model"),
             "reused_layer": dict(model="reuse"), "bf16": dict(dtype=torch.bfloat16, steps=4),
             # torch.nn.utils.clip_grad_norm_(model.parameters()) (a frozen and a tied parameter among them)
             "torch_clip": dict(model="tied", clip_with="torch")}
@@ -377,6 +379,8 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
     "torch_clip_grads_with_norm": (lambda o: nn.utils.clip_grads_with_norm_(o.model.parameters(), 1.0,
                                                                             torch.tensor(2.0)),
                                    "RuntimeError", ["clip_grads_with_norm_", "clips nothing"]),
+    "module_zero_grad_part": (lambda o: o.model.fc1.zero_grad(), "ValueError",
+                              ["zero_grad", "holds 2 of the 6 parameters", "opt.zero_grad()"]),
     "closure": (lambda o: o.step(closure=lambda: 0.0), "ValueError", ["closure"]),
     "add_param_group": (lambda o: o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), "ValueError",
                         ["add_param_group", "param_groups="]),

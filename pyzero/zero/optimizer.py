@@ -279,6 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:
             p._pz_zero_owner = weakref.ref(self)
+        live_optimizers.add(self)
         # the model's parameters not trainable now: each forward checks that they stay so (a linear scan
         # of these few, not of every parameter)
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in self._param_index]
@@ -1519,6 +1520,9 @@ def _host_copies(device: torch.device) -> bool:
     (see [Note: offload of a CUDA model]). The tests also turn it on for CPU models, to run
     that path where there is no GPU."""
     return device.type == "cuda"
+
+
+live_optimizers: weakref.WeakSet = weakref.WeakSet()  # every ZeroOptimizer built and not yet collected
 
 
 def _owner_of(p):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import pyzero as pz
 from pyzero.launch import run_ranks
@@ -37,22 +38,28 @@ VARIANTS = {"adamw": {}, "sgd": dict(opt="sgd", clip=(0.5, float("inf"))), "unus
             "discarded_backward": dict(discard=True), "eval_forward": dict(eval=True),
             # a backward, model.zero_grad() (a ZeroOptimizer's gradients are in its shards), the real backward
             "discarded_by_model_zero_grad": dict(discard=True, zero="model"),
+            "checkpointed": dict(model="ckpt_non_reentrant"), "checkpointed_reentrant": dict(model="ckpt_reentrant"),
             "reused_layer": dict(model="reuse"), "bf16": dict(dtype=torch.bfloat16, steps=4),
             # torch.nn.utils.clip_grad_norm_(model.parameters()) (a frozen and a tied parameter among them)
             "torch_clip": dict(model="tied", clip_with="torch")}
 
 
 class MLP(nn.Module):
-    def __init__(self, unused=False, reuse=False):
+    def __init__(self, unused=False, reuse=False, ckpt=None):
         super().__init__()
         self.fc1, self.fc2, self.head = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, OUT)
         self.unused = nn.Linear(IN, 7) if unused else None
         self.reuse = reuse
+        self.ckpt = ckpt  # "reentrant" / "non_reentrant": fc2 under activation checkpointing
 
     def forward(self, x):
         if self.unused is not None:
             self.unused(x)  # runs, but its output never reaches the loss
-        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+        h = torch.tanh(self.fc1(x))
+        if self.ckpt is None:
+            h = torch.tanh(self.fc2(h))
+        else:  # recomputed in backward (stage 3 gathers fc2 again there)
+            h = checkpoint(lambda t: torch.tanh(self.fc2(t)), h, use_reentrant=self.ckpt == "reentrant")
         if self.reuse:  # the same layer twice in one forward
             h = torch.tanh(self.fc2(h))
         return self.head(h)
@@ -78,7 +85,10 @@ def spec(name, stage):
 
 def build(s):
     torch.manual_seed(0)
-    return Tied() if s["model"] == "tied" else MLP(unused=s["model"] == "unused", reuse=s["model"] == "reuse")
+    if s["model"] == "tied":
+        return Tied()
+    ckpt = s["model"].removeprefix("ckpt_") if s["model"].startswith("ckpt_") else None
+    return MLP(unused=s["model"] == "unused", reuse=s["model"] == "reuse", ckpt=ckpt)
 
 
 def batch(s, step, micro):
@@ -827,6 +837,65 @@ def test_step_after_a_no_sync_backward():
             assert (state is None) == (r.rank == 1)
             if state is not None:
                 assert_state_close(state, refs[1 if stage == 1 else 2], rtol=1e-5, atol=1e-6)
+
+
+def penalized_loss(model, x, y):
+    """A gradient penalty (WGAN-GP style): the loss plus the squared norm of its own gradients, which
+    backward differentiates through torch.autograd.grad(..., create_graph=True)."""
+    loss = F.mse_loss(model(x), y)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True)
+    return loss + 0.1 * sum(g.square().sum() for g in grads)
+
+
+def rank_gradient_penalty():
+    """Stages 1-2 train with a gradient penalty; stage 3 refuses create_graph on every rank, then trains
+    plainly (the refused backward left nothing behind)."""
+    pz.init(timeout=30)
+    out, per = {}, BATCH // 2
+    lo = pz.get_rank() * per
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
+        refused = None
+        for step in range(2):
+            x, y = batch(BASE, step, 0)
+            x, y = x[lo:lo + per], y[lo:lo + per]
+            if stage == 3:
+                refused = outcome(lambda: penalized_loss(model, x, y))
+                F.mse_loss(model(x), y).backward()
+            else:
+                penalized_loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = refused, opt.full_state_dict()
+    return out
+
+
+def test_gradient_penalty_stages_1_2_as_ddp_stage_3_refused():
+    """Each rank's penalised loss, gradients averaged (what torch DDP computes): the reference takes
+    each half-batch's gradient by hand and averages them."""
+    refs = {}
+    for penalty in (True, False):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(2):
+            x, y = batch(BASE, step, 0)
+            halves = [(x[i:i + BATCH // 2], y[i:i + BATCH // 2]) for i in (0, BATCH // 2)]
+            loss = penalized_loss if penalty else lambda m, a, b: F.mse_loss(m(a), b)
+            grads = [torch.autograd.grad(loss(model, a, b), list(model.parameters())) for a, b in halves]
+            for p, g0, g1 in zip(model.parameters(), *grads):
+                p.grad = (g0 + g1) / 2
+            opt.step()
+            opt.zero_grad()
+        refs[penalty] = model.state_dict()
+    assert max((refs[True][k] - refs[False][k]).abs().max() for k in refs[True]) > 1e-3  # the penalty counts
+    got = run_ranks(rank_gradient_penalty, 2, timeout=60)[0].value
+    for stage, (refused, state) in got.items():
+        if stage == 3:
+            assert refused[0] == "RuntimeError" and "create_graph=True" in refused[1] and "stage 1 or 2" in refused[1]
+        assert_state_close(state, refs[stage < 3], rtol=1e-5, atol=1e-6)
 
 
 def rank_unfrozen_after_build():

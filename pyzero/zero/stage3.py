@@ -412,6 +412,15 @@ class ZeroStage3(ZeroOptimizer):
 
     def _make_pre_backward(self, needs, call):
         def pre_backward(grad):
+            if torch.is_grad_enabled():  # (the engine runs a create_graph backward in grad mode)
+                self._discard()
+                for u in self.units:
+                    u.free()
+                raise RuntimeError(
+                    "backward with create_graph=True (torch.autograd.grad(..., create_graph=True), as a gradient "
+                    "penalty or a Hessian-vector product computes) through a ZeRO stage 3 model: stage 3 frees each "
+                    "module's gathered parameters once its backward is done, and the graph of those gradients "
+                    "would read them later; use stage 1 or 2, which support it")
             self._order_open = False
             if not self._in_backward:
                 self._in_backward = True

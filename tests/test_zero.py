@@ -848,31 +848,35 @@ def penalized_loss(model, x, y):
 
 
 def rank_gradient_penalty():
-    """Stages 1-2 train with a gradient penalty; stage 3 refuses create_graph on every rank, then trains
-    plainly (the refused backward left nothing behind)."""
+    """pz.DataParallel and stages 1-2 train with a gradient penalty; stage 3 refuses create_graph on every
+    rank, then trains plainly (the refused backward left nothing behind)."""
     pz.init(timeout=30)
     out, per = {}, BATCH // 2
     lo = pz.get_rank() * per
-    for stage in (1, 2, 3):
+    for stage in ("dp", 1, 2, 3):
         torch.manual_seed(0)
         model = MLP()
-        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
+        if stage == "dp":
+            net = pz.DataParallel(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            net, opt = model, pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
         refused = None
         for step in range(2):
             x, y = batch(BASE, step, 0)
             x, y = x[lo:lo + per], y[lo:lo + per]
             if stage == 3:
-                refused = outcome(lambda: penalized_loss(model, x, y))
-                F.mse_loss(model(x), y).backward()
+                refused = outcome(lambda: penalized_loss(net, x, y))
+                F.mse_loss(net(x), y).backward()
             else:
-                penalized_loss(model, x, y).backward()
+                penalized_loss(net, x, y).backward()
             opt.step()
             opt.zero_grad()
-        out[stage] = refused, opt.full_state_dict()
+        out[stage] = refused, model.state_dict() if stage == "dp" else opt.full_state_dict()
     return out
 
 
-def test_gradient_penalty_stages_1_2_as_ddp_stage_3_refused():
+def test_gradient_penalty_dp_and_stages_1_2_as_ddp_stage_3_refused():
     """Each rank's penalised loss, gradients averaged (what torch DDP computes): the reference takes
     each half-batch's gradient by hand and averages them."""
     refs = {}
@@ -895,7 +899,7 @@ def test_gradient_penalty_stages_1_2_as_ddp_stage_3_refused():
     for stage, (refused, state) in got.items():
         if stage == 3:
             assert refused[0] == "RuntimeError" and "create_graph=True" in refused[1] and "stage 1 or 2" in refused[1]
-        assert_state_close(state, refs[stage < 3], rtol=1e-5, atol=1e-6)
+        assert_state_close(state, refs[stage != 3], rtol=1e-5, atol=1e-6)
 
 
 def rank_unfrozen_after_build():

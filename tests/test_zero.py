@@ -327,6 +327,60 @@ def _moved_after_build(stage):
     model(torch.zeros(2, IN))
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (Adam's update scaled per tensor by |w| / |update|): not elementwise, and not in torch."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            (b1, b2), eps = g["betas"], g["eps"]
+            for p in g["params"]:
+                state = self.state[p]
+                m, v = state.setdefault("m", torch.zeros_like(p)), state.setdefault("v", torch.zeros_like(p))
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = m / (v.sqrt() + eps) + g["weight_decay"] * p
+                p.sub_(update, alpha=g["lr"] * float(p.norm() / update.norm()))
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (the sign of a momentum mix): elementwise, and not in torch."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.mul_(1 - g["lr"] * g["weight_decay"]).sub_(m.lerp(p.grad, 1 - g["betas"][0]).sign(), alpha=g["lr"])
+                m.lerp_(p.grad, 1 - g["betas"][1])
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=1e-5, amsgrad=True, maximize=True)), (torch.optim.AdamW, dict(foreach=False)),
+    (torch.optim.Adagrad, {}), (torch.optim.RMSprop, dict(centered=True, momentum=0.5)), (torch.optim.NAdam, {}),
+    (torch.optim.RAdam, {}), (torch.optim.Rprop, {}), (Lion, dict(weight_decay=0.1)),
+    (type("MyAdamW", (torch.optim.AdamW,), {}), {}),  # a subclass: tried, not trusted by name
+])
+def test_elementwise_optimizers_step_pieces_as_the_whole(cls, kwargs):
+    assert pz.zero.optimizer.elementwise_mismatch(cls, kwargs) is None
+
+
+@pytest.mark.parametrize("lr", [1e-2, 1e-7])
+def test_whole_tensor_optimizers_step_pieces_otherwise(lr):
+    for cls in (Lamb, torch.optim.Adafactor):
+        why = pz.zero.optimizer.elementwise_mismatch(cls, {"lr": lr})
+        assert why is not None and why.startswith(f"{cls.__name__} steps a tensor whole differently"), why
+    # the per-group options are the ones tried: a group without LAMB's weight decay is still LAMB
+    assert pz.zero.optimizer.elementwise_mismatch(Lamb, {}, [{"params": [], "weight_decay": 0.0}]) is not None
+
+
 AdamW = torch.optim.AdamW
 CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message must contain)
     "stage4": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=4), "ValueError", ["stage", "4"]),
@@ -337,6 +391,9 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
                   ["optimizer_class: Adafactor computes on whole parameter tensors", "elementwise"]),
     "muon_subclass": (lambda m: pz.ZeroOptimizer(m, type("MyMuon", (torch.optim.Muon,), {}), stage=1), "ValueError",
                       ["optimizer_class: MyMuon computes on whole parameter tensors", "orthogonalised"]),
+    "lamb": (lambda m: pz.ZeroOptimizer(m, Lamb, stage=2), "ValueError",
+             ["optimizer_class: Lamb steps a tensor whole differently from the same tensor in flat pieces",
+              "pz.DataParallel"]),
     "optimizer_instance": (lambda m: pz.ZeroOptimizer(m, AdamW(m.parameters())), "TypeError",
                            ["optimizer_class", "an optimizer built already (AdamW)", "pass the class"]),
     "not_a_module": (lambda m: pz.ZeroOptimizer(list(m.parameters()), AdamW), "TypeError", ["model", "Module"]),

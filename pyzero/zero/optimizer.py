@@ -51,6 +51,60 @@ def whole_tensor_optimizer(cls: type) -> str | None:
     return None
 
 
+# torch's and pz.optim's optimizers that are elementwise (exactly these classes: a subclass may step otherwise)
+_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta",
+                                                       "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
+                     if hasattr(torch.optim, n)) + (pz_optim.Adam, pz_optim.AdamW, pz_optim.SGD, pz_optim.Adagrad,
+                                                    pz_optim.NvmeAdam, pz_optim.NvmeAdamW)
+
+
+def elementwise_mismatch(cls: type, kwargs: dict, groups: list | None = None) -> str | None:
+    """Whether optimizer class `cls` (with `kwargs` and each of `groups`' options) steps a tensor whole
+    as it steps the same tensor in flat pieces, as ZeRO hands it: None if so, or if it cannot be
+    tried on small CPU tensors (it raises there); else what differed. Three steps of a 5 x 6 tensor
+    against its first 13 and last 17 elements as two 1-D tensors, in float64 where the optimizer
+    takes it (else float32): an elementwise optimizer computes the same numbers either way, one that
+    computes with a tensor's norm, shape or dimensionality (LAMB's and LARS's trust ratios, factored
+    moments, orthogonalised updates, weight decay only on matrices) moves them apart by a share of
+    the update (a few percent for LAMB, at any learning rate)."""
+    for options in [{k: v for k, v in g.items() if k != "params"} for g in (groups or [{}])]:
+        for dtype in (torch.float64, torch.float32):
+            moved = _whole_and_pieces(cls, kwargs, options, dtype)
+            if moved is not None:
+                break
+        else:  # (it cannot run here: nothing to compare)
+            continue
+        apart, update = moved
+        if apart > 1e-4 * update + 8 * torch.finfo(dtype).eps:
+            return (f"{cls.__name__} steps a tensor whole differently from the same tensor in flat pieces (after 3 "
+                    f"steps {apart:.3g} apart, {apart / max(update, 1e-30):.2%} of the update: it computes with whole "
+                    "tensors, their norm, shape or dimensionality), and ZeRO hands it flat pieces of them, so it "
+                    "would train differently from the same optimizer without ZeRO")
+    return None
+
+
+def _whole_and_pieces(cls, kwargs, options, dtype):
+    """(largest difference, largest update) of elementwise_mismatch's probe in `dtype`, or None if the
+    optimizer raised."""
+    start = (torch.arange(30, dtype=dtype) / 7 - 2).sin()
+    grads = [(((torch.arange(30) * (k + 3)) % 11 - 5) / 4).to(dtype) * (1 + k) for k in range(3)]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            whole = nn.Parameter(start.clone().view(5, 6))
+            pieces = [nn.Parameter(start[:13].clone()), nn.Parameter(start[13:].clone())]
+            opt_whole = cls([dict(options, params=[whole])], **kwargs)
+            opt_pieces = cls([dict(options, params=pieces)], **kwargs)
+            for g in grads:
+                whole.grad = g.clone().view(5, 6)
+                pieces[0].grad, pieces[1].grad = g[:13].clone(), g[13:].clone()
+                opt_whole.step()
+                opt_pieces.step()
+    except Exception:  # noqa: BLE001
+        return None
+    got, want = torch.cat([p.detach() for p in pieces]), whole.detach().flatten()
+    return (got - want).abs().max().item(), (want - start).abs().max().item()
+
+
 _STAGES: dict[int, type] = {}  # stage number -> class, filled by register_stage
 
 
@@ -203,6 +257,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
         _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)  # bad kwargs raise before any change
+        if optimizer_class not in _ELEMENTWISE:
+            why = elementwise_mismatch(optimizer_class, optimizer_kwargs, param_groups)
+            if why is not None:
+                raise ValueError(f"optimizer_class: {why}; use an elementwise optimizer (torch.optim.AdamW, Adam, "
+                                 "SGD, Adagrad, RMSprop, ...), or pz.DataParallel, which keeps whole tensors")
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
                                         optimizer_kwargs, self.params, self.world, moments=offload_moments,
                                         delayed_update=delayed_update, pipeline=offload_pipeline)

@@ -573,3 +573,26 @@ def _rank_mixed_group():
     backend = str(torch.distributed.get_backend())
     torch.distributed.destroy_process_group()
     return backend, t.tolist()
+
+
+def _rank_generate_stage3():
+    """Greedy generation from a ZeRO stage-3 model whose ranks stop at different lengths, with
+    synced_gpus=True; then a training step (the gathers still match across the ranks)."""
+    hf.init(timeout=30)
+    model, plain = gpt(), gpt()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3)
+    prompt = torch.tensor([[5 + pz.get_rank(), 7, 9]])
+    new = 8 if pz.get_rank() == 0 else 3  # rank 1 is done first and keeps running forwards for rank 0
+    got = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
+    want = plain.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    ids = dataset(2)[pz.get_rank()]["input_ids"][None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    torch.distributed.destroy_process_group()
+    return got.tolist(), want.tolist()
+
+
+def test_generate_from_a_stage3_model_with_synced_gpus():
+    for r in run_ranks(_rank_generate_stage3, 2, timeout=60):
+        got, want = r.value
+        assert got == want and len(got[0]) == 3 + (8 if r.rank == 0 else 3), (r.rank, got, want)

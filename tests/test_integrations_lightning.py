@@ -321,7 +321,8 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="dp", offload="cpu"), "offload: not a pz.DataParallel option"),
                           (dict(strategy="zero2", zero_hpz_partition_size=2), "zero_hpz_partition_size: not a"),
                           (dict(strategy="zero2", prefetch=0), "prefetch: .*a ZeRO stage-3 option, and the strategy"),
-                          (dict(strategy="zero3", prefetch0=0), r"expected some of \[.*'prefetch', 'zero_\*'\]"),
+                          (dict(strategy="zero3", prefetch0=0),
+                           r"expected some of \[.*'prefetch', 'leaf_modules', 'zero_\*'\]"),
                           (dict(strategy="zero2", timeout=0), "timeout: expected a positive"),
                           # (a timedelta's own errors before: NaN, infinity and beyond its range)
                           (dict(strategy="zero2", timeout=float("nan")), "timeout: expected a positive"),
@@ -329,7 +330,8 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="zero2", timeout=1e30), "timeout: expected a positive")]:
         with pytest.raises(ValueError, match=words):
             pzl.PyzeroStrategy(**kwargs)
-    pzl.PyzeroStrategy("zero3", prefetch=0, zero_hpz_partition_size=1, offload_moments="bf16")  # accepted
+    pzl.PyzeroStrategy("zero3", prefetch=0, zero_hpz_partition_size=1, offload_moments="bf16",
+                       leaf_modules=[torch.nn.Linear])  # accepted
     # (on CPU Lightning turns precision="16-mixed" into bf16; a GradScaler given to ZeRO must be refused)
     from lightning.pytorch.plugins.precision import MixedPrecision
     with pytest.raises(ValueError, match="precision: '16-mixed'"):

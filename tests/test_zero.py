@@ -391,6 +391,10 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
                   ["optimizer_class: Adafactor computes on whole parameter tensors", "elementwise"]),
     "muon_subclass": (lambda m: pz.ZeroOptimizer(m, type("MyMuon", (torch.optim.Muon,), {}), stage=1), "ValueError",
                       ["optimizer_class: MyMuon computes on whole parameter tensors", "orthogonalised"]),
+    "leaf_modules_not_classes": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, leaf_modules=[m.fc1]), "TypeError",
+                                 ["leaf_modules: expected a list of nn.Module classes"]),
+    "leaf_modules_stage2": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=2, leaf_modules=[nn.Linear]), "ValueError",
+                            ["leaf_modules", "stage=3", "stage=2"]),
     "lamb": (lambda m: pz.ZeroOptimizer(m, Lamb, stage=2), "ValueError",
              ["optimizer_class: Lamb steps a tensor whole differently from the same tensor in flat pieces",
               "pz.DataParallel"]),
@@ -957,6 +961,83 @@ def test_gradient_penalty_dp_and_stages_1_2_as_ddp_stage_3_refused():
         if stage == 3:
             assert refused[0] == "RuntimeError" and "create_graph=True" in refused[1] and "stage 1 or 2" in refused[1]
         assert_state_close(state, refs[stage != 3], rtol=1e-5, atol=1e-6)
+
+
+class Attention(nn.Module):
+    """torch's attention modules, whose forwards read their descendants' parameters directly
+    (nn.MultiheadAttention: out_proj.weight; nn.TransformerEncoderLayer's inference fast path: every
+    weight), and, with `tied_read`, an output projection that reads the embedding's weight itself."""
+
+    def __init__(self, tied_read=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, VOCAB)
+        self.tied_read = tied_read
+
+    def forward(self, tok):
+        h = self.enc(self.emb(tok))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return F.linear(h, self.emb.weight) if self.tied_read else self.head(h)
+
+
+def attention_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB, (4, 5), generator=g), torch.randint(0, VOCAB, (4, 5), generator=g)
+
+
+def attention_run(model, opt, rank=None):
+    """Three SGD steps on 4 sequences (the rank's 2 with `rank`), then an inference forward of all 4
+    (nn.TransformerEncoderLayer takes its fast path there)."""
+    for step in range(3):
+        tok, y = attention_batch(step)
+        if rank is not None:
+            tok, y = tok[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+        F.cross_entropy(model(tok).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        logits = model(attention_batch(9)[0])
+    model.train()
+    return logits
+
+
+def rank_leaf_modules():
+    pz.init(timeout=30)
+    out = {}
+    for stage in (1, 2, 3):
+        model = Attention()
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.5, momentum=0.9)
+        out[stage] = attention_run(model, opt, pz.get_rank()), opt.full_state_dict()
+    model = Attention(tied_read=True)
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.5, momentum=0.9)
+    out["tied_read"] = outcome(lambda: attention_run(model, opt, pz.get_rank()))
+    model = Attention(tied_read=True)
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.5, momentum=0.9, leaf_modules=[Attention])
+    out["tied_read_leaf"] = attention_run(model, opt, pz.get_rank()), opt.full_state_dict()
+    return out
+
+
+def test_stage3_leaf_modules_gather_what_their_forward_reads():
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer (leaf modules by default) train and infer as
+    torch at every stage; a forward reading another module's parameter is refused at stage 3 on every
+    rank, naming it (it would read a freed parameter's NaN), and trains as torch with its module a leaf."""
+    refs = {}
+    for tied_read in (False, True):
+        model = Attention(tied_read)
+        logits = attention_run(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        refs[tied_read] = logits, model.state_dict()
+    for r in run_ranks(rank_leaf_modules, 2, timeout=60):
+        kind, msg = r.value["tied_read"]
+        assert kind == "RuntimeError" and "'emb.weight' was read while freed" in msg and "leaf_modules" in msg, msg
+        for key, tied_read in ((1, False), (2, False), (3, False), ("tied_read_leaf", True)):
+            logits, state = r.value[key]
+            torch.testing.assert_close(logits, refs[tied_read][0], rtol=1e-5, atol=1e-5, msg=str(key))
+            if state is not None:
+                assert_state_close(state, refs[tied_read][1], rtol=1e-5, atol=1e-6)
 
 
 def rank_unfrozen_after_build():

@@ -18,14 +18,14 @@ DP_OPTIONS = ("bucket_mb", "first_bucket_mb", "comm_dtype", "broadcast_buffers")
 
 def option_refused(name: str, stage: int | None) -> str | None:
     """Why a strategy with ZeRO stage `stage` (None: DataParallel) does not pass option `name` on, or None.
-    Stage 3 also takes prefetch and ZeroOptimizer's zero_* (ZeRO++) options."""
+    Stage 3 also takes prefetch, leaf_modules and ZeroOptimizer's zero_* (ZeRO++) options."""
     allowed = DP_OPTIONS if stage is None else ZERO_OPTIONS
-    stage3_only = name == "prefetch" or name.startswith("zero_")
+    stage3_only = name in ("prefetch", "leaf_modules") or name.startswith("zero_")
     if name in allowed or (stage == 3 and stage3_only):
         return None
     if stage is not None and stage3_only:
         return f"a ZeRO stage-3 option, and the strategy is stage {stage}"
-    return f"expected some of {list(allowed) + (['prefetch', 'zero_*'] if stage == 3 else [])}"
+    return f"expected some of {list(allowed) + (['prefetch', 'leaf_modules', 'zero_*'] if stage == 3 else [])}"
 
 
 def check_started(backend: str | None, who: str) -> None:

@@ -182,6 +182,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "Adagrad, RMSprop, ...), or pz.DataParallel, which keeps whole tensors")
         if "prefetch" in optimizer_kwargs:  # (stage 3's own option reaches here only for stages 1-2)
             raise ValueError(f"prefetch: gathering units ahead is for stage=3, got stage={stage!r}")
+        if "leaf_modules" in optimizer_kwargs:
+            raise ValueError(f"leaf_modules: gathering a module's subtree at its forward is for stage=3 (stages 1-2 "
+                             f"keep whole parameters), got stage={stage!r}")
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
         if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")

@@ -16,6 +16,14 @@ parameters, and whatever autograd saved of them, stay valid views.
 ZeRO++ (zeropp.py) changes how a unit is gathered (hpZ, qwZ: GatherPlan) and how its
 gradients are reduced (qgZ: QuantizedReduceScatter); the schedule above stays the same.
 
+[Note: leaf modules] A module's forward may read a descendant's parameters without calling
+the descendant (nn.MultiheadAttention reads out_proj.weight; nn.TransformerEncoderLayer's
+inference fast path reads every weight of the layer). Such a module is a *leaf*: its hooks
+gather the units of its whole subtree and its descendants get none (DeepSpeed's "z3 leaf
+modules"). DEFAULT_LEAF_MODULES are leaves always, ``leaf_modules=`` adds classes. A read the
+hooks do not cover would compute with the NaN stubs of a freed unit: the first forward with
+and the first without autograd run under _FreedReads, which raises naming the parameter.
+
 Every rank issues the same gathers and reduce-scatters in the same order as
 long as the model runs the same code path everywhere; a rank that does not
 usually calls a collective of another size and gets pz.CollectiveError.
@@ -39,6 +47,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
@@ -48,6 +58,9 @@ from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_val
 from ..checks import is_int
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+# Modules whose forward reads parameters of their descendants directly (see [Note: leaf modules]).
+DEFAULT_LEAF_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 class _Gathered:
@@ -167,11 +180,19 @@ class ZeroStage3(ZeroOptimizer):
     gradients are reduced in backward."""
 
     def __init__(self, model, optimizer_class, stage=3, *args, zero_hpz_partition_size=1,
-                 zero_quantized_weights=False, zero_quantized_gradients=False, prefetch=1, **kwargs):
+                 zero_quantized_weights=False, zero_quantized_gradients=False, prefetch=1, leaf_modules=(),
+                 **kwargs):
         if not is_int(prefetch) or prefetch < 0:
             raise ValueError(f"prefetch: expected an int >= 0 (units gathered ahead of the one computing; "
                              f"0: none), got {prefetch!r}")
         self.prefetch = prefetch
+        leaf_modules = tuple(leaf_modules) if isinstance(leaf_modules, (list, tuple, set, frozenset)) else None
+        if leaf_modules is None or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in leaf_modules):
+            raise TypeError("leaf_modules: expected a list of nn.Module classes (modules whose forward reads their "
+                            "descendants' parameters: each gathers its whole subtree at its forward)")
+        self.leaf_modules = DEFAULT_LEAF_MODULES + tuple(c for c in leaf_modules if c not in DEFAULT_LEAF_MODULES)
+        self._probed = set()  # grad modes whose first forward ran under _FreedReads
+        self._probe = None
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
         check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _check_group)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
@@ -213,19 +234,31 @@ class ZeroStage3(ZeroOptimizer):
             for u in self.units:
                 u.leaf = u.shard.detach().requires_grad_()  # shares the shard's storage (and its updates)
                 u.leaf.register_post_accumulate_grad_hook(self._make_on_shard_grad(u))
+        inside_leaf = set()  # descendants of a leaf module: its hooks gather for them (see [Note: leaf modules])
         for m in self.model.modules():
-            needs = sorted({owner[id(p)].idx for p in m.parameters(recurse=False) if id(p) in owner})
+            own = [(m, name, p) for name, p in m._parameters.items() if p is not None and id(p) in owner]
+            if own:
+                m.register_load_state_dict_pre_hook(self._make_load_hook(sorted({owner[id(p)].idx for *_, p in own}),
+                                                                         [name for _, name, _ in own]))
+            if id(m) in inside_leaf:
+                continue
+            slots = own
+            if isinstance(m, self.leaf_modules):
+                below = list(m.modules())[1:]
+                inside_leaf.update(map(id, below))
+                slots = own + [(d, name, p) for d in below for name, p in d._parameters.items()
+                               if p is not None and id(p) in owner]
+            needs = sorted({owner[id(p)].idx for *_, p in slots})
             if needs:
-                swaps = []  # (name, unit, offset, shape, numel) of each parameter slot of m
-                for name, p in m._parameters.items():
-                    if p is not None and id(p) in owner:
-                        u = owner[id(p)]
-                        k = [id(q) for q in u.layout.params].index(id(p))
-                        swaps.append((name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
+                swaps = []  # (module, name, unit, offset, shape, numel) of each parameter slot gathered here
+                for d, name, p in slots:
+                    u = owner[id(p)]
+                    k = [id(q) for q in u.layout.params].index(id(p))
+                    swaps.append((d, name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
                 m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
-                m.register_load_state_dict_pre_hook(self._make_load_hook(needs, [name for name, *_ in swaps]))
-                m.register_forward_hook(self._make_post_forward(needs, {name: m._parameters[name]
-                                                                        for name, *_ in swaps}))
+                m.register_forward_hook(self._make_post_forward(needs, slots))
+        self.model.register_forward_pre_hook(self._probe_reads)
+        self.model.register_forward_hook(self._end_probe, always_call=True)
         state_dict_hook = self._make_state_dict_hook()
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
             m.register_state_dict_post_hook(state_dict_hook)
@@ -321,7 +354,7 @@ class ZeroStage3(ZeroOptimizer):
         # What the traced hook reads, bound here: dynamo reads no attribute of an optimizer
         # (torch.optim.Optimizer) as a constant.
         traceable, world, group_name = self._traceable, self.world, self.group.name
-        leaves = {i: self.units[i].leaf for _, i, _, _, _ in swaps} if traceable else {}
+        leaves = {i: self.units[i].leaf for _, _, i, _, _, _ in swaps} if traceable else {}
 
         def pre_forward(module, args):
             if torch.compiler.is_compiling():
@@ -369,13 +402,14 @@ class ZeroStage3(ZeroOptimizer):
                     "with pz.checkpoint.load")
         return hook
 
-    def _make_post_forward(self, needs, params):
+    def _make_post_forward(self, needs, slots):
         traceable = self._traceable
 
         def post_forward(module, args, output):
             if torch.compiler.is_compiling():
                 if traceable:
-                    module._parameters.update(params)  # the parameters again (see _traced_gather)
+                    for d, name, p in slots:  # the parameters again (see _traced_gather)
+                        d._parameters[name] = p
                     return None
                 return at_graph_break(module, args, output)
             return eager(module, args, output)
@@ -394,6 +428,39 @@ class ZeroStage3(ZeroOptimizer):
 
         at_graph_break = torch.compiler.disable(eager)
         return post_forward
+
+    def _probe_reads(self, module, args):
+        """The model's forward pre-hook: the first forward with autograd on and the first without run
+        under _FreedReads (see [Note: leaf modules]); eager and with freed units (more than one rank)."""
+        mode = torch.is_grad_enabled()
+        if mode in self._probed or self.world == 1 or torch.compiler.is_compiling():
+            return
+        self._probed.add(mode)
+        self._probe = _FreedReads(self)
+        self._probe.__enter__()
+
+    def _end_probe(self, module, args, output):
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.__exit__(None, None, None)
+
+    def _freed_read(self, p):
+        """A parameter of a freed unit was an operand in forward: free every unit (each rank finds the
+        same read in the same forward) and raise, naming it."""
+        for u in self.units:
+            u.free()
+        name = self._name_of[id(p)]
+        owner_name = name.rpartition(".")[0]
+        parent = owner_name.rpartition(".")[0]
+        parent_cls = type(self.model.get_submodule(parent)).__name__
+        raise RuntimeError(
+            f"ZeRO stage 3: parameter {name!r} was read while freed: an operation outside the forward of its "
+            f"module {owner_name or '(the model)'!r} used it (as nn.MultiheadAttention reads out_proj.weight, or a "
+            "forward that reads another module's weight, e.g. a tied embedding, without calling that module), "
+            "where stage 3 has not gathered it and it reads as NaN. Gather it with the module whose forward reads "
+            f"it: ZeroOptimizer(..., leaf_modules=[...]) with that module's class (here perhaps {parent_cls}, "
+            f"module {parent or '(the model)'!r}) gathers the module's whole subtree at its forward; or call the "
+            "module instead of reading its parameter")
 
     def _next_units(self, i, step):
         """The `prefetch` units used after (step=+1) or before (-1) unit i in the last recorded
@@ -537,14 +604,41 @@ class ZeroStage3(ZeroOptimizer):
 
 
 def _traced_gather(module, swaps, leaves, world, group_name):
-    """A compiled region's pre-forward hook: `module`'s parameter slots become views of its units,
-    gathered by one graph operation each (see [Note: stage 3 under torch.compile])."""
+    """A compiled region's pre-forward hook: the parameter slots of `module` (and, a leaf module, of
+    its descendants) become views of their units, gathered by one graph operation each (see
+    [Note: stage 3 under torch.compile])."""
     from .. import ops  # noqa: PLC0415  (registered on first use: see pyzero.ops)
     full = {}
-    for name, i, off, shape, numel in swaps:
+    for d, name, i, off, shape, numel in swaps:
         if i not in full:
             full[i] = ops.all_gather_into_tensor(leaves[i], world, group_name)
-        module._parameters[name] = full[i][off:off + numel].view(shape)
+        d._parameters[name] = full[i][off:off + numel].view(shape)
+
+
+class _FreedReads(TorchFunctionMode):
+    """Raises (ZeroStage3._freed_read) when a torch operation takes a parameter whose unit is freed.
+    Attribute access (``.data``, which gather and free set, ``.shape``, ``.grad``, ...) and questions
+    about the tensor rather than its values (size, storage, ...) are not operations."""
+
+    _ACCESS = frozenset(("__get__", "__set__", "__delete__", "size", "dim", "stride", "numel", "nelement",
+                         "storage_offset", "element_size", "is_contiguous", "is_floating_point", "is_complex",
+                         "data_ptr", "untyped_storage", "storage", "get_device", "__len__", "__repr__",
+                         "__format__", "__hash__", "__reduce_ex__", "__deepcopy__"))
+
+    def __init__(self, opt):
+        super().__init__()
+        self.unit_of, self.opt = opt._unit_of, opt
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in self._ACCESS:
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, nn.Parameter):
+                        u = self.unit_of.get(id(t))
+                        if u is not None and not u.gathered:
+                            self.opt._freed_read(t)
+        return func(*args, **kwargs)
 
 
 def _on_grad_ready(t, order, fn):

@@ -40,7 +40,8 @@ from .backend import DTYPES, SUPPORTED_DTYPES
 from .distributed_cuda import CudaGroups, CudaWork, Held, P2PEntry, P2PQueue, QueuedWork
 from .checks import is_int
 
-__all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "cuda_backend_beside", "pz_group", "register"]
+__all__ = ["NAME", "ProcessGroupPyzero", "PyzeroWork", "cuda_backend_beside", "default_torch_backend", "init_torch",
+           "pz_group", "register"]
 
 NAME = "pyzero"
 
@@ -62,6 +63,37 @@ def cuda_backend_beside(gpu_backend: str) -> str:
     if gpu_backend not in ("ipc", "nccl"):
         raise ValueError(f"gpu_backend={gpu_backend!r}: expected 'ipc' or 'nccl'")
     return NAME if gpu_backend == "ipc" else "nccl"
+
+
+def default_torch_backend() -> str:
+    """torch's backend for a job pyzero runs: CPU tensors on gloo; CUDA tensors on torch's NCCL beside
+    pyzero's nccl backend (a GPU per process), on "pyzero" beside its ipc backend (processes that may
+    share a GPU, which NCCL refuses)."""
+    backend = comm.get_backend()
+    return f"cpu:gloo,cuda:{cuda_backend_beside(backend)}" if backend in ("ipc", "nccl") else "gloo"
+
+
+def init_torch(torch_backend: str | None = None) -> None:
+    """Start torch.distributed beside pyzero, on the job pyzero runs (its store, so no second port;
+    its ranks and timeout), for torch code that needs a default process group: ``nn.SyncBatchNorm``,
+    metrics and barriers of a framework. Call it after ``pz.init()``; nothing to do at world size 1.
+    ``torch_backend``: default :func:`default_torch_backend`. If torch.distributed is already up, it
+    must describe the same job."""
+    if not comm.is_initialized():
+        raise RuntimeError("init_torch(): pyzero is not started; call pz.init() first")
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if world == 1:
+        return
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) != (world, rank):
+            raise RuntimeError(f"init_torch(): torch.distributed has rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, pyzero rank {rank} of {world}; both must describe the "
+                               "same job")
+        return
+    if torch_backend is None:
+        torch_backend = default_torch_backend()
+    dist.init_process_group(torch_backend, store=dist.PrefixStore("torch/", comm.get_store()), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=comm.get_timeout()))
 
 
 def register() -> None:

@@ -144,6 +144,7 @@ class DataParallel(nn.Module):
         self.group = g
         self.broadcast_buffers = broadcast_buffers
         self._buffer_list = list(module.buffers())
+        self._sync_bn = wrappers.default_group_batchnorms(module)  # (checked at each training forward)
         self._require_sync = True
         broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffer_list, g.ranks[0], g)
         self.reducer = _AllReduceBuckets([p for _, p in named], [n for n, _ in named], max(1, bucket_bytes),
@@ -186,6 +187,8 @@ class DataParallel(nn.Module):
                 ops.broadcast_coalesced_(self._buffer_list, self.group.ranks[0], self.group.name)
             else:
                 broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
+        if self.module.training and not compiling:
+            wrappers.refuse_unsynced_batchnorm(self._sync_bn, "pz.DataParallel", self.group.size)
         if torch.is_grad_enabled():
             if not compiling:
                 self._check_trainable()

@@ -17,10 +17,16 @@ USE_INSTEAD = ("with transformers.Trainer use pyzero.integrations.hf.PyzeroTrain
                "pyzero.integrations.hf.PyzeroAccelerator, with lightning.Trainer "
                "pyzero.integrations.lightning.PyzeroStrategy")
 
+from torch import nn
+
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP
+    from torch.distributed import is_initialized as _torch_distributed_started
 except ImportError:  # a torch build without torch.distributed has no DDP to run inside
     _DDP = None
+
+    def _torch_distributed_started() -> bool:
+        return False
 
 
 def refuse_ddp(what: str, sharded: bool = False) -> None:
@@ -42,3 +48,20 @@ def refuse_accelerate(module, what: str) -> None:
                            "clipping (accelerator.clip_grad_norm_(model.parameters()), which transformers.Trainer "
                            "calls) does not see the gradients ZeRO keeps in its shards, so it reports a norm of 0 "
                            f"and clips nothing, and its checkpoints hold one rank's shard; {USE_INSTEAD}")
+
+
+def default_group_batchnorms(module) -> list[str]:
+    """Names of `module`'s nn.SyncBatchNorm layers that sync over torch.distributed's default group."""
+    return [name or "(the model)" for name, m in module.named_modules()
+            if isinstance(m, nn.SyncBatchNorm) and m.process_group is None]
+
+
+def refuse_unsynced_batchnorm(names: list[str], what: str, world: int) -> None:
+    """Raise if a training forward would run nn.SyncBatchNorm layers (`names`) at world size > 1 without
+    torch.distributed: torch's layer then silently normalises by this rank's batch alone."""
+    if names and world > 1 and not _torch_distributed_started():
+        raise RuntimeError(f"{what}: {names[0]!r} is an nn.SyncBatchNorm, which syncs its batch statistics over "
+                           "torch.distributed, not started in this job: it would normalise by this rank's batch "
+                           "alone, as nn.BatchNorm does. Start torch.distributed beside pyzero with "
+                           "pyzero.distributed.init_torch() after pz.init() (torch's SyncBatchNorm takes CUDA "
+                           "tensors only), or use nn.BatchNorm for each rank's own statistics")

@@ -19,6 +19,8 @@ from pyzero.bucketing import InFlight, assign_buckets, flat_buckets, pack, unpac
 from pyzero.zero import FlatLayout
 from pyzero.launch import run_ranks
 
+from outcomes import outcome
+
 STEPS, BATCH, DIM, VOCAB = 4, 12, 16, 24
 FP32 = dict(rtol=1e-6, atol=1e-6)  # atol: AdamW entries that pass near 0 (values ~0.1)
 TINY_MB = 1e-4  # ~100 bytes: about one parameter per bucket
@@ -926,3 +928,47 @@ def test_gradient_accumulated_twice_raises_on_every_rank(kind):
         assert params is not None or (kind == "zero3" and res.rank > 0)
         for n, p in ref.named_parameters() if params is not None else ():
             torch.testing.assert_close(params[n], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _rank_sync_batchnorm():
+    """nn.SyncBatchNorm without torch.distributed: training forwards refused on every rank (it would
+    normalise by each rank's batch alone), eval forwards (running statistics) run; then started beside
+    pyzero (pyzero.distributed.init_torch) nothing is refused (torch's layer itself takes CUDA
+    tensors only: its error)."""
+    pz.init(timeout=30)
+    x = torch.randn(2, 4)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
+    found = {"dp": outcome(lambda: pz.DataParallel(model())(x)),
+             "zero": outcome(lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, lr=0.1).model(x))}
+    evaluated = model().eval()
+    zero = pz.ZeroOptimizer(evaluated, torch.optim.SGD, stage=3, lr=0.1)
+    with torch.no_grad():
+        found["eval"] = outcome(lambda: zero.model(x))
+    before = torch.distributed.is_initialized()
+    pz.distributed.init_torch()
+    found["started"] = before, torch.distributed.is_initialized(), str(torch.distributed.get_backend())
+    found["dp_started"] = outcome(lambda: pz.DataParallel(model())(x))
+    torch.distributed.destroy_process_group()
+    return found
+
+
+def test_sync_batchnorm_needs_torch_distributed():
+    for r in run_ranks(_rank_sync_batchnorm, 2, timeout=60):
+        found = r.value
+        for key, who in (("dp", "pz.DataParallel"), ("zero", "pz.ZeroOptimizer")):
+            kind, msg = found[key]
+            assert kind == "RuntimeError" and msg.startswith(f"{who}: '1' is an nn.SyncBatchNorm"), msg
+            assert "pyzero.distributed.init_torch()" in msg, msg
+        assert found["eval"][0] == "ok", found["eval"]
+        assert found["started"] == (False, True, "gloo")
+        kind, msg = found["dp_started"]
+        assert kind == "ValueError" and "SyncBatchNorm" in msg and "pz." not in msg, msg
+
+
+def test_init_torch_needs_pyzero_started():
+    assert not pz.is_initialized()
+    with pytest.raises(RuntimeError, match=r"init_torch\(\): pyzero is not started; call pz.init\(\) first"):
+        pz.distributed.init_torch()

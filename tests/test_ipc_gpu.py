@@ -219,6 +219,49 @@ def check_layers(res):
                                            msg=lambda m, k=k, key=key, r=r: f"rank {r.rank} {key} {k}: {m}")
 
 
+def sync_bn_model(norm=nn.SyncBatchNorm):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), norm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _rank_sync_batchnorm():
+    pz.init(backend="ipc", timeout=120)
+    pz.distributed.init_torch()  # nn.SyncBatchNorm syncs over torch.distributed ("pyzero" on CUDA tensors)
+    n, me = pz.get_world_size(), pz.get_rank()
+    per = 8 // n
+    model = sync_bn_model().cuda()
+    dp = pz.DataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = (t.cuda()[me * per:(me + 1) * per] for t in batch(step))
+        x = x * (1 + 4 * me)  # the ranks' halves differ: their own statistics would differ from the batch's
+        F.mse_loss(dp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.distributed.destroy_process_group()
+    pz.destroy()
+    return out
+
+
+def test_sync_batchnorm_under_data_parallel_equals_batchnorm_of_the_whole_batch():
+    """nn.SyncBatchNorm in a pz.DataParallel model with torch.distributed started beside pyzero
+    (pyzero.distributed.init_torch): one process's nn.BatchNorm1d on the whole batch."""
+    model = sync_bn_model(nn.BatchNorm1d).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = (t.cuda() for t in batch(step))
+        x = torch.cat([x[:4], x[4:] * 5])
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.cpu() for k, v in model.state_dict().items()}
+    for r in run_ranks(_rank_sync_batchnorm, 2, start="spawn", timeout=300, env=ENV):
+        for k, want in ref.items():
+            torch.testing.assert_close(r.value[k], want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, k=k, r=r: f"rank {r.rank} {k}: {m}")
+
+
 # ---------------------------------------------------------------------------
 # CUDA graphs: ipc calls captured into a graph and replayed (the epochs advance on the device)
 

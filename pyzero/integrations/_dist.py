@@ -3,12 +3,7 @@ losses, metrics, barriers) on torch's gloo, and on GPUs NCCL or "pyzero" (see de
 over pyzero's store, so both share the job's one MASTER_PORT; and the options a strategy passes on."""
 from __future__ import annotations
 
-import datetime
-
-import torch.distributed as dist
-
-from .. import comm
-from ..distributed import cuda_backend_beside
+from .. import comm, distributed
 
 # What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group).
 ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
@@ -36,28 +31,10 @@ def check_started(backend: str | None, who: str) -> None:
 
 
 def default_torch_backend() -> str:
-    """torch's backend for the frameworks' own collectives, by pyzero's backend: CPU tensors on gloo;
-    CUDA tensors on torch's NCCL beside pyzero's nccl backend (a GPU per process), on "pyzero"
-    beside its ipc backend (processes that share a GPU, which NCCL refuses)."""
-    backend = comm.get_backend()
-    return f"cpu:gloo,cuda:{cuda_backend_beside(backend)}" if backend in ("ipc", "nccl") else "gloo"
+    """See pyzero.distributed.default_torch_backend."""
+    return distributed.default_torch_backend()
 
 
 def init_torch(torch_backend: str | None = None) -> None:
-    """Start torch.distributed on pyzero's store (pyzero started; nothing to do at world size 1).
-
-    ``torch_backend``: default :func:`default_torch_backend`. If torch.distributed is already up,
-    it must describe the same job.
-    """
-    world, rank = comm.get_world_size(), comm.get_rank()
-    if world == 1:
-        return
-    if dist.is_initialized():
-        if (dist.get_world_size(), dist.get_rank()) != (world, rank):
-            raise RuntimeError(f"init(): torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, "
-                               f"pyzero rank {rank} of {world}; both must describe the same job")
-        return
-    if torch_backend is None:
-        torch_backend = default_torch_backend()
-    dist.init_process_group(torch_backend, store=dist.PrefixStore("torch/", comm.get_store()), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=comm.get_timeout()))
+    """Start torch.distributed on pyzero's store (pyzero started): pyzero.distributed.init_torch."""
+    distributed.init_torch(torch_backend)

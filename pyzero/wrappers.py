@@ -11,13 +11,13 @@ instead. pyzero's own integrations mark the models they prepared (``INTEGRATED``
 """
 from __future__ import annotations
 
+from torch import nn
+
 INTEGRATED = "pyzero_integration"  # set on a module by a pyzero integration that prepared it ("hf", "lightning")
 
 USE_INSTEAD = ("with transformers.Trainer use pyzero.integrations.hf.PyzeroTrainer, with accelerate "
                "pyzero.integrations.hf.PyzeroAccelerator, with lightning.Trainer "
                "pyzero.integrations.lightning.PyzeroStrategy")
-
-from torch import nn
 
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP

@@ -41,7 +41,9 @@ VARIANTS = {"adamw": {}, "sgd": dict(opt="sgd", clip=(0.5, float("inf"))), "unus
             "checkpointed": dict(model="ckpt_non_reentrant"), "checkpointed_reentrant": dict(model="ckpt_reentrant"),
             "reused_layer": dict(model="reuse"), "bf16": dict(dtype=torch.bfloat16, steps=4),
             # torch.nn.utils.clip_grad_norm_(model.parameters()) (a frozen and a tied parameter among them)
-            "torch_clip": dict(model="tied", clip_with="torch")}
+            "torch_clip": dict(model="tied", clip_with="torch"),
+            # ... and on the optimizer's param_groups' tensors (under ZeRO: the inner optimizer's pieces)
+            "torch_clip_of_param_groups": dict(clip_with="groups")}
 
 
 class MLP(nn.Module):
@@ -151,6 +153,8 @@ def train(s, world=None, model=None, before=None):
         if s["clip"]:
             if world and s["clip_with"] == "opt":
                 norm = opt.clip_grad_norm_(*s["clip"])
+            elif s["clip_with"] == "groups":  # torch's function on the optimizer's tensors (ZeRO: this rank's pieces)
+                norm = nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], *s["clip"])
             else:  # torch's function; under ZeRO on the whole model, as a script written for torch calls it
                 params = model.parameters() if world else [p for p in model.parameters() if p.requires_grad]
                 norm = nn.utils.clip_grad_norm_(params, *s["clip"])
@@ -443,6 +447,8 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
                         ["torch.nn.utils.clip_grad_norm_: parameters", "pass model.parameters()"]),
     "torch_clip_value": (lambda o: nn.utils.clip_grad_value_(o.model.parameters(), 1.0), "ValueError",
                          ["torch.nn.utils.clip_grad_value_", "clip by norm"]),
+    "torch_clip_part_of_param_groups": (lambda o: nn.utils.clip_grad_norm_(o.param_groups[0]["params"][:1], 1.0),
+                                        "ValueError", ["torch.nn.utils.clip_grad_norm_: parameters"]),
     # torch's own clip_grad_norm_, as a `from torch.nn.utils import clip_grad_norm_` before `import pyzero` binds it
     "torch_clip_bound_before_import": (lambda o: nn.utils.clip_grad_norm_._pz_torch(o.model.parameters(), 1.0),
                                        "RuntimeError",

@@ -18,26 +18,31 @@ import functools
 
 import torch
 
-from .optimizer import ZeroOptimizer, owner
+from .optimizer import ZeroOptimizer, leaf_owner, owner
+
+
+def _any_owner(t) -> ZeroOptimizer | None:
+    return owner(t) or leaf_owner(t)
 
 
 def zero_of_params(params: list, what: str) -> ZeroOptimizer | None:
-    """The ZeroOptimizer managing `params` (all of its trainable parameters), or None if it manages none;
-    a ValueError naming `what` for a part of its parameters or parameters of two."""
-    owners = {id(o): o for o in map(owner, params) if o is not None}
+    """The ZeroOptimizer managing `params` (all of its trainable parameters, or all of its inner
+    optimizer's, the tensors of ``opt.param_groups``: this rank's pieces), or None if it manages none;
+    a ValueError naming `what` for a part of them or tensors of two."""
+    owners = {id(o): o for o in map(_any_owner, params) if o is not None}
     if not owners:
         return None
     opt = next(iter(owners.values()))
-    given = {id(p) for p in params if p.requires_grad}
-    if len(owners) > 1 or given != {id(p) for p in opt.params}:
+    model_params = {id(p) for p in params if p.requires_grad}
+    if len(owners) > 1 or (model_params != {id(p) for p in opt.params} and {id(p) for p in params} != opt._leaf_ids):
         raise ValueError(f"{what}: parameters: a ZeroOptimizer clips all of its model's gradients at once (their "
                          "norm spans every rank's shard); pass model.parameters() of the model it manages")
     return opt
 
 
 def refuse_clip_by_value(params: list, what: str) -> None:
-    """A ValueError naming `what` if a ZeroOptimizer trains any of `params`."""
-    if any(owner(p) is not None for p in params):
+    """A ValueError naming `what` if a ZeroOptimizer trains any of `params` (or they are its pieces)."""
+    if any(_any_owner(p) is not None for p in params):
         raise ValueError(f"{what}: a ZeroOptimizer averages the gradients over the ranks into its shards (stage 1 at "
                          "its step, from the local .grad this would clip; stages 2 and 3 in backward, leaving no "
                          ".grad), out of reach of clipping each .grad by value; clip by norm with clip_grad_norm_, "
@@ -87,7 +92,7 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, **kwar
     if torch.compiler.is_compiling():
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach, **kwargs)
     params = _as_list(parameters)
-    if any(owner(p) is not None for p in params):
+    if any(_any_owner(p) is not None for p in params):
         raise RuntimeError("torch.nn.utils.clip_grads_with_norm_ (which torch's clip_grad_norm_ calls) got the "
                            "parameters a ZeroOptimizer trains: their gradients are in its shards, where torch's "
                            "clipping computes no norm and clips nothing (stages 2-3) or clips each rank's part alone "

@@ -341,6 +341,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:
             p._pz_zero_owner = weakref.ref(self)
+        self._leaf_ids = {id(leaf) for _, leaf, _ in self.pieces}  # the inner optimizer's (opt.param_groups')
+        for _, leaf, _ in self.pieces:
+            leaf._pz_zero_leaf_of = weakref.ref(self)
         live_optimizers.add(self)
         # the model's parameters not trainable now: each forward checks that they stay so (a linear scan
         # of these few, not of every parameter)
@@ -1595,6 +1598,14 @@ def _owner_of(p):
     ref = getattr(p, "_pz_zero_owner", None)
     opt = ref() if ref is not None else None
     return opt if opt is not None and id(p) in opt._param_index else None
+
+
+def leaf_owner(t) -> ZeroOptimizer | None:
+    """The live ZeroOptimizer whose inner optimizer steps tensor `t` (one of ``opt.param_groups``'
+    parameters: a piece of a model parameter in this rank's shard), else None."""
+    ref = getattr(t, "_pz_zero_leaf_of", None)
+    opt = ref() if ref is not None else None
+    return opt if opt is not None and id(t) in opt._leaf_ids else None
 
 
 def owner(obj) -> ZeroOptimizer | None:

@@ -331,6 +331,15 @@ def _moved_after_build(stage):
     model(torch.zeros(2, IN))
 
 
+def _converted_after_build_stage3():
+    """Stage 3 points the parameters at its gathered buffers at each forward: a conversion after set-up
+    would be undone there, the forward then failing on (or silently computing in) the old dtype."""
+    model = MLP()
+    pz.ZeroOptimizer(model, AdamW, stage=3)
+    model.to(torch.bfloat16)
+    model(torch.zeros(2, IN, dtype=torch.bfloat16))
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (Adam's update scaled per tensor by |w| / |update|): not elementwise, and not in torch."""
 
@@ -432,6 +441,8 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
                             ["model", "pz.DataParallel"]),
     "moved_after_build_stage1": (lambda m: _moved_after_build(1), "RuntimeError", ["flat buffer", "model.to"]),
     "moved_after_build_stage2": (lambda m: _moved_after_build(2), "RuntimeError", ["flat buffer", "model.to"]),
+    "converted_after_build_stage3": (lambda m: _converted_after_build_stage3(), "RuntimeError",
+                                     ["converted after the ZeroOptimizer was built", "torch.bfloat16", "param_dtype="]),
 }
 MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, exception type, words)
     "step_before_backward": (lambda o: o.step(), "RuntimeError", ["step", "backward"]),

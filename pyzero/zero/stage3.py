@@ -277,6 +277,18 @@ class ZeroStage3(ZeroOptimizer):
     def shards(self):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
 
+    def _check_home(self):
+        """A gather points the parameters at the unit's buffer again, so a conversion after set-up
+        (``model.to(torch.bfloat16)``, ``model.half()``, a move to another device) would be undone at
+        the next forward, the model computing in the dtype it had: refused. One compare per forward."""
+        u = self.units[0]
+        p, home = u.layout.params[0], u.full
+        if p.dtype != home.dtype or p.device != home.device:
+            raise RuntimeError(f"model: its parameters were converted after the ZeroOptimizer was built (now {p.dtype} "
+                               f"on {p.device}; stage 3 gathers them as {home.dtype} on {home.device}, undoing it): "
+                               "convert the model first, then build the ZeroOptimizer (for 16-bit parameters with "
+                               "fp32 master weights, param_dtype=)")
+
     def _reduced_dtype(self):
         return None if self._zeropp[2] else self.comm_dtype  # (quantised gradients: not the reduced values)
 

@@ -596,3 +596,50 @@ def test_generate_from_a_stage3_model_with_synced_gpus():
     for r in run_ranks(_rank_generate_stage3, 2, timeout=60):
         got, want = r.value
         assert got == want and len(got[0]) == 3 + (8 if r.rank == 0 else 3), (r.rank, got, want)
+
+
+class Seq2Seq(hf.PyzeroTrainer, transformers.Seq2SeqTrainer):
+    """PyzeroTrainer mixed with Seq2SeqTrainer (predict_with_generate): records generate's synced_gpus."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        seen, generate = self.synced, model.generate
+
+        def recorded(*args, **kwargs):
+            seen.append(kwargs.get("synced_gpus"))
+            return generate(*args, **kwargs)
+        model.generate = recorded
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        finally:
+            del model.generate
+
+
+def _rank_seq2seq(out):
+    hf.init(timeout=60)
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True, seed=0, max_steps=2,
+        per_device_train_batch_size=BATCH, per_device_eval_batch_size=2, learning_rate=LR, predict_with_generate=True,
+        generation_max_length=SEQ)  # prompts of SEQ / 2 tokens: as many new ones, within GPT-2's positions
+    got = {}
+    for strategy in ("ddp", "zero2", "zero3"):
+        kind = transformers.Seq2SeqTrainer if strategy == "ddp" else Seq2Seq
+        model = gpt()
+        model.config.pad_token_id = model.generation_config.pad_token_id = 0  # (Seq2SeqTrainer pads with it)
+        trainer = kind(model=model, args=args, train_dataset=dataset(), **({} if strategy == "ddp" else
+                                                                           {"strategy": strategy}))
+        trainer.synced = []
+        trainer.train()
+        prompts = [{k: v[:SEQ // 2] for k, v in row.items()} for row in dataset(8)]
+        predicted = trainer.predict(prompts).predictions
+        got[strategy] = predicted.tolist(), trainer.synced
+    return finish(got)
+
+
+def test_seq2seq_trainer_generates_from_stage3_with_synced_gpus(tmp_path):
+    """Seq2SeqTrainer's predict_with_generate: ZeRO-3 generates with synced_gpus=True (its ranks must
+    run the same forwards), ZeRO-2 as transformers decides (False); the predictions are DDP's."""
+    got = run_ranks(_rank_seq2seq, 2, args=(str(tmp_path),), timeout=120)[0].value
+    ref, _ = got.pop("ddp")
+    for strategy, (predicted, synced) in got.items():
+        assert predicted == ref, strategy
+        assert synced and set(synced) == {strategy == "zero3"}, (strategy, synced)

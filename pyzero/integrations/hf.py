@@ -349,6 +349,19 @@ class PyzeroTrainer(transformers.Trainer):
     def _zero(self) -> ZeroOptimizer | None:
         return owner(self.model)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        """Mixed with Seq2SeqTrainer (``class T(PyzeroTrainer, Seq2SeqTrainer)``, predict_with_generate):
+        a ZeRO stage-3 model generates with synced_gpus=True unless told otherwise (ranks that stop early
+        keep running forwards, whose gathers the others need), as transformers does under DeepSpeed
+        ZeRO-3 and FSDP, which it recognises and pyzero it does not."""
+        zero = self._zero()
+        if (isinstance(self, transformers.Seq2SeqTrainer) and zero is not None and zero.stage == 3
+                and zero.world > 1):
+            if not gen_kwargs:  # (what Seq2SeqTrainer.prediction_step takes then: evaluate's/predict's)
+                gen_kwargs = dict(getattr(self, "_gen_kwargs", None) or {})
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
     def _move_model_to_device(self, model, device) -> None:
         if owner(model) is None:  # (a ZeroOptimizer's model is in place: see PyzeroAccelerator.prepare_model)
             super()._move_model_to_device(model, device)

@@ -315,6 +315,45 @@ def test_whole_tensor_optimizer_refused_with_zero():
             assert "PyzeroStrategy('dp')" in msg, msg
 
 
+class TiedOutput(torch.nn.Module):
+    """An output projection that reads the input layer's weight itself (not by calling the layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid = torch.nn.Linear(DIM, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return torch.nn.functional.linear(h, self.inp.weight.t())[:, :1]
+
+
+class TiedNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.net = TiedOutput()
+
+
+def _rank_stage3_freed_read():
+    pzl.init(timeout=60)
+    found = {"zero3": outcome(lambda: fit(pzl.PyzeroStrategy("zero3"), module=TiedNet()))}
+    ddp = fit("ddp", module=TiedNet())
+    leaf = fit(pzl.PyzeroStrategy("zero3", leaf_modules=[TiedOutput]), module=TiedNet())
+    torch.distributed.destroy_process_group()
+    return {"found": found, "ddp": ddp, "leaf": leaf}
+
+
+def test_stage3_parameter_read_outside_its_module_is_named():
+    """A LightningModule whose training_step calls a child that reads another module's weight itself:
+    ZeRO-3 refuses it on every rank in the first forward, naming the weight (it would read a freed
+    parameter's NaN), and trains it as DDP does with the reading module a leaf module."""
+    ranks = [r.value for r in run_ranks(_rank_stage3_freed_read, 2, timeout=120)]
+    assert_same_run(ranks[0]["leaf"], ranks[0]["ddp"], "zero3 with leaf_modules")
+    for got in ranks:
+        kind, msg = got["found"]["zero3"]
+        assert kind == "RuntimeError" and "'net.inp.weight' was read while freed" in msg, msg
+
+
 def test_bad_arguments_name_the_argument():
     for kwargs, words in [(dict(strategy="zero4"), "strategy: expected one of"),
                           (dict(strategy="zero2", stage=3), "stage: not a pz.ZeroOptimizer option"),

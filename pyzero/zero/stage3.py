@@ -21,8 +21,8 @@ the descendant (nn.MultiheadAttention reads out_proj.weight; nn.TransformerEncod
 inference fast path reads every weight of the layer). Such a module is a *leaf*: its hooks
 gather the units of its whole subtree and its descendants get none (DeepSpeed's "z3 leaf
 modules"). DEFAULT_LEAF_MODULES are leaves always, ``leaf_modules=`` adds classes. A read the
-hooks do not cover would compute with the NaN stubs of a freed unit: the first forward with
-and the first without autograd run under _FreedReads, which raises naming the parameter.
+hooks do not cover would compute with the NaN stubs of a freed unit: the forwards before the
+first step run under _FreedReads, which raises naming the parameter.
 
 Every rank issues the same gathers and reduce-scatters in the same order as
 long as the model runs the same code path everywhere; a rank that does not
@@ -45,6 +45,7 @@ buffer of a reduce-scatter is kept by its Work until the work completed.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -191,8 +192,7 @@ class ZeroStage3(ZeroOptimizer):
             raise TypeError("leaf_modules: expected a list of nn.Module classes (modules whose forward reads their "
                             "descendants' parameters: each gathers its whole subtree at its forward)")
         self.leaf_modules = DEFAULT_LEAF_MODULES + tuple(c for c in leaf_modules if c not in DEFAULT_LEAF_MODULES)
-        self._probed = set()  # grad modes whose first forward ran under _FreedReads
-        self._probe = None
+        self._probe = self._probe_opener = None  # see _FreedReads
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
         check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _check_group)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
@@ -257,8 +257,12 @@ class ZeroStage3(ZeroOptimizer):
                     swaps.append((d, name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
                 m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
                 m.register_forward_hook(self._make_post_forward(needs, slots))
-        self.model.register_forward_pre_hook(self._probe_reads)
-        self.model.register_forward_hook(self._end_probe, always_call=True)
+        # see _FreedReads: the model's forward, or its direct children's where a training step calls them
+        # itself (a LightningModule's training_step), until the first step()
+        self._probing = self.world > 1
+        self._probe_calls = 0
+        for m in [self.model, *self.model.children()]:
+            _add_probe_hooks(self, m)
         state_dict_hook = self._make_state_dict_hook()
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
             m.register_state_dict_post_hook(state_dict_hook)
@@ -441,19 +445,18 @@ class ZeroStage3(ZeroOptimizer):
         at_graph_break = torch.compiler.disable(eager)
         return post_forward
 
-    def _probe_reads(self, module, args):
-        """The model's forward pre-hook: the first forward with autograd on and the first without run
-        under _FreedReads (see [Note: leaf modules]); eager and with freed units (more than one rank)."""
-        mode = torch.is_grad_enabled()
-        if mode in self._probed or self.world == 1 or torch.compiler.is_compiling():
-            return
-        self._probed.add(mode)
-        self._probe = _FreedReads(self)
-        self._probe.__enter__()
+    def _open_probe(self, module):
+        """The model (or a direct child) starts its forward: unless a probe runs, it runs under one until
+        it returns (see _FreedReads); the first MAX_PROBED such forwards before the first step()."""
+        if self._probing and self._probe is None:
+            self._probe, self._probe_opener = _FreedReads(self), module
+            self._probe.__enter__()
+            self._probe_calls += 1
+            self._probing = self._probe_calls < _FreedReads.MAX_PROBED
 
-    def _end_probe(self, module, args, output):
-        probe, self._probe = self._probe, None
-        if probe is not None:
+    def _close_probe(self, module):
+        if self._probe is not None and module is self._probe_opener:
+            probe, self._probe, self._probe_opener = self._probe, None, None
             probe.__exit__(None, None, None)
 
     def _freed_read(self, p):
@@ -601,6 +604,7 @@ class ZeroStage3(ZeroOptimizer):
         self._start_backward()
 
     def _reduce_gradients(self):
+        self._probing = False  # the first step: the forwards before it were probed
         self._drain()  # only waits: every unit was launched during backward
 
     def _publish_parameters(self):
@@ -627,10 +631,35 @@ def _traced_gather(module, swaps, leaves, world, group_name):
         d._parameters[name] = full[i][off:off + numel].view(shape)
 
 
+def _add_probe_hooks(opt, module):
+    """Forward hooks of `module` that open and close opt's probe (eager only: under torch.compile they
+    return before reading anything); they hold the optimizer weakly."""
+    ref = weakref.ref(opt)
+
+    def pre(module, args):
+        if not torch.compiler.is_compiling():
+            opt = ref()
+            if opt is not None:
+                opt._open_probe(module)
+
+    def post(module, args, output):
+        if not torch.compiler.is_compiling():
+            opt = ref()
+            if opt is not None:
+                opt._close_probe(module)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
 class _FreedReads(TorchFunctionMode):
     """Raises (ZeroStage3._freed_read) when a torch operation takes a parameter whose unit is freed.
     Attribute access (``.data``, which gather and free set, ``.shape``, ``.grad``, ...) and questions
-    about the tensor rather than its values (size, storage, ...) are not operations."""
+    about the tensor rather than its values (size, storage, ...) are not operations. It runs during
+    the forwards before the first step (at most MAX_PROBED of them: a model only evaluated), each
+    torch call of the forward passing through it, then never again."""
+
+    MAX_PROBED = 16
 
     _ACCESS = frozenset(("__get__", "__set__", "__delete__", "size", "dim", "stride", "numel", "nelement",
                          "storage_offset", "element_size", "is_contiguous", "is_floating_point", "is_complex",

@@ -80,7 +80,7 @@ def init_torch(torch_backend: str | None = None) -> None:
     ``torch_backend``: default :func:`default_torch_backend`. If torch.distributed is already up, it
     must describe the same job."""
     if not comm.is_initialized():
-        raise RuntimeError("init_torch(): pyzero is not started; call pz.init() first")
+        raise RuntimeError("init_torch(): pyzero is not initialised: call pz.init() first")
     world, rank = comm.get_world_size(), comm.get_rank()
     if world == 1:
         return

@@ -968,7 +968,7 @@ def test_sync_batchnorm_needs_torch_distributed():
         assert kind == "ValueError" and "SyncBatchNorm" in msg and "pz." not in msg, msg
 
 
-def test_init_torch_needs_pyzero_started():
+def test_init_torch_needs_pyzero_initialised():
     assert not pz.is_initialized()
-    with pytest.raises(RuntimeError, match=r"init_torch\(\): pyzero is not started; call pz.init\(\) first"):
+    with pytest.raises(RuntimeError, match=r"init_torch\(\): pyzero is not initialised: call pz.init\(\) first"):
         pz.distributed.init_torch()

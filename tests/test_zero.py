@@ -589,6 +589,40 @@ def test_shard_state_export_import_round_trip(world1, stage):
     assert r["bad"][0] == "ValueError" and "master/state" in r["bad"][1]
 
 
+def rank_first_rank_state_dict_everywhere(path):
+    """The torch habit: the first rank saves opt.state_dict(), every rank loads that file."""
+    pz.init(timeout=30)
+    s = spec("adamw", 2)
+    model = build(s)
+    opt = pz.ZeroOptimizer(model, AdamW, stage=2, lr=1e-2)
+    per = BATCH // 2
+    x, y = batch(s, 0, 0)
+    loss_fn(s, model, x[pz.get_rank() * per:][:per], y[pz.get_rank() * per:][:per]).backward()
+    opt.step()
+    if pz.get_rank() == 0:
+        torch.save(opt.state_dict(), path)
+    pz.barrier()
+    before = opt.shard_state()
+    found = outcome(lambda: opt.load_state_dict(torch.load(path, weights_only=True)))
+    after = opt.shard_state()
+    same = all(torch.equal(a, b) for a, b in zip(after["master"], before["master"])) and all(
+        torch.equal(st_a[k], st_b[k]) for st_a, st_b in zip(after["state"], before["state"]) for k in st_a)
+    return found, same
+
+
+def test_first_rank_state_dict_loaded_everywhere_is_refused_on_every_rank(tmp_path):
+    """opt.state_dict() is this rank's shard: the first rank's file loaded everywhere is a ValueError on every
+    rank (naming the mismatch there, the rank that had it elsewhere), and no shard changes."""
+    got = [r.value for r in run_ranks(rank_first_rank_state_dict_everywhere, 2, args=(str(tmp_path / "opt.pt"),),
+                                      timeout=60)]
+    (kind, msg), same = got[1]
+    assert kind == "ValueError" and "saved for a different shard" in msg and "pz.checkpoint.load" in msg, msg
+    assert same
+    (kind, msg), same = got[0]  # its own shard, but refused with the others: nothing loads anywhere
+    assert kind == "ValueError" and "rank(s) [1] of the group got a state_dict" in msg, msg
+    assert same
+
+
 @pytest.mark.parametrize("case", sorted(CONSTRUCT) + sorted(MISUSE))
 def test_bad_input(world1, case):
     _, etype, words = CONSTRUCT.get(case) or MISUSE[case]

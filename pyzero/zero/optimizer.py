@@ -1339,12 +1339,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def _load_state_dict(self, sd: dict) -> None:
+        error = None
         if not isinstance(sd, dict):
-            raise TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
-        mine = [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]
-        if sd.get("pieces") != mine:
-            raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model); "
-                             "use pz.checkpoint.load to reshard")
+            error = TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
+        elif sd.get("pieces") != [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]:
+            error = ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model; "
+                               "ZeroOptimizer.state_dict() holds one rank's shard, each rank loads its own); use "
+                               "pz.checkpoint.load to reshard")
+        # Every rank calls it (the parameters are gathered at the end): all refuse together, before any change.
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        comm.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32, device=self.device),
+                        group=self.group)
+        if error is not None:
+            raise error
+        bad = flags.nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"state_dict: rank(s) {bad} of the group got a state_dict that does not fit their shard "
+                             "(each rank must load the one it saved); nothing was loaded on any rank")
         self._settle()
         self._before_host_writes()
         self.inner.load_state_dict(sd["inner"])  # (first: it checks the param groups before changing anything)

@@ -556,11 +556,10 @@ def test_frameworks_collectives_go_where_the_gpus_allow(monkeypatch):
     """The torch backend hf.init (and PyzeroStrategy) start beside each pyzero backend: CUDA tensors on
     NCCL with a GPU per process, on "pyzero" where processes share a GPU (NCCL refuses two ranks on
     one device); a group of that kind carries CPU collectives (here at 2 CPU ranks)."""
-    from pyzero.integrations import _dist  # noqa: PLC0415
     expected = {"shm": "gloo", "nccl": "cpu:gloo,cuda:nccl", "ipc": "cpu:gloo,cuda:pyzero"}
     for backend, torch_backend in expected.items():
         monkeypatch.setattr(pz.comm, "get_backend", lambda b=backend: b)
-        assert _dist.default_torch_backend() == torch_backend, backend
+        assert pz.distributed.default_torch_backend() == torch_backend, backend
     monkeypatch.undo()
     got = run_ranks(_rank_mixed_group, 2, timeout=60)
     assert [r.value for r in got] == [("cpu:gloo,cuda:pyzero", [3.0, 3.0])] * 2

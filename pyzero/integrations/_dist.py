@@ -1,9 +1,9 @@
-"""What the integrations share: torch.distributed beside pyzero (the frameworks' own collectives:
-losses, metrics, barriers) on torch's gloo, and on GPUs NCCL or "pyzero" (see default_torch_backend),
-over pyzero's store, so both share the job's one MASTER_PORT; and the options a strategy passes on."""
+"""What the integrations share: the options a strategy passes on, and the check that pyzero runs the
+backend asked for. (torch.distributed beside pyzero, for the frameworks' own collectives: losses,
+metrics, barriers, is pyzero.distributed.init_torch.)"""
 from __future__ import annotations
 
-from .. import comm, distributed
+from .. import comm
 
 # What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group).
 ZERO_OPTIONS = ("bucket_mb", "overlap", "param_dtype", "comm_dtype", "offload", "nvme_path", "offload_params",
@@ -28,13 +28,3 @@ def check_started(backend: str | None, who: str) -> None:
     if backend is not None and backend != comm.get_backend():
         raise ValueError(f"backend: {who} asks for {backend!r}, but pyzero is already started with backend "
                          f"{comm.get_backend()!r}; pass backend=None, or start it with {backend!r}")
-
-
-def default_torch_backend() -> str:
-    """See pyzero.distributed.default_torch_backend."""
-    return distributed.default_torch_backend()
-
-
-def init_torch(torch_backend: str | None = None) -> None:
-    """Start torch.distributed on pyzero's store (pyzero started): pyzero.distributed.init_torch."""
-    distributed.init_torch(torch_backend)

@@ -64,7 +64,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
-from .. import checkpoint, comm, wrappers
+from .. import checkpoint, comm, distributed, wrappers
 from . import _dist
 from ..parallel import DataParallel
 from ..zero import ZeroOptimizer, owner
@@ -96,7 +96,7 @@ def init(backend: str | None = None, timeout: float = 300.0, torch_backend: str 
         comm.init(backend=backend, timeout=timeout)
     else:
         _dist.check_started(backend, "init()")
-    _dist.init_torch(torch_backend)
+    distributed.init_torch(torch_backend)
 
 
 def _options(options, stage: int | None) -> dict:

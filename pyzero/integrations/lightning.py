@@ -66,7 +66,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import checkpoint as pz_checkpoint
-from .. import comm, wrappers
+from .. import comm, distributed, wrappers
 from ..parallel import DataParallel, broadcast_coalesced
 from ..zero import ZeroOptimizer, owner
 from ..zero.optimizer import whole_tensor_optimizer
@@ -93,7 +93,7 @@ def init(backend: str | None = None, timeout: float = 300.0) -> None:
         comm.init(backend=backend, timeout=timeout)
     else:
         _dist.check_started(backend, "init()")
-    _dist.init_torch()
+    distributed.init_torch()
 
 
 def _raw(optimizer):
@@ -216,8 +216,8 @@ class PyzeroStrategy(DDPStrategy):
             raise RuntimeError(f"PyzeroStrategy: Lightning runs rank {rank} of {world}, pyzero rank "
                                f"{comm.get_rank()} of {comm.get_world_size()}; set devices= and num_nodes= to the "
                                "job's processes")
-        self._process_group_backend = _dist.default_torch_backend()
-        _dist.init_torch(self._process_group_backend)
+        self._process_group_backend = distributed.default_torch_backend()
+        distributed.init_torch(self._process_group_backend)
 
     # ---- model and optimizer ---------------------------------------------------
 

@@ -25,6 +25,11 @@ def _any_owner(t) -> ZeroOptimizer | None:
     return owner(t) or leaf_owner(t)
 
 
+def _any_zero(params: list) -> bool:
+    """Whether a ZeroOptimizer trains any of `params` (or they are pieces of its shard)."""
+    return any(_any_owner(p) is not None for p in params)
+
+
 def zero_of_params(params: list, what: str) -> ZeroOptimizer | None:
     """The ZeroOptimizer managing `params` (all of its trainable parameters, or all of its inner
     optimizer's, the tensors of ``opt.param_groups``: this rank's pieces), or None if it manages none;
@@ -42,7 +47,7 @@ def zero_of_params(params: list, what: str) -> ZeroOptimizer | None:
 
 def refuse_clip_by_value(params: list, what: str) -> None:
     """A ValueError naming `what` if a ZeroOptimizer trains any of `params` (or they are its pieces)."""
-    if any(_any_owner(p) is not None for p in params):
+    if _any_zero(params):
         raise ValueError(f"{what}: a ZeroOptimizer averages the gradients over the ranks into its shards (stage 1 at "
                          "its step, from the local .grad this would clip; stages 2 and 3 in backward, leaving no "
                          ".grad), out of reach of clipping each .grad by value; clip by norm with clip_grad_norm_, "
@@ -92,7 +97,7 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, **kwar
     if torch.compiler.is_compiling():
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach, **kwargs)
     params = _as_list(parameters)
-    if any(_any_owner(p) is not None for p in params):
+    if _any_zero(params):
         raise RuntimeError("torch.nn.utils.clip_grads_with_norm_ (which torch's clip_grad_norm_ calls) got the "
                            "parameters a ZeroOptimizer trains: their gradients are in its shards, where torch's "
                            "clipping computes no norm and clips nothing (stages 2-3) or clips each rank's part alone "

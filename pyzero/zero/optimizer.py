@@ -51,6 +51,8 @@ def whole_tensor_optimizer(cls: type) -> str | None:
     return None
 
 
+_USE_ELEMENTWISE = ("use an elementwise optimizer (torch.optim.AdamW, Adam, SGD, Adagrad, RMSprop, ...), or "
+                    "pz.DataParallel, which keeps whole tensors")
 # torch's and pz.optim's optimizers that are elementwise (exactly these classes: a subclass may step otherwise)
 _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta",
                                                        "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -178,8 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             f"got {got}")
         why = whole_tensor_optimizer(optimizer_class)
         if why is not None:
-            raise ValueError(f"optimizer_class: {why}; use an elementwise optimizer (torch.optim.AdamW, Adam, SGD, "
-                             "Adagrad, RMSprop, ...), or pz.DataParallel, which keeps whole tensors")
+            raise ValueError(f"optimizer_class: {why}; {_USE_ELEMENTWISE}")
         if "prefetch" in optimizer_kwargs:  # (stage 3's own option reaches here only for stages 1-2)
             raise ValueError(f"prefetch: gathering units ahead is for stage=3, got stage={stage!r}")
         if "leaf_modules" in optimizer_kwargs:
@@ -263,8 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if optimizer_class not in _ELEMENTWISE:
             why = elementwise_mismatch(optimizer_class, optimizer_kwargs, param_groups)
             if why is not None:
-                raise ValueError(f"optimizer_class: {why}; use an elementwise optimizer (torch.optim.AdamW, Adam, "
-                                 "SGD, Adagrad, RMSprop, ...), or pz.DataParallel, which keeps whole tensors")
+                raise ValueError(f"optimizer_class: {why}; {_USE_ELEMENTWISE}")
         self.offload = _offload.resolve(offload, nvme_path, offload_params, stage, optimizer_class,
                                         optimizer_kwargs, self.params, self.world, moments=offload_moments,
                                         delayed_update=delayed_update, pipeline=offload_pipeline)

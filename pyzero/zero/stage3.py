@@ -192,7 +192,6 @@ class ZeroStage3(ZeroOptimizer):
             raise TypeError("leaf_modules: expected a list of nn.Module classes (modules whose forward reads their "
                             "descendants' parameters: each gathers its whole subtree at its forward)")
         self.leaf_modules = DEFAULT_LEAF_MODULES + tuple(c for c in leaf_modules if c not in DEFAULT_LEAF_MODULES)
-        self._probe = self._probe_opener = None  # see _FreedReads
         self._zeropp = (zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients)
         check_values(*self._zeropp)  # (before the model is touched; what they need of the group: _check_group)
         super().__init__(model, optimizer_class, stage, *args, **kwargs)
@@ -234,9 +233,12 @@ class ZeroStage3(ZeroOptimizer):
             for u in self.units:
                 u.leaf = u.shard.detach().requires_grad_()  # shares the shard's storage (and its updates)
                 u.leaf.register_post_accumulate_grad_hook(self._make_on_shard_grad(u))
+        def slots_of(d):  # (module, name, parameter) of d's own trainable parameter slots
+            return [(d, name, p) for name, p in d._parameters.items() if p is not None and id(p) in owner]
+
         inside_leaf = set()  # descendants of a leaf module: its hooks gather for them (see [Note: leaf modules])
         for m in self.model.modules():
-            own = [(m, name, p) for name, p in m._parameters.items() if p is not None and id(p) in owner]
+            own = slots_of(m)
             if own:
                 m.register_load_state_dict_pre_hook(self._make_load_hook(sorted({owner[id(p)].idx for *_, p in own}),
                                                                          [name for _, name, _ in own]))
@@ -246,8 +248,7 @@ class ZeroStage3(ZeroOptimizer):
             if isinstance(m, self.leaf_modules):
                 below = list(m.modules())[1:]
                 inside_leaf.update(map(id, below))
-                slots = own + [(d, name, p) for d in below for name, p in d._parameters.items()
-                               if p is not None and id(p) in owner]
+                slots = own + [slot for d in below for slot in slots_of(d)]
             needs = sorted({owner[id(p)].idx for *_, p in slots})
             if needs:
                 swaps = []  # (module, name, unit, offset, shape, numel) of each parameter slot gathered here
@@ -258,11 +259,12 @@ class ZeroStage3(ZeroOptimizer):
                 m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
                 m.register_forward_hook(self._make_post_forward(needs, slots))
         # see _FreedReads: the model's forward, or its direct children's where a training step calls them
-        # itself (a LightningModule's training_step), until the first step()
-        self._probing = self.world > 1
-        self._probe_calls = 0
-        for m in [self.model, *self.model.children()]:
-            _add_probe_hooks(self, m)
+        # itself (a LightningModule's training_step), until the first step(); with freed units (world > 1)
+        self._probe = self._probe_opener = None
+        self._probes_left = _FreedReads.MAX_PROBED if self.world > 1 else 0
+        if self._probes_left:
+            for m in [self.model, *self.model.children()]:
+                _add_probe_hooks(self, m)
         state_dict_hook = self._make_state_dict_hook()
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
             m.register_state_dict_post_hook(state_dict_hook)
@@ -448,11 +450,10 @@ class ZeroStage3(ZeroOptimizer):
     def _open_probe(self, module):
         """The model (or a direct child) starts its forward: unless a probe runs, it runs under one until
         it returns (see _FreedReads); the first MAX_PROBED such forwards before the first step()."""
-        if self._probing and self._probe is None:
+        if self._probes_left and self._probe is None:
             self._probe, self._probe_opener = _FreedReads(self), module
             self._probe.__enter__()
-            self._probe_calls += 1
-            self._probing = self._probe_calls < _FreedReads.MAX_PROBED
+            self._probes_left -= 1
 
     def _close_probe(self, module):
         if self._probe is not None and module is self._probe_opener:
@@ -604,7 +605,7 @@ class ZeroStage3(ZeroOptimizer):
         self._start_backward()
 
     def _reduce_gradients(self):
-        self._probing = False  # the first step: the forwards before it were probed
+        self._probes_left = 0  # the first step: the forwards before it were probed
         self._drain()  # only waits: every unit was launched during backward
 
     def _publish_parameters(self):

@@ -50,7 +50,7 @@ QUEUED, STARTED, DONE, FAILED = 0, 1, 2, 3
 STATES = ("queued", "started", "done", "failed")
 # The exit waits at most this long for answering threads still connecting (see stop()).
 CONNECT_WAIT_S = 5.0
-_connecting: list[threading.Thread] = []  # answering threads pz.destroy() left connecting
+_connecting: list[threading.Thread] = []  # answering threads pz.destroy() left in a store call
 P2P = ("send", "recv", "batch_isend_irecv")  # point-to-point calls: a peer, no sequence number
 
 _now = time.monotonic_ns
@@ -340,6 +340,10 @@ def stop() -> None:
             _bounded(_leave, (2 * _proc.wait_s if _proc.errored else 0) + (2.0 if _proc.rank == 0 else 0.5))
         except TimeoutError:
             pass
+        if _proc.thread.is_alive():
+            # The bound ran out first (a loaded machine): the thread is still in a store call, waiting for the
+            # "bye" _leave is still sending, or for the store to close. The exit waits for it too.
+            _connecting.append(_proc.thread)
     _proc.prefix = ""  # a thread still connecting ends once connected
     _proc.thread = None
     _proc.store = None
@@ -347,7 +351,7 @@ def stop() -> None:
 
 
 def wait_connecting() -> None:
-    """Let the answering threads pz.destroy() left connecting end (at most CONNECT_WAIT_S in all). Each holds
+    """Let the answering threads pz.destroy() left in a store call end (at most CONNECT_WAIT_S in all). Each holds
     its job's store, which on rank 0 serves the job's port, until it ends."""
     deadline = time.monotonic() + CONNECT_WAIT_S
     while _connecting:

@@ -380,6 +380,45 @@ def _rank_destroy_while_connecting():
     return t.tolist(), took, alive, thread.is_alive(), second
 
 
+def _rank_leave_outlasts_its_bound():
+    """Rank 1's first "leaving" store call takes 2 s (a loaded machine): more than pz.destroy() gives its leave."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pyzero import flight  # noqa: PLC0415
+    add, rank = dist.TCPStore.add, []
+
+    def slow_add(self, key, value):
+        if key.endswith("/leaving") and value == 1 and rank == [1]:
+            time.sleep(2.0)
+        return add(self, key, value)
+    dist.TCPStore.add = slow_add
+    pz.init(timeout=10)
+    rank.append(pz.get_rank())
+    t = torch.full((2,), float(pz.get_rank() + 1))
+    pz.all_reduce(t)
+    flight._proc.connected.wait(10)  # (a thread still connecting is the test above)
+    thread = flight._proc.thread
+    start = time.monotonic()
+    pz.destroy()
+    took = time.monotonic() - start
+    alive = thread.is_alive()
+    flight.wait_connecting()  # what the exit (and the next pz.init) does
+    ended = not thread.is_alive()
+    if rank == [0]:
+        time.sleep(2.5)  # (the store, in this process, outlives rank 1's leave)
+    return t.tolist(), took, alive, ended
+
+
+def test_exit_waits_for_an_answering_thread_destroy_left_in_a_store_call():
+    # pz.destroy() returns while rank 1's thread still waits in a store call; exiting then would unwind that
+    # C++ call through finalisation and abort the process: the exit waits until the thread has ended
+    r = run_ranks(_rank_leave_outlasts_its_bound, 2, timeout=60)[1]
+    got, took, alive_after_destroy, ended = r.value
+    assert got == [3.0, 3.0]
+    assert took < 1.5, f"pz.destroy() took {took:.1f} s"
+    assert alive_after_destroy and ended
+
+
 def test_destroy_does_not_wait_for_a_connecting_thread():
     for r in run_ranks(_rank_destroy_while_connecting, 2, timeout=60):
         got, took, alive_after_destroy, alive_after_init, second = r.value

@@ -26,6 +26,7 @@ from ..bucketing import DeviceFlags, InFlight, device_capturing
 from .. import optim as pz_optim
 from ..parallel import DataParallel, sparse_grad_modules
 from . import offload as _offload
+from . import gathered as _gathered
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
 from ..checks import is_positive_finite, is_real
@@ -925,6 +926,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.update(overflow=False)
         self._clear_grads()
 
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """A context manager: `params` (model parameters; all it trains by default) whole on every rank
+        inside the block, what the block writes into them kept, as DeepSpeed's zero.GatheredParameters.
+        Every rank of the group enters it with the same params. With ``modifier_rank`` (a global rank)
+        every rank takes that rank's values at the end; without, the ranks must change them alike
+        (compared: a RuntimeError on every rank if not). Run the block under torch.no_grad(). See
+        pyzero.zero.gathered."""
+        return _gathered.gather_block(self, params, modifier_rank)
+
+    def _hold(self, params: list) -> list:
+        """gathered_parameters(): make `params` whole until _release(what this returns)."""
+        return []
+
+    def _release(self, held: list) -> None:
+        """gathered_parameters(): what _hold gathered may be freed again."""
+
+    def _own_slices(self, held: list) -> list[tuple[int, torch.Tensor]]:
+        """gathered_parameters(): (index into shards(), the model-dtype values of this rank's part of it)."""
+        raise NotImplementedError
+
+    def _synced_values(self, held: list, params: list) -> list[torch.Tensor]:
+        """gathered_parameters(): contiguous tensors holding `params`' values, the same on every rank."""
+        raise NotImplementedError
+
     def synchronize(self) -> None:
         """With delayed_update: wait for the CPU step in flight and put its parameters into the
         model (e.g. before evaluating or at the end of training). Otherwise nothing to do."""
@@ -1626,6 +1651,19 @@ def owner(obj) -> ZeroOptimizer | None:
     if isinstance(obj, nn.Module):
         obj = next((p for p in obj.parameters() if p.requires_grad), None)
     return None if obj is None else _owner_of(obj)
+
+
+def gathered_parameters(params, modifier_rank=None):
+    """``opt.gathered_parameters(params, modifier_rank)`` of the ZeroOptimizer that trains `params` (a
+    parameter or several), found from them; parameters no ZeroOptimizer trains are whole already: then
+    nothing is done (as DeepSpeed's zero.GatheredParameters). Parameters of two optimizers: a ValueError."""
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    owners = {id(o): o for o in map(_owner_of, items) if o is not None}
+    if len(owners) > 1:
+        raise ValueError("params: parameters of more than one ZeroOptimizer; gather each optimizer's in its own block")
+    if not owners:
+        return contextlib.nullcontext()
+    return next(iter(owners.values())).gathered_parameters(items, modifier_rank)
 
 
 def _probe_optimizer(optimizer_class, kwargs, param_groups):

@@ -124,6 +124,7 @@ class _Unit:
         if not alias:
             gathered.add(self.nbytes)
         self.pending = len(params)
+        self.hold = 0  # opt.gathered_parameters() blocks holding it gathered
 
     def gather_input(self) -> torch.Tensor:
         """The shard as a gather reads it: on the device (offload_params: a copy of the host shard,
@@ -140,8 +141,8 @@ class _Unit:
         return self.shard.to(self.full.device, non_blocking=True)
 
     def free(self):
-        if self.alias:
-            return  # the shard: never released
+        if self.alias or self.hold:
+            return  # the shard: never released; held by opt.gathered_parameters(): at its end
         if self.gather_work is not None:
             self.gather_work.wait()
             self.gather_work = None
@@ -283,6 +284,31 @@ class ZeroStage3(ZeroOptimizer):
     def shards(self):
         return [(u.layout, u.master, u.grad_shard) for u in self.units]
 
+    def _hold(self, params):
+        held = []
+        for u in sorted({id(u): u for u in map(self._unit_of.__getitem__, map(id, params))}.values(),
+                        key=lambda u: u.idx):
+            held.append((u, u.gathered))
+            u.hold += 1
+            u.gather(self._plan)
+        return held
+
+    def _release(self, held):
+        for u, was_gathered in held:
+            u.hold -= 1
+            if not was_gathered:
+                u.free()
+
+    def _own_slices(self, held):
+        out = []
+        for u, _ in held:
+            off, n = u.layout.shard(self.rank)
+            out.append((u.idx, u.full[off:off + n]))
+        return out
+
+    def _synced_values(self, held, params):
+        return [u.full for u, _ in held]
+
     def _check_home(self):
         """A gather points the parameters at the unit's buffer again, so a conversion after set-up
         (``model.to(torch.bfloat16)``, ``model.half()``, a move to another device) would be undone at
@@ -403,7 +429,8 @@ class ZeroStage3(ZeroOptimizer):
                                     if id(p) in self._unit_of):
                 warnings.warn("model.state_dict() of a ZeRO stage-3 model on more than one rank: its sharded "
                               "parameters are freed outside forward and backward and read as NaN here; take "
-                              "their values from opt.full_state_dict() (first rank) or pz.checkpoint.save",
+                              "their values from opt.full_state_dict() (first rank) or pz.checkpoint.save, or "
+                              "read them inside `with torch.no_grad(), opt.gathered_parameters():`",
                               ShardedParametersWarning, stacklevel=2)
         return hook
 
@@ -416,8 +443,9 @@ class ZeroStage3(ZeroOptimizer):
                 raise RuntimeError(
                     f"model.load_state_dict: {keys[:3]}{' ...' if len(keys) > 3 else ''} are ZeRO stage-3 parameters "
                     f"sharded over {self.world} ranks (freed outside forward and backward), which loading cannot "
-                    "write; load into the model before building the ZeroOptimizer, or restore a pz.checkpoint "
-                    "with pz.checkpoint.load")
+                    "write; load into the model before building the ZeroOptimizer, inside `with torch.no_grad(), "
+                    "opt.gathered_parameters(modifier_rank=0):` (every rank takes rank 0's values), or restore a "
+                    "pz.checkpoint with pz.checkpoint.load")
         return hook
 
     def _make_post_forward(self, needs, slots):

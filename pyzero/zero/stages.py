@@ -120,6 +120,12 @@ class _FlatParams(ZeroOptimizer):
     def shards(self):
         return [(self.layout, self.master, self.grad_shard)]
 
+    def _own_slices(self, held):
+        return [(0, self.flat_param[self._shard])]
+
+    def _synced_values(self, held, params):
+        return [self.flat_param] if len(params) == len(self.params) else [p.data for p in params]
+
     def _pipeline_slots(self):
         return [(0, lo, hi) for lo, hi in self._parts]  # a bucket's part of the shard each
 

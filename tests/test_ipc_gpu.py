@@ -5,7 +5,8 @@ pieces of the registered area; results equal the torch reference (reference_data
 CPU) and bitwise equal across ranks. Then the faults: a rank that never calls (the others raise
 CollectiveTimeout naming it, and the GPU stays usable), a mismatched call (CollectiveError on every
 rank at the next host wait, the group usable after), DataParallel / ZeroOptimizer over ipc at 2
-ranks against one process, and calls captured into CUDA graphs and replayed (a DataParallel step too).
+ranks against one process (with opt.gathered_parameters() blocks too), and calls captured into CUDA
+graphs and replayed (a DataParallel step too).
 """
 import time
 
@@ -260,6 +261,58 @@ def test_sync_batchnorm_under_data_parallel_equals_batchnorm_of_the_whole_batch(
         for k, want in ref.items():
             torch.testing.assert_close(r.value[k], want, rtol=1e-5, atol=1e-5,
                                        msg=lambda m, k=k, r=r: f"rank {r.rank} {k}: {m}")
+
+
+GATHERED_RUNS = {"stage3": dict(stage=3), "stage3_offload": dict(stage=3, offload="cpu"),
+                 "stage2_bf16": dict(stage=2, param_dtype=torch.bfloat16)}
+
+
+def train_with_blocks(model, opt, gathered, device, me=0, n=1):
+    """Two steps, every weight halved inside a block (rank 0's values of the last layer's bias: zeros), two more."""
+    per = 8 // n
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad(), gathered():
+                for p in model.parameters():
+                    p.mul_(0.5)
+            with torch.no_grad(), gathered([model[2].bias], modifier_rank=0):
+                model[2].bias.fill_(float(me))
+        x, y = (t.to(device)[me * per:(me + 1) * per] for t in batch(step))
+        F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _rank_gathered_blocks(device="cuda", backend="ipc"):
+    pz.init(backend=backend, timeout=120)
+    n, me = pz.get_world_size(), pz.get_rank()
+    out = {}
+    for name, kw in GATHERED_RUNS.items():
+        model = make_model().to(device)
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **kw)
+        train_with_blocks(model, opt, opt.gathered_parameters, device, me, n)
+        sd = opt.full_state_dict()
+        out[name] = None if sd is None else {k: v.cpu() for k, v in sd.items()}
+    pz.destroy()
+    return out
+
+
+def check_gathered_blocks(res, device="cuda"):
+    model = make_model().to(device)
+    train_with_blocks(model, torch.optim.AdamW(model.parameters(), lr=1e-2), lambda *a, **kw: torch.no_grad(),
+                      device)
+    ref = {k: v.cpu() for k, v in model.state_dict().items()}
+    for name, kw in GATHERED_RUNS.items():
+        tol = dict(rtol=2e-2, atol=2e-2) if "param_dtype" in kw else dict(rtol=1e-5, atol=1e-6)
+        for k, want in ref.items():
+            torch.testing.assert_close(res[0].value[name][k], want, **tol,
+                                       msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+
+
+def test_gathered_parameter_blocks_over_ipc_equal_one_process():
+    """opt.gathered_parameters() on the GPU (stage 3, with host masters under offload, a bf16 stage-2 model):
+    a halving of every weight and rank 0's bias kept, as one process doing it on the whole batch."""
+    check_gathered_blocks(run_ranks(_rank_gathered_blocks, 2, start="spawn", timeout=300, env=ENV))
 
 
 # ---------------------------------------------------------------------------

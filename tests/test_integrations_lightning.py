@@ -126,8 +126,9 @@ def weights(module):
 
 
 def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callbacks=(), ckpt_path=None, epochs=None,
-        save=None, weights_only=False, **kwargs):
-    """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs; then trainer.save_checkpoint(save)."""
+        save=None, weights_only=False, val=False, **kwargs):
+    """One Trainer.fit: `steps` optimizer steps, or `epochs` whole epochs (`val`: validated on the training
+    data after each); then trainer.save_checkpoint(save)."""
     module = module or Net()
     steps = {"max_steps": steps} if epochs is None else {"max_epochs": epochs}
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, **steps, logger=False,
@@ -135,7 +136,7 @@ def fit(strategy, steps=STEPS, max_norm=MAX_NORM, accum=1, module=None, callback
                         accumulate_grad_batches=accum, callbacks=list(callbacks),
                         enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint)
                                                  for c in callbacks), **kwargs)
-    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    trainer.fit(module, loader(), loader() if val else None, ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save, weights_only=weights_only)
     return {"loss": module.losses, "grad_norm": module.norms, "weights": weights(module)}
@@ -287,6 +288,66 @@ def test_resume_bitwise_and_misuse_raises(tmp_path):
     assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
     assert found["bf16_true"][0] == "ValueError" and "precision:" in found["bf16_true"][1], found["bf16_true"]
     assert found["clip_value"][0] == "ValueError" and "gradient_clip_algorithm" in found["clip_value"][1]
+
+
+class Validated(Net):
+    """Net with a validation loss, recorded (under a WeightAveraging callback: the averaged weights')."""
+
+    def __init__(self):
+        super().__init__()
+        self.val_losses = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_losses.append(torch.nn.functional.mse_loss(self.net(x), y).item())
+
+
+def fit_averaged(strategy, epochs=2, **kwargs):
+    """Epochs with EMAWeightAveraging, validated after each: the run, its validation losses, the average."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    module, ema = Validated(), EMAWeightAveraging(decay=0.5)
+    run = fit(strategy, epochs=epochs, module=module, callbacks=[ema], val=True, **kwargs)
+    return dict(run, val=module.val_losses, average=ema._average_model.module.state_dict())
+
+
+def _rank_weight_averaging(out):
+    pzl.init(timeout=60)
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    runs = {"ddp": fit_averaged("ddp")}
+    for strategy in pzl.STRATEGIES:
+        runs[strategy] = fit_averaged(pzl.PyzeroStrategy(strategy))
+    # saved after one epoch (its end copied the average into the model), resumed for the second: stage 3 as DDP
+    resumed = {}
+    for name, strategy in (("ddp", "ddp"), ("zero3", pzl.PyzeroStrategy("zero3"))):
+        first = os.path.join(out, f"{name}.ckpt")
+        fit_averaged(strategy, epochs=1, save=first)
+        resumed[name] = fit_averaged(pzl.PyzeroStrategy("zero3") if name == "zero3" else "ddp", ckpt_path=first)
+    swa = outcome(lambda: fit(pzl.PyzeroStrategy("zero3"), callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]))
+    return finish({"runs": runs, "resumed": resumed, "swa": swa})
+
+
+def test_weight_averaging_callback_matches_ddp_at_every_stage(tmp_path):
+    """Lightning's EMAWeightAveraging reads the weights after each step, swaps in the average for validation and
+    copies it into the model at the end: under ZeRO (stage 3 frees its parameters outside forward) each of
+    these sees and writes the whole weights, as under DDP."""
+    got = run_ranks(_rank_weight_averaging, 2, args=(str(tmp_path),), timeout=120)[0].value
+    runs = got["runs"]
+    ref = runs.pop("ddp")
+    assert len(ref["val"]) == 2 + 2 * N // (2 * BATCH)  # the sanity check's 2 batches, then 2 epochs
+    assert max_diff(ref["weights"], dict(zip(ref["weights"], Net().state_dict().values()))) > 1e-3
+    for name, run in runs.items():
+        assert_same_run(run, ref, name)  # (the weights: the average, copied into the model at the end)
+        close(run["val"], ref["val"])
+        for k, v in ref["average"].items():
+            torch.testing.assert_close(run["average"][k], v, **TOL, msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+    resumed = got["resumed"]
+    assert len(resumed["ddp"]["grad_norm"]) == len(ref["grad_norm"]) // 2  # the second epoch
+    assert_same_run(resumed["zero3"], resumed["ddp"], "resumed after epoch 0")
+    close(resumed["zero3"]["val"], resumed["ddp"]["val"])
+    for k, v in resumed["ddp"]["average"].items():
+        torch.testing.assert_close(resumed["zero3"]["average"][k], v, **TOL)
+    kind, msg = got["swa"]
+    assert kind == "ValueError" and "StochasticWeightAveraging" in msg and "EMAWeightAveraging" in msg, msg
 
 
 class Factored(Net):

@@ -34,9 +34,11 @@ with ZeRO a checkpoint path is a folder: ``pyzero/`` (pz.checkpoint, every rank 
 resharded on load, any world size or stage) and ``checkpoint.pt``, Lightning's own checkpoint
 (loops, callbacks, LR schedulers, hyperparameters) with the consolidated fp32 ``state_dict``, so
 ``Model.load_from_checkpoint(path + "/checkpoint.pt")`` gives the trained model. With "dp" the
-checkpoints are Lightning's own files. Lightning's own collectives (logging with sync_dist,
-barriers) run on torch.distributed over pyzero's store (gloo; CUDA tensors on NCCL, or on "pyzero"
-where processes share a GPU).
+checkpoints are Lightning's own files. Lightning's WeightAveraging callbacks (EMAWeightAveraging, SWA)
+read and write the weights inside ZeroOptimizer.gathered_parameters() blocks (stage 3 frees them outside
+forward); StochasticWeightAveraging, which refuses sharded models, is refused with "zero3". Lightning's
+own collectives (logging with sync_dist, barriers) run on torch.distributed over pyzero's store (gloo;
+CUDA tensors on NCCL, or on "pyzero" where processes share a GPU).
 
 Why these extension points: the Strategy decides how the model is wrapped (``setup``), which
 optimizers are used (``setup_optimizers``), how accumulation avoids communication
@@ -59,6 +61,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -233,9 +236,24 @@ class PyzeroStrategy(DDPStrategy):
             if self._stage is None and not isinstance(self.model, DataParallel):
                 self.model = DataParallel(self.model, **self._options)
             self.setup_optimizers(trainer)
+            if self._stage is not None:
+                self._adapt_callbacks(trainer)
         elif owner(self.lightning_module) is None:  # (a ZeroOptimizer's model is kept in step by it)
             self._sync_weights()
         self.setup_precision_plugin()
+
+    def _adapt_callbacks(self, trainer) -> None:
+        """Callbacks that read or write the weights outside forward run with the ZeroOptimizer's
+        parameters whole (see _gather_weight_averaging); StochasticWeightAveraging refuses sharded
+        models itself (FSDP, DeepSpeed), and so stage 3."""
+        for cb in trainer.callbacks:
+            if isinstance(cb, WeightAveraging):
+                _gather_weight_averaging(cb, lambda: self._zero)
+            elif self._stage == 3 and isinstance(cb, StochasticWeightAveraging):
+                raise ValueError("callbacks: StochasticWeightAveraging does not support sharded models (it refuses "
+                                 "FSDP and DeepSpeed); with PyzeroStrategy('zero3') use lightning's "
+                                 "WeightAveraging (SWA, or EMAWeightAveraging), which reads the sharded weights "
+                                 "through ZeroOptimizer.gathered_parameters()")
 
     def _sync_weights(self) -> None:
         """Rank 0's weights everywhere, as DDPStrategy does when not fitting."""
@@ -380,6 +398,62 @@ class PyzeroStrategy(DDPStrategy):
         if self._loading is None or zero is None:  # (no ZeroOptimizer: the consolidated weights)
             return super().load_model_state_dict(checkpoint, strict)
         pz_checkpoint.load(os.path.join(self._loading, CHECKPOINT_DIR), self.lightning_module, zero)
+
+
+def _gather_weight_averaging(cb, zero_of) -> None:
+    """Lightning's WeightAveraging (EMA, SWA) under ZeRO: its AveragedModel reads the model's weights after
+    a step, swaps them with the average around validation, copies the average in at the end and loads the
+    current weights of a checkpoint it saved. Each of these runs inside ZeroOptimizer.gathered_parameters()
+    (stage 3's parameters are freed outside forward; what is written reaches the fp32 masters); every rank
+    runs them alike. Validation runs inside one block from the swap to the swap back, so the masters come
+    back exactly as they were."""
+    avg = cb._average_model
+    if avg is not None and not hasattr(avg.update_parameters, "_pz_gathered"):  # (a new one each fit)
+        update = avg.update_parameters
+
+        @functools.wraps(update)
+        def update_parameters(model):
+            with torch.no_grad(), zero_of().gathered_parameters():
+                update(model)
+        update_parameters._pz_gathered = True
+        avg.update_parameters = update_parameters
+    if hasattr(cb, "_pz_gathered"):
+        return
+    cb._pz_gathered = True
+
+    def in_block(name):
+        hook = getattr(cb, name)
+
+        @functools.wraps(hook)
+        def run(*args, **kwargs):
+            zero = zero_of()
+            if zero is None:
+                return hook(*args, **kwargs)
+            with torch.no_grad(), zero.gathered_parameters():
+                return hook(*args, **kwargs)
+        setattr(cb, name, run)
+
+    for name in ("on_train_end", "on_load_checkpoint"):
+        in_block(name)
+    start, end = cb.on_validation_epoch_start, cb.on_validation_epoch_end
+
+    @functools.wraps(start)
+    def on_validation_epoch_start(*args, **kwargs):
+        zero = zero_of()
+        if zero is not None and cb._average_model is not None:
+            cb._pz_block = zero.gathered_parameters()
+            cb._pz_block.__enter__()
+        with torch.no_grad():
+            start(*args, **kwargs)
+
+    @functools.wraps(end)
+    def on_validation_epoch_end(*args, **kwargs):
+        block = cb.__dict__.pop("_pz_block", None)
+        with torch.no_grad():
+            end(*args, **kwargs)
+        if block is not None:
+            block.__exit__(None, None, None)
+    cb.on_validation_epoch_start, cb.on_validation_epoch_end = on_validation_epoch_start, on_validation_epoch_end
 
 
 def _track_steps(opt) -> None:

@@ -118,12 +118,16 @@ def rank_cases():
         o["modified_full"] = opt.full_state_dict()
         # without modifier_rank, ranks that change it differently: an error on every rank
         o["diverged"] = error_of(lambda: _draw_own(opt, model, rank))
+        # a NaN held alike on every rank is no difference between them
+        with torch.no_grad(), opt.gathered_parameters(modifier_rank=0):
+            model[0].bias[0] = float("nan")
+        o["nan_read"] = error_of(lambda: _read(opt, model))
         # nothing may keep a gathered parameter for backward
         o["saved"] = error_of(lambda: _forward_in_block(opt, model))
         o["bad_param"] = error_of(lambda: opt.gathered_parameters([torch.zeros(3)]).__enter__())
         o["bad_modifier"] = error_of(lambda: opt.gathered_parameters(modifier_rank=world).__enter__())
         o["unlike"] = error_of(lambda: opt.gathered_parameters([model[2 * rank].weight]).__enter__())
-        # an exception inside the block leaves everything as it was (stage 3: freed again)
+        # an exception inside the block leaves it (stage 3: its units freed again); training goes on
         model = build()
         opt = zero(model, stage)
         train_step(model, opt, 0, world, rank)
@@ -153,6 +157,11 @@ def rank_cases():
 def _draw_own(opt, model, rank):
     with torch.no_grad(), opt.gathered_parameters(model[0].bias):
         model[0].bias.copy_(torch.randn(7, generator=torch.Generator().manual_seed(rank)))
+
+
+def _read(opt, model):
+    with torch.no_grad(), opt.gathered_parameters():
+        assert torch.isnan(model[0].bias[0]) and not torch.isnan(model[0].bias[1:]).any()
 
 
 def _forward_in_block(opt, model):
@@ -221,6 +230,7 @@ def test_misuse_is_an_error_on_every_rank(cases, stage):
         o = c[stage]
         kind, msg = o["diverged"]
         assert kind == "RuntimeError" and "changed the parameters differently" in msg and "modifier_rank" in msg
+        assert o["nan_read"] is None, o["nan_read"]
         kind, msg = o["saved"]
         assert kind == "RuntimeError" and "saved a gathered parameter for backward" in msg and "no_grad" in msg
         kind, msg = o["bad_param"]
@@ -232,7 +242,7 @@ def test_misuse_is_an_error_on_every_rank(cases, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_an_exception_in_the_block_changes_nothing(cases, stage):
+def test_an_exception_in_the_block_frees_what_it_gathered_and_training_goes_on(cases, stage):
     model = build()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(2):

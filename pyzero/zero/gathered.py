@@ -132,7 +132,7 @@ def _finish(opt, own, before, synced, modifier_rank):
         opt._refresh_low()
         opt._publish_parameters()
     s = every[:, 1:]
-    if not torch.allclose(s, s[0].expand_as(s), rtol=1e-12, atol=0.0):
+    if not torch.allclose(s, s[0].expand_as(s), rtol=1e-12, atol=0.0, equal_nan=True):
         raise RuntimeError("opt.gathered_parameters(): the ranks changed the parameters differently inside the block "
                            "and no modifier_rank was given; each rank's shard now holds that rank's values. Pass "
                            "modifier_rank=r to give every rank rank r's values (e.g. an initialisation drawn "

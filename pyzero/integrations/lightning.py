@@ -413,8 +413,11 @@ def _gather_weight_averaging(cb, zero_of) -> None:
 
         @functools.wraps(update)
         def update_parameters(model):
-            with torch.no_grad(), zero_of().gathered_parameters():
-                update(model)
+            zero = zero_of()
+            if zero is None:
+                return update(model)
+            with torch.no_grad(), zero.gathered_parameters():
+                return update(model)
         update_parameters._pz_gathered = True
         avg.update_parameters = update_parameters
     if hasattr(cb, "_pz_gathered"):

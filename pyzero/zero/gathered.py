@@ -119,15 +119,16 @@ def _finish(opt, own, before, synced, modifier_rank):
         for t in synced:
             comm.broadcast(t, src=modifier_rank, group=opt.group)
     changed = [cur != old for (_, cur), old in zip(own, before)]
+    any_changed = torch.stack([c.any() for c in changed]).tolist() if changed else []  # (one device sync)
     sums = _sums(synced) if modifier_rank is None and opt.world > 1 else [0.0, 0.0]
-    every = _agree(opt, [float(any(bool(c.any()) for c in changed))] + sums)
+    every = _agree(opt, [float(any(any_changed))] + sums)
     if every[:, 0].any():
         opt._settle()
         opt._before_host_writes()
         shards = opt.shards()
-        for (k, cur), chg in zip(own, changed):
-            master = shards[k][1]
-            if chg.any():
+        for (k, cur), chg, some in zip(own, changed, any_changed):
+            if some:
+                master = shards[k][1]
                 master.copy_(torch.where(chg, cur.to(torch.float32), master.to(cur.device)))
         opt._refresh_low()
         opt._publish_parameters()

@@ -1,5 +1,8 @@
 """opt.gathered_parameters(): a ZeroOptimizer's parameters whole on every rank inside a block, what the block
 writes kept (every stage, against plain torch doing the same on the full batch)."""
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,6 +155,86 @@ def rank_cases():
     out["delayed"] = in_block, opt.full_state_dict()
     pz.destroy()
     return out
+
+
+def ema_copy_run(stage, world, rank):
+    """timm's and YOLO's order: the optimizer, then the EMA as a deep copy of the model (stage 3: in a block),
+    updated in a block after every step, evaluated on its own."""
+    model = build()
+    opt = zero(model, stage)
+    with torch.no_grad(), opt.gathered_parameters():
+        ema = copy.deepcopy(model)
+    pz.comm_stats(reset=True)
+    with torch.no_grad():
+        first = ema(torch.ones(2, 5))  # a plain model: no gathers for it
+    calls = {op: c["calls"] for op, c in pz.comm_stats(reset=True).items() if c["calls"]}
+    for step in range(3):
+        train_step(model, opt, step, world, rank)
+        with torch.no_grad(), opt.gathered_parameters():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.lerp_(p, 0.5)
+    with torch.no_grad():
+        out = ema(torch.ones(2, 5))
+    return {"first": first, "calls": calls, "ema": ema.state_dict(), "eval": out, "model": opt.full_state_dict(),
+            "copy_opt": error_of(lambda: copy.deepcopy(opt))}
+
+
+def torch_ema_copy_run():
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    ema = copy.deepcopy(model)
+    first = ema(torch.ones(2, 5)).detach()
+    for step in range(3):
+        train_step(model, opt, step)
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.lerp_(p, 0.5)
+    return {"first": first, "ema": ema.state_dict(), "eval": ema(torch.ones(2, 5)).detach(),
+            "model": model.state_dict()}
+
+
+def rank_copies():
+    pz.init(timeout=20)
+    world, rank = pz.get_world_size(), pz.get_rank()
+    out = {stage: ema_copy_run(stage, world, rank) for stage in STAGES}
+    # stage 3 copied outside a block: its parameters are the freed units' NaN, refused at its forward
+    model = build()
+    zero(model, 3)
+    freed = copy.deepcopy(model)
+    out["freed_forward"] = error_of(lambda: freed(torch.ones(2, 5)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        freed.state_dict()
+    out["freed_state_dict"] = [(w.category.__name__, str(w.message)) for w in caught]
+    pz.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def copies():
+    return run_ranks(rank_copies, 2, timeout=60)[0].value
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_deep_copy_of_the_model_is_a_plain_model(copies, stage):
+    """copy.deepcopy(model) after the optimizer was built (an EMA): a plain model with the weights, no part in
+    the optimizer's training (no gathers for its forward); the optimizer itself refuses to be copied."""
+    got, want = copies[stage], torch_ema_copy_run()
+    torch.testing.assert_close(got["first"], want["first"], rtol=0, atol=0)
+    assert got["calls"] == {}, got["calls"]
+    for key in ("ema", "model"):
+        close(got[key], want[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["eval"], want["eval"], rtol=1e-5, atol=1e-6)
+    kind, msg = got["copy_opt"]
+    assert kind == "TypeError" and "copy.deepcopy of a ZeroOptimizer" in msg and "pz.checkpoint" in msg, msg
+
+
+def test_a_copy_of_freed_stage3_parameters_is_refused(copies):
+    kind, msg = copies["freed_forward"]
+    assert kind == "RuntimeError" and msg.startswith("Linear parameter 'weight': a copy of a ZeRO stage-3 model"), msg
+    assert "opt.gathered_parameters()" in msg
+    [(kind, msg)] = copies["freed_state_dict"]
+    assert kind == "ShardedParametersWarning" and "'0.weight'" in msg and "NaN" in msg, msg
 
 
 def _draw_own(opt, model, rank):

@@ -134,6 +134,27 @@ def model_state(model: nn.Module) -> dict:
         return model.state_dict(keep_vars=True)
 
 
+def _no_op(*args, **kwargs):
+    return None
+
+
+class ModelHook:
+    """A hook a ZeroOptimizer puts on its model or one of its modules. ``copy.deepcopy(model)`` (an EMA
+    or a teacher copy made after the optimizer was built) copies it as ``on_copy()`` (a hook that does
+    nothing, unless given): the copy is a plain model of its own, with no part in this optimizer's
+    training. (A bound method of the optimizer would deep-copy the optimizer with it, a closure would
+    keep gathering and freeing the original's parameters for the copy.)"""
+
+    def __init__(self, fn, on_copy=lambda: _no_op):
+        self.fn, self.on_copy = fn, on_copy
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.on_copy()
+
+
 class CollectiveCall(NamedTuple):
     """One collective of a training step (see ZeroOptimizer.comm_plan)."""
 
@@ -350,7 +371,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # of these few, not of every parameter)
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in self._param_index]
         self._sync_bn = wrappers.default_group_batchnorms(model)
-        model.register_forward_pre_hook(self._before_forward)
+        model.register_forward_pre_hook(ModelHook(self._before_forward))
 
     # ---- set-up -------------------------------------------------------------
 
@@ -925,6 +946,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self._clear_grads()
+
+    def __deepcopy__(self, memo):
+        raise TypeError("copy.deepcopy of a ZeroOptimizer: its shards, buckets and group belong to this job's "
+                        "training and are not copied; save and restore its state with pz.checkpoint (or "
+                        "state_dict / load_state_dict on every rank). copy.deepcopy(model) gives a plain copy of "
+                        "the model (for stage 3 inside `with torch.no_grad(), opt.gathered_parameters():`)")
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """A context manager: `params` (model parameters; all it trains by default) whole on every rank

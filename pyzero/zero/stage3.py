@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
-from .optimizer import CollectiveCall, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
+from .optimizer import CollectiveCall, ModelHook, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
 from .partition import FlatLayout
 from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_values
 from ..checks import is_int
@@ -241,8 +241,8 @@ class ZeroStage3(ZeroOptimizer):
         for m in self.model.modules():
             own = slots_of(m)
             if own:
-                m.register_load_state_dict_pre_hook(self._make_load_hook(sorted({owner[id(p)].idx for *_, p in own}),
-                                                                         [name for _, name, _ in own]))
+                m.register_load_state_dict_pre_hook(ModelHook(self._make_load_hook(
+                    sorted({owner[id(p)].idx for *_, p in own}), [name for _, name, _ in own])))
             if id(m) in inside_leaf:
                 continue
             slots = own
@@ -257,8 +257,10 @@ class ZeroStage3(ZeroOptimizer):
                     u = owner[id(p)]
                     k = [id(q) for q in u.layout.params].index(id(p))
                     swaps.append((d, name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
-                m.register_forward_pre_hook(self._make_pre_forward(needs, swaps))
-                m.register_forward_hook(self._make_post_forward(needs, slots))
+                leaf = len(slots) > len(own)
+                m.register_forward_pre_hook(ModelHook(self._make_pre_forward(needs, swaps),
+                                                      lambda leaf=leaf: _CopiedWhileFreed(leaf)))
+                m.register_forward_hook(ModelHook(self._make_post_forward(needs, slots)))
         # see _FreedReads: the model's forward, or its direct children's where a training step calls them
         # itself (a LightningModule's training_step), until the first step(); with freed units (world > 1)
         self._probe = self._probe_opener = None
@@ -268,7 +270,7 @@ class ZeroStage3(ZeroOptimizer):
                 _add_probe_hooks(self, m)
         state_dict_hook = self._make_state_dict_hook()
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
-            m.register_state_dict_post_hook(state_dict_hook)
+            m.register_state_dict_post_hook(ModelHook(state_dict_hook, lambda: _copied_state_dict))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self._order: list[int] = []  # units in the order the last forward used them
@@ -677,8 +679,47 @@ def _add_probe_hooks(opt, module):
             if opt is not None:
                 opt._close_probe(module)
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post, always_call=True)
+    module.register_forward_pre_hook(ModelHook(pre))
+    module.register_forward_hook(ModelHook(post), always_call=True)
+
+
+_COPIED_WHILE_FREED = ("a copy of a ZeRO stage-3 model made while its parameters were freed (copy.deepcopy outside "
+                       "forward and backward) holds NaN in their place")
+_MAKE_THE_COPY = ("make the copy inside `with torch.no_grad(), opt.gathered_parameters():` (or before building the "
+                  "ZeroOptimizer)")
+
+
+def _freed_copy(tensors) -> str | None:
+    """The name of the first of (name, tensor) pairs that is all NaN, as a parameter copied from a freed
+    unit's stub is."""
+    return next((n for n, t in tensors if t.is_floating_point() and t.numel() and bool(torch.isnan(t).all())), None)
+
+
+class _CopiedWhileFreed:
+    """The pre-forward hook of a module of a deep copy of the model: at its first forward, its parameters
+    (a leaf module's whole subtree's) must not be the NaN of freed units."""
+
+    def __init__(self, leaf: bool):
+        self.leaf, self.checked = leaf, False
+
+    def __call__(self, module, args):
+        if self.checked:
+            return
+        name = _freed_copy(module.named_parameters(recurse=self.leaf))
+        if name is not None:
+            raise RuntimeError(f"{type(module).__name__} parameter {name!r}: {_COPIED_WHILE_FREED}; "
+                               f"{_MAKE_THE_COPY}")
+        self.checked = True
+
+
+def _copied_state_dict(module, state_dict, prefix, local_metadata):
+    """The state_dict post-hook of a module of a deep copy of the model: a warning if it holds the NaN of
+    freed units."""
+    if prefix == "":
+        name = _freed_copy(state_dict.items())
+        if name is not None:
+            warnings.warn(f"state_dict() of {type(module).__name__}: {name!r} and maybe more are NaN: "
+                          f"{_COPIED_WHILE_FREED}; {_MAKE_THE_COPY}", ShardedParametersWarning, stacklevel=2)
 
 
 class _FreedReads(TorchFunctionMode):

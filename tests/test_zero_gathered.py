@@ -1,6 +1,7 @@
 """opt.gathered_parameters(): a ZeroOptimizer's parameters whole on every rank inside a block, what the block
 writes kept (every stage, against plain torch doing the same on the full batch)."""
 import copy
+import io
 import warnings
 
 import pytest
@@ -164,9 +165,14 @@ def ema_copy_run(stage, world, rank):
     opt = zero(model, stage)
     with torch.no_grad(), opt.gathered_parameters():
         ema = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)  # the whole module pickled: a plain model too once loaded
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
     pz.comm_stats(reset=True)
     with torch.no_grad():
         first = ema(torch.ones(2, 5))  # a plain model: no gathers for it
+        first_loaded = loaded(torch.ones(2, 5))
     calls = {op: c["calls"] for op, c in pz.comm_stats(reset=True).items() if c["calls"]}
     for step in range(3):
         train_step(model, opt, step, world, rank)
@@ -175,7 +181,8 @@ def ema_copy_run(stage, world, rank):
                 e.lerp_(p, 0.5)
     with torch.no_grad():
         out = ema(torch.ones(2, 5))
-    return {"first": first, "calls": calls, "ema": ema.state_dict(), "eval": out, "model": opt.full_state_dict(),
+    return {"first": first, "first_loaded": first_loaded, "calls": calls, "ema": ema.state_dict(), "eval": out,
+            "model": opt.full_state_dict(),
             "copy_opt": error_of(lambda: copy.deepcopy(opt))}
 
 
@@ -217,10 +224,12 @@ def copies():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_deep_copy_of_the_model_is_a_plain_model(copies, stage):
-    """copy.deepcopy(model) after the optimizer was built (an EMA): a plain model with the weights, no part in
-    the optimizer's training (no gathers for its forward); the optimizer itself refuses to be copied."""
+    """copy.deepcopy(model) after the optimizer was built (an EMA), or torch.save(model) loaded again: a plain
+    model with the weights, no part in the optimizer's training (no gathers for its forward); the optimizer
+    itself refuses to be copied."""
     got, want = copies[stage], torch_ema_copy_run()
     torch.testing.assert_close(got["first"], want["first"], rtol=0, atol=0)
+    torch.testing.assert_close(got["first_loaded"], want["first"], rtol=0, atol=0)
     assert got["calls"] == {}, got["calls"]
     for key in ("ema", "model"):
         close(got[key], want[key], rtol=1e-5, atol=1e-6)

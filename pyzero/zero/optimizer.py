@@ -138,14 +138,19 @@ def _no_op(*args, **kwargs):
     return None
 
 
-class ModelHook:
-    """A hook a ZeroOptimizer puts on its model or one of its modules. ``copy.deepcopy(model)`` (an EMA
-    or a teacher copy made after the optimizer was built) copies it as ``on_copy()`` (a hook that does
-    nothing, unless given): the copy is a plain model of its own, with no part in this optimizer's
-    training. (A bound method of the optimizer would deep-copy the optimizer with it, a closure would
-    keep gathering and freeing the original's parameters for the copy.)"""
+def no_op_hook():
+    return _no_op
 
-    def __init__(self, fn, on_copy=lambda: _no_op):
+
+class ModelHook:
+    """A hook a ZeroOptimizer puts on its model or one of its modules. A copy of the model
+    (``copy.deepcopy(model)``: an EMA or a teacher made after the optimizer was built; or
+    ``torch.save(model)`` and loading it) gets ``on_copy()`` in its place, a hook that does nothing
+    unless given (a module-level callable, for pickle): the copy is a plain model of its own, with no
+    part in this optimizer's training. (A bound method of the optimizer would copy the optimizer with
+    it, a closure would keep gathering and freeing the original's parameters for the copy.)"""
+
+    def __init__(self, fn, on_copy=no_op_hook):
         self.fn, self.on_copy = fn, on_copy
 
     def __call__(self, *args, **kwargs):
@@ -153,6 +158,27 @@ class ModelHook:
 
     def __deepcopy__(self, memo):
         return self.on_copy()
+
+    def __reduce__(self):
+        return self.on_copy, ()
+
+
+def _no_owner():
+    return None
+
+
+class WeakOwner:
+    """An attribute pyzero sets on a tensor: the object managing it, held weakly; a pickled copy of
+    the tensor (torch.save of the model) keeps none."""
+
+    def __init__(self, obj):
+        self.ref = weakref.ref(obj)
+
+    def __call__(self):
+        return self.ref()
+
+    def __reduce__(self):
+        return _no_owner, ()
 
 
 class CollectiveCall(NamedTuple):
@@ -350,7 +376,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grad_exists = set()  # (indices into self.params)
         self._used_flags = DeviceFlags("ZeroOptimizer")  # _has_grad's values on a GPU backend's device
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._mark_grad)
+            p.register_post_accumulate_grad_hook(ModelHook(self._mark_grad))
         # Every rank starts from the group's first rank's weights and buffers, as DDP does.
         for t in [p.data for p in self.params] + list(model.buffers()):
             if t.is_contiguous():
@@ -362,10 +388,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._setup()
         self._build_inner(optimizer_class, param_groups, optimizer_kwargs)
         for p in self.params:
-            p._pz_zero_owner = weakref.ref(self)
+            p._pz_zero_owner = WeakOwner(self)
         self._leaf_ids = {id(leaf) for _, leaf, _ in self.pieces}  # the inner optimizer's (opt.param_groups')
         for _, leaf, _ in self.pieces:
-            leaf._pz_zero_leaf_of = weakref.ref(self)
+            leaf._pz_zero_leaf_of = WeakOwner(self)
         live_optimizers.add(self)
         # the model's parameters not trainable now: each forward checks that they stay so (a linear scan
         # of these few, not of every parameter)

@@ -44,6 +44,7 @@ buffer of a reduce-scatter is kept by its Work until the work completed.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -259,7 +260,7 @@ class ZeroStage3(ZeroOptimizer):
                     swaps.append((d, name, u.idx, u.layout.offsets[k], tuple(p.shape), p.numel()))
                 leaf = len(slots) > len(own)
                 m.register_forward_pre_hook(ModelHook(self._make_pre_forward(needs, swaps),
-                                                      lambda leaf=leaf: _CopiedWhileFreed(leaf)))
+                                                      functools.partial(_CopiedWhileFreed, leaf)))
                 m.register_forward_hook(ModelHook(self._make_post_forward(needs, slots)))
         # see _FreedReads: the model's forward, or its direct children's where a training step calls them
         # itself (a LightningModule's training_step), until the first step(); with freed units (world > 1)
@@ -270,9 +271,9 @@ class ZeroStage3(ZeroOptimizer):
                 _add_probe_hooks(self, m)
         state_dict_hook = self._make_state_dict_hook()
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
-            m.register_state_dict_post_hook(ModelHook(state_dict_hook, lambda: _copied_state_dict))
+            m.register_state_dict_post_hook(ModelHook(state_dict_hook, _copied_state_dict_hook))
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(ModelHook(self._on_grad))
         self._order: list[int] = []  # units in the order the last forward used them
         # Reduce-scatters launch in reverse unit order (modules are registered in roughly the order
         # forward uses them), the same on every rank whatever order the hooks fire in.
@@ -683,8 +684,8 @@ def _add_probe_hooks(opt, module):
     module.register_forward_hook(ModelHook(post), always_call=True)
 
 
-_COPIED_WHILE_FREED = ("a copy of a ZeRO stage-3 model made while its parameters were freed (copy.deepcopy outside "
-                       "forward and backward) holds NaN in their place")
+_COPIED_WHILE_FREED = ("a copy of a ZeRO stage-3 model made while its parameters were freed (copy.deepcopy, or "
+                       "torch.save of the module, outside forward and backward) holds NaN in their place")
 _MAKE_THE_COPY = ("make the copy inside `with torch.no_grad(), opt.gathered_parameters():` (or before building the "
                   "ZeroOptimizer)")
 
@@ -710,6 +711,10 @@ class _CopiedWhileFreed:
             raise RuntimeError(f"{type(module).__name__} parameter {name!r}: {_COPIED_WHILE_FREED}; "
                                f"{_MAKE_THE_COPY}")
         self.checked = True
+
+
+def _copied_state_dict_hook():
+    return _copied_state_dict
 
 
 def _copied_state_dict(module, state_dict, prefix, local_metadata):

@@ -331,6 +331,14 @@ def _moved_after_build(stage):
     model(torch.zeros(2, IN))
 
 
+def _replaced_after_build(stage):
+    model = MLP()
+    opt = pz.ZeroOptimizer(model, AdamW, stage=stage)
+    model.head.weight.data = torch.zeros(OUT, HID)
+    model(torch.zeros(2, IN)).sum().backward()
+    opt.step()
+
+
 def _converted_after_build_stage3():
     """Stage 3 points the parameters at its gathered buffers at each forward: a conversion after set-up
     would be undone there, the forward then failing on (or silently computing in) the old dtype."""
@@ -443,6 +451,11 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "moved_after_build_stage2": (lambda m: _moved_after_build(2), "RuntimeError", ["flat buffer", "model.to"]),
     "converted_after_build_stage3": (lambda m: _converted_after_build_stage3(), "RuntimeError",
                                      ["converted after the ZeroOptimizer was built", "torch.bfloat16", "param_dtype="]),
+    # one parameter given a tensor of its own (the step would no longer reach it)
+    "replaced_after_build_stage1": (lambda m: _replaced_after_build(1), "RuntimeError",
+                                    ["parameters ['head.weight']", "new storage", "gathered_parameters()"]),
+    "replaced_after_build_stage2": (lambda m: _replaced_after_build(2), "RuntimeError",
+                                    ["parameters ['head.weight']", "new storage", "gathered_parameters()"]),
 }
 MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, exception type, words)
     "step_before_backward": (lambda o: o.step(), "RuntimeError", ["step", "backward"]),

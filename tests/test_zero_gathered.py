@@ -213,6 +213,11 @@ def rank_copies():
         warnings.simplefilter("always")
         freed.state_dict()
     out["freed_state_dict"] = [(w.category.__name__, str(w.message)) for w in caught]
+    # a freed parameter given a tensor of its own: the next gather would drop it, the step never reach it
+    model = build()
+    zero(model, 3)
+    model[2].bias.data = torch.zeros(3)
+    out["replaced"] = error_of(lambda: model(torch.ones(2, 5)))
     pz.destroy()
     return out
 
@@ -236,6 +241,12 @@ def test_a_deep_copy_of_the_model_is_a_plain_model(copies, stage):
     torch.testing.assert_close(got["eval"], want["eval"], rtol=1e-5, atol=1e-6)
     kind, msg = got["copy_opt"]
     assert kind == "TypeError" and "copy.deepcopy of a ZeroOptimizer" in msg and "pz.checkpoint" in msg, msg
+
+
+def test_a_stage3_parameter_given_new_storage_is_refused(copies):
+    kind, msg = copies["replaced"]
+    assert kind == "RuntimeError" and msg.startswith("model: parameters ['2.bias'] were given new storage"), msg
+    assert "gathered_parameters()" in msg
 
 
 def test_a_copy_of_freed_stage3_parameters_is_refused(copies):

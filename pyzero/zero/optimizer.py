@@ -163,6 +163,15 @@ class ModelHook:
         return self.on_copy, ()
 
 
+def replaced_error(names: list[str]) -> RuntimeError:
+    """`names`: parameters whose tensor something replaced (``p.data = t``) after the ZeroOptimizer was built."""
+    return RuntimeError(f"model: parameters {names[:5]}{' ...' if len(names) > 5 else ''} were given new storage "
+                        "after the ZeroOptimizer was built (`p.data = t`, or a move of the model), where the "
+                        "optimizer does not reach: training would silently stop updating them. Write into them "
+                        "instead, inside `with torch.no_grad(), opt.gathered_parameters():` (`p.copy_(t)`), or "
+                        "set them before building the ZeroOptimizer")
+
+
 def _no_owner():
     return None
 
@@ -627,8 +636,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- what a stage provides ----------------------------------------------
 
-    def _check_home(self):
-        """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put)."""
+    def _check_home(self, every=False):
+        """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put):
+        a cheap check per forward, all of them at step() (``every``)."""
 
     def _check_group(self):
         """Refuse options the group cannot take, before anything touches the model (a stage's own checks)."""
@@ -884,7 +894,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "accumulated) are in .grad, not reduced into this rank's shard (stages 2-3 "
                                "reduce during a synced backward); run the last micro-batch's backward outside "
                                "no_sync() (the weights were not touched)")
-        self._check_home()
+        self._check_home(every=True)
         self._finish_gradients()
         if self._delayed is not None:
             self._delayed_step()

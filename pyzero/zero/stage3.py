@@ -54,7 +54,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
-from .optimizer import CollectiveCall, ModelHook, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage
+from .optimizer import (CollectiveCall, ModelHook, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage,
+                        replaced_error)
 from .partition import FlatLayout
 from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_values
 from ..checks import is_int
@@ -158,6 +159,11 @@ class _Unit:
 
     def gather(self, plan: GatherPlan, wait=True, backward=False):
         if not self.gathered:
+            # (a pointer compare each: the freed parameters still hold their stubs)
+            replaced = [n for n, p, stub in zip(self.layout.names, self.layout.params, self.stubs)
+                        if p.data_ptr() != stub.data_ptr()]
+            if replaced:
+                raise replaced_error(replaced)
             with memtrace.region("pyzero.gather"):
                 self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
@@ -312,7 +318,7 @@ class ZeroStage3(ZeroOptimizer):
     def _synced_values(self, held, params):
         return [u.full for u, _ in held]
 
-    def _check_home(self):
+    def _check_home(self, every=False):
         """A gather points the parameters at the unit's buffer again, so a conversion after set-up
         (``model.to(torch.bfloat16)``, ``model.half()``, a move to another device) would be undone at
         the next forward, the model computing in the dtype it had: refused. One compare per forward."""

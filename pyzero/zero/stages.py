@@ -26,7 +26,7 @@ from .. import comm, memtrace
 from .. import optim as pz_optim
 from ..bucketing import OrderedLaunch, flat_buckets
 from . import optimizer as zero_optimizer
-from .optimizer import CollectiveCall, ModelHook, ZeroOptimizer, _nbytes, register_stage
+from .optimizer import CollectiveCall, ModelHook, ZeroOptimizer, _nbytes, register_stage, replaced_error
 from .partition import FlatLayout
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -56,6 +56,7 @@ class _FlatParams(ZeroOptimizer):
             p.data = v
         first = next((p for p in L.params if p.numel()), L.params[0])
         self._home = (first, first.data_ptr())  # see _check_home
+        self._homes = [(name, p, p.data_ptr()) for name, p in zip(L.names, L.params) if p.numel()]
         self.buckets = flat_buckets(L, self.bucket_elems)
         # Device path: the gradient shard as one segment per bucket, its part of the shard (see
         # [Note: gradient segments hold storage only while they hold values]); with host copies
@@ -67,16 +68,21 @@ class _FlatParams(ZeroOptimizer):
         for p in self.params:
             p.register_post_accumulate_grad_hook(ModelHook(self._on_grad))
 
-    def _check_home(self):
+    def _check_home(self, every=False):
         """The model computes with its parameters, the step writes the flat buffer: once something
-        replaced a parameter's storage (``model.to("cpu:0")`` copies even CPU tensors) the two part
-        ways and training silently stops updating the model. One pointer compare per forward."""
+        replaced a parameter's storage (``model.to("cpu:0")`` copies even CPU tensors, ``p.data = t``
+        replaces one) the two part ways and training silently stops updating the model. One pointer
+        compare per forward; every parameter's at step() (``every``)."""
         p, ptr = self._home
         if p.data_ptr() != ptr:
             raise RuntimeError("model: its parameters no longer live in the ZeroOptimizer's flat buffer (something "
                                "replaced their storage after the optimizer was built, e.g. model.to(device) with a "
                                "device index, which copies even CPU tensors); move the model first, then build the "
                                "ZeroOptimizer")
+        if every:
+            moved = [name for name, p, ptr in self._homes if p.data_ptr() != ptr]
+            if moved:
+                raise replaced_error(moved)
 
     def _my_part(self, begin, end):
         """This rank's part of the flat range [begin, end), relative to its shard start."""

@@ -303,7 +303,8 @@ def check_gathered_blocks(res, device="cuda"):
                       device)
     ref = {k: v.cpu() for k, v in model.state_dict().items()}
     for name, kw in GATHERED_RUNS.items():
-        tol = dict(rtol=2e-2, atol=2e-2) if "param_dtype" in kw else dict(rtol=1e-5, atol=1e-6)
+        # (bf16: a lost halving or bias would be off by tenths; bf16 rounding moves Adam's small updates)
+        tol = dict(rtol=5e-2, atol=5e-2) if "param_dtype" in kw else dict(rtol=1e-5, atol=1e-6)
         for k, want in ref.items():
             torch.testing.assert_close(res[0].value[name][k], want, **tol,
                                        msg=lambda m, k=k, name=name: f"{name} {k}: {m}")

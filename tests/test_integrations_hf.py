@@ -213,6 +213,46 @@ def test_trainer_checkpoint_resume(tmp_path):
         assert torch.equal(sd[k], v), f"load_best_model_at_end, {k}"
 
 
+class EMA(TrainerCallback):
+    """An average of the weights after every step, read inside pz.zero.gathered_parameters (which finds the
+    Trainer's ZeroOptimizer from the parameters, and does nothing for a model no ZeroOptimizer trains)."""
+
+    def __init__(self):
+        self.average = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad(), pz.zero.gathered_parameters(model.parameters()):
+            if self.average is None:
+                self.average = {n: p.detach().clone() for n, p in model.named_parameters()}
+            else:
+                for n, p in model.named_parameters():
+                    self.average[n].lerp_(p, 0.5)
+
+
+def _rank_ema_callback(out):
+    hf.init(timeout=60)
+    runs = {}
+    for strategy in ("ddp", "zero1", "zero3"):
+        ema = EMA()
+        if strategy == "ddp":
+            train(out, callbacks=[ema])
+        else:
+            train(out, hf.PyzeroTrainer, strategy=strategy, callbacks=[ema])
+        runs[strategy] = ema.average
+    return finish(runs)
+
+
+def test_trainer_callback_reads_the_weights_in_a_gathered_block(tmp_path):
+    """An EMA in a TrainerCallback: with ZeRO-3 (parameters freed outside forward) as with the Trainer's DDP."""
+    got = run_ranks(_rank_ema_callback, 2, args=(str(tmp_path),), timeout=120)[0].value
+    ref = got.pop("ddp")
+    assert max_diff(ref, dict(gpt().named_parameters())) > 1e-3  # (it moved)
+    for name, average in got.items():
+        assert average.keys() == ref.keys(), name
+        for k, v in ref.items():
+            torch.testing.assert_close(average[k], v, **TOL, msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+
+
 def _rank_optimizers(out):
     hf.init(timeout=60)
     schedule = dict(lr_scheduler_type="cosine", warmup_steps=2)

@@ -264,6 +264,7 @@ def test_sync_batchnorm_under_data_parallel_equals_batchnorm_of_the_whole_batch(
 
 
 GATHERED_RUNS = {"stage3": dict(stage=3), "stage3_offload": dict(stage=3, offload="cpu"),
+                 "stage3_offload_params": dict(stage=3, offload="cpu", offload_params=True),
                  "stage2_bf16": dict(stage=2, param_dtype=torch.bfloat16)}
 
 
@@ -311,8 +312,9 @@ def check_gathered_blocks(res, device="cuda"):
 
 
 def test_gathered_parameter_blocks_over_ipc_equal_one_process():
-    """opt.gathered_parameters() on the GPU (stage 3, with host masters under offload, a bf16 stage-2 model):
-    a halving of every weight and rank 0's bias kept, as one process doing it on the whole batch."""
+    """opt.gathered_parameters() on the GPU (stage 3, with host masters under offload, also with host shards, a
+    bf16 stage-2 model): a halving of every weight and rank 0's bias kept, as one process doing it on the whole
+    batch."""
     check_gathered_blocks(run_ranks(_rank_gathered_blocks, 2, start="spawn", timeout=300, env=ENV))
 
 

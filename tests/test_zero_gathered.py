@@ -119,6 +119,9 @@ def rank_cases():
             o["modified"] = [p.clone() for p in model.parameters()]
             o["forward"] = model(torch.ones(2, 5))  # a forward inside the block frees nothing of it
             o["after_forward"] = [p.clone() for p in model.parameters()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # (no ShardedParametersWarning: the values are whole here)
+                o["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         o["modified_full"] = opt.full_state_dict()
         # without modifier_rank, ranks that change it differently: an error on every rank
         o["diverged"] = error_of(lambda: _draw_own(opt, model, rank))
@@ -318,6 +321,8 @@ def test_modifier_rank_s_values_are_every_rank_s(cases, stage):
         for got, w in zip(o["modified"], want):
             torch.testing.assert_close(got, w, rtol=0, atol=0)
         for got, w in zip(o["after_forward"], want):
+            torch.testing.assert_close(got, w, rtol=0, atol=0)
+        for got, w in zip(o["state_dict"].values(), want):
             torch.testing.assert_close(got, w, rtol=0, atol=0)
         base_mod = build()
         with torch.no_grad():

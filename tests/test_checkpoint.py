@@ -712,16 +712,10 @@ def _rank_app_state(ckpt):
     out.update(scale=opt2.loss_scale, epoch=sched2.last_epoch, lr=[g["lr"] for g in opt2.param_groups],
                seen=state["seen"], rng_equal=torch.equal(state["rng"], rng), same_object=state["scheduler"] is sched2)
     out["no_app_state"] = pz.checkpoint.load(ckpt, model2, opt2)  # the app state is optional on load
-
-    def error(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            return type(e).__name__, str(e)
-        return None
-    out["missing"] = error(lambda: pz.checkpoint.load(ckpt, model2, opt2, app_state={"scheduler": sched2, "epoch": 0}))
-    out["not_a_dict"] = error(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state=[sched]))
-    out["unloadable"] = error(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state={"fn": print}))
+    out["missing"] = outcome(lambda: pz.checkpoint.load(ckpt, model2, opt2,
+                                                        app_state={"scheduler": sched2, "epoch": 0}))
+    out["not_a_dict"] = outcome(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state=[sched]))
+    out["unloadable"] = outcome(lambda: pz.checkpoint.save(ckpt, model, opt, 3, app_state={"fn": print}))
     with open(os.path.join(ckpt, "latest")) as f:
         out["latest"] = f.read().strip()
     return out

@@ -12,6 +12,8 @@ from torch import nn
 import pyzero as pz
 from pyzero.launch import run_ranks
 
+from outcomes import outcome
+
 STAGES = (1, 2, 3)
 LR = 0.05
 
@@ -55,14 +57,6 @@ def torch_ema_run():
 
 def zero(model, stage, **kw):
     return pz.ZeroOptimizer(model, torch.optim.Adam, stage=stage, lr=LR, **kw)
-
-
-def error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
-    return None
 
 
 def ema_run(stage, world, rank, **kw):
@@ -124,21 +118,21 @@ def rank_cases():
                 o["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         o["modified_full"] = opt.full_state_dict()
         # without modifier_rank, ranks that change it differently: an error on every rank
-        o["diverged"] = error_of(lambda: _draw_own(opt, model, rank))
+        o["diverged"] = outcome(lambda: _draw_own(opt, model, rank))
         # a NaN held alike on every rank is no difference between them
         with torch.no_grad(), opt.gathered_parameters(modifier_rank=0):
             model[0].bias[0] = float("nan")
-        o["nan_read"] = error_of(lambda: _read(opt, model))
+        o["nan_read"] = outcome(lambda: _read(opt, model))
         # nothing may keep a gathered parameter for backward
-        o["saved"] = error_of(lambda: _forward_in_block(opt, model))
-        o["bad_param"] = error_of(lambda: opt.gathered_parameters([torch.zeros(3)]).__enter__())
-        o["bad_modifier"] = error_of(lambda: opt.gathered_parameters(modifier_rank=world).__enter__())
-        o["unlike"] = error_of(lambda: opt.gathered_parameters([model[2 * rank].weight]).__enter__())
+        o["saved"] = outcome(lambda: _forward_in_block(opt, model))
+        o["bad_param"] = outcome(lambda: opt.gathered_parameters([torch.zeros(3)]).__enter__())
+        o["bad_modifier"] = outcome(lambda: opt.gathered_parameters(modifier_rank=world).__enter__())
+        o["unlike"] = outcome(lambda: opt.gathered_parameters([model[2 * rank].weight]).__enter__())
         # an exception inside the block leaves it (stage 3: its units freed again); training goes on
         model = build()
         opt = zero(model, stage)
         train_step(model, opt, 0, world, rank)
-        o["raised"] = error_of(lambda: _raise_in_block(opt, model))
+        o["raised"] = outcome(lambda: _raise_in_block(opt, model))
         train_step(model, opt, 1, world, rank)
         o["after_raise"] = opt.full_state_dict()
         o["freed"] = stage < 3 or all(bool(torch.isnan(p.detach().clone()).all()) for p in model.parameters())
@@ -186,7 +180,7 @@ def ema_copy_run(stage, world, rank):
         out = ema(torch.ones(2, 5))
     return {"first": first, "first_loaded": first_loaded, "calls": calls, "ema": ema.state_dict(), "eval": out,
             "model": opt.full_state_dict(),
-            "copy_opt": error_of(lambda: copy.deepcopy(opt))}
+            "copy_opt": outcome(lambda: copy.deepcopy(opt))}
 
 
 def torch_ema_copy_run():
@@ -211,7 +205,7 @@ def rank_copies():
     model = build()
     zero(model, 3)
     freed = copy.deepcopy(model)
-    out["freed_forward"] = error_of(lambda: freed(torch.ones(2, 5)))
+    out["freed_forward"] = outcome(lambda: freed(torch.ones(2, 5)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         freed.state_dict()
@@ -220,7 +214,7 @@ def rank_copies():
     model = build()
     zero(model, 3)
     model[2].bias.data = torch.zeros(3)
-    out["replaced"] = error_of(lambda: model(torch.ones(2, 5)))
+    out["replaced"] = outcome(lambda: model(torch.ones(2, 5)))
     pz.destroy()
     return out
 
@@ -338,7 +332,7 @@ def test_misuse_is_an_error_on_every_rank(cases, stage):
         o = c[stage]
         kind, msg = o["diverged"]
         assert kind == "RuntimeError" and "changed the parameters differently" in msg and "modifier_rank" in msg
-        assert o["nan_read"] is None, o["nan_read"]
+        assert o["nan_read"] == ("ok", None), o["nan_read"]
         kind, msg = o["saved"]
         assert kind == "RuntimeError" and "saved a gathered parameter for backward" in msg and "no_grad" in msg
         kind, msg = o["bad_param"]

@@ -407,37 +407,25 @@ def _gather_weight_averaging(cb, zero_of) -> None:
     (stage 3's parameters are freed outside forward; what is written reaches the fp32 masters); every rank
     runs them alike. Validation runs inside one block from the swap to the swap back, so the masters come
     back exactly as they were."""
-    avg = cb._average_model
-    if avg is not None and not hasattr(avg.update_parameters, "_pz_gathered"):  # (a new one each fit)
-        update = avg.update_parameters
-
-        @functools.wraps(update)
-        def update_parameters(model):
-            zero = zero_of()
-            if zero is None:
-                return update(model)
-            with torch.no_grad(), zero.gathered_parameters():
-                return update(model)
-        update_parameters._pz_gathered = True
-        avg.update_parameters = update_parameters
-    if hasattr(cb, "_pz_gathered"):
-        return
-    cb._pz_gathered = True
-
-    def in_block(name):
-        hook = getattr(cb, name)
-
-        @functools.wraps(hook)
+    def in_block(fn):
+        @functools.wraps(fn)
         def run(*args, **kwargs):
             zero = zero_of()
             if zero is None:
-                return hook(*args, **kwargs)
+                return fn(*args, **kwargs)
             with torch.no_grad(), zero.gathered_parameters():
-                return hook(*args, **kwargs)
-        setattr(cb, name, run)
+                return fn(*args, **kwargs)
+        run._pz_gathered = True
+        return run
 
+    avg = cb._average_model
+    if avg is not None and not hasattr(avg.update_parameters, "_pz_gathered"):  # (a new one each fit)
+        avg.update_parameters = in_block(avg.update_parameters)
+    if hasattr(cb, "_pz_gathered"):
+        return
+    cb._pz_gathered = True
     for name in ("on_train_end", "on_load_checkpoint"):
-        in_block(name)
+        setattr(cb, name, in_block(getattr(cb, name)))
     start, end = cb.on_validation_epoch_start, cb.on_validation_epoch_end
 
     @functools.wraps(start)

@@ -51,14 +51,6 @@ def _signature(opt, trainable, frozen) -> int:
     return zlib.crc32(repr(sorted(index[id(p)] for p in trainable + frozen)).encode())
 
 
-def _agree(opt, values: list[float]) -> torch.Tensor:
-    """Every rank's `values` (one all_gather over the optimizer's group): a (world, len) float64 tensor."""
-    mine = torch.tensor(values, dtype=torch.float64, device=opt.device)
-    out = torch.zeros(opt.world * len(values), dtype=torch.float64, device=opt.device)
-    comm.all_gather(out, mine, group=opt.group)
-    return out.view(opt.world, len(values)).cpu()
-
-
 def _sums(tensors) -> list[float]:
     """Two float64 sums of every element (its value and its square), in chunks (no float64 copy of it all)."""
     s1 = s2 = None
@@ -95,7 +87,7 @@ def gather_block(opt, params=None, modifier_rank=None):
         raise ValueError(f"modifier_rank: expected None or the global rank of one of the optimizer group's ranks "
                          f"{ranks}, got {modifier_rank!r}")
     mine = [_signature(opt, trainable, frozen), -1 if modifier_rank is None else modifier_rank]
-    every = _agree(opt, mine)
+    every = opt._every_rank(mine)
     if not (every == every[0]).all():
         raise ValueError("opt.gathered_parameters(): the ranks of the group entered it with different params or "
                          f"modifier_rank (every rank enters it with the same ones); this rank: {len(trainable)} "
@@ -121,7 +113,7 @@ def _finish(opt, own, before, synced, modifier_rank):
     changed = [cur != old for (_, cur), old in zip(own, before)]
     any_changed = torch.stack([c.any() for c in changed]).tolist() if changed else []  # (one device sync)
     sums = _sums(synced) if modifier_rank is None and opt.world > 1 else [0.0, 0.0]
-    every = _agree(opt, [float(any(any_changed))] + sums)
+    every = opt._every_rank([float(any(any_changed))] + sums)
     if every[:, 0].any():
         opt._settle()
         opt._before_host_writes()

@@ -54,8 +54,7 @@ class _FlatParams(ZeroOptimizer):
             self.master = fp32[self._shard] if model_dtype == torch.float32 else fp32[self._shard].clone()
         for v, p in zip(L.views(self.flat_param), L.params):
             p.data = v
-        first = next((p for p in L.params if p.numel()), L.params[0])
-        self._home = (first, first.data_ptr())  # see _check_home
+        # (name, parameter, where its values live) of each non-empty parameter: see _check_home
         self._homes = [(name, p, p.data_ptr()) for name, p in zip(L.names, L.params) if p.numel()]
         self.buckets = flat_buckets(L, self.bucket_elems)
         # Device path: the gradient shard as one segment per bucket, its part of the shard (see
@@ -73,8 +72,7 @@ class _FlatParams(ZeroOptimizer):
         replaced a parameter's storage (``model.to("cpu:0")`` copies even CPU tensors, ``p.data = t``
         replaces one) the two part ways and training silently stops updating the model. One pointer
         compare per forward; every parameter's at step() (``every``)."""
-        p, ptr = self._home
-        if p.data_ptr() != ptr:
+        if self._homes and self._homes[0][1].data_ptr() != self._homes[0][2]:
             raise RuntimeError("model: its parameters no longer live in the ZeroOptimizer's flat buffer (something "
                                "replaced their storage after the optimizer was built, e.g. model.to(device) with a "
                                "device index, which copies even CPU tensors); move the model first, then build the "

@@ -318,10 +318,10 @@ def _rank_weight_averaging(out):
         runs[strategy] = fit_averaged(pzl.PyzeroStrategy(strategy))
     # saved after one epoch (its end copied the average into the model), resumed for the second: stage 3 as DDP
     resumed = {}
-    for name, strategy in (("ddp", "ddp"), ("zero3", pzl.PyzeroStrategy("zero3"))):
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero3", lambda: pzl.PyzeroStrategy("zero3"))):
         first = os.path.join(out, f"{name}.ckpt")
-        fit_averaged(strategy, epochs=1, save=first)
-        resumed[name] = fit_averaged(pzl.PyzeroStrategy("zero3") if name == "zero3" else "ddp", ckpt_path=first)
+        fit_averaged(strategy(), epochs=1, save=first)  # (a strategy object per Trainer)
+        resumed[name] = fit_averaged(strategy(), ckpt_path=first)
     swa = outcome(lambda: fit(pzl.PyzeroStrategy("zero3"), callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]))
     return finish({"runs": runs, "resumed": resumed, "swa": swa})
 

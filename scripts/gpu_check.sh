@@ -38,15 +38,24 @@ GPU=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 STAMP=$(date -u +%Y%m%d)
 # (a second run on the same day takes the next free name: ..._<date>b, c, ...; a record is never overwritten)
-BASE=benchmarks/results/gpu_${GPU}_${STAMP}
+RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}  # (where the record goes)
+BASE=$RESULTS/gpu_${GPU}_${STAMP}
 OUT=$BASE
 for s in b c d e f g h i j; do [ -e "${OUT}.txt" ] || break; OUT=$BASE$s; done
-mkdir -p benchmarks/results
+mkdir -p "$RESULTS"
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
-PARTS=" ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi} "
+ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
+nccl-faults"
+PARTS=" $(echo ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi}) "
+for p in $PARTS; do
+  [[ " $(echo $ALL_PARTS) " == *" $p "* ]] || { echo "gpu_check.sh: GPU_CHECK_PARTS: unknown part '$p'; expected some of:" \
+    $ALL_PARTS; exit 1; }
+done
 part() { [[ "$PARTS" == *" $1 "* ]]; }
+[[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_DEADLINE: expected whole seconds, got" \
+  "'$GPU_CHECK_DEADLINE'"; exit 1; }
 # nccl-multi: the build also makes the test NCCL library (csrc/test_nccl/; the CUDA objects are _C's).
-if part nccl-multi; then export PYZERO_TEST_NCCL=1; fi
+if part nccl-multi || part nccl-faults; then export PYZERO_TEST_NCCL=1; fi
 # setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
 # then the same CMake configure + build runs directly (the module lands in pyzero/ either way).
 build() {
@@ -85,38 +94,63 @@ else
   build > "${OUT}_build.log" 2>&1 || { tail -40 "${OUT}_build.log"; exit 1; }
   echo "built in ${SECONDS} s"
 fi
-# GPU_CHECK_PARTS picks parts (default all but capacity and memory): tests kernels collectives train offload
-# ipc faults nccl-multi; capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC, default "2 4", processes
-# on GPU 0), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0),
-# torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B - 1 MiB all_reduce and
-# GPT-2 small under DDP and FSDP2) and nccl-faults (nccl-multi's fault cells alone) run only when named.
-# capacity (the largest GPT that trains with and without offload; minutes, host-memory bound) runs
-# only when named; GPU_CHECK_CAPACITY_RUNS replaces its runs, GPU_CHECK_CAPACITY_NPROC adds ZeRO-3 and
-# FSDP2 with that many ranks sharing GPU 0.
+# GPU_CHECK_PARTS names the parts, run in the order named (default: tests kernels collectives train offload ipc
+# faults nccl-multi); these run only when named: capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC,
+# default "2 4", processes on GPU 0), ipc-graph (the ipc all_reduce at 2 processes, eager and captured in CUDA
+# graphs; the ipc part includes it), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and
+# 8 processes on GPU 0), torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B -
+# 1 MiB all_reduce and GPT-2 small under DDP and FSDP2) and nccl-faults (nccl-multi's fault cells alone).
+# capacity (the largest GPT that trains with and without offload; minutes, host-memory bound): GPU_CHECK_CAPACITY_RUNS
+# replaces its runs, GPU_CHECK_CAPACITY_NPROC adds ZeRO-3 and FSDP2 with that many ranks sharing GPU 0.
+# GPU_CHECK_OFFLOAD_THREADS (e.g. 8): the offload part's pyzero rows again with that many CPU optimizer threads.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
 # nvidia-cuda-mps-control exists, so they run at once instead of taking turns for time slices (an ipc
 # all_reduce at 2 processes took 19 us instead of 2.28 ms); the tests part then leaves the ipc tests,
-# the "pyzero" torch backend's CUDA tests and torch.compile's on CUDA to the ipc part. The daemon is
-# started for the part and stopped after it (GPU_CHECK_MPS=0: never).
+# the "pyzero" torch backend's CUDA tests, torch.compile's on CUDA and the Hugging Face Trainer's on CUDA to the
+# ipc part. The daemon is started for the part and stopped after it (GPU_CHECK_MPS=0: never).
+# GPU_CHECK_TESTS_AT_ONCE=1 (with MPS): the tests part runs its groups at the same time, the single-process tests
+# outside MPS, the several-processes tests (the ipc part's, and with nccl-multi named, that part's) under MPS; the
+# later parts then do not run them again. On an H200 the three groups took 235 s together.
 # nccl-multi: tests/test_nccl_multirank_gpu.py (the nccl backend's GPU tests, DataParallel, ZeRO 1-3, TP,
 # pipeline, the ordering-rule deadlocks, at 2 and 4 processes on GPU 0) and the nccl fault cells, through the
 # test NCCL library (PYZERO_TEST_NCCL_ROOT, else one a build made in build/*/test-nccl, else
 # scripts/build_test_nccl.sh).
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
+MULTI_TIMEOUT_ARGS=()  # (a spawned 4-rank matrix takes longer than one test of the tests part)
+[ ${#TIMEOUT_ARGS[@]} -eq 0 ] || MULTI_TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
+PYTEST=("$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider)
 # Each part has a time limit (seconds; GPU_CHECK_SCALE multiplies them), so a part that hangs is
 # reported while the rest still runs (a pytest part gets SIGINT at its limit: it prints its summary,
 # writes its XML and kills the ranks of the test it was in). The limits of the default parts add up to
 # about 30 minutes on one GPU (37 when the test NCCL library is built here); a session with less device
-# time names the parts it needs (GPU_CHECK_PARTS).
-lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
+# time names the parts it needs (GPU_CHECK_PARTS), most valuable first, and GPU_CHECK_DEADLINE=<seconds>:
+# the whole run then ends by then (counted from the build step): each step's limit is cut to the time left,
+# and a part that has less than half its limit left is skipped, with a line saying so.
+lim() {
+  local s=$(( $1 * ${GPU_CHECK_SCALE:-1} ))
+  if [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ]; then
+    local left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+    [ "$left" -ge "$s" ] || s=$left
+    [ "$s" -ge 1 ] || s=1
+  fi
+  echo "$s"
+}
+room() {  # room PART SECONDS: false (and says so) when the deadline leaves less than half of SECONDS
+  [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ] || return 0
+  local want=$(( $2 * ${GPU_CHECK_SCALE:-1} )) left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+  [ $(( 2 * left )) -ge "$want" ] && return 0
+  echo "## (skipped the $1 part: ${left} s left of GPU_CHECK_DEADLINE=${GPU_CHECK_DEADLINE}, its limit is ${want} s)"
+  return 1
+}
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi
+MPS_PIPE=/tmp/pyzero-mps MPS_LOG=/tmp/pyzero-mps-log
 mps_start() {
   [ "$MPS" = 1 ] && [ "$MPS_ON" = 0 ] || return 0  # (started once: a later part finds it running)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pyzero-mps CUDA_MPS_LOG_DIRECTORY=/tmp/pyzero-mps-log
+  export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if timeout 10 nvidia-cuda-mps-control -d; then sleep 1; MPS_ON=1; echo "(MPS started)"; else echo "(MPS did not start)"; fi
 }
@@ -141,152 +175,10 @@ deepspeed_here() {
   echo "(no deepspeed: its rows are left out; scripts/gpu_wheels.sh makes its wheels where there is a package index)"
   return 1
 }
-{
-  trap mps_stop EXIT  # (this block is a subshell: the daemon is stopped however it ends)
-  echo "# pyzero GPU check, $(date -u -Iseconds)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
-  if part tests; then
-  echo "## GPU tests"
-  # shellcheck disable=SC2086
-  IGNORE=()
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && part ipc; then
-    IGNORE=(--ignore tests/test_ipc_gpu.py --ignore tests/test_torch_backend_gpu.py --ignore tests/test_compile.py)
-  fi
-  timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=10 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
-    --junitxml "${OUT}_tests.xml" "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
-  fi
-  if part kernels; then
-  echo "## reduce kernel bandwidth vs device-to-device copy"
-  timeout "$(lim 30)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED (or past $(lim 30) s)"
-  fi
-  if part collectives; then
-  echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
-  # One GPU: world size 1 moves nothing between ranks, so only all_reduce (the per-call floor of each
-  # path); the full matrix on 2+ GPUs. (On an H200 the full matrix at world size 1 took over 75 s.)
-  if [ "$NGPU" -ge 2 ]; then COLL=(--op all --max 256M --factor 4); else COLL=(--op all_reduce --max 64M --factor 8); fi
-  timeout "$(lim 45)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
-    --min 8 "${COLL[@]}" --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED (or past $(lim 45) s)"
-  echo "## all_reduce captured in a CUDA graph (20 calls per graph), per call: pyzero's nccl passthrough and torch's NCCL"
-  timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends nccl,torch \
-    --op all_reduce --min 8 --max 1M --factor 8 --graph 20 --json "${OUT}_collectives_graph.json" \
-    || echo "GRAPH BENCH FAILED (or past $(lim 30) s)"
-  fi
-  if part train; then
-  echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
-  # (about 15 s per run on an H200: 8 runs need about 120 s)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 140)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 \
-    --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
-    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
-  fi
-  if part torch-backend; then
-  echo "## torch.distributed on the \"pyzero\" backend (CUDA tensors) against NCCL, world size 1"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
-    --backends torch,torch-pyzero --op all_reduce --min 8 --max 1M --factor 8 --json "${OUT}_torch_backend.json" \
-    || echo "TORCH BACKEND BENCH FAILED (or past $(lim 30) s)"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 100)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,fsdp2,fsdp2-pyzero --bucket-mb 25 --first-bucket-mb 1 \
-    --iters 10 --warmup 3 --json "${OUT}_torch_backend_train.json" || echo "TORCH BACKEND TRAIN FAILED (or past $(lim 100) s)"
-  fi
-  if part memory; then
-  echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
-    --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
-  echo "## per-rank memory with 2 and 4 processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
-  mps_start
-  for NP in ${GPU_CHECK_MEMORY_NPROC:-2 4}; do
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
-      --nproc "$NP" --model gpt2 --batch 8 --seq 512 --runs torch-ddp,dp,zero2,zero3,fsdp2 --bucket-mb 25 \
-      --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory${NP}.json" \
-      || echo "MEMORY BENCH FAILED (nproc $NP, or past $(lim 150) s)"
-  done
-  mps_stop
-  fi
-  if part offload; then
-  echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed (ZeRO-Offload, ZenFlow, SuperOffload)"
-  # --losses: every run's loss at each step (same batch, same start): ZenFlow is not exact, its curve shows by how much
-  # zero2-offload: the CPU step slot by slot at step() (the default); -pipe: slots step during backward;
-  # -dpu: delayed_update, the CPU step behind the next forward and backward (updates one step late)
-  OFFLOAD_RUNS=torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu
-  if deepspeed_here; then OFFLOAD_RUNS+=",ds-zero2-offload,ds-zenflow,ds-superoffload"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 330)" "$PY" -m pyzero.bench train \
-    --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$OFFLOAD_RUNS" --bucket-mb 25 \
-    --first-bucket-mb 1 --iters 10 --warmup 3 --losses --json "${OUT}_offload.json" \
-    || echo "OFFLOAD BENCH FAILED (or past $(lim 330) s)"
-  fi
-  if part capacity; then
-  echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"
-  CAP_RUNS=torch,zero3,fsdp2,zero2-offload,zero3-offload
-  if [ -z "${GPU_CHECK_CAPACITY_RUNS:-}" ] && deepspeed_here; then CAP_RUNS+=",ds-zero2-offload"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
-    --runs "${GPU_CHECK_CAPACITY_RUNS:-$CAP_RUNS}" --attempts 2 --steps 3 --timeout 200 \
-    --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
-  # GPU_CHECK_CAPACITY_NPROC (e.g. "2"): ZeRO-3 and FSDP2 again with that many ranks sharing GPU 0 (ipc)
-  for NP in ${GPU_CHECK_CAPACITY_NPROC:-}; do
-    echo "### capacity with $NP ranks on GPU 0 (ipc$([ "$MPS" = 1 ] && echo ", MPS")): ZeRO-3 and FSDP2 on the \"pyzero\" backend"
-    mps_start
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 300)" "$PY" -m pyzero.bench capacity --device cuda --nproc "$NP" \
-      --gpu-backend ipc --runs zero3,fsdp2 --attempts 2 --steps 3 --timeout 150 --json "${OUT}_capacity${NP}.json" \
-      || echo "CAPACITY BENCH FAILED (nproc $NP, or past $(lim 300) s)"
-    mps_stop
-  done
-  fi
-  if part ipc; then
-  echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 process, then 2, 4 and 8 sharing GPU 0$([ "$MPS" = 1 ] && echo ", under MPS")"
-  mps_start
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ]; then
-    echo "### ipc tests, the \"pyzero\" torch backend on CUDA tensors and torch.compile on CUDA (2-4 processes on GPU 0)"
-    timeout -s INT -k 30 "$(lim 240)" "$PY" -m pytest -q -rfE --tb=short --durations=5 -p no:cacheprovider "${TIMEOUT_ARGS[@]}" \
-      --junitxml "${OUT}_tests_ipc.xml" -m gpu tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py tests/test_compile.py \
-      || echo "IPC TESTS FAILED (or past $(lim 240) s)"
-  fi
-  for NP_MAX in ${GPU_CHECK_IPC:-1:256M 2:64M 4:16M 8:4M}; do
-    NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
-      --nproc "$NP" --backends pyzero --op all --min 8 --max "$MAX" --factor 8 --json "${OUT}_ipc${NP}.json" \
-      || echo "IPC BENCH FAILED (nproc $NP, or past $(lim 30) s)"
-  done
-  echo "### ipc all_reduce at 2 processes: eager, then 20 calls captured in a CUDA graph, per call (16 B - 1 MiB)"
-  for G in 0 20; do
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
-      --nproc 2 --backends pyzero --op all_reduce --min 16 --max 1M --factor 4 --graph "$G" \
-      --json "${OUT}_ipc2_graph${G}.json" || echo "IPC GRAPH BENCH FAILED (graph $G, or past $(lim 25) s)"
-  done
-  echo "### ipc point-to-point (sendrecv: each process sends to the next and receives from the previous, one batch)"
-  for NP_MAX in 2:256M 4:64M; do
-    NP=${NP_MAX%%:*} MAX=${NP_MAX##*:}
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
-      --nproc "$NP" --backends pyzero --op sendrecv --min 8 --max "$MAX" --factor 8 \
-      --json "${OUT}_ipc${NP}_sendrecv.json" || echo "IPC SENDRECV BENCH FAILED (nproc $NP, or past $(lim 30) s)"
-  done
-  fi
-  if part ipc-algos; then
-  echo "## ipc all_reduce by algorithm at 2, 4 and 8 processes on GPU 0: ring (over point-to-point), one-shot, two-shot"
-  mps_start
-  for NP in 2 4 8; do
-    for A in ring oneshot twoshot; do
-      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
-        --nproc "$NP" --backends pyzero --op all_reduce --algo "$A" --min 8 --max 16M --factor 16 \
-        --json "${OUT}_ipc${NP}_${A}.json" || echo "IPC ALGO BENCH FAILED (nproc $NP algo $A, or past $(lim 25) s)"
-    done
-  done
-  fi
-  if part faults; then
-  echo "## fault cells on the ipc backend (2 processes on GPU 0, one try each; the full list: --backend ipc)"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
-    --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_ipc.json" \
-    || echo "IPC FAULT CELLS FAILED (or past $(lim 50) s)"
-  mps_stop
-  if [ "$NGPU" -ge 2 ]; then
-    echo "## fault cells on the nccl backend (a GPU per rank, one try each)"
-    timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
-      --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl.json" \
-      || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
-  fi
-  fi
-  if part nccl-multi || part nccl-faults; then
+# The test NCCL library (nccl-multi, nccl-faults): found or built once, by the first part that needs it.
+TNCCL=""
+test_nccl() {
+  [ -z "$TNCCL" ] || { [ -f "$TNCCL/lib/libnccl.so.2" ]; return; }
   TNCCL=${PYZERO_TEST_NCCL_ROOT:-$(ls -d build/*/test-nccl 2>/dev/null | head -1)}
   if [ -z "$TNCCL" ] || [ ! -f "$TNCCL/lib/libnccl.so.2" ]; then
     TNCCL=build/test-nccl
@@ -294,25 +186,246 @@ deepspeed_here() {
     PYTHON="$PY" timeout "$(lim 400)" bash scripts/build_test_nccl.sh "$TNCCL" >"${OUT}_test_nccl_build.log" 2>&1 ||
       { tail -20 "${OUT}_test_nccl_build.log"; echo "TEST NCCL LIBRARY BUILD FAILED"; }
   fi
-  [ ! -f "$TNCCL/lib/libnccl.so.2" ] || TNCCL=$(cd "$TNCCL" && pwd)
+  [ -f "$TNCCL/lib/libnccl.so.2" ] || return 1
+  TNCCL=$(cd "$TNCCL" && pwd)
+}
+SEVERAL_TESTS=(tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py tests/test_compile.py tests/test_integrations_gpu.py)
+IPC_TESTS_RAN=0 MULTI_TESTS_RAN=0
+nccl_multi_tests() {  # nccl_multi_tests LOG: the nccl backend at 2 and 4 processes through the test library
+  PYZERO_TEST_NCCL_ROOT=$TNCCL timeout -s INT -k 30 "$(lim 420)" "${PYTEST[@]}" --durations=10 "${MULTI_TIMEOUT_ARGS[@]}" \
+    --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
+}
+ipc_tests() {
+  timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=5 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_ipc.xml" \
+    -m gpu "${SEVERAL_TESTS[@]}" || echo "IPC TESTS FAILED (or past $(lim 240) s)"
+}
+part_tests() {
+  room tests 240 || return 0
+  echo "## GPU tests"
+  IGNORE=()
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && { part ipc || [ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ]; }; then
+    for f in "${SEVERAL_TESTS[@]}"; do IGNORE+=(--ignore "$f"); done
   fi
-  if part nccl-multi && [ -f "$TNCCL/lib/libnccl.so.2" ]; then
-    echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
-    MULTI_TIMEOUT_ARGS=()  # (a spawned 4-rank matrix takes longer than one test of the tests part)
-    [ ${#TIMEOUT_ARGS[@]} -eq 0 ] || MULTI_TIMEOUT_ARGS=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && [ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ]; then
+    local multi=0 g
+    if part nccl-multi && test_nccl; then multi=1; IGNORE+=(--ignore tests/test_nccl_multirank_gpu.py); fi
+    echo "(three groups at once: single-process tests outside MPS; several processes on GPU 0 under MPS: the ipc part's" \
+      "tests$([ "$multi" = 1 ] && echo ", the nccl-multi part's"))"
     mps_start
-    PYZERO_TEST_NCCL_ROOT=$TNCCL timeout -s INT -k 30 "$(lim 420)" "$PY" -m pytest -q -rfE --tb=short --durations=10 \
-      -p no:cacheprovider "${MULTI_TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu \
-      tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
+    ( unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
+        "${IGNORE[@]}" -m gpu tests || echo "GPU TESTS FAILED (or past $(lim 240) s)" ) > "${OUT}_tests_single.log" 2>&1 &
+    ipc_tests > "${OUT}_tests_ipc.log" 2>&1 &
+    [ "$multi" = 0 ] || nccl_multi_tests > "${OUT}_tests_nccl_multi.log" 2>&1 &
+    wait
+    for g in single ipc nccl_multi; do
+      [ -f "${OUT}_tests_$g.log" ] || continue
+      echo "### tests: $g"; grep -v "^frame #" "${OUT}_tests_$g.log" || true; rm -f "${OUT}_tests_$g.log"
+    done
+    IPC_TESTS_RAN=1 MULTI_TESTS_RAN=$multi
+    return 0
   fi
-  if { part nccl-multi || part nccl-faults; } && [ -f "$TNCCL/lib/libnccl.so.2" ]; then
-    echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
+    "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
+}
+part_kernels() {
+  room kernels 30 || return 0
+  echo "## reduce kernel bandwidth vs device-to-device copy"
+  mps_stop  # (alone on the GPU)
+  timeout "$(lim 30)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED (or past $(lim 30) s)"
+}
+part_collectives() {
+  room collectives 75 || return 0
+  echo "## collectives on ${NGPU} GPU(s): pyzero ring | pyzero native passthrough (nccl) | torch.distributed nccl"
+  mps_stop
+  # One GPU: world size 1 moves nothing between ranks, so only all_reduce (the per-call floor of each
+  # path); the full matrix on 2+ GPUs. (On an H200 the full matrix at world size 1 took over 75 s.)
+  local coll
+  if [ "$NGPU" -ge 2 ]; then coll=(--op all --max 256M --factor 4); else coll=(--op all_reduce --max 64M --factor 8); fi
+  timeout "$(lim 45)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
+    --min 8 "${coll[@]}" --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED (or past $(lim 45) s)"
+  echo "## all_reduce captured in a CUDA graph (20 calls per graph), per call: pyzero's nccl passthrough and torch's NCCL"
+  timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends nccl,torch \
+    --op all_reduce --min 8 --max 1M --factor 8 --graph 20 --json "${OUT}_collectives_graph.json" \
+    || echo "GRAPH BENCH FAILED (or past $(lim 30) s)"
+}
+part_train() {
+  room train 140 || return 0
+  echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
+  mps_stop
+  # (about 15 s per run on an H200: 8 runs need about 120 s)
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 140)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 \
+    --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
+    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
+}
+part_torch-backend() {
+  room torch-backend 130 || return 0
+  echo "## torch.distributed on the \"pyzero\" backend (CUDA tensors) against NCCL, world size 1"
+  mps_stop
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
+    --backends torch,torch-pyzero --op all_reduce --min 8 --max 1M --factor 8 --json "${OUT}_torch_backend.json" \
+    || echo "TORCH BACKEND BENCH FAILED (or past $(lim 30) s)"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 100)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,fsdp2,fsdp2-pyzero --bucket-mb 25 --first-bucket-mb 1 \
+    --iters 10 --warmup 3 --json "${OUT}_torch_backend_train.json" || echo "TORCH BACKEND TRAIN FAILED (or past $(lim 100) s)"
+}
+part_memory() {
+  room memory 150 || return 0
+  echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
+  mps_stop
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
+    --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
+  local np
+  for np in ${GPU_CHECK_MEMORY_NPROC:-2 4}; do
+    room "memory (nproc $np)" 150 || continue
+    echo "## per-rank memory with $np processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
     mps_start
-    CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL timeout "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
-      --tries 1 --cells allreduce-kill,mismatch-dtype,mismatch-kind,never-calls --json "${OUT}_faults_nccl_test.json" \
-      || echo "NCCL FAULT CELLS ON THE TEST LIBRARY FAILED (or past $(lim 60) s)"
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
+      --nproc "$np" --model gpt2 --batch 8 --seq 512 --runs torch-ddp,dp,zero2,zero3,fsdp2 --bucket-mb 25 \
+      --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory${np}.json" \
+      || echo "MEMORY BENCH FAILED (nproc $np, or past $(lim 150) s)"
+  done
+  mps_stop
+}
+part_offload() {
+  room offload 330 || return 0
+  echo "## ZeRO-Offload on GPU 0 (GPT-2 small, world size 1): plain torch, pyzero, DeepSpeed (ZeRO-Offload, ZenFlow, SuperOffload)"
+  mps_stop
+  # --losses: every run's loss at each step (same batch, same start): ZenFlow is not exact, its curve shows by how much
+  # zero2-offload: the CPU step slot by slot at step() (the default); -pipe: slots step during backward;
+  # -dpu: delayed_update, the CPU step behind the next forward and backward (updates one step late)
+  local runs=torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu
+  if deepspeed_here; then runs+=",ds-zero2-offload,ds-zenflow,ds-superoffload"; fi
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 330)" "$PY" -m pyzero.bench train \
+    --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$runs" --bucket-mb 25 \
+    --first-bucket-mb 1 --iters 10 --warmup 3 --losses --json "${OUT}_offload.json" \
+    || echo "OFFLOAD BENCH FAILED (or past $(lim 330) s)"
+  [ -n "${GPU_CHECK_OFFLOAD_THREADS:-}" ] || return 0
+  room "offload (--offload-threads ${GPU_CHECK_OFFLOAD_THREADS})" 120 || return 0
+  echo "### the same pyzero rows with ${GPU_CHECK_OFFLOAD_THREADS} CPU optimizer threads (--offload-threads)"
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 120)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+    --batch 8 --seq 512 --runs torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu --bucket-mb 25 \
+    --first-bucket-mb 1 --iters 10 --warmup 3 --offload-threads "$GPU_CHECK_OFFLOAD_THREADS" \
+    --json "${OUT}_offload_threads${GPU_CHECK_OFFLOAD_THREADS}.json" || echo "OFFLOAD THREADS BENCH FAILED (or past $(lim 120) s)"
+}
+part_capacity() {
+  room capacity 420 || return 0
+  echo "## capacity on GPU 0: the largest GPT (n_embd 2048, 1 x 1024 tokens) that trains, and its tokens/s"
+  mps_stop
+  local runs=torch,zero3,fsdp2,zero2-offload,zero3-offload np
+  if [ -z "${GPU_CHECK_CAPACITY_RUNS:-}" ] && deepspeed_here; then runs+=",ds-zero2-offload"; fi
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
+    --runs "${GPU_CHECK_CAPACITY_RUNS:-$runs}" --attempts 2 --steps 3 --timeout 200 \
+    --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
+  # GPU_CHECK_CAPACITY_NPROC (e.g. "2"): ZeRO-3 and FSDP2 again with that many ranks sharing GPU 0 (ipc)
+  for np in ${GPU_CHECK_CAPACITY_NPROC:-}; do
+    room "capacity (nproc $np)" 300 || continue
+    echo "### capacity with $np ranks on GPU 0 (ipc$([ "$MPS" = 1 ] && echo ", MPS")): ZeRO-3 and FSDP2 on the \"pyzero\" backend"
+    mps_start
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 300)" "$PY" -m pyzero.bench capacity --device cuda --nproc "$np" \
+      --gpu-backend ipc --runs zero3,fsdp2 --attempts 2 --steps 3 --timeout 150 --json "${OUT}_capacity${np}.json" \
+      || echo "CAPACITY BENCH FAILED (nproc $np, or past $(lim 300) s)"
     mps_stop
+  done
+}
+part_ipc-graph() {
+  room ipc-graph 50 || return 0
+  echo "### ipc all_reduce at 2 processes: eager, then 20 calls captured in a CUDA graph, per call (16 B - 1 MiB)"
+  mps_start
+  local g
+  for g in 0 20; do
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      --nproc 2 --backends pyzero --op all_reduce --min 16 --max 1M --factor 4 --graph "$g" \
+      --json "${OUT}_ipc2_graph${g}.json" || echo "IPC GRAPH BENCH FAILED (graph $g, or past $(lim 25) s)"
+  done
+}
+part_ipc() {
+  room ipc 120 || return 0
+  echo "## ipc backend (pyzero's CUDA-IPC kernels): 1 process, then 2, 4 and 8 sharing GPU 0$([ "$MPS" = 1 ] && echo ", under MPS")"
+  mps_start
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && [ "$IPC_TESTS_RAN" = 0 ]; then
+    echo "### ipc tests, the \"pyzero\" torch backend on CUDA tensors, torch.compile and the HF Trainer on CUDA (2-4 processes on GPU 0)"
+    ipc_tests
   fi
+  local np_max np max
+  for np_max in ${GPU_CHECK_IPC:-1:256M 2:64M 4:16M 8:4M}; do
+    np=${np_max%%:*} max=${np_max##*:}
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      --nproc "$np" --backends pyzero --op all --min 8 --max "$max" --factor 8 --json "${OUT}_ipc${np}.json" \
+      || echo "IPC BENCH FAILED (nproc $np, or past $(lim 30) s)"
+  done
+  part ipc-graph || part_ipc-graph
+  echo "### ipc point-to-point (sendrecv: each process sends to the next and receives from the previous, one batch)"
+  for np_max in 2:256M 4:64M; do
+    np=${np_max%%:*} max=${np_max##*:}
+    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      --nproc "$np" --backends pyzero --op sendrecv --min 8 --max "$max" --factor 8 \
+      --json "${OUT}_ipc${np}_sendrecv.json" || echo "IPC SENDRECV BENCH FAILED (nproc $np, or past $(lim 30) s)"
+  done
+}
+part_ipc-algos() {
+  room ipc-algos 225 || return 0
+  echo "## ipc all_reduce by algorithm at 2, 4 and 8 processes on GPU 0: ring (over point-to-point), one-shot, two-shot"
+  mps_start
+  local np a
+  for np in 2 4 8; do
+    for a in ring oneshot twoshot; do
+      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+        --nproc "$np" --backends pyzero --op all_reduce --algo "$a" --min 8 --max 16M --factor 16 \
+        --json "${OUT}_ipc${np}_${a}.json" || echo "IPC ALGO BENCH FAILED (nproc $np algo $a, or past $(lim 25) s)"
+    done
+  done
+}
+FAULT_CELLS=allreduce-kill,mismatch-dtype,mismatch-kind,never-calls
+part_faults() {
+  room faults 50 || return 0
+  echo "## fault cells on the ipc backend (2 processes on GPU 0, one try each; the full list: --backend ipc)"
+  mps_start
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
+    --cells "$FAULT_CELLS" --json "${OUT}_faults_ipc.json" || echo "IPC FAULT CELLS FAILED (or past $(lim 50) s)"
+  mps_stop
+  if [ "$NGPU" -ge 2 ]; then
+    echo "## fault cells on the nccl backend (a GPU per rank, one try each)"
+    timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
+      --cells "$FAULT_CELLS" --json "${OUT}_faults_nccl.json" || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
+  fi
+}
+part_nccl-multi() {
+  if [ "$MULTI_TESTS_RAN" = 0 ] && room nccl-multi 420; then
+    if test_nccl; then
+      echo "## nccl backend at 2 and 4 processes on GPU 0 through the test NCCL library$([ "$MPS" = 1 ] && echo ", under MPS")"
+      mps_start
+      nccl_multi_tests
+    else
+      echo "(no test NCCL library: the nccl-multi tests are left out)"
+    fi
+  fi
+  part nccl-faults || part_nccl-faults
+}
+part_nccl-faults() {
+  room nccl-faults 60 || return 0
+  test_nccl || { echo "(no test NCCL library: the nccl fault cells are left out)"; return 0; }
+  echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"
+  mps_start
+  CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL timeout "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
+    --tries 1 --cells "$FAULT_CELLS" --json "${OUT}_faults_nccl_test.json" \
+    || echo "NCCL FAULT CELLS ON THE TEST LIBRARY FAILED (or past $(lim 60) s)"
+  mps_stop
+}
+{
+  trap mps_stop EXIT  # (this block is a subshell: the daemon is stopped however it ends)
+  echo "# pyzero GPU check, $(date -u -Iseconds), parts:$PARTS${GPU_CHECK_DEADLINE:+(deadline ${GPU_CHECK_DEADLINE} s)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
+  for p in $PARTS; do
+    SECONDS_BEFORE=$SECONDS
+    "part_$p"
+    echo "(part $p: $(( SECONDS - SECONDS_BEFORE )) s, $SECONDS s in all)"
+  done
+  mps_stop
 } 2>&1 | tee "${OUT}.txt"
 echo "wrote ${OUT}.txt"
 # GPU_CHECK_COPY=<dir>: also put the printed log and every file of this run (one .tgz) there, e.g. the

@@ -1,0 +1,180 @@
+"""scripts/gpu_check.sh on a machine without a GPU, with stand-ins for python3, nvidia-smi and the MPS control
+daemon that record each call instead of running it: the parts run in the order GPU_CHECK_PARTS names them, the
+several-processes parts under MPS and the rest outside it, GPU_CHECK_DEADLINE skips the parts it leaves too
+little time for, GPU_CHECK_TESTS_AT_ONCE runs the test groups together and the later parts do not rerun them,
+bad settings are refused; and every bench call the script can make parses with that bench's own arguments
+(flags, choices, run names, fault cells), so a renamed flag fails here rather than on a lent GPU."""
+import argparse
+import importlib
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+ALL_PARTS = ("tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults "
+             "nccl-multi nccl-faults").split()
+
+FAKE_PYTHON = """#!/bin/bash
+case "$*" in
+  -) cat >/dev/null; exit 0;;
+  *get_device_capability*) echo 90; exit 0;;
+  *get_device_name*) echo NVIDIA_H200; exit 0;;
+  *device_count*) echo "${FAKE_NGPU:-1}"; exit 0;;
+  *"import pytest_timeout"*) exit 0;;
+  *"import deepspeed"*) exit 1;;
+  *build_info*) echo "(build info)"; exit 0;;
+esac
+echo "CALL ${CUDA_MPS_PIPE_DIRECTORY:-none} ${PYZERO_NCCL_ROOT:-none} $*" >> "$FAKE_LOG"
+"""
+FAKE_MPS = """#!/bin/bash
+[ "$1" = -d ] || cat >/dev/null
+echo "MPS ${1:-quit}" >> "$FAKE_LOG"
+"""
+
+
+def _fakes(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, text in (("python3", FAKE_PYTHON), ("nvidia-cuda-mps-control", FAKE_MPS),
+                       ("nvidia-smi", '#!/bin/bash\necho "NVIDIA H200, 580, 143771 MiB"\n')):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    lib = tmp_path / "test-nccl" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_text("")
+    return bin_dir
+
+
+def run_check(tmp_path, **env):
+    """Runs the script with the stand-ins; returns (exit code, printed text, [(mps on, nccl root, argv)], [lines])."""
+    bin_dir = _fakes(tmp_path)
+    log = tmp_path / "calls.log"
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "CUDA_MPS_", "PYZERO_"))}
+    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python3"), FAKE_LOG=str(log),
+                GPU_CHECK_RESULTS=str(tmp_path / "results"), GPU_CHECK_BUILD="0",
+                PYZERO_TEST_NCCL_ROOT=str(tmp_path / "test-nccl"))
+    full.update(env)
+    p = subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=60)
+    lines = log.read_text().splitlines() if log.exists() else []
+    calls = []
+    for line in lines:
+        if line.startswith("CALL "):
+            _, mps, nccl_root, rest = line.split(" ", 3)
+            calls.append((mps != "none", nccl_root, shlex.split(rest)))
+    return p.returncode, p.stdout + p.stderr, calls, lines
+
+
+def _what(argv):
+    """A short name for a call: 'pytest <files>', 'bench <sub> [extra]', 'kernels'."""
+    if argv[:2] == ["-m", "pytest"]:
+        return "pytest " + " ".join(a for a in argv if a.startswith("tests/") and a != "tests/")
+    if argv[:2] == ["-m", "pyzero.bench.kernels"]:
+        return "kernels"
+    assert argv[:2] == ["-m", "pyzero.bench"], argv
+    return "bench " + argv[2]
+
+
+def test_parts_run_in_the_named_order_with_mps_only_for_several_processes(tmp_path):
+    rc, out, calls, lines = run_check(tmp_path, GPU_CHECK_PARTS="torch-backend kernels ipc-graph nccl-faults")
+    assert rc == 0, out
+    assert [(_what(a), mps) for mps, _, a in calls] == [
+        ("bench collectives", False), ("bench train", False),  # torch-backend: world size 1, alone
+        ("kernels", False),
+        ("bench collectives", True), ("bench collectives", True),  # ipc-graph: 2 processes, eager and captured
+        ("bench faults", True)]
+    assert [a[a.index("--graph") + 1] for _, _, a in calls[3:5]] == ["0", "20"]
+    assert calls[5][1] == str(tmp_path / "test-nccl")  # (the nccl fault cells load the test library)
+    assert lines[-1] == "MPS quit"  # (stopped at the end)
+    assert out.index("part torch-backend") < out.index("part kernels") < out.index("part ipc-graph")
+
+
+def test_deadline_skips_what_it_leaves_too_little_time_for(tmp_path):
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels offload ipc-graph", GPU_CHECK_DEADLINE="100")
+    assert rc == 0, out
+    # kernels (30 s) and ipc-graph (50 s) fit in 100 s; offload (330 s) does not: skipped, and said so
+    assert [_what(a) for _, _, a in calls] == ["kernels", "bench collectives", "bench collectives"]
+    assert "skipped the offload part" in out and "GPU_CHECK_DEADLINE=100" in out
+    rc, out, calls, _ = run_check(tmp_path / "again", GPU_CHECK_PARTS="kernels offload", GPU_CHECK_DEADLINE="700")
+    assert rc == 0, out
+    assert [_what(a) for _, _, a in calls] == ["kernels", "bench train"]
+
+
+def test_test_groups_at_once_are_not_run_again_by_later_parts(tmp_path):
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="tests ipc nccl-multi", GPU_CHECK_TESTS_AT_ONCE="1")
+    assert rc == 0, out
+    pytests = [(mps, a) for mps, _, a in calls if _what(a).startswith("pytest")]
+    assert len(pytests) == 3, pytests  # three groups, once each
+    by_files = {_what(a): mps for mps, a in pytests}
+    several = ("pytest tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py tests/test_compile.py "
+               "tests/test_integrations_gpu.py")
+    assert by_files[several] is True and by_files["pytest tests/test_nccl_multirank_gpu.py"] is True
+    single = next(a for mps, a in pytests if not mps)
+    ignored = {single[i + 1] for i, a in enumerate(single) if a == "--ignore"}
+    assert ignored == {"tests/test_ipc_gpu.py", "tests/test_torch_backend_gpu.py", "tests/test_compile.py",
+                       "tests/test_integrations_gpu.py", "tests/test_nccl_multirank_gpu.py"}
+    assert "tests" in single  # (the rest of the GPU tests)
+    for f in ignored:
+        assert (ROOT / f).is_file(), f
+    assert "### tests: single" in out and "### tests: ipc" in out and "### tests: nccl_multi" in out
+    # the ipc part went on to its benches, and nccl-multi to its fault cells
+    assert any(a[2:3] == ["faults"] for _, _, a in calls)
+    assert sum(a[2:3] == ["collectives"] for _, _, a in calls) >= 4
+
+
+def test_without_at_once_the_ipc_part_runs_its_tests_itself(tmp_path):
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="tests ipc")
+    assert rc == 0, out
+    pytests = [(mps, _what(a)) for mps, _, a in calls if _what(a).startswith("pytest")]
+    assert [mps for mps, _ in pytests] == [False, True]
+    assert "tests/test_ipc_gpu.py" in pytests[1][1]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"GPU_CHECK_PARTS": "tests kernal"}, "GPU_CHECK_PARTS: unknown part 'kernal'"),
+    ({"GPU_CHECK_DEADLINE": "10m"}, "GPU_CHECK_DEADLINE: expected whole seconds, got '10m'"),
+])
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, env, expected):
+    rc, out, calls, _ = run_check(tmp_path, **env)
+    assert rc == 1 and expected in out, out
+    assert calls == []
+
+
+def _check_bench_call(argv):
+    sub = argv[2]
+    mod = importlib.import_module(f"pyzero.bench.{sub}")
+    parser = argparse.ArgumentParser(prog=f"pyzero-bench {sub}", exit_on_error=False)
+    mod.add_arguments(parser)
+    args = parser.parse_args(argv[3:])
+    if sub in ("train", "capacity"):
+        unknown = [r for r in args.runs.split(",") if r not in mod.RUNS]
+        assert not unknown, f"{sub} --runs: {unknown} not in {sorted(mod.RUNS)}"
+    if sub == "faults":
+        unknown = [c for c in args.cells.split(",") if c not in mod.CELLS]
+        assert not unknown, f"faults --cells: {unknown}"
+
+
+def test_every_bench_call_parses_with_the_bench_arguments(tmp_path):
+    """Every part (and the options that add calls) on a 2-GPU stand-in, so each bench call the script has is made."""
+    env = {"GPU_CHECK_PARTS": " ".join(ALL_PARTS), "FAKE_NGPU": "2", "GPU_CHECK_OFFLOAD_THREADS": "8",
+           "GPU_CHECK_CAPACITY_NPROC": "2"}
+    rc, out, calls, _ = run_check(tmp_path, **env)
+    assert rc == 0, out
+    benches = [a for _, _, a in calls if a[1] == "pyzero.bench"]
+    assert {a[2] for a in benches} == {"collectives", "train", "capacity", "faults"}
+    assert len(benches) >= 30
+    for argv in benches:
+        try:
+            _check_bench_call(argv)
+        except (argparse.ArgumentError, SystemExit, AssertionError) as e:
+            pytest.fail(f"{' '.join(argv)}: {e}")
+    kernels = [a for _, _, a in calls if a[1] == "pyzero.bench.kernels"]
+    assert len(kernels) == 1
+    # (its own parser: parsed, it then stops for want of a GPU; a flag it does not take stops it before, exit 2)
+    p = subprocess.run([sys.executable, *kernels[0][:2], *kernels[0][2:]], capture_output=True, text=True,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert "needs a CUDA GPU" in p.stderr and p.returncode == 1, p.stderr

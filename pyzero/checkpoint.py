@@ -130,9 +130,7 @@ def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
     text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MSG_BYTES]
     mine = torch.zeros(_MSG_BYTES, dtype=torch.int32)
     mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
-    every = torch.zeros(g.size * _MSG_BYTES, dtype=torch.int32, device=dev)
-    comm.all_gather(every, mine.to(dev), group=g)
-    every = every.view(g.size, _MSG_BYTES).cpu()
+    every = comm.every_rank(mine, torch.int32, g)
     return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
 
 

@@ -547,6 +547,18 @@ def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=N
     return g.track(raw, (out, inp), bo, i)
 
 
+def every_rank(values, dtype: torch.dtype = torch.int64, group=None) -> torch.Tensor:
+    """Every rank's `values`: each rank of the group calls it with as many numbers (a list or a tensor); the
+    result is a (group size, len(values)) CPU tensor of `dtype` whose row r holds group rank r's values. One
+    all_gather, on the group's GPU for a CUDA backend (ranks agreeing on arguments, or learning who failed)."""
+    g = resolve_group(group)
+    dev = torch.device("cpu") if g.device is None else torch.device("cuda", g.device)
+    mine = torch.as_tensor(values, dtype=dtype).reshape(-1).to(dev)
+    out = torch.empty(g.size * mine.numel(), dtype=dtype, device=dev)
+    all_gather(out, mine, group=g)
+    return out.view(g.size, mine.numel()).cpu()
+
+
 def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     """Copy `t` of global rank `src` into `t` on every rank of the group."""
     g = resolve_group(group)

@@ -42,13 +42,7 @@ def mesh(dp: int = 1, tp: int = 1) -> tuple[comm.Group, comm.Group]:
     """
     world = comm.get_world_size()
     err = _check(dp, tp, world)
-    mine = torch.tensor([-1, -1] if err else [dp, tp], dtype=torch.int64)
-    g = comm.resolve_group(None)
-    if g.device is not None:
-        mine = mine.cuda(g.device)
-    table = mine.new_empty((world, 2))
-    comm.all_gather(table, mine)
-    rows = [tuple(row) for row in table.tolist()]
+    rows = [tuple(row) for row in comm.every_rank([-1, -1] if err else [dp, tp]).tolist()]
     if err is not None:
         raise err
     bad = [r for r, row in enumerate(rows) if row == (-1, -1)]

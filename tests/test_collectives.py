@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import pyzero as pz
+from pyzero import comm
 from pyzero.launch import run_ranks
 from reference_data import make_input, reference
 
@@ -1236,6 +1237,12 @@ def _rank_subgroups():
                 ck.check(f"all_reduce in [0, 1, 2], size={size}, algo={algo}", t,
                          reference([data(r, size, 2) for r in (0, 1, 2)], "sum", torch.float32))
         pz.barrier(group=g012)
+        # every rank's few numbers (the agreement helper): row r is group rank r's, in the group's order
+        ck.check("every_rank in [0, 1, 2]", comm.every_rank(torch.tensor([me, 7 - me]), torch.int32, group=g012),
+                 torch.tensor([[r, 7 - r] for r in (0, 1, 2)], dtype=torch.int32))
+    if me in (2, 0):
+        ck.check("every_rank in [2, 0]", comm.every_rank([me * 0.5, 1e300], torch.float64, group=g20),
+                 torch.tensor([[r * 0.5, 1e300] for r in (2, 0)], dtype=torch.float64))
 
     # the world is unaffected
     t = data(me, 1031, 3)

@@ -58,12 +58,10 @@ def check_config(module, num_microbatches, schedule, group: comm.Group) -> None:
     m_err, s_err = _m_error(num_microbatches), _schedule_error(schedule)
     info = getattr(module, "pipeline_stage", None)
     index, stages = info if isinstance(info, StageInfo) else (-1, -1)  # -1: built by hand, nothing to check
-    mine = torch.tensor([0 if m_err else num_microbatches, m_err is None,
-                         -1 if s_err else _NAMES.index(schedule), index, stages], dtype=torch.int64,
-                        device=comm_device(group))
-    table = torch.empty(group.size, mine.numel(), dtype=torch.int64, device=mine.device)
-    comm.all_gather(table, mine, group=group)
-    rows = table.tolist()  # per pipeline rank: [m or 0, m valid, schedule index or -1, stage index, stages]
+    mine = [0 if m_err else num_microbatches, int(m_err is None), -1 if s_err else _NAMES.index(schedule), index,
+            stages]
+    rows = comm.every_rank(mine, group=group).tolist()  # per pipeline rank: [m or 0, m valid, schedule or -1,
+    # stage index, stages]
     n = group.size
 
     def rank_name(r):

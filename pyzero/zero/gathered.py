@@ -87,7 +87,7 @@ def gather_block(opt, params=None, modifier_rank=None):
         raise ValueError(f"modifier_rank: expected None or the global rank of one of the optimizer group's ranks "
                          f"{ranks}, got {modifier_rank!r}")
     mine = [_signature(opt, trainable, frozen), -1 if modifier_rank is None else modifier_rank]
-    every = opt._every_rank(mine)
+    every = comm.every_rank(mine, torch.float64, opt.group)
     if not (every == every[0]).all():
         raise ValueError("opt.gathered_parameters(): the ranks of the group entered it with different params or "
                          f"modifier_rank (every rank enters it with the same ones); this rank: {len(trainable)} "
@@ -113,7 +113,7 @@ def _finish(opt, own, before, synced, modifier_rank):
     changed = [cur != old for (_, cur), old in zip(own, before)]
     any_changed = torch.stack([c.any() for c in changed]).tolist() if changed else []  # (one device sync)
     sums = _sums(synced) if modifier_rank is None and opt.world > 1 else [0.0, 0.0]
-    every = opt._every_rank([float(any(any_changed))] + sums)
+    every = comm.every_rank([float(any(any_changed))] + sums, torch.float64, opt.group)
     if every[:, 0].any():
         opt._settle()
         opt._before_host_writes()

@@ -998,14 +998,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pyzero.zero.gathered."""
         return _gathered.gather_block(self, params, modifier_rank)
 
-    def _every_rank(self, values: list[float]) -> torch.Tensor:
-        """Every rank's `values` (one all_gather over the group; every rank calls it): a (world, len) float64
-        tensor on the CPU."""
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
-        out = torch.zeros(self.world * len(values), dtype=torch.float64, device=self.device)
-        comm.all_gather(out, mine, group=self.group)
-        return out.view(self.world, len(values)).cpu()
-
     def _hold(self, params: list) -> list:
         """gathered_parameters(): make `params` whole until _release(what this returns)."""
         return []
@@ -1443,7 +1435,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "ZeroOptimizer.state_dict() holds one rank's shard, each rank loads its own); use "
                                "pz.checkpoint.load to reshard")
         # Every rank calls it (the parameters are gathered at the end): all refuse together, before any change.
-        flags = self._every_rank([float(error is not None)])[:, 0]
+        flags = comm.every_rank([float(error is not None)], torch.float64, self.group)[:, 0]
         if error is not None:
             raise error
         bad = flags.nonzero().flatten().tolist()

@@ -172,9 +172,19 @@ def rank_tp():
     return out
 
 
+def in_child(fn, *args):
+    """fn(*args) in a forked process: a backward here would start autograd's device threads (a CUDA torch),
+    after which torch refuses autograd in the ranks this process forks next."""
+    return run_ranks(fn, 1, args=args, timeout=60)[0].value
+
+
+def tp_run_reference():
+    return tp_run(make_mlp(), *tp_data(), False)
+
+
 def test_tp_layers_compile_without_graph_breaks():
     results = run_ranks(rank_tp, 2, timeout=180)
-    y_ref, dx_ref, grads_ref = tp_run(make_mlp(), *tp_data(), False)
+    y_ref, dx_ref, grads_ref = in_child(tp_run_reference)
     for res in results:
         for config, (seen, eager, compiled) in res.value.items():
             where = f"rank {res.rank}, {config}"
@@ -282,7 +292,7 @@ def rank_train(kind, steps, device="cpu"):
 def test_data_parallel_and_zero_compile_without_graph_breaks(kind):
     steps = 3
     results = run_ranks(rank_train, 2, args=(kind, steps), timeout=180)
-    ref = reference_outputs(steps, 2, accumulate=kind == "dp") if kind != "dp_bn" else None
+    ref = in_child(reference_outputs, steps, 2, kind == "dp") if kind != "dp_bn" else None
     check_trained(results, kind, steps, ref, "vs one process", **TOL)
 
 
@@ -314,7 +324,7 @@ def test_data_parallel_and_zero_compile_on_the_gpu(kind):
     steps = 3
     results = run_ranks(rank_train, 2, args=(kind, steps, "cuda"), start="spawn", timeout=300,
                         env={"CUDA_VISIBLE_DEVICES": "0"})
-    ref = reference_outputs(steps, 2, accumulate=kind == "dp")
+    ref = reference_outputs(steps, 2, accumulate=kind == "dp")  # (here: its ranks were spawned, not forked)
     check_trained(results, kind, steps, ref, "on the GPU vs one CPU process", rtol=1e-4, atol=1e-5)
 
 
@@ -322,6 +332,8 @@ def test_zero3_outside_the_traced_configuration_runs_its_hooks_at_graph_breaks()
     """ZeRO++ int8 weight gathers: the eager hooks, between compiled regions."""
     for res in run_ranks(rank_train, 2, args=("zero3_qw", 2), timeout=180):
         breaks, reasons, ops = res.value["explain"]
-        assert breaks > 0 and not ops
+        assert not ops  # the int8 gathers stay out of the graphs, in the eager hooks
+        # (torch >= 2.13 breaks the graph around them; 2.11 leaves those modules out of the traced frame)
+        assert breaks > 0 or torch.__version__ < "2.13", res.value["explain"]
         for s, (ye, yc) in enumerate(zip(res.value[False], res.value[True])):
             assert_same(yc, ye, f"rank {res.rank} step {s} compiled vs eager")

@@ -3,6 +3,7 @@ libnccl.so.2: g++ builds a library with the functions _C looks up (trivial bodie
 a number no real NCCL has) and, for pyzero's test NCCL, pyzeroTestNccl. Each case imports pyzero in a
 fresh process, so that what is already loaded is what the case says."""
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -64,6 +65,16 @@ def real_nccl() -> Path:
     except ImportError:
         pytest.skip("needs the nvidia-nccl-cu13 package")
     return Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+
+
+@functools.cache
+def torch_nccl() -> list[str]:
+    """The NCCL a plain `import torch` maps: none for a CPU torch (CI's), the package's for a CUDA one."""
+    code = ("import json, torch; "
+            "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl' in l})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def version_of(library) -> int:
@@ -130,13 +141,15 @@ def test_pyzero_nccl_root_wins_over_an_nccl_already_loaded(tmp_path, before):
     if before == "nccl and torch":
         assert rep["maps"] == sorted([str(fake), str(real)]), rep
         assert rep["soname_version"] == version_of(real) != FAKE_VERSION, rep  # the global NCCL stays torch's
-    else:
-        assert rep["maps"] == [str(fake)], rep
+    else:  # (a CUDA torch has mapped its own NCCL before pyzero: it stays, for torch's calls)
+        assert rep["maps"] == sorted([str(fake), *torch_nccl()]), rep
 
 
 def test_without_pyzero_nccl_root_the_nccl_already_loaded_is_used(tmp_path):
     """A libnccl.so.2 already in the process (the fake, standing for torch's) is preferred to the
     nvidia-nccl-cu13 package; without pyzeroTestNccl it is a real NCCL: one GPU per rank."""
+    if torch_nccl():  # (it would bind the fake's symbols first and fail to import)
+        pytest.skip("this torch loads an NCCL itself; test_torch_nccl_is_used_without_pyzero_nccl_root instead")
     fake = fake_nccl(tmp_path / "fake", test=False) / "lib" / "libnccl.so.2"
     rep = report(run((preload(fake) + REPORT).replace("REOPEN", repr(str(fake)))))
     assert rep["nccl"] == {"path": str(fake), "version": FAKE_VERSION, "test": False}, rep
@@ -144,6 +157,16 @@ def test_without_pyzero_nccl_root_the_nccl_already_loaded_is_used(tmp_path):
     assert "this process sees 2 GPU(s): the nccl backend puts each rank on cuda:LOCAL_RANK, one GPU per rank" \
         in rep["rank_2_of_2_gpus"], rep
     assert "reopen" not in rep, rep  # nccl_open of the library already open: the same library, no error
+
+
+def test_torch_nccl_is_used_without_pyzero_nccl_root():
+    """A CUDA torch's NCCL, mapped by its import, is the one pyzero calls (one NCCL in the process)."""
+    if not torch_nccl():
+        pytest.skip("this torch loads no NCCL (a CPU build): the fake stands for one above")
+    (loaded,) = torch_nccl()
+    rep = report(run(REPORT.replace("REOPEN", repr(loaded))))
+    assert rep["nccl"] == {"path": loaded, "version": version_of(loaded), "test": False}, rep
+    assert rep["maps"] == [loaded] and "reopen" not in rep, rep
 
 
 def test_a_library_lacking_a_function_is_refused_by_name(tmp_path):

@@ -199,35 +199,38 @@ ipc_tests() {
   timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=5 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_ipc.xml" \
     -m gpu "${SEVERAL_TESTS[@]}" || echo "IPC TESTS FAILED (or past $(lim 240) s)"
 }
-part_tests() {
-  room tests 240 || return 0
-  echo "## GPU tests"
-  IGNORE=()
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && { part ipc || [ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ]; }; then
-    for f in "${SEVERAL_TESTS[@]}"; do IGNORE+=(--ignore "$f"); done
-  fi
-  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && [ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ]; then
-    local multi=0 g
-    if part nccl-multi && test_nccl; then multi=1; IGNORE+=(--ignore tests/test_nccl_multirank_gpu.py); fi
-    echo "(three groups at once: single-process tests outside MPS; several processes on GPU 0 under MPS: the ipc part's" \
-      "tests$([ "$multi" = 1 ] && echo ", the nccl-multi part's"))"
-    mps_start
-    ( unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-      timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
-        "${IGNORE[@]}" -m gpu tests || echo "GPU TESTS FAILED (or past $(lim 240) s)" ) > "${OUT}_tests_single.log" 2>&1 &
-    ipc_tests > "${OUT}_tests_ipc.log" 2>&1 &
-    [ "$multi" = 0 ] || nccl_multi_tests > "${OUT}_tests_nccl_multi.log" 2>&1 &
-    wait
-    for g in single ipc nccl_multi; do
-      [ -f "${OUT}_tests_$g.log" ] || continue
-      echo "### tests: $g"; grep -v "^frame #" "${OUT}_tests_$g.log" || true; rm -f "${OUT}_tests_$g.log"
-    done
-    IPC_TESTS_RAN=1 MULTI_TESTS_RAN=$multi
-    return 0
-  fi
+single_tests() {  # the tests part's pytest run, but for the IGNOREd files
   # shellcheck disable=SC2086
   timeout -s INT -k 30 "$(lim 240)" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
     "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim 240) s)"
+}
+part_tests() {
+  room tests 240 || return 0
+  echo "## GPU tests"
+  local at_once=0
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && [ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ]; then at_once=1; fi
+  IGNORE=()
+  if [ "$MPS" = 1 ] && [ -z "${GPU_CHECK_TESTS:-}" ] && { part ipc || [ "$at_once" = 1 ]; }; then
+    for f in "${SEVERAL_TESTS[@]}"; do IGNORE+=(--ignore "$f"); done
+  fi
+  if [ "$at_once" = 0 ]; then
+    single_tests
+    return 0
+  fi
+  local multi=0 g
+  if part nccl-multi && test_nccl; then multi=1; IGNORE+=(--ignore tests/test_nccl_multirank_gpu.py); fi
+  echo "(three groups at once: single-process tests outside MPS; several processes on GPU 0 under MPS: the ipc part's" \
+    "tests$([ "$multi" = 1 ] && echo ", the nccl-multi part's"))"
+  mps_start
+  ( unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; single_tests ) > "${OUT}_tests_single.log" 2>&1 &
+  ipc_tests > "${OUT}_tests_ipc.log" 2>&1 &
+  [ "$multi" = 0 ] || nccl_multi_tests > "${OUT}_tests_nccl_multi.log" 2>&1 &
+  wait
+  for g in single ipc nccl_multi; do
+    [ -f "${OUT}_tests_$g.log" ] || continue
+    echo "### tests: $g"; grep -v "^frame #" "${OUT}_tests_$g.log" || true; rm -f "${OUT}_tests_$g.log"
+  done
+  IPC_TESTS_RAN=1 MULTI_TESTS_RAN=$multi
 }
 part_kernels() {
   room kernels 30 || return 0

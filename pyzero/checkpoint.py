@@ -120,8 +120,7 @@ def _save_file(obj, path):
 def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
     """Collective over `g`: every rank learns which ranks failed a step, and why (their messages travel
     in a second collective, only when one failed; no rank leaves before the others have them)."""
-    dev = "cpu" if g.device is None else torch.device("cuda", g.device)
-    flags = torch.zeros(g.size, device=dev)
+    flags = torch.zeros(g.size, device=g.tensor_device)
     flags[g.rank] = float(error is not None)
     comm.all_reduce(flags, group=g)
     bad = [r for r, f in enumerate(flags.tolist()) if f]
@@ -482,8 +481,7 @@ def _verify(step_dir: str, meta: dict, group=None) -> None:
                       "verification", stacklevel=3)
         return
     n, me = (1, 0) if group is None else (group.size, group.rank)
-    codes = torch.zeros(len(names), device="cpu" if group is None or group.device is None
-                        else torch.device("cuda", group.device))
+    codes = torch.zeros(len(names), device="cpu" if group is None else group.tensor_device)
     for i in range(me, len(names), n):
         codes[i] = _check_file(step_dir, names[i], meta["files"].get(names[i]))
     if n > 1:

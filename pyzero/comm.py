@@ -96,6 +96,11 @@ class Group:
         """The CUDA device of a GPU backend's group, None for CPU backends."""
         return getattr(self._backend, "device", None)
 
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where the group's collectives take their tensors: its GPU for a GPU backend, else the CPU."""
+        return torch.device("cpu") if self.device is None else torch.device("cuda", self.device)
+
     def group_rank(self, global_rank: int, arg: str) -> int:
         if not is_int(global_rank):
             raise TypeError(f"{arg}: expected an int global rank, got {type(global_rank).__name__}")
@@ -552,9 +557,8 @@ def every_rank(values, dtype: torch.dtype = torch.int64, group=None) -> torch.Te
     result is a (group size, len(values)) CPU tensor of `dtype` whose row r holds group rank r's values. One
     all_gather, on the group's GPU for a CUDA backend (ranks agreeing on arguments, or learning who failed)."""
     g = resolve_group(group)
-    dev = torch.device("cpu") if g.device is None else torch.device("cuda", g.device)
-    mine = torch.as_tensor(values, dtype=dtype).reshape(-1).to(dev)
-    out = torch.empty(g.size * mine.numel(), dtype=dtype, device=dev)
+    mine = torch.as_tensor(values, dtype=dtype).reshape(-1).to(g.tensor_device)
+    out = torch.empty(g.size * mine.numel(), dtype=dtype, device=mine.device)
     all_gather(out, mine, group=g)
     return out.view(g.size, mine.numel()).cpu()
 

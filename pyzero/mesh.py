@@ -8,8 +8,6 @@ fastest links (one node, NVLink); DP only syncs gradients once per step.
 """
 from __future__ import annotations
 
-import torch
-
 from . import comm
 from .checks import is_int
 

@@ -60,12 +60,9 @@ def interleaved_medians(fns, iters: int, warmup: int, before=None) -> list[float
 def comm_device():
     """Where the default group's collectives take their tensors: its GPU (nccl, ipc: the one
     pz.init chose, GPUs may be shared) or the CPU."""
-    import torch  # noqa: PLC0415
-
     from .. import comm  # noqa: PLC0415
 
-    dev = comm.resolve_group(None).device
-    return torch.device("cpu") if dev is None else torch.device("cuda", dev)
+    return comm.resolve_group(None).tensor_device
 
 
 def machine_info() -> dict:

@@ -47,21 +47,15 @@ def _schedule_error(schedule):
     return None
 
 
-def comm_device(group: comm.Group) -> torch.device:
-    """Where the group's messages live: its GPU for a CUDA backend, else the CPU."""
-    index = getattr(group, "device", None)
-    return torch.device("cpu") if index is None else torch.device("cuda", index)
-
-
 def check_config(module, num_microbatches, schedule, group: comm.Group) -> None:
     """Gather (num_microbatches, schedule, stage tag) of every rank; raise on every rank if any is wrong."""
     m_err, s_err = _m_error(num_microbatches), _schedule_error(schedule)
     info = getattr(module, "pipeline_stage", None)
     index, stages = info if isinstance(info, StageInfo) else (-1, -1)  # -1: built by hand, nothing to check
+    # per pipeline rank: [m or 0, m valid, schedule index or -1, stage index, stages]
     mine = [0 if m_err else num_microbatches, int(m_err is None), -1 if s_err else _NAMES.index(schedule), index,
             stages]
-    rows = comm.every_rank(mine, group=group).tolist()  # per pipeline rank: [m or 0, m valid, schedule or -1,
-    # stage index, stages]
+    rows = comm.every_rank(mine, group=group).tolist()
     n = group.size
 
     def rank_name(r):
@@ -103,7 +97,7 @@ def agree_step(inputs, targets, loss_fn, m: int, first: bool, last: bool, signat
     if first and b_in > 0 and b_in % m == 0:
         changed = int(signature_of(inputs, m) != signature)
     vec = torch.tensor([b_in, _batch(targets) if last else _ABSENT, int(last and not callable(loss_fn)), changed],
-                       dtype=torch.int64, device=comm_device(group))
+                       dtype=torch.int64, device=group.tensor_device)
     comm.all_reduce(vec, op="max", group=group)
     b_in, b_tgt, bad_loss, changed = vec.tolist()
     where_first, where_last = f"global rank {group.ranks[0]}", f"global rank {group.ranks[-1]}"

@@ -86,7 +86,7 @@ class Pipeline:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         self._prev = None if first else g.ranks[self.stage - 1]
         self._next = None if last else g.ranks[self.stage + 1]
-        self._device = handshake.comm_device(g)
+        self._device = g.tensor_device
         self._signature = None  # first stage: the micro-batch (shape, dtype) last announced downstream
         self._in_meta = None    # other stages: (shape, dtype) of the activations received
         self._out_meta = None   # stages but the last: (shape, dtype) announced to the next stage

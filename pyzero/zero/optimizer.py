@@ -1435,7 +1435,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "ZeroOptimizer.state_dict() holds one rank's shard, each rank loads its own); use "
                                "pz.checkpoint.load to reshard")
         # Every rank calls it (the parameters are gathered at the end): all refuse together, before any change.
-        flags = comm.every_rank([float(error is not None)], torch.float64, self.group)[:, 0]
+        flags = comm.every_rank([int(error is not None)], group=self.group)[:, 0]
         if error is not None:
             raise error
         bad = flags.nonzero().flatten().tolist()

@@ -295,8 +295,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _hold(self, params):
         held = []
-        for u in sorted({id(u): u for u in map(self._unit_of.__getitem__, map(id, params))}.values(),
-                        key=lambda u: u.idx):
+        for u in sorted({self._unit_of[id(p)] for p in params}, key=lambda u: u.idx):
             held.append((u, u.gathered))
             u.hold += 1
             u.gather(self._plan)

@@ -54,6 +54,8 @@ done
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 [[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_DEADLINE: expected whole seconds, got" \
   "'$GPU_CHECK_DEADLINE'"; exit 1; }
+ROUNDS=${GPU_CHECK_ROUNDS:-1}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: GPU_CHECK_ROUNDS: expected a count >= 1, got '$ROUNDS'"; exit 1; }
 # nccl-multi: the build also makes the test NCCL library (csrc/test_nccl/; the CUDA objects are _C's).
 if part nccl-multi || part nccl-faults; then export PYZERO_TEST_NCCL=1; fi
 # setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
@@ -99,10 +101,14 @@ fi
 # default "2 4", processes on GPU 0), ipc-graph (the ipc all_reduce at 2 processes, eager and captured in CUDA
 # graphs; the ipc part includes it), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and
 # 8 processes on GPU 0), torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B -
-# 1 MiB all_reduce and GPT-2 small under DDP and FSDP2) and nccl-faults (nccl-multi's fault cells alone).
+# 1 MiB all_reduce and GPT-2 small under DDP and FSDP2, with pz.DataParallel beside them) and nccl-faults
+# (nccl-multi's fault cells alone).
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound): GPU_CHECK_CAPACITY_RUNS
 # replaces its runs, GPU_CHECK_CAPACITY_NPROC adds ZeRO-3 and FSDP2 with that many ranks sharing GPU 0.
 # GPU_CHECK_OFFLOAD_THREADS (e.g. 8): the offload part's pyzero rows again with that many CPU optimizer threads.
+# GPU_CHECK_ROUNDS (default 1): the train and torch-backend parts' training runs that many rounds, forward and
+# backward in turn, each run in fresh processes (pyzero-bench train --rounds: medians, and each run's ratio to the
+# first run paired within rounds; their limits grow with it): for the targets within a few percent.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
@@ -254,25 +260,27 @@ part_collectives() {
     || echo "GRAPH BENCH FAILED (or past $(lim 30) s)"
 }
 part_train() {
-  room train 140 || return 0
+  room train $(( 140 * ROUNDS )) || return 0
   echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
   mps_stop
   # (about 15 s per run on an H200: 8 runs need about 120 s)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 140)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 \
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 140 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
+    --model gpt2 --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
-    --warmup 3 --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim 140) s)"
+    --warmup 3 --rounds "$ROUNDS" --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim $(( 140 * ROUNDS ))) s)"
 }
 part_torch-backend() {
-  room torch-backend 130 || return 0
+  room torch-backend $(( 30 + 120 * ROUNDS )) || return 0
   echo "## torch.distributed on the \"pyzero\" backend (CUDA tensors) against NCCL, world size 1"
   mps_stop
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
     --backends torch,torch-pyzero --op all_reduce --min 8 --max 1M --factor 8 --json "${OUT}_torch_backend.json" \
     || echo "TORCH BACKEND BENCH FAILED (or past $(lim 30) s)"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 100)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,fsdp2,fsdp2-pyzero --bucket-mb 25 --first-bucket-mb 1 \
-    --iters 10 --warmup 3 --json "${OUT}_torch_backend_train.json" || echo "TORCH BACKEND TRAIN FAILED (or past $(lim 100) s)"
+  # (DataParallel beside them: its step against torch DDP's on NCCL, in the same run)
+  CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 120 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
+    --model gpt2 --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,dp,fsdp2,fsdp2-pyzero --bucket-mb 25 \
+    --first-bucket-mb 1 --iters 10 --warmup 3 --rounds "$ROUNDS" --json "${OUT}_torch_backend_train.json" \
+    || echo "TORCH BACKEND TRAIN FAILED (or past $(lim $(( 120 * ROUNDS ))) s)"
 }
 part_memory() {
   room memory 150 || return 0

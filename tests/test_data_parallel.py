@@ -798,6 +798,60 @@ def test_bench_train_torch_local_is_the_one_rank_baseline(tmp_path):
         assert r["loss"] == pytest.approx(local["loss"], rel=1e-5), (r["run"], r["loss"], local["loss"])
 
 
+def test_bench_train_rounds_alternate_the_runs_and_take_medians(tmp_path, capsys):
+    """--rounds 3: the runs go A B, B A, A B, each in fresh ranks; the JSON keeps each round's step and
+    gives their median; the summary's ratio is the median of the per-round ratios to the first run;
+    the loss is the same in every round (same model, batch and steps); 0 rounds are refused."""
+    import argparse
+    import json
+    import statistics
+
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "train.json"
+    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-local,dp", "--nproc", "1", "--iters", "2",
+                              "--warmup", "1", "--seq", "16", "--timeout", "60", "--rounds", "3",
+                              "--json", str(out)])
+    assert bench.main(args) == 0
+    text = capsys.readouterr().out.splitlines()
+    order = [line.split()[0] for line in text if line.split()[:1] in (["torch-local"], ["dp"])
+             or line.startswith("# round")]
+    assert order == ["#", "torch-local", "dp", "#", "dp", "torch-local", "#", "torch-local", "dp",
+                     "torch-local", "dp"]  # the rounds, then the summary's rows
+    local, dp = json.loads(out.read_text())["results"]
+    for r in (local, dp):
+        assert len(r["step_ms_rounds"]) == 3 and r["step_ms"] == statistics.median(r["step_ms_rounds"])
+        assert r["tokens_per_s"] == pytest.approx(1 * 4 * 16 / (r["step_ms"] / 1e3))
+    assert dp["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    ratios = [a / b for a, b in zip(dp["step_ms_rounds"], local["step_ms_rounds"])]
+    row = next(line.split() for line in text[-3:] if line.split()[:1] == ["dp"])
+    assert float(row[4]) == pytest.approx(statistics.median(ratios), abs=1e-4)
+    assert float(next(line.split() for line in text[-3:] if line.split()[:1] == ["torch-local"])[4]) == 1.0
+    with pytest.raises(SystemExit, match="--rounds: expected >= 1, got 0"):
+        bench.main(parser.parse_args(["--model", "gpt-nano", "--rounds", "0"]))
+
+
+def test_bench_train_over_rounds_merges_a_runs_rounds():
+    """A run's rounds merged: median times, each round's kept, the largest peak per rank, the rest
+    from the first round; one round stays as it was."""
+    from types import SimpleNamespace
+
+    from pyzero.bench import train as bench
+
+    args = SimpleNamespace(nproc=2, batch=4, seq=8)
+    rounds = [{"run": "dp", "step_ms": 10.0, "nocomm_ms": 9.0, "peak_mib": [5.0, 7.0], "loss": 1.5},
+              {"run": "dp", "step_ms": 14.0, "nocomm_ms": 8.0, "peak_mib": [6.0, 6.0], "loss": 1.5},
+              {"run": "dp", "step_ms": 11.0, "nocomm_ms": 12.0, "peak_mib": [4.0, 8.0], "loss": 1.5}]
+    got = bench._over_rounds(rounds, args)
+    assert got["step_ms"] == 11.0 and got["step_ms_rounds"] == [10.0, 14.0, 11.0]
+    assert got["nocomm_ms"] == 9.0 and got["peak_mib"] == [6.0, 8.0] and got["loss"] == 1.5
+    assert got["tokens_per_s"] == pytest.approx(2 * 4 * 8 / 0.011)
+    assert "comm_ms_rounds" not in got
+    assert bench._over_rounds(rounds[:1], args) == rounds[0]
+
+
 @pytest.mark.parametrize("bench_name", ["train", "capacity"])
 def test_bench_deepspeed_runs_need_deepspeed(monkeypatch, bench_name):
     """--runs ds-zero2-offload (train and capacity): where deepspeed is not importable, a clear

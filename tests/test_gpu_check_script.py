@@ -135,9 +135,22 @@ def test_without_at_once_the_ipc_part_runs_its_tests_itself(tmp_path):
     assert "tests/test_ipc_gpu.py" in pytests[1][1]
 
 
+def test_rounds_go_to_the_training_runs_of_train_and_torch_backend(tmp_path):
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="train torch-backend", GPU_CHECK_ROUNDS="3")
+    assert rc == 0, out
+    trains = [a for _, _, a in calls if _what(a) == "bench train"]
+    assert len(trains) == 2 and all(a[a.index("--rounds") + 1] == "3" for a in trains)
+    runs = trains[1][trains[1].index("--runs") + 1].split(",")
+    assert "dp" in runs and "torch-ddp" in runs  # (DataParallel beside DDP on NCCL, paired by round)
+    rc, out, calls, _ = run_check(tmp_path / "one", GPU_CHECK_PARTS="train")
+    assert rc == 0, out
+    assert [a[a.index("--rounds") + 1] for _, _, a in calls] == ["1"]
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"GPU_CHECK_PARTS": "tests kernal"}, "GPU_CHECK_PARTS: unknown part 'kernal'"),
     ({"GPU_CHECK_DEADLINE": "10m"}, "GPU_CHECK_DEADLINE: expected whole seconds, got '10m'"),
+    ({"GPU_CHECK_ROUNDS": "0"}, "GPU_CHECK_ROUNDS: expected a count >= 1, got '0'"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, env, expected):
     rc, out, calls, _ = run_check(tmp_path, **env)

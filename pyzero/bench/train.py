@@ -47,6 +47,10 @@ torch.cuda.max_memory_allocated over the memory phase: --memory-steps synced
 training steps after the warm-up and before the timed phase (so neither the
 no_sync steps nor the scratch buffers of the communication-alone timing count).
 
+``--rounds R`` runs the list R times, forward and backward in turn, each run in fresh processes:
+a run's step and nocomm are the medians over its rounds (each round's in "step_ms_rounds"), and
+a summary gives each run's ratio to the first run as the median of the per-round ratios.
+
 ``--memory`` traces one more synced step per rank with pyzero.memtrace.StepTrace
 and prints, per run, its peak and what was live at that moment (parameters,
 gradients, buckets, optimizer state, gathered units, activations, the step's
@@ -56,6 +60,7 @@ measured on a fresh plain model, pyzero.memtrace.activation_peak).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import os
@@ -316,6 +321,11 @@ def add_arguments(p) -> None:
                         "buckets, optimizer state, gathered units, activations, ...; pyzero.memtrace), "
                         "against pz.estimate_memory")
     p.add_argument("--memory-steps", type=int, default=3, help="synced steps the memory phase measures")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the list this many times, forward and backward in turn (A B, B A, ...), each run "
+                        "in fresh processes; step and nocomm are the median over the rounds, and a summary gives "
+                        "each run's ratio to the first run, paired within rounds (memory and loss curves: the "
+                        "first round's)")
     p.add_argument("--losses", action="store_true",
                    help="print every run's loss at each step (the same batch and start for all: loss curves), "
                         "and each run's largest difference from the first run's")
@@ -583,6 +593,60 @@ def loss_curves(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _row(run: str, res: dict) -> str:
+    """One run's line of the main table."""
+    hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
+    nan = float("nan")
+    return (f"{run:>16} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
+            f"{res.get('extra_step_ms', nan):9.2f} {res.get('comm_ms', nan):8.2f} {res.get('exposed_ms', nan):10.2f} "
+            f"{hid} {res['loss']:8.4f} {max(res.get('peak_gpu_mib', res['peak_mib'])):9.0f}"
+            + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
+               if "model_state_mib" in res else ""))
+
+
+def _over_rounds(rounds: list[dict], args) -> dict:
+    """One run's result over its rounds: the first round's, with step and nocomm (and the rest of the
+    times) the median over the rounds, each round's kept in "<key>_rounds", and the peaks the
+    largest any round saw, per rank."""
+    import statistics  # noqa: PLC0415
+
+    res = dict(rounds[0])
+    if len(rounds) == 1:
+        return res
+    for key in ("step_ms", "nocomm_ms", "extra_step_ms", "comm_ms", "exposed_ms"):
+        if all(r.get(key) is not None for r in rounds):
+            res[f"{key}_rounds"] = [r[key] for r in rounds]
+            res[key] = statistics.median(res[f"{key}_rounds"])
+    res["tokens_per_s"] = args.nproc * args.batch * args.seq / (res["step_ms"] / 1e3)
+    for key in ("peak_mib", "peak_gpu_mib"):
+        if key in res:
+            res[key] = [max(r[key][i] for r in rounds) for i in range(len(res[key]))]
+    return res
+
+
+def rounds_table(results: list[dict]) -> str:
+    """Per run, the median step (and nocomm step) over the rounds, the rounds' range, and its ratio to
+    the first run's: the median of the per-round ratios (a round runs every run, so drift of the machine
+    between rounds cancels), with their range."""
+    import statistics  # noqa: PLC0415
+
+    first = results[0]
+    lines = [f"\n# over {len(first['step_ms_rounds'])} rounds (runs in turn, forward then backward): median step "
+             f"ms, the rounds' range, and the ratio to {first['run']} (median of the per-round ratios, range)",
+             f"{'run':>16} {'step ms':>9} {'min':>9} {'max':>9} {'x ' + first['run']:>14} {'range':>13} "
+             f"{'nocomm ms':>10} {'x nocomm':>9}"]
+    for res in results:
+        steps = res["step_ms_rounds"]
+        ratios = [a / b for a, b in zip(steps, first["step_ms_rounds"])]
+        line = (f"{res['run']:>16} {res['step_ms']:9.2f} {min(steps):9.2f} {max(steps):9.2f} "
+                f"{statistics.median(ratios):14.4f} {min(ratios):6.4f}-{max(ratios):6.4f}")
+        if "nocomm_ms_rounds" in res and "nocomm_ms_rounds" in first:
+            nr = [a / b for a, b in zip(res["nocomm_ms_rounds"], first["nocomm_ms_rounds"])]
+            line += f" {res['nocomm_ms']:10.2f} {statistics.median(nr):9.4f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
@@ -609,6 +673,9 @@ def main(args) -> int:
     offload_threads = getattr(args, "offload_threads", None)
     if offload_threads is not None and offload_threads < 1:
         raise SystemExit(f"--offload-threads: expected >= 1, got {offload_threads}")
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise SystemExit(f"--rounds: expected >= 1, got {rounds}")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank"
           + ("" if offload_threads is None else f", {offload_threads} in the offload runs' CPU step"))
@@ -617,20 +684,23 @@ def main(args) -> int:
     print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
           f"{'exposed ms':>10} {'hidden':>7} {'loss':>8} {peak:>9} {'states MiB':>10} {'estimate':>8} "
           f"{'+gathered':>9}")
-    results = []
-    for run in runs:
-        ranks = [r.value for r in run_ranks(_rank_main, args.nproc, args=(run, args), timeout=args.timeout,
-                                            threads=args.threads, start="spawn" if cuda else "fork")]
-        res = _summarise(run, ranks, args)
-        results.append(res)
-        hid = f"{100 * res['hidden']:6.1f}%" if "hidden" in res else f"{'-':>7}"
-        nan = float("nan")
-        print(f"{run:>16} {res['step_ms']:9.2f} {res['tokens_per_s']:10.0f} {res.get('nocomm_ms', nan):10.2f} "
-              f"{res.get('extra_step_ms', nan):9.2f} {res.get('comm_ms', nan):8.2f} {res.get('exposed_ms', nan):10.2f} "
-              f"{hid} "
-              f"{res['loss']:8.4f} {max(res.get('peak_gpu_mib', res['peak_mib'])):9.0f}"
-              + (f" {res['model_state_mib']:10.2f} {res['estimate_mib']:8.2f} {res['peak_gathered_mib']:9.2f}"
-                 if "model_state_mib" in res else ""), flush=True)
+    done: dict[str, list[dict]] = {run: [] for run in runs}
+    for r in range(rounds):
+        order = runs if r % 2 == 0 else runs[::-1]
+        if rounds > 1:
+            print(f"# round {r + 1} of {rounds}", flush=True)
+        # later rounds time only: the memory phase's trace and estimate are the first round's
+        round_args = args if r == 0 else argparse.Namespace(**{**vars(args), "memory": False})
+        for run in order:
+            ranks = [x.value for x in run_ranks(_rank_main, args.nproc, args=(run, round_args),
+                                                timeout=args.timeout, threads=args.threads,
+                                                start="spawn" if cuda else "fork")]
+            res = _summarise(run, ranks, round_args)
+            done[run].append(res)
+            print(_row(run, res), flush=True)
+    results = [_over_rounds(done[run], args) for run in runs]
+    if rounds > 1:
+        print(rounds_table(results))
     if getattr(args, "memory", False):
         _print_memory(results)
     if getattr(args, "losses", False):

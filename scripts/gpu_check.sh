@@ -43,6 +43,8 @@ BASE=$RESULTS/gpu_${GPU}_${STAMP}
 OUT=$BASE
 for s in b c d e f g h i j; do [ -e "${OUT}.txt" ] || break; OUT=$BASE$s; done
 mkdir -p "$RESULTS"
+PROFILE_ARGS=()  # (GPU_CHECK_PROFILE=1: the training runs' step profiles beside the record)
+[ "${GPU_CHECK_PROFILE:-0}" = 0 ] || PROFILE_ARGS=(--profile "${OUT}_profile")
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
 ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
 nccl-faults"
@@ -109,6 +111,9 @@ fi
 # GPU_CHECK_ROUNDS (default 1): the train and torch-backend parts' training runs that many rounds, forward and
 # backward in turn, each run in fresh processes (pyzero-bench train --rounds: medians, and each run's ratio to the
 # first run paired within rounds; their limits grow with it): for the targets within a few percent.
+# GPU_CHECK_PROFILE=1: those training runs also profile one synced step each (pyzero-bench train --profile): how
+# long the GPU waited for the host in it, the longest waits, the host's busiest operators; rank 0's Chrome traces
+# in <record>_profile/.
 # GPU_CHECK_TESTS replaces the pytest selection (default: -m gpu tests); GPU_CHECK_IPC the ipc bench
 # runs (default "1:256M 2:64M 4:16M 8:4M": processes:largest size).
 # Several processes on GPU 0 (the ipc part: its tests, benches and fault cells) run under MPS where
@@ -267,7 +272,7 @@ part_train() {
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 140 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
     --model gpt2 --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
-    --warmup 3 --rounds "$ROUNDS" --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim $(( 140 * ROUNDS ))) s)"
+    --warmup 3 --rounds "$ROUNDS" "${PROFILE_ARGS[@]}" --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim $(( 140 * ROUNDS ))) s)"
 }
 part_torch-backend() {
   room torch-backend $(( 30 + 120 * ROUNDS )) || return 0
@@ -279,7 +284,8 @@ part_torch-backend() {
   # (DataParallel beside them: its step against torch DDP's on NCCL, in the same run)
   CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 120 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
     --model gpt2 --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,dp,fsdp2,fsdp2-pyzero --bucket-mb 25 \
-    --first-bucket-mb 1 --iters 10 --warmup 3 --rounds "$ROUNDS" --json "${OUT}_torch_backend_train.json" \
+    --first-bucket-mb 1 --iters 10 --warmup 3 --rounds "$ROUNDS" "${PROFILE_ARGS[@]}" \
+    --json "${OUT}_torch_backend_train.json" \
     || echo "TORCH BACKEND TRAIN FAILED (or past $(lim $(( 120 * ROUNDS ))) s)"
 }
 part_memory() {

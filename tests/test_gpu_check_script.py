@@ -142,9 +142,11 @@ def test_rounds_go_to_the_training_runs_of_train_and_torch_backend(tmp_path):
     assert len(trains) == 2 and all(a[a.index("--rounds") + 1] == "3" for a in trains)
     runs = trains[1][trains[1].index("--runs") + 1].split(",")
     assert "dp" in runs and "torch-ddp" in runs  # (DataParallel beside DDP on NCCL, paired by round)
-    rc, out, calls, _ = run_check(tmp_path / "one", GPU_CHECK_PARTS="train")
+    assert all("--profile" not in a for a in trains)
+    rc, out, calls, _ = run_check(tmp_path / "one", GPU_CHECK_PARTS="train", GPU_CHECK_PROFILE="1")
     assert rc == 0, out
     assert [a[a.index("--rounds") + 1] for _, _, a in calls] == ["1"]
+    assert calls[0][2][calls[0][2].index("--profile") + 1].endswith("_profile")  # (beside the record)
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -175,7 +177,7 @@ def _check_bench_call(argv):
 def test_every_bench_call_parses_with_the_bench_arguments(tmp_path):
     """Every part (and the options that add calls) on a 2-GPU stand-in, so each bench call the script has is made."""
     env = {"GPU_CHECK_PARTS": " ".join(ALL_PARTS), "FAKE_NGPU": "2", "GPU_CHECK_OFFLOAD_THREADS": "8",
-           "GPU_CHECK_CAPACITY_NPROC": "2"}
+           "GPU_CHECK_CAPACITY_NPROC": "2", "GPU_CHECK_ROUNDS": "2", "GPU_CHECK_PROFILE": "1"}
     rc, out, calls, _ = run_check(tmp_path, **env)
     assert rc == 0, out
     benches = [a for _, _, a in calls if a[1] == "pyzero.bench"]

@@ -51,6 +51,9 @@ no_sync steps nor the scratch buffers of the communication-alone timing count).
 a run's step and nocomm are the medians over its rounds (each round's in "step_ms_rounds"), and
 a summary gives each run's ratio to the first run as the median of the per-round ratios.
 
+``--profile DIR`` runs one more synced step per run under torch.profiler (bench/steptrace.py): rank 0's
+Chrome trace in DIR, and a summary of the host's busiest operators and, on a GPU, the device's waits.
+
 ``--memory`` traces one more synced step per rank with pyzero.memtrace.StepTrace
 and prints, per run, its peak and what was live at that moment (parameters,
 gradients, buckets, optimizer state, gathered units, activations, the step's
@@ -71,7 +74,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..distributed import cuda_backend_beside
-from . import ds_runs
+from . import ds_runs, steptrace
 from .common import comm_device, init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
@@ -321,6 +324,10 @@ def add_arguments(p) -> None:
                         "buckets, optimizer state, gathered units, activations, ...; pyzero.memtrace), "
                         "against pz.estimate_memory")
     p.add_argument("--memory-steps", type=int, default=3, help="synced steps the memory phase measures")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed steps, one synced step per run under torch.profiler: its Chrome trace "
+                        "(rank 0's) in DIR/<run>_rank0.json, and a summary: the host operators with the most self "
+                        "time and, on a GPU, how long the device waited for the host during the step (first round)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the list this many times, forward and backward in turn (A B, B A, ...), each run "
                         "in fresh processes; step and nocomm are the median over the rounds, and a summary gives "
@@ -404,6 +411,9 @@ def _rank_main(run: str, args) -> dict:
             out["exposed_s"] = float((t[:, 1] - t[:, 0]).median())
             for h in hooks:
                 h.remove()
+        if getattr(args, "profile", None):  # (every rank runs the step: its collectives need them all)
+            path = os.path.join(args.profile, f"{run}_rank0.json") if pz.get_rank() == 0 else None
+            out["profile"] = steptrace.profile_step(step, cuda, path)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, losses=list(losses), peak_mib=peak, delta_mib=peak - rss0)
         if runner.memory is not None:
@@ -504,6 +514,8 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
         est["grads_done"] = ranks[0]["activations"]["grads_done"]
         res["estimate"] = {k: est[k] for k in ("params", "grads", "optimizer", "activations", "grads_done",
                                                "gathered", "step_temps", "total", "peak")}
+    if "profile" in r0:
+        res["profile"] = r0["profile"]
     if "model_state" in r0:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
@@ -670,6 +682,8 @@ def main(args) -> int:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc) if getattr(args, "device", "cpu") == "cuda" else 1
     if args.threads < 1:
         raise SystemExit(f"--threads: expected >= 1, got {args.threads}")
+    if getattr(args, "profile", None):
+        os.makedirs(args.profile, exist_ok=True)
     offload_threads = getattr(args, "offload_threads", None)
     if offload_threads is not None and offload_threads < 1:
         raise SystemExit(f"--offload-threads: expected >= 1, got {offload_threads}")
@@ -690,7 +704,7 @@ def main(args) -> int:
         if rounds > 1:
             print(f"# round {r + 1} of {rounds}", flush=True)
         # later rounds time only: the memory phase's trace and estimate are the first round's
-        round_args = args if r == 0 else argparse.Namespace(**{**vars(args), "memory": False})
+        round_args = args if r == 0 else argparse.Namespace(**{**vars(args), "memory": False, "profile": None})
         for run in order:
             ranks = [x.value for x in run_ranks(_rank_main, args.nproc, args=(run, round_args),
                                                 timeout=args.timeout, threads=args.threads,
@@ -701,6 +715,8 @@ def main(args) -> int:
     results = [_over_rounds(done[run], args) for run in runs]
     if rounds > 1:
         print(rounds_table(results))
+    if getattr(args, "profile", None):
+        print(steptrace.format_profiles(results), flush=True)
     if getattr(args, "memory", False):
         _print_memory(results)
     if getattr(args, "losses", False):

@@ -36,11 +36,12 @@ class Net(L.LightningModule):
     """An MLP with a decaying LR; records its local losses and, before clipping, the global gradient
     norm: from the parameters' .grad under DDP, from the strategy under pyzero (ZeRO's shards)."""
 
-    def __init__(self, zero_stage=None):
+    def __init__(self, zero_stage=None, **zero_options):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         self.zero_stage = zero_stage  # configure_optimizers builds a pz.ZeroOptimizer itself (misuse cases)
+        self.zero_options = zero_options  # (its options)
         self.losses, self.norms = [], []
 
     def training_step(self, batch, batch_idx):
@@ -59,7 +60,8 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self):
         if self.zero_stage is not None:
-            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD)
+            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD,
+                                    **self.zero_options)
         opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))}
 
@@ -69,7 +71,8 @@ class Unscheduled(Net):
 
     def configure_optimizers(self):
         if self.zero_stage is not None:
-            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD)
+            return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=self.zero_stage, lr=LR, weight_decay=WD,
+                                    **self.zero_options)
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
 
 
@@ -92,6 +95,26 @@ class Manual(Net):
             opt.step()
             opt.zero_grad()
             sched.step()
+
+
+class ManualZero(Manual):
+    """Manual with a pz.ZeroOptimizer of its own (stage 2, `zero_options`) under the same LR schedule."""
+
+    def __init__(self, **zero_options):
+        super().__init__()
+        self.zero_options = zero_options
+
+    def configure_optimizers(self):
+        opt = pz.ZeroOptimizer(self, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD, **self.zero_options)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))}
+
+
+class SubgroupZero(Net):
+    """A pz.ZeroOptimizer over the data-parallel group of a 1 x 2 mesh (tensor parallelism's layout)."""
+
+    def configure_optimizers(self):
+        dp_group, _ = pz.mesh(dp=1, tp=2)
+        return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=2, group=dp_group, lr=LR)
 
 
 def loader():
@@ -164,7 +187,12 @@ def _rank_matches_ddp():
         accum[strategy] = fit(pzl.PyzeroStrategy(strategy), accum=2, callbacks=[counters[strategy]])
     # configure_optimizers returning its own pz.ZeroOptimizer
     own = {"ddp": fit("ddp", module=Unscheduled()),
-           "zero3": fit(pzl.PyzeroStrategy("zero3"), module=Unscheduled(zero_stage=3))}
+           "zero3": fit(pzl.PyzeroStrategy("zero3"), module=Unscheduled(zero_stage=3)),
+           # loss scaling: backward on the scaled loss (a power of two: exact in fp32), step() unscales; were
+           # the loss not scaled, the gradients would be 2**-16 of DDP's and never clipped
+           "zero2_scaled": fit(pzl.PyzeroStrategy("zero2"), module=Unscheduled(zero_stage=2, loss_scale="dynamic"))}
+    manual_scaled = fit(pzl.PyzeroStrategy("zero2"), module=ManualZero(loss_scale="dynamic"),
+                        max_norm=None)
     manual = {"ddp": fit("ddp", module=Manual(), max_norm=None)}  # (Lightning refuses gradient_clip_val there)
     for strategy in pzl.STRATEGIES:
         manual[strategy] = fit(pzl.PyzeroStrategy(strategy), module=Manual(), max_norm=None)
@@ -172,7 +200,7 @@ def _rank_matches_ddp():
     for strategy in ("dp", "zero2", "zero3"):
         bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
     return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16,
-                   "own": own, "manual": manual})
+                   "own": own, "manual": manual, "manual_scaled": manual_scaled})
 
 
 def test_matches_ddp_with_clipping_accumulation_and_bf16():
@@ -197,10 +225,12 @@ def test_matches_ddp_with_clipping_accumulation_and_bf16():
             assert micro == [{}] * STEPS, f"{name}: pyzero collectives on accumulation micro-steps: {micro}"
         assert all(set(s) - {"all_gather"} for s in synced), f"{name}: no reduction when synchronised: {synced}"
     assert_same_run(got["own"]["zero3"], got["own"]["ddp"], "configure_optimizers' own ZeroOptimizer")
+    assert_same_run(got["own"]["zero2_scaled"], got["own"]["ddp"], "its own ZeroOptimizer with loss_scale")
     ref = got["manual"].pop("ddp")
     assert len(ref["loss"]) == 2 * STEPS and len(ref["grad_norm"]) == STEPS
     for name, run in got["manual"].items():
         assert_same_run(run, ref, f"{name}, manual optimization")
+    assert_same_run(got["manual_scaled"], ref, "manual optimization, its own ZeroOptimizer with loss_scale")
     bf16 = got["bf16"]
     ref = bf16.pop("ddp")
     assert_bf16_tracks(bf16, ref, fp32, BF16_SHARE)
@@ -256,6 +286,7 @@ def _rank_resume_and_misuse(out):
     found["stage_mismatch"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=Net(zero_stage=3)))
     found["bf16_true"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), precision="bf16-true"))
     found["clip_value"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero1"), gradient_clip_algorithm="value"))
+    found["subgroup"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=SubgroupZero()))
     return finish({"full": full, "ddp": ddp, "ddp_epochs": ddp_epochs.weights, "resumed": resumed,
                    "as_zero3": as_zero3, "epochs": epochs.weights,
                    "files": files, "loaded": loaded, "found": found, "metas": metas})
@@ -288,6 +319,9 @@ def test_resume_bitwise_and_misuse_raises(tmp_path):
     assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
     assert found["bf16_true"][0] == "ValueError" and "precision:" in found["bf16_true"][1], found["bf16_true"]
     assert found["clip_value"][0] == "ValueError" and "gradient_clip_algorithm" in found["clip_value"][1]
+    kind, msg = found["subgroup"]  # (a tensor-parallel layout's data-parallel group: 1 of the 2 processes)
+    assert kind == "ValueError" and msg.startswith("configure_optimizers: the pz.ZeroOptimizer's group holds 1 of "
+                                                   "the job's 2 processes"), msg
 
 
 class Validated(Net):
@@ -437,6 +471,26 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="precision: '16-mixed'"):
         pzl.PyzeroStrategy("zero2").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     pzl.PyzeroStrategy("dp").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+
+
+def _rank_cpu_accelerator_where_torch_sees_a_gpu():
+    torch.cuda.is_available = lambda: True  # (pz.init's default backend is then "nccl")
+    out = fit(pzl.PyzeroStrategy("zero2"))
+    return finish({"backend": pz.get_backend(), "run": out})
+
+
+def test_cpu_accelerator_runs_on_shm_where_torch_sees_a_gpu():
+    """PyzeroStrategy with accelerator="cpu" starts pyzero on "shm" even where torch sees a GPU (pz.init's
+    default there is "nccl", whose groups work on CUDA tensors), and trains as Lightning's DDP does."""
+    got = run_ranks(_rank_cpu_accelerator_where_torch_sees_a_gpu, 2, timeout=120)[0].value
+    assert got["backend"] == "shm"
+    ref = run_ranks(_rank_ddp_only, 2, timeout=120)[0].value
+    assert_same_run(got["run"], ref, "zero2 on shm")
+
+
+def _rank_ddp_only():
+    pzl.init(timeout=60)
+    return finish(fit("ddp"))
 
 
 # ---------------------------------------------------------------------------

@@ -105,7 +105,14 @@ def _raw(optimizer):
 
 class _PyzeroPrecision:
     """Mixed into the precision plugin Lightning picked (see PyzeroStrategy.precision_plugin):
-    a ZeroOptimizer clips by its global norm and steps without a closure."""
+    a ZeroOptimizer clips by its global norm and steps without a closure, and one with loss_scale=
+    gets the scaled loss's backward."""
+
+    def pre_backward(self, tensor, module):
+        zero = owner(module)
+        if zero is not None and zero.scaler is not None:  # loss_scale=: backward on the scaled loss, as
+            tensor = zero.scale_loss(tensor)  # opt.scale_loss(loss).backward() (step() unscales)
+        return super().pre_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer, clip_val):
         zero = _raw(optimizer)
@@ -140,8 +147,8 @@ class PyzeroStrategy(DDPStrategy):
 
     ``PyzeroStrategy(strategy="zero2", backend=None, timeout=300.0, **options)``: ``strategy`` one
     of STRATEGIES; ``options`` pz.DataParallel ("dp") or pz.ZeroOptimizer options; ``backend`` and
-    ``timeout`` start pyzero (``pz.init``) unless it is started already (then a ``backend`` other than
-    None must be the one it runs). Lightning's own arguments
+    ``timeout`` start pyzero (``pz.init``; backend None: "shm" for accelerator="cpu", else pz.init's
+    default) unless it is started already (then a ``backend`` other than None must be the one it runs). Lightning's own arguments
     (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin) as for
     DDPStrategy.
     """
@@ -212,7 +219,10 @@ class PyzeroStrategy(DDPStrategy):
                    "MASTER_ADDR": self.cluster_environment.main_address,
                    "MASTER_PORT": self.cluster_environment.main_port}
             os.environ.update({k: str(v) for k, v in env.items()})
-            comm.init(backend=self._backend, timeout=self._pz_timeout)
+            backend = self._backend
+            if backend is None and self.root_device.type == "cpu":  # (accelerator="cpu" on a machine with GPUs)
+                backend = "shm"
+            comm.init(backend=backend, timeout=self._pz_timeout)
         else:
             _dist.check_started(self._backend, "PyzeroStrategy")
         if (comm.get_rank(), comm.get_world_size()) != (rank, world):
@@ -295,6 +305,11 @@ class PyzeroStrategy(DDPStrategy):
             if self._options:
                 raise ValueError(f"{sorted(self._options)[0]}: configure_optimizers built the ZeroOptimizer "
                                  "itself; give it the options")
+            if opt.group.size != comm.get_world_size():
+                raise ValueError(f"configure_optimizers: the pz.ZeroOptimizer's group holds {opt.group.size} of the "
+                                 f"job's {comm.get_world_size()} processes, but Lightning splits the data over all of "
+                                 "them; build it over the whole job (group=None; tensor parallelism is not supported "
+                                 "here)")
             return opt
         if owner(module) is not None:
             raise ValueError("configure_optimizers: a ZeroOptimizer already manages this model; return it")

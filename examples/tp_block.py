@@ -32,7 +32,7 @@ def make_block():
 
 
 def train_tp():
-    pz.init()
+    pz.init(backend="shm")  # CPU ranks (on GPUs: pz.init(), model and data .cuda())
     dp_group, tp_group = pz.mesh(dp=2, tp=2)
     model = pz.tp.ParallelTransformerBlock.from_block(make_block(), group=tp_group, sequence_parallel=True)
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, group=dp_group, tp_group=tp_group, lr=1e-2, eps=1e-4)

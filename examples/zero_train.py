@@ -66,7 +66,7 @@ def lr_factor(step: int, steps: int) -> float:
 
 def main(argv=None, on_step=None):
     args = parse(argv)
-    pz.init(timeout=args.timeout)
+    pz.init(backend="shm", timeout=args.timeout)  # CPU ranks (on GPUs: pz.init() and the model .cuda())
     rank, world = pz.get_rank(), pz.get_world_size()
     if args.batch % world:
         raise ValueError(f"--batch {args.batch} must divide evenly over {world} ranks")

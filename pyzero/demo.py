@@ -38,7 +38,7 @@ def reference(steps: int, batch: int, dtype=torch.float32) -> dict:
 def rank_main(stage: int, steps: int, batch: int):
     import pyzero as pz  # noqa: PLC0415
 
-    pz.init()
+    pz.init(backend="shm")  # (CPU processes, also on a machine with GPUs)
     rank, world = pz.get_rank(), pz.get_world_size()
     model = make_model()
     opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=3e-3)

@@ -176,7 +176,7 @@ def _try(run: str, c: GPTConfig, args) -> dict:
 
     cuda = args.device == "cuda"
     ipc = cuda and args.nproc > 1 and args.gpu_backend == "ipc"
-    pz.init(backend=("ipc" if ipc else "nccl") if cuda else None)
+    pz.init(backend=("ipc" if ipc else "nccl") if cuda else "shm")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     out = {"run": run, "layers": c.n_layer, "params": gpt_params(c)}
     try:

@@ -351,7 +351,7 @@ def format_row(row: dict) -> str:
 def _rank_overhead(iters: int, rounds: int) -> dict:
     from pyzero import flight  # noqa: PLC0415
 
-    pz.init(timeout=60)
+    pz.init(backend="shm", timeout=60)
     g = pz.comm.resolve_group(None)
     t = torch.zeros(2)  # 8 bytes
     on, off = g.flight, flight.NullRing(g.gid, g.ranks, g.rank, 1)

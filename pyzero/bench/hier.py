@@ -126,7 +126,7 @@ def _collectives_rank(args) -> list[dict]:
     import pyzero as pz  # noqa: PLC0415
 
     _enter_host(args)
-    pz.init(timeout=args.timeout)
+    pz.init(backend="hier", timeout=args.timeout)
     dist = init_torch_distributed("gloo", args.timeout)
     n, out = pz.get_world_size(), []
     for nbytes in size_steps(parse_size(args.min), parse_size(args.max), args.factor):
@@ -154,7 +154,7 @@ def _zero_rank(name, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
     _enter_host(args)
-    pz.init(timeout=args.timeout)
+    pz.init(backend="hier", timeout=args.timeout)
     rank = pz.get_rank()
     kw = {k: (args.per_host if v is None else v) for k, v in CONFIGS[name].items()}
     model = make_gpt(args.model)

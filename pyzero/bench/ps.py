@@ -53,7 +53,7 @@ def _slow(args, worker: int, seconds: float) -> None:
 def _dp_rank(args):
     import pyzero as pz  # noqa: PLC0415
 
-    pz.init(timeout=args.timeout)
+    pz.init(backend="shm", timeout=args.timeout)
     rank, world = pz.get_rank(), pz.get_world_size()
     model = make_gpt(args.model)
     dp = pz.DataParallel(model)

@@ -73,7 +73,7 @@ class Checker:
 
 
 def _rank_soak(seconds: float, seed: int, inject_wrong: int = 0) -> dict:
-    pz.init(timeout=60)
+    pz.init(backend="shm", timeout=60)
     rank, n = pz.get_rank(), pz.get_world_size()
     rng = random.Random(seed)  # the same sequence of calls on every rank
     groups = [pz.comm.resolve_group(None)]

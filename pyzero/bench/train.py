@@ -347,7 +347,7 @@ def _rank_main(run: str, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
     cuda = getattr(args, "device", "cpu") == "cuda"
-    pz.init(backend=getattr(args, "gpu_backend", "nccl") if cuda else None)
+    pz.init(backend=getattr(args, "gpu_backend", "nccl") if cuda else "shm")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss0 = _rss_mib()
     model = make_gpt(args.model).to(dev)

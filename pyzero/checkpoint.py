@@ -189,10 +189,12 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
 
+    claimed = [False]  # (refused by _claim: the temporary directory is another group's, left alone)
+
     def agree(stage: str, error):
         failed = _failed_ranks(g, error)
         if failed:
-            if first:
+            if first and claimed[0]:
                 shutil.rmtree(tmp, ignore_errors=True)
             why = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
             raise CheckpointError(f"checkpoint.save({path!r}, step={step}) failed while {stage} ({why}); "
@@ -201,10 +203,12 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     error = None
     if first:
         try:
+            _claim(path, name, g)
+            claimed[0] = True
             os.makedirs(path, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
             os.makedirs(tmp)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # (ValueError: _claim's refusal)
             error = e
     agree("creating the directory", error)
     shard = opt.shard_state()  # waits for reductions in flight: the shards hold still while read
@@ -230,6 +234,30 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
             error = e
     agree("publishing", error)
     return final
+
+
+def _claim(path: str, name: str, g) -> None:
+    """The first rank of a group smaller than the job, before it writes step `name` into `path`: a
+    ValueError if another group of the job saves that step there too (tensor parallelism's data-parallel
+    groups, pipeline stages). Each group names its files by rank within it (rank00000.pt, ...), so the
+    groups' files would overwrite each other and one group's parameters be lost."""
+    if not comm.is_initialized() or g.size >= comm.get_world_size():
+        return
+    mine = ",".join(str(r) for r in g.ranks)
+    got = comm.get_store().compare_set(f"pyzero/checkpoint/{os.path.abspath(path)}/{name}", "", mine)
+    got = got.decode() if isinstance(got, bytes) else str(got)
+    if got != mine:
+        raise ValueError(f"path: the group of global ranks [{got}] saves {name} into {path!r} too, and each group's "
+                         "files are named by rank within it, so one group's shards would replace the other's; "
+                         "give each group its own path (e.g. one per tensor-parallel rank or pipeline stage: "
+                         "f'{path}/tp{tp_rank}')")
+
+
+def _tp_of(opt) -> list[int] | None:
+    """[rank, size] in the ZeroOptimizer's tensor-parallel group (None without one): a checkpoint holds one
+    tensor-parallel rank's slices of the TP layers."""
+    tp = opt.tp_group
+    return None if tp is None or tp.size == 1 else [tp.rank, tp.size]
 
 
 def _path(path, op: str) -> str:
@@ -287,6 +315,8 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer
     meta.update(_model_meta(model, opt))
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
+    if _tp_of(opt) is not None:
+        meta["tp"] = _tp_of(opt)
     if app_keys:
         meta["app_state"] = app_keys
     if not optimizer_state:  # (absent: saved with it, as every checkpoint before this field)
@@ -348,17 +378,21 @@ def _complete(path: str) -> list[str]:
 def _resolve(path: str) -> str:
     """DIR (its latest step) or a step directory -> the step directory.
 
-    If `latest` names no complete step (a save died between setting a step aside and
-    renaming its replacement in), the newest complete step directory is used.
+    If the step `latest` names is missing but its set-aside copy is complete (a save of the same
+    step again died between its two renames), that copy. A named step without its meta.json is
+    returned as it is: reading it is a CheckpointCorrupt (load's fallback=True goes on to older
+    ones), never a silent load of an older step. Without `latest`, the newest complete step.
     """
     if os.path.exists(os.path.join(path, "meta.json")):
         return path
     latest = os.path.join(path, "latest")
     if os.path.exists(latest):
         with open(latest) as f:
-            step_dir = os.path.join(path, f.read().strip())
-        if os.path.exists(os.path.join(step_dir, "meta.json")):
-            return step_dir
+            name = f.read().strip()
+        step_dir, aside = os.path.join(path, name), os.path.join(path, f".old_{name}")
+        if not os.path.exists(os.path.join(step_dir, "meta.json")) and os.path.exists(os.path.join(aside, "meta.json")):
+            return aside
+        return step_dir
     complete = _complete(path)
     if not complete:
         raise FileNotFoundError(f"path: {path!r} holds no checkpoint (no 'latest' file or meta.json)")
@@ -387,6 +421,9 @@ def _read_meta(step_dir: str) -> dict:
     try:
         with open(meta_path) as f:
             meta = json.load(f)
+    except FileNotFoundError as e:
+        raise CheckpointCorrupt(f"checkpoint file {meta_path!r} is missing (the step directory 'latest' names "
+                                "is incomplete or was removed); nothing was loaded") from e
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointCorrupt(f"checkpoint file {meta_path!r} is unreadable ({type(e).__name__}: {e}); "
                                 "nothing was loaded") from e
@@ -443,6 +480,10 @@ def _meta_problem(meta) -> str | None:
         return "'app_state': expected a list of names"
     if type(meta.get("optimizer_state", True)) is not bool:
         return "'optimizer_state': expected true or false"
+    tp = meta.get("tp")
+    if tp is not None and not (type(tp) is list and len(tp) == 2 and all(_is_count(x, 1 << 20) for x in tp)
+                               and tp[0] < tp[1]):
+        return "'tp': expected [tensor-parallel rank, size]"
     files = meta.get("files")
     if files is not None and (type(files) is not dict or not all(
             type(k) is str and type(v) is dict and _is_count(v.get("bytes")) and _is_count(v.get("crc32"), 1 << 32)
@@ -565,6 +606,13 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
         diff = sorted(set(theirs) ^ set(ours), key=str)[:4] or ["the same parameters in another order"]
         raise ValueError(f"checkpoint {step_dir!r} is for a different model (parameter names/shapes differ, "
                          f"e.g. {diff}); nothing was loaded")
+    if meta.get("tp") != _tp_of(opt):
+        def tp(v):
+            return "without tensor parallelism" if v is None else f"by tensor-parallel rank {v[0]} of {v[1]}"
+        raise ValueError(f"checkpoint {step_dir!r} was saved {tp(meta.get('tp'))}, this optimizer is "
+                         f"{tp(_tp_of(opt)).removeprefix('by ')}: its slices of the tensor-parallel layers are "
+                         "another rank's (each tensor-parallel rank loads the checkpoint it saved, at the same "
+                         "tensor-parallel size); nothing was loaded")
     if meta.get("optimizer") != type(opt.inner).__name__:
         raise ValueError(f"checkpoint {step_dir!r} holds {meta.get('optimizer')} state, the optimizer is "
                          f"{type(opt.inner).__name__}; nothing was loaded")

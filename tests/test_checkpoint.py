@@ -220,14 +220,21 @@ def test_consolidate_cli_bad_arguments(kept, tmp_path, capsys):
 
 def test_save_dying_while_replacing_a_step(kept, tmp_path):
     """Saving step k again sets the old step_k aside before renaming the new one in: a crash between
-    the two renames leaves `latest` naming a missing directory, and the set-aside copy is used."""
+    the two renames leaves `latest` naming a missing directory, and the set-aside copy is used. Without
+    that copy (or with the named step's meta.json gone) the checkpoint is damaged: CheckpointCorrupt,
+    not a silent load of the step before."""
     ckpt, res = str(tmp_path / "ckpt"), kept[1]
     shutil.copytree(kept[0], ckpt)
     os.rename(os.path.join(ckpt, f"step_{STEPS:08d}"), os.path.join(ckpt, f".old_step_{STEPS:08d}"))
     assert_same(pz.checkpoint.consolidate(ckpt), res[0]["final"])
     shutil.rmtree(os.path.join(ckpt, f".old_step_{STEPS:08d}"))
-    older = pz.checkpoint.consolidate(ckpt)  # then the newest complete step
-    assert_same(older, pz.checkpoint.consolidate(os.path.join(ckpt, f"step_{STEPS - 1:08d}")))
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match=f"step_{STEPS:08d}/meta.json' is missing"):
+        pz.checkpoint.consolidate(ckpt)
+    ckpt = str(tmp_path / "no-meta")
+    shutil.copytree(kept[0], ckpt)
+    os.unlink(os.path.join(ckpt, f"step_{STEPS:08d}", "meta.json"))
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match="is missing"):
+        pz.checkpoint.consolidate(ckpt)
 
 
 class Tied(nn.Module):
@@ -608,7 +615,8 @@ def _rank_load_damaged(ckpt):
 
 
 @pytest.mark.parametrize("how,file", [("flip", "rank00001.pt"), ("truncate", "rank00000.pt"),
-                                      ("flip", "extra.pt"), ("delete", "rank00001.pt")])
+                                      ("flip", "extra.pt"), ("delete", "rank00001.pt"),
+                                      ("delete", "meta.json")])
 def test_damaged_checkpoint(kept, tmp_path, how, file):
     ckpt, res = str(tmp_path / "ckpt"), kept[1]
     shutil.copytree(kept[0], ckpt)
@@ -848,3 +856,63 @@ def test_failed_write_reports_its_cause(tmp_path, monkeypatch, fail_at):
         pz.checkpoint._save_file({"w": torch.ones(1 << 10), "b": torch.zeros(3)}, str(tmp_path / "shard.pt"))
     assert info.value.errno == errno.ENOSPC, info.value
     assert "No space left on device" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism: each data-parallel group saves one tensor-parallel rank's slices
+
+
+def _tp_model(tp):
+    torch.manual_seed(0)  # every rank the same full layer, then its slice
+    return nn.Sequential(pz.tp.ColumnParallelLinear(IN, HID, group=tp), nn.Tanh(),
+                         pz.tp.RowParallelLinear(HID, OUT, group=tp))
+
+
+def _rank_tp_checkpoints(ckpt):
+    pz.init(timeout=30)
+    dp, tp = pz.mesh(dp=2, tp=2)
+    model = _tp_model(tp)
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, group=dp, tp_group=tp, lr=LR)
+    x = torch.randn(BATCH, IN, generator=torch.Generator().manual_seed(dp.rank))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"tp_rank": tp.rank}
+    # both data-parallel groups into one path: the second to claim the step is refused, the first saves
+    out["same_path"] = outcome(lambda: pz.checkpoint.save(os.path.join(ckpt, "shared"), model, opt, 2))
+    pz.barrier()
+    mine, other = (os.path.join(ckpt, f"tp{r}") for r in (tp.rank, 1 - tp.rank))
+    pz.checkpoint.save(mine, model, opt, 2)
+    pz.barrier()
+    fresh = _tp_model(tp)  # (its own slice of the initial layers)
+    fresh_opt = pz.ZeroOptimizer(fresh, torch.optim.AdamW, stage=2, group=dp, tp_group=tp, lr=LR)
+    out["other_rank"] = outcome(lambda: pz.checkpoint.load(other, fresh, fresh_opt))
+    out["changed_by_refusal"] = any(not torch.equal(v, saved[k]) and not torch.equal(v, _tp_model(tp).state_dict()[k])
+                                    for k, v in fresh.state_dict().items())
+    out["step"] = pz.checkpoint.load(mine, fresh, fresh_opt)
+    out["restored"] = all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    plain = build()  # a model without tensor parallelism on the world group
+    out["no_tp"] = outcome(lambda: pz.checkpoint.load(mine, plain, pz.ZeroOptimizer(plain, torch.optim.AdamW, lr=LR)))
+    return out
+
+
+def test_tensor_parallel_groups_save_apart_and_load_their_own(tmp_path):
+    """A dp=2 x tp=2 mesh: the two data-parallel groups (one per tensor-parallel rank) saving into one path
+    would overwrite each other's rank files: the group that comes second is refused, naming the path (the
+    first saves); each into its own path they save, and each tensor-parallel rank loads its own back
+    exactly; another rank's checkpoint, or one loaded without tensor parallelism, is refused."""
+    out = [r.value for r in run_ranks(_rank_tp_checkpoints, 4, args=(str(tmp_path),), timeout=90)]
+    refused = {o["tp_rank"] for o in out if o["same_path"][0] != "ok"}
+    assert len(refused) == 1, [o["same_path"] for o in out]  # one whole group, the same on its ranks
+    for o in out:
+        kind, msg = o["same_path"]
+        if o["tp_rank"] in refused:
+            assert kind == "CheckpointError" and "give each group its own path" in msg, msg
+        assert o["other_rank"][0] == "ValueError", o["other_rank"]
+        assert f"saved by tensor-parallel rank {1 - o['tp_rank']} of 2" in o["other_rank"][1], o["other_rank"]
+        assert not o["changed_by_refusal"]
+        assert o["step"] == 2 and o["restored"]
+        kind, msg = o["no_tp"]
+        assert kind == "ValueError" and ("tensor-parallel" in msg or "different model" in msg), msg

@@ -461,6 +461,78 @@ def _rank_misuse(out):
     return finish(found)
 
 
+class StaleCheck(TrainerCallback):
+    """At every evaluation: the largest difference between the weights the model holds and the
+    ZeroOptimizer's fp32 masters (every rank calls it; the first rank gets the number)."""
+
+    def __init__(self, opt):
+        self.opt, self.diffs = opt, []
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.diffs.append(stale(model, self.opt))
+
+
+def stale(model, opt):
+    masters = opt.full_state_dict()
+    if masters is None:
+        return None
+    local = model.state_dict()
+    return max((local[k].float() - v.float()).abs().max().item() for k, v in masters.items() if k in local)
+
+
+class OwnAdamW(hf.PyzeroTrainer):
+    """An override of create_optimizer that builds a plain optimizer under a ZeRO strategy."""
+
+    def create_optimizer(self, model=None):
+        self.optimizer = adamw(self.model)
+        return self.optimizer
+
+
+def _rank_settings_refused(out):
+    """Trainer settings under which a ZeRO run would silently differ from the Trainer's DDP: refused, or
+    (delayed_update) made right."""
+    hf.init(timeout=60)
+    found = {}
+    model = gpt()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_groups=decay_groups(model), lr=LR,
+                           offload="cpu", delayed_update=True)
+    check = StaleCheck(opt)
+    trainer = hf.PyzeroTrainer(model=model, optimizers=(opt, None), callbacks=[check], train_dataset=dataset(),
+                               eval_dataset=dataset(8),
+                               args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True,
+                                                      max_steps=STEPS, per_device_train_batch_size=BATCH,
+                                                      learning_rate=LR, eval_strategy="steps", eval_steps=2,
+                                                      save_strategy="no"))
+    trainer.train()
+    found["delayed"] = check.diffs + [stale(model, opt)]  # the evaluations during training, then after it
+    zero_out = os.path.join(out, "zero")
+    train(zero_out, hf.PyzeroTrainer, strategy="zero2", steps=2, save_steps=2)
+    found["dp_resumes_zero"] = outcome(lambda: train(zero_out, hf.PyzeroTrainer, strategy="dp",
+                                                     resume=os.path.join(zero_out, "checkpoint-2")))
+    found["own_create_optimizer"] = outcome(lambda: train(out, OwnAdamW, strategy="zero2"))
+    found["fp16_params"] = outcome(lambda: train(out, hf.PyzeroTrainer, strategy="zero2",
+                                                 strategy_options={"param_dtype": torch.float16}))
+    found["bf16_full_eval"] = outcome(lambda: train(out, hf.PyzeroTrainer, strategy="zero3",
+                                                    args=dict(bf16_full_eval=True)))
+    tp_model = gpt()
+    tp_opt = pz.ZeroOptimizer(tp_model, torch.optim.AdamW, stage=2, lr=LR, tp_group=pz.new_group([0, 1]))
+    found["tp_group"] = outcome(lambda: train(out, hf.PyzeroTrainer, model=tp_model, optimizers=(tp_opt, None)))
+    return finish(found)
+
+
+def test_trainer_settings_that_would_train_differently_are_refused_or_mended(tmp_path):
+    found = run_ranks(_rank_settings_refused, 2, args=(str(tmp_path),), timeout=120)[0].value
+    # delayed_update: evaluation and the model after train() see the current weights, not the step before's
+    assert len(found["delayed"]) == STEPS // 2 + 1 and all(d == 0.0 for d in found["delayed"]), found["delayed"]
+    expected = {"dp_resumes_zero": "resume_from_checkpoint: ", "own_create_optimizer": "create_optimizer: ",
+                "fp16_params": "strategy_options: param_dtype: torch.float16 needs loss scaling",
+                "bf16_full_eval": "bf16_full_eval: ", "tp_group": "optimizer: its tp_group"}
+    for case, start in expected.items():
+        kind, msg = found[case]
+        assert kind == "ValueError" and msg.startswith(start), (case, kind, msg)
+    assert "saved with ZeRO" in found["dp_resumes_zero"][1] and "OwnAdamW" not in found["own_create_optimizer"][1]
+
+
 def _rank_misuse_one_process(out):
     """A plain single-process script: no DDP anywhere, so the accelerate mark is what gives it away."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

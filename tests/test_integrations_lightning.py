@@ -117,6 +117,34 @@ class SubgroupZero(Net):
         return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=2, group=dp_group, lr=LR)
 
 
+class TensorParallelZero(Net):
+    """A pz.ZeroOptimizer over the whole job with a tensor-parallel group of the 2 processes."""
+
+    def configure_optimizers(self):
+        return pz.ZeroOptimizer(self, torch.optim.AdamW, stage=2, tp_group=pz.new_group([0, 1]), lr=LR)
+
+
+class Stale(L.Callback):
+    """At every validation and at the end of fit: the largest difference between the weights the module
+    holds and its ZeroOptimizer's fp32 masters (every rank calls it; the first rank gets the number)."""
+
+    def __init__(self):
+        self.diffs = []
+
+    def _check(self, module):
+        zero = pz.zero.owner(module)
+        masters = zero.full_state_dict()
+        local = module.state_dict()
+        self.diffs.append(None if masters is None else max((local[k] - v).abs().max().item()
+                                                           for k, v in masters.items()))
+
+    def on_validation_epoch_start(self, trainer, module):
+        self._check(module)
+
+    def on_fit_end(self, trainer, module):
+        self._check(module)
+
+
 def loader():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, DIM, generator=g)
@@ -287,6 +315,7 @@ def _rank_resume_and_misuse(out):
     found["bf16_true"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), precision="bf16-true"))
     found["clip_value"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero1"), gradient_clip_algorithm="value"))
     found["subgroup"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=SubgroupZero()))
+    found["tp_group"] = outcome(lambda: fit(pzl.PyzeroStrategy("zero2"), module=TensorParallelZero()))
     return finish({"full": full, "ddp": ddp, "ddp_epochs": ddp_epochs.weights, "resumed": resumed,
                    "as_zero3": as_zero3, "epochs": epochs.weights,
                    "files": files, "loaded": loaded, "found": found, "metas": metas})
@@ -319,6 +348,8 @@ def test_resume_bitwise_and_misuse_raises(tmp_path):
     assert found["stage_mismatch"][0] == "ValueError" and "stage 3" in found["stage_mismatch"][1]
     assert found["bf16_true"][0] == "ValueError" and "precision:" in found["bf16_true"][1], found["bf16_true"]
     assert found["clip_value"][0] == "ValueError" and "gradient_clip_algorithm" in found["clip_value"][1]
+    kind, msg = found["tp_group"]
+    assert kind == "ValueError" and msg.startswith("configure_optimizers: the pz.ZeroOptimizer's tp_group"), msg
     kind, msg = found["subgroup"]  # (a tensor-parallel layout's data-parallel group: 1 of the 2 processes)
     assert kind == "ValueError" and msg.startswith("configure_optimizers: the pz.ZeroOptimizer's group holds 1 of "
                                                    "the job's 2 processes"), msg
@@ -458,6 +489,8 @@ def test_bad_arguments_name_the_argument():
                           (dict(strategy="zero3", prefetch0=0),
                            r"expected some of \[.*'prefetch', 'leaf_modules', 'zero_\*'\]"),
                           (dict(strategy="zero2", timeout=0), "timeout: expected a positive"),
+                          (dict(strategy="zero2", param_dtype=torch.float16),
+                           "param_dtype: torch.float16 needs loss scaling.*loss_scale= from configure_optimizers"),
                           # (a timedelta's own errors before: NaN, infinity and beyond its range)
                           (dict(strategy="zero2", timeout=float("nan")), "timeout: expected a positive"),
                           (dict(strategy="zero2", timeout=float("inf")), "timeout: expected a positive"),
@@ -471,6 +504,31 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="precision: '16-mixed'"):
         pzl.PyzeroStrategy("zero2").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     pzl.PyzeroStrategy("dp").precision_plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+
+
+class ValidatedOwn(Unscheduled):
+    """Unscheduled (its own ZeroOptimizer) with a validation step."""
+
+    validation_step = Validated.validation_step
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.val_losses = []
+
+
+def _rank_delayed_update():
+    pzl.init(timeout=60)
+    stale = Stale()
+    fit(pzl.PyzeroStrategy("zero2"), module=ValidatedOwn(zero_stage=2, offload="cpu", delayed_update=True),
+        epochs=2, val=True, callbacks=[stale], num_sanity_val_steps=0)
+    return finish(stale.diffs)
+
+
+def test_delayed_update_is_published_before_validation_and_at_the_end():
+    """A ZeroOptimizer of one's own with delayed_update holds the last step's parameters back: the strategy
+    publishes them before validation and when fit ends, so both see the weights the checkpoints hold."""
+    diffs = run_ranks(_rank_delayed_update, 2, timeout=120)[0].value
+    assert len(diffs) == 3 and all(d == 0.0 for d in diffs), diffs  # 2 validations (after each epoch), the end
 
 
 def _rank_cpu_accelerator_where_torch_sees_a_gpu():

@@ -3,6 +3,8 @@ backend asked for. (torch.distributed beside pyzero, for the frameworks' own col
 metrics, barriers, is pyzero.distributed.init_torch.)"""
 from __future__ import annotations
 
+import torch
+
 from .. import comm
 
 # What a strategy's options may set (the integration sets the model, optimizer, stage, groups and group).
@@ -21,6 +23,16 @@ def option_refused(name: str, stage: int | None) -> str | None:
     if stage is not None and stage3_only:
         return f"a ZeRO stage-3 option, and the strategy is stage {stage}"
     return f"expected some of {list(allowed) + (['prefetch', 'leaf_modules', 'zero_*'] if stage == 3 else [])}"
+
+
+def fp16_refused(options: dict, stage: int | None) -> str | None:
+    """Why ZeRO options with fp16 parameters are refused (None when they are not): a strategy's options
+    give no loss scaling, and fp16 gradients without it overflow and underflow (the frameworks' fp16
+    training always scales)."""
+    if stage is not None and options.get("param_dtype") is torch.float16:
+        return ("param_dtype: torch.float16 needs loss scaling, which a strategy's options do not give (fp16 "
+                "gradients overflow and underflow without it); use torch.bfloat16")
+    return None
 
 
 def check_started(backend: str | None, who: str) -> None:

@@ -113,6 +113,9 @@ def _options(options, stage: int | None) -> dict:
         why = _dist.option_refused(k, stage)
         if why is not None:
             raise ValueError(f"strategy_options: {k!r} is not a {what} option the integration passes on ({why})")
+    why = _dist.fp16_refused(options, stage)
+    if why is not None:
+        raise ValueError(f"strategy_options: {why}")
     return dict(options)
 
 
@@ -188,6 +191,12 @@ class PyzeroAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         zero = _unwrap_optimizer(optimizer)
+        stage = getattr(self, "_pz_trainer_stage", None)  # (set by PyzeroTrainer under a ZeRO strategy)
+        if stage is not None and not isinstance(zero, ZeroOptimizer):
+            raise ValueError(f"create_optimizer: strategy='zero{stage}' trains through the pz.ZeroOptimizer "
+                             f"PyzeroTrainer.create_optimizer builds, but the Trainer holds a {type(zero).__name__} "
+                             "(an override?), which would train without ZeRO; build a pz.ZeroOptimizer there, or "
+                             "pass one as optimizers=(opt, scheduler)")
         if isinstance(zero, ZeroOptimizer):
             self._check_zero(zero)
             device_placement = False  # its shards live where its group works; a state_dict round trip only copies
@@ -203,6 +212,10 @@ class PyzeroAccelerator(Accelerator):
         if opt.scaler is not None:
             raise ValueError("optimizer: loss_scale= needs backward on opt.scale_loss(loss), which accelerate's "
                              "backward does not call; use bf16 mixed precision")
+        if opt.tp_group is not None and opt.tp_group.size > 1:
+            raise ValueError("optimizer: its tp_group makes it a tensor-parallel layout, whose ranks of a "
+                             "tensor-parallel group must see the same batch; accelerate gives every process its "
+                             "own, so tensor parallelism is not supported here")
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         if isinstance(model, DataParallel):
@@ -327,6 +340,12 @@ class PyzeroTrainer(transformers.Trainer):
         if isinstance(self.model, DataParallel):
             raise ValueError("model: pass the module itself; PyzeroTrainer wraps it in pz.DataParallel (strategy="
                              "'dp') and saves it without the wrapper")
+        zero = isinstance(opt, ZeroOptimizer) or strategy not in (None, "dp")
+        for flag in ("bf16_full_eval", "fp16_full_eval"):
+            if zero and getattr(self.args, flag, False):
+                raise ValueError(f"{flag}: the Trainer casts the model for evaluation (model.to(dtype)), which takes "
+                                 "the parameters out of the ZeroOptimizer's buffers; leave it off (bf16=True "
+                                 "evaluates under autocast)")
         if isinstance(opt, ZeroOptimizer):
             if opt.model is not self.model:
                 raise ValueError("optimizers: the ZeroOptimizer manages another model than model=")
@@ -348,6 +367,22 @@ class PyzeroTrainer(transformers.Trainer):
 
     def _zero(self) -> ZeroOptimizer | None:
         return owner(self.model)
+
+    def _synchronize(self) -> None:
+        """A ZeroOptimizer with delayed_update holds the last step's parameters back until synchronize():
+        evaluation, prediction and the model after train() see the current ones, as the checkpoints do."""
+        zero = self._zero()
+        if zero is not None:
+            zero.synchronize()
+
+    def train(self, *args, **kwargs):
+        out = super().train(*args, **kwargs)
+        self._synchronize()
+        return out
+
+    def evaluation_loop(self, *args, **kwargs):
+        self._synchronize()
+        return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         """Mixed with Seq2SeqTrainer (``class T(PyzeroTrainer, Seq2SeqTrainer)``, predict_with_generate):
@@ -380,6 +415,7 @@ class PyzeroTrainer(transformers.Trainer):
         # The same accelerator with pyzero's data parallelism (see PyzeroAccelerator).
         dp_options = self._pz_options if self._pz_strategy == "dp" else None
         self.accelerator = PyzeroAccelerator(**self._pz_accelerator_args, dp_options=dp_options)
+        self.accelerator._pz_trainer_stage = None if self._pz_strategy in (None, "dp") else int(self._pz_strategy[-1])
         gather = self.gather_function  # (the Trainer's gather_for_metrics, maybe with arguments bound)
         self.gather_function = (functools.partial(self.accelerator.gather_for_metrics, *gather.args, **gather.keywords)
                                 if isinstance(gather, functools.partial) else self.accelerator.gather_for_metrics)
@@ -447,6 +483,12 @@ class PyzeroTrainer(transformers.Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self._pz_stage is None:
+            if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
+                # (the Trainer would load model.safetensors and, finding no optimizer.pt, skip the optimizer
+                # state and the LR scheduler: a resume that silently restarts both)
+                raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint!r} was saved with ZeRO (its "
+                                 f"optimizer state is in {CHECKPOINT_DIR}/); resume it with strategy='zero1', "
+                                 "'zero2' or 'zero3' (any stage loads it)")
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # The weights come with the optimizer state, once the optimizer exists (_load_optimizer_and_scheduler).
         self._sharded(resume_from_checkpoint, "resume_from_checkpoint")

@@ -148,9 +148,9 @@ class PyzeroStrategy(DDPStrategy):
     ``PyzeroStrategy(strategy="zero2", backend=None, timeout=300.0, **options)``: ``strategy`` one
     of STRATEGIES; ``options`` pz.DataParallel ("dp") or pz.ZeroOptimizer options; ``backend`` and
     ``timeout`` start pyzero (``pz.init``; backend None: "shm" for accelerator="cpu", else pz.init's
-    default) unless it is started already (then a ``backend`` other than None must be the one it runs). Lightning's own arguments
-    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin) as for
-    DDPStrategy.
+    default) unless it is started already (then a ``backend`` other than None must be the one it
+    runs). Lightning's own arguments (accelerator, parallel_devices, cluster_environment,
+    checkpoint_io, precision_plugin) as for DDPStrategy.
     """
 
     strategy_name = "pyzero"
@@ -166,6 +166,9 @@ class PyzeroStrategy(DDPStrategy):
             why = _dist.option_refused(k, self._stage)
             if why is not None:
                 raise ValueError(f"{k}: not a {what} option PyzeroStrategy(strategy={strategy!r}) passes on ({why})")
+        why = _dist.fp16_refused(options, self._stage)
+        if why is not None:
+            raise ValueError(f"{why} (or return a pz.ZeroOptimizer with loss_scale= from configure_optimizers)")
         if not is_real(timeout) or not 0 < timeout <= _MAX_TIMEOUT:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.pyzero_strategy, self._options, self._backend, self._pz_timeout = strategy, dict(options), backend, timeout
@@ -310,6 +313,10 @@ class PyzeroStrategy(DDPStrategy):
                                  f"job's {comm.get_world_size()} processes, but Lightning splits the data over all of "
                                  "them; build it over the whole job (group=None; tensor parallelism is not supported "
                                  "here)")
+            if opt.tp_group is not None and opt.tp_group.size > 1:
+                raise ValueError("configure_optimizers: the pz.ZeroOptimizer's tp_group makes it a tensor-parallel "
+                                 "layout, whose ranks of a tensor-parallel group must see the same batch; Lightning "
+                                 "gives every process its own, so tensor parallelism is not supported here")
             return opt
         if owner(module) is not None:
             raise ValueError("configure_optimizers: a ZeroOptimizer already manages this model; return it")
@@ -334,6 +341,29 @@ class PyzeroStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     # ---- training --------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        """A ZeroOptimizer with delayed_update holds the last step's parameters back until synchronize():
+        validation, test, prediction and the model after fit see the current ones, as checkpoints do."""
+        zero = self._zero
+        if zero is not None:
+            zero.synchronize()
+
+    def on_validation_start(self) -> None:
+        self._synchronize()
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self._synchronize()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._synchronize()
+        super().on_predict_start()
+
+    def on_train_end(self) -> None:
+        self._synchronize()
+        super().on_train_end()
 
     @contextlib.contextmanager
     def block_backward_sync(self):

@@ -428,7 +428,7 @@ def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
                               f"{list(ranks)}, " + ", ".join(bad))
 
 
-_STORE_BACKENDS = ("shm", "ipc", "nccl")
+_STORE_BACKENDS = ("shm", "ipc", "nccl", "hier", "cpu")
 
 
 def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, options=None,
@@ -436,11 +436,13 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
     """A group outside pz.init()'s world, set up over `store` (a torch.distributed Store that only
     this group's members use, e.g. the one torch hands a process-group backend). `ranks` are the
     members' global ranks, `rank` this process's index in them; every member calls this once.
-    ``backend`` "shm" (CPU), or "ipc" / "nccl" on CUDA device index `device` (this process's GPU);
-    the caller closes the group."""
+    ``backend`` "shm" (CPU, one host), "hier" (CPU, several hosts: shm inside each, gloo between),
+    "cpu" (shm where every member is on this host, else hier: the members exchange their host
+    names), or "ipc" / "nccl" on CUDA device index `device` (this process's GPU); the caller
+    closes the group."""
     if backend not in _STORE_BACKENDS:
         raise ValueError(f"backend: a group from a store supports {list(_STORE_BACKENDS)}, got {backend!r}")
-    if backend == "shm":
+    if backend in ("shm", "hier", "cpu"):
         device = None
     elif not is_int(device) or device < 0:
         raise ValueError(f"device: backend={backend!r} needs this process's CUDA device index, got {device!r}")
@@ -454,6 +456,11 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
     if rank == 0:
         store.set(f"{key}/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get(f"{key}/token").decode()
+    if backend == "cpu":  # one host: shm; several: hier
+        store.set(f"{key}/host/{rank}", _topology.host_name())
+        keys = [f"{key}/host/{r}" for r in range(len(ranks))]
+        store.wait(keys, datetime.timedelta(seconds=float(timeout)))
+        backend = "shm" if len({store.get(k) for k in keys}) == 1 else "hier"
     opts = Options.make(options)
     setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), device, opts, ranks)
     return Group(ranks, rank, -1, backends.backend_class(backend).create(setup), opts)

@@ -411,7 +411,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._options = options
-        self.group = comm.group_from_store(store, ranks, rank, timeout.total_seconds(), options)
+        # (CPU tensors: shm where the group's ranks share a host, hier across hosts)
+        self.group = comm.group_from_store(store, ranks, rank, timeout.total_seconds(), options, backend="cpu")
         self._completer = _Completer()
         # device type -> the torch backend the device map names for it, or None where pyzero carries it
         self._others: dict = {}

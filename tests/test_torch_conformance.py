@@ -913,8 +913,13 @@ def subgroups(s: Suite):
     s.case("split_group (needs a bound device: raises on CPU)", split)
 
 
-def _rank_conformance():
+def _rank_conformance(hosts=None):
+    if hosts is not None:  # simulated hosts: the groups' CPU transport is then hier (shm inside, gloo between)
+        os.environ["PYZERO_HOST"] = hosts[int(os.environ["RANK"])]
     dist.init_process_group("pyzero", timeout=TIMEOUT)
+    if hosts is not None:
+        from pyzero.distributed import pz_group  # noqa: PLC0415
+        assert pz_group(dist.group.WORLD).backend_name == ("hier" if len(set(hosts)) > 1 else "shm")
     gloo_world = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
     pz = Groups(None, dist.group.WORLD)
     gl = Groups("gloo", gloo_world)
@@ -927,9 +932,10 @@ def _rank_conformance():
     return {"failures": s.failures, "cases": s.cases}
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_every_call_matches_gloo(n):
-    results = run_ranks(_rank_conformance, n, timeout=240)
+@pytest.mark.parametrize("n, hosts", [(2, None), (3, None), (3, ("a", "a", "b"))])
+def test_every_call_matches_gloo(n, hosts):
+    """(3 ranks on 2 simulated hosts: "pyzero" groups spanning hosts carry CPU tensors on hier.)"""
+    results = run_ranks(_rank_conformance, n, args=(hosts,), timeout=240)
     failures = [f for r in results for f in r.value["failures"]]
     assert not failures, f"{len(failures)} cases differ from gloo:\n" + "\n".join(failures[:60])
     for r in results:

@@ -77,7 +77,7 @@ def test_environment_variables():
 
 def test_group_from_store_arguments():
     store = dist.HashStore()
-    with pytest.raises(ValueError, match=r"backend: a group from a store supports \['shm', 'ipc', 'nccl'\], got 'gloo'"):
+    with pytest.raises(ValueError, match=r"backend: a group from a store supports \['shm', 'ipc', 'nccl', 'hier', 'cpu'\], got 'gloo'"):
         comm.group_from_store(store, [0], 0, 5.0, backend="gloo")
     for device in (None, -1, True, "0"):
         with pytest.raises(ValueError, match="device: backend='ipc' needs this process's CUDA device index"):
@@ -120,7 +120,7 @@ def _rank_routes(hosts, gpus, env, config):
     made = []
 
     def fake_group_from_store(store, ranks, rank, timeout, options=None, backend="shm", device=None):
-        if backend == "shm":
+        if backend in ("shm", "cpu"):  # (the group's CPU transport: real)
             return real(store, ranks, rank, timeout, options, backend, device)
         store.set(f"made/{rank}", backend)  # a collective over the store, like the real set-up
         store.wait([f"made/{r}" for r in range(len(ranks))], datetime.timedelta(seconds=10))

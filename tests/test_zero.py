@@ -1221,3 +1221,89 @@ def test_torch_clip_of_other_parameters_is_torch_s():
         torch.testing.assert_close(p.grad, g * (0.5 / (4.0 + 1e-6)), rtol=1e-6, atol=0)
     nn.utils.clip_grad_value_(model.parameters(), 1e-3)
     assert all(p.grad.abs().max() <= 1e-3 for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------
+# A parameter only the no_sync micro-batches reach
+
+
+class Branchy(nn.Module):
+    """A layer every micro-batch uses and one only some do (a conditional branch, an expert)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x, use_b):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _branch_batches(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(2)]
+
+
+def _train_branchy(opt_of, world, lo, per, no_sync=None):
+    """Two steps of two micro-batches: the first (inside no_sync under ZeRO) uses the branch, the second
+    (synced) does not."""
+    model = Branchy()
+    opt = opt_of(model)
+    for step in range(2):
+        opt.zero_grad()
+        for j, (x, y) in enumerate(_branch_batches(step)):
+            ctx = no_sync(opt) if no_sync is not None and j == 0 else contextlib.nullcontext()
+            with ctx:
+                (F.mse_loss(model(x[lo:lo + per], j == 0), y[lo:lo + per]) / 2).backward()
+        opt.step()
+    return model, opt
+
+
+def _rank_branch_only_in_no_sync():
+    pz.init(backend="shm", timeout=30)
+    per = BATCH // pz.get_world_size()
+    lo = pz.get_rank() * per
+    out = {}
+    for stage in (1, 2, 3):
+        model, opt = _train_branchy(
+            lambda m: pz.ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9, bucket_mb=1e-4),
+            pz.get_world_size(), lo, per, no_sync=lambda o: o.no_sync())
+        state = opt.full_state_dict() if stage == 3 else model.state_dict()
+        out[stage] = None if state is None else {k: v.detach().clone() for k, v in state.items()}
+    return out
+
+
+def test_gradients_of_no_sync_backwards_the_synced_one_does_not_reach_are_reduced():
+    """The last synced backward reduces what the no_sync backwards accumulated, also for a parameter it
+    does not reach itself (stage 2 dropped those: its buckets took only the gradients their hooks saw)."""
+    ref, _ = _train_branchy(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), 1, 0, BATCH)
+    got = run_ranks(_rank_branch_only_in_no_sync, 2, timeout=60)[0].value
+    for stage, state in got.items():
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, s=stage, k=k: f"{s} {k}: {m}")
+
+
+def _rank_frozen_start():
+    pz.init(backend="shm", timeout=30)
+    torch.manual_seed(100 + pz.get_rank())  # every rank its own initial weights
+    model = nn.Sequential(nn.Linear(IN, HID), nn.Linear(HID, OUT))
+    model[0].requires_grad_(False)  # a frozen layer (a pretrained encoder)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {}
+    for stage in (1, 2, 3):
+        m = copy.deepcopy(model)
+        pz.ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1)
+        out[stage] = {k: v.detach().clone() for k, v in m[0].state_dict().items()}
+    return first, out
+
+
+def test_every_rank_starts_from_the_first_ranks_frozen_parameters_too():
+    """As DDP: the ZeroOptimizer's group takes its first rank's weights at construction, the frozen ones
+    as well (they stayed each rank's own)."""
+    res = [r.value for r in run_ranks(_rank_frozen_start, 2, timeout=60)]
+    first = res[0][0]
+    assert not torch.equal(first["0.weight"], res[1][0]["0.weight"])  # (the ranks did start apart)
+    for _, got in res:
+        for stage, frozen in got.items():
+            for k, v in frozen.items():
+                assert torch.equal(v, first[f"0.{k}"]), (stage, k)

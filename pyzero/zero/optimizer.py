@@ -386,8 +386,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._used_flags = DeviceFlags("ZeroOptimizer")  # _has_grad's values on a GPU backend's device
         for p in self.params:
             p.register_post_accumulate_grad_hook(ModelHook(self._mark_grad))
-        # Every rank starts from the group's first rank's weights and buffers, as DDP does.
-        for t in [p.data for p in self.params] + list(model.buffers()):
+        # Every rank starts from the group's first rank's weights (frozen ones too) and buffers, as DDP does.
+        for t in [p.data for p in model.parameters()] + list(model.buffers()):
             if t.is_contiguous():
                 comm.broadcast(t, src=self.group.ranks[0], group=self.group)
             else:  # (channels_last and other strided tensors: through a contiguous copy)

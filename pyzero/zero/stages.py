@@ -291,7 +291,14 @@ class ZeroStage2(_FlatParams):
                     direct[off:off + p.numel()].copy_(p.grad.reshape(-1))
                     p.grad = None
             return
-        self._launch_reduce(b, self._stage(b))
+        staging = self._stage(b)
+        for i in members:  # a gradient no_sync backwards accumulated, which this backward did not reach
+            p = self.layout.params[i]
+            if p.grad is not None:
+                off = self.layout.offsets[i] - begin
+                staging[off:off + p.numel()].add_(p.grad.reshape(-1))
+                p.grad = None
+        self._launch_reduce(b, staging)
         self._staging[b] = None  # the Work keeps it alive until it is waited on
 
     def _end_backward(self):

@@ -1307,3 +1307,39 @@ def test_every_rank_starts_from_the_first_ranks_frozen_parameters_too():
         for stage, frozen in got.items():
             for k, v in frozen.items():
                 assert torch.equal(v, first[f"0.{k}"]), (stage, k)
+
+
+def _quarter(opt, args, kwargs):
+    """A step pre-hook that edits the gradients it finds in the optimizer's param_groups."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.25)
+
+
+def _rank_pre_hook_edits():
+    pz.init(backend="shm", timeout=30)
+    per = BATCH // pz.get_world_size()
+    lo = pz.get_rank() * per
+    out = {}
+    for stage in (1, 2, 3):
+        model, opt = _train_branchy(lambda m: _hooked(pz.ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1,
+                                                                         momentum=0.9)), 2, lo, per)
+        state = opt.full_state_dict() if stage == 3 else model.state_dict()
+        out[stage] = None if state is None else {k: v.detach().clone() for k, v in state.items()}
+    return out
+
+
+def _hooked(opt):
+    opt.register_step_pre_hook(_quarter)
+    return opt
+
+
+def test_step_pre_hooks_see_the_reduced_gradients():
+    """A step pre-hook editing the gradients of the param_groups' tensors acts at every stage as under torch
+    (stage 1 reduced them only after the hooks: its edits touched nothing)."""
+    ref, _ = _train_branchy(lambda m: _hooked(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)), 1, 0, BATCH)
+    got = run_ranks(_rank_pre_hook_edits, 2, timeout=60)[0].value
+    for stage, state in got.items():
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, s=stage, k=k: f"{s} {k}: {m}")

@@ -870,6 +870,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         register_step_post_hook, as torch runs them (torch's global step hooks run with the inner
         optimizer's step)."""
         args, kwargs = (self,), ({} if closure is None else {"closure": closure})
+        if self._optimizer_step_pre_hooks and self._grads_ready and not self._unreduced:
+            # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
+            # reduces them in step(): before the hooks, not after)
+            self._finish_gradients()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             result = hook(self, args, kwargs)
             if result is not None:

@@ -108,6 +108,27 @@ def test_split_sequential_by_params_and_costs():
     assert [len(s) for s in stages] == [6, 1]
 
 
+def test_split_keeps_a_layer_that_comes_twice_and_refuses_state_shared_across_stages():
+    """A stateless layer used twice (one ReLU object) stays at both places (it was dropped from the second:
+    named_children() skips a module it has seen); a layer with parameters used in two stages is refused."""
+    torch.manual_seed(0)
+    act = nn.ReLU()
+    seq = nn.Sequential(nn.Linear(4, 8), act, nn.Linear(8, 8), act, nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    for k in (1, 2, 3):
+        stages = pz.pipeline.split_sequential(seq, k)
+        assert sum(len(st) for st in stages) == 5, [list(st._modules) for st in stages]
+        y = x
+        for st in stages:
+            y = st(y)
+        torch.testing.assert_close(y, seq(x), rtol=0, atol=0)
+    lin = nn.Linear(8, 8)
+    tied = nn.Sequential(nn.Linear(4, 8), lin, nn.Tanh(), lin, nn.Linear(8, 2))
+    assert sum(len(st) for st in pz.pipeline.split_sequential(tied, 1)) == 5
+    with pytest.raises(ValueError, match=r"seq: layers '1' \(stage 0\) and '3' \(stage 1\) share a parameter"):
+        pz.pipeline.split_sequential(tied, 2, costs=[1, 1, 1, 1, 1])
+
+
 def test_split_errors():
     seq = make_model()
     with pytest.raises(ValueError, match="num_stages"):

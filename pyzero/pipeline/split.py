@@ -43,6 +43,21 @@ def _check_costs(costs, n: int) -> list[float]:
     return out
 
 
+def _check_shared_across(named, cuts) -> None:
+    """A parameter or buffer that layers in two stages share (one module used twice, tied weights) would
+    be each stage's own copy on its rank: their values would come apart. Refused; a stateless layer
+    (an activation) may come again anywhere."""
+    seen: dict[int, tuple[int, str]] = {}
+    for stage in range(len(cuts) - 1):
+        for name, layer in named[cuts[stage]:cuts[stage + 1]]:
+            for t in list(layer.parameters()) + list(layer.buffers()):
+                first = seen.setdefault(id(t), (stage, name))
+                if first[0] != stage:
+                    raise ValueError(f"seq: layers {first[1]!r} (stage {first[0]}) and {name!r} (stage {stage}) "
+                                     "share a parameter or buffer, which the two stages' ranks would each hold "
+                                     "a copy of, training apart; keep them in one stage (costs=) or untie them")
+
+
 def _check_num_stages(num_stages, n: int, what: str) -> None:
     if not is_int(num_stages):
         raise TypeError(f"num_stages: expected an int, got {type(num_stages).__name__}")
@@ -108,7 +123,8 @@ def split_sequential(seq: nn.Sequential, num_stages: int, costs=None) -> list[nn
     _check_num_stages(num_stages, n, "len(seq)")
     costs = layer_costs(seq) if costs is None else _check_costs(costs, n)
     cuts = balanced_cuts(costs, num_stages)
-    named = list(seq.named_children())
+    named = list(seq._modules.items())  # (named_children() skips a layer that comes again: a ReLU used twice)
+    _check_shared_across(named, cuts)
     stages = []
     for index in range(num_stages):
         stage = nn.Sequential(OrderedDict(named[cuts[index]:cuts[index + 1]]))

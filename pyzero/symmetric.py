@@ -61,7 +61,9 @@ class SymmetricBuffer:
         # Equal dims on every rank (checked above): the same choice everywhere. A first call of
         # 0 bytes maps the buffers too, so that its (empty) views exist.
         if nbytes > self.bytes or not self.views:
-            self.views = be.sym_grow(max(nbytes, 2 * self.bytes, _MIN_BYTES), lambda: comm.barrier(group=self.g))
+            with torch.inference_mode(False):  # (cached views: made in an inference_mode forward, they could not
+                # be written after it)
+                self.views = be.sym_grow(max(nbytes, 2 * self.bytes, _MIN_BYTES), lambda: comm.barrier(group=self.g))
             self.bytes = be.sym_bytes()
             self._typed = {}
         self.calls += 1
@@ -75,7 +77,8 @@ class SymmetricBuffer:
             if len(self._typed) > 256:
                 self._typed.clear()
             nbytes = math.prod(shape) * dtype.itemsize
-            v = self._typed[key] = self.views[r][:nbytes].view(dtype).view(shape)
+            with torch.inference_mode(False):
+                v = self._typed[key] = self.views[r][:nbytes].view(dtype).view(shape)
         return v
 
 

@@ -104,6 +104,16 @@ def rank_models(which):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
         return out
+    if which == "mlp-after-inference":  # a forward under inference_mode first: the ops' cached buffers are made
+        for overlap, sp in CONFIGS:     # there, and must serve the training forward and backward after it
+            ref = make_mlp()
+            opts = dict(sequence_parallel=sp, overlap=overlap)
+            model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
+                        pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+            with torch.inference_mode():
+                model(pz.tp.scatter_to_sp(x) if sp else x)
+            out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
+        return out
     for overlap, sp in CONFIGS:
         opts = dict(sequence_parallel=sp, overlap=overlap)
         if which == "mlp":
@@ -126,6 +136,14 @@ def test_mlp_matches_single_process(nprocs):
     results = run_ranks(rank_models, nprocs, args=("mlp",))
     check_against(results, forward_backward(make_mlp(), *make_data()))
     assert len(results[0].value) == len(CONFIGS) + 1
+
+
+@pytest.mark.parametrize("symmetric", ["1", "0"])
+def test_training_after_an_inference_mode_forward(symmetric):
+    """The overlapped ops cache their scratch and symmetric buffers: made under inference_mode they were
+    inference tensors, and every later training forward failed writing them."""
+    results = run_ranks(rank_models, 2, args=("mlp-after-inference",), env={"PYZERO_SYMMETRIC": symmetric})
+    check_against(results, forward_backward(make_mlp(), *make_data()))
 
 
 def test_mlp_under_autocast_matches_single_process():

@@ -35,7 +35,8 @@ def _scratch(g: comm.Group, name: str, shape: tuple, like: torch.Tensor) -> torc
     numel = math.prod(shape)
     buf = bufs.get(name)
     if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-        buf = bufs[name] = like.new_empty(numel)
+        with torch.inference_mode(False):  # (made in an inference_mode forward it could not be written after)
+            buf = bufs[name] = like.new_empty(numel)
     return buf[:numel].view(shape)
 
 

@@ -426,6 +426,8 @@ def rank_errors():
                                                             "to split, got shape ()"),
         (lambda: pz.tp.gather_from_tp(torch.tensor(1.0)), V, "input: expected a tensor with a feature dim"),
         (lambda: pz.tp.gather_from_tp(None), T, "input: expected a torch.Tensor, got NoneType"),
+        (lambda: pz.tp.gather_from_sp(torch.randn(2, 4)), T, "gather_from_sp: pass reduce_grad=False where every"),
+        (lambda: pz.tp.gather_from_sp(torch.randn(2, 4), reduce_grad=1), T, "reduce_grad: expected True or False"),
         (lambda: TransformerBlock(16, 0), V, "heads: expected a positive int, got 0"),
         (lambda: TransformerBlock(0, 4), V, "hidden: expected a positive int, got 0"),
         (lambda: TransformerBlock(16, 4, mlp_ratio=0), V, "mlp_ratio: expected a positive int, got 0"),

@@ -252,7 +252,20 @@ def scatter_to_sp(x, group=None):
     return _ScatterToSP.apply(x, g)
 
 
-def gather_from_sp(x, group=None, reduce_grad=True):
+_UNSET = object()
+
+
+def gather_from_sp(x, group=None, reduce_grad=_UNSET):
+    """The whole sequence from its sequence-parallel slices (all-gather along dim 0). ``reduce_grad``
+    (required: no default fits both uses) is what the gradient of the result holds on each rank: True
+    where the result enters a tensor-parallel region (each rank's gradient is a partial sum: reduce-scatter
+    it), False where every rank computes the same thing with it (a replicated head or loss: each holds
+    the whole gradient, so split it; a reduce-scatter would multiply it by the group size)."""
+    if reduce_grad is _UNSET:
+        raise TypeError("gather_from_sp: pass reduce_grad=False where every rank computes the same thing on the "
+                        "result (a replicated head or loss), True where it enters a tensor-parallel region")
+    if not isinstance(reduce_grad, bool):
+        raise TypeError(f"reduce_grad: expected True or False, got {reduce_grad!r}")
     g = tp_group(group)
     _check_sp_input(x, "input")
     return _GatherFromSP.apply(x, g, bool(reduce_grad))

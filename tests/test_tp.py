@@ -57,6 +57,13 @@ def make_block():
     return TransformerBlock(HIDDEN, HEADS)
 
 
+def make_plain_ln_block():
+    """The block with LayerNorms without an affine weight and bias."""
+    block = make_block()
+    block.ln1, block.ln2 = (nn.LayerNorm(HIDDEN, elementwise_affine=False) for _ in range(2))
+    return block
+
+
 def make_data(batch=BATCH):
     g = torch.Generator().manual_seed(1)
     return torch.randn(SEQ, batch, HIDDEN, generator=g), torch.randn(SEQ, batch, HIDDEN, generator=g)
@@ -120,6 +127,8 @@ def rank_models(which):
             ref = make_mlp()
             model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
                         pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+        elif which == "block-plain-ln":
+            model = pz.tp.ParallelTransformerBlock.from_block(make_plain_ln_block(), **opts)
         else:
             model = pz.tp.ParallelTransformerBlock.from_block(make_block(), **opts)
         out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
@@ -158,6 +167,12 @@ def test_mlp_under_autocast_matches_single_process():
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_block_matches_single_process(nprocs):
     check_against(run_ranks(rank_models, nprocs, args=("block",)), forward_backward(make_block(), *make_data()))
+
+
+def test_block_with_plain_layer_norms_matches_single_process():
+    """LayerNorms without weight and bias (elementwise_affine=False), sequence parallel too."""
+    check_against(run_ranks(rank_models, 2, args=("block-plain-ln",)), forward_backward(make_plain_ln_block(),
+                                                                                        *make_data()))
 
 
 def rank_init():

@@ -90,7 +90,9 @@ class ParallelTransformerBlock(nn.Module):
         if not self.sequence_parallel:
             return ln(x)  # replicated input: every rank's LayerNorm gradient is already the whole one
         # Each rank normalises only its tokens: f sums the weight/bias gradients over the group.
-        w, b = C.copy_to_tp(ln.weight, self.group), C.copy_to_tp(ln.bias, self.group)
+        # (a LayerNorm without an affine weight or bias has nothing to sum)
+        w = None if ln.weight is None else C.copy_to_tp(ln.weight, self.group)
+        b = None if ln.bias is None else C.copy_to_tp(ln.bias, self.group)
         return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -490,6 +490,29 @@ def test_loss_cut_from_the_graph_raises():
     assert first[0] is not None, first
 
 
+def rank_in_place_first_layer():
+    pz.init(timeout=20)
+    r = pz.get_rank()
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 2))]
+    pipe = pz.pipeline.Pipeline(stages[r], 2)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    try:
+        pipe.train_step(x, y, F.mse_loss)
+        return None
+    except Exception as e:  # noqa: BLE001  (the first stage fails as its peer exits: any error)
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_stage_changing_its_received_input_in_place_is_named():
+    """A stage after the first whose first layer works in place (ReLU(inplace=True)) on its received input,
+    a leaf autograd differentiates: torch's leaf error, named with the stage and the way out."""
+    first, last = (res.value for res in run_ranks(rank_in_place_first_layer, 2, timeout=60))
+    assert last is not None and last.startswith("RuntimeError: stage 1: a layer changed the stage's received "
+                                                "input in place"), last
+    assert "inplace=False" in last and first is not None
+
+
 # ---------------------------------------------------------------------------
 # The measured bubble follows (p - 1) / (m + p - 1) when stages take known time
 

@@ -158,7 +158,15 @@ class Pipeline:
                     x.requires_grad_()
                 t0 = time.perf_counter()
                 with torch.enable_grad():
-                    out = self.module(x)
+                    try:
+                        out = self.module(x)
+                    except RuntimeError as e:
+                        if "leaf Variable that requires grad is being used in an in-place" not in str(e):
+                            raise
+                        raise RuntimeError(f"stage {self.stage}: a layer changed the stage's received input in "
+                                           "place (the input of a stage after the first is a leaf autograd "
+                                           "differentiates, to send its gradient back); give that layer "
+                                           f"inplace=False ({e})") from e
                     if self.is_last:
                         loss = _check_loss(loss_fn(out, ys[j]))
                         if not loss.requires_grad and (x.requires_grad or trainable):

@@ -621,3 +621,23 @@ def test_tp_block_example_matches_one_process():
     assert len(norms) == 5 and min(norms) > 0.2, out.stdout  # clipping (at 0.2) acts at every step
     err = float(re.search(r"single process\| over all parameters: ([0-9.e+-]+)", out.stdout).group(1))
     assert err < 1e-5, out.stdout
+
+
+def rank_seeded_apart():
+    pz.init()
+    torch.manual_seed(100 + pz.get_rank())  # a per-rank seed
+    row = pz.tp.RowParallelLinear(32, 4)
+    block = TransformerBlock(HIDDEN, HEADS)
+    with torch.no_grad():
+        block.ln1.weight.uniform_()  # (different on every rank)
+    par = pz.tp.ParallelTransformerBlock.from_block(block)
+    return row.bias.detach().clone(), {k: v.detach().clone() for k, v in par.ln1.state_dict().items()}
+
+
+def test_replicated_parameters_take_the_first_ranks_values():
+    """A row layer's bias and a block's LayerNorms are whole on every rank with equal gradients: ranks seeded
+    apart would keep different values (and outputs) for good; they take the group's first rank's."""
+    (b0, ln0), (b1, ln1) = (r.value for r in run_ranks(rank_seeded_apart, 2))
+    assert torch.equal(b0, b1)
+    for k in ln0:
+        assert torch.equal(ln0[k], ln1[k]), k

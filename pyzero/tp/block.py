@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import communications as C
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, sync_replicated
 from ..checks import is_int
 
 
@@ -85,6 +85,7 @@ class ParallelTransformerBlock(nn.Module):
         self.ln2 = copy.deepcopy(block.ln2)
         self.fc1 = ColumnParallelLinear.from_linear(block.fc1, **opts)
         self.fc2 = RowParallelLinear.from_linear(block.fc2, **opts)
+        sync_replicated([t for ln in (self.ln1, self.ln2) for t in list(ln.parameters()) + list(ln.buffers())], g)
 
     def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from . import communications as C
 from . import overlap as O
 from ..checks import is_int
@@ -40,6 +41,19 @@ def _positive_int(value, arg: str) -> int:
     if value < 1:
         raise ValueError(f"{arg}: expected a positive int, got {value}")
     return value
+
+
+def sync_replicated(tensors, group) -> None:
+    """The group's first rank's values of tensors every rank of a TP group holds whole (a row layer's bias,
+    a block's LayerNorms): their gradients are equal on every rank, so values drawn apart (ranks seeded
+    differently) would stay apart."""
+    if group.size == 1:
+        return
+    with torch.no_grad():
+        for t in tensors:
+            c = t.detach().to(group.tensor_device).contiguous()
+            comm.broadcast(c, src=group.ranks[0], group=group)
+            t.copy_(c)
 
 
 class _ParallelLinear(nn.Module):
@@ -73,6 +87,9 @@ class _ParallelLinear(nn.Module):
                 b = b.detach()[r * k:(r + 1) * k] if self._split == 0 else b.detach()
                 self.bias = nn.Parameter(b.clone(), requires_grad=not frozen)
                 self.bias.tp_sharded = self._split == 0  # a row layer's bias is replicated
+                if self._split == 1:
+                    sync_replicated([self.bias], self.group)
+
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **options):

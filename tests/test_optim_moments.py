@@ -198,9 +198,11 @@ def test_every_isa_and_thread_count_copies_and_grad_scale(moments):
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
 def test_state_dict_round_trip_and_load_from_torch(moments):
-    """state_dict() keeps the stored dtypes and a fresh optimizer loading it continues bit for
-    bit; a torch.optim.AdamW state dict (fp32 moments) loads and is re-stored at the next step,
-    staying within the trajectory bound of torch continuing; fp32_state() loads into torch."""
+    """state_dict() gives the moments in torch's fp32 layout and a fresh optimizer loading it continues bit
+    for bit (the stored values re-stored exactly); torch's AdamW loading it continues as pz.optim's fp32
+    moments would (the codes loaded there as floats: garbage); a torch.optim.AdamW state dict (fp32
+    moments) loads and is re-stored at the next step, staying within the trajectory bound of torch
+    continuing; fp32_state() loads into torch."""
     gen = torch.Generator().manual_seed(5)
     init = torch.randn(700, generator=gen)
     grads = [torch.randn(700, generator=gen) for _ in range(6)]
@@ -215,17 +217,23 @@ def test_state_dict_round_trip_and_load_from_torch(moments):
         oa.step()
     sd = copy.deepcopy(oa.state_dict())  # (as torch.save / torch.load: the step counts are not shared)
     want = {"bf16": torch.bfloat16, "int8": torch.int8}[moments]
-    assert sd["state"][0]["exp_avg"].dtype == want
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32 and sd["state"][0]["exp_avg"].shape == init.shape
+    assert torch.equal(sd["state"][0]["exp_avg"], oa.fp32_state(a)["exp_avg"])
     b, ob = make(pz.optim.AdamW, moments=moments)
-    with torch.no_grad():
-        b.copy_(a)
-    ob.load_state_dict(sd)
-    assert ob.state[b]["exp_avg"].dtype == want
+    tb, otb = make(torch.optim.AdamW, foreach=False)
+    fp, ofp = make(pz.optim.AdamW)  # fp32 moments, from the same state
+    for p in (b, tb, fp):
+        with torch.no_grad():
+            p.copy_(a)
+    for o in (ob, otb, ofp):
+        o.load_state_dict(copy.deepcopy(sd))
     for g in grads[3:]:
-        for p, o in ((a, oa), (b, ob)):
+        for p, o in ((a, oa), (b, ob), (tb, otb), (fp, ofp)):
             p.grad = g.clone()
             o.step()
+    assert ob.state[b]["exp_avg"].dtype == want
     assert torch.equal(a, b)
+    torch.testing.assert_close(tb, fp, rtol=1e-6, atol=1e-7)  # torch continues as the fp32 moments do
     # from torch, and back
     t, ot = make(torch.optim.AdamW, foreach=False)
     for g in grads[:3]:

@@ -16,9 +16,11 @@ element instead of 8 (see :mod:`pyzero.optim.moments` for the formats and their 
 bounds); the step is the fp32 kernel's on the stored values, in the kernel's pass (bf16)
 or block by block, decoded, stepped and encoded again (int8). The state then holds
 bfloat16 tensors, or int8/uint8 codes with ``exp_avg_absmax``/``exp_avg_sq_absmax``;
-``state_dict()`` keeps them as stored (loading it restores them), :meth:`fp32_state`
-gives torch's fp32 layout, and fp32 moments loaded from torch or a checkpoint are
-re-stored in the chosen format at the next step.
+``state_dict()`` gives them in torch's fp32 layout (:meth:`fp32_state`), so it loads into
+torch's Adam as well (the codes would load there as floats, silently wrong), and fp32 moments
+loaded from it, torch or a checkpoint are re-stored in the chosen format at the next step
+(exactly: the stored values decode and encode back to themselves). A state dict of stored
+codes (an older one) still loads into an optimizer with the same ``moments``.
 """
 from __future__ import annotations
 
@@ -91,6 +93,15 @@ class Adam(torch.optim.Optimizer):
                 if torch.is_tensor(v) and k != "step" and v.dtype in (torch.bfloat16, torch.int8, torch.uint8) \
                         or k.endswith("_absmax"):
                     self.state[p][k] = v.to(p.device).clone()
+
+    def state_dict(self):
+        """torch's, with bf16 or int8 moments in torch's fp32 layout (see the module docstring)."""
+        sd = super().state_dict()
+        if self.moments != "fp32":
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i in list(sd["state"]):
+                sd["state"][i] = self.fp32_state(params[i])
+        return sd
 
     def fp32_state(self, p) -> dict:
         """Parameter p's state in torch.optim.Adam's layout (fp32 moments), a copy."""

@@ -555,3 +555,25 @@ def test_optim_bench_runs_with_many_tensors(tmp_path, capsys):
     assert "parameters in 5 tensor(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--tensors"):
         bench.main(p.parse_args(["--min", "4K", "--max", "4K", "--tensors", "5000"]))
+
+
+def test_adagrad_starts_its_sums_as_torch_does():
+    """A group's own initial_accumulator_value: torch's Adagrad starts every sum at the constructor's (it
+    takes no group's own), and so does pz.optim's; a state dict without a parameter's state (a checkpoint
+    saved without the optimizer state) makes it afresh at the next step, as torch's does."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(64, generator=gen), torch.randn(8, generator=gen)
+    grads = [(torch.randn(64, generator=gen), torch.randn(8, generator=gen)) for _ in range(4)]
+    runs = []
+    for cls, kw in ((pz.optim.Adagrad, {}), (torch.optim.Adagrad, {"foreach": False})):
+        p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+        opt = cls([{"params": [p], "initial_accumulator_value": 1.0}, {"params": [q]}], lr=0.1, **kw)
+        for k, (gp, gq) in enumerate(grads):
+            if k == 2:  # the state left out: started afresh
+                opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+            p.grad, q.grad = gp.clone(), gq.clone()
+            opt.step()
+        runs.append((p.detach(), q.detach()))
+    (p1, q1), (p2, q2) = runs
+    torch.testing.assert_close(p1, p2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(q1, q2, rtol=1e-6, atol=1e-7)

@@ -26,10 +26,16 @@ class Adagrad(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p]
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["sum"] = torch.full_like(p, group["initial_accumulator_value"],
-                                               memory_format=torch.preserve_format)
+                self._init_state(p)
+
+    def _init_state(self, p) -> None:
+        """A parameter's fresh state, as torch's Adagrad makes it: the sum starts at the constructor's
+        initial_accumulator_value (torch takes no group's own), in __init__ and for a parameter whose
+        state a loaded state dict left out."""
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["sum"] = torch.full_like(p, self.defaults["initial_accumulator_value"],
+                                       memory_format=torch.preserve_format)
 
     def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
         super().__setstate__(state)
@@ -47,6 +53,9 @@ class Adagrad(torch.optim.Optimizer):
                 raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
             if not ps:
                 continue
+            for p in ps:
+                if "sum" not in self.state[p]:  # (a state dict without this parameter's state was loaded)
+                    self._init_state(p)
             for p, step in zip(ps, F.bump_steps(self, group, [self.state[p] for p in ps])):
                 by_step.setdefault(step, []).append(p)
             checked = F.checked_for(self, group) if len(by_step) == 1 else None

@@ -341,3 +341,18 @@ def test_moments_bench_curves_and_step_times(tmp_path):
     assert [r["moments"] for r in json.loads(out.read_text())["results"]] == ["fp32", "bf16", "int8"]
     with pytest.raises(ValueError, match="--runs"):
         bench.main(p.parse_args(["--runs", "fp64"]))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_amsgrad_in_a_group_of_its_own_is_refused_with_coded_moments(moments):
+    """amsgrad=True in one param group (not the constructor's) with bf16 or int8 moments: refused when built
+    (int8 ignored it, bf16 failed in the first step), and when a group gets it later, before any step."""
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: amsgrad=True needs moments='fp32'"):
+        pz.optim.AdamW([{"params": [p], "amsgrad": True}, {"params": [q]}], moments=moments)
+    opt = pz.optim.AdamW([{"params": [p]}, {"params": [q]}], lr=0.1, moments=moments)
+    opt.param_groups[1]["amsgrad"] = True
+    p.grad, q.grad = torch.ones(4), torch.ones(4)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: amsgrad=True"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(4))  # (nothing stepped)

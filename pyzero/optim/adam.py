@@ -57,6 +57,17 @@ class Adam(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=self._decoupled or decoupled_weight_decay)
         super().__init__(params, defaults)
+        self._check_amsgrad()
+
+    def _check_amsgrad(self) -> None:
+        """amsgrad's running max is fp32 only: with bf16 or int8 moments a group of its own asking for it (its
+        option in param_groups, or restored by load_state_dict) is refused before anything steps."""
+        if self.moments == "fp32":
+            return
+        for i, group in enumerate(self.param_groups):
+            if group.get("amsgrad"):
+                raise ValueError(f"param_groups[{i}]: amsgrad=True needs moments='fp32' (its running max stays "
+                                 f"fp32), got moments={self.moments!r}")
 
     def __setstate__(self, state):  # also load_state_dict's way in: the states are new tensors
         super().__setstate__(state)
@@ -78,6 +89,7 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
+        self._check_amsgrad()
         for group in self.param_groups:
             self._step_group(group, float(grad_scale), copies)
         return loss

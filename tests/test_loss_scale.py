@@ -3,6 +3,8 @@ overflow, halves the scale, grows it after good steps, and otherwise trains exac
 (power-of-two scales are exact); DataParallel works with torch.amp.GradScaler."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +168,41 @@ def test_bad_loss_scale(spec, words):
         return None
     msg = run_ranks(rank, 1, timeout=30)[0].value
     assert msg is not None and all(w in msg for w in words), msg
+
+
+def _rank_host_clip_at_large_scales():
+    from pyzero.zero import optimizer as zero_optimizer
+
+    pz.init(backend="shm", timeout=30)
+    zero_optimizer._host_copies = lambda device: True  # the host path a CUDA model's offload takes
+    per = 4
+    lo = pz.get_rank() * per
+    out = {}
+    for scale in (2.0**16, 2.0**70):  # (the squares of gradients scaled by 2**70 overflow fp32)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, offload="cpu", lr=1e-2,
+                               loss_scale={"init_scale": scale, "dynamic": False})
+        norms = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            opt.scale_loss(F.mse_loss(model(x[lo:lo + per]), y[lo:lo + per])).backward()
+            norms.append(float(opt.clip_grad_norm_(0.3)))
+            opt.step()
+        out[scale] = norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_host_clipping_at_a_scale_whose_squares_overflow_fp32():
+    """The host path (a CUDA model's offload) clips its raw, scaled gradients: at a scale of 2**70 their fp32
+    squares overflow, the norm came out inf and every step applied a zero gradient; it is the norm of the
+    unscaled gradients there too, and the run trains as at 2**16."""
+    got = run_ranks(_rank_host_clip_at_large_scales, 2, timeout=60)[0].value
+    (n16, w16), (n70, w70) = got[2.0**16], got[2.0**70]
+    assert all(math.isfinite(n) for n in n70), n70
+    for a, b in zip(n16, n70):
+        assert a == pytest.approx(b, rel=1e-6)
+    for k, v in w16.items():
+        torch.testing.assert_close(w70[k], v, rtol=1e-5, atol=1e-6)

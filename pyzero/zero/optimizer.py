@@ -803,19 +803,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g, norm_type, dtype=None if g.dtype == torch.float32 else torch.float32) for g in grads]), norm_type)
         else:
             local = torch.zeros((), device=where)
-        if self.tp_group is not None and self.tp_group.size > 1:
-            total = self._tp_norm(grads, norm_type, where)
-        elif self.world == 1:
-            total = local
-        elif norm_type == float("inf"):
-            total = self._all_reduce_small(local.reshape(1).clone(), "max", self.group)[0]
-        else:
-            acc = self._all_reduce_small(local.to(torch.float64).pow(norm_type).reshape(1), "sum", self.group)
-            total = acc[0].pow(1.0 / norm_type).to(torch.float32)
+        tp = self.tp_group is not None and self.tp_group.size > 1
+        total = self._tp_norm(grads, norm_type, where) if tp else self._combine_norms(local, norm_type)
         if self._host and self.scaler is not None:
             # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
             # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
             total = total * (1.0 / self.scaler.scale)
+            if not tp and not torch.isfinite(total):  # (the same total on every rank)
+                # The gradients are finite (_check_overflow), but the fp32 squares of scaled ones overflow once
+                # the norm times the scale passes about 1.8e19 (a scale of 2**64, which dynamic scaling reaches
+                # in bf16 and fp32, with a norm of 1): again in fp64, unscaled before the ranks combine them.
+                local = (torch.linalg.vector_norm(torch.stack(
+                    [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]), norm_type)
+                    * (1.0 / self.scaler.scale)) if grads else torch.zeros((), dtype=torch.float64, device=where)
+                total = self._combine_norms(local, norm_type).to(torch.float32)
         if self._host and self._clip_coef is not None:
             # (clipped before in this step: the step applies that coefficient, the norm is of the clipped gradients)
             total = total * self._clip_coef
@@ -830,6 +831,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in grads:
             g.mul_(coef)
         return total
+
+    def _combine_norms(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The group's norm from every rank's `local` norm (fp32 for an fp32 `local`)."""
+        if self.world == 1:
+            return local
+        if norm_type == float("inf"):
+            return self._all_reduce_small(local.reshape(1).clone(), "max", self.group)[0]
+        acc = self._all_reduce_small(local.to(torch.float64).pow(norm_type).reshape(1), "sum", self.group)
+        return acc[0].pow(1.0 / norm_type).to(local.dtype if local.dtype == torch.float64 else torch.float32)
 
     def _grads_device(self) -> torch.device:
         """Where the gradient shards are: the host with host copies (see [Note: offload of a CUDA

@@ -1259,18 +1259,25 @@ def _train_branchy(opt_of, world, lo, per, no_sync=None):
     return model, opt
 
 
-def _rank_branch_only_in_no_sync():
+def _sgd_zero(model, stage):
+    return pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9, bucket_mb=1e-4)
+
+
+def _branchy_stages(make_opt, no_sync=None):
+    """Each stage's final weights (the first rank's, whole) from _train_branchy on this rank's slices."""
     pz.init(backend="shm", timeout=30)
     per = BATCH // pz.get_world_size()
     lo = pz.get_rank() * per
     out = {}
     for stage in (1, 2, 3):
-        model, opt = _train_branchy(
-            lambda m: pz.ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9, bucket_mb=1e-4),
-            pz.get_world_size(), lo, per, no_sync=lambda o: o.no_sync())
+        model, opt = _train_branchy(lambda m: make_opt(m, stage), pz.get_world_size(), lo, per, no_sync)
         state = opt.full_state_dict() if stage == 3 else model.state_dict()
         out[stage] = None if state is None else {k: v.detach().clone() for k, v in state.items()}
     return out
+
+
+def _rank_branch_only_in_no_sync():
+    return _branchy_stages(_sgd_zero, no_sync=lambda o: o.no_sync())
 
 
 def test_gradients_of_no_sync_backwards_the_synced_one_does_not_reach_are_reduced():
@@ -1318,16 +1325,7 @@ def _quarter(opt, args, kwargs):
 
 
 def _rank_pre_hook_edits():
-    pz.init(backend="shm", timeout=30)
-    per = BATCH // pz.get_world_size()
-    lo = pz.get_rank() * per
-    out = {}
-    for stage in (1, 2, 3):
-        model, opt = _train_branchy(lambda m: _hooked(pz.ZeroOptimizer(m, torch.optim.SGD, stage=stage, lr=0.1,
-                                                                         momentum=0.9)), 2, lo, per)
-        state = opt.full_state_dict() if stage == 3 else model.state_dict()
-        out[stage] = None if state is None else {k: v.detach().clone() for k, v in state.items()}
-    return out
+    return _branchy_stages(lambda m, stage: _hooked(_sgd_zero(m, stage)))
 
 
 def _hooked(opt):

@@ -124,6 +124,13 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, DataParallel):
+            raise ValueError("module: already a pz.DataParallel (its gradients would be reduced twice); wrap its "
+                             ".module, or use it as it is")
+        ddp = wrappers.holds_ddp(module)
+        if ddp is not None:
+            raise ValueError(f"module: {ddp or 'the module'!r} is a torch DistributedDataParallel, which reduces the "
+                             "gradients itself; wrap its .module with pz.DataParallel, or use DDP alone")
         bucket_bytes = int(_positive(bucket_mb, "bucket_mb") * (1 << 20))
         first_bytes = int(_positive(first_bucket_mb, "first_bucket_mb") * (1 << 20))
         if comm_dtype not in _COMM_DTYPES:
@@ -146,9 +153,20 @@ class DataParallel(nn.Module):
         self._buffer_list = list(module.buffers())
         self._sync_bn = wrappers.default_group_batchnorms(module)  # (checked at each training forward)
         self._require_sync = True
-        broadcast_coalesced([p.detach() for p in module.parameters()] + self._buffer_list, g.ranks[0], g)
+        # (as DDP: the buffers too unless broadcast_buffers=False)
+        broadcast_coalesced([p.detach() for p in module.parameters()] + (self._buffer_list if broadcast_buffers
+                                                                        else []), g.ranks[0], g)
+        for _, p in named:  # a wrapper of this module made before: this one reduces its gradients now (two
+            old = getattr(p, "_pz_dp_reducer", None)  # reducers adopting one gradient corrupted it)
+            old = old() if old is not None else None
+            if old is not None:
+                old.remove()
+                old.replaced = True
         self.reducer = _AllReduceBuckets([p for _, p in named], [n for n, _ in named], max(1, bucket_bytes),
                                          max(1, first_bytes), g, comm_dtype)
+        for _, p in named:
+            p._pz_dp_reducer = wrappers.WeakOwner(self.reducer)
+        self._trainable_ids = frozenset(id(p) for _, p in named)
 
     @staticmethod
     def _check(module, named, gpu: int | None) -> None:
@@ -173,6 +191,10 @@ class DataParallel(nn.Module):
             if p.dtype not in DTYPES or not p.is_floating_point():
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
                                 "float32, float16, bfloat16 or float64")
+        for name, p in module.named_parameters():  # (frozen ones are broadcast at wrap time as buffers are)
+            if p.dtype not in DTYPES and p.dtype not in WIDEN and not p.is_complex():
+                raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}, which DataParallel cannot "
+                                "broadcast; expected a float, int, bool or complex dtype")
         for name, b in module.named_buffers():
             if b.dtype not in DTYPES and b.dtype not in WIDEN and not b.is_complex():
                 raise TypeError(f"module: buffer {name!r} has dtype {b.dtype}, which DataParallel cannot "
@@ -180,6 +202,9 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         wrappers.refuse_ddp("pz.DataParallel")
+        if getattr(self.reducer, "replaced", False):
+            raise RuntimeError("pz.DataParallel: a later pz.DataParallel wraps the same module and reduces its "
+                               "gradients now; use that one")
         compiling = torch.compiler.is_compiling()
         if self.broadcast_buffers and self.module.training and self._buffer_list:
             if compiling:  # one operator in the graph (see pyzero.ops)
@@ -206,6 +231,13 @@ class DataParallel(nn.Module):
         moved = [(n, (dtype, device), p) for n, p, dtype, device in self._bucketed
                  if p.dtype is not dtype or p.device != device]
         late = [n for n, p in self._frozen if p.requires_grad]
+        new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._trainable_ids
+               and n not in late]
+        if new:
+            raise RuntimeError(f"module: parameters {new[:5]}{' ...' if len(new) > 5 else ''} were added or replaced "
+                               "after pz.DataParallel wrapped the module (a new layer, p = nn.Parameter(...), "
+                               "load_state_dict(assign=True)); no bucket reduces their gradients, which would stay "
+                               "each rank's own. Change the module before wrapping it")
         if moved:
             n, (dtype, device), p = moved[0]
             raise RuntimeError(f"module: parameter {n!r} is {p.dtype} on {p.device} now, {dtype} on {device} when "

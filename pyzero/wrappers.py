@@ -11,6 +11,8 @@ instead. pyzero's own integrations mark the models they prepared (``INTEGRATED``
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 INTEGRATED = "pyzero_integration"  # set on a module by a pyzero integration that prepared it ("hf", "lightning")
@@ -65,3 +67,28 @@ def refuse_unsynced_batchnorm(names: list[str], what: str, world: int) -> None:
                            "alone, as nn.BatchNorm does. Start torch.distributed beside pyzero with "
                            "pyzero.distributed.init_torch() after pz.init() (torch's SyncBatchNorm takes CUDA "
                            "tensors only), or use nn.BatchNorm for each rank's own statistics")
+
+
+def holds_ddp(module: nn.Module) -> str | None:
+    """The name of a torch DistributedDataParallel in `module` ("" for the module itself), or None."""
+    if _DDP is None:
+        return None
+    return next((n for n, m in module.named_modules() if isinstance(m, _DDP)), None)
+
+
+def _no_owner():
+    return None
+
+
+class WeakOwner:
+    """An attribute pyzero sets on a tensor: the object managing it, held weakly; a pickled or deep copy of
+    the tensor (torch.save of the model) keeps none."""
+
+    def __init__(self, obj):
+        self.ref = weakref.ref(obj)
+
+    def __call__(self):
+        return self.ref()
+
+    def __reduce__(self):
+        return _no_owner, ()

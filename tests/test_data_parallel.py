@@ -331,6 +331,47 @@ def test_matches_single_process(n, bucket_mb):
         assert nbuckets == (1 if bucket_mb == 25 else 5) and calls == (nbuckets + 1) * STEPS
 
 
+def rewrap_rank(n):
+    pz.init()
+    rank = pz.get_rank()
+    model = MODELS["mlp"]()
+    first = pz.DataParallel(model, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    dp = pz.DataParallel(model, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)  # the same module again
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch("mlp", step)
+        opt.zero_grad()
+        shard_loss(dp, "mlp", x.chunk(n)[rank], y.chunk(n)[rank], rank).backward()
+        opt.step()
+    old = outcome(lambda: first(batch("mlp", 0)[0]))
+    nested = outcome(lambda: pz.DataParallel(dp))
+    pz.distributed.init_torch("gloo")
+    ddp = outcome(lambda: pz.DataParallel(nn.Sequential(nn.parallel.DistributedDataParallel(MODELS["mlp"]()))))
+    added = MODELS["mlp"]()
+    dp2 = pz.DataParallel(added)
+    added.append(nn.Linear(DIM, DIM))  # a layer added after wrapping
+    late = outcome(lambda: dp2(batch("mlp", 0)[0]))
+    torch.distributed.destroy_process_group()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, old, nested, ddp, late
+
+
+def test_wrapping_again_nesting_and_parameters_added_after():
+    """A module wrapped again: the later wrapper alone reduces (two reducers adopting one gradient corrupted
+    it) and trains as one process; the earlier one refuses its forward. pz.DataParallel around a
+    pz.DataParallel or a torch DDP is refused; parameters added after wrapping raise at the next forward
+    (their gradients would stay each rank's own)."""
+    n = 2
+    want = reference("mlp", n)
+    for r in run_ranks(rewrap_rank, n, args=(n,), timeout=60):
+        state, old, nested, ddp, late = r.value
+        check_state(state, want, FP32)
+        assert old[0] == "RuntimeError" and "a later pz.DataParallel wraps the same module" in old[1], old
+        assert nested[0] == "ValueError" and nested[1].startswith("module: already a pz.DataParallel"), nested
+        assert ddp[0] == "ValueError" and "'0' is a torch DistributedDataParallel" in ddp[1], ddp
+        assert late[0] == "RuntimeError" and "were added or replaced after pz.DataParallel wrapped" in late[1], late
+        assert f"['{len(MODELS['mlp']())}.weight', '{len(MODELS['mlp']())}.bias']" in late[1], late
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_tied_frozen_unused_and_mixed_dtypes(n):
     want = reference("features", n)
@@ -584,7 +625,7 @@ def bn_rank(n, broadcast_buffers):
     rank = pz.get_rank()
     model = make_bn()
     if rank != 0:
-        model[1].running_mean.fill_(5.0)  # wrapping replaces it with rank 0's
+        model[1].running_mean.fill_(5.0)  # wrapping replaces it with rank 0's (broadcast_buffers=False: keeps it)
     dp = pz.DataParallel(model, broadcast_buffers=broadcast_buffers)
     for step in range(3):
         dp(batch("mlp", step)[0].chunk(n)[rank])
@@ -596,6 +637,8 @@ def test_buffers_follow_rank0_each_forward(broadcast_buffers):
     n = 2
     for r in run_ranks(bn_rank, n, args=(n, broadcast_buffers)):
         ref = make_bn()
+        if not broadcast_buffers and r.rank != 0:  # as DDP: the buffers are not sent at wrap time either
+            ref[1].running_mean.fill_(5.0)
         for step in range(3):
             # With broadcasting every forward starts from rank 0's stats, so only the
             # last forward sees this rank's own shard.
@@ -606,6 +649,13 @@ def test_buffers_follow_rank0_each_forward(broadcast_buffers):
 
 # ---------------------------------------------------------------------------
 # Bad input: the same clear error on every rank, and the group stays usable
+
+
+def frozen_uint16():
+    """A model with a frozen parameter of a dtype the collectives do not carry."""
+    m = make_mlp()
+    m.codes = nn.Parameter(torch.zeros(4, dtype=torch.uint16), requires_grad=False)
+    return m
 
 
 def bad_input_rank():
@@ -625,6 +675,7 @@ def bad_input_rank():
         lambda: pz.DataParallel(make_mlp(), comm_dtype=torch.int32),
         lambda: pz.DataParallel(make_mlp(), group="world"),
         lambda: pz.DataParallel(nn.Sequential(nn.Linear(2, 2), nn.EmbeddingBag(5, 3, sparse=True))),
+        lambda: pz.DataParallel(frozen_uint16()),
     ]
     out = []
     for case in cases:
@@ -657,6 +708,8 @@ def test_bad_input_raises_clear_errors_on_every_rank():
         ("TypeError", "group: expected a pz group (from pz.new_group) or None, got str"),
         ("ValueError", "module: '1' (EmbeddingBag) makes sparse gradients, which pz.DataParallel does not reduce; "
                        "use sparse=False"),
+        ("TypeError", "module: parameter 'codes' has dtype torch.uint16, which DataParallel cannot broadcast; "
+                      "expected a float, int, bool or complex dtype"),
     ]
     for r in run_ranks(bad_input_rank, 2):
         assert r.value[:len(expected)] == expected

@@ -172,22 +172,11 @@ def replaced_error(names: list[str]) -> RuntimeError:
                         "set them before building the ZeroOptimizer")
 
 
-def _no_owner():
+def _no_owner():  # (what a model pickled by an older pyzero names for its parameters' owner attribute)
     return None
 
 
-class WeakOwner:
-    """An attribute pyzero sets on a tensor: the object managing it, held weakly; a pickled copy of
-    the tensor (torch.save of the model) keeps none."""
-
-    def __init__(self, obj):
-        self.ref = weakref.ref(obj)
-
-    def __call__(self):
-        return self.ref()
-
-    def __reduce__(self):
-        return _no_owner, ()
+WeakOwner = wrappers.WeakOwner
 
 
 class CollectiveCall(NamedTuple):

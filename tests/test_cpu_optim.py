@@ -567,10 +567,16 @@ def test_adagrad_starts_its_sums_as_torch_does():
     runs = []
     for cls, kw in ((pz.optim.Adagrad, {}), (torch.optim.Adagrad, {"foreach": False})):
         p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
-        opt = cls([{"params": [p], "initial_accumulator_value": 1.0}, {"params": [q]}], lr=0.1, **kw)
+
+        def make():
+            return cls([{"params": [p], "initial_accumulator_value": 1.0}, {"params": [q]}], lr=0.1, **kw)
+        opt = make()
         for k, (gp, gq) in enumerate(grads):
-            if k == 2:  # the state left out: started afresh
-                opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+            if k == 2:  # the state left out: started afresh (torch: a new optimizer; 2.11's cannot load it)
+                if cls is pz.optim.Adagrad:
+                    opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+                else:
+                    opt = make()
             p.grad, q.grad = gp.clone(), gq.clone()
             opt.step()
         runs.append((p.detach(), q.detach()))

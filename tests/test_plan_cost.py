@@ -388,3 +388,18 @@ def test_plan_from_a_module_with_a_measured_table():
     assert t["dp"] == pytest.approx(max(0.0, ar - 2 * t["compute"] / 3) + Table.from_json(path).time(
         "all_reduce", 1 << 20, 4))
     assert e.memory["total"] <= 1e9 and e.time["total"] <= t["total"]
+
+
+def test_offload_layouts_fit_the_hosts_memory():
+    """host_memory is a host's: its ranks' offloaded states together must fit (the search compared one
+    rank's with gpus_per_host times the host's, keeping layouts that needed several times what exists)."""
+    spec = ModelSpec(layers=8, hidden=2048, heads=16, vocab=32000, seq=1024, batch=8)
+    common = dict(world=8, gpus_per_host=8, device_memory=80e9, flops=150e12, stages=(3,), offload=("cpu",))
+    roomy = pz.plan(spec, host_memory=1e12, **common)
+    need = max(e.host_memory for e in roomy.ranked) * 8  # a host's bytes for the hungriest offload layout
+    assert need > 0
+    for host in (need / 2, need * 2):
+        p = pz.plan(spec, host_memory=host, **common)
+        assert all(e.host_memory * 8 <= host for e in p.ranked if e.layout.offload != "none"), host
+    tight = pz.plan(spec, host_memory=need / 2, **common)
+    assert len(tight.ranked) < len(roomy.ranked)

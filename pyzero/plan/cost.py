@@ -104,7 +104,8 @@ OFFLOAD = ("none", "cpu")
 class Cluster:
     """Devices and links. ``flops``: achieved FLOP/s per device (dense matmuls
     in the training dtype); ``intra``/``inter``: a Link, a bandwidth in
-    bytes/s, or a collectives table (JSON path or dict)."""
+    bytes/s, or a collectives table (JSON path or dict); ``host_memory``: bytes of host memory per
+    host, which its ``gpus_per_host`` ranks' offloaded states share."""
 
     world: int
     gpus_per_host: int

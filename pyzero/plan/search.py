@@ -148,7 +148,7 @@ def search(spec: ModelSpec, c: Cluster, **space) -> Plan:
         if e.memory["peak"] > c.device_memory:
             pruned[f"over {c.device_memory / GB:g} GB of device memory"] += 1
             misses.append(e)
-        elif e.host_memory > c.host_memory * c.gpus_per_host and lay.offload != "none":
+        elif e.host_memory * c.gpus_per_host > c.host_memory and lay.offload != "none":  # (a host's ranks)
             pruned["over host memory (offload)"] += 1
         else:
             ranked.append(e)

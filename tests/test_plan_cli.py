@@ -102,10 +102,11 @@ def test_validate_smoke(tmp_path):
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
         assert len(r["measured_runs_s"]) == 2 and r["measured_s"] == pytest.approx(sum(r["measured_runs_s"]) / 2)
     assert d["spearman"] in (-1.0, 1.0)
-    # the measured call cost feeds the model: "calls" = its calls per step (dp2 zero2: one bucket) x that cost
+    # the measured call cost feeds the model: "calls" = its calls per step (dp2 zero2: one bucket's reduce-scatter
+    # and the gather after the step) x that cost
     cost = d["op_overhead_s"]["2"]
     assert 0 <= cost < 0.1
-    calls = {"dp2 tp1 pp1 zero2 b4x1": 1, "dp1 tp2 pp1 zero0 b8x1 sp": 2 * 8}  # a bucket; 2 layers x 8 TP calls
+    calls = {"dp2 tp1 pp1 zero2 b4x1": 2, "dp1 tp2 pp1 zero0 b8x1 sp": 2 * 8}  # 2 layers x 8 TP calls
     for r in d["results"]:
         assert r["op_overhead"] == cost
         assert r["predicted"]["calls"] == pytest.approx(cost * calls[r["layout"]])

@@ -246,6 +246,9 @@ def test_collective_calls_cost_op_overhead_each():
     assert buckets > 1
     assert collective_calls(spec, c, Layout(dp=2, stage=0, micro_batch=8)) == buckets
     assert collective_calls(spec, c, Layout(dp=2, stage=1, micro_batch=8)) == 2 * buckets
+    # stage 2 reduce-scatters in every micro-batch's backward, then gathers once
+    assert collective_calls(spec, c, Layout(dp=2, stage=2, micro_batch=2, micro_batches=4)) == 5 * buckets
+    assert collective_calls(spec, c, Layout(dp=2, stage=2, micro_batch=8)) == 2 * buckets
     lay = Layout(dp=2, stage=3, micro_batch=8)
     base = estimate(spec, c, lay).time
     c2 = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e12, intra=free, inter=free,

@@ -164,6 +164,30 @@ def _microbatch_rank(lay):
     return seen[:lay.micro_batches], losses, grads, pm.tp_index
 
 
+def _stage2_calls_rank(lay):
+    pz.init(timeout=60)
+    pm = pz.parallelize(model(), lay, torch.optim.SGD, lr=LR)
+    x, y = batch()
+    pz.comm_stats(reset=True)
+    pm.train_step(pm.local_batch(x), pm.local_batch(y))
+    pm.optimizer.step()
+    stats = pz.comm_stats()
+    return {op: stats.get(op, {}).get("calls", 0) for op in ("reduce_scatter", "all_gather")}
+
+
+def test_stage2_micro_batches_reduce_as_the_cost_model_counts():
+    """ZeRO-2 over m micro-batches reduce-scatters in each one's backward (its gradients accumulate in the
+    shards) and gathers after the step: what pyzero.plan's collective_calls counts (it counted one)."""
+    from pyzero.plan import Cluster, to_spec
+    from pyzero.plan.cost import collective_calls
+
+    lay = Layout(dp=2, stage=2, micro_batch=1, micro_batches=4)
+    got = run_ranks(_stage2_calls_rank, 2, args=(lay,), timeout=120)[0].value
+    assert got == {"reduce_scatter": 4, "all_gather": 1}, got  # (one bucket: the model is small)
+    c = Cluster(world=2, gpus_per_host=2, device_memory=80e9, flops=1e12)
+    assert collective_calls(to_spec(model()), c, lay) == sum(got.values())
+
+
 @pytest.mark.parametrize("lay", [Layout(dp=2, micro_batch=2, micro_batches=2),
                                  Layout(tp=2, sp=True, micro_batch=2, micro_batches=4),
                                  Layout(dp=2, stage=2, micro_batch=1, micro_batches=4),

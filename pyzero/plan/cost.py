@@ -67,8 +67,9 @@ Time per step (seconds):
   core: the pipeline takes max(m + p - 1, k x m) slots.
 * Data parallel (after the m micro-batches): gradients of Psi parameters,
   all-reduced (stage 0) or reduce-scattered (stages 1-3), and stages 1-2 all-gather the updated
-  parameters. Stage 0 and 2 reduce during the last backward (exposed:
-  max(0, comm - backward) + the last bucket), stage 1 at step time, stage 3
+  parameters. Stage 0 reduces during the last backward (exposed:
+  max(0, comm - backward) + the last bucket), stage 2 during every micro-batch's backward (its
+  gradients accumulate in the shards: m reductions), stage 1 at step time, stage 3
   gathers parameters in every micro-batch's forward and backward, overlapped
   with them. With p > 1 the gradients are reduced after the pipeline flush,
   fully exposed (ZeRO 2/3 is not combined with pipelining, as in DeepSpeed).
@@ -265,8 +266,8 @@ def step_time(spec: ModelSpec, c: Cluster, lay: Layout) -> dict:
             dp_time = c.exposed(ar, last_bwd) + tail
         elif lay.stage == 1:
             dp_time = rs + ag
-        elif lay.stage == 2:
-            dp_time = c.exposed(rs, last_bwd) + tail + ag
+        elif lay.stage == 2:  # (every micro-batch's backward reduce-scatters into the shards)
+            dp_time = m * c.exposed(rs, last_bwd) + tail + ag
         else:
             first_layer = c.comm("all_gather", spec.layer_params / t * pb, stride, d)
             dp_time = m * (c.exposed(ag, fwd / F) + first_layer + c.exposed(ag + rs, last_bwd)) + tail
@@ -300,7 +301,12 @@ def collective_calls(spec: ModelSpec, c: Cluster, lay: Layout) -> int:
             n += 3 * m * (GPT_BLOCK_MODULES * layers + GPT_OUTER_MODULES)
         else:
             buckets = math.ceil(stage_params(spec, t, p) * c.grad_comm_bytes / c.dp_bucket_bytes)
-            n += buckets * (2 if lay.stage == 1 else 1)
+            if lay.stage == 0:
+                n += buckets
+            elif lay.stage == 2 and p == 1:  # a reduce-scatter in every micro-batch's backward (the gradients
+                n += buckets * (m + 1)       # accumulate in the shards), and the gather after the step
+            else:  # a reduce-scatter and a gather (stage 1; stage 2 after a pipeline's flush)
+                n += 2 * buckets
     return n
 
 

@@ -1341,3 +1341,47 @@ def test_step_pre_hooks_see_the_reduced_gradients():
     for stage, state in got.items():
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, s=stage, k=k: f"{s} {k}: {m}")
+
+
+class Peeked(nn.Module):
+    """Three layers; a training step looks at the first one alone (no grad) between backward and step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _train_peeked(opt_of, lo, per):
+    model = Peeked()
+    opt = opt_of(model)
+    for step in range(3):
+        x, y = _branch_batches(step)[0]
+        opt.zero_grad()
+        F.mse_loss(model(x[lo:lo + per]), y[lo:lo + per]).backward()
+        with torch.no_grad():
+            model.a(x[lo:lo + per])  # a look at one layer (its unit prefetches the next one, unused)
+        opt.step()
+    return model, opt
+
+
+def _rank_peeked():
+    pz.init(backend="shm", timeout=30)
+    per = BATCH // pz.get_world_size()
+    model, opt = _train_peeked(lambda m: pz.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-2), pz.get_rank() * per,
+                               per)
+    state = opt.full_state_dict()
+    return None if state is None else {k: v.detach().clone() for k, v in state.items()}
+
+
+def test_stage3_units_left_gathered_take_the_steps_values():
+    """A unit left gathered across step() (prefetched by a forward of one layer alone, never used) held the
+    values before the step, and the next forward computed with them; step() frees it, so it is gathered
+    afresh."""
+    ref, _ = _train_peeked(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 0, BATCH)
+    got = run_ranks(_rank_peeked, 2, timeout=60)[0].value
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -646,6 +646,11 @@ class ZeroStage3(ZeroOptimizer):
 
     def _publish_parameters(self):
         for u in self.units:
+            # A unit still gathered now (prefetched and never used, or gathered by a forward that stopped
+            # early) holds the values before this step, which its next forward would use as they are:
+            # freed, it is gathered afresh from the updated shards.
+            if u.gathered and not u.hold:
+                u.free()
             u.secondary_valid = False  # hpZ: the next forward's gathers refresh it
             src = self._publish_source(u.idx, u.master)
             if u.shard.data_ptr() == src.data_ptr():

@@ -413,3 +413,19 @@ def test_example_trains_and_checkpoints(tmp_path):
     assert server["version"] == 40 and server["max_clock_gap"] <= 2
     assert sum(w["steps"] for w in workers) >= 40
     assert torch.load(os.path.join(ckpt, "server000.pt"), weights_only=True)["version"] == 40
+
+
+def test_a_server_publishes_the_address_it_listens_on(monkeypatch):
+    """serve(host=X) bound X but published the advertised address, where no server listened; a wildcard
+    (every interface) still publishes the advertised one."""
+    import torch.distributed as dist
+
+    from pyzero.ps import rendezvous
+
+    st = dist.HashStore()
+    monkeypatch.setattr(rendezvous, "store", lambda host_it=False, timeout=60.0: st)
+    monkeypatch.setenv("PYZERO_PS_HOST", "advertised.example")
+    rendezvous.publish(0, 4567, host="127.0.0.2")
+    rendezvous.publish(1, 4568, host="0.0.0.0")
+    rendezvous.publish(2, 4569)
+    assert rendezvous.lookup(3) == [("127.0.0.2", 4567), ("advertised.example", 4568), ("advertised.example", 4569)]

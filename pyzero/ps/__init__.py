@@ -55,7 +55,7 @@ def serve(model, optimizer_class, num_servers: int, index: int | None = None, po
     key = resolve_key(key) or job_key(create=index == 0)
     server = Server(model, optimizer_class, index, num_servers, key=key, **kwargs)
     _, bound = server.bind(advertised_host() if host is None else host, port)
-    publish(index, bound)
+    publish(index, bound, host=host)  # (the address it listens on, where workers can reach it)
     return server.serve(idle_timeout=idle_timeout)
 
 

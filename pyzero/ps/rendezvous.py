@@ -70,8 +70,11 @@ def _address(key: str, raw: bytes) -> tuple[str, int]:
     return host, int(port)
 
 
-def publish(index: int, port: int, timeout: float = 60.0) -> None:
-    store(host_it=index == 0, timeout=timeout).set(f"pyzero_ps/server{index}", f"{advertised_host()}:{port}")
+def publish(index: int, port: int, timeout: float = 60.0, host: str | None = None) -> None:
+    """Server `index`'s address in the job's store: `host` (the address it bound, unless a wildcard, which no
+    worker can connect to) or the advertised one, and `port`."""
+    where = host if host not in (None, "", "0.0.0.0", "::") else advertised_host()
+    store(host_it=index == 0, timeout=timeout).set(f"pyzero_ps/server{index}", f"{where}:{port}")
 
 
 def lookup(num_servers: int, timeout: float = 60.0) -> list[tuple[str, int]]:

@@ -383,3 +383,29 @@ def test_fuzz_the_wire_format_bounded():
         wire._alloc = real
     assert biggest[0] <= n
     assert outcomes["bad"] > 50 and outcomes["lost"] > 20 and outcomes["ok"] > 0, outcomes
+
+
+def test_a_client_trickling_the_handshake_is_cut_off_at_its_deadline(monkeypatch):
+    """HANDSHAKE_TIMEOUT bounds the whole handshake: a client sending one byte just inside each read's
+    timeout held a handshake slot (of MAX_HANDSHAKES) for as long as it liked."""
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT", 0.5)
+    server_side, client = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            try:
+                client.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(wire.AuthError, match="did not finish the handshake in 0.5 s"):
+        wire.accept(server_side, ("trickler", 1), os.urandom(32))
+    took = time.monotonic() - t0
+    stop.set()
+    client.close()
+    assert 0.4 < took < 2.0, took

@@ -27,6 +27,7 @@ import math
 import os
 import secrets
 import socket
+import time
 
 import torch
 
@@ -181,10 +182,16 @@ class Connection:
                 pass
             self.sock.close()
 
-    def _read_into(self, view: memoryview, first: bool = False) -> None:
-        """Fill `view`; TimeoutError only if `first` and nothing arrived, PeerLost otherwise."""
+    def _read_into(self, view: memoryview, first: bool = False, deadline: float | None = None) -> None:
+        """Fill `view`; TimeoutError only if `first` and nothing arrived, PeerLost otherwise. `deadline`
+        (time.monotonic()): the whole read must end by then, however the bytes trickle in."""
         got, n = 0, len(view)
         while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLost(f"{self.peer} did not finish the handshake in {HANDSHAKE_TIMEOUT:g} s")
+                self.sock.settimeout(left)
             try:
                 k = self.sock.recv_into(view[got:], n - got)
             except TimeoutError:
@@ -197,9 +204,9 @@ class Connection:
             if first:
                 self.sock.settimeout(STALL_TIMEOUT)
 
-    def _read(self, n: int, first: bool = False) -> bytes:
+    def _read(self, n: int, first: bool = False, deadline: float | None = None) -> bytes:
         buf = bytearray(n)
-        self._read_into(memoryview(buf), first)
+        self._read_into(memoryview(buf), first, deadline)
         return bytes(buf)
 
 
@@ -290,9 +297,10 @@ def accept(sock: socket.socket, addr, key: bytes) -> Connection:
     conn = Connection(sock, f"{addr[0]}:{addr[1]}")
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT  # (a client trickling bytes holds a slot no longer)
         mine = secrets.token_bytes(NONCE)
         sock.sendall(HELLO + mine)
-        got = conn._read(len(HELLO) + 2 * NONCE)
+        got = conn._read(len(HELLO) + 2 * NONCE, deadline=deadline)
         if got[:len(HELLO)] != HELLO:
             raise AuthError(f"{conn.peer}: not a pz.ps client (it starts with {got[:8]!r})")
         theirs, mac = got[len(HELLO):len(HELLO) + NONCE], got[len(HELLO) + NONCE:]

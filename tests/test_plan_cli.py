@@ -110,3 +110,13 @@ def test_validate_smoke(tmp_path):
     for r in d["results"]:
         assert r["op_overhead"] == cost
         assert r["predicted"]["calls"] == pytest.approx(cost * calls[r["layout"]])
+
+
+def test_shape_flags_change_a_named_model():
+    """--layers (and --hidden, --heads, --vocab) with --model change that model's shape (they were ignored)."""
+    whole = run("--model", "gpt2-1.5b", "--world", "8", "--top", "1")
+    cut = run("--model", "gpt2-1.5b", "--world", "8", "--top", "1", "--layers", "4")
+    assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
+    assert "L=48" in whole.stdout.splitlines()[0] and "1.56B parameters" in whole.stdout.splitlines()[0]
+    head = cut.stdout.splitlines()[0]
+    assert "with layers=4" in head and "L=4 " in head and "0.205B parameters" in head, head

@@ -34,7 +34,10 @@ def _spec(args, ap) -> ModelSpec:
         else:
             ap.error("--model (a preset, a bench GPT preset or an HF config.json) or all of --layers --hidden "
                      f"--heads --vocab are required; presets: {', '.join(PRESETS)}")
-        changes = {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
+        # (with --model, --layers/--hidden/--heads/--vocab override the model's, as --seq and --batch do)
+        changes = {k: v for k, v in (*shape.items(), ("seq", args.seq), ("batch", args.batch)) if v is not None}
+        if args.model is not None and any(v is not None for v in shape.values()):
+            changes["name"] = spec.name + " with " + ", ".join(f"{k}={v}" for k, v in shape.items() if v is not None)
         return spec.with_(**changes) if changes else spec
     except (OSError, ValueError, TypeError) as e:
         ap.error(f"--model: {e}")

@@ -320,6 +320,8 @@ def test_mismatched_model_refused_and_nonfinite_push_rejected():
     (dict(worker_timeout=math.nan), ["worker_timeout", "nan"]),
     (dict(num_servers=True), ["num_servers", "True"]),
     (dict(mode="bounded", staleness=True), ["staleness", "True"]),
+    (dict(mode="async", staleness="x"), ["staleness", "mode='bounded' only", "'x'"]),
+    (dict(mode="sync", staleness=2), ["staleness", "mode='bounded' only", "waits for every worker"]),
     (dict(max_versions=True), ["max_versions", "True"]),
     (dict(checkpoint_every=False), ["checkpoint_every", "False"]),
 ])

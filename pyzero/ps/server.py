@@ -98,6 +98,9 @@ class Server:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if mode == "bounded" and (not is_int(staleness) or staleness < 0):
             raise ValueError(f"staleness: expected an int >= 0 for mode='bounded', got {staleness!r}")
+        if mode != "bounded" and staleness != 0:
+            raise ValueError(f"staleness: applies to mode='bounded' only (mode={mode!r} "
+                             f"{'waits for every worker' if mode == 'sync' else 'never waits'}), got {staleness!r}")
         if max_versions is not None and (not is_int(max_versions) or max_versions < 1):
             raise ValueError(f"max_versions: expected None or an int >= 1, got {max_versions!r}")
         if not is_int(wait_for_workers) or wait_for_workers < 1:

@@ -1385,3 +1385,48 @@ def test_stage3_units_left_gathered_take_the_steps_values():
     got = run_ranks(_rank_peeked, 2, timeout=60)[0].value
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class GatedFirst(nn.Module):
+    """A first layer whose backward reads its weights after its input's gradient is made (softplus of a
+    gate parameter), fed a leaf input that requires grad (an adversarial step)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.beta = nn.Parameter(torch.randn(HID, IN) * 0.2), nn.Parameter(torch.randn(HID))
+
+    def forward(self, x):
+        g = F.softplus(self.beta)  # (made first: its backward node runs after the linear's, which gives x's
+        return F.linear(x, self.w) * g  # gradient, so after the input's gradient is ready)
+
+
+def _train_gated(opt_of, lo, per):
+    model = nn.Sequential(GatedFirst(), nn.Tanh(), nn.Linear(HID, OUT))
+    opt = opt_of(model)
+    for step in range(3):
+        x, y = _branch_batches(step)[0]
+        opt.zero_grad()
+        xa = x[lo:lo + per].clone().requires_grad_()  # the input's gradient is wanted too
+        F.mse_loss(model(xa), y[lo:lo + per]).backward()
+        opt.step()
+    return model, opt
+
+
+def _rank_gated():
+    pz.init(backend="shm", timeout=30)
+    per = BATCH // pz.get_world_size()
+    model, opt = _train_gated(lambda m: pz.ZeroOptimizer(m, torch.optim.AdamW, stage=3, lr=1e-2),
+                              pz.get_rank() * per, per)
+    state = opt.full_state_dict()
+    return None if state is None else {k: v.detach().clone() for k, v in state.items()}
+
+
+def test_stage3_with_a_leaf_input_that_requires_grad():
+    """A module fed a leaf input that requires grad kept its units only until that input's gradient was
+    made, which autograd does before the module's other backward nodes (softplus of a gate) read the
+    weights: they read the freed NaN. Its units now stay to the end of backward."""
+    ref, _ = _train_gated(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 0, BATCH)
+    got = run_ranks(_rank_gated, 2, timeout=60)[0].value
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

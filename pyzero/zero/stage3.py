@@ -470,7 +470,11 @@ class ZeroStage3(ZeroOptimizer):
 
         def eager(module, args, output):
             if torch.is_grad_enabled():
-                inputs = [t for t in _tensors(args) if t.requires_grad]
+                # (a leaf input, e.g. made requires_grad_() for an adversarial step or a Parameter handed to a
+                # submodule, is not watched: autograd accumulates its gradient as soon as it is ready, before
+                # nodes of this call that saved the parameters have run; the call keeps its units to the end
+                # of backward, as one without inputs that need gradients does)
+                inputs = [t for t in _tensors(args) if t.requires_grad and t.grad_fn is not None]
                 call = _Call(len(inputs))
                 for t in _tensors(output):
                     if t.requires_grad:
@@ -567,8 +571,8 @@ class ZeroStage3(ZeroOptimizer):
         """[Note: freeing between uses] Once every input gradient of a module call exists, that
         call's backward no longer reads the parameters, so a unit still waiting for gradients
         from another use (a tied weight) is freed until that use's pre-backward gathers it again.
-        A call without inputs that need gradients never releases its units: its backward might
-        still read them (conservative)."""
+        A call without inputs that need gradients (or whose only such inputs are leaves) never
+        releases its units: its backward might still read them (conservative)."""
         def post_backward(grad):
             call.inputs_left -= 1
             if call.inputs_left == 0 and call.entered:

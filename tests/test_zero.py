@@ -1044,6 +1044,8 @@ class Attention(nn.Module):
     def forward(self, tok):
         h = self.enc(self.emb(tok))
         h = h + self.attn(h, h, h, need_weights=False)[0]
+        if self.tied_read == "T":  # (through a view: .T is an attribute read, the matmul the operation)
+            return h @ self.emb.weight.T
         return F.linear(h, self.emb.weight) if self.tied_read else self.head(h)
 
 
@@ -1079,6 +1081,9 @@ def rank_leaf_modules():
     model = Attention(tied_read=True)
     opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.5, momentum=0.9)
     out["tied_read"] = outcome(lambda: attention_run(model, opt, pz.get_rank()))
+    model = Attention(tied_read="T")
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.5, momentum=0.9)
+    out["tied_read_T"] = outcome(lambda: attention_run(model, opt, pz.get_rank()))
     model = Attention(tied_read=True)
     opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.5, momentum=0.9, leaf_modules=[Attention])
     out["tied_read_leaf"] = attention_run(model, opt, pz.get_rank()), opt.full_state_dict()
@@ -1095,8 +1100,10 @@ def test_stage3_leaf_modules_gather_what_their_forward_reads():
         logits = attention_run(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
         refs[tied_read] = logits, model.state_dict()
     for r in run_ranks(rank_leaf_modules, 2, timeout=60):
-        kind, msg = r.value["tied_read"]
-        assert kind == "RuntimeError" and "'emb.weight' was read while freed" in msg and "leaf_modules" in msg, msg
+        for case in ("tied_read", "tied_read_T"):
+            kind, msg = r.value[case]
+            assert kind == "RuntimeError" and "'emb.weight' was read while freed" in msg and "leaf_modules" in msg, \
+                (case, msg)
         for key, tied_read in ((1, False), (2, False), (3, False), ("tied_read_leaf", True)):
             logits, state = r.value[key]
             torch.testing.assert_close(logits, refs[tied_read][0], rtol=1e-5, atol=1e-5, msg=str(key))

@@ -758,6 +758,10 @@ class _FreedReads(TorchFunctionMode):
     def __init__(self, opt):
         super().__init__()
         self.unit_of, self.opt = opt._unit_of, opt
+        # a view of a freed parameter (``w.T``, ``w.mT``, ``w.data``: attribute reads, not operations) shares
+        # its stub's storage: the operation taking the view is caught by that storage
+        self.stub_of = {stub.untyped_storage().data_ptr(): p for u in opt.units
+                        for p, stub in zip(u.layout.params, u.stubs)}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -768,6 +772,10 @@ class _FreedReads(TorchFunctionMode):
                         u = self.unit_of.get(id(t))
                         if u is not None and not u.gathered:
                             self.opt._freed_read(t)
+                    elif isinstance(t, torch.Tensor) and t.layout is torch.strided and self.stub_of:
+                        p = self.stub_of.get(t.untyped_storage().data_ptr())
+                        if p is not None and not self.unit_of[id(p)].gathered:
+                            self.opt._freed_read(p)
         return func(*args, **kwargs)
 
 

@@ -1437,3 +1437,21 @@ def test_stage3_with_a_leaf_input_that_requires_grad():
     got = run_ranks(_rank_gated, 2, timeout=60)[0].value
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _rank_max_norm():
+    pz.init(backend="shm", timeout=30)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8, max_norm=0.5), nn.Linear(8, 3))
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
+    return outcome(lambda: model(torch.tensor([[1, 2, 3]])).sum().backward())
+
+
+def test_stage3_refuses_an_in_place_weight_change_in_forward():
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up in place during forward: on stage 3's
+    gathered copy the change was lost (and each rank's differed), silently; it raises on every rank,
+    naming the parameter."""
+    for r in run_ranks(_rank_max_norm, 2, timeout=60):
+        kind, msg = r.value
+        assert kind == "RuntimeError" and msg.startswith("parameters ['0.weight']: changed in place during their "
+                                                        "module's forward"), msg

@@ -271,6 +271,7 @@ class ZeroStage3(ZeroOptimizer):
         # see _FreedReads: the model's forward, or its direct children's where a training step calls them
         # itself (a LightningModule's training_step), until the first step(); with freed units (world > 1)
         self._probe = self._probe_opener = None
+        self._forward_versions: dict = {}  # id(module) -> [(unit, its parameters' versions)] per forward open
         self._probes_left = _FreedReads.MAX_PROBED if self.world > 1 else 0
         if self._probes_left:
             for m in [self.model, *self.model.children()]:
@@ -425,6 +426,9 @@ class ZeroStage3(ZeroOptimizer):
                     self._order.append(i)
             for nxt in self._next_units(needs[-1], +1):
                 self.units[nxt].gather(self._plan, wait=False)  # prefetch
+            # (see post_forward: an in-place write to a gathered copy would be lost)
+            self._forward_versions.setdefault(id(module), []).append(
+                [(u, [p._version for p in u.layout.params]) for u in (self.units[i] for i in needs) if not u.alias])
 
         at_graph_break = torch.compiler.disable(eager)
         return pre_forward
@@ -469,6 +473,16 @@ class ZeroStage3(ZeroOptimizer):
             return eager(module, args, output)
 
         def eager(module, args, output):
+            stack = self._forward_versions.get(id(module))
+            for u, versions in (stack.pop() if stack else ()):
+                changed = [n for n, p, v in zip(u.layout.names, u.layout.params, versions) if p._version != v]
+                if changed:
+                    raise RuntimeError(
+                        f"parameters {changed}: changed in place during their module's forward (e.g. "
+                        "nn.Embedding(max_norm=...) renormalising the rows it looks up); ZeRO stage 3 runs the "
+                        "forward on a gathered copy, freed after it, so the change would be lost (and each rank "
+                        "would change its own); change them outside forward, inside "
+                        "`with torch.no_grad(), opt.gathered_parameters():`")
             if torch.is_grad_enabled():
                 # (a leaf input, e.g. made requires_grad_() for an adversarial step or a Parameter handed to a
                 # submodule, is not watched: autograd accumulates its gradient as soon as it is ready, before

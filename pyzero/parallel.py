@@ -89,6 +89,23 @@ class _AllReduceBuckets(BucketReducer):
             comm.all_reduce(self._flags([1] * sum(len(b.params) for b in self.buckets)), op="max", group=self.group)
 
 
+# Parameters and submodules registered in this process since pz.DataParallel first wrapped a module (torch's
+# global registration hooks count them): a wrapper walks its module for parameters it does not know only after
+# one was registered somewhere, not at every training forward.
+_registrations = [0]
+
+
+def _count_registrations() -> None:
+    if not _registrations[0]:
+        from torch.nn.modules import module as torch_module  # noqa: PLC0415
+
+        def count(*args):
+            _registrations[0] += 1
+        torch_module.register_module_parameter_registration_hook(count)
+        torch_module.register_module_module_registration_hook(count)
+        _registrations[0] = 1
+
+
 def _capturing(device: torch.device) -> bool:
     """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel's used
     flags]; a name of this module, so that tests can stand in for a capture)."""
@@ -166,7 +183,10 @@ class DataParallel(nn.Module):
                                          max(1, first_bytes), g, comm_dtype)
         for _, p in named:
             p._pz_dp_reducer = wrappers.WeakOwner(self.reducer)
-        self._trainable_ids = frozenset(id(p) for _, p in named)
+        # every parameter at wrap time (held by _bucketed and _frozen, so no id is reused)
+        self._known_ids = frozenset(id(p) for p in module.parameters())
+        _count_registrations()
+        self._registrations_seen = _registrations[0]
 
     @staticmethod
     def _check(module, named, gpu: int | None) -> None:
@@ -231,9 +251,8 @@ class DataParallel(nn.Module):
         moved = [(n, (dtype, device), p) for n, p, dtype, device in self._bucketed
                  if p.dtype is not dtype or p.device != device]
         late = [n for n, p in self._frozen if p.requires_grad]
-        new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._trainable_ids
-               and n not in late]
-        if new:
+        if self._registrations_seen != _registrations[0] and self._unknown_trainable():
+            new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._known_ids]
             raise RuntimeError(f"module: parameters {new[:5]}{' ...' if len(new) > 5 else ''} were added or replaced "
                                "after pz.DataParallel wrapped the module (a new layer, p = nn.Parameter(...), "
                                "load_state_dict(assign=True)); no bucket reduces their gradients, which would stay "
@@ -247,6 +266,15 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"module: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
                                f"after pz.DataParallel wrapped the module; their gradients would not be averaged "
                                f"across ranks. Set requires_grad before wrapping")
+
+    def _unknown_trainable(self) -> bool:
+        """Whether a trainable parameter unknown at wrap time is in the module now (walked only after a
+        parameter or module was registered somewhere: see _registrations)."""
+        count = _registrations[0]
+        if any(p.requires_grad and id(p) not in self._known_ids for p in self.module.parameters()):
+            return True  # (and again at the next forward)
+        self._registrations_seen = count
+        return False
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -351,6 +351,8 @@ def rewrap_rank(n):
     dp2 = pz.DataParallel(added)
     added.append(nn.Linear(DIM, DIM))  # a layer added after wrapping
     late = outcome(lambda: dp2(batch("mlp", 0)[0]))
+    again = outcome(lambda: dp2(batch("mlp", 0)[0]))  # (refused at every forward, not once)
+    assert again == late, (again, late)
     torch.distributed.destroy_process_group()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, old, nested, ddp, late
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..bucketing import broadcast_coalesced
 from . import communications as C
 from . import overlap as O
 from ..checks import is_int
@@ -49,11 +49,12 @@ def sync_replicated(tensors, group) -> None:
     differently) would stay apart."""
     if group.size == 1:
         return
-    with torch.no_grad():
-        for t in tensors:
-            c = t.detach().to(group.tensor_device).contiguous()
-            comm.broadcast(c, src=group.ranks[0], group=group)
-            t.copy_(c)
+    with torch.no_grad():  # (one broadcast per dtype; through copies on the group's device, where they are not)
+        copies = [t.detach().to(group.tensor_device) for t in tensors]
+        broadcast_coalesced(copies, group.ranks[0], group)
+        for t, c in zip(tensors, copies):
+            if c.data_ptr() != t.data_ptr():  # (a copy made for another device)
+                t.copy_(c)
 
 
 class _ParallelLinear(nn.Module):

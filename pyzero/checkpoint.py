@@ -189,12 +189,12 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     name = f"step_{step:08d}"
     final, tmp = os.path.join(path, name), os.path.join(path, f".tmp_{name}")
 
-    claimed = [False]  # (refused by _claim: the temporary directory is another group's, left alone)
+    claimed = False  # (refused by _claim: the temporary directory is another group's, left alone)
 
     def agree(stage: str, error):
         failed = _failed_ranks(g, error)
         if failed:
-            if first and claimed[0]:
+            if first and claimed:
                 shutil.rmtree(tmp, ignore_errors=True)
             why = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
             raise CheckpointError(f"checkpoint.save({path!r}, step={step}) failed while {stage} ({why}); "
@@ -204,7 +204,7 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     if first:
         try:
             _claim(path, name, g)
-            claimed[0] = True
+            claimed = True
             os.makedirs(path, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
             os.makedirs(tmp)
@@ -315,8 +315,9 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer
     meta.update(_model_meta(model, opt))
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
-    if _tp_of(opt) is not None:
-        meta["tp"] = _tp_of(opt)
+    tp = _tp_of(opt)
+    if tp is not None:
+        meta["tp"] = tp
     if app_keys:
         meta["app_state"] = app_keys
     if not optimizer_state:  # (absent: saved with it, as every checkpoint before this field)
@@ -606,11 +607,12 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
         diff = sorted(set(theirs) ^ set(ours), key=str)[:4] or ["the same parameters in another order"]
         raise ValueError(f"checkpoint {step_dir!r} is for a different model (parameter names/shapes differ, "
                          f"e.g. {diff}); nothing was loaded")
-    if meta.get("tp") != _tp_of(opt):
-        def tp(v):
+    tp = _tp_of(opt)
+    if meta.get("tp") != tp:
+        def said(v):
             return "without tensor parallelism" if v is None else f"by tensor-parallel rank {v[0]} of {v[1]}"
-        raise ValueError(f"checkpoint {step_dir!r} was saved {tp(meta.get('tp'))}, this optimizer is "
-                         f"{tp(_tp_of(opt)).removeprefix('by ')}: its slices of the tensor-parallel layers are "
+        raise ValueError(f"checkpoint {step_dir!r} was saved {said(meta.get('tp'))}, this optimizer is "
+                         f"{said(tp).removeprefix('by ')}: its slices of the tensor-parallel layers are "
                          "another rank's (each tensor-parallel rank loads the checkpoint it saved, at the same "
                          "tensor-parallel size); nothing was loaded")
     if meta.get("optimizer") != type(opt.inner).__name__:

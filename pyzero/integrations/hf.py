@@ -316,7 +316,8 @@ class PyzeroTrainer(transformers.Trainer):
         if strategy is None and strategy_options is not None:
             raise ValueError("strategy_options: they configure the strategy; name it too (strategy='zero2', ...)")
         self._pz_strategy = strategy
-        self._pz_options = _options(strategy_options, None if strategy in (None, "dp") else int(strategy[-1]))
+        self._pz_strategy_stage = None if strategy in (None, "dp") else int(strategy[-1])  # (what strategy names)
+        self._pz_options = _options(strategy_options, self._pz_strategy_stage)
         super().__init__(*args, **kwargs)
         self._check_timeout()
         self._pz_stage = self._settle_strategy()
@@ -363,7 +364,7 @@ class PyzeroTrainer(transformers.Trainer):
             raise ValueError(f"optimizers: strategy={strategy!r} builds a pz.ZeroOptimizer from TrainingArguments; "
                              "pass no optimizer (optimizer_cls_and_kwargs= picks its class), or a pz.ZeroOptimizer "
                              "built on the model (optimizers=(opt, scheduler))")
-        return int(strategy[-1])
+        return self._pz_strategy_stage
 
     def _zero(self) -> ZeroOptimizer | None:
         return owner(self.model)
@@ -415,7 +416,7 @@ class PyzeroTrainer(transformers.Trainer):
         # The same accelerator with pyzero's data parallelism (see PyzeroAccelerator).
         dp_options = self._pz_options if self._pz_strategy == "dp" else None
         self.accelerator = PyzeroAccelerator(**self._pz_accelerator_args, dp_options=dp_options)
-        self.accelerator._pz_trainer_stage = None if self._pz_strategy in (None, "dp") else int(self._pz_strategy[-1])
+        self.accelerator._pz_trainer_stage = self._pz_strategy_stage
         gather = self.gather_function  # (the Trainer's gather_for_metrics, maybe with arguments bound)
         self.gather_function = (functools.partial(self.accelerator.gather_for_metrics, *gather.args, **gather.keywords)
                                 if isinstance(gather, functools.partial) else self.accelerator.gather_for_metrics)

@@ -35,6 +35,16 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 class _FlatParams(ZeroOptimizer):
     """Stages 1-2: one flat buffer holds every full parameter (model dtype)."""
 
+    def _take_grads(self, into: torch.Tensor, begin: int, members) -> None:
+        """Each member parameter's .grad into its place in `into` (a bucket's range, from flat offset
+        `begin`), then released."""
+        for i in members:
+            p = self.layout.params[i]
+            if p.grad is not None:
+                off = self.layout.offsets[i] - begin
+                into[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+
     def _setup_flat(self):
         self.layout = FlatLayout(self.params[::-1], self.names[::-1], self.world)
         L, (shard_off, shard_n) = self.layout, self.layout.shard(self.rank)
@@ -207,24 +217,14 @@ class ZeroStage1(_FlatParams):
     def _reduce_gradients(self):
         if self._reduced:
             return
-        L = self.layout
-
-        def take_grads(into, begin, members):  # each .grad into its place in `into`, then released
-            for i in members:
-                p = L.params[i]
-                if p.grad is not None:
-                    off = L.offsets[i] - begin
-                    into[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                    p.grad = None
-
         for b, (begin, end, members) in enumerate(self.buckets):
             direct = self._direct_grad(b)  # one rank: see [Note: one rank writes gradients straight ...]
             if direct is not None:
-                take_grads(direct, begin, members)
+                self._take_grads(direct, begin, members)
                 continue
             with memtrace.region("pyzero.bucket"):
                 staging = torch.zeros(end - begin, dtype=self.flat_param.dtype, device=self.device)
-            take_grads(staging, begin, members)
+            self._take_grads(staging, begin, members)
             self._launch_reduce(b, staging)  # (the Work keeps staging alive until it is waited on)
         self._drain()
         self._end_of_backward()
@@ -284,20 +284,12 @@ class ZeroStage2(_FlatParams):
         begin, _, members = self.buckets[b]
         direct = self._direct_grad(b)
         if direct is not None:
-            for i in members:
-                p = self.layout.params[i]
-                if p.grad is not None:
-                    off = self.layout.offsets[i] - begin
-                    direct[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                    p.grad = None
+            self._take_grads(direct, begin, members)
             return
         staging = self._stage(b)
-        for i in members:  # a gradient no_sync backwards accumulated, which this backward did not reach
-            p = self.layout.params[i]
-            if p.grad is not None:
-                off = self.layout.offsets[i] - begin
-                staging[off:off + p.numel()].add_(p.grad.reshape(-1))
-                p.grad = None
+        # (the hooks took this backward's gradients into their slots already: what is left in .grad is what
+        # no_sync backwards accumulated for a parameter this backward did not reach, whose slot is zeros)
+        self._take_grads(staging, begin, members)
         self._launch_reduce(b, staging)
         self._staging[b] = None  # the Work keeps it alive until it is waited on
 

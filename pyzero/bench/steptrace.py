@@ -36,13 +36,16 @@ def device_timeline(work, start: float, end: float, top: int = 5, min_gap: float
                    if float(e) > start and float(s) < end)
     busy = merge((s, e) for s, e, _ in items)
     busy_us = sum(e - s for s, e in busy)
-    stretches, t, before = [], start, "(step start)"
-    for s, e in busy:
+    stretches, t, before, k = [], start, "(step start)", 0
+    for s, e in busy:  # (items[k] is the first piece of work of this busy stretch: one pass over them)
         if s > t:
-            after = next(name for ks, _, name in items if ks >= s)
-            stretches.append((s - t, before, after))
-        before = max(((ke, name) for ks, ke, name in items if s <= ks <= e), key=lambda k: k[0])[1]
-        t = e
+            stretches.append((s - t, before, items[k][2]))
+        last = items[k]
+        while k < len(items) and items[k][0] <= e:
+            if items[k][1] > last[1]:
+                last = items[k]
+            k += 1
+        before, t = last[2], e
     if end > t:
         stretches.append((end - t, before, "(step end)"))
     stretches.sort(key=lambda g: -g[0])

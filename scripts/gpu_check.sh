@@ -99,8 +99,8 @@ else
   echo "built in ${SECONDS} s"
 fi
 # GPU_CHECK_PARTS names the parts, run in the order named (default: tests kernels collectives train offload ipc
-# faults nccl-multi); these run only when named: capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC,
-# default "2 4", processes on GPU 0), ipc-graph (the ipc all_reduce at 2 processes, eager and captured in CUDA
+# faults nccl-multi); these run only when named: capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC
+# processes on GPU 0, default "1 2 4": 1 is world size 1 with plain torch and ZeRO-1 beside them), ipc-graph (the ipc all_reduce at 2 processes, eager and captured in CUDA
 # graphs; the ipc part includes it), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and
 # 8 processes on GPU 0), torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B -
 # 1 MiB all_reduce and GPT-2 small under DDP and FSDP2, with pz.DataParallel beside them) and nccl-faults
@@ -289,14 +289,17 @@ part_torch-backend() {
     || echo "TORCH BACKEND TRAIN FAILED (or past $(lim $(( 120 * ROUNDS ))) s)"
 }
 part_memory() {
-  room memory 150 || return 0
-  echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
-  mps_stop
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-    --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
-    --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
   local np
-  for np in ${GPU_CHECK_MEMORY_NPROC:-2 4}; do
+  for np in ${GPU_CHECK_MEMORY_NPROC:-1 2 4}; do
+    if [ "$np" = 1 ]; then
+      room "memory (nproc 1)" 150 || continue
+      echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
+      mps_stop
+      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+        --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
+        --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
+      continue
+    fi
     room "memory (nproc $np)" 150 || continue
     echo "## per-rank memory with $np processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
     mps_start

@@ -58,6 +58,17 @@ def batch(step, n=16, width=64):
     return torch.randn(n, width, generator=g), torch.randn(n, 4, generator=g)
 
 
+def _settled(ctx, verdict: torch.Tensor) -> bool:
+    """`verdict` (a bool tensor computed from a collective's result) read on the host. On a GPU backend
+    a call returns before the GPU ran it, and the output of a call the watchdog aborted is undefined
+    (as NCCL's after ncclCommAbort): the error comes from the next call, wait(), synchronize() or
+    barrier. So a GPU rank reads its verdict after a barrier, the point from which pyzero promises a
+    result is right or an error was raised: a wrong value there is a wrong result no error covered."""
+    if ctx.device.type != "cpu":
+        pz.barrier()
+    return bool(verdict)
+
+
 def _w_allreduce(ctx):
     t = torch.empty(4 << 20, device=ctx.device)
     k = [0]
@@ -67,7 +78,7 @@ def _w_allreduce(ctx):
         t.fill_(ctx.rank + k[0])
         pz.all_reduce(t)
         want = sum(r + k[0] for r in range(ctx.world))
-        return int(not bool((t == want).all()))
+        return int(not _settled(ctx, (t == want).all()))
     return step
 
 
@@ -203,7 +214,7 @@ def _w_mismatch(ctx, name):
         calls[0] += 1
         t = torch.full((64,), float(ctx.rank), device=ctx.device)
         pz.all_reduce(t)  # a few good calls first: the mismatch is not the first call of the group
-        if not bool((t == sum(range(ctx.world))).all()):
+        if not _settled(ctx, (t == sum(range(ctx.world))).all()):
             return 1
         if calls[0] >= 1 + ctx.rng.randrange(3):
             ctx.out["t_fault"] = time.time()
@@ -227,7 +238,7 @@ def _w_never_calls(ctx):
         ctx.out["t_fault"] = time.time()
         t.fill_(1)
         pz.all_reduce(t)
-        return int(not bool((t == ctx.world).all()))
+        return int(not _settled(ctx, (t == ctx.world).all()))
     return step
 
 

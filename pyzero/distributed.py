@@ -582,6 +582,14 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         return CudaWork(works[:1], [], _chain(*(e.finish for e in entries)), entries[0].buf.device, self.cuda,
                         self._held)
 
+    def _alone(self, t) -> bool:
+        """A synchronous reduction of `t` in place is done already: the group has one rank, and `t` is a
+        tensor pyzero carries as it is, on the CPU or on the GPU this group's CUDA calls use (the first
+        CUDA call makes and checks those). Nothing is issued then; the call is ordered on the current
+        stream like any synchronous call (NCCL's one-rank in-place call launches nothing either)."""
+        return (self.group.size == 1 and isinstance(t, torch.Tensor) and t.dtype in DTYPES
+                and t.layout == torch.strided and (t.is_cpu or (self.cuda is not None and t.device.index == self.cuda.device)))
+
     def _allreduce_one(self, t, reduce_op, op: str, arg: str, async_op: bool):
         """(pyzero work or None when done, copy-back) reducing `t` in place."""
         name, extra = _reduction(reduce_op, op, t)
@@ -620,6 +628,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(t, "allreduce", tensors, opts)) is not None:
             return w
         name, extra = _reduction(opts.reduceOp, "allreduce", t)
+        if extra is None and not opts.asyncOp and self._alone(t):
+            return self._work([None], tensors, None, t)
         if extra is not None:  # PREMUL_SUM, BAND, BOR, BXOR
             work, back = self._allreduce_special(t, name, extra, "allreduce", "tensors[0]", opts.asyncOp)
             return self._work([work], tensors, back, t)

@@ -377,6 +377,69 @@ def _rank_errors():
     return {"failures": [s for s in seen if s != "ok"], "cases": len(seen)}
 
 
+def _rank_alone():
+    """One rank: a synchronous all_reduce issues nothing (the result is the input), and everything
+    else (other layouts and dtypes, async, PREMUL_SUM, refused arguments) is as at two ranks."""
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    c = Checker()
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.float16, torch.float64, torch.int64, torch.int32):
+        for name, op in REDUCE.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            x = (torch.randn(5, 6, generator=g) * 4).to(dtype)
+            whole = torch.stack([x])  # every rank's input: this one
+            want = {"sum": whole.sum(0), "max": whole.amax(0), "min": whole.amin(0), "prod": whole.prod(0),
+                    "avg": whole.mean(0) if dtype.is_floating_point else None}[name].to(dtype)
+            t = x.clone()
+            dist.all_reduce(t, op=op)
+            c.check(f"all_reduce {name} {dtype}", t, want)
+            cols = x.clone()
+            dist.all_reduce(cols[:, ::2], op=op)  # a strided view: only its elements are the call's
+            c.check(f"all_reduce {name} {dtype} of a strided view", cols, x)
+    x = torch.randn(7, generator=g)
+    t = x.clone()
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.5))
+    c.check("all_reduce PREMUL_SUM(2.5)", t, x * 2.5)
+    t = x.clone()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    c.check("async all_reduce", t, x)
+    b = torch.tensor([True, False, True])
+    dist.all_reduce(b)
+    c.check("all_reduce of bools (carried as int32)", b, torch.tensor([True, False, True]))
+    a, d = x.clone(), torch.arange(4)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(d)
+    cm.wait()
+    c.check("coalesced all_reduce (float)", a, x)
+    c.check("coalesced all_reduce (int64)", d, torch.arange(4))
+    for exc, words, fn in [
+            (ValueError, ["AVG", "torch.int32"],
+             lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)),
+            (TypeError, ["float8", "dtype"], lambda: dist.all_reduce(torch.ones(2).to(torch.float8_e4m3fn))),
+            (TypeError, ["allreduce", "tensors[0]", "torch.sparse_coo", "dense"],
+             lambda: dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], (3,)))),
+            (ValueError, ["allreduce", "exactly one tensor"],
+             lambda: dist.distributed_c10d._get_default_group().allreduce([torch.ones(2), torch.ones(2)]))]:
+        c.cases += 1
+        try:
+            fn()
+        except exc as e:
+            missing = [w for w in words if w not in str(e)]
+            if missing:
+                c.failures.append(f"{exc.__name__} missing {missing}: {e}")
+        else:
+            c.failures.append(f"no {exc.__name__} for {words}")
+    dist.destroy_process_group()
+    return c.result()
+
+
+def test_one_rank_all_reduce_is_the_input_and_refuses_what_two_ranks_refuse():
+    assert_ok(run_ranks(_rank_alone, 1, timeout=60), min_cases=50)
+
+
 def test_errors_name_the_op_and_argument():
     assert_ok(run_ranks(_rank_errors, 2, timeout=60), min_cases=8)
 

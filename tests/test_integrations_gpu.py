@@ -46,6 +46,7 @@ def _rank_trainer(out):
     return finish({"backend": backend, "runs": runs, "bf16": bf16})
 
 
+@pytest.mark.timeout(280)  # eleven Trainer runs at 2 processes: more than gpu_check.sh's 90 s per test
 def test_trainer_on_one_gpu_matches_ddp(tmp_path):
     got = run_ranks(_rank_trainer, 2, args=(str(tmp_path),), start="spawn", timeout=300, env=ENV)[0].value
     assert "cuda:pyzero" in got["backend"], got["backend"]

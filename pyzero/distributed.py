@@ -587,8 +587,10 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         tensor pyzero carries as it is, on the CPU or on the GPU this group's CUDA calls use (the first
         CUDA call makes and checks those). Nothing is issued then; the call is ordered on the current
         stream like any synchronous call (NCCL's one-rank in-place call launches nothing either)."""
-        return (self.group.size == 1 and isinstance(t, torch.Tensor) and t.dtype in DTYPES
-                and t.layout == torch.strided and (t.is_cpu or (self.cuda is not None and t.device.index == self.cuda.device)))
+        if self.group.size != 1 or not isinstance(t, torch.Tensor) or t.dtype not in DTYPES:
+            return False
+        on_ours = t.is_cpu or (self.cuda is not None and t.device.index == self.cuda.device)
+        return t.layout == torch.strided and on_ours
 
     def _allreduce_one(self, t, reduce_op, op: str, arg: str, async_op: bool):
         """(pyzero work or None when done, copy-back) reducing `t` in place."""

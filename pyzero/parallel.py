@@ -133,7 +133,7 @@ class DataParallel(nn.Module):
     small first one starts communication early in backward); ``comm_dtype``
     (e.g. torch.bfloat16) sends gradients in a lower precision, summed in
     fp32; ``broadcast_buffers`` re-sends rank 0's buffers at every training
-    forward. Frozen parameters are skipped, shared ones reduced once.
+    forward (where the group has another rank). Frozen parameters are skipped, shared ones reduced once.
     """
 
     def __init__(self, module, bucket_mb=25, first_bucket_mb=1, comm_dtype=None, group=None,
@@ -226,7 +226,7 @@ class DataParallel(nn.Module):
             raise RuntimeError("pz.DataParallel: a later pz.DataParallel wraps the same module and reduces its "
                                "gradients now; use that one")
         compiling = torch.compiler.is_compiling()
-        if self.broadcast_buffers and self.module.training and self._buffer_list:
+        if self.broadcast_buffers and self.module.training and self._buffer_list and self.group.size > 1:
             if compiling:  # one operator in the graph (see pyzero.ops)
                 from . import ops  # noqa: PLC0415  (registered on first use)
                 ops.broadcast_coalesced_(self._buffer_list, self.group.ranks[0], self.group.name)

@@ -649,6 +649,33 @@ def test_buffers_follow_rank0_each_forward(broadcast_buffers):
         check_state(r.value, ref[1].state_dict(), FP32)
 
 
+def bn_sends_rank(n):
+    pz.init()
+    model = make_bn()
+    dp = pz.DataParallel(model)
+    pz.comm_stats(reset=True)
+    for step in range(3):
+        dp(batch("mlp", step)[0].chunk(n)[pz.get_rank()])
+    dp.eval()
+    dp(batch("mlp", 3)[0])
+    calls = pz.comm_stats().get("broadcast", {}).get("calls", 0)
+    return calls, {k: v.clone() for k, v in model[1].state_dict().items()}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_buffers_are_sent_only_where_there_is_another_rank(n):
+    """A broadcast per buffer dtype (float32 stats, int64 count) before each training forward at
+    2 ranks; at one rank there is nobody to send to, and the stats are those of plain torch."""
+    for r in run_ranks(bn_sends_rank, n, args=(n,)):
+        calls, state = r.value
+        assert calls == (3 * 2 if n > 1 else 0)
+        if n == 1:
+            ref = make_bn()
+            for step in range(3):
+                ref(batch("mlp", step)[0])
+            check_state(state, ref[1].state_dict(), FP32)
+
+
 # ---------------------------------------------------------------------------
 # Bad input: the same clear error on every rank, and the group stays usable
 

@@ -329,6 +329,11 @@ HIER_MISMATCH = {  # case: (what ranks 0-1 call, what ranks 2-3 call, the field 
                "counts per rank"),
     "algo": (lambda: pz.all_reduce(torch.ones(8), algo="ring"), lambda: pz.all_reduce(torch.ones(8), algo="oneshot"),
              "algo"),
+    # counts that differ yet sum alike, chosen so a linear hash of them agreed
+    "counts/same-sum": (lambda: pz.reduce_scatter(torch.zeros(5000), torch.ones(20000), counts=[5000] * 4),
+                        lambda: pz.reduce_scatter(torch.zeros([7558, 896, 9026, 2520][pz.get_rank()]),
+                                                  torch.ones(20000), counts=[7558, 896, 9026, 2520]),
+                        "counts per rank"),
 }
 
 
@@ -365,6 +370,44 @@ def test_mismatched_calls_raise_on_every_rank():
         assert r.value["native"][0] == "ValueError" and "algo='native'" in r.value["native"][1], r.value["native"]
         assert r.value["twoshot"][0] == "ValueError" and "all_reduce algorithm" in r.value["twoshot"][1], r.value
         assert r.value["twoshot/all_reduce"] == [6.0] * 5, r.value
+
+
+def _rank_nan_max_min():
+    """max/min with NaN at one rank's elements: every rank's result against torch's over the stacked
+    inputs, on the world (2 x 2: the lanes' gloo all_reduce) and on subgroup (1, 2, 3) (uneven hosts:
+    reduce_scatter through the all_reduce)."""
+    pz.init(timeout=20)
+    me, bad = pz.get_rank(), []
+    sub = pz.new_group([1, 2, 3])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for nan_rank in range(4):
+            ins = []
+            for r in range(4):
+                x = torch.arange(12, dtype=torch.float32).mul(r + 1).sub(20).to(dtype)
+                if r == nan_rank:
+                    x[::3] = float("nan")
+                ins.append(x)
+            for op, fold in (("max", torch.amax), ("min", torch.amin)):
+                x = ins[me].clone()
+                pz.all_reduce(x, op=op)
+                want = fold(torch.stack(ins), 0)
+                if not torch.equal(x.isnan(), want.isnan()) or not torch.equal(x.nan_to_num(), want.nan_to_num()):
+                    bad.append(f"all_reduce {op} {dtype} nan at rank {nan_rank}: {x.tolist()} != {want.tolist()}")
+                if me in (1, 2, 3):
+                    out = torch.empty(4, dtype=dtype)
+                    pz.reduce_scatter(out, ins[me].clone(), op=op, group=sub)
+                    want = fold(torch.stack(ins[1:]), 0)[4 * (me - 1):4 * me]
+                    if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(out.nan_to_num(),
+                                                                                       want.nan_to_num()):
+                        bad.append(f"reduce_scatter {op} {dtype} nan at rank {nan_rank}: {out.tolist()} != "
+                                   f"{want.tolist()}")
+    return bad
+
+
+def test_max_and_min_across_hosts_keep_nan():
+    """NaN wins max and min as in torch (gloo's own max/min keep or drop it by operand order)."""
+    for r in run_ranks(simulated, 4, args=(_rank_nan_max_min,), timeout=90):
+        assert r.value == [], (r.rank, r.value[:4])
 
 
 P2P_MISMATCH = {  # case: (what rank 0 sends, what rank 1 receives into)

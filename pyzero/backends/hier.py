@@ -51,6 +51,7 @@ import queue
 import threading
 import ctypes
 import datetime
+import hashlib
 import json
 import os
 import time
@@ -127,11 +128,33 @@ def _show(field: int, v: int, kind: int | None = None) -> str:
 
 
 def _counts_hash(counts) -> int:
-    """Counts per rank as one number that differs when any count does (mod 2**40)."""
-    h = 0
-    for c in counts:
-        h = (h * 1000003 + int(c) + 1) % (1 << 40)
-    return h
+    """Counts per rank as one 40-bit number (a cryptographic digest: two different lists that sum alike
+    cannot be made to agree, as they could under a linear hash)."""
+    raw = b"".join(int(c).to_bytes(8, "little", signed=True) for c in counts)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=5).digest(), "little")
+
+
+# [Note: NaN through gloo's max/min] gloo's MAX/MIN are std::max/std::min, which keep or drop a NaN by
+# operand order, where torch and pyzero's own kernels propagate it. So floats cross hosts for max/min as
+# order keys: an integer whose integer order is the floats' order (the bits, magnitude bits flipped for
+# negative values), every NaN made the key that wins (above +inf for max, below -inf for min).
+# (the key of -x is -1 - the key of x: a negative quiet NaN's key, -1 - the positive one's, is below -inf's)
+_KEY_INT = {torch.float32: (torch.int32, 0x7FFFFFFF, 0x7FC00000, -1 - 0x7FC00000),
+            torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF8000000000000, -1 - 0x7FF8000000000000)}
+
+
+def _order_keys(x: torch.Tensor, op: str) -> torch.Tensor:
+    """`x` (float32 or float64) as order keys for gloo's integer `op` ("max" or "min"), NaN winning."""
+    itype, flip, nan_max, nan_min = _KEY_INT[x.dtype]
+    bits = x.view(itype)
+    keys = torch.where(bits < 0, bits ^ flip, bits)
+    return keys.masked_fill_(torch.isnan(x), nan_max if op == "max" else nan_min)
+
+
+def _from_keys(keys: torch.Tensor, out: torch.Tensor) -> None:
+    """The floats of _order_keys' `keys`, into `out`."""
+    flip = _KEY_INT[out.dtype][1]
+    out.copy_(torch.where(keys < 0, keys ^ flip, keys).view(out.dtype))
 
 
 @dataclass
@@ -479,18 +502,23 @@ class HierBackend(Backend):
         off = sum(counts[:self.l])
         chunk = w[off:off + counts[self.l]]
         self._intra_rs(chunk, w, counts, OPS["sum"] if op == "avg" else OPS[op])
-        work = None
+        work = keys = None
         if self.lane is not None and chunk.numel():
             opts = dist.AllreduceOptions()
             opts.reduceOp = _GLOO_OPS[op]
-            work = self.lane.allreduce([chunk], opts)
+            if op in ("max", "min") and chunk.dtype in _KEY_INT:  # see [Note: NaN through gloo's max/min]
+                keys = _order_keys(chunk, op)
+            work = self.lane.allreduce([chunk if keys is None else keys], opts)
             self._inter(2 * (self.H - 1) * chunk.numel() * chunk.element_size() // self.H)
-        return x, w, counts, off, chunk, work, op
+        return x, w, counts, off, chunk, (work, keys), op
 
-    def _ar_finish(self, x, w, counts, off, chunk, work, op) -> None:
+    def _ar_finish(self, x, w, counts, off, chunk, lane, op) -> None:
         """Wait for the chunk's lane all_reduce, then all-gather the chunks inside the host into x."""
+        work, keys = lane
         if work is not None:
             work.wait()
+        if keys is not None:
+            _from_keys(keys, chunk)
         if op == "avg":
             chunk.div_(self.size)
         if w is not x:

@@ -102,11 +102,50 @@ def test_stages_only_save_memory():
     (dict(tp=0), ValueError, "tp"),
     (dict(seq=-5), ValueError, "seq"),
     (dict(recompute="most"), ValueError, "recompute"),
+    (dict(grad_bytes=3), ValueError, "grad_bytes"),
+    (dict(grad_bytes="4"), TypeError, "grad_bytes"),
+    (dict(stage=1, grad_bytes=4), ValueError, "grad_bytes: sets the gradient shards of stages 2 and 3"),
 ])
 def test_bad_input(kwargs, exc, word):
     args = dict(num_params=1.5e9, world_size=8, stage=2) | kwargs
     with pytest.raises(exc, match=word):
         pz.zero.estimate_memory(**args)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_bytes_sets_the_gradient_shards(stage):
+    """Ψ = 1e9 on 4 ranks, mixed precision, K = 12: fp32 gradient shards are 4Ψ/N instead of 2Ψ/N."""
+    base = pz.zero.estimate_memory(1e9, 4, stage)
+    m = pz.zero.estimate_memory(1e9, 4, stage, grad_bytes=4)
+    assert m["grads"] == pytest.approx(4e9 / 4, rel=1e-12) and base["grads"] == pytest.approx(2e9 / 4, rel=1e-12)
+    assert m["total"] - base["total"] == pytest.approx(2e9 / 4, rel=1e-12)
+    assert m["params"] == base["params"] and m["optimizer"] == base["optimizer"]
+
+
+def _bf16_zero_rank(stage):
+    import torch  # noqa: PLC0415
+
+    pz.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 32))
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16, lr=1e-3)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()
+    stats = opt.memory_stats()
+    opt.step()
+    return stats["grads"], sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_bytes_matches_a_bf16_zero_optimizer(stage):
+    """A ZeroOptimizer with bf16 parameters keeps fp32 gradient shards (its comm_dtype): the estimate with
+    grad_bytes=4 is what memory_stats() counts after backward (the shards' padding aside)."""
+    from pyzero.launch import run_ranks  # noqa: PLC0415
+
+    for r in run_ranks(_bf16_zero_rank, 2, args=(stage,), timeout=60):
+        held, psi = r.value
+        assert held == pytest.approx(pz.zero.estimate_memory(psi, 2, stage, grad_bytes=4)["grads"], rel=0.01)
+        assert held > 1.9 * pz.zero.estimate_memory(psi, 2, stage)["grads"]  # the default: 16-bit, half of it
 
 
 def run_cli(*args):
@@ -121,6 +160,14 @@ def test_cli_lists_every_stage():
     assert set(rows) >= {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"}
     assert [float(rows[s][3]) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == [120.0, 31.41, 16.64, 1.88]
     assert [rows[s][4] for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == ["no", "yes", "yes", "yes"]
+
+
+def test_cli_grad_bytes_doubles_zero2_and_zero3_gradient_shards():
+    """--grad-bytes 4: ZeRO-2/3's gradients 4Ψ/N (7.5e9 x 4 / 64 = 0.47 GB), DDP and ZeRO-1 unchanged."""
+    proc = run_cli("--params", "7.5e9", "--world", "64", "--grad-bytes", "4")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if not line.startswith("#")}
+    assert [float(rows[s][1]) for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")] == [15.0, 15.0, 0.47, 0.47]
 
 
 def test_cli_bad_input():

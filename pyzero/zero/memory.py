@@ -82,7 +82,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
                     recompute: str = "none", offload: str | None = None, offload_params: bool = False,
                     nvme_sub_group: int = 1 << 23, hpz_partition_size: int = 1,
                     largest_layer_params: float | None = None, step_impl: str = "fused",
-                    grads_done: float = 0.0, host_grad_bytes: float = 4.0) -> dict:
+                    grads_done: float = 0.0, host_grad_bytes: float = 4.0,
+                    grad_bytes: float | None = None) -> dict:
     """Bytes per rank of parameters, gradients, optimizer state and activations.
 
     stage 0 means plain data parallel (nothing sharded). ``world_size`` is the
@@ -94,6 +95,10 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     ``device``, ``host`` and ``disk``; ``nvme_sub_group`` is the swap sub-group in elements;
     ``host_grad_bytes`` the bytes per element of the host gradient shard (4: fp32; 2 where the
     offload pipeline keeps it in the model's 16-bit dtype, see docs/offload.md).
+    ``grad_bytes`` the bytes per element of the gradient shards stages 2 and 3 keep: None (the
+    default) takes the parameters' width, as the ZeRO paper; a ``pz.ZeroOptimizer`` keeps them in its
+    ``comm_dtype``, fp32 (4) unless given, also for bf16/fp16 parameters (stages 0 and 1 keep full
+    gradients in the parameters' dtype, and refuse it).
     ``hpz_partition_size`` P > 1 (stage 3, ZeRO++ hpZ) adds the secondary parameter shards,
     width x Ψ/P, under "hpz_secondary" (also counted in "params").
     ``largest_layer_params``, ``step_impl`` ("fused", "foreach" or "forloop") and
@@ -135,12 +140,17 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     if host_grad_bytes == 2 and not mixed_precision:
         raise ValueError("host_grad_bytes: 2 (16-bit host gradients) needs mixed_precision=True; an fp32 model's "
                          "host gradients are fp32 (4)")
+    if grad_bytes is not None:
+        _check_number("grad_bytes", grad_bytes, "2 or 4 (bytes of a gradient shard element)", lambda v: v in (2, 4))
+        if stage < 2:
+            raise ValueError(f"grad_bytes: sets the gradient shards of stages 2 and 3; stage {stage} keeps full "
+                             "gradients in the parameters' dtype")
     if step_impl not in ("fused", "foreach", "forloop"):
         raise ValueError(f"step_impl: expected 'fused', 'foreach' or 'forloop', got {step_impl!r}")
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
     width = 2 if mixed_precision else 4
     params = width * psi / (n if stage >= 3 else 1)
-    grads = width * psi / (n if stage >= 2 else 1)
+    grads = (width if grad_bytes is None else grad_bytes) * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
     out = {"params": params, "grads": grads, "optimizer": optimizer}
     if hpz_partition_size > 1:
@@ -244,6 +254,9 @@ def main(argv=None) -> int:
                     help="bytes per element of the host gradient shard with --offload: 4 (fp32), or 2 where the "
                          "offload pipeline keeps 16-bit gradients (one rank, stage 1, or comm_dtype equal to "
                          "the model dtype)")
+    ap.add_argument("--grad-bytes", type=int, choices=(2, 4), default=None,
+                    help="bytes per element of ZeRO-2/3's gradient shards (default: the parameters' width); a "
+                         "pz.ZeroOptimizer keeps them in its comm_dtype, fp32 (4) unless given")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
         ap.error(f"--gpu-gb: expected a positive number of GB, got {args.gpu_gb!r}")
@@ -265,7 +278,8 @@ def main(argv=None) -> int:
           f"{'fp32' if args.fp32 else 'mixed precision'}")
     print(f"{'stage':>10} {'params GB':>11} {'grads GB':>10} {'optim GB':>10} {'total GB':>10}  fits {args.gpu_gb:g} GB")
     for stage, label in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
-        m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32)
+        m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32,
+                            grad_bytes=args.grad_bytes if stage >= 2 else None)
         fits = "yes" if m["total"] <= args.gpu_gb * GB else "no"
         print(f"{label:>10} {m['params'] / GB:>11.2f} {m['grads'] / GB:>10.2f} {m['optimizer'] / GB:>10.2f} "
               f"{m['total'] / GB:>10.2f}  {fits}")
@@ -279,7 +293,8 @@ def _print_offload(args) -> int:
     print(f"{'stage':>10} {'device GB':>10} {'host GB':>9} {'disk GB':>9}  fits {args.gpu_gb:g} GB")
     for stage in (1, 2, 3):
         m = estimate_memory(args.params, args.world, stage, args.k, not args.fp32, offload=args.offload,
-                            offload_params=args.offload_params and stage == 3, host_grad_bytes=args.host_grad_bytes)
+                            offload_params=args.offload_params and stage == 3, host_grad_bytes=args.host_grad_bytes,
+                            grad_bytes=args.grad_bytes if stage >= 2 else None)
         fits = "yes" if m["device"] <= args.gpu_gb * GB else "no"
         print(f"{'ZeRO-' + str(stage):>10} {m['device'] / GB:>10.2f} {m['host'] / GB:>9.2f} {m['disk'] / GB:>9.2f}"
               f"  {fits}")

@@ -385,6 +385,20 @@ def test_fuzz_the_wire_format_bounded():
     assert outcomes["bad"] > 50 and outcomes["lost"] > 20 and outcomes["ok"] > 0, outcomes
 
 
+def test_a_client_silent_mid_handshake_is_cut_off_at_the_handshake_deadline(monkeypatch):
+    """A client that sends part of its hello and then nothing: the read waits out the time left of
+    HANDSHAKE_TIMEOUT and the error names that deadline (whether a byte came just before it or not)."""
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT", 0.5)
+    server_side, client = socket.socketpair()
+    client.send(b"x")
+    t0 = time.monotonic()
+    with pytest.raises(wire.AuthError, match="did not finish the handshake in 0.5 s"):
+        wire.accept(server_side, ("silent", 1), os.urandom(32))
+    took = time.monotonic() - t0
+    client.close()
+    assert 0.4 < took < 2.0, took
+
+
 def test_a_client_trickling_the_handshake_is_cut_off_at_its_deadline(monkeypatch):
     """HANDSHAKE_TIMEOUT bounds the whole handshake: a client sending one byte just inside each read's
     timeout held a handshake slot (of MAX_HANDSHAKES) for as long as it liked."""

@@ -197,6 +197,8 @@ class Connection:
             except TimeoutError:
                 if first and got == 0:
                     raise
+                if deadline is not None:  # (the socket's timeout was the time left before it)
+                    raise PeerLost(f"{self.peer} did not finish the handshake in {HANDSHAKE_TIMEOUT:g} s") from None
                 raise PeerLost(f"{self.peer} stalled in the middle of a message") from None
             if k == 0:
                 raise PeerLost(f"{self.peer} closed the connection")

@@ -75,6 +75,34 @@ def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
     assert ours.state[ps[2]]["step"].item() == 4
 
 
+def test_nvme_load_of_an_amsgrad_state_needs_an_amsgrad_optimizer(tmp_path):
+    """A state dict whose group has amsgrad=True (torch's, with max_exp_avg_sq) loads into an NvmeAdamW
+    built with amsgrad=True and trains as torch does; one built without it has no swap space for that
+    state and refuses the load, naming amsgrad (it dropped the state, then step() raised IndexError)."""
+    ps, qs, gen = make_params(1)
+    ref = torch.optim.AdamW(qs, lr=1e-2, amsgrad=True, foreach=False)
+    grads = [[torch.randint(-64, 65, p.shape, generator=gen).float() / 8 for p in ps] for _ in range(3)]
+    for q, g in zip(qs, grads[0]):
+        q.grad = g.clone()
+    ref.step()
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            p.copy_(q)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain = pz.optim.NvmeAdamW(ps, lr=1e-2, nvme_path=tmp_path / "a", sub_group_elems=100_000)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has amsgrad=True.*built with amsgrad=False"):
+        plain.load_state_dict(ref.state_dict())
+    assert plain.param_groups[0]["amsgrad"] is False  # nothing loaded
+    ours = pz.optim.NvmeAdamW(ps, lr=1e-2, amsgrad=True, nvme_path=tmp_path / "b", sub_group_elems=100_000)
+    ours.load_state_dict(ref.state_dict())
+    for gs in grads[1:]:
+        for p, q, g in zip(ps, qs, gs):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), ref.step()
+    for p, q in zip(ps, qs):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
+
+
 def test_nvme_add_param_group_is_refused(tmp_path):
     """The swap files are laid out for the parameters given at construction: a group added later would
     never be stepped, so adding one raises (and changes nothing)."""

@@ -166,6 +166,12 @@ class NvmeAdam(Adam):
         self._swap.close()
 
     def load_state_dict(self, state_dict) -> None:
+        if "max_exp_avg_sq" not in self._names:
+            for i, g in enumerate(state_dict.get("param_groups", [])):
+                if g.get("amsgrad"):
+                    raise ValueError(f"load_state_dict: param_groups[{i}] has amsgrad=True, but this "
+                                     f"{type(self).__name__} was built with amsgrad=False, so its swap files hold no "
+                                     "max_exp_avg_sq; build it with amsgrad=True to load this state")
         super().load_state_dict(state_dict)  # leaves full tensors in a plain dict self.state
         loaded, self.state = self.state, self._disk
         self._steps.clear()

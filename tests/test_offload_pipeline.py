@@ -240,6 +240,105 @@ def test_loop_shape_changes_raise_with_true_and_train_with_step():
     assert dtypes == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2
 
 
+def _lr_at(step, late_change):
+    """The lr a loop sets after backward (the optimizers start at 1e-3): a new one every step (a warm-up
+    written there), or the first change at step 3."""
+    return 1e-3 * (1 + (step >= 3)) if late_change else 1e-2 * (1 + step)
+
+
+def _settings_rank(late_change):
+    pz.init()
+    zero_optimizer._host_copies = lambda device: True
+    try:
+        out = {}
+        for pipeline in (True, "step"):
+            torch.manual_seed(0)
+            model = Net()
+            opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, offload="cpu", offload_pipeline=pipeline,
+                                   bucket_mb=0.0001, lr=1e-3, weight_decay=0.1)
+            early, error = [], None
+            try:
+                for step in range(STEPS):
+                    local_loss(model, step, 1, 0).backward()
+                    early.append(opt._steps.any_submitted())
+                    for g in opt.param_groups:
+                        g["lr"] = _lr_at(step, late_change)
+                    opt.step()
+            except RuntimeError as e:
+                error = str(e)
+            out[pipeline] = early, error, {k: v.clone() for k, v in opt.full_state_dict().items()}
+        return out
+    finally:
+        zero_optimizer._host_copies = lambda device: device.type == "cuda"
+
+
+@pytest.mark.parametrize("late_change", [False, True])
+def test_settings_changed_between_backward_and_step(late_change):
+    """A loop that sets lr after backward: offload_pipeline=True learns it at the first step and steps
+    no slot during backward, equal to plain torch; a loop whose lr first changes there after slots
+    have stepped early raises, naming offload_pipeline='step', with which it trains as torch."""
+    out = run_ranks(_settings_rank, 1, args=(late_change,), timeout=120)[0].value
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        local_loss(ref, step, 1, 0).backward()
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, late_change)
+        opt.step()
+    early, error, final = out[True]
+    if late_change:
+        assert early[:4] == [False, True, True, True] and error is not None, (early, error)
+        assert error.startswith("a change of the param_groups' settings") and "offload_pipeline='step'" in error
+    else:
+        assert early == [False] * STEPS and error is None, (early, error)
+    for pipeline in ([True, "step"] if not late_change else ["step"]):
+        early, error, final = out[pipeline]
+        assert error is None
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{pipeline} {k}: {m}")
+
+
+def _pre_hook_rank(case):
+    pz.init()
+    zero_optimizer._host_copies = lambda device: True
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        kw = {"true": dict(offload_pipeline=True), "bf16": dict(param_dtype=torch.bfloat16)}[case]
+        opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=2, offload="cpu", bucket_mb=0.0001, lr=0.1, **kw)
+        start = {k: v.clone() for k, v in opt.full_state_dict().items()}
+        seen = []
+
+        def drop(o, args, kwargs):  # a gradient transform in a pre-hook: here it drops every gradient
+            grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+            seen.append((len(grads), sum(int(gr.count_nonzero()) for gr in grads), str(grads[0].dtype)))
+            for gr in grads:
+                gr.zero_()
+        opt.register_step_pre_hook(drop)
+        n = sum(1 for g in opt.param_groups for _ in g["params"])
+        for step in range(4):
+            local_loss(model, step, 1, 0).float().backward()
+            opt.step()
+        final = opt.full_state_dict()
+        return n, seen, max(float((final[k].float() - start[k].float()).abs().max()) for k in start)
+    finally:
+        zero_optimizer._host_copies = lambda device: device.type == "cuda"
+
+
+@pytest.mark.parametrize("case", ["true", "bf16"])
+def test_step_pre_hooks_see_and_change_the_gradients(case):
+    """As under torch, a step pre-hook sees every parameter's reduced gradient in param_groups and what
+    it does to them is what step() uses: with offload_pipeline=True (no slot steps during backward
+    while such a hook is registered) and with a bf16 model's 16-bit host gradients (widened to fp32
+    for the hook). SGD without momentum and zeroed gradients: the parameters do not move."""
+    n, seen, moved = run_ranks(_pre_hook_rank, 1, args=(case,), timeout=120)[0].value
+    assert len(seen) == 4, seen
+    assert all(k == n and nonzero > 0 and dtype == "torch.float32" for k, nonzero, dtype in seen), seen
+    assert moved == 0.0
+
+
 def _cuda_rank(stage):
     pz.init(backend="nccl", timeout=60)
     return {name: _train(stage, device="cuda", **RUNS[name]) for name in ("off", "true", "off_bf16", "true_bf16")}

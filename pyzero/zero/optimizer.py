@@ -335,18 +335,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # With True, a slot also starts stepping during backward, as soon as its reduced
         # gradient has landed in the host shard (stages 2-3; stage 1 reduces in step()), when
         # that is exact: no loss scaling, and the step() before had one synchronised backward
-        # (no_sync ones before it are fine) and no clip_grad_norm_, which the optimizer takes
-        # as the shape of the loop from then on; a slot whose parameters did not all get a
+        # (no_sync ones before it are fine), no clip_grad_norm_, the param_groups' settings (lr,
+        # betas, ...) at step() as they were when backward ended, and no step pre-hook (those
+        # read the gradients), which the optimizer takes as the shape of the loop from then on;
+        # a slot whose parameters did not all get a
         # gradient on this rank waits for step() (it may be skipped, see [Note: parameters
         # without gradients]). If the loop then changes shape after a slot stepped early
-        # (clip_grad_norm_, another synchronised backward or zero_grad() before step()), the
-        # update cannot be taken back: RuntimeError, naming offload_pipeline="step".
+        # (clip_grad_norm_, another synchronised backward, zero_grad() before step(), settings
+        # changed after backward, a step pre-hook registered), the update cannot be taken back:
+        # RuntimeError, naming offload_pipeline="step".
         # With the pipeline, a 16-bit model's host gradient shards are in the model dtype (2
         # bytes a parameter instead of 4) where that holds the reduced gradient exactly: one
         # rank, or a reduction in the model dtype (stage 1; stages 2-3 with comm_dtype equal to
         # it); a slot widens its gradient into an fp32 scratch of one slot before its step. The
         # first synchronised backward that adds to gradients already on the host (gradient
-        # accumulation without no_sync) widens the shards to fp32 for the rest of training.
+        # accumulation without no_sync) widens the shards to fp32 for the rest of training, and so
+        # does a step() with step pre-hooks (they read and change fp32 gradients in param_groups).
         if self.offload.pipeline is None:
             self._pipe_mode = "step" if self._host and offload == "cpu" and not delayed_update else False
         else:
@@ -357,6 +361,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                         and (self.world == 1 or reduced == low)) else torch.float32
         self._synced_backwards = 0  # synchronised backwards since the last step (see [Note: offload pipeline])
         self._clipped = False  # clip_grad_norm_ since the last step
+        # offload_pipeline=True: the param_groups' settings when this step's backward ended, and whether
+        # step() found them changed (then the steps' slots wait for step(): see _learn_loop_shape)
+        self._hparams_at_backward: list | None = None
+        self._hparams_moved = False
         self._early_ok = False  # the loop's shape allows slot steps during backward
         self._sync = True
         self._grads_ready = False
@@ -869,10 +877,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         register_step_post_hook, as torch runs them (torch's global step hooks run with the inner
         optimizer's step)."""
         args, kwargs = (self,), ({} if closure is None else {"closure": closure})
-        if self._optimizer_step_pre_hooks and self._grads_ready and not self._unreduced:
+        if self._optimizer_step_pre_hooks:
             # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
-            # reduces them in step(): before the hooks, not after)
-            self._finish_gradients()
+            # reduces them in step(): before the hooks, not after); slots stepped during backward have
+            # none left to show (a hook registered after the loop's shape was learnt: see _learn_loop_shape)
+            self._check_loop_shape("a step pre-hook (it reads the gradients, some already stepped)")
+            if self._grads_ready and not self._unreduced:
+                self._finish_gradients()
+                if self._host and self._host_grad_dtype != torch.float32:
+                    self._widen_host_grads()  # 16-bit host shards have no .grad to show: fp32 from now on
         for hook in list(self._optimizer_step_pre_hooks.values()):
             result = hook(self, args, kwargs)
             if result is not None:
@@ -1196,9 +1209,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     leaf.grad = None
         return job
 
+    def _hyperparameters(self) -> list:
+        """The param_groups' settings (all but the parameters), comparable with ==."""
+        def plain(v):
+            if torch.is_tensor(v):
+                return tuple(v.detach().flatten().tolist())
+            return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+        return [sorted((k, plain(v)) for k, v in g.items() if k != "params") for g in self.param_groups]
+
     def _pipeline_step(self):
         """step() with offload_pipeline (see [Note: offload pipeline])."""
         early = self._steps.any_submitted()
+        moved = self._hparams_at_backward is not None and self._hyperparameters() != self._hparams_at_backward
+        self._hparams_at_backward = None
+        self._hparams_moved = moved
+        self._check_loop_shape("a change of the param_groups' settings (lr, betas, ...) after backward", moved)
         if self._check_overflow():  # (never with early slots: they need no loss scaling)
             self._learn_loop_shape()
             self.scaler.update(overflow=True)
@@ -1237,7 +1262,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _learn_loop_shape(self):
         """After a step: slots may step during the next backward if this step's loop allows it."""
         self._early_ok = (self._pipe_mode is True and self.stage != 1 and self.scaler is None
-                          and self._synced_backwards == 1 and not self._clipped)
+                          and self._synced_backwards == 1 and not self._clipped and not self._hparams_moved
+                          and not self._optimizer_step_pre_hooks)
         self._clipped = False
 
     def _widen_host_grads(self):
@@ -1312,6 +1338,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         they wrote straight into a segment is this backward's to keep."""
         self._drain()
         self._direct.clear()
+        if self._pipe_mode is True and self._synced_backwards == 0:
+            self._hparams_at_backward = self._hyperparameters()
         self._synced_backwards += 1
 
     def zero_grad(self, set_to_none: bool = True):

@@ -53,16 +53,23 @@ def test_nvme_adamw_bitwise_equal_to_in_memory(tmp_path, amsgrad, sub_group):
     assert ours.io_stats["read_bytes"] > 0 and ours.io_stats["write_bytes"] == ours.io_stats["read_bytes"]
 
 
-def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
+def torch_stepped_once(steps, **kw):
+    """(ps, qs, torch AdamW over qs after one step, the dyadic gradients of `steps` steps): ps hold the
+    values qs have after that step, for an optimizer that loads torch's state and goes on."""
     ps, qs, gen = make_params(1)
-    ref = torch.optim.AdamW(qs, lr=1e-2, foreach=False)
-    grads = [[torch.randint(-64, 65, p.shape, generator=gen).float() / 8 for p in ps] for _ in range(4)]
+    ref = torch.optim.AdamW(qs, lr=1e-2, foreach=False, **kw)
+    grads = [[torch.randint(-64, 65, p.shape, generator=gen).float() / 8 for p in ps] for _ in range(steps)]
     for q, g in zip(qs, grads[0]):
         q.grad = g.clone()
     ref.step()
     with torch.no_grad():
         for p, q in zip(ps, qs):
             p.copy_(q)
+    return ps, qs, ref, grads
+
+
+def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
+    ps, qs, ref, grads = torch_stepped_once(4)
     ours = pz.optim.NvmeAdamW(ps, lr=5.0, nvme_path=tmp_path, sub_group_elems=100_000)
     ours.load_state_dict(ref.state_dict())
     assert ours.param_groups[0]["lr"] == 1e-2
@@ -79,15 +86,7 @@ def test_nvme_load_of_an_amsgrad_state_needs_an_amsgrad_optimizer(tmp_path):
     """A state dict whose group has amsgrad=True (torch's, with max_exp_avg_sq) loads into an NvmeAdamW
     built with amsgrad=True and trains as torch does; one built without it has no swap space for that
     state and refuses the load, naming amsgrad (it dropped the state, then step() raised IndexError)."""
-    ps, qs, gen = make_params(1)
-    ref = torch.optim.AdamW(qs, lr=1e-2, amsgrad=True, foreach=False)
-    grads = [[torch.randint(-64, 65, p.shape, generator=gen).float() / 8 for p in ps] for _ in range(3)]
-    for q, g in zip(qs, grads[0]):
-        q.grad = g.clone()
-    ref.step()
-    with torch.no_grad():
-        for p, q in zip(ps, qs):
-            p.copy_(q)
+    ps, qs, ref, grads = torch_stepped_once(3, amsgrad=True)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     plain = pz.optim.NvmeAdamW(ps, lr=1e-2, nvme_path=tmp_path / "a", sub_group_elems=100_000)
     with pytest.raises(ValueError, match=r"param_groups\[0\] has amsgrad=True.*built with amsgrad=False"):

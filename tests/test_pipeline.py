@@ -490,6 +490,84 @@ def test_loss_cut_from_the_graph_raises():
     assert first[0] is not None, first
 
 
+class Detach(nn.Module):
+    def forward(self, x):
+        return x.detach()
+
+
+def detached_model():
+    """Stage 0 (Linear, Tanh) feeds stage 1 through a detach: no gradient reaches stage 0 (stage 2's input
+    gradient flows to stage 1), as when a head is trained on frozen features."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), Detach(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def rank_detached_stage(schedule):
+    pz.init(timeout=20)
+    r = pz.get_rank()
+    m = detached_model()
+    stage = [m[0:2], m[2:5], m[5:]][r]
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.1, weight_decay=0.5)
+    pipe = pz.pipeline.Pipeline(stage, 4, schedule)
+    grads = []
+    for seed in range(3):
+        x, y = make_batch(seed, 8, "mse")
+        opt.zero_grad()
+        pipe.train_step(x, y, F.mse_loss)
+        grads.append([p.grad is None for p in stage.parameters()])
+        opt.step()
+    return grads, {n: p.detach().clone() for n, p in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_parameters_no_gradient_reaches_keep_none_as_torch(schedule):
+    """Stage 0's parameters get no gradient (the model detaches its output): .grad stays None, so AdamW
+    skips them (weight decay 0.5 would move them), as in one full-batch backward; the later stages
+    train as torch does."""
+    ref = detached_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5)
+    for seed in range(3):
+        x, y = make_batch(seed, 8, "mse")
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    parts = [ref[0:2], ref[2:5], ref[5:]]
+    for res in run_ranks(rank_detached_stage, 3, args=(schedule,), timeout=60):
+        grads, params = res.value
+        assert all(g == [res.rank == 0] * len(g) for g in grads), (res.rank, grads)
+        for n, p in parts[res.rank].named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda msg, n=n: f"rank {res.rank} {n}: {msg}")
+
+
+def rank_under_no_grad():
+    pz.init(timeout=20)
+    r = pz.get_rank()
+    stage = pz.pipeline.split_sequential(make_model(), 2)[r]
+    pipe = pz.pipeline.Pipeline(stage, 2)
+    x, y = make_batch(1, 4, "mse")
+    pipe.train_step(x, y, F.mse_loss)
+    before = [p.grad.clone() for p in stage.parameters()]
+    try:
+        with torch.no_grad():
+            pipe.train_step(x, y, F.mse_loss)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    pipe.train_step(x, y, F.mse_loss)  # the pipeline goes on
+    return error, [bool(torch.allclose(p.grad, 2 * b, rtol=1e-5, atol=1e-7)) for p, b in zip(stage.parameters(),
+                                                                                              before)]
+
+
+def test_train_step_under_no_grad_raises_and_leaves_the_gradients():
+    """An evaluation pass written as train_step under torch.no_grad() added to .grad (its backward ran
+    anyway); it raises on every rank, the gradients stay those of the steps around it."""
+    for res in run_ranks(rank_under_no_grad, 2, timeout=60):
+        error, doubled = res.value
+        assert error is not None and error.startswith("train_step: called under torch.no_grad()"), error
+        assert all(doubled), (res.rank, doubled)
+
+
 def rank_in_place_first_layer():
     pz.init(timeout=20)
     r = pz.get_rank()

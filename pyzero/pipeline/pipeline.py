@@ -26,6 +26,7 @@ micro-batch shape changed.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -109,13 +110,22 @@ class Pipeline:
         loss is scaled by 1/m, so with a mean loss the gradients accumulated
         into ``.grad`` (as by ``loss.backward()``; zero them between steps)
         equal those of one full-batch backward. Returns the mean micro-batch
-        loss as a float on the last stage, None elsewhere.
+        loss as a float on the last stage, None elsewhere. (With a sum loss,
+        ``reduction="sum"``, the gradients and the returned loss are the full
+        batch's divided by m.) A parameter no gradient reaches (a stage after it
+        detaches its input, say) keeps ``.grad`` None, as under one backward.
+        Under ``torch.no_grad()`` it raises: it would still run the backward and
+        add to ``.grad`` (there is no forward-only pass through the pipeline).
 
         Bad arguments raise the same error on every rank before anything is
         sent, and leave the pipeline usable. An error inside a stage's own
         forward or backward ends the pipeline: its peers fail once it exits
         (or at the group's timeout).
         """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step: called under torch.no_grad() (or inference_mode); it runs forward and "
+                               "backward and adds to the parameters' .grad, so an evaluation pass through it would "
+                               "change the gradients being accumulated: run evaluation outside train_step")
         t_start = time.perf_counter()
         m = self.num_microbatches
         changed = handshake.agree_step(inputs, targets, loss_fn, m, self.is_first, self.is_last, self._signature,
@@ -183,12 +193,24 @@ class Pipeline:
             else:
                 x, out = held.pop(j)
                 grad = inbox.pop(("grad", j), None)
+                flows = True
+                # [Note: a gradient message says whether one flowed] A stage sends its input's gradient with
+                # one more element, 1, or zeros and 0 where its backward reached no input (a detach, an
+                # integer path): the stage before then runs no backward for that micro-batch, so parameters
+                # no gradient reaches keep .grad None as under one backward (zeros would be stepped: weight
+                # decay, momentum).
+                if grad is not None:
+                    flows = bool(grad[-1] != 0)
+                    grad = grad[:-1].view(out.shape)
                 t0 = time.perf_counter()
-                if out.requires_grad:  # False only for a stage without parameters fed by inputs
+                if flows and out.requires_grad:  # (False for a stage without parameters fed by inputs)
                     torch.autograd.backward(out, grad)
                 busy += time.perf_counter() - t0
                 if not self.is_first and x.is_floating_point():
-                    outbox[("grad", j)] = x.grad.contiguous() if x.grad is not None else torch.zeros_like(x)
+                    if x.grad is not None:
+                        outbox[("grad", j)] = torch.cat([x.grad.reshape(-1), x.grad.new_ones(1)])
+                    else:
+                        outbox[("grad", j)] = x.new_zeros(x.numel() + 1)
         for work in sends_in_flight:
             work.wait()
         step = time.perf_counter() - t_start
@@ -209,8 +231,8 @@ class Pipeline:
                 buf = torch.empty(handshake.HEADER_LEN, dtype=torch.int64, device=self._device)
             elif key[0] == "act":
                 buf = torch.empty(self._in_meta[0], dtype=self._in_meta[1], device=self._device)
-            else:
-                buf = torch.empty(self._out_meta[0], dtype=self._out_meta[1], device=self._device)
+            else:  # a gradient and its flag (see [Note: a gradient message says whether one flowed])
+                buf = torch.empty(math.prod(self._out_meta[0]) + 1, dtype=self._out_meta[1], device=self._device)
             peer = self._next if key[0] == "grad" else self._prev
             ops.append(comm.P2POp("recv", buf, peer, self.group))
             bufs.append((key, buf))

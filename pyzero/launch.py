@@ -3,11 +3,12 @@
 Used by the tests, ``pyzero-bench --nproc`` and the demo. Each rank is a
 forked process (or, with ``start="spawn"``, a fresh interpreter: CUDA cannot
 be used in a child forked after the parent initialised it) with
-RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set, its stdout/stderr
-captured to a file. If any rank fails, or the deadline
-passes, every rank still running is killed and RankFailure shows each rank's
-exit status and the tail of its output (a rank still running at the deadline first
-prints every thread's stack).
+RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set (a spawned one from its
+interpreter's start), its stdout/stderr captured to a file. If any rank fails, or the deadline
+passes, every rank still running is killed with what it started (each rank leads a session
+of its own) and RankFailure shows each rank's exit status (``sys.exit(n)``: n) and the tail
+of its output (a rank still running at the deadline first prints every thread's stack).
+A rank dies with its launcher, however the launcher ends (Linux: PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
@@ -82,18 +83,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, out_path: str,
-           res_path: str) -> None:
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _tie_to_parent(parent: int) -> None:
+    """End this rank with its launcher: SIGKILL when the launching thread's process dies (Linux's
+    PR_SET_PDEATHSIG), whatever kills it (SIGTERM, SIGKILL), as torchrun's agent takes its workers down."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # (not Linux)
+        pass
+    if os.getppid() != parent:  # it died before the call above
+        os._exit(1)
+
+
+def _redirect(out_path: str) -> None:
+    """This rank's stdout and stderr (file descriptors 1 and 2) to its output file, appended to."""
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, out_path: str,
+           res_path: str) -> None:
+    _redirect(out_path)  # (a spawned rank's own start, loading fn's module, wrote there already)
     # Whatever replaced sys.stdout/stderr in the parent (pytest's capture) must not swallow rank output.
     import sys  # noqa: PLC0415
 
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(_rank_env(rank, nprocs, port))
     os.environ.update(env or {})
     # At the deadline the parent asks for every thread's stack (SIGUSR1) before killing the
     # rank, so RankFailure shows where a hung rank was.
@@ -107,7 +126,10 @@ def _child(fn, rank: int, nprocs: int, port: int, args, kwargs, env, threads, ou
         value = fn(*args, **kwargs)
         with _private(res_path) as f:
             pickle.dump(value, f)
-    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+    except SystemExit as e:  # sys.exit(n): the rank's exit status is n (no value: a failure all the same)
+        traceback.print_exc()
+        code = e.code if is_int(e.code) and 0 <= e.code < 256 else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - report everything
         traceback.print_exc()
         code = 1
     finally:
@@ -129,35 +151,49 @@ def _private(path: str):
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
 
-def _spawned(spec_path: str) -> None:
-    """Entry point of a spawned rank: load what _child needs, then run it."""
+def _spawned(spec_path: str, out_path: str, parent: int) -> None:
+    """Entry point of a spawned rank: its output to its file first (what loading the spec, which imports
+    fn's module, prints or raises is the rank's output), then load what _child needs and run it."""
+    _tie_to_parent(parent)
+    _redirect(out_path)
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     os.unlink(spec_path)
     _child(*spec)
 
 
-def _spawn(spec: tuple, spec_path: str, rank_env: dict | None) -> int:
-    """Start a fresh interpreter running _child(*spec); `fn` travels by reference (module + name)."""
+def _rank_env(rank: int, nprocs: int, port: int) -> dict:
+    return {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _spawn(spec: tuple, spec_path: str, rank_env: dict) -> int:
+    """Start a fresh interpreter running _child(*spec) in a session of its own; `fn` travels by reference
+    (module + name)."""
     with _private(spec_path) as f:
         pickle.dump(spec, f)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)  # the parent's imports resolve alike
     # The rank's own variables are there from the interpreter's start: loading the spec imports `fn`'s module,
     # and what that imports may read them (pyzero chooses its NCCL library, CUDA its devices, at import).
-    env.update(rank_env or {})
-    code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1])"
-    return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path], env)
+    env.update(rank_env)
+    code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path, spec[8], str(os.getpid())], env,
+                          setsid=True)
 
 
 def _signal_running(pids: dict[int, int], codes: dict[int, int | None], sig: int) -> None:
-    """Send `sig` to every rank (pid -> rank) without an exit code yet."""
+    """Send `sig` to every rank (pid -> rank) without an exit code yet, and to the processes it started
+    (a rank leads a session of its own: its process group)."""
     for pid, r in pids.items():
         if r not in codes:
             try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
 
 
 def _kill_and_reap(pids: dict[int, int], codes: dict[int, int | None]) -> None:
@@ -209,10 +245,13 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
             spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
                     os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
             if start == "spawn":
-                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"), env)
+                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"), _rank_env(r, nprocs, port) | (env or {}))
             else:
+                parent = os.getpid()
                 pid = os.fork()
                 if pid == 0:
+                    os.setsid()  # (a session of its own: the deadline's kill reaches what the rank starts)
+                    _tie_to_parent(parent)
                     _child(*spec)
             pids[pid] = r
         deadline = time.monotonic() + timeout
@@ -247,7 +286,7 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
             time.sleep(0.005)
         if echo is not None:
             copy_echo()
-        timed_out = len(codes) < nprocs and not failed
+        timed_out = len(codes) < nprocs and not (failed and check)
         if timed_out:  # stacks of the ranks still running (see _child), then kill them
             _signal_running(pids, codes, signal.SIGUSR1)
             time.sleep(0.5)

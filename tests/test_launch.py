@@ -28,19 +28,26 @@ def test_results_in_rank_order_with_env():
 
 # Read when this module is imported: in a spawned rank that is while its spec (which names a function of
 # this module) is loaded, before the rank's body runs.
-AT_IMPORT = os.environ.get("PZ_TEST_AT_IMPORT")
+AT_IMPORT = {k: os.environ.get(k) for k in ("PZ_TEST_AT_IMPORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
 
 
 def _seen_at_import():
-    return AT_IMPORT, os.environ.get("PZ_TEST_AT_IMPORT")
+    return AT_IMPORT, os.environ.get("PZ_TEST_AT_IMPORT"), os.environ["MASTER_PORT"]
 
 
-def test_spawned_ranks_have_their_env_from_the_start():
-    """A spawned rank's `env` is its environment from the interpreter's start, so what its function's module
-    imports sees it (pyzero picks its NCCL library at import from PYZERO_NCCL_ROOT)."""
-    assert AT_IMPORT is None
+def test_spawned_ranks_have_their_env_from_the_start(monkeypatch):
+    """A spawned rank's `env` and its rank variables are its environment from the interpreter's start, so
+    what its function's module imports sees them (pyzero picks its NCCL library at import from
+    PYZERO_NCCL_ROOT; a module may pick cuda:LOCAL_RANK), also where the parent has its own RANK."""
+    assert AT_IMPORT["PZ_TEST_AT_IMPORT"] is None
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "5")
     results = run_ranks(_seen_at_import, 2, env={"PZ_TEST_AT_IMPORT": "set"}, start="spawn", timeout=60)
-    assert [r.value for r in results] == [("set", "set")] * 2
+    for r in results:
+        at_import, later, port = r.value
+        assert at_import == {"PZ_TEST_AT_IMPORT": "set", "RANK": str(r.rank), "LOCAL_RANK": str(r.rank),
+                             "WORLD_SIZE": "2", "MASTER_PORT": port}, at_import
+        assert later == "set"
     assert "PZ_TEST_AT_IMPORT" not in os.environ
 
 
@@ -68,6 +75,52 @@ def _hang_on_rank_zero():
     if os.environ["RANK"] == "0":
         time.sleep(60)
     return "done"
+
+
+def _start_a_sleeper():
+    import subprocess  # noqa: PLC0415
+
+    child = subprocess.Popen(["sleep", "60"])
+    print(child.pid, flush=True)
+    time.sleep(60)
+
+
+def test_the_deadline_kills_what_a_rank_started_too():
+    """A rank still running at the deadline is killed with the processes it started (its session), as
+    torchrun's agent kills its workers' process groups."""
+    results = run_ranks(_start_a_sleeper, 2, timeout=2.0, check=False)
+    for r in results:
+        assert r.exitcode is None
+        pid = int(r.output.split()[0])
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _exit_with(code):
+    if os.environ["RANK"] == "1":
+        if code == "hang":
+            time.sleep(60)
+        raise SystemExit(code)
+    if code == "hang":
+        raise ValueError("rank 0 fails first")
+    return "fine"
+
+
+def test_sys_exit_status_and_stacks_of_ranks_hung_after_another_failed():
+    """sys.exit(3) in a rank is exit status 3 (as torch.multiprocessing.spawn lets it through); without
+    check, a rank still running at the deadline after another failed prints its stack too."""
+    results = run_ranks(_exit_with, 2, args=(3,), timeout=30, check=False)
+    assert [r.exitcode for r in results] == [0, 3] and results[1].value is None
+    results = run_ranks(_exit_with, 2, args=("hang",), timeout=2.0, check=False)
+    assert results[0].exitcode == 1 and results[1].exitcode is None
+    assert "most recent call first" in results[1].output and "_exit_with" in results[1].output, results[1].output
 
 
 def test_deadline_kills_hung_ranks():
@@ -219,6 +272,72 @@ except KeyboardInterrupt:
 def _print_pid_and_sleep():
     print(os.getpid(), flush=True)
     time.sleep(60)
+
+
+def _wait_gone(pid, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+TERMINATED_PARENT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from pyzero.launch import run_ranks
+from test_launch import _print_pid_and_sleep
+
+run_ranks(_print_pid_and_sleep, 2, timeout=60, echo=0, start=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_ranks_end_with_a_parent_killed_by_a_signal(start):
+    """SIGTERM (a scheduler, CI) or SIGKILL ends the parent without any clean-up of its own: its ranks
+    die with it (PR_SET_PDEATHSIG), as torchrun's workers do with their agent."""
+    import subprocess
+    import sys
+
+    for sig in (15, 9):
+        proc = subprocess.Popen([sys.executable, "-c", TERMINATED_PARENT, start, os.path.dirname(__file__)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            rank0 = int(proc.stdout.readline())
+            proc.send_signal(sig)
+            proc.wait(timeout=20)
+            assert _wait_gone(rank0), f"rank 0 (pid {rank0}) still runs after its parent got signal {sig}"
+        finally:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+def test_a_spawned_rank_that_fails_loading_its_function_shows_why(tmp_path, monkeypatch):
+    """A spawned rank whose function's module fails at import (there, not in the parent): the traceback
+    is in that rank's output, not lost to the parent's terminal."""
+    import importlib
+    import sys
+
+    (tmp_path / "pz_refusing_module.py").write_text(
+        "import os\n"
+        "if os.environ.get('PZ_TEST_REFUSE') == '1':\n"
+        "    raise ImportError('pz_refusing_module refuses to load in a rank')\n"
+        "def fn():\n"
+        "    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("pz_refusing_module")
+    try:
+        with pytest.raises(RankFailure) as info:
+            run_ranks(mod.fn, 1, start="spawn", env={"PZ_TEST_REFUSE": "1"}, timeout=60)
+        assert "pz_refusing_module refuses to load in a rank" in info.value.results[0].output, str(info.value)
+    finally:
+        sys.modules.pop("pz_refusing_module", None)
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])

@@ -38,6 +38,7 @@ import math
 import os
 import pickle
 import shutil
+import time
 import warnings
 import zlib
 
@@ -161,7 +162,9 @@ def _check_pair(model, opt) -> None:
 
 def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_state: dict | None = None,
          optimizer_state: bool = True) -> str:
-    """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it.
+    """Write this rank's shard of `model`/`opt` at `step`; every rank of opt's group calls it. ``keep``:
+    how many checkpoints stay, this one and those saved last before it (in the order of saving, not
+    of step numbers: a run that went back to an earlier step keeps what it saves since).
 
     ``optimizer_state=False`` leaves the inner optimizer's state (Adam's moments: two thirds of an
     AdamW checkpoint) out: the fp32 weights, hyperparameters and app_state are saved; ``load`` then
@@ -323,6 +326,7 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer
     if not optimizer_state:  # (absent: saved with it, as every checkpoint before this field)
         meta["optimizer_state"] = False
     meta["files"] = files
+    meta["saved_ns"] = time.time_ns()  # (the order of saves, for keep=)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
         f.flush()
@@ -340,10 +344,28 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer
     os.replace(os.path.join(path, "latest.tmp"), os.path.join(path, "latest"))
     _fsync_dir(path)
     entries = os.listdir(path)
-    others = sorted(d for d in entries if d.startswith("step_") and d != name)  # this one always stays
+    # keep: this one and the keep - 1 saved last before it, in the order they were saved (after a run went
+    # back to an earlier step, the steps it saves since stay, and the abandoned run's later numbers go first)
+    others = sorted((d for d in entries if d.startswith("step_") and d != name), key=lambda d: _saved_at(path, d))
     stale = [d for d in entries if d.startswith((".tmp_step_", ".old_step_"))]  # crashed or replaced saves
     for d in others[:max(0, len(others) - (keep - 1))] + stale:
         shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+
+
+def _saved_at(path: str, d: str) -> tuple:
+    """When checkpoint `d` was saved (meta.json's saved_ns; before that field, the file's time; a damaged
+    one first), then its step number."""
+    meta = os.path.join(path, d, "meta.json")
+    try:
+        with open(meta) as f:
+            t = int(json.load(f)["saved_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            t = os.stat(meta).st_mtime_ns
+        except OSError:
+            t = -1
+    digits = d[len("step_"):]
+    return t, int(digits) if digits.isdigit() else -1
 
 
 def _setting(v):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 
 import pytest
@@ -414,6 +415,34 @@ def test_a_checkpoint_without_the_optimizer_state(tmp_path):
             assert_same(v["light/loaded"], v["weights"])
             assert_same(v["light/after"], v["fresh/after"])  # a fresh optimizer's first step, bitwise
             assert max((v["full/after"][k] - v["fresh/after"][k]).abs().max().item() for k in v["weights"]) > 1e-4
+
+
+def _rank_rolled_back(ckpt):
+    pz.init(timeout=30)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR)
+    for step in (10, 15, 20):
+        pz.checkpoint.save(ckpt, model, opt, step, keep=3)
+    out = {}
+    for step in (11, 12):  # the run went back to step 10 (a loss spike) and saves again from there
+        pz.checkpoint.save(ckpt, model, opt, step, keep=3)
+        out[step] = sorted(os.listdir(ckpt))
+    with open(os.path.join(ckpt, "step_00000012", "rank00000.pt"), "r+b") as f:  # the newest goes bad
+        f.write(b"\0" * 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["fallback"] = pz.checkpoint.load(ckpt, model, opt, fallback=True)
+    return out
+
+
+def test_keep_counts_saves_in_the_order_they_were_made(tmp_path):
+    """keep=3 keeps the 3 saved last: after a run goes back to step 10 and saves 11 and 12, those stay
+    and the abandoned run's 15 and 20 go first (by step number the fresh 11 was deleted at the save of
+    12, and a damaged 12 left nothing to fall back to)."""
+    for r in run_ranks(_rank_rolled_back, 2, args=(str(tmp_path / "ck"),), timeout=60):
+        assert r.value[11] == ["latest", "step_00000011", "step_00000015", "step_00000020"], r.value
+        assert r.value[12] == ["latest", "step_00000011", "step_00000012", "step_00000020"], r.value
+        assert r.value["fallback"] == 11
 
 
 def _rank_mismatched_arguments(ckpt):

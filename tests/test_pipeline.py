@@ -404,6 +404,7 @@ def rank_bad_input():
     pz.init()
     r = pz.get_rank()
     stages = pz.pipeline.split_sequential(make_model(), 2)
+    alone = [pz.new_group([0]), pz.new_group([1])][r]  # (a data-parallel group of one, for a wrapped stage)
     x, y = make_batch(1, 8, "mse")
     cases = {
         "m0": lambda: pz.pipeline.Pipeline(stages[r], 0),
@@ -413,6 +414,7 @@ def rank_bad_input():
         "schedule": lambda: pz.pipeline.Pipeline(stages[r], 4, schedule="zigzag"),
         "three_stages": lambda: pz.pipeline.Pipeline(pz.pipeline.split_sequential(make_model(), 3)[r], 4),
         "swapped_stages": lambda: pz.pipeline.Pipeline(stages[1 - r], 4),
+        "swapped_wrapped": lambda: pz.pipeline.Pipeline(pz.DataParallel(stages[1 - r], group=alone), 4),
         "not_a_module": lambda: pz.pipeline.Pipeline("stage", 4),
     }
     pipe = pz.pipeline.Pipeline(stages[r], 4)
@@ -442,6 +444,7 @@ ERRORS = {
     "three_stages": ("ValueError", r"split into 3 stages, but the pipeline group has 2 ranks.*num_stages=2"),
     "swapped_stages": ("ValueError", r"pipeline rank 0 \(global rank 0\) holds stage 1; rank i of the pipeline "
                                      r"group must hold stages\[i\]"),
+    "swapped_wrapped": ("ValueError", r"pipeline rank 0 \(global rank 0\) holds stage 1"),
     "not_a_module": ("TypeError", "stage_module: expected an nn.Module"),
     "indivisible": ("ValueError", "inputs: batch size 6 .* does not split into num_microbatches=4"),
     "fewer_than_m": ("ValueError", "inputs: batch size 2 .* does not split into num_microbatches=4"),

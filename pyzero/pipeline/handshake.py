@@ -50,7 +50,12 @@ def _schedule_error(schedule):
 def check_config(module, num_microbatches, schedule, group: comm.Group) -> None:
     """Gather (num_microbatches, schedule, stage tag) of every rank; raise on every rank if any is wrong."""
     m_err, s_err = _m_error(num_microbatches), _schedule_error(schedule)
-    info = getattr(module, "pipeline_stage", None)
+    info, inner = None, module
+    for _ in range(8):  # the stage itself, or inside wrappers (pz.DataParallel, torch DDP: .module)
+        info = getattr(inner, "pipeline_stage", None)
+        if info is not None or not isinstance(getattr(inner, "module", None), torch.nn.Module):
+            break
+        inner = inner.module
     index, stages = info if isinstance(info, StageInfo) else (-1, -1)  # -1: built by hand, nothing to check
     # per pipeline rank: [m or 0, m valid, schedule index or -1, stage index, stages]
     mine = [0 if m_err else num_microbatches, int(m_err is None), -1 if s_err else _NAMES.index(schedule), index,

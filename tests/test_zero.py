@@ -916,6 +916,64 @@ def test_bad_zeropp_option_is_refused_before_the_model_is_touched():
         assert kept_unfit, "hooks left on the model by a group-dependent refusal"
 
 
+def rank_misspelt_zeropp_option():
+    pz.init(timeout=30)
+    return [outcome(lambda stage=stage: pz.ZeroOptimizer(MLP(), AdamW, stage=stage, zero_hpz_partition=2))
+            for stage in (2, 3)]
+
+
+def test_a_misspelt_zeropp_option_is_named_as_unknown():
+    """zero_hpz_partition (for zero_hpz_partition_size): not an option, at any stage (at stage 3 the message
+    said the ZeRO++ options are for stage=3, got stage=3)."""
+    for r in run_ranks(rank_misspelt_zeropp_option, 1, timeout=60):
+        for kind, msg in r.value:
+            assert kind == "TypeError" and msg.startswith("zero_hpz_partition: not a ZeroOptimizer option"), msg
+            assert "zero_hpz_partition_size" in msg
+
+
+class Scaled(nn.Module):
+    """A Linear and a 0-dim parameter (a learnt temperature, CLIP's logit_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def rank_scalar_parameter_stage3():
+    pz.init(timeout=30)
+    model = Scaled()
+    opt = pz.ZeroOptimizer(model, AdamW, stage=3, lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        half = slice(pz.get_rank() * 4, pz.get_rank() * 4 + 4)
+        opt.zero_grad()
+        F.mse_loss(model(x[half]), y[half]).backward()
+        opt.step()
+    return opt.full_state_dict()
+
+
+def test_stage3_trains_a_0_dim_parameter_as_torch():
+    """A 0-dim parameter in stage 3 on 2 ranks (its freed stand-in could not take the shape ())."""
+    ref = Scaled()
+    opt = AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    got = run_ranks(rank_scalar_parameter_stage3, 2, timeout=60)[0].value
+    assert got["scale"].shape == ()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
 def rank_step_after_no_sync():
     """Stage 1 reduces at step(); stages 2-3 refuse a step whose last backward ran inside no_sync
     (nothing stepped), then step after a synced backward on what both backwards accumulated."""

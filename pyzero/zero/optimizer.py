@@ -187,6 +187,8 @@ class CollectiveCall(NamedTuple):
     counts: list[int] | None  # elements per rank when uneven, None for numel / world each
 
 
+_ZEROPP_OPTIONS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """Drop-in sharded optimizer: ``pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)``.
 
@@ -233,7 +235,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"leaf_modules: gathering a module's subtree at its forward is for stage=3 (stages 1-2 "
                              f"keep whole parameters), got stage={stage!r}")
         zeropp = sorted(k for k in optimizer_kwargs if k.startswith("zero_"))
-        if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2
+        if zeropp:  # the ZeRO++ options (stage3.py) reach here only for stages 1-2, or misspelt
+            if zeropp[0] not in _ZEROPP_OPTIONS:
+                raise TypeError(f"{zeropp[0]}: not a ZeroOptimizer option; the ZeRO++ ones (stage=3) are "
+                                f"{list(_ZEROPP_OPTIONS)}")
             raise ValueError(f"{zeropp[0]}: the ZeRO++ options are for stage=3, got stage={stage!r}")
         if not is_positive_finite(bucket_mb):
             raise ValueError(f"bucket_mb: expected a positive number of MiB, got {bucket_mb!r}")

@@ -110,7 +110,8 @@ class _Unit:
         self.full = self.shard if alias else fp32.to(model_dtype)
         self.views = self.layout.views(self.full)  # share full's storage, also across free/gather
         # What a freed parameter holds: its shape, every element one NaN (stride 0).
-        self.stubs = [] if alias else [torch.full((1,), float("nan"), dtype=model_dtype, device=device).expand(v.shape)
+        # (a 0-dim element expands to any shape, 0-dim parameters included)
+        self.stubs = [] if alias else [torch.full((), float("nan"), dtype=model_dtype, device=device).expand(v.shape)
                                        for v in self.views]
         for v, p in zip(self.views, params):
             p.data = v

@@ -236,7 +236,8 @@ class Options:
     """Transport settings of a group (``pz.init(options=...)``, ``pz.new_group(ranks, options=...)``).
 
     None means the backend's default, which an environment variable may set
-    (in brackets); a subgroup without options inherits the world's.
+    (in brackets); a subgroup without options inherits the world's. Every rank of a group must
+    resolve the same values (the shm backend checks when it makes the group).
 
     - slice_bytes: ring pipelining slice (shm 256 KiB [PYZERO_SHM_SLICE_KB], a multiple of 64 bytes from 4096;
       nccl 4 MiB [PYZERO_NCCL_SLICE_KB]);

@@ -426,7 +426,7 @@ def _rank_rolled_back(ckpt):
     out = {}
     for step in (11, 12):  # the run went back to step 10 (a loss spike) and saves again from there
         pz.checkpoint.save(ckpt, model, opt, step, keep=3)
-        out[step] = sorted(os.listdir(ckpt))
+        out[step] = sorted(d for d in os.listdir(ckpt) if not d.startswith("."))  # (another rank's next save)
     with open(os.path.join(ckpt, "step_00000012", "rank00000.pt"), "r+b") as f:  # the newest goes bad
         f.write(b"\0" * 8)
     with warnings.catch_warnings():

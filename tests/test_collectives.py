@@ -1461,3 +1461,37 @@ def test_dropped_async_handle_keeps_tensors_alive():
     for r in results:
         assert r.exitcode == 0, f"rank {r.rank} exited with {r.exitcode}:\n{r.output[-2000:]}"
         assert r.value["ok"], f"rank {r.rank}: wrong all_gather result"
+
+
+def _rank_settings(case):
+    pz.init(timeout=10)
+    r = pz.get_rank()
+    if case == "differ":  # rank 0 alone moves the two-shot's area and the one-shot's limit: same segment size
+        opts = pz.Options(twoshot_bytes=4 << 20, oneshot_bytes=8 << 20) if r == 0 else pz.Options()
+    else:
+        opts = pz.Options(oneshot_bytes=0, twoshot_bytes=0)
+    try:
+        pz.new_group(range(pz.get_world_size()), options=opts)
+        made = ("ok", "")
+    except ValueError as e:
+        made = ("ValueError", str(e))
+    t = torch.full((4,), float(r))
+    pz.all_reduce(t)  # the world goes on
+    return made, t.tolist()
+
+
+@pytest.mark.parametrize("case", ["differ", "zero_area"])
+def test_group_settings_the_ranks_disagree_on_or_that_leave_no_area_are_refused(case):
+    """Ranks giving a group different transport settings (a two-shot cut into different pieces read
+    partly wrong results on one rank and timed out on the other) raise on every rank, naming the
+    setting and each rank's value; oneshot_bytes=twoshot_bytes=0 left no staging area (the two-shot
+    then wrote over the point-to-point slots)."""
+    for r in run_ranks(_rank_settings, 2, args=(case,), timeout=60):
+        (kind, msg), after = r.value
+        assert kind == "ValueError", r.value
+        if case == "differ":
+            assert msg.startswith("options.oneshot_bytes: the ranks of the group set it differently (rank 0: "
+                                  "8388608, rank 1: 524288)"), msg
+        else:
+            assert "oneshot_bytes and twoshot_bytes" in msg and "both 0" in msg, msg
+        assert after == [1.0] * 4

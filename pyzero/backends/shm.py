@@ -8,6 +8,8 @@ nothing in /dev/shm. Collectives run on one C++ worker thread per group
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from .. import _C
@@ -15,6 +17,20 @@ from ..backend import DTYPES, Backend, Buffer, GroupSetup, check_contiguous, sto
 
 _new_tuple = tuple.__new__  # Buffer without NamedTuple.__new__'s Python frame (hot path)
 _CODE_SIZE = {dt: (code, torch.empty((), dtype=dt).element_size()) for dt, code in DTYPES.items()}
+
+
+def _same_settings(setup: GroupSetup, mine: dict) -> None:
+    """Every rank of the group resolved the same transport settings (options or PYZERO_SHM_* variables):
+    ranks cutting a call differently, or picking different algorithms for it, read each other's data wrong
+    or wait for each other in vain. ValueError on every rank (each compares the same values) naming them."""
+    every = [mine if r == setup.rank else json.loads(setup.store.get(f"{setup.key}/settings/{r}"))
+             for r in range(setup.size)]
+    for name in mine:
+        values = [s.get(name) for s in every]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"options.{name}: the ranks of the group set it differently ({shown}), by options= or "
+                             "the PYZERO_SHM_* environment variables; every rank must use the same value")
 
 
 class ShmBackend(Backend):
@@ -49,14 +65,24 @@ class ShmBackend(Backend):
         if slice_bytes < 4096 or slice_bytes % 64:
             raise ValueError(f"slice_bytes={slice_bytes} (options.slice_bytes or PYZERO_SHM_SLICE_KB): the shm "
                              "backend takes a multiple of 64 bytes, at least 4096")
-        comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes,
-                          o.get("depth", 8, "PYZERO_SHM_DEPTH"), oneshot, setup.timeout,
-                          o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True),
-                          o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
-                          o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE"),
-                          o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB", kib=True))
+        settings = {"slice_bytes": slice_bytes, "depth": o.get("depth", 8, "PYZERO_SHM_DEPTH"),
+                    "oneshot_bytes": oneshot, "stream_bytes": o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB",
+                                                                    kib=True),
+                    "twoshot_bytes": o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
+                    "adaptive": o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE"),
+                    "twoshot_stream_bytes": o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB",
+                                                  kib=True)}
+        if settings["oneshot_bytes"] == 0 and settings["twoshot_bytes"] == 0:
+            raise ValueError("oneshot_bytes and twoshot_bytes (options, or PYZERO_SHM_ONESHOT_KB and "
+                             "PYZERO_SHM_TWOSHOT_KB) are both 0: they size the area the one-shot and two-shot "
+                             "all_reduce stage through; give one of them more than 0")
+        s = settings
+        comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes, s["depth"], oneshot, setup.timeout,
+                          s["stream_bytes"], s["twoshot_bytes"], s["adaptive"], s["twoshot_stream_bytes"])
         try:
+            setup.store.set(f"{setup.key}/settings/{setup.rank}", json.dumps(settings))
             store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)
+            _same_settings(setup, settings)
             comm.attach()
             store_barrier(setup.store, setup.key + "/attached", setup.size, setup.timeout)
         finally:

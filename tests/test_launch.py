@@ -1,4 +1,5 @@
 """pyzero.launch.run_ranks: the forked-rank harness every multi-rank test relies on."""
+import contextlib
 import os
 import time
 
@@ -92,15 +93,7 @@ def test_the_deadline_kills_what_a_rank_started_too():
     for r in results:
         assert r.exitcode is None
         pid = int(r.output.split()[0])
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert _wait_gone(pid), f"rank {r.rank}'s child {pid} still runs"
 
 
 def _exit_with(code):
@@ -285,6 +278,25 @@ def _wait_gone(pid, seconds=5.0):
     return False
 
 
+@contextlib.contextmanager
+def _parent_job(script, start):
+    """A parent process running `script` (run_ranks of _print_pid_and_sleep, rank 0 echoed) in a session of
+    its own: (the process, rank 0's pid); everything of it killed after."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", script, start, os.path.dirname(__file__)], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        yield proc, int(proc.stdout.readline())
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
 TERMINATED_PARENT = """
 import sys
 sys.path.insert(0, sys.argv[2])
@@ -299,23 +311,11 @@ run_ranks(_print_pid_and_sleep, 2, timeout=60, echo=0, start=sys.argv[1])
 def test_ranks_end_with_a_parent_killed_by_a_signal(start):
     """SIGTERM (a scheduler, CI) or SIGKILL ends the parent without any clean-up of its own: its ranks
     die with it (PR_SET_PDEATHSIG), as torchrun's workers do with their agent."""
-    import subprocess
-    import sys
-
     for sig in (15, 9):
-        proc = subprocess.Popen([sys.executable, "-c", TERMINATED_PARENT, start, os.path.dirname(__file__)],
-                                stdout=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            rank0 = int(proc.stdout.readline())
+        with _parent_job(TERMINATED_PARENT, start) as (proc, rank0):
             proc.send_signal(sig)
             proc.wait(timeout=20)
             assert _wait_gone(rank0), f"rank 0 (pid {rank0}) still runs after its parent got signal {sig}"
-        finally:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
 
 
 def test_a_spawned_rank_that_fails_loading_its_function_shows_why(tmp_path, monkeypatch):
@@ -344,33 +344,12 @@ def test_a_spawned_rank_that_fails_loading_its_function_shows_why(tmp_path, monk
 def test_an_interrupted_parent_leaves_no_rank_running(start):
     """SIGINT to the parent alone (pytest stopped by a time limit) ends run_ranks with its ranks killed
     and reaped: none keeps running (on a GPU, spinning in a kernel) after the parent gives up."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT, start, os.path.dirname(__file__)],
-                            stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        rank0 = int(proc.stdout.readline())  # (the echo of rank 0: both ranks have started by then or soon)
-        time.sleep(0.5)
+    with _parent_job(INTERRUPTED_PARENT, start) as (proc, rank0):
+        time.sleep(0.5)  # (both ranks have started by then)
         proc.send_signal(2)
         out, _ = proc.communicate(timeout=20)
         assert "interrupted" in out, out
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                os.kill(rank0, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        with pytest.raises(ProcessLookupError):
-            os.kill(rank0, 0)
-    finally:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        assert _wait_gone(rank0), f"rank 0 (pid {rank0}) still runs"
 
 
 def test_without_nproc_drops_only_the_launch_count():

@@ -470,12 +470,15 @@ def test_bad_input_raises_on_every_rank():
     assert results[0].value["after"] is None
 
 
-def rank_detached_loss():
+def two_stages():
+    """This rank's stage of make_model() split in two, its 2-micro-batch pipeline, a batch of 4."""
     pz.init(timeout=20)
-    r = pz.get_rank()
-    stage = pz.pipeline.split_sequential(make_model(), 2)[r]
-    pipe = pz.pipeline.Pipeline(stage, 2)
-    x, y = make_batch(1, 4, "mse")
+    stage = pz.pipeline.split_sequential(make_model(), 2)[pz.get_rank()]
+    return stage, pz.pipeline.Pipeline(stage, 2), *make_batch(1, 4, "mse")
+
+
+def rank_detached_loss():
+    stage, pipe, x, y = two_stages()
     try:
         pipe.train_step(x, y, lambda out, t: F.mse_loss(out, t).detach())
         return None, {n: p.grad for n, p in stage.named_parameters()}
@@ -544,11 +547,7 @@ def test_parameters_no_gradient_reaches_keep_none_as_torch(schedule):
 
 
 def rank_under_no_grad():
-    pz.init(timeout=20)
-    r = pz.get_rank()
-    stage = pz.pipeline.split_sequential(make_model(), 2)[r]
-    pipe = pz.pipeline.Pipeline(stage, 2)
-    x, y = make_batch(1, 4, "mse")
+    stage, pipe, x, y = two_stages()
     pipe.train_step(x, y, F.mse_loss)
     before = [p.grad.clone() for p in stage.parameters()]
     try:

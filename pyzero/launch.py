@@ -167,7 +167,7 @@ def _rank_env(rank: int, nprocs: int, port: int) -> dict:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def _spawn(spec: tuple, spec_path: str, rank_env: dict) -> int:
+def _spawn(spec: tuple, spec_path: str, out_path: str, rank_env: dict) -> int:
     """Start a fresh interpreter running _child(*spec) in a session of its own; `fn` travels by reference
     (module + name)."""
     with _private(spec_path) as f:
@@ -178,7 +178,7 @@ def _spawn(spec: tuple, spec_path: str, rank_env: dict) -> int:
     # and what that imports may read them (pyzero chooses its NCCL library, CUDA its devices, at import).
     env.update(rank_env)
     code = "import sys; from pyzero.launch import _spawned; _spawned(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
-    return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path, spec[8], str(os.getpid())], env,
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", code, spec_path, out_path, str(os.getpid())], env,
                           setsid=True)
 
 
@@ -242,10 +242,11 @@ def run_ranks(fn, nprocs: int, args=(), kwargs=None, timeout: float = 60.0, env=
     codes: dict[int, int | None] = {}
     try:
         for r in range(nprocs):
-            spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads,
-                    os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.pkl"))
+            out_path = os.path.join(tmp, f"rank{r}.out")
+            spec = (fn, r, nprocs, port, args, kwargs or {}, env, threads, out_path, os.path.join(tmp, f"rank{r}.pkl"))
             if start == "spawn":
-                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"), _rank_env(r, nprocs, port) | (env or {}))
+                pid = _spawn(spec, os.path.join(tmp, f"rank{r}.spec"), out_path,
+                             _rank_env(r, nprocs, port) | (env or {}))
             else:
                 parent = os.getpid()
                 pid = os.fork()

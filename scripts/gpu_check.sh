@@ -100,11 +100,11 @@ else
 fi
 # GPU_CHECK_PARTS names the parts, run in the order named (default: tests kernels collectives train offload ipc
 # faults nccl-multi); these run only when named: capacity, memory (per-rank peaks with GPU_CHECK_MEMORY_NPROC
-# processes on GPU 0, default "1 2 4": 1 is world size 1 with plain torch and ZeRO-1 beside them), ipc-graph (the ipc all_reduce at 2 processes, eager and captured in CUDA
-# graphs; the ipc part includes it), ipc-algos (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and
-# 8 processes on GPU 0), torch-backend (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B -
-# 1 MiB all_reduce and GPT-2 small under DDP and FSDP2, with pz.DataParallel beside them) and nccl-faults
-# (nccl-multi's fault cells alone).
+# processes on GPU 0, default "1 2 4": 1 is world size 1 with plain torch and ZeRO-1 beside them), ipc-graph
+# (the ipc all_reduce at 2 processes, eager and captured in CUDA graphs; the ipc part includes it), ipc-algos
+# (all_reduce by algorithm, ring / one-shot / two-shot, at 2, 4 and 8 processes on GPU 0), torch-backend
+# (world size 1: torch.distributed's "pyzero" backend against NCCL, an 8 B - 1 MiB all_reduce and GPT-2 small
+# under DDP and FSDP2, with pz.DataParallel beside them) and nccl-faults (nccl-multi's fault cells alone).
 # capacity (the largest GPT that trains with and without offload; minutes, host-memory bound): GPU_CHECK_CAPACITY_RUNS
 # replaces its runs, GPU_CHECK_CAPACITY_NPROC adds ZeRO-3 and FSDP2 with that many ranks sharing GPU 0.
 # GPU_CHECK_OFFLOAD_THREADS (e.g. 8): the offload part's pyzero rows again with that many CPU optimizer threads.

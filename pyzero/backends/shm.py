@@ -65,20 +65,19 @@ class ShmBackend(Backend):
         if slice_bytes < 4096 or slice_bytes % 64:
             raise ValueError(f"slice_bytes={slice_bytes} (options.slice_bytes or PYZERO_SHM_SLICE_KB): the shm "
                              "backend takes a multiple of 64 bytes, at least 4096")
-        settings = {"slice_bytes": slice_bytes, "depth": o.get("depth", 8, "PYZERO_SHM_DEPTH"),
-                    "oneshot_bytes": oneshot, "stream_bytes": o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB",
-                                                                    kib=True),
-                    "twoshot_bytes": o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True),
-                    "adaptive": o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE"),
-                    "twoshot_stream_bytes": o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB",
-                                                  kib=True)}
-        if settings["oneshot_bytes"] == 0 and settings["twoshot_bytes"] == 0:
+        depth = o.get("depth", 8, "PYZERO_SHM_DEPTH")
+        stream = o.get("stream_bytes", 8 << 20, "PYZERO_SHM_STREAM_KB", kib=True)
+        twoshot = o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True)
+        adaptive = o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE")
+        twoshot_stream = o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB", kib=True)
+        if oneshot == 0 and twoshot == 0:
             raise ValueError("oneshot_bytes and twoshot_bytes (options, or PYZERO_SHM_ONESHOT_KB and "
                              "PYZERO_SHM_TWOSHOT_KB) are both 0: they size the area the one-shot and two-shot "
                              "all_reduce stage through; give one of them more than 0")
-        s = settings
-        comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes, s["depth"], oneshot, setup.timeout,
-                          s["stream_bytes"], s["twoshot_bytes"], s["adaptive"], s["twoshot_stream_bytes"])
+        settings = {"slice_bytes": slice_bytes, "depth": depth, "oneshot_bytes": oneshot, "stream_bytes": stream,
+                    "twoshot_bytes": twoshot, "adaptive": adaptive, "twoshot_stream_bytes": twoshot_stream}
+        comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes, depth, oneshot, setup.timeout, stream,
+                          twoshot, adaptive, twoshot_stream)
         try:
             setup.store.set(f"{setup.key}/settings/{setup.rank}", json.dumps(settings))
             store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)

@@ -25,7 +25,9 @@ FSDP2's all-gather and reduce-scatter scopes; ``Optimizer.step`` for the step's 
 forward and backward is ``activations`` (saved tensors, their gradients, temporaries). The
 walk at the start covers what lived before the step; on a GPU ``other`` is the rest of
 torch.cuda.memory_allocated() at the start (memory no walk reaches, e.g. torch DDP's
-buckets while no .grad points at them), ``max_allocated`` the allocator's own peak and
+buckets while no .grad points at them), and ``other_sites`` says where it was allocated
+(``sites``: by the allocating Python line, from the stacks torch.cuda.memory._record_memory_history
+keeps while it runs, as ``pyzero-bench train --memory`` has it), ``max_allocated`` the allocator's own peak and
 ``reserve`` the caching allocator's reserved bytes beyond it at its peak (fragmentation and
 cache). On the CPU ``peak`` covers the walked memory and what the step allocated.
 """
@@ -131,6 +133,7 @@ class StepTrace:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.allocated0 = torch.cuda.memory_allocated(self.device)
+            self.blocks0 = active_blocks(torch.cuda.memory._snapshot(), self.device.index)
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
@@ -230,6 +233,7 @@ class StepTrace:
         out = {"peak": sum(at_peak.values()), "at_peak": at_peak, "held": held}
         if self.device.type == "cuda":
             out["at_peak"]["other"] = max(0, self.allocated0 - sum(n for _, n in before.values()))
+            out["other_sites"] = sites(self.blocks0, before)
             out["peak"] += out["at_peak"]["other"]
             out["max_allocated"] = self.max_allocated
             out["reserve"] = self.max_reserved - self.max_allocated
@@ -275,6 +279,50 @@ def activation_peak(model: torch.nn.Module, fn, device: torch.device | str = "cp
                    if at is not None and marks.get(f"grad{i}", float("inf")) <= at)
     return {"bytes": r["peak"] - r["held"]["start"]["total"] - r["at_peak"].get("other", 0),
             "grads_done": finished / total if total else 0.0}
+
+
+def active_blocks(snapshot: dict, device: int | None = None) -> dict[int, tuple[int, list]]:
+    """address -> (bytes, frames) of the allocated blocks in a torch.cuda.memory._snapshot() (of
+    `device`'s segments when the snapshot says which): the allocations torch.cuda.memory_allocated
+    counts, with the stack of each (empty unless torch.cuda.memory._record_memory_history runs)."""
+    out = {}
+    for seg in snapshot.get("segments", ()):
+        if device is not None and seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks", ()):
+            if b.get("state") == "active_allocated":
+                out[b["address"]] = (b["size"], b.get("frames") or [])
+    return out
+
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+
+
+def site(frames: list) -> str:
+    """Where an allocation was made: its innermost Python frame outside torch's own files
+    ("file:line function"; torch's frame when all are torch's), "?" without a recorded stack."""
+    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    if not py:
+        return "?"
+    f = next((f for f in py if not str(f["filename"]).startswith(_TORCH_DIR)), py[0])
+    return f"{f['filename']}:{f.get('line', 0)} {f.get('name', '?')}"
+
+
+def sites(blocks: dict[int, tuple[int, list]], walked, limit: int = 8) -> list[tuple[str, int, int]]:
+    """(site, bytes, count) of the `blocks` (active_blocks) no walk reached (their addresses not in
+    `walked`: what "other" counts), by where they were allocated, largest first; at most `limit`
+    sites, the rest summed as "(N more sites)"."""
+    by: dict[str, list[int]] = {}
+    for addr, (n, frames) in blocks.items():
+        if addr not in walked:
+            e = by.setdefault(site(frames), [0, 0])
+            e[0] += n
+            e[1] += 1
+    rows = sorted(((s, n, c) for s, (n, c) in by.items()), key=lambda r: (-r[1], r[0]))
+    if len(rows) > limit:
+        rest = rows[limit - 1:]
+        rows = rows[:limit - 1] + [(f"({len(rest)} more sites)", sum(r[1] for r in rest), sum(r[2] for r in rest))]
+    return rows
 
 
 def _by_category(found: dict[int, tuple[str, int]]) -> dict[str, int]:

@@ -466,3 +466,32 @@ def test_stage3_prefetch_depth_changes_memory_not_results():
         got = res[0].value[0][prefetch][0]
         assert ref.keys() == got.keys()
         assert all(torch.equal(ref[k], got[k]) for k in ref), prefetch
+
+
+def test_other_sites_name_what_no_walk_reaches():
+    """memtrace.sites on a snapshot shaped like torch.cuda.memory._snapshot()'s: the allocated
+    blocks whose addresses no walk found, summed by their innermost frame outside torch (frames
+    innermost first, as torch records them), other devices, free blocks and walked ones left out."""
+    torch_file = torch.__file__.rsplit("/", 1)[0] + "/nn/modules/linear.py"
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": n} for f, line, n in where]
+    mine = ("/x/train.py", 7, "main")
+    helper = ("/x/lib.py", 3, "make")
+    snapshot = {"segments": [
+        {"device": 0, "blocks": [
+            {"address": 100, "size": 512, "state": "active_allocated", "frames": frames((torch_file, 1, "f"), mine)},
+            {"address": 200, "size": 1024, "state": "active_allocated", "frames": frames(helper, mine)},
+            {"address": 300, "size": 2048, "state": "active_allocated", "frames": frames(helper)},
+            {"address": 400, "size": 4096, "state": "inactive", "frames": frames(mine)},
+            {"address": 500, "size": 8192, "state": "active_allocated", "frames": frames(mine)},  # walked
+            {"address": 600, "size": 1536, "state": "active_allocated", "frames": []}]},
+        {"device": 1, "blocks": [
+            {"address": 700, "size": 9999, "state": "active_allocated", "frames": frames(mine)}]}]}
+    blocks = memtrace.active_blocks(snapshot, 0)
+    assert sorted(blocks) == [100, 200, 300, 500, 600]
+    got = memtrace.sites(blocks, {500: ("params", 8192)})
+    assert got == [("/x/lib.py:3 make", 3072, 2), ("?", 1536, 1), ("/x/train.py:7 main", 512, 1)]
+    assert memtrace.sites(blocks, {}, limit=2) == [("/x/train.py:7 main", 8704, 2), ("(2 more sites)", 4608, 3)]
+    only_torch = {1: (64, frames((torch_file, 1, "f")))}
+    assert memtrace.sites(only_torch, {}) == [(f"{torch_file}:1 f", 64, 1)]

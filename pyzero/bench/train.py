@@ -347,6 +347,9 @@ def _rank_main(run: str, args) -> dict:
     import pyzero as pz  # noqa: PLC0415
 
     cuda = getattr(args, "device", "cpu") == "cuda"
+    stacks = cuda and getattr(args, "memory", False)
+    if stacks:  # where what no walk reaches was allocated ("other": memtrace.sites); off before the timed phase
+        torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
     pz.init(backend=getattr(args, "gpu_backend", "nccl") if cuda else "shm")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss0 = _rss_mib()
@@ -391,6 +394,8 @@ def _rank_main(run: str, args) -> dict:
             out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if getattr(args, "memory", False):
             out["memory"] = _trace_step(runner, x, y, dev)
+            if stacks:
+                torch.cuda.memory._record_memory_history(enabled=None)
             out["activations"] = _activations(args, x, y, dev)  # (a fresh model of its own)
             losses.append(float("nan"))  # (a step the curve does not see)
         comm_alone = runner.comm_alone
@@ -568,6 +573,11 @@ def _print_memory(results: list[dict]) -> None:
         est.append((res["run"], r["peak"], res["estimate"]))
     print("\n# memory: peak of one synced step per run (MiB), what was live at the peak")
     print(memtrace.format_table(rows))
+    if any(r.get("other_sites") for _, r in rows):
+        print("\n# other: what was allocated before the step and no walk reaches, by where (MiB, allocations)")
+        for name, r in rows:
+            for where, n, count in r.get("other_sites", ()):
+                print(f"{name:>16} {n / 2**20:9.2f} {count:5d}  {where}")
     print("\n# held after backward, before step (MiB): " + "  ".join(f"{c}" for c in memtrace.CATEGORIES))
     for name, h in held:
         print(f"{name:>16} " + " ".join(f"{h[c] / 2**20:11.2f}" for c in memtrace.CATEGORIES)

@@ -25,6 +25,10 @@ CONFIGS = {"plain": {}, "hpz": dict(zero_hpz_partition_size=2), "qw": dict(zero_
            "qg": dict(zero_quantized_gradients=True), "qg4": dict(zero_quantized_gradients=4),
            "all": dict(zero_hpz_partition_size=2, zero_quantized_weights=True, zero_quantized_gradients=True)}
 STEPS = 8
+# ZeRO++ with the other options, each against its config above without them
+COMBOS = {"qg+offload": ("qg", dict(offload="cpu")),
+          "qw+offload_params": ("qw", dict(offload="cpu", offload_params=True)),
+          "qg+comm_dtype": ("qg", dict(comm_dtype=torch.bfloat16))}
 
 
 # ---------------------------------------------------------------------------
@@ -100,6 +104,9 @@ def _rank_configs():
         opt, model, losses, inter = _train(kw, STEPS)
         out[name] = {"state": opt.full_state_dict(), "losses": losses, "inter": inter,
                      "memory": opt.memory_stats(), "shards": [u.layout.shard_size for u in opt.units]}
+    for name, (base, kw) in COMBOS.items():
+        opt, model, losses, inter = _train({**CONFIGS[base], **kw}, STEPS)
+        out[name] = {"state": opt.full_state_dict(), "losses": losses}
     # one backward: the reduced gradient shards, exact and with qgZ (int8 and int4)
     s = tz.spec("adamw", 3)
     x, y = tz.batch(s, 0, 0)
@@ -165,6 +172,19 @@ def test_quantized_training_loss_within_one_percent(results, name):
     assert abs(q[-1] - plain[-1]) <= 0.01 * plain[-1], (q, plain)
     for k, v in results[0]["plain"]["state"].items():
         torch.testing.assert_close(results[0][name]["state"][k], v, rtol=0, atol=0.02 if name != "qg4" else 0.05)
+
+
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_quantized_with_offload_or_comm_dtype_trains_as_without(results, name):
+    """qgZ with the optimizer step on the CPU, qwZ with the parameter shards there, and qgZ
+    with bf16 communication train as their plain ZeRO++ runs: offload moves where the step
+    runs, not what it computes (fp32 rounding only); bf16 adds its rounding to qgZ's."""
+    base = COMBOS[name][0]
+    got, want = results[0][name], results[0][base]
+    tol = dict(rtol=1e-5, atol=1e-6) if name != "qg+comm_dtype" else dict(rtol=0, atol=0.01)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **tol)
+    for k, v in want["state"].items():
+        torch.testing.assert_close(got["state"][k], v, **tol, msg=k)
 
 
 def test_cross_host_bytes_per_step(results):

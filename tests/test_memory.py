@@ -122,6 +122,17 @@ def test_grad_bytes_sets_the_gradient_shards(stage):
     assert m["params"] == base["params"] and m["optimizer"] == base["optimizer"]
 
 
+def test_stage2_peak_holds_the_finished_gradients_in_the_shards_dtype():
+    """Stage 2, Ψ = 1e9 on 2 ranks, mixed precision, K = 12, 100 GB of activations at grads_done = 0.5:
+    backward has laid 0.5Ψ gradients end to end, all in the first rank's shard (Ψ/2 elements);
+    with fp32 shards (grad_bytes=4) they hold 4 x 0.5e9 = 2 GB, with the default 16-bit ones 1 GB."""
+    for gb, held in ((4, 2e9), (None, 1e9)):
+        m = pz.zero.estimate_memory(1e9, 2, 2, activation_bytes=100e9, grads_done=0.5, grad_bytes=gb)
+        assert m["peak"] == pytest.approx(2e9 + 12e9 / 2 + held + 100e9, rel=1e-12), gb
+    m = pz.zero.estimate_memory(1e9, 2, 2, activation_bytes=100e9, grads_done=1.0, grad_bytes=4)
+    assert m["peak"] == pytest.approx(2e9 + 12e9 / 2 + 4e9 / 2 + 100e9, rel=1e-12)  # at most the shard
+
+
 def _bf16_zero_rank(stage):
     import torch  # noqa: PLC0415
 

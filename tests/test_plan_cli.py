@@ -53,7 +53,19 @@ def test_cli_ranks_layouts(tmp_path):
                                          (["--model", "gpt2-1.5b", "--world", "8", "--gpus-per-host", "0"],
                                           "gpus_per_host"),
                                          (["--model", "gpt2-1.5b", "--world", "8", "--reserved-gb", "-1"],
-                                          "reserved")])
+                                          "--reserved-gb: expected a finite number >= 0, got -1.0"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--gpu-gb", "-1"],
+                                          "--gpu-gb: expected a finite number > 0, got -1.0"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--tflops", "-5"],
+                                          "--tflops: expected a finite number > 0, got -5"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--intra-gbps", "0"],
+                                          "--intra-gbps: expected a finite number > 0, got 0.0"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--inter-gbps", "nan"],
+                                          "--inter-gbps: expected a finite number > 0, got nan"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--op-overhead-us", "-1"],
+                                          "--op-overhead-us: expected a finite number >= 0, got -1.0"),
+                                         (["--model", "gpt2-1.5b", "--world", "8", "--table-intra", "/nonexistent.json"],
+                                          "--table-intra: no such file '/nonexistent.json'")])
 def test_cli_bad_input(args, named, capsys):
     """Usage errors exit 2 naming the argument (main() in this process; the command line's own entry
     point runs in the tests above)."""

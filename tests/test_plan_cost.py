@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+import torch
 
 import pyzero as pz
 from pyzero.bench.gpt import make_gpt
@@ -51,6 +52,11 @@ def test_spec_counts_parameters_like_the_module():
         with pytest.raises(ValueError, match=f"model: the config's n_layer: expected an int, got {bad!r}"):
             to_spec({"n_layer": bad, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8})
     assert to_spec({"n_layer": 2.0, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8}).layers == 2
+    # seq beyond the model's position table: refused, not an IndexError at the first step
+    with pytest.raises(ValueError, match="seq: expected at most the model's 128 positions, got 256"):
+        to_spec(make_gpt("gpt-tiny"), seq=256)
+    with pytest.raises(ValueError, match="seq: expected at most the model's 8 positions, got 9"):
+        to_spec({"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8}, seq=9)
     # shape= describes a module without a config; elsewhere it was ignored without a word
     with pytest.raises(ValueError, match="shape: layers/hidden/heads/vocab describe a torch module without a config"):
         pz.plan(dict(layers=4, hidden=64, heads=4, vocab=100, seq=32, batch=8), world=2, shape={"layers": 8})
@@ -107,6 +113,23 @@ def test_planner_peak_closed_forms(stage, m, offload):
         assert e.memory["total"] - e.memory["peak"] == pytest.approx(grads, rel=1e-9)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_gradients_on_the_wire_double_the_gradient_shards(stage):
+    """grad_comm_bytes=4 with 16-bit parameters: stages 2 and 3 keep their gradient shards in the
+    wire dtype (ZeroOptimizer's comm_dtype), 4 bytes instead of 2; stage 1 keeps full gradients in
+    the parameters' dtype. Two micro-batches: the activations' moment holds every gradient."""
+    spec = ModelSpec(layers=12, hidden=1024, heads=16, vocab=50304, seq=1024, batch=8 * 2 * 2)
+    lay = Layout(dp=8, stage=stage, micro_batch=2, micro_batches=2)
+    psi, n = gpt_params(12, 1024, 50304, 1024), 8
+    got = {}
+    for gb in (2, 4):
+        c = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e14, grad_comm_bytes=gb)
+        got[gb] = estimate(spec, c, lay).memory
+    want = 2 * psi / n if stage >= 2 else 0.0
+    assert got[4]["grads"] - got[2]["grads"] == pytest.approx(want, rel=1e-12)
+    assert got[4]["peak"] - got[2]["peak"] == pytest.approx(want, rel=1e-12)
+
+
 def test_search_prunes_by_the_peak():
     """A layout whose parts sum to more than the device but whose peak fits is kept (ZeRO-1 at one
     micro-batch: its full-size gradients come as backward frees the activations)."""
@@ -151,8 +174,60 @@ def test_korthikanti_activation_formulas():
         assert first == pytest.approx(GPT3.layers * sbh * 34 / t)
 
 
+def test_walk_tells_the_token_embedding_from_a_larger_position_table():
+    """A character-level GPT (65 tokens, 256 positions) without a config: the token embedding is the one
+    the head is tied to (or predicts), not the largest; untied, the head's rows tell."""
+    from pyzero.bench.gpt import GPT, GPTConfig
+    for tied in (True, False):
+        model = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=2, n_head=2, n_embd=64))
+        if not tied:
+            model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+        model.config = None
+        spec = to_spec(model, batch=4)
+        assert (spec.vocab, spec.seq, spec.positions, spec.hidden, spec.layers) == (65, 256, 256, 64, 2), tied
+
+
+@pytest.mark.parametrize("config,word", [
+    (dict(model_type="llama", num_key_value_heads=8, intermediate_size=11008, hidden_act="silu"), "grouped-query"),
+    (dict(model_type="llama", intermediate_size=11008, hidden_act="silu"), "gated MLP"),
+    (dict(model_type="gpt2", activation_function="swiglu"), "gated MLP"),
+    (dict(model_type="gpt2", n_inner=96), "not a whole multiple"),
+])
+def test_configs_the_gpt_shape_would_miscount_are_refused(config, word):
+    """Grouped-query attention, gated MLPs and an MLP size that is no multiple of hidden: a GPT shape
+    would count their parameters wrongly (LLaMA-7B as about 5.6B instead of 6.7B), so they are refused."""
+    base = {"n_layer": 2, "n_embd": 64, "n_head": 32, "vocab_size": 100, "n_positions": 32,
+            "num_attention_heads": 32}
+    with pytest.raises(ValueError, match=word):
+        to_spec({**base, **config})
+    assert to_spec({**base, "n_inner": 128}).ffn == 2  # a whole multiple is fine
+
+
+def test_bench_gpt_is_planned_as_parallelize_runs_it():
+    """pz.parallelize keeps the bench GPT's embedding and head replicated over TP and its attention is
+    torch's SDPA (no stored scores): the module's spec says both, as the CLI's preset does, so the
+    API and `pyzero-plan --model gpt-small` plan the same memory."""
+    spec = to_spec(make_gpt("gpt-small"), seq=128, batch=8)
+    assert not spec.embedding_tp and spec.fused_attention
+    lay = Layout(tp=2, micro_batch=8)
+    c = Cluster(world=2, gpus_per_host=2, device_memory=80 * GB, flops=1e14)
+    from pyzero.bench.gpt import PRESETS as BENCH
+    from pyzero.plan import from_config
+    cli = from_config(BENCH["gpt-small"], name="gpt-small").with_(embedding_tp=False, fused_attention=True,
+                                                                  seq=128, batch=8)
+    assert estimate(spec, c, lay).memory["peak"] == pytest.approx(estimate(cli, c, lay).memory["peak"], rel=1e-12)
+    # per TP rank, counted by hand as ParallelGPT holds them: embedding and positions whole, per block
+    # the norms and the row-parallel biases whole, the matrices and column-parallel biases halved
+    h, V, P, L = 384, 8192, 256, 6
+    block = 4 * h + (3 * h * h + 3 * h) // 2 + h * h // 2 + h + (4 * h * h + 4 * h) // 2 + 4 * h * h // 2 + h
+    held = V * h + P * h + L * block + 2 * h
+    assert held == 8575104
+    assert stage_params(spec, 2, 1) == pytest.approx(held, rel=0.005)
+
+
 def test_estimate_memory_from_a_model_description():
-    spec = to_spec(make_gpt("gpt-tiny"), batch=1)
+    # the formulas with the attention scores stored and a vocab-parallel embedding (Megatron's)
+    spec = to_spec(make_gpt("gpt-tiny"), batch=1).with_(embedding_tp=True, fused_attention=False)
     m = pz.zero.estimate_memory(None, 2, 2, model=spec, micro_batch=4, seq=64)
     s, b, h, a, L, V = 64, 4, 256, 4, 4, 2048
     assert m["activations"] == pytest.approx(L * s * b * h * (34 + 5 * a * s / h) + 8 * s * b * V)
@@ -261,6 +336,17 @@ def test_collective_calls_cost_op_overhead_each():
             Cluster(world=2, gpus_per_host=2, device_memory=1e9, flops=1e12, op_overhead=bad)
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_table_without_sends_times_one_as_a_ring_step_of_its_all_gather(world):
+    """A table measured at `world` ranks with all_gather rows only: a send of X bytes costs one of the
+    world - 1 ring steps of an all-gather of world x X bytes (a pure-bandwidth table: X / bw)."""
+    bw = 1e9
+    sizes = [2.0 ** k for k in range(10, 31, 2)]
+    table = Table({"all_gather": [(b, b * (world - 1) / world / bw) for b in sizes]}, world)
+    x = 2.0 ** 22
+    assert table.time("send", x, 2) == pytest.approx(x / bw, rel=1e-9)
+
+
 def test_collective_tables_and_links():
     path = sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/collectives_all_cpu2_*.json")))[-1]
     table = Table.from_json(path)
@@ -301,6 +387,17 @@ def test_search_rules():
         pz.plan(spec, world=8, device_memory=-1)
     with pytest.raises(ValueError, match="tables"):
         pz.plan(spec, world=8, tables={"nvlink": "x.json"})
+
+
+def test_search_offers_sequence_parallelism_only_where_tp_divides_seq():
+    """Sequence parallelism splits the sequence over the TP ranks: at tp=3 and seq 16, layouts with it
+    would fail at their first step, so they are pruned with the reason; at seq 18 they are offered."""
+    for seq, offered in ((16, False), (18, True)):
+        spec = ModelSpec(layers=2, hidden=48, heads=3, vocab=64, seq=seq, batch=6)
+        plan = pz.plan(spec, world=3, device_memory=1e12, flops=1e12)
+        sp3 = [e.layout for e in plan.ranked if e.layout.sp and e.layout.tp == 3]
+        assert bool(sp3) == offered, seq
+        assert (f"sequence parallelism with seq={seq} not divisible by tp" in plan.pruned) != offered, seq
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 from .spec import PRESETS, ModelSpec, from_config
@@ -25,7 +27,8 @@ def _spec(args, ap) -> ModelSpec:
             from ..bench.gpt import PRESETS as BENCH  # noqa: PLC0415
 
             if args.model in BENCH:
-                spec = from_config(BENCH[args.model], name=args.model).with_(embedding_tp=False)
+                # as to_spec describes the module: what pz.parallelize runs (replicated embedding, SDPA)
+                spec = from_config(BENCH[args.model], name=args.model).with_(embedding_tp=False, fused_attention=True)
             else:
                 with open(args.model) as f:
                     spec = from_config(json.load(f), name=args.model)
@@ -94,6 +97,15 @@ def main(argv=None) -> int:
         except ValueError:
             ap.error(f"--tflops: expected a number or 'measure', got {args.tflops!r}")
 
+    for flag, v, low in (("--gpu-gb", args.gpu_gb, ">"), ("--reserved-gb", args.reserved_gb, ">="),
+                         ("--tflops", flops, ">"), ("--intra-gbps", args.intra_gbps, ">"),
+                         ("--inter-gbps", args.inter_gbps, ">"), ("--op-overhead-us", args.op_overhead_us, ">=")):
+        if not math.isfinite(v) or v < 0 or (low == ">" and v == 0):
+            shown = args.tflops if flag == "--tflops" else v
+            ap.error(f"{flag}: expected a finite number {low} 0, got {shown}")
+    for flag, path in (("--table-intra", args.table_intra), ("--table-inter", args.table_inter)):
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"{flag}: no such file {path!r} (a `pyzero-bench collectives --json` result)")
     try:
         stages = tuple(int(s) for s in args.stages.split(","))
     except ValueError:

@@ -96,11 +96,12 @@ class Table:
         """(seconds at self.world, the smallest measured time) for op at nbytes, interpolated log-log."""
         rows = self.rows.get(op)
         if rows is None:
-            if op == "send" and "all_gather" in self.rows:  # one ring step of all-gather at 2 ranks moves the same
-                rows = self.rows["all_gather"]
-                nbytes = nbytes * self.world
-            else:
-                raise ValueError(f"{self.source}: has no rows for {op!r}; measured ops: {sorted(self.rows)}")
+            if op == "send" and "all_gather" in self.rows:
+                # A ring all-gather of world x nbytes is world - 1 steps, each a send of nbytes to the next rank.
+                t, lat = self._lookup("all_gather", nbytes * self.world)
+                steps = max(self.world - 1, 1)
+                return t / steps, lat / steps
+            raise ValueError(f"{self.source}: has no rows for {op!r}; measured ops: {sorted(self.rows)}")
         sizes = [b for b, _ in rows]
         lat = rows[0][1]
         if nbytes <= sizes[0]:
@@ -132,7 +133,10 @@ def as_link(value, what: str):
     if isinstance(value, (Link, Table)):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return Link(value)
+        try:
+            return Link(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
     if isinstance(value, (str, dict)) or hasattr(value, "__fspath__"):
         return Table.from_json(value)
     raise TypeError(f"{what}: expected a bandwidth in bytes/s, a collectives JSON path or a Link, got {value!r}")

@@ -202,7 +202,8 @@ def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
     done = 0.0 if lay.micro_batches <= lay.pp else 1.0
     offload = "cpu" if lay.offload == "cpu" else None
     states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, pb == 2, activation_bytes=act + buffers,
-                             grads_done=done, offload=offload)
+                             grads_done=done, offload=offload,
+                             grad_bytes=c.grad_comm_bytes if lay.stage >= 2 else None)  # (shards in the wire dtype)
     out = {**device_states(states, lay.stage, offload), "activations": act, "buffers": buffers + c.reserved}
     out["total"] = sum(out.values())
     out["peak"] = states["peak"] + c.reserved

@@ -14,7 +14,7 @@ Rules (why a layout is pruned):
 * ZeRO 2/3 are not combined with pipelining (their per-backward gradient
   reduction would run once per micro-batch; DeepSpeed refuses it too).
 * Offload needs ZeRO >= 1 (it moves the optimizer shard).
-* SP needs tp > 1; m >= pp is required only to keep the bubble below a half,
+* SP needs tp > 1 and seq divisible by tp; m >= pp is required only to keep the bubble below a half,
   not enforced.
 """
 from __future__ import annotations
@@ -128,6 +128,8 @@ def layouts(spec: ModelSpec, c: Cluster, stages=(0, 1, 2, 3), recompute=RECOMPUT
                                     yield lay, "offload without ZeRO"
                                 elif dp == 1 and stage > 0:
                                     yield lay, "ZeRO with dp=1 (same as stage 0)"
+                                elif sp and spec.seq % tp:
+                                    yield lay, f"sequence parallelism with seq={spec.seq} not divisible by tp"
                                 else:
                                     yield lay, None
 

@@ -105,11 +105,36 @@ def from_config(config, seq: int | None = None, batch: int = 1, name: str = "mod
     missing = [f"{k} (one of {', '.join(_KEYS[k])})" for k, v in found.items() if v is None]
     if missing:
         raise ValueError(f"model: the config lacks {'; '.join(missing)}")
+    _refuse_unlike_gpt(config)
     inner = _config_int(config, ("n_inner", "intermediate_size"))
-    ffn = 4 if inner is None else max(1, round(inner / found["hidden"]))
+    if inner is not None and (inner < 1 or inner % found["hidden"]):
+        raise ValueError(f"model: the config's MLP size {inner} is not a whole multiple of its hidden size "
+                         f"{found['hidden']}; the planner describes MLPs of ffn x hidden (e.g. GPT-2's 4)")
+    ffn = 4 if inner is None else inner // found["hidden"]
     tied = _get(config, ("tie_word_embeddings",))
     return ModelSpec(ffn=ffn, batch=batch, name=name, positions=positions,
                      tied_embedding=True if tied is None else bool(tied), **found)
+
+
+# Architectures whose MLP is gated (SwiGLU/GeGLU: three matrices), which the planner's GPT shape
+# (two matrices, learned positions) would count wrongly.
+_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+          "olmo", "olmo2", "cohere", "internlm", "deepseek_v2", "deepseek_v3", "granite")
+
+
+def _refuse_unlike_gpt(config) -> None:
+    """Raise for a config the GPT shape (multi-head attention, a two-matrix MLP) would misdescribe."""
+    heads, kv = _get(config, ("n_head", "num_attention_heads")), _get(config, ("num_key_value_heads",))
+    if kv is not None and heads is not None and kv != heads:
+        raise ValueError(f"model: the config has grouped-query attention (num_key_value_heads={kv}, {heads} heads), "
+                         "which the planner's GPT shape does not describe; expected a GPT-style model "
+                         "(multi-head attention, learned positions, a two-matrix MLP)")
+    kind = _get(config, ("model_type",))
+    act = _get(config, ("hidden_act", "activation_function"))
+    if kind in _GATED or (isinstance(act, str) and act.lower() in ("swiglu", "geglu", "reglu")):
+        raise ValueError(f"model: the config describes a gated MLP ({'model_type=' + repr(kind) if kind in _GATED else 'activation ' + repr(act)}), "
+                         "which the planner's GPT shape (two MLP matrices) does not describe; expected a GPT-style "
+                         "model such as GPT-2")
 
 
 def _config_int(config, names):
@@ -162,12 +187,17 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
                 out = ModelSpec(batch=batch or 1, name=type(model).__name__, **found)
             else:
                 out = from_config(config, seq=seq, batch=batch or 1, name=type(model).__name__)
+            from ..bench.gpt import GPT  # noqa: PLC0415
+            if isinstance(model, GPT):  # what pz.parallelize runs: embedding and head replicated over TP, SDPA
+                out = out.with_(embedding_tp=False, fused_attention=True)
             counted = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             if not math.isclose(counted, out.params, rel_tol=0.05):
                 raise ValueError(f"model: walking it counts {counted} parameters but its shape {out} implies "
                                  f"{out.params}; not a GPT-style model the planner can describe")
         else:
             out = from_config(model, seq=seq, batch=batch or 1)
+    if seq is not None and out.positions is not None and seq > out.positions:
+        raise ValueError(f"seq: expected at most the model's {out.positions} positions, got {seq}")
     changes = {k: v for k, v in (("seq", seq), ("batch", batch)) if v is not None}
     if seq is not None and out.positions is None:
         changes["positions"] = out.seq  # a shorter training sequence keeps the model's position table
@@ -177,6 +207,15 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
 def _walk(model, nn) -> dict:
     """The transformer shape of a module without a config (see the module docstring)."""
     embeds = sorted((m for m in model.modules() if isinstance(m, nn.Embedding)), key=lambda m: -m.num_embeddings)
+    # The token embedding is the one the output head (the last Linear) is tied to, or whose rows it
+    # predicts (a position table larger than the vocabulary, as a character-level model's, is not);
+    # else the largest.
+    head = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
+    token = [] if head is None else [e for e in embeds if head.weight is e.weight] or \
+        [e for e in embeds if (head.out_features, head.in_features) == (e.num_embeddings, e.embedding_dim)]
+    if token:
+        embeds.remove(token[0])
+        embeds.insert(0, token[0])
     found: dict = {}
     if embeds:
         found["vocab"], found["hidden"] = embeds[0].num_embeddings, embeds[0].embedding_dim

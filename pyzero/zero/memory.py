@@ -150,7 +150,8 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     psi, n, k = float(num_params), world_size, float(optimizer_state_bytes_per_param)
     width = 2 if mixed_precision else 4
     params = width * psi / (n if stage >= 3 else 1)
-    grads = (width if grad_bytes is None else grad_bytes) * psi / (n if stage >= 2 else 1)
+    gb = width if grad_bytes is None else grad_bytes  # bytes of a gradient (shard) element
+    grads = gb * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
     out = {"params": params, "grads": grads, "optimizer": optimizer}
     if hpz_partition_size > 1:
@@ -161,7 +162,7 @@ def estimate_memory(num_params: float | None, world_size: int, stage: int,
     if stage == 0:
         held_grads = grads
     elif stage == 2:
-        held_grads = min(grads, grads_done * width * psi)
+        held_grads = min(grads, grads_done * gb * psi)  # (elements of the shard, in its dtype)
     else:
         held_grads = grads_done * grads
     largest = min(float(largest_layer_params or 0.0), psi)

@@ -19,6 +19,7 @@ LayerNorm 2h.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from ..checks import is_int
 
@@ -187,8 +188,9 @@ def to_spec(model, seq: int | None = None, batch: int | None = None, **shape) ->
                 out = ModelSpec(batch=batch or 1, name=type(model).__name__, **found)
             else:
                 out = from_config(config, seq=seq, batch=batch or 1, name=type(model).__name__)
-            from ..bench.gpt import GPT  # noqa: PLC0415
-            if isinstance(model, GPT):  # what pz.parallelize runs: embedding and head replicated over TP, SDPA
+            bench = sys.modules.get("pyzero.bench.gpt")  # (loaded wherever one of its GPTs exists)
+            if bench is not None and isinstance(model, bench.GPT):
+                # what pz.parallelize runs: embedding and head replicated over TP, attention in SDPA
                 out = out.with_(embedding_tp=False, fused_attention=True)
             counted = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             if not math.isclose(counted, out.params, rel_tol=0.05):

@@ -320,9 +320,7 @@ def test_unchanged_tensors_skip_checks_moved_and_replaced_ones_are_checked_again
     ours_p[1].data = kept.double()  # the same parameter object, no longer float32
     with pytest.raises(ValueError, match=r"params\[1\]: expected a dense float32 CPU tensor"):
         ours.step()
-    ours_p[1].data = kept
-    for p in ours_p:  # the failed step counted (as torch's would have, failing mid-step); the reference did not
-        ours.state[p]["step"] -= 1
+    ours_p[1].data = kept  # (the refused step counted nothing: see test_a_refused_step_changes_nothing...)
     step()
     a = ours_p[0]
     ours.state[a]["exp_avg"] = ours.state[a]["exp_avg"].clone()  # a new state tensor, same values
@@ -335,8 +333,6 @@ def test_unchanged_tensors_skip_checks_moved_and_replaced_ones_are_checked_again
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\]: has 39 elements, the parameter has 40"):
         ours.step()
     ours.state[a]["exp_avg_sq"] = good
-    for p in ours_p:  # the failed steps counted (as torch's would have, failing mid-step); the reference did not
-        ours.state[p]["step"] -= 2
     step()
     grad = weakref.ref(ours_p[2].grad)
     old_state = weakref.ref(ours.state[ours_p[2]]["exp_avg"])
@@ -583,3 +579,44 @@ def test_adagrad_starts_its_sums_as_torch_does():
     (p1, q1), (p2, q2) = runs
     torch.testing.assert_close(p1, p2, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(q1, q2, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls,kw", [("Adam", dict(lr=0.1)), ("AdamW", dict(lr=0.1, amsgrad=True)),
+                                    ("Adagrad", dict(lr=0.1, lr_decay=0.5)),
+                                    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.5))])
+@pytest.mark.parametrize("where", ["first step", "one group", "second group", "second step count"])
+def test_a_refused_step_changes_nothing_and_its_retry_equals_torch(cls, kw, where):
+    """A step refused by its checks (a non-contiguous gradient: at the first step, in the only group,
+    in a later group, or among parameters at another step count) leaves every parameter, step count and state as it
+    was, so the same step retried with the gradient mended, and the steps after it, equal torch's
+    (its step counts moved Adam's bias correction and Adagrad's lr_decay by one; SGD kept the
+    uninitialised momentum buffer it had made)."""
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randn(4, 4, generator=gen) for _ in range(3)]
+    ours_p = [p.clone().requires_grad_() for p in ps]
+    ref_p = [p.clone().requires_grad_() for p in ps]
+    groups = (lambda q: [{"params": q[:2]}, {"params": q[2:]}]) if where == "second group" else (lambda q: q)
+    ours = getattr(pz.optim, cls)(groups(ours_p), **kw)
+    ref = getattr(torch.optim, cls)(groups(ref_p), foreach=False, **kw)
+    grads = [[torch.randn(4, 4, generator=gen) for _ in ps] for _ in range(4)]
+    for step, gs in enumerate(grads):
+        if step == 1 and where == "second step count":  # parameter 2 sits out a step: its count falls behind
+            gs = gs[:2] + [None]
+        for a, b, g in zip(ours_p, ref_p, gs):
+            a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
+        if step == (0 if where == "first step" else 2):
+            before = copy.deepcopy(ours.state_dict()), [p.detach().clone() for p in ours_p]
+            ours_p[2].grad = gs[2].t().contiguous().t()  # the same values, not contiguous
+            with pytest.raises(ValueError, match=r"expected a contiguous tensor"):
+                ours.step()
+            after = ours.state_dict()
+            assert [torch.equal(a, b) for a, b in zip(before[1], ours_p)] == [True] * 3
+            for i, st in before[0]["state"].items():
+                assert st.keys() == after["state"][i].keys()
+                for k, v in st.items():
+                    assert torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][i][k])), (i, k)
+            assert set(before[0]["state"]) == set(after["state"])
+            ours_p[2].grad = gs[2].clone()
+        ours.step(), ref.step()
+        for a, b in zip(ours_p, ref_p):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

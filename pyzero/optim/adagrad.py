@@ -46,6 +46,9 @@ class Adagrad(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
+        if len(self.param_groups) > 1:  # refused whole, not after the first groups stepped
+            F.check_lists([([p for p in g["params"] if p.grad is not None],
+                            [p.grad for p in g["params"] if p.grad is not None]) for g in self.param_groups], copies)
         for group in self.param_groups:
             by_step: dict[float, list] = {}
             ps = [p for p in group["params"] if p.grad is not None]
@@ -53,16 +56,25 @@ class Adagrad(torch.optim.Optimizer):
                 raise RuntimeError("pz.optim.Adagrad does not support sparse gradients")
             if not ps:
                 continue
-            for p in ps:
-                if "sum" not in self.state[p]:  # (a state dict without this parameter's state was loaded)
+            fresh = [p for p in ps if "sum" not in self.state[p]]
+            states = [self.state[p] for p in ps]
+            with F.UndoStep(self, states, fresh) as undo:
+                for p in fresh:  # (a state dict without this parameter's state was loaded)
                     self._init_state(p)
-            for p, step in zip(ps, F.bump_steps(self, group, [self.state[p] for p in ps])):
-                by_step.setdefault(step, []).append(p)
-            checked = F.checked_for(self, group) if len(by_step) == 1 else None
-            for step, ps in by_step.items():
-                F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],
-                               [copies.get(p) for p in ps] if copies else None, step=step,
-                               lr=F.as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
-                               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                               grad_scale=float(grad_scale), threads=self.threads, isa=self.isa, checked=checked)
+                for p, step in zip(ps, F.bump_steps(self, group, states)):
+                    by_step.setdefault(step, []).append(p)
+                undo.bumped = True
+                if len(by_step) == 1:  # the usual case: its kernel's own checks come first
+                    self._kernel(group, ps, next(iter(by_step)), grad_scale, copies, F.checked_for(self, group))
+                    continue
+                F.check_lists([(sub, [p.grad for p in sub]) for sub in by_step.values()], copies)
+            for step, sub in by_step.items():
+                self._kernel(group, sub, step, grad_scale, copies, None)
         return loss
+
+    def _kernel(self, group, ps, step, grad_scale, copies, checked):
+        F.adagrad_step(ps, [p.grad for p in ps], [self.state[p]["sum"] for p in ps],
+                       [copies.get(p) for p in ps] if copies else None, step=step,
+                       lr=F.as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
+                       weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                       grad_scale=float(grad_scale), threads=self.threads, isa=self.isa, checked=checked)

@@ -90,6 +90,9 @@ class Adam(torch.optim.Optimizer):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
         self._check_amsgrad()
+        if len(self.param_groups) > 1:  # refused whole, not after the first groups stepped
+            F.check_lists([([p for p in g["params"] if p.grad is not None],
+                            [p.grad for p in g["params"] if p.grad is not None]) for g in self.param_groups], copies)
         for group in self.param_groups:
             self._step_group(group, float(grad_scale), copies)
         return loss
@@ -128,28 +131,34 @@ class Adam(torch.optim.Optimizer):
 
     def _step_group(self, group, grad_scale, copies):
         amsgrad, all_state = group["amsgrad"], self.state
-        ps, gs, states = [], [], []
+        ps, gs, states, fresh = [], [], [], []
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            state = all_state[p]
-            if not state or amsgrad and "max_exp_avg_sq" not in state:
-                self._init_state(p, state, amsgrad)
             ps.append(p)
             gs.append(g)
-            states.append(state)
         if not ps:
             return
-        steps = F.bump_steps(self, group, states)
-        if steps.count(steps[0]) == len(steps):  # the usual case: one step count for the group
-            self._step_list(group, ps, gs, states, steps[0], grad_scale, copies, F.checked_for(self, group))
-            return
-        by_step: dict[float, list] = {}
-        for i, step in enumerate(steps):
-            by_step.setdefault(step, []).append(i)
+        with F.UndoStep(self, states, fresh) as undo:
+            for p in ps:
+                state = all_state[p]
+                if not state:
+                    fresh.append(p)
+                if not state or amsgrad and "max_exp_avg_sq" not in state:
+                    self._init_state(p, state, amsgrad)
+                states.append(state)
+            steps = F.bump_steps(self, group, states)
+            undo.bumped = True
+            if steps.count(steps[0]) == len(steps):  # the usual case: one step count for the group
+                self._step_list(group, ps, gs, states, steps[0], grad_scale, copies, F.checked_for(self, group))
+                return
+            by_step: dict[float, list] = {}
+            for i, step in enumerate(steps):
+                by_step.setdefault(step, []).append(i)
+            F.check_lists([([ps[i] for i in idx], [gs[i] for i in idx]) for idx in by_step.values()], copies)
         for step, idx in by_step.items():
             self._step_list(group, [ps[i] for i in idx], [gs[i] for i in idx], [states[i] for i in idx], step,
                             grad_scale, copies, None)

@@ -278,6 +278,37 @@ def bump_steps(opt: torch.optim.Optimizer, group: dict, states: list[dict]) -> l
     return shared.tolist()
 
 
+def check_lists(lists, copies) -> None:
+    """Check each (params, grads) list's parameters, gradients and `copies` (a dict or None) as the
+    step's kernel would, before any state changes: a step that runs several kernels (param groups,
+    step counts) is refused whole, not after some of them have stepped."""
+    for ps, gs in lists:
+        _table(ps, gs, {}, [copies.get(p) for p in ps] if copies else None)
+
+
+class UndoStep:
+    """``with UndoStep(opt, states, fresh):`` around one kernel's bump and step: if the kernel refuses
+    (its checks raise), the step counts the bump moved go back and the states made for this step
+    (`fresh` parameters) are dropped, so that the same step, retried with mended inputs, equals
+    torch's. (Raising later than the checks, a kernel has changed nothing either.)"""
+
+    def __init__(self, opt, states: list[dict], fresh):
+        self.opt, self.states, self.fresh = opt, states, fresh
+        self.bumped = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc):
+        if kind is not None:
+            if self.bumped:
+                for s in self.states:
+                    s["step"].sub_(1)
+            for p in self.fresh:
+                self.opt.state.pop(p, None)
+        return False
+
+
 def checked_for(opt: torch.optim.Optimizer, group: dict) -> Checked:
     """The :class:`Checked` of `opt`'s param group `group` (kept outside torch's pickled state;
     :func:`forget_checked` drops them all, as load_state_dict must)."""

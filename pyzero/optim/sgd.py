@@ -42,6 +42,9 @@ class SGD(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
+        if len(self.param_groups) > 1:  # refused whole, not after the first groups stepped
+            F.check_lists([([p for p in g["params"] if p.grad is not None],
+                            [p.grad for p in g["params"] if p.grad is not None]) for g in self.param_groups], copies)
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in ps):
@@ -50,19 +53,23 @@ class SGD(torch.optim.Optimizer):
             # Parameters whose buffer does not exist yet start it from the gradient (torch's rule).
             is_fresh = [momentum != 0 and self.state[p].get("momentum_buffer") is None for p in ps]
             fresh = [p for p, f in zip(ps, is_fresh) if f]
-            for first, sub in ((True, fresh), (False, [p for p, f in zip(ps, is_fresh) if not f])):
-                if not sub:
-                    continue
-                bufs = None
-                if momentum != 0:
-                    if first:
-                        for p in sub:
-                            self.state[p]["momentum_buffer"] = torch.empty_like(p)
-                    bufs = [self.state[p]["momentum_buffer"] for p in sub]
-                F.sgd_step(sub, [p.grad for p in sub], bufs, [copies.get(p) for p in sub] if copies else None,
-                           lr=F.as_float(group["lr"], "lr"), momentum=momentum, dampening=group["dampening"],
-                           weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                           maximize=group["maximize"], first_step=first, grad_scale=float(grad_scale),
-                           threads=self.threads, isa=self.isa,
-                           checked=None if first else F.checked_for(self, group))
+            lists = [(first, sub) for first, sub in ((True, fresh), (False, [p for p, f in zip(ps, is_fresh) if not f]))
+                     if sub]
+            if len(lists) > 1:  # two kernels: both checked before the first runs
+                F.check_lists([(sub, [p.grad for p in sub]) for _, sub in lists], copies)
+            for first, sub in lists:
+                # (a refused first step drops the buffers it made: a retry starts them from the gradient again)
+                with F.UndoStep(self, [], sub if first else []):
+                    bufs = None
+                    if momentum != 0:
+                        if first:
+                            for p in sub:
+                                self.state[p]["momentum_buffer"] = torch.empty_like(p)
+                        bufs = [self.state[p]["momentum_buffer"] for p in sub]
+                    F.sgd_step(sub, [p.grad for p in sub], bufs, [copies.get(p) for p in sub] if copies else None,
+                               lr=F.as_float(group["lr"], "lr"), momentum=momentum, dampening=group["dampening"],
+                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                               maximize=group["maximize"], first_step=first, grad_scale=float(grad_scale),
+                               threads=self.threads, isa=self.isa,
+                               checked=None if first else F.checked_for(self, group))
         return loss

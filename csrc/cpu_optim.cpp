@@ -403,13 +403,17 @@ void q8_blocks(const Q8Slot& t, int64_t b0, int64_t b1, const AdamScalars& s, DT
     }
     t.m_absmax[b] = mmax;
     t.v_absmax[b] = vmax;
-    // levels^k / absmax: the root of x times it is levels * (x / absmax)^(1/k)
+    // levels^k / absmax: the root of x times it is levels * (x / absmax)^(1/k). Below an absmax of
+    // about 1e-32 that scale overflows (0 * inf is NaN): such a block divides by its absmax first.
     const float ms = mmax > 0.0f ? 2048383.0f / mmax : 0.0f;       // 127^3
     const float vs = vmax > 0.0f ? 4228250625.0f / vmax : 0.0f;    // 255^4
+    const bool mtiny = !std::isfinite(ms), vtiny = !std::isfinite(vs);
     for (int64_t j = 0; j < len; ++j) {
-      const float cm = std::min(127.0f, round_small(std::cbrt(std::fabs(mb[j]) * ms)));
+      const float xm = mtiny ? std::fabs(mb[j]) / mmax * 2048383.0f : std::fabs(mb[j]) * ms;
+      const float xv = vtiny ? vb[j] / vmax * 4228250625.0f : vb[j] * vs;
+      const float cm = std::min(127.0f, round_small(std::cbrt(xm)));
       t.m[lo + j] = int8_t(mb[j] < 0.0f ? -cm : cm);
-      float cv = std::min(255.0f, round_small(__builtin_sqrtf(__builtin_sqrtf(vb[j] * vs))));
+      float cv = std::min(255.0f, round_small(__builtin_sqrtf(__builtin_sqrtf(xv))));
       cv = vb[j] > 0.0f && cv < 1.0f ? 1.0f : cv;  // a positive v keeps a positive code
       t.v[lo + j] = uint8_t(cv);
     }

@@ -82,6 +82,35 @@ def test_int8_codes_absmax_and_error_bounds():
     assert (dec["exp_avg_sq"][v > 0] > 0).all()
 
 
+def test_int8_blocks_of_tiny_moments_encode_as_the_definition():
+    """Blocks whose absmax is so small (1e-33, 1e-36) that levels^k / absmax overflows fp32: both
+    encoders (the Python one of load/convert and the step's kernel) give the float64 definition's
+    codes, zeros stay zero next to a negative value, the largest value is exact."""
+    n = 3 * B
+    m, v = torch.zeros(n), torch.zeros(n)
+    m[0], m[1], m[5] = -1e-33, 2.5e-34, 1e-34  # block 0: tiny; block 1: tinier; block 2: ordinary
+    m[B], m[B + 7] = 3e-36, -1e-36
+    m[2 * B:] = torch.linspace(-1, 1, B)
+    v[0], v[3], v[B + 1], v[2 * B] = 1e-31, 2e-32, 1e-37, 0.5
+    state = {"step": torch.tensor(1.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    M.convert(state, "int8", torch.zeros(n))
+    for x, key, levels, k in ((m, "exp_avg", 127.0, 3), (v, "exp_avg_sq", 255.0, 4)):
+        codes, amax = ref_encode(x, levels, k)
+        assert torch.equal(state[key].double(), codes), key
+        assert torch.equal(state[key + "_absmax"].double(), amax.float().double()), key
+    # the kernel: a step from zero moments whose new moments are these (beta1 = beta2 = 0: m = g, v = g^2)
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = pz.optim.Adam([p], lr=1e-3, betas=(0.0, 0.0), moments="int8")
+    p.grad = m.clone()
+    opt.step()
+    st = opt.state[p]
+    codes, amax = ref_encode(m, 127.0, 3)
+    assert torch.equal(st["exp_avg"].double(), codes)
+    assert torch.equal(st["exp_avg_absmax"].double(), amax.float().double())
+    dec = opt.fp32_state(p)["exp_avg"]
+    assert (dec[m == 0] == 0).all() and dec[0] == m[0] and dec[B] == m[B]
+
+
 def _adam_pair(n, gen, moments):
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 1e-2

@@ -119,14 +119,21 @@ def encode_from(state: dict, a: int, b: int, src_m: torch.Tensor, src_v: torch.T
         amax = xb.abs().amax(1)
         absmax[blocks] = amax
         # levels^k / absmax per block (0 for an all-zero block): the root of x times it is
-        # levels * (x / absmax)^(1/k) in one multiply and the root
+        # levels * (x / absmax)^(1/k) in one multiply and the root. Below an absmax of about 1e-32
+        # the scale overflows (0 * inf is NaN): such blocks divide by their absmax first (as the kernel).
         scale = torch.where(amax > 0, levels ** root / amax, torch.zeros_like(amax)).unsqueeze(1)
+        tiny = ~scale.isfinite().squeeze(1)
         if root == 3:
             y = x.abs()
-            y.view(nb, BLOCK).mul_(scale)
+            y.view(nb, BLOCK).mul_(scale.nan_to_num(posinf=0.0))
+            if tiny.any():
+                y.view(nb, BLOCK)[tiny] = xb[tiny].abs() / amax[tiny].unsqueeze(1) * float(levels ** root)
             y.pow_(1.0 / 3).round_().copysign_(x)
             x = y
         else:
+            if tiny.any():
+                xb[tiny] = xb[tiny] / amax[tiny].unsqueeze(1) * float(levels ** root)
+                scale = scale.masked_fill(tiny.unsqueeze(1), 1.0)
             xb.mul_(scale)
             x.sqrt_().sqrt_()
             x = torch.maximum(x.round(), x.ceil().clamp_(max=1.0))  # a positive v keeps a positive code

@@ -431,3 +431,51 @@ def test_a_server_publishes_the_address_it_listens_on(monkeypatch):
     rendezvous.publish(1, 4568, host="0.0.0.0")
     rendezvous.publish(2, 4569)
     assert rendezvous.lookup(3) == [("127.0.0.2", 4567), ("advertised.example", 4568), ("advertised.example", 4569)]
+
+
+def _serve_then_exit(key, q):
+    srv = pz.ps.Server(make_model(), torch.optim.SGD, 0, 1, mode="async", key=key, lr=0.1)
+    q.put(srv.bind())
+    st = srv.serve()
+    q.put((st["applied"], st["joined"], st["left"]))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # as a server process ends once serve() returns
+
+
+def test_stop_tells_a_busy_worker_before_the_server_ends():
+    """pz.ps.stop while a worker computes for longer than the 5 s the server gave each connection to
+    end: the server process keeps answering until the worker has been told (its next pull returns
+    False, not ServerLost) and has left, then ends at once; a told worker's later pulls return False
+    without asking."""
+    import multiprocessing
+
+    key = b"k" * 32
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_serve_then_exit, args=(key, q), daemon=True)
+    proc.start()
+    try:
+        addr = q.get(timeout=30)
+        models = [make_model()]
+        workers = [pz.ps.Worker(m, servers=[addr], key=key) for m in models]
+        for i, (w, m) in enumerate(zip(workers, models)):
+            assert w.pull()
+            x, y = data(0, i)
+            F.mse_loss(m(x), y).backward()
+            assert w.push()
+        pz.ps.request(addr, "stop", key=key)
+        time.sleep(6.0)  # the workers "compute"
+        assert proc.is_alive()
+        for w in workers:
+            assert w.pull() is False
+            assert w.pull() is False
+        t0 = time.monotonic()
+        for w in workers:
+            w.close()
+        proc.join(10)
+        assert proc.exitcode == 0 and time.monotonic() - t0 < 3.0
+        assert q.get(timeout=5) == (1, 1, 1)
+    finally:
+        if proc.is_alive():
+            proc.kill()

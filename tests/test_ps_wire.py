@@ -197,6 +197,8 @@ def bad_messages(n, boom, signature):
         ("bare pickle", pickle.dumps(Boom(boom)), "not a pz.ps message"),
         ("unknown field", frame({"op": "pull", "have": 0, "exec": "rm -rf /", "tensors": []}), "unknown fields"),
         ("unknown op", frame({"op": "eval", "tensors": []}), "op: expected one of"),
+        ("op a list", frame({"op": ["pull"], "tensors": []}), "op: expected one of"),
+        ("op an object", frame({"op": {"a": 1}, "tensors": []}), "op: expected one of"),
         ("negative count", frame(dict(push, tensors=[["float32", -5]])), "tensors: expected"),
         ("huge count", frame(dict(push, tensors=[["float32", 1 << 40]])), "tensors: expected"),
         ("wrong dtype", frame(dict(push, tensors=[["float64", n]])), "tensors: expected"),

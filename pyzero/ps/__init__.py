@@ -68,7 +68,8 @@ def stats(num_servers: int) -> list[dict]:
 
 
 def stop(num_servers: int) -> None:
-    """Ask every server to finish (workers' next pull returns False)."""
+    """Ask every server to finish: each worker's next pull returns False, and a server's serve()
+    returns once its workers have left (close()), died, or been silent for worker_timeout."""
     from .rendezvous import lookup  # noqa: PLC0415
 
     check_num_servers(num_servers)

@@ -136,6 +136,7 @@ class Server:
         self._pending: dict[int, torch.Tensor | None] = {}  # sync: this round's pushes by worker id
         self._next_wid = 0
         self._stopped = False
+        self._conns: set = set()  # the open connections (closed when serve() ends)
         self.counters = {"pushes": 0, "applied": 0, "rejected_nonfinite": 0, "dropped_dead": 0, "joined": 0,
                          "left": 0, "died": 0, "max_staleness": 0, "max_clock_gap": 0, "pulls": 0,
                          "bad_messages": 0, "refused_auth": 0, "rejected_repeat": 0}
@@ -328,7 +329,7 @@ class Server:
         """wire.recv's check of a request: a known op with exactly its fields; a push carries one
         float32 shard of this server's size."""
         op = header.get("op")
-        if op not in REQUESTS:
+        if type(op) is not str or op not in REQUESTS:  # (a list or dict is no key: not a TypeError here)
             raise wire.BadMessage(f"op: expected one of {sorted(REQUESTS)}, got {wire._short(op)}")
         wire.check_fields(header, REQUESTS[op], op)
         return [(torch.float32, self.master.numel())] if op == "push" else []
@@ -338,6 +339,8 @@ class Server:
         try:
             try:
                 conn = wire.accept(sock, addr, self.key)
+                with self._cond:
+                    self._conns.add(conn)
             except wire.AuthError as e:
                 with self._cond:
                     self.counters["refused_auth"] += 1
@@ -389,6 +392,8 @@ class Server:
             if peer is not None:
                 self._drop(peer, died=True)
             if conn is not None:
+                with self._cond:
+                    self._conns.discard(conn)
                 conn.close()
 
     # ---- the server loop --------------------------------------------------------------
@@ -411,9 +416,9 @@ class Server:
             self._cond.notify_all()
 
     def serve(self, idle_timeout: float | None = None) -> dict:
-        """Accept workers until stopped (``stop()``, a worker's stop request, or max_versions
-        reached and every worker gone); returns stats(). ``idle_timeout``: also stop after that
-        many seconds without any live worker."""
+        """Accept workers until the job is finished (``stop()``, a stop request, or max_versions
+        reached) and every worker has gone (each is told by its next pull, then leaves); returns
+        stats(). ``idle_timeout``: also stop after that many seconds without any live worker."""
         check_idle_timeout(idle_timeout)
         if self._listener is None:
             self.bind()
@@ -447,7 +452,11 @@ class Server:
                 live = self._live()
                 if live:
                     idle_since = time.monotonic()
-                if self._stopped or (self._finished() and not live and self.counters["joined"] > 0):
+                # Finished (stopped, or max_versions reached after a worker joined): once every worker
+                # has gone (left after its pull said so, died, or silent for worker_timeout), so that
+                # each is told by its next pull, whenever that comes; another server may be a version
+                # behind and still want the worker's pushes.
+                if self._finished() and not live and (self._stopped or self.counters["joined"] > 0):
                     break
                 if idle_timeout is not None and not live and time.monotonic() - idle_since > idle_timeout:
                     break
@@ -460,6 +469,11 @@ class Server:
         stop_accepting.set()
         acceptor.join(5)
         self._listener.close()
+        with self._cond:
+            conns = list(self._conns)
+        for conn in conns:  # (connection threads waiting for a told worker's next message end now)
+            conn.close()
+        deadline = time.monotonic() + 5
         for t in threads:
-            t.join(5)
+            t.join(max(0.0, deadline - time.monotonic()))
         return self.stats()

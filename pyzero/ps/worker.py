@@ -78,6 +78,7 @@ class Worker:
         self.versions = [0] * n
         self._pushed = False  # sync mode: pushed into a round since the last pull (or the join)
         self.finished = [False] * n  # per server: its job is done (max_versions reached or stopped)
+        self._told = False  # a pull returned False
         self.clock_gaps: list[int] = []  # per pull: how far ahead of the slowest worker this one was
         self.conns = []
         try:
@@ -169,8 +170,9 @@ class Worker:
 
     def pull(self) -> bool:
         """Bring the parameters up to date (waiting as the servers' mode says); False once the
-        job is finished (max_versions reached or the servers stopped)."""
-        if not self.conns:
+        job is finished (max_versions reached or the servers stopped), then without asking again
+        (a finished server closes the connections of workers it has told)."""
+        if not self.conns or self._told:
             return False
         self._broadcast(lambda s: {"op": "pull", "have": self.versions[s]})
         self._pushed = False
@@ -184,6 +186,7 @@ class Worker:
             gaps.append(h.get("clock_gap", 0))
         if not self.done:
             self.clock_gaps.append(max(gaps))
+        self._told = self.done  # (every server answered this pull: each has told this worker, with its last shard)
         return not self.done
 
     def push(self) -> bool:

@@ -20,3 +20,11 @@ def is_real(v) -> bool:
 def is_positive_finite(v) -> bool:
     """A real number in (0, inf): a timeout in seconds, a size in MiB."""
     return is_real(v) and 0 < v < math.inf
+
+
+def check_bool(value, arg: str) -> bool:
+    """`value` if it is True or False, else a TypeError naming `arg` (bool("False") is True: a string or a
+    number read as a flag would change what it switches without a word)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg}: expected True or False, got {value!r}")
+    return value

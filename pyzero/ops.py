@@ -234,7 +234,9 @@ def linear_all_reduce_backward(grad: Tensor, x: Tensor, weight: Tensor, group: s
 @matmul_reduce_scatter_backward.register_fake
 @linear_all_reduce_backward.register_fake
 def _(grad, x, weight, group):
-    return torch.empty_like(x), torch.empty_like(weight)
+    # contiguous, whatever the strides of x and weight, as the kernels make them (pyzero.tp.ring): a
+    # compiled graph checks the strides its fake kernels promised
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _save_matmul(ctx, inputs, output):

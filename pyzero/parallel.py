@@ -159,6 +159,7 @@ class DataParallel(nn.Module):
         g.backend  # raises unless this rank is a member
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named, g.device)
+        wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
         # GPT-2's 148): those with buckets keep the dtype and device their buckets are laid out for, and

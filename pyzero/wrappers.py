@@ -92,3 +92,18 @@ class WeakOwner:
 
     def __reduce__(self):
         return _no_owner, ()
+
+
+def refuse_group_across_tp_shards(named, group, what: str) -> None:
+    """Raise if data parallelism over `group` would mix tensor-parallel shards: a parameter of `named`
+    ((name, parameter) pairs) that is one TP rank's part of a weight (pz.tp's layers mark it with its
+    TP group's global ranks, ``tp_ranks``) while `group` holds two ranks of that TP group, whose parts differ (the wrap-time
+    broadcast would copy one rank's part over the others', the gradients of different parts averaged)."""
+    for name, p in named:
+        tp = getattr(p, "tp_ranks", ())
+        both = sorted(set(tp) & set(group.ranks))
+        if len(both) > 1:
+            raise ValueError(f"{what}: parameter {name!r} is a tensor-parallel shard of the group of ranks "
+                             f"{list(tp)}, and the data-parallel group {list(group.ranks)} holds ranks {both} "
+                             "of it, whose shards differ; pass the data-parallel group of the mesh "
+                             "(dp, tp = pz.mesh(dp=..., tp=...); group=dp)")

@@ -108,6 +108,16 @@ def rank_opcheck():
               (ops.reduce_scatter_tensor, (xg, "sum", 2, name)), (ops.all_gather_matmul, (xg, w, name))]
     for op, args in checks:
         torch.library.opcheck(op, args)
+    # The matmuls' backward ops return contiguous gradients whatever the strides of x and the weight
+    # (batch-first data transposed to (seq, batch, hidden)): their fake kernels must say so, or a
+    # compiled backward (inductor) fails its stride checks.
+    xt = torch.randn(3, 4, 3, generator=torch.Generator().manual_seed(5 + r)).transpose(0, 1)  # (4, 3, 3)
+    wt = torch.randn(3, 5, generator=torch.Generator().manual_seed(7)).t()  # (5, 3), not contiguous
+    back = [(ops.linear_all_reduce_backward, (torch.ones(4, 3, 5), xt, wt, name)),
+            (ops.all_gather_matmul_backward, (torch.ones(8, 3, 5), xt, wt, name)),
+            (ops.matmul_reduce_scatter_backward, (torch.ones(2, 3, 5), xt, wt, name))]
+    for op, args in back:
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
     # The values, against plain torch on both ranks' inputs (rank q's x is arange + 10 q).
     xs = [torch.arange(12.0).view(4, 3) + 10 * q for q in range(2)]
     y = ops.all_reduce(x, "sum", name)

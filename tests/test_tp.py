@@ -111,6 +111,15 @@ def rank_models(which):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x, t, sp)
         return out
+    if which == "mlp-fp64-autocast":  # autocast leaves float64 alone, as nn.Linear under it stays float64
+        for overlap, sp in CONFIGS:
+            ref = make_mlp().double()
+            opts = dict(sequence_parallel=sp, overlap=overlap)
+            model = MLP(pz.tp.ColumnParallelLinear.from_linear(ref.fc1, **opts),
+                        pz.tp.RowParallelLinear.from_linear(ref.fc2, **opts))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out[f"overlap={overlap},sp={sp}"] = forward_backward(model, x.double(), t.double(), sp)
+        return out
     if which == "mlp-after-inference":  # a forward under inference_mode first: the ops' cached buffers are made
         for overlap, sp in CONFIGS:     # there, and must serve the training forward and backward after it
             ref = make_mlp()
@@ -162,6 +171,21 @@ def test_mlp_under_autocast_matches_single_process():
         ref = forward_backward(make_mlp(), *make_data())
     assert ref[0].dtype == torch.bfloat16 and ref[2]["fc1.weight"].dtype == torch.float32
     check_against(run_ranks(rank_models, 2, args=("mlp-autocast",)), ref, tol=dict(rtol=2e-2, atol=2e-2))
+
+
+def test_float64_mlp_under_autocast_stays_float64():
+    """torch.autocast casts no float64: a float64 nn.Linear under it computes in float64. The overlapped
+    layers cast everything to the autocast dtype (a bf16 result 2e-3 off, or a dtype error in the row
+    layer); now every configuration matches the float64 reference to float64 rounding."""
+    x, t = make_data()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = forward_backward(make_mlp().double(), x.double(), t.double())
+    assert ref[0].dtype == torch.float64
+    results = run_ranks(rank_models, 2, args=("mlp-fp64-autocast",))
+    for r in results:
+        for name, (y, _, _) in r.value.items():
+            assert y.dtype == torch.float64, name
+    check_against(results, ref, tol=dict(rtol=1e-12, atol=1e-12))
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -451,6 +475,21 @@ def rank_errors():
          "qkv: expected shape (seq, batch, heads * 3 * head_dim) with heads=3, got (4, 2, 10)"),
         (lambda: pz.tp.causal_attention(torch.randn(4, 12), 1), V, "qkv: expected shape (seq, batch, "),
         (lambda: pz.tp.causal_attention(torch.randn(4, 2, 12), 0), V, "heads: expected a positive int, got 0"),
+        # flags are bools: sequence_parallel="False" was read as True (weight gradients tp times too large)
+        (lambda: pz.tp.ColumnParallelLinear(8, 8, sequence_parallel="False"), T,
+         "sequence_parallel: expected True or False, got 'False'"),
+        (lambda: pz.tp.RowParallelLinear(8, 8, overlap=0), T, "overlap: expected True or False, got 0"),
+        (lambda: pz.tp.ColumnParallelLinear(8, 8, gather_output="yes"), T, "gather_output: expected True or False"),
+        (lambda: pz.tp.RowParallelLinear(8, 8, input_is_parallel=1), T, "input_is_parallel: expected True or False"),
+        (lambda: pz.tp.ParallelTransformerBlock.from_block(TransformerBlock(8, 2), sequence_parallel=1), T,
+         "sequence_parallel: expected True or False, got 1"),
+        (lambda: pz.tp.ParallelTransformerBlock.from_block(TransformerBlock(8, 2), overlap="no"), T,
+         "overlap: expected True or False, got 'no'"),
+        # from_linear takes the layer's options, not nn.Linear's
+        (lambda: pz.tp.ColumnParallelLinear.from_linear(nn.Linear(8, 8), bias=False), T,
+         "ColumnParallelLinear.from_linear: unknown option(s) ['bias']"),
+        (lambda: pz.tp.RowParallelLinear.from_linear(nn.Linear(8, 8), gather_output=True), T,
+         "RowParallelLinear.from_linear: unknown option(s) ['gather_output']"),
     ]
     problems = []
     for i, (fn, kind, text) in enumerate(cases):

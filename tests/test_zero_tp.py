@@ -72,3 +72,75 @@ def test_zero_over_dp_with_tp_matches_one_process(stage, norm_type):
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
     for tp_rank in (0, 1):  # replicated parameters stay identical across TP ranks
         torch.testing.assert_close(by_tp[tp_rank]["3.bias"], ref["3.bias"], rtol=1e-5, atol=1e-6)
+
+
+def _rank_wrong_groups():
+    pz.init(timeout=30)
+    dp, tp = pz.mesh(dp=2, tp=2)
+    out = {}
+
+    def model():
+        return nn.Sequential(pz.tp.ColumnParallelLinear(IN, HID, group=tp), nn.GELU(),
+                             pz.tp.RowParallelLinear(HID, OUT, group=tp))
+    cases = {"dp over the world": lambda: pz.DataParallel(model()),
+             "zero over the world": lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, stage=1, tp_group=tp, lr=0.1),
+             "zero without tp_group": lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, stage=2, group=dp, lr=0.1),
+             "zero with dp as tp_group": lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, stage=3, group=dp,
+                                                                  tp_group=dp, lr=0.1)}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = "nothing raised"
+        except ValueError as e:
+            out[name] = str(e)
+    t = torch.ones(1)
+    pz.all_reduce(t)  # nothing communicated before the refusals: the world still works
+    out["dp over dp"] = type(pz.DataParallel(model(), group=dp)).__name__  # the right groups still wrap
+    return out, t.item()
+
+
+def test_data_parallel_over_tensor_parallel_shards_is_refused():
+    """2 DP x 2 TP: DataParallel or ZeroOptimizer over a group holding both TP ranks of a shard (the world,
+    group=None) broadcast one rank's shard over the other's and averaged different shards' gradients: a
+    wrong model from the first forward, no error. ZeroOptimizer without tp_group (or another group) clipped
+    by each TP rank's part of the norm, the replicated parameters drifting apart. All refused, naming
+    the groups."""
+    for r in run_ranks(_rank_wrong_groups, 4, timeout=60):
+        out, total = r.value
+        assert total == 4.0
+        for name in ("dp over the world", "zero over the world"):
+            assert "data-parallel group [0, 1, 2, 3] holds ranks" in out[name] and "group=dp" in out[name], name
+        assert out["zero without tp_group"].startswith("tp_group: parameter '0.weight' is a tensor-parallel shard")
+        assert "got none" in out["zero without tp_group"]
+        assert "got the group of ranks" in out["zero with dp as tp_group"]
+        assert out["dp over dp"] == "DataParallel"
+
+
+def _rank_sp_block(stage):
+    from pyzero.tp.block import TransformerBlock
+    pz.init(timeout=30)
+    dp, tp = pz.mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    block = pz.tp.ParallelTransformerBlock.from_block(TransformerBlock(16, 4), group=tp, sequence_parallel=True)
+    opt = pz.ZeroOptimizer(block, torch.optim.SGD, stage=stage, group=dp, tp_group=tp, lr=0.1)
+    x = torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(3))[dp.rank]  # (seq 8, batch 4, 16)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        y = pz.tp.gather_from_sp(block(pz.tp.scatter_to_sp(x, group=tp)), group=tp, reduce_grad=False)
+        loss = y.square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_sequence_parallel_block_under_zero3_trains_as_stage_1():
+    """A sequence-parallel ParallelTransformerBlock under stage 3 (no leaf_modules): its LayerNorms read
+    their parameters in their own forward, which stage 3 gathers (the block read them directly and the
+    first forward raised 'read while freed'); its losses equal stage 1's."""
+    want = [r.value for r in run_ranks(_rank_sp_block, 4, args=(1,), timeout=90)]
+    got = [r.value for r in run_ranks(_rank_sp_block, 4, args=(3,), timeout=90)]
+    for w, g in zip(want, got):
+        assert g == pytest.approx(w, rel=1e-5)
+    assert want[0][1] < want[0][0]

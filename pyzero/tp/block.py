@@ -16,7 +16,7 @@ from torch import nn
 
 from . import communications as C
 from .layers import ColumnParallelLinear, RowParallelLinear, sync_replicated
-from ..checks import is_int
+from ..checks import check_bool, is_int
 
 
 def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -61,6 +61,25 @@ class TransformerBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A LayerNorm of a sequence-parallel region: each rank normalises only its tokens, and f
+    (communications.copy_to_tp) sums the weight and bias gradients over the TP group. Its own
+    forward reads the parameters, so that ZeRO stage 3 gathers them there as for any module."""
+
+    @classmethod
+    def from_layernorm(cls, ln: nn.LayerNorm, group) -> "SequenceParallelLayerNorm":
+        new = copy.deepcopy(ln)
+        new.__class__ = cls
+        new.group = group
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (a LayerNorm without an affine weight or bias has nothing to sum)
+        w = None if self.weight is None else C.copy_to_tp(self.weight, self.group)
+        b = None if self.bias is None else C.copy_to_tp(self.bias, self.group)
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
 class ParallelTransformerBlock(nn.Module):
     """This rank's part of a TransformerBlock: heads/n attention heads and
     mlp_hidden/n MLP units. Input and output are replicated (seq, b, hidden),
@@ -77,25 +96,19 @@ class ParallelTransformerBlock(nn.Module):
         super().__init__()
         g = C.tp_group(group)
         self.heads = C.check_divisible(block.heads, g.size, "heads")
-        self.group, self.sequence_parallel = g, bool(sequence_parallel)
+        self.group, self.sequence_parallel = g, check_bool(sequence_parallel, "sequence_parallel")
+        check_bool(overlap, "overlap")
         opts = dict(group=g, sequence_parallel=sequence_parallel, overlap=overlap)
-        self.ln1 = copy.deepcopy(block.ln1)
+        # replicated input: every rank's LayerNorm gradient is already the whole one
+        norm = (lambda ln: SequenceParallelLayerNorm.from_layernorm(ln, g)) if sequence_parallel else copy.deepcopy
+        self.ln1 = norm(block.ln1)
         self.qkv = ColumnParallelLinear.from_linear(block.qkv, **opts)
         self.proj = RowParallelLinear.from_linear(block.proj, **opts)
-        self.ln2 = copy.deepcopy(block.ln2)
+        self.ln2 = norm(block.ln2)
         self.fc1 = ColumnParallelLinear.from_linear(block.fc1, **opts)
         self.fc2 = RowParallelLinear.from_linear(block.fc2, **opts)
         sync_replicated([t for ln in (self.ln1, self.ln2) for t in list(ln.parameters()) + list(ln.buffers())], g)
 
-    def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            return ln(x)  # replicated input: every rank's LayerNorm gradient is already the whole one
-        # Each rank normalises only its tokens: f sums the weight/bias gradients over the group.
-        # (a LayerNorm without an affine weight or bias has nothing to sum)
-        w = None if ln.weight is None else C.copy_to_tp(ln.weight, self.group)
-        b = None if ln.bias is None else C.copy_to_tp(ln.bias, self.group)
-        return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.proj(causal_attention(self.qkv(self._norm(self.ln1, x)), self.heads))
-        return x + self.fc2(F.gelu(self.fc1(self._norm(self.ln2, x))))
+        x = x + self.proj(causal_attention(self.qkv(self.ln1(x)), self.heads))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

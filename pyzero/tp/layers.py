@@ -24,7 +24,7 @@ from torch import nn
 from ..bucketing import broadcast_coalesced
 from . import communications as C
 from . import overlap as O
-from ..checks import is_int
+from ..checks import check_bool, is_int
 
 
 def _in_dtype_of(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -67,8 +67,8 @@ class _ParallelLinear(nn.Module):
         self.out_features = _positive_int(out_f, "out_features")
         self.group = C.tp_group(group)
         self.tp_size = self.group.size
-        self.sequence_parallel = bool(sequence_parallel)
-        self.overlap = bool(overlap)
+        self.sequence_parallel = check_bool(sequence_parallel, "sequence_parallel")
+        self.overlap = check_bool(overlap, "overlap")
         size, what = (out_f, "out_features") if self._split == 0 else (in_f, "in_features")
         self.shard = C.check_divisible(size, self.tp_size, what)
 
@@ -80,6 +80,7 @@ class _ParallelLinear(nn.Module):
             # A frozen weight or bias stays frozen in its shard.
             self.weight = nn.Parameter(w.clone().contiguous(), requires_grad=linear.weight.requires_grad)
             self.weight.tp_sharded = True  # each TP rank holds a different part (clipping sums them)
+            self.weight.tp_ranks = tuple(self.group.ranks)  # (data parallelism must not span two: wrappers)
             b = linear.bias
             if b is None:
                 self.bias = None
@@ -88,6 +89,8 @@ class _ParallelLinear(nn.Module):
                 b = b.detach()[r * k:(r + 1) * k] if self._split == 0 else b.detach()
                 self.bias = nn.Parameter(b.clone(), requires_grad=not frozen)
                 self.bias.tp_sharded = self._split == 0  # a row layer's bias is replicated
+                if self._split == 0:
+                    self.bias.tp_ranks = tuple(self.group.ranks)
                 if self._split == 1:
                     sync_replicated([self.bias], self.group)
 
@@ -98,6 +101,11 @@ class _ParallelLinear(nn.Module):
         ``options`` are the layer's other keyword arguments."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        allowed = [a for a in cls._setup.__code__.co_varnames[3:cls._setup.__code__.co_argcount] if a != "group"]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_linear: unknown option(s) {unknown} (the weight, bias and sizes "
+                            f"come from `linear`); expected some of {allowed}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(linear.in_features, linear.out_features, group=group, **options)
@@ -127,10 +135,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _setup(self, in_f, out_f, gather_output=False, sequence_parallel=False, overlap=True, group=None):
         self._configure(in_f, out_f, sequence_parallel, overlap, group)
+        check_bool(gather_output, "gather_output")
         if gather_output and self.sequence_parallel:
             raise ValueError("gather_output=True with sequence_parallel=True: the output of a sequence-parallel "
                              "column layer feeds a row layer; expected gather_output=False")
-        self.gather_output = bool(gather_output)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
@@ -168,10 +177,11 @@ class RowParallelLinear(_ParallelLinear):
 
     def _setup(self, in_f, out_f, input_is_parallel=True, sequence_parallel=False, overlap=True, group=None):
         self._configure(in_f, out_f, sequence_parallel, overlap, group)
+        check_bool(input_is_parallel, "input_is_parallel")
         if not input_is_parallel and self.sequence_parallel:
             raise ValueError("input_is_parallel=False with sequence_parallel=True: a sequence-parallel row layer "
                              "takes the feature-split output of a column layer; expected input_is_parallel=True")
-        self.input_is_parallel = bool(input_is_parallel)
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.group

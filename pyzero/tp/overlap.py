@@ -49,8 +49,9 @@ def _autocast(x, weight):
     """Under torch.autocast the overlapped matmuls compute in its dtype, as torch's linear does: x and the weight
     are cast first (autograd ops: an fp32 weight gets its gradient in fp32), and the op runs with autocast off (its
     matmuls write into buffers, where autocast does not cast, and its backward must not mix dtypes)."""
+    # (float64 is never cast, as autocast's own ops leave it: a float64 layer stays float64)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_floating_point() \
-            and weight.is_floating_point():
+            and weight.is_floating_point() and torch.float64 not in (x.dtype, weight.dtype):
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)

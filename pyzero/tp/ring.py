@@ -151,7 +151,7 @@ def all_gather_matmul_backward(grad: torch.Tensor, x_shard: torch.Tensor, weight
     rows = [slice(c * m, (c + 1) * m) for c in range(g.size)]
     # dx: the blocks of dy @ w, reduce-scattered block by block (as matmul_reduce_scatter)
     dx = reduce_scatter_blocks(lambda c, out: torch.matmul(dy[rows[c]], weight, out=out), m, k, x2, g)
-    dw = torch.zeros_like(weight)
+    dw = weight.new_zeros(weight.shape)  # (contiguous, as the fake kernel says: pyzero.ops)
     gather_blocks(x2, g, lambda c, xc: dw.addmm_(dy[rows[c]].t(), xc))  # dw += dy[c].T @ x[c] as x[c] comes
     return dx.view(x_shard.shape), dw
 
@@ -170,7 +170,7 @@ def matmul_reduce_scatter_backward(grad: torch.Tensor, x: torch.Tensor, weight: 
     dy = grad.contiguous().view(-1, weight.shape[0])  # (M, o)
     m = dy.shape[0]
     dx = torch.empty_like(x2)
-    dw = torch.zeros_like(weight)
+    dw = weight.new_zeros(weight.shape)  # (contiguous, as the fake kernel says: pyzero.ops)
 
     def grads(c, block):
         rows = slice(c * m, (c + 1) * m)

@@ -266,6 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
         self.params, self.names = trainable(model)
+        self._check_tp(model)
         if any(_owner_of(p) is not None for p in self.params):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")
@@ -641,6 +642,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _check_home(self, every=False):
         """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put):
         a cheap check per forward, all of them at step() (``every``)."""
+
+    def _check_tp(self, model) -> None:
+        """Tensor-parallel shards (pz.tp's layers): the ZeRO group holds one rank of their TP group, and
+        tp_group names that group (clipping adds the TP ranks' parts of their norm; without it each TP
+        rank clipped by its own part, and the replicated parameters drifted apart)."""
+        named = list(model.named_parameters())
+        wrappers.refuse_group_across_tp_shards(named, self.group, "group")
+        for name, p in named:
+            tp = getattr(p, "tp_ranks", ())
+            if len(tp) < 2:
+                continue
+            if self.tp_group is None or sorted(self.tp_group.ranks) != sorted(tp):
+                got = "none" if self.tp_group is None else f"the group of ranks {list(self.tp_group.ranks)}"
+                raise ValueError(f"tp_group: parameter {name!r} is a tensor-parallel shard of the group of ranks "
+                                 f"{list(tp)}, got {got}; pass that group (dp, tp = pz.mesh(...); "
+                                 "ZeroOptimizer(..., group=dp, tp_group=tp))")
 
     def _check_group(self):
         """Refuse options the group cannot take, before anything touches the model (a stage's own checks)."""

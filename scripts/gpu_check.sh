@@ -299,12 +299,12 @@ part_memory() {
   local np
   for np in ${GPU_CHECK_MEMORY_NPROC:-1 2 4}; do
     if [ "$np" = 1 ]; then
-      room "memory (nproc 1)" 150 || continue
+      room "memory (nproc 1)" 180 || continue
       echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
       mps_stop
-      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
-        --batch 8 --seq 512 --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 --first-bucket-mb 1 \
-        --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 150) s)"
+      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 180)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+        --batch 8 --seq 512 --runs torch-local,torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 \
+        --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 180) s)"
       continue
     fi
     room "memory (nproc $np)" 150 || continue

@@ -509,12 +509,15 @@ class BucketReducer:
         self.buckets = [Bucket(s, self.params, comm_dtype, self.extra_elements(s)) for s in self.specs]
         self._where = {id(self.params[i]): (s.index, k) for s in self.specs for k, i in enumerate(s.params)}
         self.sync = True  # False inside no_sync(): hooks only record which parameters were used
+        # A synced forward whose backward has not ended: a later no_sync forward joining the same
+        # backward keeps it synced (as DDP's prepare_for_backward is not undone by one): see arm().
+        self.armed = False
         # Set by a compiled forward, which cannot look at the gradients (no graph operation
         # does that): prepare() then runs at the first gradient hook of the backward.
         self.prepare_at_backward = False
         self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
-        # used: got a gradient since the last reduction (no_sync steps included);
-        # missing: had no gradient before this rank attached a zeroed slot.
+        # used: got a gradient from autograd since the last reduction (no_sync steps included);
+        # missing: had no gradient when its bucket was staged (stage() then attached a zeroed slot).
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
         self._inflight = InFlight()
@@ -544,14 +547,19 @@ class BucketReducer:
         self._handles = []
 
     def prepare(self) -> None:
-        """Before a forward whose backward will come: note which parameters have no gradient yet."""
+        """Before a forward whose backward will come: forget a previous backward that raised half-way."""
         self.prepare_at_backward = False
         if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
             self._discard()
-        for b, bucket in enumerate(self.buckets):
-            for k, p in enumerate(bucket.params):
-                if p.grad is None:
-                    self.missing[b][k] = True
+
+    def arm(self, sync: bool) -> None:
+        """At a training forward: whether its backward reduces (`sync`: not under no_sync). A synced
+        forward arms the reducer until that backward ends; a no_sync forward after it (both losses in
+        one backward) does not disarm it, as in DDP."""
+        if sync:
+            self.sync = self.armed = True
+        elif not self.armed:
+            self.sync = False
 
     def _on_grad(self, p) -> None:
         if self.prepare_at_backward:
@@ -574,18 +582,22 @@ class BucketReducer:
         self._inflight.discard()
         for bucket in self.buckets:
             bucket.packed = [False] * len(bucket.params)
+        # (its used flags too: a parameter no rank uses in the next backward would keep a zero gradient)
+        self.used = [[False] * len(b.params) for b in self.buckets]
+        self.missing = [[False] * len(b.params) for b in self.buckets]
+        self.armed = False
         self._reset()
 
     def _launch(self, b: int) -> None:
         # called by self._launch_order, see [Note: bucket launch order]
-        for k, m in enumerate(self.buckets[b].stage()):
-            self.missing[b][k] |= m
+        self.missing[b] = self.buckets[b].stage()  # (a gradient set by hand since forward is not missing)
         self._before_reduce(b)
         self._inflight.add(self._reduce(self.buckets[b]), lambda: self._done(b), key=b)
         self.log.append((b, "launch"))
 
     def _end_backward(self) -> None:
         try:
+            self.armed = False
             self._launch_order.finish()
             self.wait()
         finally:

@@ -12,6 +12,7 @@ group average.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 from torch import nn
@@ -55,7 +56,8 @@ class _AllReduceBuckets(BucketReducer):
     def _launch(self, b: int) -> None:
         super()._launch(b)
         if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
-            flags = [u for us in self.used for u in us]
+            # used: autograd made it here, or it was set by hand (then every rank keeps a gradient)
+            flags = [u or not m for us, ms in zip(self.used, self.missing) for u, m in zip(us, ms)]
             missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
             droppable = [self.names[self.specs[i].params[k]] for i, (ms, us) in enumerate(zip(missing, self.used))
                          for k, (m, u) in enumerate(zip(ms, us)) if m and not u]
@@ -112,6 +114,32 @@ def _capturing(device: torch.device) -> bool:
     return device_capturing(device)
 
 
+def check_same_parameters(module: nn.Module, group, what: str) -> None:
+    """Raise on every rank unless every rank of `group` holds parameters of the same shapes, dtypes and
+    trainability, in the same order (as DDP checks at wrap time): with the same element count the
+    wrap-time broadcast and the flat buffers line up anyway, copying values into another layout
+    and averaging gradients of different layouts, silently. One all_gather of (count, digest); a
+    second, of each parameter's digest, only to name the first that differs."""
+    named = list(module.named_parameters())
+    digests = [int.from_bytes(hashlib.blake2b(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(),
+                                              digest_size=7).digest(), "little") for _, p in named]
+    whole = int.from_bytes(hashlib.blake2b(repr(digests).encode(), digest_size=7).digest(), "little")
+    rows = comm.every_rank([len(named), whole], group=group)
+    if bool((rows == rows[0]).all()):
+        return
+    counts = rows[:, 0].tolist()
+    if len(set(counts)) > 1:
+        raise ValueError(f"{what}: the ranks' models differ: {counts} parameters on group ranks 0..{len(counts) - 1} "
+                         "(every rank must wrap the same model)")
+    every = comm.every_rank(digests, group=group)
+    i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
+    name, p = named[i]
+    others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
+    raise ValueError(f"{what}: parameter {name!r} is {tuple(p.shape)} {p.dtype}"
+                     f"{'' if p.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
+                     f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
+
+
 def sparse_grad_modules(module: nn.Module) -> list[tuple[str, str]]:
     """(name, class) of the submodules whose trainable weight gets sparse gradients (nn.Embedding /
     nn.EmbeddingBag with sparse=True): neither DataParallel nor ZeRO reduces those."""
@@ -160,6 +188,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named, g.device)
         wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
+        check_same_parameters(module, g, "module")
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
         # GPT-2's 148): those with buckets keep the dtype and device their buckets are laid out for, and
@@ -238,12 +267,12 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled():
             if not compiling:
                 self._check_trainable()
-            # Like DDP, whether this step's backward communicates is decided at forward.
-            self.reducer.sync = self._require_sync
             if compiling:  # looking at the gradients is no graph operation: see BucketReducer
                 self.reducer.prepare_at_backward = True
             else:
                 self.reducer.prepare()
+            # Like DDP, whether this step's backward communicates is decided at forward.
+            self.reducer.arm(self._require_sync)
         return self.module(*args, **kwargs)
 
     def _check_trainable(self) -> None:

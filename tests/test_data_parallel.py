@@ -1108,3 +1108,152 @@ def test_init_torch_needs_pyzero_initialised():
     assert not pz.is_initialized()
     with pytest.raises(RuntimeError, match=r"init_torch\(\): pyzero is not initialised: call pz.init\(\) first"):
         pz.distributed.init_torch()
+
+
+# ---------------------------------------------------------------------------
+# Gradients set by hand, a backward that raised, forwards of one backward, ranks' models
+
+
+class _Extra(nn.Module):
+    """A layer every rank uses and a parameter no forward uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(2, 2)
+        self.extra = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class _Boom(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.armed:
+            raise RuntimeError("boom")
+        return g
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, use_head):
+        h = _Boom.apply(self.a(x))
+        return self.head(h) if use_head else h
+
+
+def _rank_edges():
+    pz.init(backend="shm")
+    r = pz.get_rank()
+    out = {}
+    torch.manual_seed(0)
+    m = _Extra()
+    dp = pz.DataParallel(m)
+    # a gradient set by hand after forward, on a parameter no rank uses: kept (averaged), as torch keeps it
+    y = dp(torch.ones(1, 2))
+    m.extra.grad = torch.full((3,), 7.0 + 2 * r)
+    y.sum().backward()
+    out["set after forward"] = m.extra.grad.clone()
+    # the same before a forward that follows a grad-enabled forward without backward (validation forward)
+    m.extra.grad = None
+    dp(torch.ones(1, 2))
+    m.extra.grad = torch.full((3,), 7.0 + 2 * r)
+    dp(torch.ones(1, 2)).sum().backward()
+    out["set before forward"] = m.extra.grad.clone()
+    # set on rank 0 only: both ranks keep the average (rank 1's missing one contributes zeros)
+    m.extra.grad = None
+    y = dp(torch.ones(1, 2))
+    if r == 0:
+        m.extra.grad = torch.full((3,), 4.0)
+    y.sum().backward()
+    out["set on rank 0"] = None if m.extra.grad is None else m.extra.grad.clone()
+    # a backward that raised half-way, then one that uses no head: the head's gradient stays None
+    torch.manual_seed(0)
+    h = _Head()
+    hp = pz.DataParallel(h)
+    _Boom.armed = True
+    try:
+        hp(torch.ones(1, 2), use_head=True).sum().backward()
+        out["raised"] = False
+    except RuntimeError:
+        out["raised"] = True
+    _Boom.armed = False
+    for p in h.parameters():
+        p.grad = None
+    hp(torch.ones(1, 2), use_head=False).sum().backward()
+    out["head after a raised backward"] = h.head.weight.grad
+    # a synced forward, then one under no_sync, one backward of both: reduced (as DDP)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 1)
+    lp = pz.DataParallel(lin)
+    x = torch.full((2, 3), float(r + 1))
+    la = lp(x).sum()
+    with lp.no_sync():
+        lb = lp(x).sum()
+    (la + lb).backward()
+    out["synced then no_sync"] = lin.weight.grad.clone()
+    # and after that backward, a no_sync forward and backward alone stays local
+    lin.weight.grad = None
+    with lp.no_sync():
+        lp(x).sum().backward()
+    out["no_sync after"] = lin.weight.grad.clone()
+    return out
+
+
+def test_hand_set_gradients_raised_backwards_and_mixed_forwards():
+    """What a step's backward reduces, against plain torch and DDP: a gradient set by hand on a parameter
+    no rank uses is kept and averaged (it was set to None), also when set on one rank only (the other's
+    contributes zeros); after a backward that raised half-way, a parameter no rank uses in the next one
+    keeps grad None (its stale used flag gave it zeros, which weight decay then stepped); a synced
+    forward and a no_sync forward in one backward reduce (the no_sync forward's decision won: replicas
+    drifted apart), and the no_sync step after stays local."""
+    for res in run_ranks(_rank_edges, 2, timeout=60):
+        out, r = res.value, res.rank
+        assert torch.equal(out["set after forward"], torch.full((3,), 8.0))  # (7 + 9) / 2
+        assert torch.equal(out["set before forward"], torch.full((3,), 8.0))
+        assert torch.equal(out["set on rank 0"], torch.full((3,), 2.0))
+        assert out["raised"] and out["head after a raised backward"] is None
+        # d(sum(w.x + b))/dw per forward = column sums of x: rank q's x is q + 1 everywhere, 2 rows;
+        # two forwards: 4 (q + 1), averaged over ranks 0 and 1: 6
+        assert torch.equal(out["synced then no_sync"], torch.full((1, 3), 6.0))
+        assert torch.equal(out["no_sync after"], torch.full((1, 3), 2.0 * (r + 1)))
+
+
+def _rank_shapes(kind):
+    pz.init(backend="shm")
+    r = pz.get_rank()
+    m = nn.Linear(4, 6) if r == 0 or kind == "same" else (nn.Linear(6, 4) if kind == "transposed" else nn.Linear(4, 6))
+    if kind == "frozen" and r == 1:
+        m.bias.requires_grad_(False)
+    try:
+        if kind == "zero":
+            m = nn.Linear(4, 6) if r == 0 else nn.Linear(6, 4)
+            pz.ZeroOptimizer(m, torch.optim.SGD, stage=2, lr=0.1)
+        else:
+            pz.DataParallel(m)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("kind", ["same", "transposed", "frozen", "zero"])
+def test_ranks_wrapping_different_parameter_shapes_are_refused(kind):
+    """A weight (6, 4) on one rank and (4, 6) on the other has as many elements: the wrap-time broadcast
+    copied values into the other layout and the gradients of different layouts were averaged, no error
+    (DDP refuses). Now refused on every rank, naming the parameter; also a bias frozen on one rank only,
+    and under ZeroOptimizer."""
+    got = [res.value for res in run_ranks(_rank_shapes, 2, args=(kind,), timeout=60)]
+    if kind == "same":
+        assert got == ["ok", "ok"]
+        return
+    name = "bias" if kind == "frozen" else "weight"
+    for r, msg in enumerate(got):
+        assert f"parameter {name!r} is" in msg and f"group rank(s) [{1 - r}]" in msg, msg

@@ -24,7 +24,7 @@ from torch import nn
 from .. import comm, memtrace, wrappers
 from ..bucketing import DeviceFlags, InFlight, device_capturing
 from .. import optim as pz_optim
-from ..parallel import DataParallel, sparse_grad_modules
+from ..parallel import DataParallel, check_same_parameters, sparse_grad_modules
 from . import offload as _offload
 from . import gathered as _gathered
 from .partition import FlatLayout, Piece, trainable
@@ -267,6 +267,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
         self.params, self.names = trainable(model)
         self._check_tp(model)
+        check_same_parameters(model, self.group, "model")
         if any(_owner_of(p) is not None for p in self.params):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
                              "flat buffers stay attached); build one ZeroOptimizer per model")

@@ -1413,6 +1413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         register_state_dict_pre_hook / register_state_dict_post_hook run around it, as torch runs them."""
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
+        self._check_home(every=True)
         self._settle()
         out = {"stage": self.stage, "world": self.world, "rank": self.rank,
                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
@@ -1432,6 +1433,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         its fp32 values, "state" its inner-optimizer state (e.g. exp_avg, step) and "index" its
         position among the inner optimizer's parameters. Gradient reductions still in flight are
         waited for first, so nothing changes the shards while they are read. Checkpoints use it."""
+        self._check_home(every=True)
         self._drain()
         self._settle()
         index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
@@ -1511,6 +1513,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict | None:
         """The full model state with fp32 trainable values (the master weights) on the group's
         first rank, None elsewhere; every rank calls it. Gathered one flat buffer at a time."""
+        self._check_home(every=True)
         self._settle()
         gathered = {}
         first = self.group.rank == 0

@@ -44,6 +44,7 @@ buffer of a reduce-scatter is kept by its Work until the work completed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -123,6 +124,7 @@ class _Unit:
         self.secondary = None  # hpZ: this rank's slice of the full parameters within its partition
         self.secondary_valid = False  # holds the current parameters (since the last primary gather)
         self.gathered = True  # full holds the initial values until the first free
+        self.freed_versions: list[int] = []  # the parameters' versions when freed (see free)
         self.pending_update = None  # offload: host values the device shard takes at its next gather
         if not alias:
             gathered.add(self.nbytes)
@@ -154,9 +156,25 @@ class _Unit:
             # raise): outside forward/backward nothing reads memory that is gone.
             for p, stub in zip(self.layout.params, self.stubs):
                 p.data = stub
+            # a write into a freed parameter (fill_, zero_, nn.init, a 1-element clamp_: the stub takes
+            # what torch's overlap check lets through) bumps its version: refused at the next gather
+            self.freed_versions = [p._version for p in self.layout.params]
             self.full.untyped_storage().resize_(0)
             self.gathered = False
             self.tracker.add(-self.nbytes)
+
+    def check_unwritten(self) -> None:
+        """Raise if a freed parameter was written in place (its version moved since free())."""
+        if self.gathered:
+            return
+        written = [n for n, p, v in zip(self.layout.names, self.layout.params, self.freed_versions)
+                   if p._version != v]
+        if written:
+            raise RuntimeError(
+                f"parameters {written[:5]}{' ...' if len(written) > 5 else ''}: written in place while freed "
+                "(ZeRO stage 3 frees them outside forward and backward: the write reached a placeholder and "
+                "would be lost); write them inside `with torch.no_grad(), opt.gathered_parameters("
+                "modifier_rank=0):`")
 
     def gather(self, plan: GatherPlan, wait=True, backward=False):
         if not self.gathered:
@@ -165,6 +183,7 @@ class _Unit:
                         if p.data_ptr() != stub.data_ptr()]
             if replaced:
                 raise replaced_error(replaced)
+            self.check_unwritten()
             with memtrace.region("pyzero.gather"):
                 self.full.untyped_storage().resize_(self.nbytes)
             self.tracker.add(self.nbytes)
@@ -322,7 +341,11 @@ class ZeroStage3(ZeroOptimizer):
     def _check_home(self, every=False):
         """A gather points the parameters at the unit's buffer again, so a conversion after set-up
         (``model.to(torch.bfloat16)``, ``model.half()``, a move to another device) would be undone at
-        the next forward, the model computing in the dtype it had: refused. One compare per forward."""
+        the next forward, the model computing in the dtype it had: refused. One compare per forward;
+        with ``every`` (step and state exports) also an in-place write into a freed parameter."""
+        if every:  # (step, state exports: a write into a freed parameter is refused before it is lost)
+            for unit in self.units:
+                unit.check_unwritten()
         u = self.units[0]
         p, home = u.layout.params[0], u.full
         if p.dtype != home.dtype or p.device != home.device:
@@ -484,6 +507,7 @@ class ZeroStage3(ZeroOptimizer):
                         "forward on a gathered copy, freed after it, so the change would be lost (and each rank "
                         "would change its own); change them outside forward, inside "
                         "`with torch.no_grad(), opt.gathered_parameters():`")
+            keep = False
             if torch.is_grad_enabled():
                 # (a leaf input, e.g. made requires_grad_() for an adversarial step or a Parameter handed to a
                 # submodule, is not watched: autograd accumulates its gradient as soon as it is ready, before
@@ -491,11 +515,25 @@ class ZeroStage3(ZeroOptimizer):
                 # of backward, as one without inputs that need gradients does)
                 inputs = [t for t in _tensors(args) if t.requires_grad and t.grad_fn is not None]
                 call = _Call(len(inputs))
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        _on_grad_ready(t, 1, self._make_pre_backward(needs, call))
+                outputs = [t for t in _tensors(output) if t.requires_grad]
+                for t in outputs:
+                    _on_grad_ready(t, 1, self._make_pre_backward(needs, call))
                 for t in inputs:
                     _on_grad_ready(t, 0, self._make_post_backward(needs, call))
+                if not outputs and any(p.requires_grad for i in needs for p in self.units[i].layout.params):
+                    # [Note: outputs stage 3 cannot see] No output tensor backward could flow through was found
+                    # (a result in an object that is no tensor, list, tuple, dict or dataclass, or handed out
+                    # another way): no pre-backward hook gathers the units for this call's backward, so they
+                    # stay gathered, and in use, until the end of backward (_start_backward resets users).
+                    keep = True
+                    for i in needs:
+                        self.units[i].users += 1
+                if self._in_backward:
+                    # A forward during backward (non-reentrant checkpointing recomputes): the units a running
+                    # backward node has gathered (users > 0) stay; its post-backward frees them.
+                    keep = keep or any(self.units[i].users > 0 for i in needs)
+            if keep:
+                return
             for i in needs:
                 self.units[i].free()
 
@@ -599,6 +637,10 @@ class ZeroStage3(ZeroOptimizer):
         return post_backward
 
     def _on_grad(self, p):
+        if not self._in_backward:  # (no pre-backward ran: every call's outputs were out of sight, see [Note:
+            self._in_backward = True  # outputs stage 3 cannot see]); the end of backward still comes
+            self._order_open = False
+            _queue_callback(self._end_backward)
         self._grads_ready = True
         self._unreduced = not self._sync
         u = self._unit_of[id(p)]
@@ -645,6 +687,8 @@ class ZeroStage3(ZeroOptimizer):
     def _start_backward(self):
         self._launch_order.reset()
         self._in_backward = False
+        # (a recompute that stops early, as non-reentrant checkpointing's does, leaves its pre-forward's entry)
+        self._forward_versions.clear()
         self._order_open = False
         for u in self.units:
             u.pending = len(u.layout.params)
@@ -819,4 +863,7 @@ def _tensors(x):
     elif isinstance(x, dict):
         for y in x.values():
             yield from _tensors(y)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from _tensors(getattr(x, f.name, None))
 

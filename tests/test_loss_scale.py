@@ -206,3 +206,61 @@ def test_host_clipping_at_a_scale_whose_squares_overflow_fp32():
         assert a == pytest.approx(b, rel=1e-6)
     for k, v in w16.items():
         torch.testing.assert_close(w70[k], v, rtol=1e-5, atol=1e-6)
+
+
+_X, _Y = torch.full((4, 4), 300.0), torch.zeros(4, 1)  # gradients ~2e5: beyond fp16 even unscaled
+
+
+def _big_grads_model():
+    m = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(0.3)
+    return m
+
+
+def _rank_below_one(spec, steps):
+    import warnings
+
+    pz.init(backend="shm")
+    r = pz.get_rank()
+    model = _big_grads_model()
+    opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=1e-9, param_dtype=torch.float16, loss_scale=spec)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            opt.zero_grad()
+            x, y = _X[2 * r:2 * r + 2].half(), _Y[2 * r:2 * r + 2]
+            opt.scale_loss(F.mse_loss(model(x).float(), y)).backward()
+            opt.step()
+    full = opt.full_state_dict()
+    return (opt.loss_scale, opt.scaler.skipped, None if full is None else full["weight"],
+            [str(w.message) for w in ws if issubclass(w.category, RuntimeWarning)])
+
+
+def test_dynamic_scale_goes_below_one_as_gradscaler_and_a_stuck_scale_warns():
+    """fp16 gradients that overflow even unscaled: torch.amp.GradScaler keeps halving (no floor) and
+    trains at 0.25 after 18 skipped steps; the scaler stopped at a floor of 1 and skipped every step
+    without a word. Now the same scale, skips and weights as GradScaler; a static scale that cannot
+    go down, or a floor set by min_scale, warns."""
+    master, low = _big_grads_model(), _big_grads_model().half()
+    opt = torch.optim.SGD(master.parameters(), lr=1e-9)
+    sc = torch.amp.GradScaler("cpu")
+    skipped = 0
+    for _ in range(30):
+        with torch.no_grad():
+            low.weight.copy_(master.weight)
+        low.weight.grad = None
+        sc.scale(F.mse_loss(low(_X.half()).float(), _Y)).backward()
+        master.weight.grad = low.weight.grad.float()
+        before = master.weight.detach().clone()
+        sc.step(opt)
+        sc.update()
+        skipped += int(torch.equal(before, master.weight))
+    scale, skips, weight, warned = run_ranks(_rank_below_one, 2, args=("dynamic", 30), timeout=90)[0].value
+    assert (scale, skips) == (sc.get_scale(), skipped) == (0.25, 18)
+    torch.testing.assert_close(weight, master.weight.detach(), rtol=1e-6, atol=0)
+    assert not warned
+    for spec in (1.0, {"init_scale": 1.0, "min_scale": 1.0}):
+        scale, skips, _, warned = run_ranks(_rank_below_one, 2, args=(spec, 3), timeout=90)[0].value
+        assert (scale, skips) == (1.0, 3) and len(warned) == 3, (spec, warned)
+        assert "cannot go down" in warned[0] and ("static" in warned[0]) == (spec == 1.0)

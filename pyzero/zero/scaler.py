@@ -5,20 +5,26 @@ clipping or stepping, the optimizer looks for inf/NaN in the reduced gradient sh
 rank (one all-reduce of a flag), and either unscales them (scales are powers of two, so scaling
 and unscaling are exact) or skips the step, zeroes the gradients and halves the scale. After
 ``growth_interval`` steps without overflow the scale doubles. The rules and defaults are
-torch.amp.GradScaler's (init 2**16, growth 2, backoff 0.5, interval 2000). A number instead of
-"dynamic" is a static scale (an overflow still skips the step).
+torch.amp.GradScaler's (init 2**16, growth 2, backoff 0.5, interval 2000, no floor: ``min_scale``
+sets one). A number instead of "dynamic" is a static scale (an overflow still skips the step). A
+step skipped where the scale cannot go down (static, or at ``min_scale``) warns: such steps repeat
+until the gradients change, and training would stop without a word.
 """
 from __future__ import annotations
 
-from ..checks import is_positive_finite
+import warnings
+
+from ..checks import is_positive_finite, is_real
 
 
 class LossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, dynamic: bool = True, min_scale: float = 1.0):
-        for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor), ("min_scale", min_scale)):
+                 growth_interval: int = 2000, dynamic: bool = True, min_scale: float = 0.0):
+        for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor)):
             if not is_positive_finite(v):
                 raise ValueError(f"loss_scale: {name} must be a positive finite number, got {v!r}")
+        if not (is_real(min_scale) and 0 <= min_scale < float("inf")):
+            raise ValueError(f"loss_scale: min_scale must be a finite number >= 0, got {min_scale!r}")
         if not 0 < backoff_factor < 1:
             raise ValueError(f"loss_scale: backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
@@ -47,8 +53,15 @@ class LossScaler:
         if overflow:
             self.skipped += 1
             self.good_steps = 0
-            if self.dynamic:
+            if self.dynamic and self.scale > self.min_scale:
                 self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            else:
+                kind, fix = (("minimum", "lower min_scale") if self.dynamic
+                             else ("static", "use loss_scale='dynamic' or a smaller scale"))
+                warnings.warn(f"loss scaling: a step was skipped for inf/NaN gradients at the {kind} loss scale "
+                              f"{self.scale:g}, which cannot go down; the next steps are skipped too until the "
+                              f"gradients are finite ({fix}; opt.scaler.skipped counts them)", RuntimeWarning,
+                              stacklevel=3)
             return
         self.good_steps += 1
         if self.dynamic and self.good_steps % self.growth_interval == 0:

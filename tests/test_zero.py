@@ -402,6 +402,38 @@ def test_whole_tensor_optimizers_step_pieces_otherwise(lr):
     assert pz.zero.optimizer.elementwise_mismatch(Lamb, {}, [{"params": [], "weight_decay": 0.0}]) is not None
 
 
+class BigFactored(torch.optim.Optimizer):
+    """Adafactor-style: a factored second moment for matrices with both dims >= min_dim (optax factors from
+    128), elementwise RMSprop otherwise."""
+
+    def __init__(self, params, lr=1e-2, min_dim=128):
+        super().__init__(params, dict(lr=lr, min_dim=min_dim))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st, gr = self.state[p], p.grad
+                if p.dim() == 2 and min(p.shape) >= g["min_dim"]:
+                    r = st.setdefault("r", torch.zeros(p.shape[0], dtype=p.dtype)).mul_(0.9).add_((gr * gr).mean(1),
+                                                                                              alpha=0.1)
+                    c = st.setdefault("c", torch.zeros(p.shape[1], dtype=p.dtype)).mul_(0.9).add_((gr * gr).mean(0),
+                                                                                              alpha=0.1)
+                    v = torch.outer(r, c) / r.mean()
+                else:
+                    v = st.setdefault("v", torch.zeros_like(p)).mul_(0.9).addcmul_(gr, gr, value=0.1)
+                p.sub_(gr / (v + 1e-8).sqrt(), alpha=g["lr"])
+
+
+@pytest.mark.parametrize("min_dim", [1, 8, 128])
+def test_optimizers_that_treat_large_matrices_their_own_way_are_refused(min_dim):
+    """Factoring only matrices of at least min_dim rows and columns passed the 5 x 6 probe from min_dim 7
+    on, and trained differently under ZeRO (37% of the update apart); the probe has a 130 x 129 matrix."""
+    why = pz.zero.optimizer.elementwise_mismatch(BigFactored, {"min_dim": min_dim})
+    assert why is not None and why.startswith("BigFactored steps a tensor whole differently"), why
+    assert pz.zero.optimizer.elementwise_mismatch(BigFactored, {"min_dim": 1000}) is None  # (elementwise then)
+
+
 AdamW = torch.optim.AdamW
 CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message must contain)
     "stage4": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=4), "ValueError", ["stage", "4"]),

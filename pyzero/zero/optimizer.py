@@ -61,45 +61,57 @@ _ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "
                                                     pz_optim.NvmeAdam, pz_optim.NvmeAdamW)
 
 
+# The probe's tensors: (shape, where the flat pieces are cut). A 5 x 6 matrix, one large enough for
+# optimizers that treat only big matrices their own way (Adafactor-style factoring from 128 rows and
+# columns, as optax's), and a vector.
+_PROBES = (((5, 6), 13), ((130, 129), 7001), ((300,), 120))
+
+
 def elementwise_mismatch(cls: type, kwargs: dict, groups: list | None = None) -> str | None:
     """Whether optimizer class `cls` (with `kwargs` and each of `groups`' options) steps a tensor whole
     as it steps the same tensor in flat pieces, as ZeRO hands it: None if so, or if it cannot be
-    tried on small CPU tensors (it raises there); else what differed. Three steps of a 5 x 6 tensor
-    against its first 13 and last 17 elements as two 1-D tensors, in float64 where the optimizer
-    takes it (else float32): an elementwise optimizer computes the same numbers either way, one that
-    computes with a tensor's norm, shape or dimensionality (LAMB's and LARS's trust ratios, factored
-    moments, orthogonalised updates, weight decay only on matrices) moves them apart by a share of
-    the update (a few percent for LAMB, at any learning rate)."""
+    tried on small CPU tensors (it raises there); else what differed. Three steps of each tensor of
+    _PROBES against its flat elements cut in two 1-D tensors, in float64 where the optimizer takes it
+    (else float32): an elementwise optimizer computes the same numbers either way, one that computes
+    with a tensor's norm, shape or dimensionality (LAMB's and LARS's trust ratios, factored moments,
+    orthogonalised updates, weight decay only on matrices) moves them apart by a share of the update
+    (a few percent for LAMB, at any learning rate). A probe, not a proof: an optimizer that treats
+    some shapes specially only beyond these sizes passes it."""
     for options in [{k: v for k, v in g.items() if k != "params"} for g in (groups or [{}])]:
-        for dtype in (torch.float64, torch.float32):
-            moved = _whole_and_pieces(cls, kwargs, options, dtype)
-            if moved is not None:
-                break
-        else:  # (it cannot run here: nothing to compare)
-            continue
-        apart, update = moved
-        if apart > 1e-4 * update + 8 * torch.finfo(dtype).eps:
-            return (f"{cls.__name__} steps a tensor whole differently from the same tensor in flat pieces (after 3 "
-                    f"steps {apart:.3g} apart, {apart / max(update, 1e-30):.2%} of the update: it computes with whole "
-                    "tensors, their norm, shape or dimensionality), and ZeRO hands it flat pieces of them, so it "
-                    "would train differently from the same optimizer without ZeRO")
+        for shape, cut in _PROBES:
+            for dtype in (torch.float64, torch.float32):
+                moved = _whole_and_pieces(cls, kwargs, options, dtype, shape, cut)
+                if moved is not None:
+                    break
+            else:  # (it cannot run here: nothing to compare)
+                continue
+            apart, update = moved
+            if apart > 1e-4 * update + 8 * torch.finfo(dtype).eps:
+                return (f"{cls.__name__} steps a tensor whole differently from the same tensor in flat pieces (a "
+                        f"{tuple(shape)} tensor after 3 steps {apart:.3g} apart, {apart / max(update, 1e-30):.2%} "
+                        "of the update: it computes with whole tensors, their norm, shape or dimensionality), and "
+                        "ZeRO hands it flat pieces of them, so it would train differently from the same optimizer "
+                        "without ZeRO")
     return None
 
 
-def _whole_and_pieces(cls, kwargs, options, dtype):
-    """(largest difference, largest update) of elementwise_mismatch's probe in `dtype`, or None if the
-    optimizer raised."""
-    start = (torch.arange(30, dtype=dtype) / 7 - 2).sin()
-    grads = [(((torch.arange(30) * (k + 3)) % 11 - 5) / 4).to(dtype) * (1 + k) for k in range(3)]
+def _whole_and_pieces(cls, kwargs, options, dtype, shape, cut):
+    """(largest difference, largest update) of elementwise_mismatch's probe of a `shape` tensor cut at
+    `cut` in `dtype`, or None if the optimizer raised."""
+    n = 1
+    for d in shape:
+        n *= d
+    start = (torch.arange(n, dtype=dtype) / 7 - 2).sin()
+    grads = [(((torch.arange(n) * (k + 3)) % 11 - 5) / 4).to(dtype) * (1 + k) for k in range(3)]
     try:
         with torch.random.fork_rng(devices=[]):
-            whole = nn.Parameter(start.clone().view(5, 6))
-            pieces = [nn.Parameter(start[:13].clone()), nn.Parameter(start[13:].clone())]
+            whole = nn.Parameter(start.clone().view(shape))
+            pieces = [nn.Parameter(start[:cut].clone()), nn.Parameter(start[cut:].clone())]
             opt_whole = cls([dict(options, params=[whole])], **kwargs)
             opt_pieces = cls([dict(options, params=pieces)], **kwargs)
             for g in grads:
-                whole.grad = g.clone().view(5, 6)
-                pieces[0].grad, pieces[1].grad = g[:13].clone(), g[13:].clone()
+                whole.grad = g.clone().view(shape)
+                pieces[0].grad, pieces[1].grad = g[:cut].clone(), g[cut:].clone()
                 opt_whole.step()
                 opt_pieces.step()
     except Exception:  # noqa: BLE001

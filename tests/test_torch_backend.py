@@ -944,13 +944,29 @@ def test_bench_percentiles_are_nearest_rank(q):
 
 def test_bench_expected_results_from_the_closed_form():
     """The result pyzero-bench checks each call against (cached per size: every backend and form of a size
-    checks against the same) is the sum over ranks of their inputs ((7 i + 3 r) mod 5 - 2), written out
-    here with plain torch ops, and a later size does not get an earlier size's result."""
-    from pyzero.bench.collectives import expected
+    checks against the same) is the sum over ranks of their inputs (a hash of element and rank, mod 5,
+    minus 2), written out here with plain Python integers, and a later size does not get an earlier
+    size's result."""
+    from pyzero.bench.collectives import expected, pattern
 
     def inputs(count, r):
-        i = torch.arange(count, dtype=torch.int64)
-        return torch.remainder(7 * i + 3 * r, 5) - 2
+        out = []
+        for i in range(count):
+            h = (i * -1640531535 + r * 1013904223) & 0xFFFFFFFF  # int32 arithmetic, wrapping
+            h = h - (1 << 32) if h >= 1 << 31 else h
+            h ^= h >> 15
+            h = (h * 739982445) & 0xFFFFFFFF
+            h = h - (1 << 32) if h >= 1 << 31 else h
+            h ^= h >> 13
+            out.append(h % 5 - 2)
+        return torch.tensor(out, dtype=torch.int64)
+
+    # no period: a chunk of any length differs from the next (a period of 5 made all of a reduce_scatter's
+    # chunks alike when their length was a multiple of 5, and a rank given another's passed the check)
+    total = sum(pattern(3000, r, torch.int64) for r in range(3))
+    for per in (5, 10, 15, 340, 1000):
+        assert not torch.equal(total[:per], total[per:2 * per]), per
+    assert set(pattern(1000, 0, torch.int64).tolist()) == {-2, -1, 0, 1, 2}
 
     for _ in range(2):  # the second pass from the cache where it holds the size
         for count, n, dtype in ((12, 2, torch.float32), (1000, 3, torch.bfloat16), (12, 2, torch.float16),
@@ -962,6 +978,65 @@ def test_bench_expected_results_from_the_closed_form():
             assert torch.equal(expected("broadcast", count, n, 1, n - 1, dtype), inputs(count, n - 1).to(dtype))
             gathered = torch.cat([inputs(per, r) for r in range(n)])
             assert torch.equal(expected("all_gather", count, n, 1, 0, dtype), gathered.to(dtype))
+
+
+def test_bench_checks_a_call_after_the_timed_ones_and_counts_as_nccl_tests(tmp_path, capsys, monkeypatch):
+    """A collective right at its first call and wrong after it (an algorithm the auto choice switches to)
+    counted 0 wrong: only the first call was checked; one more call after the timed ones is. The count
+    column of all_gather and reduce_scatter is the per-rank count (nccl-tests' paramcount), and the
+    average bus bandwidth averages both forms' rows, as nccl-tests'."""
+    import argparse
+    import json
+
+    from pyzero import comm
+    from pyzero.bench import collectives
+
+    p = argparse.ArgumentParser()
+    collectives.add_arguments(p)
+    args = p.parse_args(["--op", "all", "--nproc", "3", "--backends", "pyzero", "--min", "1536", "--max", "1536",
+                         "--iters", "2", "--warmup", "1", "--timeout", "120", "--json", str(tmp_path / "c.json")])
+    assert collectives.main(args) == 0
+    text = capsys.readouterr().out
+    results = json.loads((tmp_path / "c.json").read_text())["results"]
+    for op, count in (("all_reduce", 384), ("all_gather", 128), ("reduce_scatter", 128), ("broadcast", 384)):
+        row = next(r for r in results if r.get("op") == op and r["backend"] == "pyzero" and not r["inplace"])
+        assert row["count"] == count, op
+        line = next(line.split() for line in text.splitlines() if line.split()[:1] == ["1536"]
+                    and line.split()[1] == str(count))
+        both = [r["busbw"] for r in results if r.get("op") == op and r["backend"] == "pyzero"]
+        avg = float(text.split(f"# {op}, backend")[1].split("Avg bus bandwidth    :")[1].split()[0])
+        assert avg == pytest.approx(sum(both) / 2, rel=1e-3), (op, line)
+    orig_init = collectives.Runner.__init__
+
+    def init(self, *a, **k):  # rank 1's result goes wrong from the second call on
+        orig_init(self, *a, **k)
+        call, made = self.call, [0]
+
+        def wrapped():
+            r = call()
+            made[0] += 1
+            if made[0] > 1 and comm.get_rank() == 1:
+                self.result.view(-1)[0] += 1
+            return r
+        self.call = wrapped
+
+    monkeypatch.setattr(collectives.Runner, "__init__", init)  # (the forked ranks take it)
+    args = p.parse_args(["--op", "all_reduce", "--nproc", "2", "--backends", "pyzero", "--min", "64", "--max", "64",
+                         "--iters", "2", "--warmup", "1", "--timeout", "120"])
+    assert collectives.main(args) == 1
+    assert "Out of bounds values : 2 FAILED" in capsys.readouterr().out  # one element, in each form
+
+
+def test_bench_nothing_to_run_is_a_usage_error():
+    import argparse
+
+    from pyzero.bench import collectives
+
+    p = argparse.ArgumentParser()
+    collectives.add_arguments(p)
+    for backends in (",", " "):
+        with pytest.raises(ValueError, match="--backends: nothing to run"):
+            collectives.main(p.parse_args(["--backends", backends, "--nproc", "2"]))
 
 
 def test_premul_factor_without_the_factor_attribute():

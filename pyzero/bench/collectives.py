@@ -128,9 +128,15 @@ def add_arguments(p) -> None:
 
 
 def pattern(count: int, rank: int, dtype) -> torch.Tensor:
-    """Rank r's input: small integers in [-2, 2], so sums over <= 60 ranks are exact even in fp16/bf16."""
-    i = torch.arange(count, dtype=torch.int64)
-    return ((i * 7 + rank * 3) % 5 - 2).to(dtype)
+    """Rank r's input: small integers in [-2, 2], so sums over <= 60 ranks are exact even in fp16/bf16,
+    from a hash of (element, rank): no period, so an element moved to another place (a chunk handed
+    to the wrong rank, a shifted copy) reads wrong (a period of 5 made every rank's reduce_scatter
+    chunk alike when its length was a multiple of 5). int32 arithmetic, wrapping."""
+    h = torch.arange(count, dtype=torch.int32) * -1640531535 + rank * 1013904223
+    h ^= h >> 15
+    h *= 739982445
+    h ^= h >> 13
+    return (torch.remainder(h, 5) - 2).to(dtype)
 
 
 @functools.lru_cache(maxsize=2)  # (every backend and form of a size checks against the same; read only)
@@ -182,6 +188,7 @@ class Runner:
             self.inp = pattern(count, self.rank, dtype).to(dev)
             self.out = self.inp if inplace else torch.empty(count, dtype=dtype, device=dev)
         self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
+        self.op, self.count, self.dtype = op, count, dtype
         if op == "sendrecv":
             if inplace or backend not in ("pyzero", "torch", "torch-pyzero"):
                 raise UsageError(f"--op sendrecv: out of place, on the pyzero and torch columns only (not {backend})")
@@ -196,6 +203,12 @@ class Runner:
             self.call = self._deepspeed(op, inplace)
         else:
             self.call = self._torch(op, inplace, TORCH_GROUPS[backend], aliasing=backend == "torch-pyzero")
+
+    def reset(self) -> None:
+        """Write the inputs again (the in-place forms overwrote them with results), for one more
+        checked call."""
+        per = self.count // self.n if self.op == "all_gather" else self.count
+        self.inp.copy_(pattern(per, self.rank, self.dtype))
 
     def _sendrecv(self, backend):
         """A send to the next rank and a receive from the previous one, in one batch."""
@@ -415,6 +428,13 @@ def measure(backend, op, count, dtype, inplace, algo, iters, warmup, per_call=Fa
         elapsed = (time.perf_counter() - t0) / timed / per
     if graph and not inplace:  # the replays computed the result too (in place, calls compound)
         wrong += int((r.result.cpu() != want).sum())
+    # One more checked call after the timed ones (as nccl-tests checks after its timed loop): what
+    # warm-up and timing changed (an algorithm the auto choice switched to, a reused buffer) shows here.
+    _barrier(backend)
+    r.reset()
+    r.call()
+    sync()
+    wrong += int((r.result.cpu() != want).sum())
     return _max_over_ranks(elapsed) * 1e6, _sum_over_ranks(wrong), times
 
 
@@ -607,10 +627,10 @@ def rank_main(args) -> list[dict]:
                     print(_heading(op, backend, n, args, rounds, per_call, True), flush=True)
                     print("\n".join(line for line, _ in tables[backend]), flush=True)
                 column = _column(backend, args)
-                busbws = [b for _, b in tables[backend]]
+                busbws = [b for _, bs in tables[backend] for b in bs]
                 wrong_total = sum(r["wrong"] for r in results if r["backend"] == column and r["op"] == op)
                 print(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n"
-                      f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4g}\n#", flush=True)
+                      f"# Avg bus bandwidth    : {sum(busbws) / max(len(busbws), 1):.4g}\n#", flush=True)
             if per_call:
                 print_percentiles([r for r in results if r.get("op") == op and "p99_us" in r], cols, args)
     if "deepspeed" in backends:
@@ -644,6 +664,9 @@ def _measure_size(runs, starts, calls, count, cols, forms, op, dtype, args, per_
 def _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, args, per_call, cuda, echo) -> None:
     """One size's rounds as results (json rows) and table lines, per backend; printed with `echo`."""
     nbytes = count * esize
+    # nccl-tests' count column is the per-rank count (its paramcount): all_gather's input and
+    # reduce_scatter's output are one rank's share of the size, the total buffer
+    shown = count // n if op in ("all_gather", "reduce_scatter") else count
     for backend in cols:
         row = []
         for inplace in (False, True):
@@ -657,7 +680,7 @@ def _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, 
             busbw = algbw * BUS_FACTOR[op](n)
             row += [t_us, algbw, busbw, wrong]
             results.append({"backend": _column(backend, args), "op": op, "dtype": args.dtype,
-                            "bytes": nbytes, "count": count, "world_size": n, "inplace": inplace,
+                            "bytes": nbytes, "count": shown, "world_size": n, "inplace": inplace,
                             "time_us": t_us, "algbw": algbw, "busbw": busbw, "wrong": wrong,
                             "algo": _algo(backend, args), "device": "cuda" if cuda else "cpu",
                             "timing": "per-call median" if per_call else "loop mean",
@@ -666,8 +689,9 @@ def _size_rows(results, tables, runs, starts, calls, count, cols, op, esize, n, 
         redop = "sum" if op in ("all_reduce", "reduce_scatter") else "none"
         root = 0 if op == "broadcast" else -1
         line = (" {:>11} {:>12} {:>8} {:>6} {:>6} {:>8.1f} {:>7.2f} {:>7.2f} {:>6} {:>8.1f} {:>7.2f} "
-                "{:>7.2f} {:>6}".format(nbytes, count, NCCL_TYPE[args.dtype], redop, root, *row))
-        tables[backend].append((line, row[2] if op == "sendrecv" else row[6]))  # (sendrecv: out of place)
+                "{:>7.2f} {:>6}".format(nbytes, shown, NCCL_TYPE[args.dtype], redop, root, *row))
+        # (nccl-tests' average bus bandwidth counts both forms' measurements)
+        tables[backend].append((line, [b for b in (row[2], row[6]) if not math.isnan(b)]))
         if echo:
             print(line, flush=True)
 
@@ -985,6 +1009,10 @@ def _backends(args) -> list[str]:
                 or (b == "nccl" and not cuda) or (b in ("deepspeed", "pyzero-fixed") and cuda):
             raise UsageError(f"--backends: unknown backend {b!r}; expected pyzero, torch, torch-pyzero, "
                              "(cpu) deepspeed, (cpu) pyzero-fixed or (with --device cuda) nccl")
+    if not backends or (set(backends) == {"deepspeed"} and not deepspeed_available()):
+        raise UsageError(f"--backends: nothing to run in {args.backends!r} (deepspeed is left out where it is not "
+                         "installed); expected at least one of pyzero, torch, torch-pyzero, deepspeed, pyzero-fixed"
+                         + (", nccl" if cuda else ""))
     if cuda and getattr(args, "gpu_backend", "nccl") == "ipc" and not set(backends) <= {"pyzero", "torch-pyzero"}:
         raise UsageError("--gpu-backend ipc: only --backends pyzero and torch-pyzero (the ranks may share one GPU, "
                          "which NCCL refuses)")

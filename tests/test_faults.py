@@ -79,6 +79,47 @@ def test_checkpoint_check_finds_wrong_state(tmp_path):
     assert "differs from its reference" in res["messages"][-1]
 
 
+def test_a_lost_checkpoint_counts_as_lost(tmp_path):
+    """No checkpoint left although a rank saw a save complete (or the failing save was not the first):
+    lost, not 'nothing to lose'; with no save completed, nothing is lost."""
+    os.makedirs(tmp_path / "ckpt")
+    res = {"messages": []}
+    assert faults._check_after(faults.CELLS["save-kill"], str(tmp_path), {0: {"saved": 3}}, res) == 1
+    assert "step 3's save completed" in res["messages"][-1]
+    assert faults._check_after(faults.CELLS["save-enospc"], str(tmp_path), {0: {"fail_at": 2}}, res) == 1
+    assert faults._check_after(faults.CELLS["save-kill"], str(tmp_path), {0: {"saved": 0}}, res) == 0
+    assert faults._check_after(faults.CELLS["save-enospc"], str(tmp_path), {0: {"fail_at": 1}}, res) == 0
+
+
+def test_a_cell_expects_the_error_it_is_about():
+    """A mismatch cell passes only on an error naming the mismatch (a plain timeout passed it: with the
+    check off, hier reported gloo's recv timeout and the cell counted it expected); never-calls only on a
+    timeout; a kill cell on any pyzero error; on nccl, where NCCL tells neither, on any pyzero error."""
+    timeout = ("CollectiveError", "an inter-host transfer failed on every rank: Timed out waiting 3000ms for recv")
+    mismatch = ("CollectiveError", "all_reduce (rank 0 of 2, seq 3): mismatched collective: rank 1 called broadcast")
+    late = ("CollectiveTimeout", "all_reduce (rank 0 of 2, seq 2): timed out after 2 s waiting for rank 1")
+    cells = faults.CELLS
+    assert not faults._error_expected(cells["mismatch-kind"], "hier", timeout)
+    assert faults._error_expected(cells["mismatch-kind"], "hier", mismatch)
+    assert faults._error_expected(cells["mismatch-kind"], "nccl", timeout)
+    assert faults._error_expected(cells["never-calls"], "shm", late)
+    assert not faults._error_expected(cells["never-calls"], "shm", mismatch)
+    assert faults._error_expected(cells["allreduce-kill"], "shm", timeout)
+    assert not faults._error_expected(cells["allreduce-kill"], "shm", ("unexpected ValueError", "x"))
+    assert not faults._error_expected(cells["allreduce-kill"], "shm", None)
+    # the pipeline cells stop the first stage: the last, which checks each loss, survives to count
+    assert cells["pipeline-kill"].victim == cells["pipeline-stop"].victim == 0
+
+
+@pytest.mark.parametrize("argv,flag", [(["--cells", "bogus"], "--cells"), (["--tries", "0"], "--tries")])
+def test_bad_cells_and_tries_are_usage_errors(argv, flag, capsys):
+    from pyzero.bench.__main__ import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(["faults", *argv])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_soak_short():
     r = soak.soak(seconds=2.0, nproc=3, seed=5)
     assert r["wrong"] == 0, r["notes"]

@@ -1,12 +1,14 @@
 """pyzero-bench faults: a fault-injection matrix, each cell run many times with the fault at a random moment.
 
-Per cell it prints: tries; expected errors (every surviving rank raised a pyzero error, or, for the cells
-without a victim, the outcome the cell expects); hangs (a surviving rank still running at the collective
+Per cell it prints: tries; expected errors (every surviving rank raised the pyzero error the cell is about:
+any for a dead or stopped rank, one naming the mismatch for the mismatch cells, a timeout for a rank that
+never calls; on nccl any, as NCCL tells neither); hangs (a surviving rank still running at the collective
 timeout + margin after the fault); the median and max time from the fault to the error on the surviving
 ranks; /dev/shm segments left behind; and data lost or silently wrong (a result that differs from the
 reference every rank computes locally, a checkpoint that does not load or is not the state of its step).
 
-Cells with a victim: rank 1 is SIGKILLed or SIGSTOPped by this process at a random moment while every rank
+Cells with a victim: rank 1 (the pipeline's: rank 0, the first stage, so that the last stage, which checks
+each loss, survives) is SIGKILLed or SIGSTOPped by this process at a random moment while every rank
 loops over the workload (a large all_reduce, DataParallel forward/backward, ZeRO-3 forward/backward/step,
 checkpoint.save, a pipeline step, a fused TP all_gather+matmul). The other cells misbehave in code:
 mismatched calls (size, op, dtype, collective kind, algo), a rank that never calls, a write failing
@@ -39,6 +41,7 @@ import pyzero as pz
 from pyzero import _loader
 from pyzero.launch import run_ranks
 
+from .common import UsageError
 from .fault_workloads import VICTIM, rank_main, reference_params
 
 
@@ -67,8 +70,9 @@ CELLS = {c.name: c for c in [
     Cell("save-stop", "save", "stop"),
     Cell("save-disk-full", "save", "fill", note="the checkpoint's tmpfs filled up at a random moment (root)"),
     Cell("save-read-only", "save", "readonly", note="the checkpoint's tmpfs remounted read-only (root)"),
-    Cell("pipeline-kill", "pipeline", "kill", note="2-stage 1F1B train_step"),
-    Cell("pipeline-stop", "pipeline", "stop"),
+    # (the first stage is the victim: the last one, which checks each step's loss, survives to count wrong ones)
+    Cell("pipeline-kill", "pipeline", "kill", note="2-stage 1F1B train_step", victim=0),
+    Cell("pipeline-stop", "pipeline", "stop", victim=0),
     Cell("tp-fused-kill", "tp", "kill", note="all_gather_matmul (fused, symmetric buffers)"),
     Cell("tp-fused-stop", "tp", "stop"),
     Cell("mismatch-size", "mismatch-size", "code"),
@@ -264,7 +268,7 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float,
         if err is not None:
             res["messages"].append(f"rank {r}: {err[0]}: {err[1].splitlines()[0][:300]}")
     errs = [rank_out.get(r, {}).get("error") for r in survivors]
-    res["expected"] = not hang and all(e is not None and not e[0].startswith("unexpected") for e in errs)
+    res["expected"] = not hang and all(_error_expected(cell, backend, e) for e in errs)
     res["wrong"] += _check_after(cell, tmp, rank_out, res)
     if fs:
         _umount(os.path.join(tmp, "ckpt"))
@@ -272,13 +276,35 @@ def run_try(cell: Cell, seed: int, timeout: float, margin: float, window: float,
     return res
 
 
+def _error_expected(cell: Cell, backend: str, err) -> bool:
+    """Whether a surviving rank's error (type name, message) is the one the cell is about: a pyzero error
+    for a dead or stopped rank; one naming the mismatch for the mismatch cells and a timeout for a rank
+    that never calls (a timeout or a dead rank's error would pass a mismatch cell that detects nothing),
+    except on the nccl backend, where NCCL tells neither: its watchdog aborts after the timeout."""
+    if err is None or err[0].startswith("unexpected"):
+        return False
+    if backend == "nccl":
+        return True
+    if cell.work.startswith("mismatch-"):
+        return "mismatch" in err[1].lower()
+    if cell.work == "never-calls":
+        return "Timeout" in err[0] or "timed out" in err[1]
+    return True
+
+
 def _check_after(cell: Cell, tmp: str, rank_out: dict, res: dict) -> int:
-    """Checkpoint cells: the checkpoint left behind loads (checksums verified) and holds its step's state."""
+    """Checkpoint cells: the checkpoint left behind loads (checksums verified) and holds its step's state,
+    and a save a rank saw complete has left one."""
     if cell.work not in ("save", "save-enospc"):
         return 0
     ckpt = os.path.join(tmp, "ckpt")
     if not os.path.exists(os.path.join(ckpt, "latest")):
-        return 0  # the fault came before the first save completed: nothing to lose
+        saved = max([int(o.get("saved", 0)) for o in rank_out.values()]
+                    + [int(o["fail_at"]) - 1 for o in rank_out.values() if "fail_at" in o] + [0])
+        if saved >= 1:  # (else the fault came before the first save completed: nothing to lose)
+            res["messages"].append(f"no checkpoint left, though step {saved}'s save completed")
+            return 1
+        return 0
     try:
         with open(os.path.join(ckpt, "latest")) as f:
             step = int(f.read().strip().rsplit("_", 1)[1])
@@ -424,7 +450,7 @@ def main(args) -> int:
         args.cells.split(",")
     unknown = [n for n in names if n not in mine]
     if unknown:
-        raise SystemExit(f"--cells: {unknown} not run on backend {args.backend}; expected some of {mine}")
+        raise UsageError(f"--cells: {unknown} not run on backend {args.backend}; expected some of {mine}")
     if args.backend in ("ipc", "nccl"):
         need = max(CELLS[n].nproc for n in names) if args.backend == "nccl" and not _loader.test_nccl_loaded() else 1
         if torch.cuda.device_count() < need:
@@ -434,7 +460,7 @@ def main(args) -> int:
             raise SystemExit(f"--backend {args.backend}: this build of pyzero has no CUDA backends "
                              "(build with PYZERO_CUDA=1)")
     if args.tries < 1:
-        raise SystemExit(f"--tries: expected >= 1, got {args.tries}")
+        raise UsageError(f"--tries: expected >= 1, got {args.tries}")
     print(f"pyzero fault matrix, backend {args.backend}: {args.tries} tries per cell, collective timeout {args.timeout} s, "
           f"hang = no error within timeout + {args.margin} s, fault at uniform(0, {args.window}) s")
     print("| " + " | ".join(HEADER) + " |")

@@ -656,6 +656,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Raise if the model's parameters were replaced since set-up (stages whose parameters stay put):
         a cheap check per forward, all of them at step() (``every``)."""
 
+    def _check_unwritten(self) -> None:
+        """Before the shards are exported (state dicts, checkpoints): raise if a write into the model's
+        parameters would be lost by it (stage 3: a parameter written while freed)."""
+
     def _check_tp(self, model) -> None:
         """Tensor-parallel shards (pz.tp's layers): the ZeRO group holds one rank of their TP group, and
         tp_group names that group (clipping adds the TP ranks' parts of their norm; without it each TP
@@ -1425,7 +1429,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         register_state_dict_pre_hook / register_state_dict_post_hook run around it, as torch runs them."""
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
-        self._check_home(every=True)
+        self._check_unwritten()
         self._settle()
         out = {"stage": self.stage, "world": self.world, "rank": self.rank,
                "pieces": [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces],
@@ -1445,7 +1449,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         its fp32 values, "state" its inner-optimizer state (e.g. exp_avg, step) and "index" its
         position among the inner optimizer's parameters. Gradient reductions still in flight are
         waited for first, so nothing changes the shards while they are read. Checkpoints use it."""
-        self._check_home(every=True)
+        self._check_unwritten()
         self._drain()
         self._settle()
         index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
@@ -1525,7 +1529,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict | None:
         """The full model state with fp32 trainable values (the master weights) on the group's
         first rank, None elsewhere; every rank calls it. Gathered one flat buffer at a time."""
-        self._check_home(every=True)
+        self._check_unwritten()
         self._settle()
         gathered = {}
         first = self.group.rank == 0

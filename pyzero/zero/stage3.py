@@ -342,10 +342,9 @@ class ZeroStage3(ZeroOptimizer):
         """A gather points the parameters at the unit's buffer again, so a conversion after set-up
         (``model.to(torch.bfloat16)``, ``model.half()``, a move to another device) would be undone at
         the next forward, the model computing in the dtype it had: refused. One compare per forward;
-        with ``every`` (step and state exports) also an in-place write into a freed parameter."""
-        if every:  # (step, state exports: a write into a freed parameter is refused before it is lost)
-            for unit in self.units:
-                unit.check_unwritten()
+        with ``every`` (step) also an in-place write into a freed parameter."""
+        if every:  # (at step: a write into a freed parameter is refused before it is lost)
+            self._check_unwritten()
         u = self.units[0]
         p, home = u.layout.params[0], u.full
         if p.dtype != home.dtype or p.device != home.device:
@@ -353,6 +352,10 @@ class ZeroStage3(ZeroOptimizer):
                                f"on {p.device}; stage 3 gathers them as {home.dtype} on {home.device}, undoing it): "
                                "convert the model first, then build the ZeroOptimizer (for 16-bit parameters with "
                                "fp32 master weights, param_dtype=)")
+
+    def _check_unwritten(self):
+        for unit in self.units:
+            unit.check_unwritten()
 
     def _reduced_dtype(self):
         return None if self._zeropp[2] else self.comm_dtype  # (quantised gradients: not the reduced values)

@@ -190,13 +190,23 @@ class PyzeroWork(dist.Work):
         return self._result
 
     def get_future(self) -> Future:
+        inline = False
         with self._lock:
             if self._fut is None:
                 self._fut = Future()
                 if self._done:
                     self._settle()
+                elif self._completer.on_its_thread():
+                    # A then() callback that the completer runs, asking for another work's future (DDP's
+                    # PowerSGD hook waits on one there): queued behind the callback, it would never run.
+                    inline = True
                 else:
                     self._completer.put(self)
+        if inline:
+            try:
+                self._complete()
+            except Exception:  # noqa: BLE001  (set on the future by _complete)
+                pass
         return self._fut
 
 
@@ -256,11 +266,17 @@ class _Completer:
 
     def __init__(self):
         self._q: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+
+    def on_its_thread(self) -> bool:
+        """Whether the caller is this completer's thread (a future's callback it runs)."""
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def put(self, work: PyzeroWork) -> None:
         if self._q is None:
             self._q = queue.SimpleQueue()
-            threading.Thread(target=self._run, args=(self._q,), name="pyzero-completer", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, args=(self._q,), name="pyzero-completer", daemon=True)
+            self._thread.start()
         self._q.put(work)
 
     @staticmethod
@@ -868,6 +884,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         outs = _one(output_tensors, "gather", "gather_list")
         if len(outs) != self.group.size:
             raise ValueError(f"gather: gather_list must hold {self.group.size} tensors (one per rank), got {len(outs)}")
+        _own_chunk(outs[root], inp, "gather", f"gather_list[{root}]", "tensor")
         staged = {r: _stage(o, "gather", f"gather_list[{r}]", copy_in=False) for r, o in enumerate(outs) if r != root}
         g = self._p2p(inp, "gather", collective=True)
         outs[root].copy_(inp)
@@ -899,6 +916,7 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         ins = _one(input_tensors, "scatter", "scatter_list")
         if len(ins) != self.group.size:
             raise ValueError(f"scatter: scatter_list must hold {self.group.size} tensors (one per rank), got {len(ins)}")
+        _own_chunk(out, ins[root], "scatter", "tensor", f"scatter_list[{root}]")
         staged = {r: _stage(i, "scatter", f"scatter_list[{r}]")[0] for r, i in enumerate(ins) if r != root}
         g = self._p2p(out, "scatter", collective=True)
         out.copy_(ins[root])
@@ -921,6 +939,8 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         for arg, ts in (("output_tensor_list", output_tensors), ("input_tensor_list", input_tensors)):
             if len(ts) != n:
                 raise ValueError(f"alltoall: {arg} must hold {n} tensors (one per rank), got {len(ts)}")
+        _own_chunk(output_tensors[me], input_tensors[me], "alltoall", f"output_tensor_list[{me}]",
+                   f"input_tensor_list[{me}]")
         pairs = []
         for k in range(1, n):  # peers in the order me+1, me+2, ...: every pair starts at once
             dst, src = (me + k) % n, (me - k) % n
@@ -948,9 +968,13 @@ class ProcessGroupPyzero(dist.ProcessGroup):
         if (w := self._other(input, "alltoall_base", output, input, output_split_sizes, input_split_sizes,
                              opts)) is not None:
             return w
-        n = self.group.size
+        n, me = self.group.size, self.group.rank
         outs = _split_dim0(output, output_split_sizes, n, "output")
         ins = _split_dim0(input, input_split_sizes, n, "input")
+        if outs[me].shape[0] != ins[me].shape[0]:
+            raise ValueError(f"alltoall_base: this rank's own split differs: {outs[me].shape[0]} rows in output "
+                             f"(output_split_sizes[{me}]) against {ins[me].shape[0]} in input (input_split_sizes"
+                             f"[{me}]); the rows it keeps must match")
         return self.alltoall(outs, ins, opts)
 
     alltoall_base = all_to_all_single
@@ -1001,6 +1025,15 @@ def _check_tag(tag: int, op: str) -> None:
     if tag != 0:
         raise ValueError(f"{op}: tag={tag} is not supported by the {NAME!r} backend (messages between two ranks "
                          "are matched in order); expected tag=0")
+
+
+def _own_chunk(out: torch.Tensor, inp: torch.Tensor, op: str, out_arg: str, in_arg: str) -> None:
+    """The chunk a rank keeps (gather's root, scatter's root, all_to_all's own) is a copy: the two must
+    have one shape (copy_ broadcast a smaller one silently, as gloo refuses); checked before anything
+    is issued."""
+    if out.shape != inp.shape:
+        raise ValueError(f"{op}: {out_arg} has shape {tuple(out.shape)} and {in_arg} {tuple(inp.shape)}: this rank's "
+                         "own chunk is copied between them, so they must have the same shape")
 
 
 def _split_dim0(t: torch.Tensor, sizes, n: int, arg: str) -> list[torch.Tensor]:

@@ -1049,3 +1049,63 @@ def test_premul_factor_without_the_factor_attribute():
 
     assert _premul_factor(StateOnly()) == 0.25
     assert _premul_factor(dist._make_nccl_premul_sum(0.5)) == 0.5
+
+
+def _rank_nested_futures_and_own_chunks():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    dist.init_process_group("pyzero", timeout=datetime.timedelta(seconds=20))
+    r, out = dist.get_rank(), {}
+    gloo = dist.new_group(backend="gloo")
+    # a then() callback waiting on another collective's future (completed on the thread that runs the callback)
+    t, u = torch.ones(4) * (r + 1), torch.ones(4)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    out["nested"] = fut.then(lambda f: dist.all_reduce(u, async_op=True).get_future().wait()[0] + f.value()[0]).wait()
+    # DDP with PowerSGD (its hook waits on futures inside callbacks): as on gloo
+    grads = {}
+    for name, group in (("pyzero", None), ("gloo", gloo)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                       use_error_feedback=True, warm_start=True, random_seed=0)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        for step in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + r))
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+    out["powersgd"] = grads
+    # this rank's own chunk of gather/scatter/all_to_all: a different shape was broadcast into place
+    errors = {}
+    for name, call in (
+            ("gather", lambda: dist.gather(torch.ones(3), [torch.empty(1 if q == r else 3) for q in range(2)], dst=r)),
+            ("scatter", lambda: dist.scatter(torch.empty(1), [torch.ones(3), torch.ones(3)], src=r)),
+            ("all_to_all", lambda: dist.all_to_all([torch.empty(3), torch.empty(3)], [torch.ones(1), torch.ones(1)])),
+            ("all_to_all_single", lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [2, 1], [1, 2]))):
+        try:
+            call()
+            errors[name] = "nothing raised"
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    check = torch.ones(2)
+    dist.all_reduce(check)  # nothing was issued before the refusals: the group still works
+    out["after"] = check.tolist()
+    return out
+
+
+def test_nested_futures_powersgd_and_own_chunks():
+    """A future's then() callback that waits on another collective's future hung forever (the completer
+    thread that runs the callback was the only one to complete the inner work): DDP's PowerSGD hook does
+    it, and now trains as on gloo. A rank's own chunk of gather (root), scatter (root), all_to_all and
+    all_to_all_single of another shape was broadcast into place silently; refused before anything is
+    issued, as gloo refuses it."""
+    for res in run_ranks(_rank_nested_futures_and_own_chunks, 2, timeout=60):
+        out = res.value
+        assert out["nested"].tolist() == [5.0] * 4  # t summed over ranks (1 + 2) plus u summed (1 + 1)
+        for a, b in zip(out["powersgd"]["pyzero"], out["powersgd"]["gloo"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for name, msg in out["errors"].items():
+            assert "own" in msg and ("shape" in msg or "split" in msg), (name, msg)
+        assert out["after"] == [2.0, 2.0]

@@ -147,6 +147,36 @@ def _model_meta(model, opt):
             "aliases": aliases}
 
 
+def _extra_state(module, opt) -> dict:
+    """What a checkpoint holds of `module` beside the optimizer's shards: its state dict's buffers and frozen
+    parameters, by their names in it (saved from the module the ZeroOptimizer trains, so that a wrapper
+    around it at save or at load names them alike)."""
+    trainable = {id(p) for p in opt.params}
+    return {k: v for k, v in model_state(module).items() if id(v) not in trainable}
+
+
+def _check_extra(extra: dict, model, opt, step_dir) -> torch.nn.Module:
+    """The module the saved buffers and frozen parameters load into (the optimizer's model; a checkpoint
+    from before they were saved by its names: the module given to load), checked to take every one of
+    them at its shape before anything is loaded; a ValueError naming the difference otherwise."""
+    target, want = opt.model, _extra_state(opt.model, opt)
+    if set(extra) != set(want):
+        alt = _extra_state(model, opt)
+        if set(extra) == set(alt):
+            target, want = model, alt
+    if set(extra) != set(want):
+        only_saved, only_here = sorted(set(extra) - set(want))[:4], sorted(set(want) - set(extra))[:4]
+        raise ValueError(f"checkpoint {step_dir!r} is for a different model (its buffers and frozen parameters "
+                         f"differ: saved only {only_saved}, here only {only_here}); nothing was loaded")
+    shapes = [(k, tuple(extra[k].shape), tuple(want[k].shape)) for k in want
+              if torch.is_tensor(extra[k]) and tuple(extra[k].shape) != tuple(want[k].shape)]
+    if shapes:
+        k, saved, here = shapes[0]
+        raise ValueError(f"checkpoint {step_dir!r} is for a different model ({k!r} is {saved} there, {here} here); "
+                         "nothing was loaded")
+    return target
+
+
 def _check_pair(model, opt) -> None:
     """`opt` a ZeroOptimizer and `model` the module it trains (or one holding it): its buffers and
     frozen parameters are saved and loaded beside the optimizer's shards."""
@@ -221,8 +251,7 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     try:
         _save_file(shard, os.path.join(tmp, f"rank{opt.rank:05d}.pt"))
         if first:
-            trainable = {id(p) for p in opt.params}
-            extra = {k: v.detach().clone() for k, v in model_state(model).items() if id(v) not in trainable}
+            extra = {k: v.detach().clone() for k, v in _extra_state(opt.model, opt).items()}
             _save_file(extra, os.path.join(tmp, "extra.pt"))
             if app_state:
                 _save_file(_app_state_bytes(app_state), os.path.join(tmp, "app.pt"))
@@ -655,6 +684,7 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
     if missing:
         raise ValueError(f"app_state: checkpoint {step_dir!r} holds no {missing} (it holds "
                          f"{sorted(meta.get('app_state', []))}); nothing was loaded")
+    target = _check_extra(extra, model, opt, step_dir)
     new_state = []
     with torch.no_grad():
         values = [_gather(shards, pc.name, pc.start, pc.end, lambda sh, i: sh["master"][i])
@@ -671,7 +701,7 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
             new_state.append(st)
         for grp, saved in zip(opt.param_groups, meta["param_groups"]):
             grp.update({k: _restored(grp[k], v) for k, v in saved.items() if k in grp})
-        model.load_state_dict(extra, strict=False)
+        target.load_state_dict(extra, strict=False)  # (every key checked above: the trainable ones are not in it)
         # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
         opt.load_shard_state(values, new_state)
     if opt.scaler is not None and "scaler" in meta:

@@ -945,3 +945,81 @@ def test_tensor_parallel_groups_save_apart_and_load_their_own(tmp_path):
         assert o["step"] == 2 and o["restored"]
         kind, msg = o["no_tp"]
         assert kind == "ValueError" and ("tensor-parallel" in msg or "different model" in msg), msg
+
+
+class _BnNet(nn.Module):
+    """Trainable layers, BatchNorm running statistics and a frozen parameter."""
+
+    def __init__(self, track=True, frozen="emb", features=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(6, features)
+        self.bn = nn.BatchNorm1d(features, track_running_stats=track)
+        self.l2 = nn.Linear(features, 2)
+        setattr(self, frozen, nn.Parameter(torch.randn(features), requires_grad=False))
+        self.frozen = frozen
+
+    def forward(self, x):
+        return self.l2(self.bn(self.l1(x)) + getattr(self, self.frozen))
+
+
+class _Holder(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.net = inner
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _rank_buffers(ckpt):
+    pz.init(timeout=30)
+    g = torch.Generator().manual_seed(pz.get_rank())
+    net = _BnNet()
+    opt = pz.ZeroOptimizer(net, torch.optim.AdamW, stage=2, lr=1e-2)
+    with torch.no_grad():
+        net.emb.add_(1.0)  # a frozen parameter that differs from a fresh model's
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+    pz.checkpoint.save(ckpt, _Holder(net), opt, 3)  # saved through a wrapper
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    out = {}
+    fresh = _BnNet()
+    pz.checkpoint.load(ckpt, fresh, pz.ZeroOptimizer(fresh, torch.optim.AdamW, stage=2, lr=5e-3))
+    out["saved"], out["bare"] = saved, {k: v.clone() for k, v in fresh.state_dict().items()}
+    for name, kw in (("no running stats", dict(track=False)), ("frozen renamed", dict(frozen="bias0")),
+                     ("other size", dict(features=9))):
+        other = _BnNet(**kw)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        opt2 = pz.ZeroOptimizer(other, torch.optim.AdamW, stage=2, lr=5e-3)
+        try:
+            pz.checkpoint.load(ckpt, other, opt2)
+            out[name] = "nothing raised"
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + " unchanged"] = (all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+                                    and opt2.param_groups[0]["lr"] == 5e-3)
+    return out
+
+
+def test_buffers_and_frozen_parameters_load_whole_or_not_at_all(tmp_path):
+    """extra.pt was keyed by the module given to save and loaded with strict=False: saved through a wrapper
+    and loaded into the bare model, BatchNorm's statistics and the frozen parameter kept their fresh
+    values without a word; a model without running statistics or with a frozen parameter renamed loaded
+    the rest silently; a buffer of another size raised only after the lr and some buffers had changed.
+    Now keyed by the optimizer's model and checked before anything is loaded."""
+    results = [r.value for r in run_ranks(_rank_buffers, 2, args=(str(tmp_path / "ck"),), timeout=90)]
+    first = results[0]["saved"]  # (the first rank's buffers are the checkpoint's)
+    assert not torch.equal(first["bn.running_mean"], torch.zeros(8)) and not torch.equal(first["emb"], _BnNet().emb)
+    for out in results:
+        assert out["bare"].keys() == first.keys()
+        for k, v in first.items():
+            torch.testing.assert_close(out["bare"][k], v, rtol=0, atol=0, msg=k)
+        assert "buffers and frozen parameters differ" in out["no running stats"] and "bn.running_mean" in \
+            out["no running stats"]
+        assert "saved only ['emb'], here only ['bias0']" in out["frozen renamed"]
+        assert "nothing was loaded" in out["other size"]
+        for name in ("no running stats", "frozen renamed", "other size"):
+            assert out[name + " unchanged"], name

@@ -18,7 +18,9 @@ import itertools
 import json
 import operator
 import os
+import re
 import secrets
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -169,15 +171,17 @@ _world: _World | None = None
 # Initialisation
 
 
+_MIN_TIMEOUT, _MAX_TIMEOUT = 1e-3, 1e7  # seconds (torch's store takes whole milliseconds, C ints of them)
+
+
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
         raise ValueError(f"pz.init(): environment variable {name} is not set (torchrun sets RANK, WORLD_SIZE, "
                          "LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"pz.init(): {name}={value!r} is not an integer") from None
+    if not re.fullmatch(r"\s*-?[0-9]+\s*", value):  # (int() also takes "0_1" as 1)
+        raise ValueError(f"pz.init(): {name}={value!r} is not an integer")
+    return int(value)
 
 
 def init(backend: str | None = None, timeout: float = 300.0, options=None, join_timeout: float | None = None) -> None:
@@ -198,12 +202,14 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     global _world
     if _world is not None:
         raise RuntimeError("pz.init(): already initialised; call pz.destroy() first")
-    if not is_positive_finite(timeout):
-        raise ValueError(f"timeout: expected a positive, finite number of seconds, got {timeout!r}")
+    if not is_positive_finite(timeout) or not _MIN_TIMEOUT <= timeout <= _MAX_TIMEOUT:
+        raise ValueError(f"timeout: expected a positive number of seconds, from {_MIN_TIMEOUT:g} to "
+                         f"{_MAX_TIMEOUT:g}, got {timeout!r}")
     if join_timeout is None:
         join_timeout = max(float(timeout), 60.0)
-    elif not is_positive_finite(join_timeout):
-        raise ValueError(f"join_timeout: expected a positive, finite number of seconds or None, got {join_timeout!r}")
+    elif not is_positive_finite(join_timeout) or not _MIN_TIMEOUT <= join_timeout <= _MAX_TIMEOUT:
+        raise ValueError(f"join_timeout: expected a positive number of seconds, from {_MIN_TIMEOUT:g} to "
+                         f"{_MAX_TIMEOUT:g}, or None, got {join_timeout!r}")
     opts = Options.make(options)
     if backend is not None:
         backends.backend_class(backend)  # a bad name fails before any rendezvous
@@ -213,18 +219,23 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
         rank, size, local_rank, addr, port = 0, 1, 0, "127.0.0.1", 0
     else:
         rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
-        local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+        local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else None  # (unset: the host's order)
         addr = os.environ.get("MASTER_ADDR")
         if addr is None:
             raise ValueError("pz.init(): environment variable MASTER_ADDR is not set")
+        if not addr.strip():
+            raise ValueError("pz.init(): MASTER_ADDR is empty; expected the address of rank 0's host")
         port = _env_int("MASTER_PORT")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
-    if local_rank < 0:
+    if local_rank is not None and local_rank < 0:
         raise ValueError(f"pz.init(): LOCAL_RANK={local_rank} must be non-negative")
-    if not 0 <= port <= 65535:
-        raise ValueError(f"pz.init(): MASTER_PORT={port} is not a TCP port (expected 0 to 65535)")
-    _topology.claimed_local_size()  # a bad LOCAL_WORLD_SIZE fails here, before any rendezvous
+    if not 0 <= port <= 65535 or (port == 0 and size > 1):
+        raise ValueError(f"pz.init(): MASTER_PORT={port} is not a TCP port the ranks can meet at (expected 1 to "
+                         "65535; 0 only for a world of one)")
+    local_size = _topology.claimed_local_size()  # a bad LOCAL_WORLD_SIZE fails here, before any rendezvous
+    if local_rank is not None and local_size is not None and local_rank >= local_size:
+        raise ValueError(f"pz.init(): LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_size}")
     flight.wait_connecting()  # the previous job's store (on rank 0, perhaps this port) is let go first
     store = _connect(addr, port, size, rank, join_timeout)
     try:
@@ -248,11 +259,17 @@ def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
     deadline = time.monotonic() + join_timeout
     while True:
         try:
-            store = TCPStore(addr, port, size, rank == 0, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            store = _bounded_store(TCPStore, addr, port, size, rank, deadline)
         except DistError as e:
+            if rank == 0:
+                raise CollectiveError(f"pz.init(): rank 0 could not host the job's store at {addr}:{port} "
+                                      f"(MASTER_ADDR, MASTER_PORT; a port in use by another job?): {e}") from None
             raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
                                     f"join_timeout={join_timeout:g} s: {e}") from None
+        except TimeoutError:
+            raise CollectiveTimeout(f"pz.init(): rank {rank} reached {addr}:{port} but no job's store answered "
+                                    f"there within join_timeout={join_timeout:g} s (MASTER_PORT held by another "
+                                    "program?)") from None
         try:
             if rank == 0 or not store.check([f"pz/topology/{rank}"]):
                 return store
@@ -266,7 +283,28 @@ def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
         time.sleep(0.05)
 
 
-def _join(store, rank: int, size: int, local_rank: int, backend, timeout: float, join_timeout: float, opts) -> None:
+def _bounded_store(TCPStore, addr, port, size, rank, deadline):
+    """TCPStore(...) by the deadline: its constructor can block past its own timeout (a port where some
+    other program listens, a host that does not answer); run on a thread, a TimeoutError at the deadline."""
+    out: list = []
+
+    def make():
+        try:
+            out.append(TCPStore(addr, port, size, rank == 0, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+        except BaseException as e:  # noqa: BLE001  (raised in the caller)
+            out.append(e)
+    t = threading.Thread(target=make, name="pyzero-store-connect", daemon=True)
+    t.start()
+    t.join(max(deadline - time.monotonic(), 0.0) + 1.0)
+    if not out:
+        raise TimeoutError
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _join(store, rank: int, size: int, local_rank, backend, timeout: float, join_timeout: float, opts) -> None:
     """pz.init after the store: topology, backend, the world group."""
     global _world
     from torch.distributed import DistError  # noqa: PLC0415
@@ -277,6 +315,8 @@ def _join(store, rank: int, size: int, local_rank: int, backend, timeout: float,
         raise CollectiveTimeout(f"pz.init(): rank {rank}: not every rank joined within join_timeout="
                                 f"{join_timeout:g} s ({_topology.missing(store, size)}): {e}") from None
     store.set_timeout(datetime.timedelta(seconds=timeout))  # everyone is here: from now on, the collectives' bound
+    if local_rank is None:  # (no LOCAL_RANK: this rank's place among its host's ranks, as a launcher numbers it)
+        local_rank = topo.local_rank
     backend = _topology.pick_backend(backend, topo, torch.cuda.is_available())
     device = backends.backend_class(backend).setup_process(local_rank)
     if rank == 0:

@@ -358,13 +358,54 @@ def _rank_init_outcome():
                                              ("MASTER_PORT", "-1", ["MASTER_PORT=-1", "65535"]),
                                              ("LOCAL_RANK", "x", ["LOCAL_RANK='x'", "integer"]),
                                              ("LOCAL_RANK", "-3", ["LOCAL_RANK=-3", "non-negative"]),
-                                             ("LOCAL_WORLD_SIZE", "0", ["LOCAL_WORLD_SIZE='0'", "positive"])])
+                                             ("LOCAL_WORLD_SIZE", "0", ["LOCAL_WORLD_SIZE='0'", "positive"]),
+                                             # int() reads "0_1" as 1; a local rank past the host's ranks picked
+                                             # a GPU that is not there; an empty address
+                                             ("RANK", "0_0", ["RANK='0_0'", "integer"]),
+                                             ("LOCAL_RANK", "5", ["LOCAL_RANK=5", "LOCAL_WORLD_SIZE=1"]),
+                                             ("MASTER_ADDR", " ", ["MASTER_ADDR is empty"])])
 def test_bad_environment_variable_is_named(var, value, words):
     """torchrun's variables out of range: a ValueError naming the variable, not torch's constructor
     signature (a port out of range), a bare int() error, a negative local rank taken as given, or a
     store entry."""
     etype, msg = run_ranks(_rank_init_outcome, 1, env={var: value}, timeout=30)[0].value
     assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)
+
+
+def _rank_init_timeouts():
+    return {t: outcome(lambda t=t: pz.init(timeout=t)) for t in (1e-9, 1e300)} | \
+        {"join": outcome(lambda: pz.init(timeout=5, join_timeout=1e300))}
+
+
+def test_timeouts_out_of_range_are_named():
+    """A timeout of 1e-9 s (torch's store: a wait of 0 ms) or 1e300 s (an OverflowError from a C int) is
+    refused naming the argument."""
+    out = run_ranks(_rank_init_timeouts, 1, timeout=30)[0].value
+    for key, arg in ((1e-9, "timeout"), (1e300, "timeout"), ("join", "join_timeout")):
+        etype, msg = out[key]
+        assert etype == "ValueError" and msg.startswith(f"{arg}: expected a positive number of seconds"), (key, msg)
+
+
+def _rank_port_held(join_timeout):
+    t0 = time.monotonic()
+    return outcome(lambda: pz.init(timeout=5, join_timeout=join_timeout)), time.monotonic() - t0
+
+
+def test_a_master_port_held_by_another_program_ends_within_join_timeout():
+    """MASTER_PORT where another program listens (not a store): rank 0 cannot host the store, the other rank
+    connected to that program and blocked in torch's store constructor with no end; now rank 0 names the
+    port in use at once and the other rank's wait ends at join_timeout."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(16)
+        port = held.getsockname()[1]
+        res = run_ranks(_rank_port_held, 2, args=(3.0,), env={"MASTER_PORT": str(port)}, timeout=60, check=False)
+    (k0, m0), t0 = res[0].value
+    (k1, m1), t1 = res[1].value
+    assert k0 == "CollectiveError" and "could not host the job's store" in m0 and t0 < 3.0, (k0, m0, t0)
+    assert k1 == "CollectiveTimeout" and "join_timeout=3 s" in m1 and t1 < 6.0, (k1, m1, t1)
 
 
 def _rank_init_again():

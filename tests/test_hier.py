@@ -34,6 +34,7 @@ def simulated(fn, *args, per_host=PER_HOST):
     r = int(os.environ["RANK"])
     os.environ["PYZERO_HOST"] = f"host{r // per_host}"
     os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+    os.environ["LOCAL_RANK"] = str(r % per_host)  # (as a launcher on that host numbers its ranks)
     return fn(*args)
 
 
@@ -230,6 +231,7 @@ def _rank_pieces_uneven_hosts():
     r = int(os.environ["RANK"])
     os.environ["PYZERO_HOST"] = f"host{int(r == 2)}"
     os.environ["LOCAL_WORLD_SIZE"] = str(1 if r == 2 else 2)
+    os.environ["LOCAL_RANK"] = str(0 if r == 2 else r)
     pz.init(timeout=20)
     from pyzero.backends import hier  # noqa: PLC0415
     hier.PIPELINE_BYTES = 8 << 10  # all_reduces above 16 KiB run in pieces

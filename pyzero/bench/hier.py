@@ -103,6 +103,7 @@ def enter_host(per_host: int, netns_prefix: str | None = None) -> int:
     h = int(os.environ["RANK"]) // per_host
     os.environ["PYZERO_HOST"] = f"host{h}"
     os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+    os.environ["LOCAL_RANK"] = str(int(os.environ["RANK"]) % per_host)
     if netns_prefix is not None:
         fd = os.open(f"/var/run/netns/{netns_prefix}{h}", os.O_RDONLY)
         try:

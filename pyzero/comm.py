@@ -171,6 +171,7 @@ _world: _World | None = None
 # Initialisation
 
 
+_MAX_WORLD = 1 << 20  # ranks (the join reads a store key per rank)
 _MIN_TIMEOUT, _MAX_TIMEOUT = 1e-3, 1e7  # seconds (torch's store takes whole milliseconds, C ints of them)
 
 
@@ -226,6 +227,8 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
         if not addr.strip():
             raise ValueError("pz.init(): MASTER_ADDR is empty; expected the address of rank 0's host")
         port = _env_int("MASTER_PORT")
+    if size > _MAX_WORLD:
+        raise ValueError(f"pz.init(): WORLD_SIZE={size} is more ranks than pyzero takes (at most {_MAX_WORLD})")
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"pz.init(): RANK={rank} must be in [0, WORLD_SIZE={size})")
     if local_rank is not None and local_rank < 0:

@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -157,7 +158,9 @@ def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topolog
     """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
     store.set(f"{key}/{rank}", json.dumps([host_name(), claimed_local_size()]))
     keys = [f"{key}/{r}" for r in range(size)]
-    store.wait(keys, datetime.timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    for i in range(0, size, 1 << 16):  # (torch's store waits for at most 131072 keys at once)
+        store.wait(keys[i:i + (1 << 16)], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     reports = [tuple(host_report(store.get(k), k)) for k in keys]
     # Everyone has read before anyone may fail: rank 0 hosts the store and must outlive the reads.
     if store.add(f"{key}/read", 1) == size:

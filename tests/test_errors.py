@@ -363,7 +363,9 @@ def _rank_init_outcome():
                                              # a GPU that is not there; an empty address
                                              ("RANK", "0_0", ["RANK='0_0'", "integer"]),
                                              ("LOCAL_RANK", "5", ["LOCAL_RANK=5", "LOCAL_WORLD_SIZE=1"]),
-                                             ("MASTER_ADDR", " ", ["MASTER_ADDR is empty"])])
+                                             ("MASTER_ADDR", " ", ["MASTER_ADDR is empty"]),
+                                             # (a billion ranks hung building the join's keys)
+                                             ("WORLD_SIZE", "1000000000", ["WORLD_SIZE=1000000000", "at most"])])
 def test_bad_environment_variable_is_named(var, value, words):
     """torchrun's variables out of range: a ValueError naming the variable, not torch's constructor
     signature (a port out of range), a bare int() error, a negative local rank taken as given, or a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -27,12 +28,9 @@ def env_int(name: str, default: int, *, kib: bool = False, environ=None) -> int:
     if raw is None:
         return default
     expected = "expected a non-negative integer" + (" (KiB)" if kib else "")
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: {expected}") from None
-    if v < 0:
+    if not re.fullmatch(r"\s*[0-9]+\s*", raw):  # (int() also takes "1_000" and "+5")
         raise ValueError(f"{name}={raw!r}: {expected}")
+    v = int(raw)
     return v << 10 if kib else v
 
 

@@ -2,6 +2,8 @@
 and that a group really runs with its own settings."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -95,7 +97,7 @@ def test_environment_settings_share_one_parser(monkeypatch):
     assert env_int("X", 7, environ={}) == 7 and env_int("X", 7, environ={"X": "  "}) == 7
     assert env_int("X", 7, environ={"X": "12"}) == 12 and env_int("X", 7, kib=True, environ={"X": "3"}) == 3072
     for bad in ("-1", "1.5", "4M", "1_000", "+5"):  # (int() reads the last two)
-        with pytest.raises(ValueError, match=rf"X='{bad}': expected a non-negative integer \(KiB\)"):
+        with pytest.raises(ValueError, match=rf"X='{re.escape(bad)}': expected a non-negative integer \(KiB\)"):
             env_int("X", 7, kib=True, environ={"X": bad})
     assert [env_bool("F", None, environ={"F": v}) for v in ("1", "On", "YES", "true", "0", "off", "No")] == \
         [True] * 4 + [False] * 3

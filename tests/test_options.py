@@ -135,3 +135,20 @@ def test_a_bad_recorder_setting_fails_pz_init_not_the_import():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == "imported", out.stdout
     assert "PYZERO_FLIGHT='lots': expected a non-negative integer" in out.stdout, out.stdout
+
+
+def _rank_shm_env(var, value):
+    import os  # noqa: PLC0415
+    os.environ[var] = value
+    from outcomes import outcome  # noqa: PLC0415
+    return outcome(lambda: pz.init(backend="shm", timeout=10))
+
+
+@pytest.mark.parametrize("var,value,words", [
+    ("PYZERO_SHM_DEPTH", "1", ["depth=1", "PYZERO_SHM_DEPTH", "2 to 65536"]),  # (was the C++ constructor's text)
+    ("PYZERO_SHM_DEPTH", "100000000000", ["PYZERO_SHM_DEPTH", "2 to 65536"]),  # (was a pybind TypeError)
+    ("PYZERO_SHM_SLICE_KB", "99999999999", ["PYZERO_SHM_SLICE_KB", "at most 1 TiB"])])  # (was mmap's ENOMEM)
+def test_shm_settings_from_the_environment_are_checked_by_name(var, value, words):
+    """The shm backend's settings read from the environment meet the checks options fields meet, named."""
+    etype, msg = run_ranks(_rank_shm_env, 1, args=(var, value), timeout=30)[0].value
+    assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)

@@ -70,6 +70,14 @@ class ShmBackend(Backend):
         twoshot = o.get("twoshot_bytes", 8 << 20, "PYZERO_SHM_TWOSHOT_KB", kib=True)
         adaptive = o.get("adaptive", True, "PYZERO_SHM_ADAPTIVE")
         twoshot_stream = o.get("twoshot_stream_bytes", 4 << 10, "PYZERO_SHM_TWOSHOT_STREAM_KB", kib=True)
+        if not 2 <= depth <= 1 << 16:
+            raise ValueError(f"depth={depth} (options.depth or PYZERO_SHM_DEPTH): the shm backend takes 2 to "
+                             f"{1 << 16} slots")
+        for what, env, v in (("slice_bytes", "SLICE", slice_bytes), ("oneshot_bytes", "ONESHOT", oneshot),
+                             ("stream_bytes", "STREAM", stream), ("twoshot_bytes", "TWOSHOT", twoshot),
+                             ("twoshot_stream_bytes", "TWOSHOT_STREAM", twoshot_stream)):
+            if v > 1 << 40:
+                raise ValueError(f"{what}={v} (options.{what} or PYZERO_SHM_{env}_KB): expected at most 1 TiB")
         if oneshot == 0 and twoshot == 0:
             raise ValueError("oneshot_bytes and twoshot_bytes (options, or PYZERO_SHM_ONESHOT_KB and "
                              "PYZERO_SHM_TWOSHOT_KB) are both 0: they size the area the one-shot and two-shot "

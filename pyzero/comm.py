@@ -435,10 +435,21 @@ def new_group(ranks: Sequence[int], options=None) -> Group:
             raise TypeError
         ranks = tuple(operator.index(r) for r in given)
     except TypeError:
+        _refuse_group(w, ranks)
         raise TypeError(f"ranks: expected a sequence of int global ranks, got {ranks!r}") from None
     if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < w.size for r in ranks):
+        _refuse_group(w, ranks)
         raise ValueError(f"ranks: expected distinct global ranks in [0, {w.size}), got {list(ranks)}")
     return _make_group(ranks, Options.make(options).merged(w.options), agree=True)
+
+
+def _refuse_group(w: _World, ranks) -> None:
+    """A new_group call this rank refuses still uses up its group id and publishes the refusal: every
+    rank's call is one group, so the others fail at once, naming it, rather than pair their call with
+    this rank's next one."""
+    gid = w.next_gid
+    w.next_gid += 1
+    w.store.set(f"pz/g{gid}/ranks/{w.rank}", json.dumps(f"invalid: {ranks!r}"[:200]))
 
 
 def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
@@ -447,23 +458,32 @@ def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
     otherwise set up transports under one group id, which fail obscurely or wait for the timeout)."""
     key = f"pz/g{gid}/ranks"
     w.store.set(f"{key}/{w.rank}", json.dumps(ranks))
-    if w.rank not in ranks:
-        return
     from torch.distributed import DistError  # noqa: PLC0415
 
+    # (ranks outside the group check too: told that the members disagree, they do not carry on alone)
     everyone = range(w.size)
     try:
         w.store.wait([f"{key}/{r}" for r in everyone], datetime.timedelta(seconds=w.timeout))
-    except DistError:
-        absent = [r for r in everyone if not w.store.check([f"{key}/{r}"])]
+    except DistError as e:
+        try:
+            absent = [r for r in everyone if not w.store.check([f"{key}/{r}"])]
+        except DistError:
+            raise CollectiveError(f"new_group({list(ranks)}): the job's store (hosted by rank 0) is gone: "
+                                  f"{e}") from None
         raise CollectiveTimeout(f"new_group({list(ranks)}): ranks {absent} did not call new_group within "
                                 f"timeout={w.timeout:g} s (every rank of the world calls it, in the same "
                                 "order)") from None
     bad = []
-    for r in everyone:
-        theirs = _topology.peer_json(w.store.get(f"{key}/{r}"), f"{key}/{r}", lambda v: type(v) is list
+    try:
+        raws = [w.store.get(f"{key}/{r}") for r in everyone]
+    except DistError as e:
+        raise CollectiveError(f"new_group({list(ranks)}): the job's store (hosted by rank 0) is gone: {e}") from None
+    for r, raw in zip(everyone, raws):
+        theirs = _topology.peer_json(raw, f"{key}/{r}", lambda v: type(v) is str or type(v) is list
                                      and all(type(x) is int for x in v), "a list of ranks")
-        if theirs != list(ranks):
+        if isinstance(theirs, str):
+            bad.append(f"rank {r} gave {theirs.removeprefix('invalid: ')}, which it refused")
+        elif theirs != list(ranks):
             bad.append(f"rank {r} gave {theirs}")
     if bad:
         raise CollectiveError(f"new_group: the ranks disagree on the group's ranks (every rank of the world calls "

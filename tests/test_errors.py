@@ -465,6 +465,9 @@ def _rank_new_group_disagree():
     o["order"] = outcome(lambda: pz.new_group([0, 1] if me == 0 else [1, 0]))
     o["members"] = outcome(lambda: pz.new_group((0, 1) if me == 0 else (0,)))  # a tuple is a sequence too
     o["disjoint"] = outcome(lambda: pz.new_group([me]))  # each rank makes its own group: not every rank calls it
+    # rank 1's call is refused there (duplicate ranks): rank 0's fails at once, naming it, instead of pairing
+    # with rank 1's next call
+    o["refused"] = outcome(lambda: pz.new_group([0, 1] if me == 0 else [0, 0]))
     o["seconds"] = time.monotonic() - t0
     g = pz.new_group(r for r in (1, 0))  # agreeing calls still make a group (ranks from an iterator too)
     x = torch.full((3,), float(me + 1))
@@ -476,7 +479,8 @@ def _rank_new_group_disagree():
 def test_new_group_ranks_that_disagree_raise_on_the_members():
     """Ranks that give new_group different member lists (or orders), or each a group of their own, fail
     with an error naming both lists, at once, not an obscure transport error on one and a store timeout on
-    the other; a rank outside the group it asked for gets its non-member group."""
+    the other; a rank outside the group is told too (it carried on alone); a call one rank refuses (its
+    ranks are invalid) fails the others' at once, naming it."""
     res = [r.value for r in run_ranks(_rank_new_group_disagree, 2, timeout=60)]
     for me, v in enumerate(res):
         etype, msg = v["order"]
@@ -487,7 +491,11 @@ def test_new_group_ranks_that_disagree_raise_on_the_members():
         assert v["after"] == (1 - me, [3.0] * 3), v
     etype, msg = res[0]["members"]
     assert etype == "CollectiveError" and "rank 1 gave [0]" in msg, res[0]["members"]
-    assert res[1]["members"] == ("ok", None)
+    etype, msg = res[1]["members"]  # (not a member of the group it asked for)
+    assert etype == "CollectiveError" and "rank 0 gave [0, 1]" in msg, res[1]["members"]
+    assert res[0]["refused"][0] == "CollectiveError" and "rank 1 gave (0, 0), which it refused" in \
+        res[0]["refused"][1], res[0]["refused"]
+    assert res[1]["refused"][0] == "ValueError", res[1]["refused"]
     for me, v in enumerate(res):
         etype, msg = v["disjoint"]
         assert etype == "CollectiveError" and f"gave [{me}], rank {1 - me} gave [{1 - me}]" in msg, v["disjoint"]

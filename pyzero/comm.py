@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import backends, flight, topology as _topology
+from . import backends, envvars, flight, topology as _topology
 from .backend import (
     Backend,
     CollectiveError,
@@ -214,6 +214,7 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     opts = Options.make(options)
     if backend is not None:
         backends.backend_class(backend)  # a bad name fails before any rendezvous
+    envvars.warn_unknown()
 
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not any(n in os.environ for n in names):

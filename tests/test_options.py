@@ -152,3 +152,40 @@ def test_shm_settings_from_the_environment_are_checked_by_name(var, value, words
     """The shm backend's settings read from the environment meet the checks options fields meet, named."""
     etype, msg = run_ranks(_rank_shm_env, 1, args=(var, value), timeout=30)[0].value
     assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)
+
+
+def test_every_pyzero_variable_the_sources_name_is_known():
+    """envvars.KNOWN lists every PYZERO_* name the package, its build, scripts, docs and tests use (pz.init
+    warns about any other one set): a name read somewhere but missing from the list would warn wrongly."""
+    import pathlib  # noqa: PLC0415
+
+    from pyzero.envvars import KNOWN  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [f for d in ("pyzero", "scripts", "docs", "tests", "csrc", ".ci") for f in (root / d).rglob("*")
+             if f.is_file() and f.suffix in (".py", ".sh", ".md", ".cpp", ".h", ".cu", ".txt", "")]
+    files += [root / n for n in ("setup.py", "CMakeLists.txt", "README.md") if (root / n).exists()]
+    named = set()
+    for f in files:
+        try:
+            named |= set(re.findall(r"PYZERO_[A-Z0-9_]+", f.read_text(errors="ignore")))
+        except OSError:
+            continue
+    named = {n for n in named if not n.endswith("_")}  # (not the families: PYZERO_SHM_*)
+    assert named - KNOWN == set(), sorted(named - KNOWN)
+
+
+def _rank_typo():
+    import warnings  # noqa: PLC0415
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        pz.init(timeout=10)
+    return [str(w.message) for w in ws if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_misspelt_setting_warns_naming_the_known_one():
+    """A misspelt PYZERO_FLIGHT=0 left the recorder on without a word."""
+    typo = "PYZERO" + "_FLIHGT"  # (spelt apart: the test above reads this file for the names it uses)
+    got = run_ranks(_rank_typo, 1, env={typo: "0"}, timeout=30)[0].value
+    assert got == [f"{typo}: not a pyzero setting, ignored (did you mean PYZERO_FLIGHT?)"], got
+    assert run_ranks(_rank_typo, 1, env={"PYZERO_FLIGHT": "0"}, timeout=30)[0].value == []

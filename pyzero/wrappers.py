@@ -97,8 +97,9 @@ class WeakOwner:
 def refuse_group_across_tp_shards(named, group, what: str) -> None:
     """Raise if data parallelism over `group` would mix tensor-parallel shards: a parameter of `named`
     ((name, parameter) pairs) that is one TP rank's part of a weight (pz.tp's layers mark it with its
-    TP group's global ranks, ``tp_ranks``) while `group` holds two ranks of that TP group, whose parts differ (the wrap-time
-    broadcast would copy one rank's part over the others', the gradients of different parts averaged)."""
+    TP group's global ranks, ``tp_ranks``) while `group` holds two ranks of that TP group, whose parts
+    differ (the wrap-time broadcast would copy one rank's part over the others', the gradients of
+    different parts averaged)."""
     for name, p in named:
         tp = getattr(p, "tp_ranks", ())
         both = sorted(set(tp) & set(group.ranks))

@@ -133,9 +133,9 @@ def _refuse_unlike_gpt(config) -> None:
     kind = _get(config, ("model_type",))
     act = _get(config, ("hidden_act", "activation_function"))
     if kind in _GATED or (isinstance(act, str) and act.lower() in ("swiglu", "geglu", "reglu")):
-        raise ValueError(f"model: the config describes a gated MLP ({'model_type=' + repr(kind) if kind in _GATED else 'activation ' + repr(act)}), "
-                         "which the planner's GPT shape (two MLP matrices) does not describe; expected a GPT-style "
-                         "model such as GPT-2")
+        why = f"model_type={kind!r}" if kind in _GATED else f"activation {act!r}"
+        raise ValueError(f"model: the config describes a gated MLP ({why}), which the planner's GPT shape (two MLP "
+                         "matrices) does not describe; expected a GPT-style model such as GPT-2")
 
 
 def _config_int(config, names):

@@ -46,9 +46,7 @@ class Adagrad(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float = 1.0, copies: dict | None = None):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
-        if len(self.param_groups) > 1:  # refused whole, not after the first groups stepped
-            F.check_lists([([p for p in g["params"] if p.grad is not None],
-                            [p.grad for p in g["params"] if p.grad is not None]) for g in self.param_groups], copies)
+        F.check_groups(self, copies)
         for group in self.param_groups:
             by_step: dict[float, list] = {}
             ps = [p for p in group["params"] if p.grad is not None]

@@ -90,9 +90,7 @@ class Adam(torch.optim.Optimizer):
         """One step of every parameter with a gradient; returns ``closure()``'s loss if given."""
         loss = F.run_closure(closure)
         self._check_amsgrad()
-        if len(self.param_groups) > 1:  # refused whole, not after the first groups stepped
-            F.check_lists([([p for p in g["params"] if p.grad is not None],
-                            [p.grad for p in g["params"] if p.grad is not None]) for g in self.param_groups], copies)
+        F.check_groups(self, copies)
         for group in self.param_groups:
             self._step_group(group, float(grad_scale), copies)
         return loss

@@ -286,6 +286,14 @@ def check_lists(lists, copies) -> None:
         _table(ps, gs, {}, [copies.get(p) for p in ps] if copies else None)
 
 
+def check_groups(opt: torch.optim.Optimizer, copies) -> None:
+    """check_lists over every param group of `opt` with more than one: refused whole, not after the first
+    groups stepped (one group's own kernel checks come first, and UndoStep puts back what they found)."""
+    if len(opt.param_groups) > 1:
+        check_lists([([p for p in g["params"] if p.grad is not None],
+                      [p.grad for p in g["params"] if p.grad is not None]) for g in opt.param_groups], copies)
+
+
 class UndoStep:
     """``with UndoStep(opt, states, fresh):`` around one kernel's bump and step: if the kernel refuses
     (its checks raise), the step counts the bump moved go back and the states made for this step

@@ -600,10 +600,7 @@ class ZeroStage3(ZeroOptimizer):
                     "penalty or a Hessian-vector product computes) through a ZeRO stage 3 model: stage 3 frees each "
                     "module's gathered parameters once its backward is done, and the graph of those gradients "
                     "would read them later; use stage 1 or 2, which support it")
-            self._order_open = False
-            if not self._in_backward:
-                self._in_backward = True
-                _queue_callback(self._end_backward)
+            self._enter_backward()
             late = [self.units[i] for i in needs if self.units[i].reduced]
             if late:  # its gradients are complete and sent: this backward should not need it again
                 self._discard()
@@ -639,11 +636,17 @@ class ZeroStage3(ZeroOptimizer):
                         u.free()
         return post_backward
 
-    def _on_grad(self, p):
-        if not self._in_backward:  # (no pre-backward ran: every call's outputs were out of sight, see [Note:
-            self._in_backward = True  # outputs stage 3 cannot see]); the end of backward still comes
-            self._order_open = False
+    def _enter_backward(self):
+        """A pre-backward hook, or a gradient's (no pre-backward runs where every call's outputs were out of
+        sight: [Note: outputs stage 3 cannot see]): the forward's order is complete, and the end of this
+        backward is queued once."""
+        self._order_open = False
+        if not self._in_backward:
+            self._in_backward = True
             _queue_callback(self._end_backward)
+
+    def _on_grad(self, p):
+        self._enter_backward()
         self._grads_ready = True
         self._unreduced = not self._sync
         u = self._unit_of[id(p)]

@@ -4,6 +4,7 @@ bool is an int subclass in Python, and a flag passed where a count or a number o
 mistake: these refuse it, as they refuse NaN and the infinities where a finite value is needed."""
 from __future__ import annotations
 
+import hashlib
 import math
 
 
@@ -28,3 +29,9 @@ def check_bool(value, arg: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{arg}: expected True or False, got {value!r}")
     return value
+
+
+def digest(data: bytes, nbytes: int) -> int:
+    """A non-negative int of `nbytes` bytes from a cryptographic hash of `data`: what ranks compare to
+    agree on something larger (values that differ cannot be made to agree, as under a linear hash)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=nbytes).digest(), "little")

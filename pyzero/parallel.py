@@ -12,7 +12,6 @@ group average.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch import nn
 from . import comm, wrappers
 from .backend import DTYPES
 from .bucketing import WIDEN, BucketReducer, DeviceFlags, broadcast_coalesced, device_capturing
-from .checks import is_positive_finite
+from .checks import digest, is_positive_finite
 
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,9 +120,8 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     and averaging gradients of different layouts, silently. One all_gather of (count, digest); a
     second, of each parameter's digest, only to name the first that differs."""
     named = list(module.named_parameters())
-    digests = [int.from_bytes(hashlib.blake2b(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(),
-                                              digest_size=7).digest(), "little") for _, p in named]
-    whole = int.from_bytes(hashlib.blake2b(repr(digests).encode(), digest_size=7).digest(), "little")
+    digests = [digest(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(), 7) for _, p in named]
+    whole = digest(repr(digests).encode(), 7)
     rows = comm.every_rank([len(named), whole], group=group)
     if bool((rows == rows[0]).all()):
         return

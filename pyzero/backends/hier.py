@@ -51,7 +51,6 @@ import queue
 import threading
 import ctypes
 import datetime
-import hashlib
 import json
 import os
 import time
@@ -76,6 +75,7 @@ from ..backend import (
     check_contiguous,
     tensor_code,
 )
+from ..checks import digest
 from ..topology import host_name, peer_json
 from .shm import ShmBackend
 
@@ -130,8 +130,7 @@ def _show(field: int, v: int, kind: int | None = None) -> str:
 def _counts_hash(counts) -> int:
     """Counts per rank as one 40-bit number (a cryptographic digest: two different lists that sum alike
     cannot be made to agree, as they could under a linear hash)."""
-    raw = b"".join(int(c).to_bytes(8, "little", signed=True) for c in counts)
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=5).digest(), "little")
+    return digest(b"".join(int(c).to_bytes(8, "little", signed=True) for c in counts), 5)
 
 
 # [Note: NaN through gloo's max/min] gloo's MAX/MIN are std::max/std::min, which keep or drop a NaN by

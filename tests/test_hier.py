@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pyzero as pz
+from pyzero.bench.hier import enter_host
 from pyzero.launch import run_ranks
 from pyzero.topology import Topology, group_hosts, pick_backend
 
@@ -30,11 +31,9 @@ PER_HOST = 2
 
 
 def simulated(fn, *args, per_host=PER_HOST):
-    """Run fn in a rank that believes it is on host rank // per_host."""
-    r = int(os.environ["RANK"])
-    os.environ["PYZERO_HOST"] = f"host{r // per_host}"
-    os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
-    os.environ["LOCAL_RANK"] = str(r % per_host)  # (as a launcher on that host numbers its ranks)
+    """Run fn in a rank that believes it is on host rank // per_host (its local rank numbered as a
+    launcher there numbers it)."""
+    enter_host(per_host)
     return fn(*args)
 
 

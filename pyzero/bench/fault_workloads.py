@@ -22,6 +22,7 @@ from torch import nn
 import pyzero as pz
 
 from .common import comm_device
+from .hier import enter_host
 
 VICTIM = 1
 
@@ -333,9 +334,7 @@ def rank_main(work: str, tmp: str, seed: int, timeout: float, duration: float, b
     With backend "hier" the ranks are split into simulated hosts of two ranks (one rank each at 2
     ranks), so every world collective crosses hosts."""
     if backend == "hier":
-        r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        per = 2 if n >= 4 else 1
-        os.environ.update(PYZERO_HOST=f"host{r // per}", LOCAL_WORLD_SIZE=str(per), LOCAL_RANK=str(r % per))
+        enter_host(2 if int(os.environ["WORLD_SIZE"]) >= 4 else 1)
     pz.init(backend=backend, timeout=timeout)
     rank = pz.get_rank()
     touch(os.path.join(tmp, f"pid{rank}"), str(os.getpid()))

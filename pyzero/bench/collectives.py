@@ -173,22 +173,22 @@ class Runner:
         dev = comm_device()
         if dev.type == "cuda" and backend == "pyzero" and pz.get_backend() == "nccl":
             algo = algo or "ring"  # auto on the nccl backend is NCCL's own: the "nccl" column
-        if op == "all_reduce":
-            self.inp, self.out = pattern(count, self.rank, dtype).to(dev), torch.empty(count, dtype=dtype, device=dev)
-        elif op == "reduce_scatter":
-            self.inp = pattern(count, self.rank, dtype).to(dev)
-            self.out = (self.inp[self.rank * per:(self.rank + 1) * per] if inplace
-                        else torch.empty(per, dtype=dtype, device=dev))
-        elif op == "all_gather":
+        if op == "all_gather":
             self.out = torch.empty(count, dtype=dtype, device=dev)
             self.inp = (self.out[self.rank * per:(self.rank + 1) * per] if inplace
                         else torch.empty(per, dtype=dtype, device=dev))
-            self.inp.copy_(pattern(per, self.rank, dtype))
         else:
-            self.inp = pattern(count, self.rank, dtype).to(dev)
-            self.out = self.inp if inplace else torch.empty(count, dtype=dtype, device=dev)
+            self.inp = torch.empty(count, dtype=dtype, device=dev)
+            if op == "all_reduce":
+                self.out = torch.empty(count, dtype=dtype, device=dev)
+            elif op == "reduce_scatter":
+                self.out = (self.inp[self.rank * per:(self.rank + 1) * per] if inplace
+                            else torch.empty(per, dtype=dtype, device=dev))
+            else:
+                self.out = self.inp if inplace else torch.empty(count, dtype=dtype, device=dev)
         self.result = self.inp if (op in ("all_reduce", "broadcast") and inplace) else self.out
         self.op, self.count, self.dtype = op, count, dtype
+        self.reset()
         if op == "sendrecv":
             if inplace or backend not in ("pyzero", "torch", "torch-pyzero"):
                 raise UsageError(f"--op sendrecv: out of place, on the pyzero and torch columns only (not {backend})")
@@ -205,8 +205,8 @@ class Runner:
             self.call = self._torch(op, inplace, TORCH_GROUPS[backend], aliasing=backend == "torch-pyzero")
 
     def reset(self) -> None:
-        """Write the inputs again (the in-place forms overwrote them with results), for one more
-        checked call."""
+        """Write the inputs (at set-up, and again for one more checked call: the in-place forms
+        overwrote them with results)."""
         per = self.count // self.n if self.op == "all_gather" else self.count
         self.inp.copy_(pattern(per, self.rank, self.dtype))
 

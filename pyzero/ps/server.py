@@ -471,7 +471,7 @@ class Server:
         self._listener.close()
         with self._cond:
             conns = list(self._conns)
-        for conn in conns:  # (connection threads waiting for a told worker's next message end now)
+        for conn in conns:  # (what is still open: peers that never joined, a stats or stop request in flight)
             conn.close()
         deadline = time.monotonic() + 5
         for t in threads:

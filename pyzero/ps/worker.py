@@ -171,7 +171,7 @@ class Worker:
     def pull(self) -> bool:
         """Bring the parameters up to date (waiting as the servers' mode says); False once the
         job is finished (max_versions reached or the servers stopped), then without asking again
-        (a finished server closes the connections of workers it has told)."""
+        (a finished server ends once its workers have left: nothing new to learn from it)."""
         if not self.conns or self._told:
             return False
         self._broadcast(lambda s: {"op": "pull", "have": self.versions[s]})

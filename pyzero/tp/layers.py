@@ -17,6 +17,8 @@ same seed: every rank draws the full weight, then keeps its shard.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,7 +93,7 @@ class _ParallelLinear(nn.Module):
                 self.bias.tp_sharded = self._split == 0  # a row layer's bias is replicated
                 if self._split == 0:
                     self.bias.tp_ranks = tuple(self.group.ranks)
-                if self._split == 1:
+                else:
                     sync_replicated([self.bias], self.group)
 
 
@@ -101,7 +103,7 @@ class _ParallelLinear(nn.Module):
         ``options`` are the layer's other keyword arguments."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        allowed = [a for a in cls._setup.__code__.co_varnames[3:cls._setup.__code__.co_argcount] if a != "group"]
+        allowed = [a for a in inspect.signature(cls._setup).parameters if a not in ("self", "in_f", "out_f", "group")]
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise TypeError(f"{cls.__name__}.from_linear: unknown option(s) {unknown} (the weight, bias and sizes "

@@ -15,8 +15,8 @@ top of both.
 from __future__ import annotations
 
 import abc
-import datetime
 import operator
+import time
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple, Sequence
 
@@ -341,13 +341,57 @@ class GroupSetup:
     device: int | None  # this process's GPU (GPU backends), else None
     options: Options
     global_ranks: tuple[int, ...] = ()  # the group's members as global ranks (for messages naming them)
+    fail_key: str = ""  # where a rank whose set-up failed says so (default: key + "/failed"; kept by replace())
+
+    @property
+    def failed_key(self) -> str:
+        return self.fail_key or self.key + "/failed"
+
+    def fail(self, error: BaseException) -> None:
+        """Tell the group's other ranks, waiting in wait() or barrier(), that this rank's set-up failed."""
+        publish_failure(self.store, self.failed_key, self.global_ranks[self.rank] if self.global_ranks else self.rank,
+                        error)
+
+    def wait(self, keys: Sequence[str]) -> None:
+        """Wait until every key is set; a CollectiveError naming the rank as soon as one reports (fail())
+        that its set-up failed, a CollectiveTimeout after `timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not self.store.check(list(keys)):
+            if self.store.check([self.failed_key]):
+                which = f"group {list(self.global_ranks)}" if self.global_ranks else "the group"
+                raise CollectiveError(f"{which}: set-up failed on {self.store.get(self.failed_key).decode()}")
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"the group's set-up waited timeout={self.timeout:g} s for "
+                                        f"{_shown_keys(self.store, keys)} (a rank of the group that never called, "
+                                        "or stopped)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.store.get(key)
+
+    def barrier(self, name: str) -> None:
+        """Return once every rank of the group has called this with `name` (or raise as wait())."""
+        key = f"{self.key}/{name}"
+        if self.store.add(key, 1) == self.size:
+            self.store.set(key + "/done", "1")
+        self.wait([key + "/done"])
 
 
-def store_barrier(store, key: str, n: int, timeout: float) -> None:
-    """Return once `n` processes have called this with `key`."""
-    if store.add(key, 1) == n:
-        store.set(key + "/done", "1")
-    store.wait([key + "/done"], datetime.timedelta(seconds=timeout))
+def publish_failure(store, key: str, rank: int, error: BaseException) -> None:
+    """Set `key` to "rank R: error" unless a rank set it first (see GroupSetup.wait)."""
+    try:
+        if not store.check([key]):
+            store.set(key, f"rank {rank}: {type(error).__name__}: {error}"[:2000])
+    except Exception:  # noqa: BLE001 - the store may be gone already; the caller raises its own error
+        pass
+
+
+def _shown_keys(store, keys: Sequence[str]) -> str:
+    missing = [k for k in keys if not store.check([k])]
+    return ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
 
 
 class Backend(abc.ABC):

@@ -41,6 +41,7 @@ from .backend import (
     check_alias,
     check_op,
     check_same_dtype,
+    publish_failure,
     resolve_counts,
 )
 from .checks import is_int, is_positive_finite
@@ -244,7 +245,8 @@ def init(backend: str | None = None, timeout: float = 300.0, options=None, join_
     store = _connect(addr, port, size, rank, join_timeout)
     try:
         _join(store, rank, size, local_rank, backend, timeout, join_timeout, opts)
-    except BaseException:
+    except BaseException as e:
+        publish_failure(store, _failed_key(0), rank, e)  # (the world group's set-up waits for every rank)
         _settle(store, rank, size, join_timeout, failed=True)
         raise
     _settle(store, rank, size, join_timeout, failed=False)
@@ -321,11 +323,11 @@ def _join(store, rank: int, size: int, local_rank, backend, timeout: float, join
     store.set_timeout(datetime.timedelta(seconds=timeout))  # everyone is here: from now on, the collectives' bound
     if local_rank is None:  # (no LOCAL_RANK: this rank's place among its host's ranks, as a launcher numbers it)
         local_rank = topo.local_rank
-    backend = _topology.pick_backend(backend, topo, torch.cuda.is_available())
-    device = backends.backend_class(backend).setup_process(local_rank)
-    if rank == 0:
+    if rank == 0:  # (first: a rank that fails below leaves none waiting here)
         store.set("pz/token", f"{os.getpid():x}{secrets.token_hex(4)}")
     token = store.get("pz/token").decode()
+    backend = _topology.pick_backend(backend, topo, torch.cuda.is_available())
+    device = backends.backend_class(backend).setup_process(local_rank)
     flight.start(rank, size, token)
     _world = _World(rank, size, local_rank, backend, float(timeout), store, token, device=device, options=opts,
                     topology=topo)
@@ -363,12 +365,25 @@ def _make_group(ranks: tuple[int, ...], options: Options, agree: bool = False) -
         return Group(ranks, -1, gid, options=options)
     me = ranks.index(w.rank)
     setup = GroupSetup(w.store, f"pz/g{gid}", f"/pz{w.token}_{gid}", me, len(ranks), w.timeout, w.device, options,
-                       ranks)
-    name = _topology.group_backend(w.backend, w.topology, ranks)
-    g = Group(ranks, me, gid, backends.backend_class(name).create(setup), options)
+                       ranks, fail_key=_failed_key(gid))
+    g = Group(ranks, me, gid, _create(_topology.group_backend(w.backend, w.topology, ranks), setup), options)
     g.flight = g._backend.flight = flight.ring(gid, ranks, me)
     w.groups.append(g)
     return g
+
+
+def _failed_key(gid: int) -> str:
+    return f"pz/g{gid}/failed"
+
+
+def _create(backend: str, setup: GroupSetup):
+    """The backend's transport for one group; a failure here is published first, so that the group's other
+    ranks, waiting for this one in its set-up, raise at once naming it (not the store's timeout)."""
+    try:
+        return backends.backend_class(backend).create(setup)
+    except BaseException as e:
+        setup.fail(e)
+        raise
 
 
 def _require_init() -> _World:
@@ -441,16 +456,21 @@ def new_group(ranks: Sequence[int], options=None) -> Group:
     if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < w.size for r in ranks):
         _refuse_group(w, ranks)
         raise ValueError(f"ranks: expected distinct global ranks in [0, {w.size}), got {list(ranks)}")
-    return _make_group(ranks, Options.make(options).merged(w.options), agree=True)
+    try:
+        opts = Options.make(options).merged(w.options)
+    except (TypeError, ValueError) as e:
+        _refuse_group(w, ranks, f"{list(ranks)} with options it refused ({e})")
+        raise
+    return _make_group(ranks, opts, agree=True)
 
 
-def _refuse_group(w: _World, ranks) -> None:
+def _refuse_group(w: _World, ranks, why: str | None = None) -> None:
     """A new_group call this rank refuses still uses up its group id and publishes the refusal: every
     rank's call is one group, so the others fail at once, naming it, rather than pair their call with
     this rank's next one."""
     gid = w.next_gid
     w.next_gid += 1
-    w.store.set(f"pz/g{gid}/ranks/{w.rank}", json.dumps(f"invalid: {ranks!r}"[:200]))
+    w.store.set(f"pz/g{gid}/ranks/{w.rank}", json.dumps("invalid: " + (why or f"{ranks!r}, which it refused")[:300]))
 
 
 def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
@@ -483,7 +503,7 @@ def _agree_on_ranks(w: _World, gid: int, ranks: tuple[int, ...]) -> None:
         theirs = _topology.peer_json(raw, f"{key}/{r}", lambda v: type(v) is str or type(v) is list
                                      and all(type(x) is int for x in v), "a list of ranks")
         if isinstance(theirs, str):
-            bad.append(f"rank {r} gave {theirs.removeprefix('invalid: ')}, which it refused")
+            bad.append(f"rank {r} gave {theirs.removeprefix('invalid: ')}")
         elif theirs != list(ranks):
             bad.append(f"rank {r} gave {theirs}")
     if bad:
@@ -513,6 +533,7 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
     ranks = tuple(int(r) for r in ranks)
     if not 0 <= rank < len(ranks):
         raise ValueError(f"rank: expected an index in [0, {len(ranks)}), got {rank}")
+    opts = Options.make(options)
     # A store may see the same group again (a job that re-creates its process groups): each
     # creation is its own generation of keys. Every member counts itself in; a creation ends only
     # once all members have joined it (the set-up barriers), so members of one agree on its number.
@@ -525,9 +546,8 @@ def group_from_store(store, ranks: Sequence[int], rank: int, timeout: float, opt
         keys = [f"{key}/host/{r}" for r in range(len(ranks))]
         store.wait(keys, datetime.timedelta(seconds=float(timeout)))
         backend = "shm" if len({store.get(k) for k in keys}) == 1 else "hier"
-    opts = Options.make(options)
     setup = GroupSetup(store, f"{key}/g", f"/pz{token}_s", rank, len(ranks), float(timeout), device, opts, ranks)
-    return Group(ranks, rank, -1, backends.backend_class(backend).create(setup), opts)
+    return Group(ranks, rank, -1, _create(backend, setup), opts)
 
 
 def resolve_group(group) -> Group:

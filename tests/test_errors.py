@@ -374,6 +374,29 @@ def test_bad_environment_variable_is_named(var, value, words):
     assert etype == "ValueError" and all(w in msg for w in words), (etype, msg)
 
 
+def _rank_one_bad_setting(var, value, bad_rank):
+    if int(os.environ["RANK"]) == bad_rank:
+        os.environ[var] = value
+    t0 = time.monotonic()
+    return outcome(lambda: pz.init(timeout=30)), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("var,value,bad_rank", [("PYZERO_SHM_DEPTH", "1", 0), ("PYZERO_FLIGHT", "maybe", 1),
+                                                ("PYZERO_SHM_ADAPTIVE", "2", 2)])
+def test_a_bad_setting_on_one_rank_fails_every_rank_at_once_naming_it(var, value, bad_rank):
+    """A PYZERO_* setting one rank alone refuses: that rank raises its ValueError, and the others, waiting
+    for it in the world group's set-up, raise at once naming the rank and its error (were: the store's raw
+    wait timeout, after the whole collective timeout)."""
+    for r in run_ranks(_rank_one_bad_setting, 3, args=(var, value, bad_rank), timeout=60):
+        (etype, msg), seconds = r.value
+        assert seconds < 15, (r.rank, r.value)
+        if r.rank == bad_rank:
+            assert etype == "ValueError" and var in msg, (r.rank, r.value)
+        else:
+            assert etype == "CollectiveError" and f"failed on rank {bad_rank}: ValueError" in msg and var in msg, \
+                (r.rank, r.value)
+
+
 def _rank_init_timeouts():
     return {t: outcome(lambda t=t: pz.init(timeout=t)) for t in (1e-9, 1e300)} | \
         {"join": outcome(lambda: pz.init(timeout=5, join_timeout=1e300))}
@@ -468,6 +491,8 @@ def _rank_new_group_disagree():
     # rank 1's call is refused there (duplicate ranks): rank 0's fails at once, naming it, instead of pairing
     # with rank 1's next call
     o["refused"] = outcome(lambda: pz.new_group([0, 1] if me == 0 else [0, 0]))
+    # options one rank refuses: its call is refused there, the other's fails at once naming them
+    o["options"] = outcome(lambda: pz.new_group([0, 1], options={"depth": 1} if me == 1 else None))
     o["seconds"] = time.monotonic() - t0
     g = pz.new_group(r for r in (1, 0))  # agreeing calls still make a group (ranks from an iterator too)
     x = torch.full((3,), float(me + 1))
@@ -496,6 +521,9 @@ def test_new_group_ranks_that_disagree_raise_on_the_members():
     assert res[0]["refused"][0] == "CollectiveError" and "rank 1 gave (0, 0), which it refused" in \
         res[0]["refused"][1], res[0]["refused"]
     assert res[1]["refused"][0] == "ValueError", res[1]["refused"]
+    assert res[0]["options"][0] == "CollectiveError" and "rank 1 gave [0, 1] with options it refused (options.depth" \
+        in res[0]["options"][1], res[0]["options"]
+    assert res[1]["options"][0] == "ValueError" and "options.depth" in res[1]["options"][1], res[1]["options"]
     for me, v in enumerate(res):
         etype, msg = v["disjoint"]
         assert etype == "CollectiveError" and f"gave [{me}], rank {1 - me} gave [{1 - me}]" in msg, v["disjoint"]

@@ -286,7 +286,7 @@ class HierBackend(Backend):
         me = setup.global_ranks[setup.rank] if setup.global_ranks else setup.rank
         s.set(f"{key}/host/{setup.rank}", json.dumps([host_name(), me]))
         keys = [f"{key}/host/{r}" for r in range(setup.size)]
-        s.wait(keys, datetime.timedelta(seconds=t))
+        setup.wait(keys)
         reports = [peer_json(s.get(k), k, lambda v: type(v) is list and len(v) == 2 and type(v[0]) is str
                              and 0 < len(v[0]) <= 255 and type(v[1]) is int and 0 <= v[1] < 1 << 31,
                              "[host name, global rank]") for k in keys]
@@ -299,6 +299,7 @@ class HierBackend(Backend):
             if self.L > 1:  # see the module docstring: shm inside the host
                 self.intra = ShmBackend.create(replace(setup, key=f"{setup.key}/h{self.h}",
                                                        name=f"{setup.name}h{self.h}", rank=self.l, size=self.L))
+            setup.barrier("hier/ready")  # (gloo's set-up below waits for every rank with no word of failures)
             if self.l < self.lanes and self.H > 1:
                 self.lane = _gloo(s, f"{key}/lane{self.l}/", self.h, self.H, t)
             self.full = _gloo(s, f"{key}/all/", setup.rank, setup.size, t)

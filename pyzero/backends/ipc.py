@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 
 from .. import _C
-from ..backend import GroupSetup, store_barrier
+from ..backend import GroupSetup
 from . import cuda_buffers
 from .cuda_buffers import CudaCommBackend
 
@@ -72,7 +72,7 @@ class IpcBackend(CudaCommBackend):
         o = setup.options
         # How many ranks share each GPU sizes every kernel (their blocks must all be resident at once).
         setup.store.set(f"{setup.key}/ipc/gpu/{setup.rank}", _gpu_id(setup.device))
-        sharing = gpu_sharing(setup.store.get(f"{setup.key}/ipc/gpu/{r}") for r in range(setup.size))
+        sharing = gpu_sharing(setup.get(f"{setup.key}/ipc/gpu/{r}") for r in range(setup.size))
         comm = _C.IpcComm(setup.rank, setup.size, setup.device, setup.timeout,
                           o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
                           o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True),
@@ -80,9 +80,9 @@ class IpcBackend(CudaCommBackend):
                           o.get("depth", 4, "PYZERO_IPC_DEPTH"), sharing,
                           o.get("system_scope", False, "PYZERO_IPC_SYSTEM_SCOPE"))
         setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
-        handles = [setup.store.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
+        handles = [setup.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
         comm.connect(handles)
-        store_barrier(setup.store, f"{setup.key}/ipc/mapped", setup.size, setup.timeout)  # all mapped before use
+        setup.barrier("ipc/mapped")  # all mapped before use
         return cls(comm, setup.device)
 
     def all_reduce(self, b, op, algo, async_op, inp=None):

@@ -67,15 +67,18 @@ class NcclBackend(CudaCommBackend):
     @classmethod
     def create(cls, setup: GroupSetup) -> "NcclBackend":
         """Group rank 0 makes the NCCL unique id; the store hands it on."""
+        o = setup.options
+        settings = (o.get("slice_bytes", 4 << 20, "PYZERO_NCCL_SLICE_KB", kib=True),
+                    o.get("oneshot_bytes", 256 << 10, "PYZERO_NCCL_ONESHOT_KB", kib=True),
+                    o.get("blocking_wait", False, "PYZERO_NCCL_BLOCKING_WAIT"))
         key = setup.key + "/nccl_id"
         if setup.rank == 0:
             setup.store.set(key, _C.nccl_unique_id())
-        uid = setup.store.get(key)
-        o = setup.options
-        comm = _C.NcclComm(uid, setup.rank, setup.size, setup.device, setup.timeout,
-                           o.get("slice_bytes", 4 << 20, "PYZERO_NCCL_SLICE_KB", kib=True),
-                           o.get("oneshot_bytes", 256 << 10, "PYZERO_NCCL_ONESHOT_KB", kib=True),
-                           o.get("blocking_wait", False, "PYZERO_NCCL_BLOCKING_WAIT"))
+        uid = setup.get(key)
+        # Every rank has read its settings before any enters ncclCommInitRank, which waits for all of them
+        # with no deadline: a rank that failed before it would leave the others there.
+        setup.barrier("nccl/ready")
+        comm = _C.NcclComm(uid, setup.rank, setup.size, setup.device, setup.timeout, *settings)
         return cls(comm, setup.device)
 
     def all_reduce(self, b, op, algo, async_op):

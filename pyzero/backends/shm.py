@@ -13,7 +13,7 @@ import json
 import torch
 
 from .. import _C
-from ..backend import DTYPES, Backend, Buffer, GroupSetup, check_contiguous, store_barrier, tensor_code
+from ..backend import DTYPES, Backend, Buffer, GroupSetup, check_contiguous, tensor_code
 
 _new_tuple = tuple.__new__  # Buffer without NamedTuple.__new__'s Python frame (hot path)
 _CODE_SIZE = {dt: (code, torch.empty((), dtype=dt).element_size()) for dt, code in DTYPES.items()}
@@ -23,7 +23,7 @@ def _same_settings(setup: GroupSetup, mine: dict) -> None:
     """Every rank of the group resolved the same transport settings (options or PYZERO_SHM_* variables):
     ranks cutting a call differently, or picking different algorithms for it, read each other's data wrong
     or wait for each other in vain. ValueError on every rank (each compares the same values) naming them."""
-    every = [mine if r == setup.rank else json.loads(setup.store.get(f"{setup.key}/settings/{r}"))
+    every = [mine if r == setup.rank else json.loads(setup.get(f"{setup.key}/settings/{r}"))
              for r in range(setup.size)]
     for name in mine:
         values = [s.get(name) for s in every]
@@ -88,10 +88,10 @@ class ShmBackend(Backend):
                           twoshot, adaptive, twoshot_stream)
         try:
             setup.store.set(f"{setup.key}/settings/{setup.rank}", json.dumps(settings))
-            store_barrier(setup.store, setup.key + "/created", setup.size, setup.timeout)
+            setup.barrier("created")
             _same_settings(setup, settings)
             comm.attach()
-            store_barrier(setup.store, setup.key + "/attached", setup.size, setup.timeout)
+            setup.barrier("attached")
         finally:
             comm.unlink()  # every rank has mapped it now (or set-up failed): nothing left in /dev/shm
         return cls(comm, oneshot)

@@ -433,7 +433,7 @@ def _accumulate_run(stage, host, comm_dtype):
 def _accumulate_ranks(stage):
     pz.init()
     return {(host, str(cd)): _accumulate_run(stage, host, cd)
-            for host in (False, True) for cd in (None, torch.bfloat16)}
+            for host in (False, True) for cd in ((None,) if stage == 1 else (None, torch.bfloat16))}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -446,7 +446,7 @@ def test_zero_offload_host_gradients_accumulate_like_the_device(stage):
 
     results = run_ranks(_accumulate_ranks, 2, args=(stage,), timeout=120)
     runs = results[0].value
-    for cd in ("None", "torch.bfloat16"):
+    for cd in ("None",) if stage == 1 else ("None", "torch.bfloat16"):  # (stage 1 reduces in the model dtype)
         ref, got = runs[(False, cd)], runs[(True, cd)]
         assert set(ref) == set(got)
         for name, want in ref.items():

@@ -444,6 +444,16 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
                   ["optimizer_class: Adafactor computes on whole parameter tensors", "elementwise"]),
     "muon_subclass": (lambda m: pz.ZeroOptimizer(m, type("MyMuon", (torch.optim.Muon,), {}), stage=1), "ValueError",
                       ["optimizer_class: MyMuon computes on whole parameter tensors", "orthogonalised"]),
+    # (LBFGS: was accepted, then step() failed in torch's LBFGS for want of a closure)
+    "lbfgs": (lambda m: pz.ZeroOptimizer(m, torch.optim.LBFGS, stage=1), "ValueError",
+              ["optimizer_class: LBFGS computes on whole parameter tensors", "closure"]),
+    # stage 1 reduces in the model's dtype: a comm_dtype other than it was accepted and ignored
+    "stage1_comm_dtype": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=1, comm_dtype=torch.bfloat16), "ValueError",
+                          ["comm_dtype: stage 1 reduces the gradients in the model's dtype (torch.float32)",
+                           "torch.bfloat16"]),
+    "stage1_comm_dtype_bf16_params": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=1, param_dtype=torch.bfloat16,
+                                                                 comm_dtype=torch.float32), "ValueError",
+                                      ["comm_dtype", "(torch.bfloat16)"]),
     "leaf_modules_not_classes": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, leaf_modules=[m.fc1]), "TypeError",
                                  ["leaf_modules: expected a list of nn.Module classes"]),
     "leaf_modules_stage2": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=2, leaf_modules=[nn.Linear]), "ValueError",

@@ -41,7 +41,9 @@ def whole_tensor_optimizer(cls: type) -> str | None:
     tensors (their shape, their norm) would train differently and not say so."""
     factored = "its second moments factored by rows and columns, its steps scaled by each tensor's RMS"
     known = [(getattr(torch.optim, "Adafactor", None), factored),
-             (getattr(torch.optim, "Muon", None), "its update of each matrix orthogonalised as a whole")]
+             (getattr(torch.optim, "Muon", None), "its update of each matrix orthogonalised as a whole"),
+             (torch.optim.LBFGS, "its step re-evaluates the loss through a closure and takes dot products and "
+                                 "line searches over all parameters at once")]
     hf_optimization = sys.modules.get("transformers.optimization")  # (imported where its classes are in use)
     if hf_optimization is not None:
         known.append((getattr(hf_optimization, "Adafactor", None), factored))
@@ -278,6 +280,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.bucket_elems = max(1, int(bucket_mb * (1 << 20) / 4))
         self.param_dtype, self.comm_dtype = param_dtype, comm_dtype or torch.float32
         self.params, self.names = trainable(model)
+        if stage == 1 and comm_dtype is not None and self.params:
+            model_dtype = param_dtype or self.params[0].dtype
+            if comm_dtype != model_dtype:
+                raise ValueError(f"comm_dtype: stage 1 reduces the gradients in the model's dtype ({model_dtype}), "
+                                 f"got {comm_dtype}; comm_dtype sets the reduction of stages 2 and 3")
         self._check_tp(model)
         check_same_parameters(model, self.group, "model")
         if any(_owner_of(p) is not None for p in self.params):

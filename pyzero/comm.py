@@ -316,7 +316,7 @@ def _join(store, rank: int, size: int, local_rank, backend, timeout: float, join
     from torch.distributed import DistError  # noqa: PLC0415
 
     try:
-        topo = _topology.exchange(store, rank, size, join_timeout)
+        topo = _topology.exchange(store, rank, size, join_timeout, local_rank=local_rank)
     except DistError as e:
         raise CollectiveTimeout(f"pz.init(): rank {rank}: not every rank joined within join_timeout="
                                 f"{join_timeout:g} s ({_topology.missing(store, size)}): {e}") from None

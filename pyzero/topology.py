@@ -98,22 +98,36 @@ class Topology:
                 "host": self.host, "local_rank": self.local_rank}
 
 
-def group_hosts(reports: list[tuple[str, int | None]], rank: int) -> Topology:
-    """The topology from every rank's (host name, claimed ranks on its host); ValueError where a host's
-    ranks disagree with what is found there."""
+def group_hosts(reports: list[tuple], rank: int) -> Topology:
+    """The topology from every rank's (host name, claimed ranks on its host[, its LOCAL_RANK]), None for
+    what a rank does not claim; ValueError where a host's ranks disagree with what is found there (the
+    count of its ranks, or two of them, or one past the count, claiming a local rank: two ranks would pick
+    one GPU)."""
     by_name: dict[str, list[int]] = {}
-    for r, (name, _) in enumerate(reports):
-        by_name.setdefault(name, []).append(r)
+    for r, report in enumerate(reports):
+        by_name.setdefault(report[0], []).append(r)
     problems = []
     for name, ranks in by_name.items():
+        found = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
         claims = {reports[r][1] for r in ranks} - {None}
         if claims and claims != {len(ranks)}:
             detail = ", ".join(f"rank {r}: LOCAL_WORLD_SIZE={reports[r][1]}" for r in ranks)
-            found = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
             problems.append(f"host {name!r} has ranks {ranks} ({found}) but its ranks claim {detail}")
+        by_local: dict[int, list[int]] = {}
+        for r in ranks:
+            local = reports[r][2] if len(reports[r]) > 2 else None
+            if local is not None:
+                by_local.setdefault(local, []).append(r)
+        for local, claimants in sorted(by_local.items()):
+            if len(claimants) > 1:
+                problems.append(f"host {name!r}: ranks {claimants} all claim LOCAL_RANK={local}")
+            elif local >= len(ranks):
+                problems.append(f"host {name!r} has ranks {ranks} ({found}) but rank {claimants[0]} claims "
+                                f"LOCAL_RANK={local}")
     if problems:
         raise ValueError("pz.init(): inconsistent topology: " + "; ".join(problems)
-                         + " (set PYZERO_HOST to the same name on every rank of a host, or fix LOCAL_WORLD_SIZE)")
+                         + " (set PYZERO_HOST to the same name on every rank of a host, or fix LOCAL_WORLD_SIZE "
+                         "and LOCAL_RANK: a host's ranks take local ranks 0 to its ranks - 1, once each)")
     ordered = sorted(by_name.items(), key=lambda kv: kv[1][0])
     return Topology(tuple(tuple(r) for _, r in ordered), tuple(n for n, _ in ordered), rank)
 
@@ -148,15 +162,18 @@ def peer_json(raw: bytes, what: str, ok, expected: str, max_bytes: int = 1 << 20
 
 
 def host_report(raw: bytes, what: str) -> list:
-    """[host name, ranks claimed on that host or null], as exchange() publishes it."""
-    return peer_json(raw, what, lambda v: type(v) is list and len(v) == 2 and type(v[0]) is str
-                     and 0 < len(v[0]) <= 255 and (v[1] is None or (type(v[1]) is int and 1 <= v[1] <= 1 << 20)),
-                     "[host name, local world size]")
+    """[host name, ranks claimed on that host or null, LOCAL_RANK or null], as exchange() publishes it."""
+    return peer_json(raw, what, lambda v: type(v) is list and len(v) == 3 and type(v[0]) is str
+                     and 0 < len(v[0]) <= 255 and (v[1] is None or (type(v[1]) is int and 1 <= v[1] <= 1 << 20))
+                     and (v[2] is None or (type(v[2]) is int and 0 <= v[2] < 1 << 20)),
+                     "[host name, local world size, local rank]")
 
 
-def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology") -> Topology:
-    """Publish this rank's host through `store` and build the job's topology (collective over the world)."""
-    store.set(f"{key}/{rank}", json.dumps([host_name(), claimed_local_size()]))
+def exchange(store, rank: int, size: int, timeout: float, key: str = "pz/topology",
+             local_rank: int | None = None) -> Topology:
+    """Publish this rank's host (and `local_rank`, its LOCAL_RANK if set) through `store` and build the job's
+    topology (collective over the world)."""
+    store.set(f"{key}/{rank}", json.dumps([host_name(), claimed_local_size(), local_rank]))
     keys = [f"{key}/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout
     for i in range(0, size, 1 << 16):  # (torch's store waits for at most 131072 keys at once)

@@ -68,6 +68,28 @@ def test_group_hosts_rejects_disagreeing_host():
         group_hosts([("a", 1), ("b", 2)], rank=0)
 
 
+def test_group_hosts_rejects_local_ranks_claimed_twice_or_past_the_host():
+    """Two ranks of a host with one LOCAL_RANK would pick one GPU (and one shm slot): refused naming both
+    (were: taken as given); a local rank past the host's ranks likewise; unclaimed ones are free."""
+    with pytest.raises(ValueError, match=r"host 'a': ranks \[0, 2\] all claim LOCAL_RANK=0"):
+        group_hosts([("a", 3, 0), ("a", 3, 1), ("a", 3, 0)], rank=0)
+    with pytest.raises(ValueError, match=r"host 'b' has ranks \[1, 3\] \(2 ranks\) but rank 3 claims LOCAL_RANK=2"):
+        group_hosts([("a", None, 0), ("b", None, 0), ("a", None, 1), ("b", None, 2)], rank=0)
+    t = group_hosts([("a", 2, 1), ("a", 2, None), ("b", None, 0)], rank=1)  # the same local rank on two hosts
+    assert t.hosts == ((0, 1), (2,)) and t.local_rank == 1
+
+
+def _rank_duplicate_local_rank():
+    os.environ["LOCAL_RANK"] = "0"
+    return outcome(lambda: pz.init(timeout=30))
+
+
+def test_two_ranks_of_a_host_with_one_local_rank_fail_init_on_every_rank():
+    for r in run_ranks(_rank_duplicate_local_rank, 2, timeout=60):
+        etype, msg = r.value
+        assert etype == "ValueError" and "ranks [0, 1] all claim LOCAL_RANK=0" in msg, r.value
+
+
 def test_host_name_override_and_torchrun_node_rank(monkeypatch):
     import socket  # noqa: PLC0415
 

@@ -22,13 +22,16 @@ class Boom:
 
 
 @pytest.mark.parametrize("raw,words", [
-    (b'["host-a", 2]', None),
-    (b'["host-a", null]', None),
-    (b'["host-a", "2"]', "local world size"),
-    (b'["", 2]', "local world size"),
-    (b'["host-a", 2, 3]', "local world size"),
+    (b'["host-a", 2, 1]', None),
+    (b'["host-a", null, null]', None),
+    (b'["host-a", 2]', "local world size"),
+    (b'["host-a", "2", 0]', "local world size"),
+    (b'["", 2, 0]', "local world size"),
+    (b'["host-a", 2, 3, 4]', "local world size"),
+    (b'["host-a", 2, -1]', "local world size"),
+    (b'["host-a", 2, "0"]', "local world size"),
     (b'{"host": "a"}', "local world size"),
-    (b'["host-a", 0]', "local world size"),
+    (b'["host-a", 0, 0]', "local world size"),
     (b"[" * 100000, "not \\[host name"),
     (b"\xff\xfe", "not \\[host name"),
     (b"x" * (2 << 20), "at most"),
@@ -36,7 +39,7 @@ class Boom:
 def test_host_reports_are_checked(raw, words):
     if words is None:
         assert host_report(raw, "pz/topology/0") == [raw.split(b'"')[1].decode(),
-                                                             None if b"null" in raw else 2]
+                                                     *([None, None] if b"null" in raw else [2, 1])]
     else:
         with pytest.raises(ValueError, match=words):
             host_report(raw, "pz/topology/0")

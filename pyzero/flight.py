@@ -600,7 +600,11 @@ def _summarize_p2p(r: Ring, failed: dict, by_rank: dict[int, dict | None], note:
 
 def _header(r: Ring, call: str) -> str:
     """The summary's first line: the group and the call that failed here."""
-    return (f"flight recorder, group {r.gid} (global ranks {list(r.ranks)}): this rank (global {_proc.rank}) "
+    ranks = list(r.ranks)
+    # (the transport's message numbers a group's ranks from 0, in the group's order; these lines, globally)
+    within = "" if ranks == list(range(len(ranks))) else \
+        f"; the error above numbers them 0 to {len(ranks) - 1} in this order, these lines by global rank"
+    return (f"flight recorder, group {r.gid} (global ranks {ranks}{within}): this rank (global {_proc.rank}) "
             f"failed in {call}")
 
 

@@ -134,6 +134,29 @@ def test_mismatched_calls_show_both(case):
         assert f"mismatched calls at seq 2: {MISMATCHES[case][2]}" in r.value, r.value
 
 
+def _rank_subgroup_mismatch():
+    pz.init(timeout=5)
+    g = pz.new_group([2, 1])
+    if pz.get_rank() == 0:
+        return None
+    try:
+        pz.all_reduce(torch.ones(8), op="max" if pz.get_rank() == 1 else "sum", group=g)
+    except pz.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_subgroup_error_says_how_its_ranks_are_numbered():
+    """In group [2, 1] the transport's message numbers the ranks 0 and 1 within the group, the flight
+    summary by global rank: the summary says so (the two numberings read as one)."""
+    for r in run_ranks(_rank_subgroup_mismatch, 3, timeout=60)[1:]:
+        me = 1 - (r.rank - 1)  # rank 2 is the group's 0
+        assert f"all_reduce (rank {me} of 2, seq 1): mismatched collective" in r.value, r.value
+        assert ("(global ranks [2, 1]; the error above numbers them 0 to 1 in this order, these lines by global "
+                "rank)") in r.value, r.value
+        assert "rank 1 called all_reduce(count=8, op=max" in r.value, r.value
+
+
 def _rank_trace(n):
     pz.init(timeout=20)
     for i in range(n):

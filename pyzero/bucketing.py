@@ -235,7 +235,7 @@ def broadcast_coalesced(tensors, src: int, group) -> None:
     for t in tensors:
         t = torch.view_as_real(t) if t.is_complex() else t
         by_dtype.setdefault(WIDEN.get(t.dtype, t.dtype), []).append(t)
-    is_src = comm.get_rank() == src
+    is_src = group.ranks[group.rank] == src  # (a group from a store, pz_group's, needs no pz.init())
     for wire_dtype, ts in by_dtype.items():
         # Tensors the loops cannot read or write directly go through a contiguous wire-dtype copy.
         direct = [t.dtype == wire_dtype and t.is_contiguous() for t in ts]

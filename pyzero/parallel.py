@@ -121,10 +121,24 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     second, of each parameter's digest, only to name the first that differs."""
     named = list(module.named_parameters())
     digests = [digest(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(), 7) for _, p in named]
+    # A tensor-parallel shard's place in its TP group (pz.tp marks it: tp_ranks): a data-parallel group whose
+    # ranks hold different shards of one weight (a grid built by hand, pairing TP index 0 with 1) would copy
+    # one shard over another at the broadcast and average gradients of different shards.
+    me = group.ranks[group.rank]
+    places = [_tp_place(getattr(p, "tp_ranks", ()), me) for _, p in named]
     whole = digest(repr(digests).encode(), 7)
-    rows = comm.every_rank([len(named), whole], group=group)
+    rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7)], group=group)
     if bool((rows == rows[0]).all()):
         return
+    if bool((rows[:, :2] == rows[0, :2]).all()):
+        every = comm.every_rank(places, group=group)
+        i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
+        name, p = named[i]
+        shown = ", ".join(f"group rank {r}: {_tp_shown(int(v))}" for r, v in enumerate(every[:, i].tolist()))
+        raise ValueError(f"{what}: parameter {name!r} is a tensor-parallel shard, and the ranks of the data-parallel "
+                         f"group {list(group.ranks)} hold different shards of it ({shown}); each data-parallel "
+                         "group must pair the ranks that hold the same shard (dp, tp = pz.mesh(dp=..., tp=...); "
+                         "group=dp)")
     counts = rows[:, 0].tolist()
     if len(set(counts)) > 1:
         raise ValueError(f"{what}: the ranks' models differ: {counts} parameters on group ranks 0..{len(counts) - 1} "
@@ -136,6 +150,20 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     raise ValueError(f"{what}: parameter {name!r} is {tuple(p.shape)} {p.dtype}"
                      f"{'' if p.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
                      f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
+
+
+def _tp_place(tp_ranks, me: int) -> int:
+    """(TP group size, this rank's index in it) in one int; 0 for a parameter that is not a TP shard."""
+    if not tp_ranks:
+        return 0
+    return (len(tp_ranks) << 21) | (tp_ranks.index(me) + 1 if me in tp_ranks else 0)
+
+
+def _tp_shown(place: int) -> str:
+    if place == 0:
+        return "not a shard"
+    size, index = place >> 21, (place & ((1 << 21) - 1)) - 1
+    return f"shard {index} of {size}" if index >= 0 else f"a shard of {size} from another TP group"
 
 
 def sparse_grad_modules(module: nn.Module) -> list[tuple[str, str]]:

@@ -315,6 +315,47 @@ def test_device_mesh_2d_groups():
         assert r.value == [("dp", dp, dp, float(sum(dp))), ("tp", tp, tp, float(sum(tp)))]
 
 
+def _rank_pz_wrappers_on_a_torch_group():
+    """pz.DataParallel and a pz.tp layer over pz_group(a torch subgroup), no pz.init(): the wrap-time
+    broadcast named its source by pz.get_rank(), which needs pz.init()."""
+    from torch import nn  # noqa: PLC0415
+
+    dist.init_process_group("pyzero", timeout=TIMEOUT)
+    me = dist.get_rank()
+    sub = dist.new_group([1, 2])
+    out = {}
+    if me in (1, 2):
+        g = pyzero.distributed.pz_group(sub)
+        torch.manual_seed(me)  # different weights per rank: the group's first rank's (global 1) win
+        model = pyzero.DataParallel(nn.Linear(3, 2), group=g)
+        x = torch.arange(6.0).view(2, 3) + me
+        model(x).square().sum().backward()
+        out["weight"] = model.module.weight.detach().clone()
+        out["grad"] = model.module.weight.grad.clone()
+        torch.manual_seed(me)
+        row = pyzero.tp.RowParallelLinear(4, 2, group=g)
+        out["row_bias"] = row.bias.detach().clone()  # (replicated: group rank 0's)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_pz_wrappers_on_a_torch_group_without_pz_init():
+    res = run_ranks(_rank_pz_wrappers_on_a_torch_group, 3, timeout=60)
+    torch.manual_seed(1)  # (torch's new_group sorts the ranks: global rank 1 is the group's first)
+    ref = torch.nn.Linear(3, 2)
+    grads = []
+    for me in (1, 2):
+        m = torch.nn.Linear(3, 2)
+        m.load_state_dict(ref.state_dict())
+        (m(torch.arange(6.0).view(2, 3) + me)).square().sum().backward()
+        grads.append(m.weight.grad)
+    for r in res[1:]:
+        torch.testing.assert_close(r.value["weight"], ref.weight.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(r.value["grad"], (grads[0] + grads[1]) / 2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(res[1].value["row_bias"], res[2].value["row_bias"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_ops_match_torch_reference(n):
     assert_ok(run_ranks(_rank_ops, n, timeout=90), min_cases=100)

@@ -116,6 +116,41 @@ def test_data_parallel_over_tensor_parallel_shards_is_refused():
         assert out["dp over dp"] == "DataParallel"
 
 
+def _rank_crossed_grid():
+    pz.init(timeout=30)
+    r = pz.get_rank()
+    tp = [pz.new_group([0, 1]), pz.new_group([3, 2])]  # rank 3 holds TP shard 0, rank 2 shard 1
+    dp = [pz.new_group([0, 2]), pz.new_group([1, 3])]  # pairs shard 0 with shard 1
+    tp, dp = (next(g for g in gs if r in g.ranks) for gs in (tp, dp))
+    torch.manual_seed(0)
+    col = pz.tp.ColumnParallelLinear(IN, HID, group=tp)
+    before = col.weight.detach().clone()
+    out = {}
+    for name, make in {"dp": lambda: pz.DataParallel(col, group=dp),
+                       "zero": lambda: pz.ZeroOptimizer(col, torch.optim.SGD, stage=2, group=dp, tp_group=tp,
+                                                        lr=0.1)}.items():
+        try:
+            make()
+            out[name] = "nothing raised"
+        except ValueError as e:
+            out[name] = str(e)
+    return out, torch.equal(before, col.weight.detach())
+
+
+def test_a_data_parallel_group_pairing_different_shards_is_refused():
+    """A hand-built grid whose data-parallel groups pair TP shard 0 of one TP group with shard 1 of another
+    ([0, 1] and [3, 2] by TP, [0, 2] and [1, 3] by DP): DataParallel and ZeroOptimizer accepted it, the
+    broadcast copied shard 0 over shard 1 and the gradients of different shards were averaged (0.63 off a
+    single process). Refused on every rank naming the parameter and the shards, nothing copied."""
+    for r in run_ranks(_rank_crossed_grid, 4, timeout=60):
+        out, kept = r.value
+        assert kept, r.rank
+        for name in ("dp", "zero"):
+            assert "parameter 'weight' is a tensor-parallel shard" in out[name], (name, out[name])
+            assert "group rank 0: shard 0 of 2, group rank 1: shard 1 of 2" in out[name] or \
+                "group rank 0: shard 1 of 2, group rank 1: shard 0 of 2" in out[name], (name, out[name])
+
+
 def _rank_sp_block(stage):
     from pyzero.tp.block import TransformerBlock
     pz.init(timeout=30)

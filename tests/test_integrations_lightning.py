@@ -76,6 +76,29 @@ class Unscheduled(Net):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
 
 
+class Sequenced(Net):
+    """Net under schedulers that drive others: SequentialLR (a warm-up, then a decay) or ChainedScheduler;
+    the learning rate of each step in `lrs`."""
+
+    def __init__(self, chained=False):
+        super().__init__()
+        self.chained, self.lrs = chained, []
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD)
+        sched = torch.optim.lr_scheduler
+        if self.chained:
+            s = sched.ChainedScheduler([sched.ExponentialLR(opt, 0.9), sched.LambdaLR(opt, lambda k: 1 / (1 + k))])
+        else:
+            s = sched.SequentialLR(opt, [sched.LinearLR(opt, 0.1, total_iters=2), sched.ExponentialLR(opt, 0.5)],
+                                   milestones=[2])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"}}
+
+
 class Manual(Net):
     """Net in manual optimization: manual_backward, self.clip_gradients, opt.step every second batch
     (accumulation by hand, every backward synchronised as under DDP), opt.zero_grad, the scheduler by hand."""
@@ -224,11 +247,17 @@ def _rank_matches_ddp():
     manual = {"ddp": fit("ddp", module=Manual(), max_norm=None)}  # (Lightning refuses gradient_clip_val there)
     for strategy in pzl.STRATEGIES:
         manual[strategy] = fit(pzl.PyzeroStrategy(strategy), module=Manual(), max_norm=None)
+    # schedulers that set the learning rate through the ones they hold (were left on the discarded optimizer)
+    nested = {}
+    for chained in (False, True):
+        for name, strategy in (("ddp", "ddp"), ("zero2", pzl.PyzeroStrategy("zero2"))):
+            module = Sequenced(chained)
+            nested[(chained, name)] = {**fit(strategy, module=module), "lrs": module.lrs}
     bf16 = {"ddp": fit("ddp", precision="bf16-mixed")}
     for strategy in ("dp", "zero2", "zero3"):
         bf16[strategy] = fit(pzl.PyzeroStrategy(strategy), precision="bf16-mixed")
     return finish({"runs": runs, "accum": accum, "calls": {k: c.calls for k, c in counters.items()}, "bf16": bf16,
-                   "own": own, "manual": manual, "manual_scaled": manual_scaled})
+                   "own": own, "manual": manual, "manual_scaled": manual_scaled, "nested": nested})
 
 
 def test_matches_ddp_with_clipping_accumulation_and_bf16():
@@ -259,6 +288,12 @@ def test_matches_ddp_with_clipping_accumulation_and_bf16():
     for name, run in got["manual"].items():
         assert_same_run(run, ref, f"{name}, manual optimization")
     assert_same_run(got["manual_scaled"], ref, "manual optimization, its own ZeroOptimizer with loss_scale")
+    nested = got["nested"]
+    for chained in (False, True):
+        ref, run = nested[(chained, "ddp")], nested[(chained, "zero2")]
+        assert len(set(ref["lrs"])) == STEPS, ref["lrs"]  # (the schedule moves every step)
+        assert run["lrs"] == ref["lrs"], (chained, run["lrs"], ref["lrs"])
+        assert_same_run(run, ref, f"zero2 under {'ChainedScheduler' if chained else 'SequentialLR'}")
     bf16 = got["bf16"]
     ref = bf16.pop("ddp")
     assert_bf16_tracks(bf16, ref, fp32, BF16_SHARE)
@@ -529,6 +564,47 @@ def test_delayed_update_is_published_before_validation_and_at_the_end():
     publishes them before validation and when fit ends, so both see the weights the checkpoints hold."""
     diffs = run_ranks(_rank_delayed_update, 2, timeout=120)[0].value
     assert len(diffs) == 3 and all(d == 0.0 for d in diffs), diffs  # 2 validations (after each epoch), the end
+
+
+class Predicting(Net):
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+def _rank_predict_zero3():
+    pzl.init(timeout=20)
+    module = Predicting()
+    trainer = L.Trainer(strategy=pzl.PyzeroStrategy("zero3"), accelerator="cpu", devices=2, max_steps=2,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(module, loader())
+    full = weights(module)
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(2))
+    even = trainer.predict(module, DataLoader(TensorDataset(x[:4]), batch_size=1))
+    try:  # 5 samples: 3 batches on the first rank, 2 on the second
+        trainer.predict(module, DataLoader(TensorDataset(x), batch_size=1))
+        uneven = "nothing raised"
+    except ValueError as e:
+        uneven = str(e)
+    out = {"even": torch.cat(even), "uneven": uneven, "x": x, "weights": full}
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def test_zero3_predict_runs_even_batches_and_refuses_uneven_ones():
+    """Lightning deals prediction data out unpadded; ZeRO-3's forward gathers from every rank, so ranks with
+    3 and 2 batches waited for each other's gathers until the timeout (the first rank's CollectiveTimeout
+    after the second had left). A ValueError on every rank naming the counts; even counts predict what the
+    trained weights give."""
+    res = run_ranks(_rank_predict_zero3, 2, timeout=120)
+    ref = Predicting()
+    ref.load_state_dict(res[0].value["weights"])
+    x = res[0].value["x"]
+    for r in res:
+        with torch.no_grad():
+            want = ref.net(x[r.rank:4:2])  # (each rank's samples: rank, rank + 2, ...)
+        torch.testing.assert_close(r.value["even"], want, rtol=1e-6, atol=1e-6)
+        assert "dataloader 0 gives the ranks [3, 2] batches" in r.value["uneven"], r.value["uneven"]
 
 
 def _rank_cpu_accelerator_where_torch_sees_a_gpu():

@@ -291,8 +291,7 @@ class PyzeroStrategy(DDPStrategy):
         given = _raw(self.optimizers[0])
         zero = self._zero_from(given)
         for config in self.lr_scheduler_configs:  # the schedulers drive the ZeroOptimizer's groups
-            if config.scheduler.optimizer is given and zero is not given:
-                config.scheduler.optimizer = zero
+            if zero is not given and _repoint(config.scheduler, given, zero):
                 _track_steps(zero)
         self.optimizers = [zero]
 
@@ -359,7 +358,30 @@ class PyzeroStrategy(DDPStrategy):
 
     def on_predict_start(self) -> None:
         self._synchronize()
+        self._check_predict_batches()
         super().on_predict_start()
+
+    def _check_predict_batches(self) -> None:
+        """ZeRO-3's forward gathers each unit from every rank, but Lightning deals prediction data out
+        unpadded: ranks given different numbers of batches would wait for each other's gathers until the
+        timeout. A ValueError on every rank instead, naming the counts (unknown counts, from data without
+        a length, are not checked)."""
+        zero = self._zero
+        if zero is None or zero.stage != 3 or zero.group.size == 1:
+            return
+        counts = [c if isinstance(c, int) else -1 for c in self.lightning_module.trainer.num_predict_batches]
+        rows = comm.every_rank([len(counts), *counts], group=zero.group).tolist()
+        if any(row[0] != rows[0][0] for row in rows):
+            shown = [row[0] for row in rows]
+            raise ValueError(f"predict: the ranks have different numbers of prediction dataloaders ({shown})")
+        for i in range(rows[0][0]):
+            got = [row[1 + i] for row in rows]
+            if -1 not in got and len(set(got)) > 1:
+                raise ValueError(f"predict: with PyzeroStrategy('zero3') every rank must run the same number of "
+                                 f"prediction batches (each forward gathers parameters from all ranks), but "
+                                 f"dataloader {i} gives the ranks {got} batches (Lightning does not pad "
+                                 "prediction data); make its length a multiple of processes x batch size, or "
+                                 "predict with 'zero1', 'zero2' or 'dp'")
 
     def on_train_end(self) -> None:
         self._synchronize()
@@ -490,6 +512,19 @@ def _gather_weight_averaging(cb, zero_of) -> None:
         if block is not None:
             block.__exit__(None, None, None)
     cb.on_validation_epoch_start, cb.on_validation_epoch_end = on_validation_epoch_start, on_validation_epoch_end
+
+
+def _repoint(scheduler, given, zero) -> bool:
+    """Point `scheduler` from optimizer `given` to `zero`, and the schedulers it drives (SequentialLR's and
+    ChainedScheduler's, which set the learning rate themselves: left on `given`, the ZeroOptimizer's never
+    moved); whether any was `given`'s."""
+    moved = False
+    if getattr(scheduler, "optimizer", None) is given:
+        scheduler.optimizer = zero
+        moved = True
+    for inner in getattr(scheduler, "_schedulers", ()) or ():
+        moved = _repoint(inner, given, zero) or moved
+    return moved
 
 
 def _track_steps(opt) -> None:

@@ -522,7 +522,10 @@ class BucketReducer:
         self.missing = [[False] * len(b.params) for b in self.buckets]
         self._inflight = InFlight()
         self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch, self._discard)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # (eager always: a backward run from a compiled function would have dynamo compile the hook, dropping
+        # its writes to this object's flags)
+        on_grad = torch.compiler.disable(self._on_grad, recursive=True)
+        self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self._reset()
 
     def extra_elements(self, spec: BucketSpec) -> int:

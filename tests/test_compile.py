@@ -347,3 +347,100 @@ def test_zero3_outside_the_traced_configuration_runs_its_hooks_at_graph_breaks()
         assert breaks > 0 or torch.__version__ < "2.13", res.value["explain"]
         for s, (ye, yc) in enumerate(zip(res.value[False], res.value[True])):
             assert_same(yc, ye, f"rank {res.rank} step {s} compiled vs eager")
+
+
+# ---------------------------------------------------------------------------
+# ZeRO's own code reached from a compiled region
+
+
+class TiedHead(nn.Module):
+    """An output head that reads the embedding's weight outside the embedding's forward (a tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.fc = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, idx):
+        return F.linear(torch.tanh(self.fc(self.emb(idx))), self.emb.weight)
+
+
+def _forward_backward_clip(net, x, t):
+    loss = F.mse_loss(net(x), t)
+    loss.backward()  # (dynamo breaks the graph here; ZeRO's gradient hooks run in this backward)
+    return loss.detach(), torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+
+
+def rank_zero_from_compiled_code(stage):
+    """Eager then compiled: forward, backward and torch's clip_grad_norm_ in one compiled function, then
+    step(); then a backward, a compiled model.zero_grad(), another backward and step(). Stage 3: a tied
+    head compiled."""
+    pz.init()
+    r = pz.get_rank()
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        net = make_net()
+        opt = pz.ZeroOptimizer(net, torch.optim.SGD, stage=stage, lr=0.1)
+        fbc = torch.compile(_forward_backward_clip, backend="aot_eager") if compiled else _forward_backward_clip
+        zero_grad = torch.compile(net.zero_grad, backend="aot_eager") if compiled else net.zero_grad
+        norms = []
+        for s in range(2):
+            _, norm = fbc(net, *batch(r, s))
+            norms.append(float(norm))
+            opt.step()
+            opt.zero_grad()
+        F.mse_loss(net(batch(r, 5)[0]), batch(r, 5)[1]).backward()  # dropped by the zero_grad below
+        zero_grad()
+        F.mse_loss(net(batch(r, 6)[0]), batch(r, 6)[1]).backward()
+        opt.step()
+        with torch.no_grad(), opt.gathered_parameters():
+            out[compiled] = norms, [p.detach().clone() for p in net.parameters()]
+    if stage == 3:
+        torch._dynamo.reset()
+        net = TiedHead()
+        opt = pz.ZeroOptimizer(net, torch.optim.SGD, stage=3, lr=0.1)
+        idx = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(r))
+        torch.compile(net, backend="aot_eager")(idx).square().mean().backward()
+        try:
+            opt.step()
+            out["tied"] = "stepped"
+        except RuntimeError as e:
+            out["tied"] = str(e)
+    return out
+
+
+def reference_zero_from_compiled_code():
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    norms = []
+    for s in range(2):
+        for r in range(2):
+            (F.mse_loss(net(batch(r, s)[0]), batch(r, s)[1]) / 2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        (F.mse_loss(net(batch(r, 6)[0]), batch(r, 6)[1]) / 2).backward()
+    opt.step()
+    return norms, [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_clip_zero_grad_and_backward_from_compiled_code(stage):
+    """torch's clip_grad_norm_ and model.zero_grad() inside a compiled region went to torch's own on .grad:
+    stage 1 clipped each rank's local gradients by their own norm, stages 2-3 clipped nothing (norm 0.0)
+    and kept the gradients zero_grad should drop; a backward called in a compiled function had dynamo
+    compile ZeRO's gradient hooks, losing their flags (stages 2-3: step() then said no backward ran).
+    Now: the global norm, the gradients dropped, the plain-torch weights. A compiled stage-3 forward that
+    reads another module's weight (NaN there, where eager names the read) stops at the first step."""
+    norms_ref, weights_ref = in_child(reference_zero_from_compiled_code)
+    for res in run_ranks(rank_zero_from_compiled_code, 2, args=(stage,), timeout=240):
+        for compiled in (False, True):
+            norms, weights = res.value[compiled]
+            torch.testing.assert_close(norms, norms_ref, **TOL)
+            for w, ref in zip(weights, weights_ref):
+                assert_same(w, ref, f"rank {res.rank} compiled={compiled}", **TOL)
+        if stage == 3:
+            assert "first step's gradients hold NaN after compiled forwards" in res.value["tied"], res.value["tied"]
+            assert "leaf_modules" in res.value["tied"]

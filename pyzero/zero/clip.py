@@ -5,8 +5,9 @@ stages 2 and 3; in stage 1 this rank's own, unreduced): torch's functions would 
 or clip each rank's part by its own norm before the average. FSDP2's sharded gradients make torch's
 ``clip_grad_norm_`` clip the whole model; so does pyzero's version of it, which ``import pyzero``
 puts in torch's place: parameters a ZeroOptimizer trains go to its ``clip_grad_norm_`` (the global
-norm over every rank's shard, torch's arithmetic), every other call to torch's unchanged (also
-inside torch.compile, where it is not looked at). ``clip_grad_value_`` on them raises: an average
+norm over every rank's shard, torch's arithmetic), every other call to torch's unchanged. Inside
+torch.compile these run at a graph break while a ZeroOptimizer exists (its shards are out of a graph's
+reach), else torch's are traced. ``clip_grad_value_`` on them raises: an average
 of clipped parts is not the clipped average. torch's ``clip_grads_with_norm_``, which torch's own
 ``clip_grad_norm_`` calls last, refuses them too: a script that bound torch's ``clip_grad_norm_``
 before ``import pyzero`` (``from torch.nn.utils import clip_grad_norm_``) gets an error, not a
@@ -18,7 +19,7 @@ import functools
 
 import torch
 
-from .optimizer import ZeroOptimizer, leaf_owner, owner
+from .optimizer import ZeroOptimizer, leaf_owner, live_optimizers, owner
 
 
 def _any_owner(t) -> ZeroOptimizer | None:
@@ -54,6 +55,11 @@ def refuse_clip_by_value(params: list, what: str) -> None:
                          "which spans every rank's shard")
 
 
+def _at_graph_break(fn):
+    """`fn` run eagerly from a compiled region (a graph break), where is_compiling() is False."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _as_list(parameters) -> list:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
@@ -68,6 +74,9 @@ _torch_clip_grad_value_ = getattr(torch.nn.utils.clip_grad.clip_grad_value_, "_p
 @functools.wraps(_torch_clip_grad_norm_, assigned=("__name__", "__qualname__", "__doc__"))
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
+        if live_optimizers:  # (torch's in a graph would clip p.grad: stage 1's local part, stages 2-3's None)
+            return _at_graph_break(clip_grad_norm_)(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
+                                                    **kwargs)
         return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach, **kwargs)
     params = _as_list(parameters)
     zero = zero_of_params(params, "torch.nn.utils.clip_grad_norm_")
@@ -82,6 +91,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 @functools.wraps(_torch_clip_grad_value_, assigned=("__name__", "__qualname__", "__doc__"))
 def clip_grad_value_(parameters, clip_value, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
+        if live_optimizers:
+            return _at_graph_break(clip_grad_value_)(parameters, clip_value, foreach, **kwargs)
         return _torch_clip_grad_value_(parameters, clip_value, foreach, **kwargs)
     params = _as_list(parameters)
     refuse_clip_by_value(params, "torch.nn.utils.clip_grad_value_")
@@ -95,6 +106,8 @@ _torch_clip_grads_with_norm_ = getattr(_torch_clip_grads_with_norm_, "_pz_torch"
 
 def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
+        if live_optimizers:
+            return _at_graph_break(clip_grads_with_norm_)(parameters, max_norm, total_norm, foreach, **kwargs)
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach, **kwargs)
     params = _as_list(parameters)
     if _any_zero(params):

@@ -8,7 +8,8 @@ the method in ``nn.Module``'s place that, on a module holding all of a ZeroOptim
 parameters (its model, or a module around it), also calls that optimizer's ``zero_grad`` with the
 same ``set_to_none``; a module holding only some of them raises (the shards are cut across
 parameters: a part of them cannot be cleared alone). Modules without a ZeroOptimizer's parameters,
-and every call while no ZeroOptimizer exists, are torch's method alone.
+and every call while no ZeroOptimizer exists, are torch's method alone. Inside torch.compile, while a
+ZeroOptimizer exists, the method runs at a graph break (a graph cannot reach the shards).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ _torch_zero_grad = getattr(nn.Module.zero_grad, "_pz_torch", nn.Module.zero_grad
 
 
 def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
-    if live_optimizers and not torch.compiler.is_compiling():
+    if live_optimizers and torch.compiler.is_compiling():  # (the shards are out of a graph's reach)
+        return _zero_grad_at_graph_break(self, set_to_none)
+    if live_optimizers:
         params = [p for p in self.parameters() if p.requires_grad]
         zeros = {}
         for p in params:
@@ -40,6 +43,7 @@ def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
     return _torch_zero_grad(self, set_to_none)
 
 
+_zero_grad_at_graph_break = torch.compiler.disable(zero_grad, recursive=True)
 zero_grad.__doc__ = _torch_zero_grad.__doc__
 zero_grad._pz_torch = _torch_zero_grad
 

@@ -177,6 +177,12 @@ class ModelHook:
         return self.on_copy, ()
 
 
+def eager_hook(hook):
+    """A gradient hook that runs eagerly: a backward called inside a compiled function (dynamo breaks the
+    graph there) would have dynamo compile the hook, whose writes to the optimizer's flags it drops."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def replaced_error(names: list[str]) -> RuntimeError:
     """`names`: parameters whose tensor something replaced (``p.data = t``) after the ZeroOptimizer was built."""
     return RuntimeError(f"model: parameters {names[:5]}{' ...' if len(names) > 5 else ''} were given new storage "

@@ -55,8 +55,8 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm, memtrace
 from ..bucketing import OrderedLaunch
-from .optimizer import (CollectiveCall, ModelHook, ShardedParametersWarning, ZeroOptimizer, _nbytes, register_stage,
-                        replaced_error)
+from .optimizer import (CollectiveCall, ModelHook, ShardedParametersWarning, ZeroOptimizer, _nbytes, eager_hook,
+                        register_stage, replaced_error)
 from .partition import FlatLayout
 from .zeropp import GatherPlan, QuantizedReduceScatter, check_options, check_values
 from ..checks import is_int
@@ -260,7 +260,7 @@ class ZeroStage3(ZeroOptimizer):
         if self._traceable:
             for u in self.units:
                 u.leaf = u.shard.detach().requires_grad_()  # shares the shard's storage (and its updates)
-                u.leaf.register_post_accumulate_grad_hook(self._make_on_shard_grad(u))
+                u.leaf.register_post_accumulate_grad_hook(eager_hook(self._make_on_shard_grad(u)))
         def slots_of(d):  # (module, name, parameter) of d's own trainable parameter slots
             return [(d, name, p) for name, p in d._parameters.items() if p is not None and id(p) in owner]
 
@@ -300,7 +300,7 @@ class ZeroStage3(ZeroOptimizer):
         for m in self.model.modules():  # (a state_dict() of the model or of any module in it)
             m.register_state_dict_post_hook(ModelHook(state_dict_hook, _copied_state_dict_hook))
         for p in self.params:
-            p.register_post_accumulate_grad_hook(ModelHook(self._on_grad))
+            p.register_post_accumulate_grad_hook(ModelHook(eager_hook(self._on_grad)))
         self._order: list[int] = []  # units in the order the last forward used them
         # Reduce-scatters launch in reverse unit order (modules are registered in roughly the order
         # forward uses them), the same on every rank whatever order the hooks fire in.
@@ -710,8 +710,25 @@ class ZeroStage3(ZeroOptimizer):
         self._start_backward()
 
     def _reduce_gradients(self):
-        self._probes_left = 0  # the first step: the forwards before it were probed
+        unprobed = self._probes_left == _FreedReads.MAX_PROBED  # (no eager forward before the first step)
         self._drain()  # only waits: every unit was launched during backward
+        if unprobed and self.scaler is None and self._traceable:
+            self._check_compiled_reads()
+        self._probes_left = 0  # the first step: the forwards before it were probed
+
+    def _check_compiled_reads(self):
+        """The first step after compiled forwards only: a compiled forward cannot check for reads of freed
+        parameters (_FreedReads runs eagerly), which read NaN; NaN in the gradients then raises on every
+        rank, naming the likely cause, instead of training on."""
+        bad = any(bool(torch.isnan(u.grad_shard).any()) for u in self.units)
+        if int(comm.every_rank([int(bad)], group=self.group).max()):
+            raise RuntimeError(
+                "ZeRO stage 3: the first step's gradients hold NaN after compiled forwards, where stage 3 cannot "
+                "check for reads of freed parameters: an operation outside the forward of a parameter's module "
+                "(a forward that reads another module's weight, e.g. a tied embedding, or nn.MultiheadAttention's "
+                "out_proj.weight) reads NaN there. Run the first forward eagerly to have such a read named, and "
+                "gather that module with the one whose forward reads it: ZeroOptimizer(..., leaf_modules=[...]); "
+                "if the NaN is the model's own, look at its loss")
 
     def _publish_parameters(self):
         for u in self.units:

@@ -26,7 +26,7 @@ from .. import comm, memtrace
 from .. import optim as pz_optim
 from ..bucketing import OrderedLaunch, flat_buckets
 from . import optimizer as zero_optimizer
-from .optimizer import CollectiveCall, ModelHook, ZeroOptimizer, _nbytes, register_stage, replaced_error
+from .optimizer import CollectiveCall, ModelHook, ZeroOptimizer, _nbytes, eager_hook, register_stage, replaced_error
 from .partition import FlatLayout
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -75,7 +75,7 @@ class _FlatParams(ZeroOptimizer):
         self.grad_shard = self._grad_buffer(self.layout.shard_size) if self._host else None
         self._sent_pieces = 0  # pieces the chunked host step sent to the device (see _stepped)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(ModelHook(self._on_grad))
+            p.register_post_accumulate_grad_hook(ModelHook(eager_hook(self._on_grad)))
 
     def _check_home(self, every=False):
         """The model computes with its parameters, the step writes the flat buffer: once something

@@ -69,12 +69,15 @@ def tensor_code(t, arg: str) -> int:
     code = DTYPES.get(t.dtype)
     if code is None:
         raise TypeError(f"{arg}: dtype {t.dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+    if t.is_neg():  # (its memory holds the values' negation: a collective would read and write that)
+        raise ValueError(f"{arg}: a lazily negated view (as x.conj().imag makes) is not supported; call "
+                         ".resolve_neg() first")
     return code
 
 
 def check_contiguous(t: torch.Tensor, arg: str) -> None:
     try:
-        if t.is_contiguous():
+        if t.is_contiguous() and t.layout is torch.strided:
             return
     except RuntimeError:  # (sparse compressed layouts have no is_contiguous)
         pass
@@ -115,7 +118,10 @@ def check_same_dtype(b: Buffer, ref: Buffer, arg: str, ref_arg: str) -> None:
 
 def check_counts(counts, n: int, total: int, arg_total: str) -> list[int]:
     try:
-        counts = [operator.index(c) for c in counts]  # ints (or integer scalars), never a float cut down
+        given = list(counts)
+        if any(isinstance(c, bool) for c in given):
+            raise TypeError
+        counts = [operator.index(c) for c in given]  # ints (or integer scalars), never a float cut down
     except TypeError:
         raise TypeError(f"counts: expected a sequence of {n} ints, got {counts!r}") from None
     if len(counts) != n or any(c < 0 for c in counts):

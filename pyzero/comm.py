@@ -33,6 +33,7 @@ from .backend import (
     Backend,
     CollectiveError,
     CollectiveTimeout,
+    DTYPES,
     MessageMismatch,
     GroupSetup,
     Options,
@@ -43,8 +44,9 @@ from .backend import (
     check_same_dtype,
     publish_failure,
     resolve_counts,
+    SUPPORTED_DTYPES,
 )
-from .checks import is_int, is_positive_finite
+from .checks import check_bool, is_int, is_positive_finite
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "MessageMismatch", "Group", "Options", "Work"]
 
@@ -572,6 +574,8 @@ def groups() -> list[Group]:
 def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None, out=None):
     """Reduce `t` across the group in place; with `out` (same numel and dtype, separate memory),
     `t` is only read and the result lands in `out`."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     be = g.backend
     if out is None or out is t:
@@ -580,7 +584,7 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
         fr = g.flight
         i = 0 if fr.native else fr.begin("all_reduce", b.numel, b.code, opc, al)
         try:
-            raw = be.all_reduce(b, opc, al, bool(async_op))
+            raw = be.all_reduce(b, opc, al, async_op)
         except Exception as e:
             raise fr.failed(i, e) from None
         return g.track(raw, (t,), b, i)
@@ -594,13 +598,13 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
     i = 0 if fr.native else fr.begin("all_reduce", bo.numel, bo.code, opc, al)
     try:
         if be.has_out_of_place_all_reduce:
-            raw = be.all_reduce(bo, opc, al, bool(async_op), inp=bi)
+            raw = be.all_reduce(bo, opc, al, async_op, inp=bi)
         else:
             if hasattr(out, "copy_"):
                 out.copy_(t)
             else:
                 out[...] = t
-            raw = be.all_reduce(bo, opc, al, bool(async_op))
+            raw = be.all_reduce(bo, opc, al, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (t, out), bo, i)
@@ -608,6 +612,8 @@ def all_reduce(t, op: str = "sum", group=None, async_op: bool = False, algo=None
 
 def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op: bool = False, algo=None):
     """Reduce `inp` across the group; this rank's chunk of the result lands in `out`."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     be = g.backend
     bo, bi = be.buffer(out, "out"), be.buffer(inp, "inp", writable=False)
@@ -619,7 +625,7 @@ def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op:
     fr = g.flight
     i = 0 if fr.native else fr.begin("reduce_scatter", bi.numel, bi.code, opc, al)
     try:
-        raw = be.reduce_scatter(bo, bi, counts, opc, al, bool(async_op))
+        raw = be.reduce_scatter(bo, bi, counts, opc, al, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (out, inp), bo, i)
@@ -627,6 +633,8 @@ def reduce_scatter(out, inp, op: str = "sum", counts=None, group=None, async_op:
 
 def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=None):
     """Concatenate every rank's `inp` into `out` (rank order). `inp` may be this rank's chunk of `out`."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     be = g.backend
     bo, bi = be.buffer(out, "out"), be.buffer(inp, "inp", writable=False)
@@ -637,7 +645,7 @@ def all_gather(out, inp, counts=None, group=None, async_op: bool = False, algo=N
     fr = g.flight
     i = 0 if fr.native else fr.begin("all_gather", bo.numel, bo.code, -1, al)
     try:
-        raw = be.all_gather(bo, bi, counts, al, bool(async_op))
+        raw = be.all_gather(bo, bi, counts, al, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (out, inp), bo, i)
@@ -648,7 +656,12 @@ def every_rank(values, dtype: torch.dtype = torch.int64, group=None) -> torch.Te
     result is a (group size, len(values)) CPU tensor of `dtype` whose row r holds group rank r's values. One
     all_gather, on the group's GPU for a CUDA backend (ranks agreeing on arguments, or learning who failed)."""
     g = resolve_group(group)
-    mine = torch.as_tensor(values, dtype=dtype).reshape(-1).to(g.tensor_device)
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
+        raise TypeError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    try:
+        mine = torch.as_tensor(values, dtype=dtype).reshape(-1).to(g.tensor_device)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"values: expected numbers that fit {dtype}, got {str(values)[:80]} ({e})") from None
     out = torch.empty(g.size * mine.numel(), dtype=dtype, device=mine.device)
     all_gather(out, mine, group=g)
     return out.view(g.size, mine.numel()).cpu()
@@ -656,6 +669,8 @@ def every_rank(values, dtype: torch.dtype = torch.int64, group=None) -> torch.Te
 
 def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     """Copy `t` of global rank `src` into `t` on every rank of the group."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     root = g.group_rank(src, "src")
     be = g.backend
@@ -664,7 +679,7 @@ def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     fr = g.flight
     i = 0 if fr.native else fr.begin("broadcast", b.numel, b.code, -1, al, root)
     try:
-        raw = be.broadcast(b, root, al, bool(async_op))
+        raw = be.broadcast(b, root, al, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
@@ -672,12 +687,14 @@ def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
 
 def barrier(group=None, async_op: bool = False):
     """Return once every rank of the group has called barrier."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     be = g.backend
     fr = g.flight
     i = 0 if fr.native else fr.begin("barrier", 0, 0)
     try:
-        raw = be.barrier(bool(async_op))
+        raw = be.barrier(async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (), None, i)
@@ -693,6 +710,8 @@ def _peer(g: Group, global_rank: int, arg: str, sending: bool) -> int:
 
 def send(t, dst: int, group=None, async_op: bool = False):
     """Send `t` to global rank `dst` (matched by one recv there, in order)."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     peer = _peer(g, dst, "dst", True)
     be = g.backend
@@ -700,7 +719,7 @@ def send(t, dst: int, group=None, async_op: bool = False):
     fr = g.flight
     i = 0 if fr.native else fr.begin_p2p("send", b.numel, b.code, peer)
     try:
-        raw = be.send(b, peer, bool(async_op))
+        raw = be.send(b, peer, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
@@ -708,6 +727,8 @@ def send(t, dst: int, group=None, async_op: bool = False):
 
 def recv(t, src: int, group=None, async_op: bool = False):
     """Receive into `t` the next message that global rank `src` sends to this rank."""
+    if type(async_op) is not bool:  # (bool("False") is True)
+        check_bool(async_op, "async_op")
     g = resolve_group(group)
     peer = _peer(g, src, "src", False)
     be = g.backend
@@ -715,7 +736,7 @@ def recv(t, src: int, group=None, async_op: bool = False):
     fr = g.flight
     i = 0 if fr.native else fr.begin_p2p("recv", b.numel, b.code, peer)
     try:
-        raw = be.recv(b, peer, bool(async_op))
+        raw = be.recv(b, peer, async_op)
     except Exception as e:
         raise fr.failed(i, e) from None
     return g.track(raw, (t,), b, i)
@@ -769,6 +790,7 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
 def comm_stats(reset: bool = False, group=None) -> dict:
     """Per-op {calls, elements, sent_bytes} of this rank, over all its groups (or one). In a job
     spanning hosts, "intra_host" and "inter_host" break the bytes down by where they went."""
+    check_bool(reset, "reset")
     selected = [resolve_group(group)] if group is not None else groups()
     topo = _require_init().topology
     several_hosts = topo is not None and topo.num_hosts > 1

@@ -84,6 +84,7 @@ BAD_ARGS = {
     "counts_wrong_sum": ("ValueError", ["counts", "sum"]),
     "counts_not_ints": ("TypeError", ["counts"]),
     "counts_floats": ("TypeError", ["counts"]),
+    "counts_bools": ("TypeError", ["counts", "True"]),
     "ag_counts_floats": ("TypeError", ["counts"]),
     "ag_counts_wrong_sum": ("ValueError", ["counts"]),
     "ag_counts_wrong_length": ("ValueError", ["counts"]),
@@ -123,6 +124,15 @@ BAD_ARGS = {
     "after_destroy": ("RuntimeError", ["pz.init"]),
     "destroyed_group_handle": ("CollectiveError", ["destroyed"]),
     "op_unhashable": ("ValueError", ["op"]),
+    # a lazily negated view's memory holds the negation (all_reduce max gave 2.0 for -1 and -2)
+    "negated_view": ("ValueError", ["tensor", "negated view", "resolve_neg"]),
+    "negated_view_out": ("ValueError", ["out", "negated view"]),
+    "mkldnn": ("TypeError", ["tensor", "dense", "_mkldnn"]),
+    "async_op_string": ("TypeError", ["async_op", "'False'"]),  # (ran asynchronously: bool("False"))
+    "barrier_async_op_string": ("TypeError", ["async_op", "'no'"]),
+    "comm_stats_reset_string": ("TypeError", ["reset", "'yes'"]),
+    "every_rank_overflow": ("ValueError", ["values", "int64"]),
+    "every_rank_bool": ("TypeError", ["dtype", "torch.bool"]),
     "algo_unhashable": ("ValueError", ["algo"]),
 }
 
@@ -184,6 +194,7 @@ def _rank_bad_args():
     o["counts_wrong_sum"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k] * (n - 1) + [k + 1]))
     o["counts_not_ints"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=["a"] * n))
     o["counts_floats"] = outcome(lambda: pz.reduce_scatter(out, inp, counts=[k + 0.5] * n))
+    o["counts_bools"] = outcome(lambda: pz.reduce_scatter(torch.zeros(1), torch.ones(n), counts=[True] * n))
     o["ag_counts_floats"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k), counts=[float(k)] * n))
     o["ag_counts_wrong_sum"] = outcome(lambda: pz.all_gather(torch.zeros(n * k), torch.ones(k),
                                                              counts=[k] * (n - 1) + [k - 1]))
@@ -245,6 +256,14 @@ def _rank_bad_args():
     x = torch.full((1031,), float(me + 1))
     o["after_errors_all_reduce"] = outcome(lambda: pz.all_reduce(x))
     assert torch.equal(x, torch.full((1031,), float(n * (n + 1) // 2)))
+    o["negated_view"] = outcome(lambda: pz.all_reduce(torch.tensor([complex(0, 1 + me)]).conj().imag, op="max"))
+    o["negated_view_out"] = outcome(lambda: pz.all_reduce(t[:1], out=torch.tensor([1j]).conj().imag))
+    o["mkldnn"] = outcome(lambda: pz.all_reduce(torch.ones(4).to_mkldnn()))
+    o["async_op_string"] = outcome(lambda: pz.all_reduce(t, async_op="False"))
+    o["barrier_async_op_string"] = outcome(lambda: pz.barrier(async_op="no"))
+    o["comm_stats_reset_string"] = outcome(lambda: pz.comm_stats(reset="yes"))
+    o["every_rank_overflow"] = outcome(lambda: pz.comm.every_rank([2 ** 63]))
+    o["every_rank_bool"] = outcome(lambda: pz.comm.every_rank([1], dtype=torch.bool))
     o["op_unhashable"] = outcome(lambda: pz.all_reduce(t, op=["sum"]))
     o["algo_unhashable"] = outcome(lambda: pz.all_reduce(t, algo=["ring"]))
     world = pz.comm.resolve_group(None)

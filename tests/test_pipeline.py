@@ -411,6 +411,7 @@ def rank_bad_input():
         "m0_on_rank_1": lambda: pz.pipeline.Pipeline(stages[r], [4, 0][r]),
         "m_differs": lambda: pz.pipeline.Pipeline(stages[r], [2, 4][r]),
         "m_str": lambda: pz.pipeline.Pipeline(stages[r], "4"),
+        "m_huge": lambda: pz.pipeline.Pipeline(stages[r], 2 ** 63),  # (was torch's int64 overflow, unnamed)
         "schedule": lambda: pz.pipeline.Pipeline(stages[r], 4, schedule="zigzag"),
         "three_stages": lambda: pz.pipeline.Pipeline(pz.pipeline.split_sequential(make_model(), 3)[r], 4),
         "swapped_stages": lambda: pz.pipeline.Pipeline(stages[1 - r], 4),
@@ -440,6 +441,7 @@ ERRORS = {
     "m0": ("ValueError", "num_microbatches: expected an int >= 1, got 0"),
     "m_differs": ("ValueError", r"num_microbatches: expected the same value on every rank.*\[2, 4\]"),
     "m_str": ("TypeError", "num_microbatches: expected an int >= 1, got str"),
+    "m_huge": ("ValueError", "num_microbatches: expected an int below 2\\*\\*62, got 9223372036854775808"),
     "schedule": ("ValueError", r"schedule: expected one of \['gpipe', '1f1b'\], got 'zigzag'"),
     "three_stages": ("ValueError", r"split into 3 stages, but the pipeline group has 2 ranks.*num_stages=2"),
     "swapped_stages": ("ValueError", r"pipeline rank 0 \(global rank 0\) holds stage 1; rank i of the pipeline "

@@ -444,6 +444,9 @@ def rank_errors():
     V, T = ValueError, TypeError
     cases = [
         (lambda: pz.tp.ColumnParallelLinear(8, 7), V, "out_features=7 is not divisible by the tensor-parallel"),
+        (lambda: pz.tp.ColumnParallelLinear(8, 8, bias="no"), T, "bias: expected True or False, got 'no'"),
+        (lambda: pz.tp.RowParallelLinear(2 ** 63, 8), V, "in_features: expected a positive int (below 2**62)"),
+        (lambda: pz.tp.all_gather_matmul(torch.randn(2, 0), torch.randn(3, 0)), V, "weight: expected 2 dims"),
         (lambda: pz.tp.RowParallelLinear(7, 8), V, "in_features=7 is not divisible"),
         (lambda: pz.tp.ParallelTransformerBlock.from_block(TransformerBlock(6, 3)), V, "heads=3 is not divisible"),
         (lambda: row_sp(torch.randn(3, 1, 4)), V, "dim 0 (sequence length) 3 is not divisible"),
@@ -501,6 +504,20 @@ def rank_errors():
                 problems.append(f"case {i}: {type(e).__name__}: {e}")
     t = torch.ones(3)
     pz.all_reduce(t)  # the group still works: no rank communicated before raising
+    # Layers the ranks build differently (each valid alone) trained apart without a word: refused on every rank.
+    for make, text in ((lambda: pz.tp.ColumnParallelLinear(4, 6 if r == 0 else 8),
+                        "ColumnParallelLinear: the ranks of the tensor-parallel group [0, 1] built it with different "
+                        "out_features (rank 0: 6, rank 1: 8)"),
+                       (lambda: pz.tp.RowParallelLinear(8, 4, bias=r == 0),
+                        "built it with different bias (rank 0: True, rank 1: False)"),
+                       (lambda: pz.tp.RowParallelLinear.from_linear(nn.Linear(8, 4), overlap=r == 0),
+                        "built it with different overlap")):
+        try:
+            make()
+            problems.append(f"{text}: nothing raised")
+        except ValueError as e:
+            if text not in str(e):
+                problems.append(f"{text}: {e}")
     # Sequence shards that differ between ranks cannot be checked locally; the transport reports them.
     n = pz.get_world_size()
     groups = {sym: pz.new_group(range(n), options={"symmetric": sym}) for sym in (True, False)}

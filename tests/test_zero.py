@@ -438,6 +438,9 @@ AdamW = torch.optim.AdamW
 CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message must contain)
     "stage4": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=4), "ValueError", ["stage", "4"]),
     "stage_true": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=True), "ValueError", ["stage"]),
+    "stage_float": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=2.0), "ValueError", ["stage", "2.0"]),
+    "loss_scale_unknown_key": (lambda m: pz.ZeroOptimizer(m, AdamW, loss_scale={"x": 1}), "TypeError",
+                               ["loss_scale:", "'x'", "growth_interval"]),
     "not_an_optimizer_class": (lambda m: pz.ZeroOptimizer(m, nn.Linear), "TypeError", ["optimizer_class"]),
     # optimizers that compute on whole tensors: on ZeRO's flat pieces they would train differently
     "adafactor": (lambda m: pz.ZeroOptimizer(m, torch.optim.Adafactor), "ValueError",
@@ -504,6 +507,9 @@ MISUSE = {  # case: (call on a working stage-3 optimizer before any backward, ex
     "clip_before_backward": (lambda o: o.clip_grad_norm_(1.0), "RuntimeError", ["clip_grad_norm_", "backward"]),
     "clip_negative": (lambda o: o.clip_grad_norm_(-1.0), "ValueError", ["max_norm"]),
     "clip_norm_type": (lambda o: o.clip_grad_norm_(1.0, norm_type="fro"), "ValueError", ["norm_type"]),
+    "clip_norm_type_bool": (lambda o: o.clip_grad_norm_(1.0, norm_type=True), "ValueError", ["norm_type", "True"]),
+    "zero_grad_set_to_none_str": (lambda o: o.zero_grad(set_to_none="no"), "TypeError",
+                                  ["set_to_none: expected True or False, got 'no'"]),
     "clip_error_if_nonfinite": (lambda o: o.clip_grad_norm_(1.0, error_if_nonfinite=1), "TypeError",
                                 ["error_if_nonfinite: expected True or False"]),
     # torch's functions on the parameters a ZeroOptimizer trains: its clip_grad_norm_, or errors

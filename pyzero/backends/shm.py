@@ -103,7 +103,8 @@ class ShmBackend(Backend):
             except RuntimeError:  # (sparse compressed layouts have no is_contiguous: refused below)
                 contiguous = False
             cs = _CODE_SIZE.get(x.dtype) if contiguous else None
-            if cs is not None:
+            # (a lazily negated view, x.conj().imag, holds the values' negation in memory)
+            if cs is not None and x.layout is torch.strided and not x.is_neg():
                 return _new_tuple(Buffer, (x.data_ptr(), x.numel(), cs[1], cs[0], 0, "torch"))
         code = tensor_code(x, arg)
         check_contiguous(x, arg)

@@ -38,6 +38,8 @@ def _m_error(m):
         return TypeError(f"num_microbatches: expected an int >= 1, got {type(m).__name__}")
     if m < 1:
         return ValueError(f"num_microbatches: expected an int >= 1, got {m}")
+    if m >= 1 << 62:
+        return ValueError(f"num_microbatches: expected an int below 2**62, got {m}")
     return None
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from ..bucketing import broadcast_coalesced
 from . import communications as C
 from . import overlap as O
@@ -40,8 +41,8 @@ def _in_dtype_of(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _positive_int(value, arg: str) -> int:
     if not is_int(value):
         raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{arg}: expected a positive int, got {value}")
+    if not 1 <= value < 1 << 62:
+        raise ValueError(f"{arg}: expected a positive int (below 2**62), got {value}")
     return value
 
 
@@ -74,7 +75,28 @@ class _ParallelLinear(nn.Module):
         size, what = (out_f, "out_features") if self._split == 0 else (in_f, "in_features")
         self.shard = C.check_divisible(size, self.tp_size, what)
 
+    def _agree(self, has_bias: bool) -> None:
+        """Every rank of the TP group built the layer alike (sizes, flags, a bias or none): a rank whose shard
+        is another size would compute a different layer without a word (a column layer's forward gathers
+        nothing). One all_gather; a ValueError on every rank naming what differs."""
+        if self.tp_size == 1:
+            return
+        names = ("in_features", "out_features", "sequence_parallel", "overlap",
+                 "gather_output" if self._split == 0 else "input_is_parallel", "bias")
+        extra = self.gather_output if self._split == 0 else self.input_is_parallel
+        mine = [self.in_features, self.out_features, int(self.sequence_parallel), int(self.overlap), int(extra),
+                int(has_bias)]
+        rows = comm.every_rank(mine, group=self.group).tolist()
+        for i, name in enumerate(names):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                shown = ", ".join(f"rank {g}: {v if i < 2 else bool(v)}" for g, v in zip(self.group.ranks, values))
+                raise ValueError(f"{type(self).__name__}: the ranks of the tensor-parallel group "
+                                 f"{list(self.group.ranks)} built it with different {name} ({shown}); every rank "
+                                 "builds the same layer")
+
     def _take_shard(self, linear: nn.Linear) -> None:
+        self._agree(linear.bias is not None)
         r, k = self.group.rank, self.shard
         with torch.no_grad():
             w = linear.weight.detach()
@@ -133,7 +155,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__()
         self._setup(in_f, out_f, gather_output=gather_output, sequence_parallel=sequence_parallel,
                     overlap=overlap, group=group)
-        self._take_shard(nn.Linear(in_f, out_f, bias=bias))  # the same RNG draws as one nn.Linear
+        self._take_shard(nn.Linear(in_f, out_f, bias=check_bool(bias, "bias")))  # the same RNG draws as one nn.Linear
 
     def _setup(self, in_f, out_f, gather_output=False, sequence_parallel=False, overlap=True, group=None):
         self._configure(in_f, out_f, sequence_parallel, overlap, group)
@@ -175,7 +197,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__()
         self._setup(in_f, out_f, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
                     overlap=overlap, group=group)
-        self._take_shard(nn.Linear(in_f, out_f, bias=bias))  # the same RNG draws as one nn.Linear
+        self._take_shard(nn.Linear(in_f, out_f, bias=check_bool(bias, "bias")))  # the same RNG draws as one nn.Linear
 
     def _setup(self, in_f, out_f, input_is_parallel=True, sequence_parallel=False, overlap=True, group=None):
         self._configure(in_f, out_f, sequence_parallel, overlap, group)

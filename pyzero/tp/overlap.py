@@ -51,7 +51,8 @@ def _autocast(x, weight):
     matmuls write into buffers, where autocast does not cast, and its backward must not mix dtypes)."""
     # (float64 is never cast, as autocast's own ops leave it: a float64 layer stays float64)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.is_floating_point() \
-            and weight.is_floating_point() and torch.float64 not in (x.dtype, weight.dtype):
+            and weight.is_floating_point() and torch.float64 not in (x.dtype, weight.dtype) \
+            and x.device.type in ("cpu", "cuda"):  # (autocast knows no "meta": the checks below name it)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
@@ -64,8 +65,9 @@ def _check_matmul(x, weight, x_arg: str, min_dim: int = 2):
         raise TypeError(f"{x_arg}: expected a torch.Tensor, got {type(x).__name__}")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight: expected 2 dims (out_features, in_features), got shape {tuple(weight.shape)}")
+    if weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"weight: expected 2 dims (out_features, in_features), neither 0, got shape "
+                         f"{tuple(weight.shape)}")
     if x.dim() < min_dim or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{x_arg}: expected shape (rows, ..., {weight.shape[1]}) to match weight "
                          f"{tuple(weight.shape)}, got {tuple(x.shape)}")

@@ -29,7 +29,7 @@ from . import offload as _offload
 from . import gathered as _gathered
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
-from ..checks import is_positive_finite, is_real
+from ..checks import check_bool, is_positive_finite, is_real
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -226,7 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
         if cls is ZeroOptimizer:
-            if isinstance(stage, bool) or stage not in _STAGES:
+            if type(stage) is not int or stage not in _STAGES:  # (2.0 == 2, True == 1: not stage numbers)
                 raise ValueError(f"stage: expected one of {sorted(_STAGES)}, got {stage!r}")
             cls = _STAGES[stage]
         return object.__new__(cls)
@@ -829,6 +829,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not is_real(max_norm) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a non-negative number, got {max_norm!r}")
         try:
+            if isinstance(norm_type, bool):
+                raise TypeError
             norm_type = float(norm_type)
         except (TypeError, ValueError):
             raise ValueError(f"norm_type: expected a number or float('inf'), got {norm_type!r}") from None
@@ -1400,6 +1402,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         As with torch, set_to_none=False gives a zero gradient (stepped: momentum, weight decay)
         only to the parameters that got one since the last zero_grad(set_to_none=True); the others
         stay without one, skipped by step()."""
+        check_bool(set_to_none, "set_to_none")
         self._grad_exists.update(self._has_grad.nonzero().flatten().tolist())
         if set_to_none:
             self._grad_exists.clear()

@@ -43,7 +43,11 @@ class LossScaler:
         if spec == "dynamic":
             return cls()
         if isinstance(spec, dict):
-            return cls(**spec)
+            try:
+                return cls(**spec)
+            except TypeError as e:  # (an unknown key: the constructor's own words, without the argument's name)
+                raise TypeError(f"loss_scale: {e}; the dict's keys are LossScaler arguments (init_scale, "
+                                "growth_factor, backoff_factor, growth_interval, dynamic, min_scale)") from None
         if isinstance(spec, (int, float)) and not isinstance(spec, bool):
             return cls(init_scale=spec, dynamic=False)
         raise ValueError(f"loss_scale: expected None, 'dynamic', a positive number or a dict of LossScaler "

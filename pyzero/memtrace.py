@@ -34,12 +34,14 @@ cache). On the CPU ``peak`` covers the walked memory and what the step allocated
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 CATEGORIES = ("params", "grads", "buckets", "gathered", "optimizer")
 STEP_CATEGORIES = CATEGORIES + ("activations", "step_temps")
 _MARK = "pyzero.mark:"
+_FREE = "pyzero.free:"  # a storage walked at a trace's start was freed (see StepTrace)
 # profiler scopes -> category; torch FSDP2's own scopes carry the module's name after " ("
 _REGIONS = {"pyzero.gather": "gathered", "pyzero.bucket": "buckets", "pyzero.grad": "grads",
             "torch::autograd::AccumulateGrad": "grads", "FSDP::all_gather": "gathered",
@@ -64,7 +66,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def tensors(obj) -> dict[str, list[torch.Tensor]]:
     """The tensors `obj` holds, by category: an object with ``memory_tensors()`` (pz.ZeroOptimizer,
     pz.DataParallel) says so itself; an nn.Module gives its parameters and their .grad; a torch
-    optimizer its state."""
+    optimizer its state, and that of the optimizer it wraps as ``.optim`` (torch's
+    ZeroRedundancyOptimizer)."""
     out: dict[str, list[torch.Tensor]] = {c: [] for c in CATEGORIES}
     own = getattr(obj, "memory_tensors", None)
     if callable(own):
@@ -76,7 +79,12 @@ def tensors(obj) -> dict[str, list[torch.Tensor]]:
             if p.grad is not None:
                 out["grads"].append(p.grad)
     elif isinstance(obj, torch.optim.Optimizer):
-        out["optimizer"] = [t for st in obj.state.values() for t in st.values() if torch.is_tensor(t)]
+        # a wrapper's own optimizer too: torch's ZeroRedundancyOptimizer keeps its shard's state in
+        # .optim, its own .state stays empty
+        opts = [obj]
+        while isinstance(getattr(opts[-1], "optim", None), torch.optim.Optimizer) and len(opts) < 8:
+            opts.append(opts[-1].optim)
+        out["optimizer"] = [t for o in opts for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
     else:
         raise TypeError(f"objs: expected modules, optimizers or objects with memory_tensors(), "
                         f"got {type(obj).__name__}")
@@ -86,8 +94,13 @@ def tensors(obj) -> dict[str, list[torch.Tensor]]:
 def storages(*objs, device: torch.device | str | None = None) -> dict[int, tuple[str, int]]:
     """data_ptr -> (category, bytes) of every distinct non-empty storage `objs` hold (on `device`
     when given), each in the first category that lists it (see CATEGORIES)."""
+    return {ptr: (c, st.nbytes()) for ptr, (c, st) in _walk(objs, device).items()}
+
+
+def _walk(objs, device) -> dict[int, tuple[str, torch.UntypedStorage]]:
+    """data_ptr -> (category, storage): storages() with the storages themselves."""
     device = None if device is None else torch.device(device)
-    found: dict[int, tuple[str, int]] = {}
+    found: dict[int, tuple[str, torch.UntypedStorage]] = {}
     per = [tensors(o) for o in objs]
     for c in CATEGORIES:
         for ts in per:
@@ -96,10 +109,17 @@ def storages(*objs, device: torch.device | str | None = None) -> dict[int, tuple
                 if device is not None and t.device.type != device.type:
                     continue
                 st = t.untyped_storage()
-                ptr, n = st.data_ptr(), st.nbytes()
-                if n and ptr not in found:
-                    found[ptr] = (c, n)
+                ptr = st.data_ptr()
+                if st.nbytes() and ptr not in found:
+                    found[ptr] = (c, st)
     return found
+
+
+def _on_free(ptr: int) -> None:
+    """A walked storage's finalizer: marks its free in the profiler's record while one records."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"{_FREE}{ptr}"):
+            pass
 
 
 def held(*objs, device: torch.device | str | None = None) -> dict[str, int]:
@@ -113,9 +133,9 @@ def held(*objs, device: torch.device | str | None = None) -> dict[str, int]:
 
 class StepTrace:
     """``with StepTrace(model, opt) as tr: loss = model(x); loss.backward(); tr.mark("backward");
-    opt.step()`` then ``tr.result()``: see the module docstring. Call zero_grad before entering
-    (as a training loop does first): the trace sees what the step allocates, and the walk at its
-    start what was there before."""
+    opt.step()`` then ``tr.result()``: see the module docstring. The trace sees what the step
+    allocates and frees, and the walk at its start what was there before; a storage from before
+    that the step frees (``opt.zero_grad()`` inside the trace) counts until its free."""
 
     def __init__(self, *objs, device: torch.device | str = "cpu"):
         self.objs, self.device = objs, torch.device(device)
@@ -129,7 +149,17 @@ class StepTrace:
 
     def __enter__(self):
         self._sync()
-        self.before = storages(*self.objs, device=self.device)
+        walked = _walk(self.objs, self.device)
+        self.before = {ptr: (c, st.nbytes()) for ptr, (c, st) in walked.items()}
+        # The profiler records no free of memory allocated before it started (the CPU allocator's):
+        # a finalizer on each walked storage marks it (opt.zero_grad() inside the trace frees .grad)
+        self._finalizers = []
+        for ptr, (_, st) in walked.items():
+            try:
+                self._finalizers.append(weakref.finalize(st, _on_free, ptr))
+            except TypeError:  # (a storage without weak references: its free is not seen)
+                pass
+        del walked
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.allocated0 = torch.cuda.memory_allocated(self.device)
@@ -151,6 +181,9 @@ class StepTrace:
             self.max_allocated = torch.cuda.max_memory_allocated(self.device)
             self.max_reserved = torch.cuda.max_memory_reserved(self.device)
         self._prof.__exit__(*exc)
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers = []
         if exc[0] is None:
             self._result = self._analyse()
         return False
@@ -164,8 +197,13 @@ class StepTrace:
         return self._result
 
     def _events(self):
+        allocs, marks, _ = self._all_events()
+        return allocs, marks
+
+    def _all_events(self):
+        """(allocation events in time order, {mark: time}, [(time, ptr)] of the walked storages freed)."""
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
-        allocs, marks, stack = [], {}, list(tree)
+        allocs, marks, frees, stack = [], {}, [], list(tree)
         while stack:
             e = stack.pop()
             stack.extend(e.children)
@@ -174,8 +212,10 @@ class StepTrace:
                     allocs.append(e)
             elif e.name.startswith(_MARK):
                 marks[e.name[len(_MARK):]] = e.start_time_ns
+            elif e.name.startswith(_FREE):
+                frees.append((e.start_time_ns, int(e.name[len(_FREE):])))
         allocs.sort(key=lambda e: e.start_time_ns)
-        return allocs, marks
+        return allocs, marks, sorted(frees)
 
     @staticmethod
     def _scope(e) -> str:
@@ -190,15 +230,21 @@ class StepTrace:
         return "activations"
 
     def _analyse(self) -> dict:
-        allocs, mark_times = self._events()
+        allocs, mark_times, frees = self._all_events()
         walks = sorted(((mark_times[name], found) for name, found in self.marks if name in mark_times),
                        key=lambda w: w[0])
         walks.append((float("inf"), self.after))
+        # The allocator's events and the frees the walked storages' finalizers marked, in time order:
+        # (time, allocation event or None, ptr)
+        events = sorted([(e.start_time_ns, 0, i, e, e.extra_fields.ptr) for i, e in enumerate(allocs)]
+                        + [(t, 1, j, None, ptr) for j, (t, ptr) in enumerate(frees)], key=lambda x: x[:3])
+        # First pass: which allocations are the step's, their categories from the walks, the storages
+        # from before the step (the start's walk, and what a later walk finds that the step did not
+        # allocate) and the event that frees each of those the step frees.
         live: dict[int, tuple[int, object]] = {}  # ptr -> (allocation number, event) of live allocations
         cat: dict[int, str] = {}  # allocation number -> category from a walk
         before = dict(self.before)  # pre-existing storages (a later walk may find more)
-        cur = peak = 0
-        peak_live: dict[int, tuple[int, object]] = {}
+        freed: dict[int, int] = {}  # ptr of a pre-existing storage -> the event that freed it
         w = 0
 
         def take_walk(found):
@@ -208,23 +254,36 @@ class StepTrace:
                 elif ptr not in before:  # held from before the step, seen only now
                     before[ptr] = (c, n)
 
-        for i, e in enumerate(allocs):
-            while w < len(walks) - 1 and walks[w][0] <= e.start_time_ns:
+        for k, (t, _, i, e, ptr) in enumerate(events):
+            while w < len(walks) - 1 and walks[w][0] <= t:
                 take_walk(walks[w][1])
                 w += 1
-            ef = e.extra_fields
-            if ef.alloc_size > 0:
-                live[ef.ptr] = (i, e)
-            else:
-                live.pop(ef.ptr, None)
-            cur += ef.alloc_size
-            if cur > peak:
-                peak, peak_live = cur, dict(live)
+            if e is not None and e.extra_fields.alloc_size > 0:
+                live[ptr] = (i, e)
+            elif e is None or live.pop(ptr, None) is None:
+                freed.setdefault(ptr, k)  # (from before the step: walked, or never seen and not counted)
         for found in [wk[1] for wk in walks[w:]]:
             take_walk(found)
+        # Second pass: the bytes alive after each event, the pre-existing storages until their free
+        # included, and what was alive at the most.
+        cur = peak = sum(n for _, n in before.values())
+        peak_at, peak_live = -1, {}
+        live = {}
+        for k, (_, _, i, e, ptr) in enumerate(events):
+            if e is not None and e.extra_fields.alloc_size > 0:
+                live[ptr] = (i, e)
+                cur += e.extra_fields.alloc_size
+            elif e is not None and ptr in live:
+                del live[ptr]
+                cur += e.extra_fields.alloc_size
+            elif freed.get(ptr) == k and ptr in before:
+                cur -= before[ptr][1]
+            if cur > peak:
+                peak, peak_at, peak_live = cur, k, dict(live)
         at_peak = dict.fromkeys(STEP_CATEGORIES, 0)
-        for c, n in before.values():
-            at_peak[c] += n
+        for ptr, (c, n) in before.items():
+            if freed.get(ptr, len(events)) > peak_at:  # (not freed by then)
+                at_peak[c] += n
         for i, e in peak_live.values():
             at_peak[cat.get(i) or self._scope(e)] += e.extra_fields.alloc_size
         held = {"start": _by_category(self.before)}

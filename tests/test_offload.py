@@ -605,7 +605,11 @@ def test_estimate_memory_offload_hand_computed():
     assert m["host"] == 4 * 2.5e8 + 4 * 2.5e8 + 2 * 2.5e8 + 2 * 10**6 * 8  # master, grad, w-byte shard, buffers
     m = estimate_memory(1e9, 2, 1, 8, False, offload="cpu")  # fp32: K = 8 has no master, S = 5e8
     assert m["device"] == 4e9 + 4e9
-    assert m["host"] == 8 * 5e8 + 4 * 5e8 + 4 * 5e8 + 4 * 5e8
+    # moments, gradient shard, and the fp32 parameter shard the step writes, which is the master (once)
+    assert m["host"] == 8 * 5e8 + 4 * 5e8 + 4 * 5e8
+    m = estimate_memory(1e9, 2, 2, 8, False, offload="nvme", nvme_sub_group=10**6)
+    assert m["disk"] == 8 * 5e8  # the moments
+    assert m["host"] == 4 * 5e8 + 4 * 5e8 + 2 * 10**6 * 8  # gradient shard, master, two sub-groups' buffers
     m = estimate_memory(1e9, 4, 2)
     assert m["device"] == m["total"] and m["host"] == m["disk"] == 0
     m = estimate_memory(1e9, 1, 2, 4 + 2.03125, offload="cpu", host_grad_bytes=2)  # int8 moments, bf16 grads
@@ -620,6 +624,30 @@ def test_estimate_memory_offload_hand_computed():
         estimate_memory(1e9, 4, 2, offload="cpu", offload_params=True)
     with pytest.raises(ValueError, match="offload: expected None"):
         estimate_memory(1e9, 4, 2, offload="disk")
+
+
+def test_estimate_memory_offload_peak_holds_the_gathered_units():
+    """Stage 3 with offload, Ψ = 1e9 on 8 ranks, mixed precision, units of 2e8, 1 GB of activations, by
+    hand: the device holds its 16-bit parameter shard (2 x 1.25e8) and the largest of: the activations'
+    moment, 1e9 + the unit computing and the one prefetched (2 x 2 x 2e8); the end of backward, three
+    units' fp32 staging buffers (3 x 4 x 2e8) and their reduced outputs, a unit's shard each
+    (3 x 4 x 2.5e7), the last unit's 16-bit gradients (2 x 2e8), it and the unit prefetched (2 x 2 x 2e8)."""
+    from pyzero.zero import estimate_memory
+
+    m = estimate_memory(1e9, 8, 3, largest_layer_params=2e8, activation_bytes=1e9, offload="cpu")
+    end = 3 * 4 * 2e8 + 3 * 4 * 2.5e7 + 2 * 2e8 + 2 * 2 * 2e8
+    assert end > 1e9 + 2 * 2 * 2e8
+    assert m["peak"] == pytest.approx(2 * 1.25e8 + end, rel=1e-12)
+    assert m["gathered"] == 2 * 2 * 2e8
+    m = estimate_memory(1e9, 8, 3, largest_layer_params=2e8, activation_bytes=1e9, offload="cpu",
+                        offload_params=True)
+    assert m["peak"] == pytest.approx(end, rel=1e-12)  # no parameter shard on the device
+    m = estimate_memory(1e9, 8, 3, largest_layer_params=2e8, activation_bytes=10e9, offload="cpu")
+    assert m["peak"] == pytest.approx(2 * 1.25e8 + 10e9 + 2 * 2 * 2e8, rel=1e-12)  # the activations' moment
+    m = estimate_memory(1e9, 8, 1, activation_bytes=1e9, grads_done=0.5, offload="cpu")
+    # stage 1: the 16-bit parameters (2e9) and the larger of half the 16-bit gradients + activations and
+    # all of them (the step runs on the host: no temporaries on the device)
+    assert m["peak"] == pytest.approx(2e9 + max(0.5 * 2e9 + 1e9, 2e9), rel=1e-12)
 
 
 def test_pyzero_estimate_offload_columns(capsys):

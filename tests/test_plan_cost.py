@@ -72,12 +72,13 @@ def test_zero_paper_memory_table(stage, total_gb):
     psi = 7.5e9
     m = pz.zero.estimate_memory(psi, 64, stage)
     assert m["params"] + m["grads"] + m["optimizer"] == pytest.approx(total_gb * GB, rel=0.01)
-    # The planner's model states are the same formula applied to the parameters one rank holds.
+    # The planner's model states are the same formula applied to the parameters one rank holds, with
+    # the gradient shards of stages 2 and 3 in fp32 (4 bytes), as pz.ZeroOptimizer keeps them.
     spec = ModelSpec(layers=36, hidden=4096, heads=32, vocab=51200, seq=2048, batch=64)
     e = estimate(spec, c, Layout(dp=64, stage=stage, micro_batch=1))
     states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
     psi = gpt_params(36, 4096, 51200, 2048)
-    want = {0: 16 * psi, 1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
+    want = {0: 16 * psi, 1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 16 * psi / 64, 3: 18 * psi / 64}[stage]
     assert states == pytest.approx(want, rel=1e-12)
 
 
@@ -85,9 +86,10 @@ def test_zero_paper_memory_table(stage, total_gb):
                                               (1, 2, "none"), (2, 2, "none"), (3, 4, "none"), (2, 1, "cpu"),
                                               (1, 1, "cpu"), (3, 2, "cpu")])
 def test_planner_peak_closed_forms(stage, m, offload):
-    """The layout must fit its peak: parameters + optimizer + the larger of the activations' moment
-    (gradients of earlier micro-batches only) and the step's (all gradients), plus what is reserved;
-    written out here per stage from the ZeRO paper's shares."""
+    """The layout must fit its peak: parameters + optimizer + the largest of the activations' moment
+    (gradients of earlier micro-batches only), the end of backward (stage 2: the gradient shard and its
+    reductions' staging buffers) and the step's (all gradients), plus what is reserved; written out
+    here per stage from the ZeRO paper's shares, with pz.ZeroOptimizer's fp32 gradient shards."""
     spec = ModelSpec(layers=12, hidden=1024, heads=16, vocab=50304, seq=1024, batch=8 * 2 * m)
     c = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e14, reserved=1.5 * GB)
     lay = Layout(dp=8, stage=stage, micro_batch=2, micro_batches=m, offload=offload)
@@ -96,28 +98,39 @@ def test_planner_peak_closed_forms(stage, m, offload):
     act = activation_memory(spec, lay, 2)
     gathered = 2 * (spec.layer_params * 2 + spec.embedding_params) if stage == 3 else 0.0
     params = 2 * psi / (n if stage == 3 else 1)
-    grads = 2 * psi / (n if stage >= 2 else 1)
+    grads = {0: 2 * psi, 1: 2 * psi, 2: 4 * psi / n, 3: 4 * psi / n}[stage]
     opt = 12 * psi / n if stage else 12 * psi
     held = grads if stage == 0 or m > 1 else 0.0
+    # stage 2: 25 MiB buckets (6,553,600 elements) reduced in the 16-bit wire dtype: three staging
+    # buffers (the one being filled, two in flight) and their 16-bit outputs (this rank's shard,
+    # psi / 8 = 2.5e7 elements, holds them whole), 2 bytes an element; the one filled with the
+    # activations' peak once an earlier micro-batch made gradients
+    bucket = 25 * 2**20 // 4
+    assert psi / n > 3 * bucket
+    staging = 2 * (3 * bucket + 3 * bucket) if stage == 2 else 0.0
+    first = 2 * bucket if stage == 2 and m > 1 else 0.0
     if offload == "none":
-        want = params + opt + max(held + act + gathered, grads) + 1.5 * GB
+        want = params + opt + max(held + act + gathered + first, grads + staging, grads) + 1.5 * GB
         host = 0.0
-    else:  # the optimizer state and (stages 2, 3) the gradients live on the host
-        want = params + (grads if stage == 1 else 0.0) + act + gathered + 1.5 * GB
+    else:  # the optimizer state and (stages 2, 3) the gradients live on the host, the step runs there
+        want = params + max((held if stage == 1 else 0.0) + act + gathered + first,
+                            grads if stage == 1 else staging) + 1.5 * GB
         host = (12 + 4 + 2) * psi / n
     assert e.memory["peak"] == pytest.approx(want, rel=1e-12)
     assert e.host_memory == pytest.approx(host, rel=1e-12)
     parts = sum(e.memory[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
     assert e.memory["total"] == pytest.approx(parts, rel=1e-12) and e.memory["peak"] <= e.memory["total"] * (1 + 1e-12)
     if stage and m == 1 and offload == "none":  # backward makes the gradients as it frees activations
-        assert e.memory["total"] - e.memory["peak"] == pytest.approx(grads, rel=1e-9)
+        assert e.memory["total"] - e.memory["peak"] == pytest.approx(grads + staging, rel=1e-9)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fp32_gradients_on_the_wire_double_the_gradient_shards(stage):
-    """grad_comm_bytes=4 with 16-bit parameters: stages 2 and 3 keep their gradient shards in the
-    wire dtype (ZeroOptimizer's comm_dtype), 4 bytes instead of 2; stage 1 keeps full gradients in
-    the parameters' dtype. Two micro-batches: the activations' moment holds every gradient."""
+def test_the_wire_dtype_does_not_change_the_gradient_shards(stage):
+    """grad_comm_bytes=4 against 2 with 16-bit parameters: pz.ZeroOptimizer keeps fp32 gradient shards
+    (stages 2, 3: 4 x psi / 8) whatever its comm_dtype, and stage 1 full 16-bit gradients (2 x psi); the
+    wire dtype sizes stage 2's staging buffers, 25 MiB buckets of 6,553,600 elements: three in fp32,
+    or three in 16 bits and their 16-bit outputs (the same bytes), and the bucket filled with the
+    activations' peak (two micro-batches: every gradient made already), 4 or 2 bytes an element."""
     spec = ModelSpec(layers=12, hidden=1024, heads=16, vocab=50304, seq=1024, batch=8 * 2 * 2)
     lay = Layout(dp=8, stage=stage, micro_batch=2, micro_batches=2)
     psi, n = gpt_params(12, 1024, 50304, 1024), 8
@@ -125,9 +138,12 @@ def test_fp32_gradients_on_the_wire_double_the_gradient_shards(stage):
     for gb in (2, 4):
         c = Cluster(world=8, gpus_per_host=8, device_memory=80 * GB, flops=1e14, grad_comm_bytes=gb)
         got[gb] = estimate(spec, c, lay).memory
-    want = 2 * psi / n if stage >= 2 else 0.0
-    assert got[4]["grads"] - got[2]["grads"] == pytest.approx(want, rel=1e-12)
-    assert got[4]["peak"] - got[2]["peak"] == pytest.approx(want, rel=1e-12)
+        assert got[gb]["grads"] == pytest.approx(4 * psi / n if stage >= 2 else 2 * psi, rel=1e-12)
+    bucket = 25 * 2**20 // 4
+    if stage == 2:
+        assert got[4]["buffers"] - got[2]["buffers"] == pytest.approx(4 * 3 * bucket - 2 * 6 * bucket, abs=1)
+    want = 4 * bucket - 2 * bucket if stage == 2 else 0.0
+    assert got[4]["peak"] - got[2]["peak"] == pytest.approx(want, abs=1)
 
 
 def test_search_prunes_by_the_peak():

@@ -98,3 +98,65 @@ def test_bench_train_profile_writes_each_runs_trace_and_summary(tmp_path, capsys
         trace = json.loads((prof / f"{r['run']}_rank0.json").read_text())
         assert any(e.get("name") == "pyzero.bench.step" for e in trace["traceEvents"])
     assert not (prof / "dp_rank1.json").exists()  # (rank 0's only)
+
+
+def _train_args(*argv):
+    from pyzero.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--model", "gpt-nano", *argv])
+
+
+def _nano():
+    from pyzero.bench.gpt import make_gpt
+
+    model = make_gpt("gpt-nano")
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params), max(sum(p.numel() for p in m.parameters(recurse=False))
+                                             for m in model.modules())
+
+
+def test_bench_train_estimate_is_each_runs_own():
+    """pyzero-bench train --memory's estimate, by hand for gpt-nano (n parameters, fp32 AdamW: 4n + 4n +
+    8n, 2 ranks, 1 MiB buckets = 262,144 elements, more than n): DataParallel's bf16 copies of the
+    gradients (2n); torch's ZeroRedundancyOptimizer under DDP, whose buckets hold all gradients through
+    backward beside the sharded state; zero2's bf16 reductions staged in 2 bytes (three buckets: all n
+    elements, and their bf16 outputs, the rank's n/2); a -offload run of a CUDA model with its host bytes
+    (moments 8, gradient shard 4, master 4 per shard element), of a CPU model none (one memory)."""
+    from pyzero.bench import train as bench
+
+    n, largest = _nano()
+    act = {"bytes": 1e6, "grads_done": 0.0}
+    dp = bench._estimate("dp", _train_args("--comm-dtype", "bfloat16"), 2, act)
+    assert dp["comm_copies"] == 2 * n and dp["total"] == pytest.approx(16 * n + 2 * n + 1e6)
+    assert bench._estimate("dp", _train_args(), 2, act)["comm_copies"] == 0
+    tz = bench._estimate("torch-zero", _train_args(), 2, act)
+    step = 4 * n + 2 * 4 * min(largest, n / 2)  # gradients + the for-loop step's two temporaries
+    assert tz["peak"] == pytest.approx(4 * n + 8 * n / 2 + max(4 * n + 1e6, step))
+    z2 = bench._estimate("zero2", _train_args("--comm-dtype", "bfloat16"), 2, act)
+    assert n < 262144 and z2["staging"] == pytest.approx(2 * n + 2 * n / 2)
+    assert bench._estimate("zero1", _train_args("--comm-dtype", "bfloat16"), 2, act)["staging"] == 0
+    gpu = bench._estimate("zero3-offload", _train_args("--device", "cuda"), 2, act)
+    assert gpu["host"] == pytest.approx((8 + 4 + 4) * n / 2)
+    assert bench._estimate("zero3-offload", _train_args(), 2, act)["host"] == 0
+
+
+def _zero_setup_rank(argv):
+    import pyzero as pz
+    from pyzero.bench import train as bench
+    from pyzero.bench.gpt import make_gpt
+
+    pz.init()
+    args = _train_args(*argv)
+    return {run: str(bench.RUNS[run](make_gpt("gpt-nano"), args).optimizer.comm_dtype)
+            for run in ("zero1", "zero2", "zero3")}
+
+
+def test_bench_train_comm_dtype_reaches_zero2_and_zero3():
+    """--comm-dtype sets the reductions of the zero2/zero3 runs (it was dropped); zero1 reduces in the
+    model's dtype, fp32 here, whatever it says."""
+    from pyzero.launch import run_ranks
+
+    (r,) = run_ranks(_zero_setup_rank, 1, args=(["--comm-dtype", "bfloat16"],), timeout=60)
+    assert r.value == {"zero1": "torch.float32", "zero2": "torch.bfloat16", "zero3": "torch.bfloat16"}

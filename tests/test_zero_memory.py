@@ -343,7 +343,8 @@ def _nano_params():
 def _estimate(world, stage, act):
     return pz.zero.estimate_memory(_nano_params(), world, stage, optimizer_state_bytes_per_param=8,
                                    mixed_precision=False, activation_bytes=act["bytes"], grads_done=act["grads_done"],
-                                   largest_layer_params=_largest_module_params(), step_impl="forloop")
+                                   largest_layer_params=_largest_module_params(), step_impl="forloop",
+                                   bucket_mb=0.05)  # (the runs' bucket_mb)
 
 
 def test_activation_peak_is_what_forward_and_backward_add():
@@ -399,10 +400,16 @@ def test_estimate_within_five_percent_of_one_rank_peaks():
 def test_estimate_within_five_percent_of_two_rank_peaks(ranks):
     for res in ranks:
         act = res["activations"]
-        for stage in (1, 2, 3):
+        for stage in (1, 2):
             peak = res["zero"][stage]["trace"]["peak"]
             est = _estimate(WORLD, stage, act)
             assert abs(est["peak"] / peak - 1) <= 0.05, (stage, est["peak"], peak)
+        # stage 3 counts the unit computing and the one prefetched, each the size of the largest (the
+        # tied embedding, 128 KiB), beside the activations; gpt-nano's peak, the logits' backward, has
+        # one 16 KiB unit gathered: the estimate is above it, by 5.3%
+        peak = res["zero"][3]["trace"]["peak"]
+        est = _estimate(WORLD, 3, act)
+        assert 1 <= est["peak"] / peak <= 1.06, (est["peak"], peak)
         for run in ("dp", "ddp"):
             peak = res["dp"]["traces"][run]["peak"]
             est = _estimate(WORLD, 0, act)
@@ -412,7 +419,8 @@ def test_estimate_within_five_percent_of_two_rank_peaks(ranks):
 def test_estimate_components_are_the_held_bytes(ranks):
     """The estimate's parameters, gradients and optimizer state against the bytes a stage holds
     between backward and step (counted over the walked tensors): equal up to the padding to the
-    world size and AdamW's 4-byte step per piece; stage 3's gathered unit is the largest unit."""
+    world size and AdamW's 4-byte step per piece; stage 3's gathered units are the largest unit and
+    one prefetched (prefetch=1), counted at the largest's size."""
     for res in ranks:
         for stage in (1, 2, 3):
             r = res["zero"][stage]
@@ -423,7 +431,7 @@ def test_estimate_components_are_the_held_bytes(ranks):
             assert est["grads"] <= held["grads"] <= est["grads"] + slack
             assert est["optimizer"] <= held["optimizer"] <= est["optimizer"] + 4 * len(r["sizes"]) + slack
             if stage == 3:
-                assert est["gathered"] == max(r["unit_bytes"])
+                assert est["gathered"] == 2 * max(r["unit_bytes"])
 
 
 def _prefetch_rank():
@@ -495,3 +503,56 @@ def test_other_sites_name_what_no_walk_reaches():
     assert memtrace.sites(blocks, {}, limit=2) == [("/x/train.py:7 main", 8704, 2), ("(2 more sites)", 4608, 3)]
     only_torch = {1: (64, frames((torch_file, 1, "f")))}
     assert memtrace.sites(only_torch, {}) == [(f"{torch_file}:1 f", 64, 1)]
+
+
+@pytest.mark.parametrize("free_first", [True, False])
+def test_step_trace_counts_a_walked_storage_until_its_free(free_first):
+    """A Linear(1000, 1000) with its gradient (P = 1,001,000 x 4 bytes of parameters, P of .grad); in the
+    trace model.zero_grad() frees the gradient (the CPU profiler records no free of memory allocated
+    before it started) and a tensor of 2,002,000 floats (2P) is made. By hand: freed first, the peak is
+    P + 2P (params and the tensor); the tensor first, P + P + 2P (the gradient still there)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 1000)
+    P = (1000 * 1000 + 1000) * F32
+    model(torch.randn(4, 1000)).sum().backward()
+    with memtrace.StepTrace(model) as tr:
+        if free_first:
+            model.zero_grad(set_to_none=True)
+        big = torch.empty(2 * 1001000)
+        if not free_first:
+            model.zero_grad(set_to_none=True)
+        del big
+    r = tr.result()
+    assert r["held"]["start"]["grads"] == P and r["held"]["end"]["grads"] == 0
+    assert r["peak"] == (3 * P if free_first else 4 * P)
+    assert r["at_peak"]["grads"] == (0 if free_first else P) and r["at_peak"]["activations"] == 2 * P
+
+
+def _zro_rank():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from pyzero.bench.common import init_torch_distributed
+
+    pz.init(timeout=120)
+    dist = init_torch_distributed("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 1000)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    model(torch.randn(4, 1000)).sum().backward()
+    opt.step()
+    out = (memtrace.held(opt)["optimizer"], memtrace.held(model, opt)["optimizer"],
+           [p.numel() for p in opt.optim.param_groups[0]["params"]])
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_held_walks_zero_redundancy_optimizer_state():
+    """torch's ZeroRedundancyOptimizer keeps its shard's AdamW state in .optim (its own .state is empty):
+    on 2 ranks each holds exp_avg and exp_avg_sq of its parameters, 2 x 4 bytes an element, and a 4-byte
+    step per parameter; the 1000 x 1000 weight on one rank, the bias on the other."""
+    res = [r.value for r in run_ranks(_zro_rank, WORLD, timeout=120)]
+    assert sorted(n for r in res for n in r[2]) == [1000, 1000 * 1000]
+    for held, with_model, numels in res:
+        want = sum(2 * F32 * n + 4 for n in numels)
+        assert held == with_model == want

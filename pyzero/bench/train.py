@@ -189,6 +189,8 @@ def _setup_zero(stage: int, offload: str | None = None, pipeline=None, delayed=F
 
         extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3,
                                              "offload_pipeline": pipeline, "delayed_update": delayed}
+        if stage >= 2 and args.comm_dtype:  # (stage 1 reduces in the model's dtype and refuses another)
+            extra["comm_dtype"] = getattr(torch, args.comm_dtype)
         cls = torch.optim.AdamW  # (offload swaps in pz.optim.AdamW, on torch's intra-op threads)
         if offload is not None and getattr(args, "offload_threads", None) is not None:
             cls, extra["threads"] = pz.optim.AdamW, args.offload_threads
@@ -301,7 +303,9 @@ def add_arguments(p) -> None:
     # can only start when backward ends. Both runs get the same caps.
     p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap, MiB (pz and torch DDP)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket cap, MiB")
-    p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "float16"], help="pz runs only")
+    p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "float16"],
+                   help="the gradient reductions' dtype of the dp and zero2/zero3 runs (their -offload ones too); "
+                        "zero1 reduces in the model's dtype whatever this says, the torch runs in theirs")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per rank (the CPU optimizer of offload runs uses them too); "
                         "default 1 with --device cpu (the ranks compute on the cores), the cores divided "
@@ -430,9 +434,13 @@ def _rank_main(run: str, args) -> dict:
             runner.optimizer.step()
             stage = runner.optimizer.stage
             n = sum(p.numel() for p in runner.optimizer.params)
+            offload = _offload(run, cuda)
             est = pz.zero.estimate_memory(n, pz.get_world_size(), stage, optimizer_state_bytes_per_param=8,
-                                          mixed_precision=False)  # fp32 AdamW: K = 8
-            out.update(model_state=model_state, model_state_estimate=est["total"])
+                                          mixed_precision=False, offload=offload,
+                                          offload_params=offload is not None and stage == 3)  # fp32 AdamW: K = 8
+            # (with offload memory_stats' total is the device's part: the host's is its "host")
+            states = pz.zero.memory.device_states(est, stage, offload, offload is not None and stage == 3)
+            out.update(model_state=model_state, model_state_estimate=sum(states.values()))
         return out
     finally:
         # Free the run's model (a torch DDP / FSDP module and its reducer) before its process
@@ -447,6 +455,12 @@ _STAGE = {"torch-local": 0, "torch-ddp": 0, "torch-ddp-pyzero": 0, "dp": 0, "zer
           "zero2-offload": 2, "zero3-offload": 3, "zero2-offload-pipe": 2, "zero3-offload-pipe": 3,
           "zero2-offload-dpu": 2, "torch-zero": 1,
           "fsdp2": 3, "fsdp2-pyzero": 3}
+
+
+def _offload(run: str, cuda: bool) -> str | None:
+    """The -offload runs' offload as estimate_memory takes it: "cpu" for a CUDA model; a CPU model's
+    ZeroOptimizer makes no host copies (its states are in the one memory either way): None."""
+    return "cpu" if cuda and run.startswith("zero") and "-offload" in run else None
 
 
 def _trace_step(runner, x, y, dev) -> dict:
@@ -490,17 +504,31 @@ def _largest_layer_params(model) -> int:
 
 def _estimate(run: str, args, world: int, activations: dict) -> dict:
     """pz.estimate_memory for the run: fp32 AdamW (K = 8; torch's for-loop step on the CPU, fused on
-    a GPU), the measured activations, the GPT's largest module."""
+    a GPU), the measured activations, the GPT's largest module, the run's bucket size, reduction dtype
+    and offload."""
     import pyzero as pz  # noqa: PLC0415
 
     model = make_gpt(args.model)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    done = activations["grads_done"]
     # plain torch (zero_grad(set_to_none=True), no buckets) holds what ZeRO holds at one rank
     stage, world = (1, 1) if run == "torch-local" else (_STAGE.get(run, 0), world)
-    return pz.zero.estimate_memory(n, world, stage, optimizer_state_bytes_per_param=8, mixed_precision=False,
-                                   activation_bytes=activations["bytes"], grads_done=activations["grads_done"],
+    if run == "torch-zero":  # ZeroRedundancyOptimizer under DDP with gradient_as_bucket_view: stage 1's sharded
+        done = 1.0  # optimizer state, and DDP's buckets, the gradients' storage, held from step to step
+    comm_dtype = getattr(args, "comm_dtype", None)
+    comm_bytes = None
+    if comm_dtype and (run == "dp" or (run.startswith("zero") and stage >= 2)):
+        comm_bytes = torch.tensor([], dtype=getattr(torch, comm_dtype)).element_size()  # (dp: its copies)
+    offload = _offload(run, cuda)
+    out = pz.zero.estimate_memory(n, world, stage, optimizer_state_bytes_per_param=8, mixed_precision=False,
+                                   activation_bytes=activations["bytes"], grads_done=done,
                                    largest_layer_params=_largest_layer_params(model),
-                                   step_impl="fused" if getattr(args, "device", "cpu") == "cuda" else "forloop")
+                                   step_impl="fused" if cuda else "forloop", comm_bytes=comm_bytes,
+                                   bucket_mb=args.bucket_mb, offload=offload,
+                                   offload_params=offload is not None and stage == 3)
+    out["grads_done"] = done
+    return out
 
 
 def _summarise(run: str, ranks: list[dict], args) -> dict:
@@ -516,9 +544,8 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
     if "memory" in r0:
         res["memory"] = [r["memory"] for r in ranks]
         est = _estimate(run, args, args.nproc, max((r["activations"] for r in ranks), key=lambda a: a["bytes"]))
-        est["grads_done"] = ranks[0]["activations"]["grads_done"]
         res["estimate"] = {k: est[k] for k in ("params", "grads", "optimizer", "activations", "grads_done",
-                                               "gathered", "step_temps", "total", "peak")}
+                                               "gathered", "staging", "comm_copies", "step_temps", "total", "peak")}
     if "profile" in r0:
         res["profile"] = r0["profile"]
     if "model_state" in r0:
@@ -585,10 +612,11 @@ def _print_memory(results: list[dict]) -> None:
     print("\n# pz.estimate_memory (fp32 AdamW, activations measured at --batch x --seq): its peak against the "
           "traced one")
     print(f"{'run':>16} {'est.peak':>9} {'peak':>9} {'est/peak':>8} {'activations':>11} {'grads_done':>10} "
-          f"{'gathered':>9} {'step_temps':>10} {'est.total':>10}")
+          f"{'gathered':>9} {'staging':>9} {'comm_copies':>11} {'step_temps':>10} {'est.total':>10}")
     for name, peak, e in est:
         print(f"{name:>16} {e['peak'] / 2**20:9.2f} {peak / 2**20:9.2f} {e['peak'] / peak:8.3f} "
               f"{e['activations'] / 2**20:11.2f} {e['grads_done']:10.3f} {e['gathered'] / 2**20:9.2f} "
+              f"{e.get('staging', 0) / 2**20:9.2f} {e.get('comm_copies', 0) / 2**20:11.2f} "
               f"{e['step_temps'] / 2**20:10.2f} {e['total'] / 2**20:10.2f}")
 
 

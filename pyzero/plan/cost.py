@@ -31,13 +31,16 @@ Memory per device (bytes), first principles:
   prefetched) plus the gathered embedding; the TP edges a gathered input of
   sbh 16-bit values; ``reserved`` is what the framework itself takes.
 * The peak, what a layout must fit in (``pz.zero.estimate_memory``'s peak):
-  parameters + optimizer state + the larger of two moments, the activations'
+  parameters + optimizer state + the largest of three moments, the activations'
   peak (activations, buffers, and the gradients already made: none with one
   micro-batch a step, or pipelined with m <= p, whose peak comes before the
   first backward; all of them otherwise; data parallelism without ZeRO keeps
-  them always) and the step (all gradients); plus ``reserved``. With offload
-  the device holds neither the optimizer state nor, in stages 2 and 3, the
-  gradients.
+  them always), the end of backward (ZeRO-2's gradient shard and the staging
+  buffers of its reductions) and the step (all gradients); plus ``reserved``.
+  pz.ZeroOptimizer keeps the gradient shards of stages 2 and 3 in fp32 (4
+  bytes) whatever ``grad_comm_bytes``, the wire dtype, which sizes the staging
+  buffers (counted in ``buffers``). With offload the device holds neither the
+  optimizer state nor, in stages 2 and 3, the gradients.
 
 Time per step (seconds):
 
@@ -201,10 +204,13 @@ def memory(spec: ModelSpec, c: Cluster, lay: Layout) -> tuple[dict, float]:
     # when an earlier micro-batch's backward has made them.
     done = 0.0 if lay.micro_batches <= lay.pp else 1.0
     offload = "cpu" if lay.offload == "cpu" else None
+    # pz.ZeroOptimizer keeps fp32 gradient shards (stages 2, 3) whatever the wire dtype, which sizes the
+    # reductions' staging buffers (and DataParallel's copies, stage 0)
     states = estimate_memory(psi, lay.dp, lay.stage, c.optimizer_bytes, pb == 2, activation_bytes=act + buffers,
-                             grads_done=done, offload=offload,
-                             grad_bytes=c.grad_comm_bytes if lay.stage >= 2 else None)  # (shards in the wire dtype)
-    out = {**device_states(states, lay.stage, offload), "activations": act, "buffers": buffers + c.reserved}
+                             grads_done=done, offload=offload, grad_bytes=4 if lay.stage >= 2 else None,
+                             comm_bytes=None if lay.stage == 1 else c.grad_comm_bytes)
+    out = {**device_states(states, lay.stage, offload), "activations": act,
+           "buffers": buffers + states["staging"] + c.reserved}
     out["total"] = sum(out.values())
     out["peak"] = states["peak"] + c.reserved
     return out, states["host"]

@@ -118,27 +118,6 @@ def _save_file(obj, path):
         os.fsync(f.fileno())
 
 
-def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
-    """Collective over `g`: every rank learns which ranks failed a step, and why (their messages travel
-    in a second collective, only when one failed; no rank leaves before the others have them)."""
-    flags = torch.zeros(g.size, device=g.tensor_device)
-    flags[g.rank] = float(error is not None)
-    comm.all_reduce(flags, group=g)
-    bad = [r for r, f in enumerate(flags.tolist()) if f]
-    if not bad:
-        return []
-    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MSG_BYTES]
-    mine = torch.zeros(_MSG_BYTES, dtype=torch.int32)
-    mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
-    every = comm.every_rank(mine, torch.int32, g)
-    return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
-
-
-_MSG_BYTES = 512
-
-
-
-
 def _model_meta(model, opt):
     names = dict(zip(map(id, opt.params), opt.names))
     aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in names}
@@ -225,7 +204,7 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     claimed = False  # (refused by _claim: the temporary directory is another group's, left alone)
 
     def agree(stage: str, error):
-        failed = _failed_ranks(g, error)
+        failed = comm.failed_ranks(error, g)
         if failed:
             if first and claimed:
                 shutil.rmtree(tmp, ignore_errors=True)

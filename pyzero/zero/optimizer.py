@@ -12,6 +12,7 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
 import warnings
@@ -342,6 +343,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # bad kwargs raise before any change, and so do ranks given different optimizers or settings
         probe = _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)
         self._check_same_optimizer(optimizer_class, probe)
+        self._optimizer_class = optimizer_class  # (settings restored from a checkpoint are tried on it first)
         if optimizer_class not in _ELEMENTWISE:
             why = elementwise_mismatch(optimizer_class, optimizer_kwargs, param_groups)
             if why is not None:
@@ -487,6 +489,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if len(set(values)) > 1:
                     raise differ(f"{k!r}" + (f" of param group {i}" if counts[0] > 1 else ""), values)
         raise differ("the optimizer's settings", ["(not shown)"] * len(ranks))  # (a value's text is cut short)
+
+    def _settings_problem(self, i: int, settings: dict) -> str | None:
+        """Why the optimizer class refuses `settings` (a checkpoint's) for param group i, or None: it is built
+        once on a dummy tensor with the group's settings so changed, those it takes as arguments passed as
+        arguments (torch checks lr, betas, weight_decay, ... there, not in a param group)."""
+        cls = self._optimizer_class
+        try:
+            names = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        except (TypeError, ValueError):
+            names = set()
+        group = {k: v for k, v in dict(self.param_groups[i], **settings).items() if k != "params"}
+        kwargs = {k: v for k, v in group.items() if k in names}
+        try:
+            cls([dict({k: v for k, v in group.items() if k not in names}, params=[nn.Parameter(torch.zeros(1))])],
+                **kwargs)
+        except (TypeError, ValueError) as e:
+            return f"{cls.__name__} rejects it: {e}"
+        return None
 
     def _check_devices(self):
         """All trainable parameters on one device, the one the group's backend works on: the CPU

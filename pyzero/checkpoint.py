@@ -37,6 +37,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import time
 import warnings
@@ -49,6 +50,7 @@ from .zero import ZeroOptimizer, model_state
 from .checks import is_int
 
 FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
+MAX_STEP = 1 << 62  # the largest step number save writes and load reads
 
 
 class CheckpointError(RuntimeError):
@@ -116,27 +118,6 @@ def _save_file(obj, path):
         json.dump({"bytes": w.nbytes, "crc32": w.crc}, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _failed_ranks(g, error: BaseException | None) -> list[tuple[int, str]]:
-    """Collective over `g`: every rank learns which ranks failed a step, and why (their messages travel
-    in a second collective, only when one failed; no rank leaves before the others have them)."""
-    flags = torch.zeros(g.size, device=g.tensor_device)
-    flags[g.rank] = float(error is not None)
-    comm.all_reduce(flags, group=g)
-    bad = [r for r, f in enumerate(flags.tolist()) if f]
-    if not bad:
-        return []
-    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MSG_BYTES]
-    mine = torch.zeros(_MSG_BYTES, dtype=torch.int32)
-    mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
-    every = comm.every_rank(mine, torch.int32, g)
-    return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
-
-
-_MSG_BYTES = 512
-
-
 
 
 def _model_meta(model, opt):
@@ -212,6 +193,8 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     path = _path(path, "save")
     if not is_int(step) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise ValueError(f"step: expected at most 2**62 (the largest step load reads back), got {step!r}")
     if not is_int(keep) or keep < 1:
         raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
     if not isinstance(optimizer_state, bool):
@@ -225,7 +208,7 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     claimed = False  # (refused by _claim: the temporary directory is another group's, left alone)
 
     def agree(stage: str, error):
-        failed = _failed_ranks(g, error)
+        failed = comm.failed_ranks(error, g)
         if failed:
             if first and claimed:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -415,8 +398,15 @@ def _restored(current, saved):
     return saved
 
 
+_STEP_NAME = re.compile(r"step_[0-9]+")
+
+
 def _step_of(d: str) -> int:
-    return int(d.rsplit("_", 1)[1])
+    """The step number of step directory `d` (step_00000042, .old_step_00000042); a ValueError for another name."""
+    tail = d.rsplit("_", 1)[-1]
+    if "_" not in d or not tail.isdigit():
+        raise ValueError(f"{d!r} is not a step directory")
+    return int(tail)
 
 
 def _complete(path: str) -> list[str]:
@@ -439,8 +429,15 @@ def _resolve(path: str) -> str:
         return path
     latest = os.path.join(path, "latest")
     if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
+        try:
+            with open(latest) as f:
+                name = f.read().strip()
+        except (OSError, ValueError) as e:
+            raise CheckpointCorrupt(f"checkpoint file {latest!r} is unreadable ({type(e).__name__}: {e}); "
+                                    "nothing was loaded") from e
+        if not _STEP_NAME.fullmatch(name):
+            raise CheckpointCorrupt(f"checkpoint file {latest!r} is damaged: it names {name[:60]!r}, not a step "
+                                    f"directory of {path!r} (step_<number>); nothing was loaded")
         step_dir, aside = os.path.join(path, name), os.path.join(path, f".old_{name}")
         if not os.path.exists(os.path.join(step_dir, "meta.json")) and os.path.exists(os.path.join(aside, "meta.json")):
             return aside
@@ -451,18 +448,32 @@ def _resolve(path: str) -> str:
     return os.path.join(path, max(complete, key=_step_of))
 
 
-def _candidates(path: str) -> list[str]:
-    """The step directory `load` picks, then the older complete ones beside it, newest first."""
-    first = _resolve(path)
+def _candidates(path: str, fallback: bool = False) -> tuple[list[str], list[str]]:
+    """The step directory `load` picks, then the older complete ones beside it, newest first; and what was
+    found damaged on the way (with fallback=True: a `latest` naming no step directory, then every complete
+    step is a candidate)."""
+    try:
+        first = _resolve(path)
+    except CheckpointCorrupt as e:
+        complete = _complete(path)
+        if not fallback or not complete:
+            raise
+        return _newest_first(path, complete, None), [str(e)]
     parent = os.path.dirname(os.path.normpath(first))
     try:
         step = _step_of(os.path.basename(os.path.normpath(first)))
     except ValueError:
-        return [first]
-    older = sorted((d for d in _complete(parent) if _step_of(d) < step), key=_step_of, reverse=True)
-    seen, out = set(), [first]
+        return [first], []
+    return [first] + _newest_first(parent, _complete(parent), step), []
+
+
+def _newest_first(parent: str, complete: list[str], below: int | None) -> list[str]:
+    """The complete step directories of `parent` (below step `below`), newest first, one per step (step_k before
+    a set-aside .old_step_k)."""
+    older = sorted((d for d in complete if below is None or _step_of(d) < below), key=_step_of, reverse=True)
+    seen, out = set(), []
     for d in older:
-        if _step_of(d) not in seen:  # step_k before a set-aside .old_step_k
+        if _step_of(d) not in seen:
             seen.add(_step_of(d))
             out.append(os.path.join(parent, d))
     return out
@@ -486,7 +497,7 @@ def _read_meta(step_dir: str) -> dict:
     return meta
 
 
-def _is_count(v, hi=1 << 62) -> bool:
+def _is_count(v, hi=MAX_STEP) -> bool:
     return type(v) is int and 0 <= v <= hi
 
 
@@ -622,24 +633,43 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
     CheckpointCorrupt naming the file, on every rank, and changes nothing. With ``fallback=True`` the
     newest older complete checkpoint in `path` is loaded instead, with a warning naming both.
     The param groups' hyperparameters (lr, weight decay, ...) and the fp16 loss scaler's state are
-    restored over the optimizer's. ``app_state``: the names given to ``save``, each restored in
+    restored over the optimizer's, each checked first to be of the form the optimizer holds (a tuple of as
+    many betas) and taken by its optimizer class. ``app_state``: the names given to ``save``, each restored in
     place as torch.distributed.checkpoint does: ``value.load_state_dict(saved)`` where the value has
     one, else ``app_state[name] = saved``; a name the checkpoint lacks is a ValueError (nothing loaded).
+    Every check runs before anything changes, and the ranks agree on them: one that fails on any rank
+    (its own app_state, a file it cannot read) raises on every rank, naming the rank, and nothing is loaded.
     """
-    path = _path(path, "load")
-    if not isinstance(fallback, bool):
-        raise TypeError(f"fallback: expected True or False, got {fallback!r}")
-    _check_app_state(app_state, "load")
-    _check_pair(model, opt)
-    candidates = _candidates(path)
-    damaged = []
+    if not isinstance(opt, ZeroOptimizer):  # (before anything: the ranks agree over its group)
+        raise TypeError(f"opt: expected a pz.ZeroOptimizer (checkpoints hold its shards), got {type(opt).__name__}")
+    g = opt.group
+    error = None
+    try:
+        path = _path(path, "load")
+        if not isinstance(fallback, bool):
+            raise TypeError(f"fallback: expected True or False, got {fallback!r}")
+        _check_app_state(app_state, "load")
+        _check_pair(model, opt)
+        candidates, damaged = _candidates(path, fallback)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        error = e
+    _agree(g, error)
     for step_dir in candidates if fallback else candidates[:1]:
         try:
-            meta = _read_meta(step_dir)
-            _verify(step_dir, meta, opt.group)
-            shards = _read(step_dir, meta)
-            extra = _torch_load(os.path.join(step_dir, "extra.pt"))
-            app = _torch_load(os.path.join(step_dir, "app.pt")) if app_state and meta.get("app_state") else {}
+            meta, error = None, None
+            try:
+                meta = _read_meta(step_dir)
+            except CheckpointCorrupt as e:
+                error = e
+            _agree(g, error)
+            _verify(step_dir, meta, g)
+            try:
+                shards = _read(step_dir, meta)
+                extra = _torch_load(os.path.join(step_dir, "extra.pt"))
+                app = _torch_load(os.path.join(step_dir, "app.pt")) if app_state and meta.get("app_state") else {}
+            except CheckpointCorrupt as e:
+                error = e
+            _agree(g, error)
             break
         except CheckpointCorrupt as e:
             if not fallback:
@@ -650,6 +680,41 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
     if damaged:
         warnings.warn(f"checkpoint: fell back to {step_dir!r} (step {meta['step']}) because newer ones are "
                       f"damaged: {' | '.join(damaged)}", stacklevel=2)
+    error = None
+    try:
+        target, settings, values, new_state = _prepare(step_dir, meta, shards, extra, app, model, opt, app_state)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        error = e
+    _agree(g, error)
+    with torch.no_grad():
+        for grp, restored in zip(opt.param_groups, settings):
+            grp.update(restored)
+        target.load_state_dict(extra, strict=False)  # (every key checked above: the trainable ones are not in it)
+        # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
+        opt.load_shard_state(values, new_state)
+    if opt.scaler is not None and "scaler" in meta:
+        opt.scaler.load_state_dict(meta["scaler"])
+    error = None
+    try:
+        for k in app_state or ():
+            v = app_state[k]
+            if callable(getattr(v, "load_state_dict", None)):
+                v.load_state_dict(app[k])
+            else:
+                app_state[k] = app[k]
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        error = e
+    if meta.get("optimizer_state") is False:
+        warnings.warn(f"checkpoint: {step_dir!r} was saved with optimizer_state=False: the weights are restored, "
+                      f"the {meta['optimizer']} state starts afresh", stacklevel=2)
+    # (also: no rank leaves before every rank has read the files)
+    _agree(g, error, "the model and optimizer were loaded on every rank, app_state was not restored")
+    return int(meta["step"])
+
+
+def _prepare(step_dir, meta, shards, extra, app, model, opt, app_state):
+    """Everything load checks and computes before it changes anything: (the module the buffers and frozen
+    parameters load into, each param group's restored settings, each piece's values and state)."""
     mine = _model_meta(model, opt)
     # (names and shapes: the fp32 masters and the state load whatever the parameters' dtype)
     theirs = [(p["name"], tuple(p["shape"])) for p in meta["params"]]
@@ -685,38 +750,90 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
         raise ValueError(f"app_state: checkpoint {step_dir!r} holds no {missing} (it holds "
                          f"{sorted(meta.get('app_state', []))}); nothing was loaded")
     target = _check_extra(extra, model, opt, step_dir)
+    settings = _restored_settings(step_dir, meta, opt)
+    values = [_gather(shards, pc.name, pc.start, pc.end, lambda sh, i: sh["master"][i]) for pc, _, _ in opt.pieces]
     new_state = []
-    with torch.no_grad():
-        values = [_gather(shards, pc.name, pc.start, pc.end, lambda sh, i: sh["master"][i])
-                  for pc, _, _ in opt.pieces]
-        for pc, _, _ in opt.pieces:
-            src = next(sh["state"][i] for sh in shards for i, (n, a, b) in enumerate(sh["pieces"])
-                       if n == pc.name and a < pc.end and pc.start < b)
-            st = {}
-            for k, v in src.items():
-                if torch.is_tensor(v) and v.dim() == 1:  # elementwise state, laid out like the piece
-                    st[k] = _gather(shards, pc.name, pc.start, pc.end, lambda sh, i, k=k: sh["state"][i][k]).clone()
-                else:
-                    st[k] = v.clone() if torch.is_tensor(v) else v
-            new_state.append(st)
-        for grp, saved in zip(opt.param_groups, meta["param_groups"]):
-            grp.update({k: _restored(grp[k], v) for k, v in saved.items() if k in grp})
-        target.load_state_dict(extra, strict=False)  # (every key checked above: the trainable ones are not in it)
-        # An empty state: never stepped when saved (e.g. an unused parameter), as in torch.
-        opt.load_shard_state(values, new_state)
-    if opt.scaler is not None and "scaler" in meta:
-        opt.scaler.load_state_dict(meta["scaler"])
-    for k in app_state or ():
-        v = app_state[k]
-        if callable(getattr(v, "load_state_dict", None)):
-            v.load_state_dict(app[k])
-        else:
-            app_state[k] = app[k]
-    if meta.get("optimizer_state") is False:
-        warnings.warn(f"checkpoint: {step_dir!r} was saved with optimizer_state=False: the weights are restored, "
-                      f"the {meta['optimizer']} state starts afresh", stacklevel=2)
-    comm.barrier(group=opt.group)
-    return int(meta["step"])
+    for pc, _, _ in opt.pieces:
+        src = next(sh["state"][i] for sh in shards for i, (n, a, b) in enumerate(sh["pieces"])
+                   if n == pc.name and a < pc.end and pc.start < b)
+        st = {}
+        for k, v in src.items():
+            if torch.is_tensor(v) and v.dim() == 1:  # elementwise state, laid out like the piece
+                st[k] = _gather(shards, pc.name, pc.start, pc.end, lambda sh, i, k=k: sh["state"][i][k]).clone()
+            else:
+                st[k] = v.clone() if torch.is_tensor(v) else v
+        new_state.append(st)
+    return target, settings, values, new_state
+
+
+def _restored_settings(step_dir: str, meta: dict, opt) -> list[dict]:
+    """Each param group's saved settings in the form the optimizer holds them, checked (CheckpointCorrupt naming
+    the setting): of the kind the optimizer holds now (a number for a number, a tuple of as many for a tuple),
+    and, where they differ from the optimizer's, taken by its optimizer class (AdamW refuses lr=-5.0)."""
+    meta_path = os.path.join(step_dir, "meta.json")
+    out = []
+    for i, (grp, saved) in enumerate(zip(opt.param_groups, meta["param_groups"])):
+        restored = {}
+        for k, v in saved.items():
+            if k not in grp or k == "params":
+                continue
+            if not _same_kind(grp[k], v):
+                held = tuple(_setting(grp[k])) if isinstance(grp[k], tuple) else _setting(grp[k])
+                raise CheckpointCorrupt(f"checkpoint file {meta_path!r}: param_groups[{i}][{k!r}] is {v!r}, not of "
+                                        f"the form the optimizer holds ({held!r}); nothing was loaded")
+            restored[k] = _restored(grp[k], v)
+        changed = {k: v for k, v in restored.items() if _setting(grp[k]) != saved[k]}
+        why = opt._settings_problem(i, changed) if changed else None
+        if why is not None:
+            shown = ", ".join(f"{k}={saved[k]!r}" for k in changed)
+            raise CheckpointCorrupt(f"checkpoint file {meta_path!r}: param_groups[{i}] ({shown}): {why}; nothing "
+                                    "was loaded")
+        out.append(restored)
+    return out
+
+
+def _same_kind(current, saved) -> bool:
+    """Whether a saved setting (JSON) can stand for the optimizer's `current` value."""
+    if current is None or saved is None:
+        return current is None or isinstance(current, bool)
+    if isinstance(current, bool):
+        return type(saved) is bool
+    if torch.is_tensor(current):
+        return type(saved) in (int, float) if current.numel() == 1 else (
+            type(saved) is list and len(saved) == current.numel())
+    if isinstance(current, (int, float)):
+        return type(saved) in (int, float)
+    if isinstance(current, (tuple, list)):
+        return type(saved) is list and len(saved) == len(current) and all(map(_same_kind, current, saved))
+    if isinstance(current, str):
+        return type(saved) is str
+    return True  # (another kind: restored as saved, as before these checks)
+
+
+_KINDS = {"CheckpointCorrupt": CheckpointCorrupt, "CheckpointError": CheckpointError, "ValueError": ValueError,
+          "TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
+
+
+def _agree(g, error: BaseException | None, done: str = "nothing was loaded on any rank") -> None:
+    """Collective over `g`: raise on every rank if `error` is set on any. A rank that failed raises its own
+    error (naming the other ranks that failed otherwise); the others raise one of the same kind naming the
+    rank(s) and their errors."""
+    failed = comm.failed_ranks(error, g)
+    if not failed:
+        return
+    said = None if error is None else comm.error_text(error)
+    others = [(r, msg) for r, msg in failed if r != g.rank and msg != said]
+    why = "; ".join(f"group rank {r}: {msg}" for r, msg in others)
+    if error is not None:
+        if not others:
+            raise error
+        try:
+            mine = type(error)(f"{error} (also {why})")
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments: as it is
+            raise error from None
+        raise mine from error
+    kind = _KINDS.get(failed[0][1].partition(":")[0], CheckpointError)
+    raise kind(f"checkpoint.load failed on group rank(s) {[r for r, _ in failed]} ({why}); {done}")
 
 
 def consolidate(path: str | os.PathLike) -> dict:

@@ -667,6 +667,31 @@ def every_rank(values, dtype: torch.dtype = torch.int64, group=None) -> torch.Te
     return out.view(g.size, mine.numel()).cpu()
 
 
+_MESSAGE_BYTES = 512
+
+
+def error_text(error: BaseException) -> str:
+    """`error` as failed_ranks tells the other ranks of it: "ExceptionType: message", cut to 512 bytes."""
+    return f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES].decode(errors="ignore")
+
+
+def failed_ranks(error: BaseException | None, group=None) -> list[tuple[int, str]]:
+    """Collective over the group: every rank learns which ranks failed a step (`error` is this rank's
+    exception, or None) and why, as (group rank, "ExceptionType: message") pairs, [] when none failed.
+    One all_gather of a flag; the messages (up to 512 bytes each) travel in a second only when one failed,
+    so ranks that check something on their own agree before any of them changes anything."""
+    g = resolve_group(group)
+    flags = every_rank([int(error is not None)], group=g)[:, 0].tolist()
+    bad = [r for r, f in enumerate(flags) if f]
+    if not bad:
+        return []
+    text = b"" if error is None else error_text(error).encode()
+    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.int32)
+    mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
+    every = every_rank(mine, torch.int32, g)
+    return [(r, bytes(c for c in every[r].tolist() if c).decode(errors="replace")) for r in bad]
+
+
 def broadcast(t, src: int = 0, group=None, async_op: bool = False, algo=None):
     """Copy `t` of global rank `src` into `t` on every rank of the group."""
     if type(async_op) is not bool:  # (bool("False") is True)

@@ -1023,3 +1023,122 @@ def test_buffers_and_frozen_parameters_load_whole_or_not_at_all(tmp_path):
         assert "nothing was loaded" in out["other size"]
         for name in ("no running stats", "frozen renamed", "other size"):
             assert out[name + " unchanged"], name
+
+
+def _rank_refused_loads(ckpt):
+    """2 ranks. Loads that one rank refuses (its app_state names what the checkpoint lacks, its files unreadable)
+    or every rank refuses (meta.json's hyperparameters not the optimizer's kind or refused by it, `latest` naming
+    no step directory): an error on every rank, naming the rank, and nothing changed anywhere; a step save
+    cannot write back; then the checkpoint loads and the load restores the saved values."""
+    pz.init(timeout=20)
+    me = pz.get_rank()
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=LR, weight_decay=WD)
+    x, y = (t.chunk(2)[me] for t in batch(0))
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    out = {"big_step": outcome(lambda: pz.checkpoint.save(ckpt, model, opt, 2**62 + 1))}
+    pz.checkpoint.save(ckpt, model, opt, 1, app_state={"pos": 3})
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, shard_state(opt))
+    pz.checkpoint.save(os.path.join(ckpt, "max"), model, opt, 2**62)  # the largest step: it loads back
+    out["max_step"] = pz.checkpoint.load(os.path.join(ckpt, "max"), model, opt)
+    x, y = (t.chunk(2)[me] for t in batch(1))  # a step on from the checkpoint: a load would change it all
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for grp in opt.param_groups:
+        grp["lr"] = 0.5 * LR
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, shard_state(opt), [LR * 0.5])
+
+    def same_shard(a, b):
+        return all(x[:3] == y[:3] and torch.equal(x[3], y[3]) and sorted(x[4]) == sorted(y[4])
+                   and all(torch.equal(x[4][k], y[4][k]) for k in x[4]) for x, y in zip(a, b))
+
+    def unchanged():
+        return all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items()) and same_shard(
+            shard_state(opt), before[1]) and [g["lr"] for g in opt.param_groups] == before[2]
+
+    def refused(case, call):
+        out[case] = outcome(call)
+        out[case + "/unchanged"] = unchanged()
+
+    refused("app_state_rank1", lambda: pz.checkpoint.load(ckpt, model, opt, app_state={"pos": 0} if me == 0 else
+                                                          {"zz": 0}))
+    real = pz.checkpoint._read
+    if me == 1:
+        def unreadable(step_dir, meta):
+            raise pz.checkpoint.CheckpointCorrupt(f"checkpoint file {step_dir}/rank00000.pt is unreadable (test)")
+        pz.checkpoint._read = unreadable
+    refused("unreadable_rank1", lambda: pz.checkpoint.load(ckpt, model, opt))
+    pz.checkpoint._read = real
+    meta_path = os.path.join(ckpt, "step_00000001", "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for case, key, value in [("negative_lr", "lr", -5.0), ("three_betas", "betas", [0.9, 0.99, 0.5]),
+                             ("text_lr", "lr", "fast"), ("negative_wd", "weight_decay", -1.0)]:
+        pz.barrier()
+        if me == 0:
+            with open(meta_path, "w") as f:
+                json.dump(dict(meta, param_groups=[dict(meta["param_groups"][0], **{key: value})]), f)
+        pz.barrier()
+        refused(case, lambda: pz.checkpoint.load(ckpt, model, opt))
+    pz.barrier()
+    if me == 0:
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+    for name in ("foo", "", "../max"):
+        pz.barrier()
+        if me == 0:
+            with open(os.path.join(ckpt, "latest"), "w") as f:
+                f.write(name)
+        pz.barrier()
+        refused(f"latest_{name}", lambda: pz.checkpoint.load(ckpt, model, opt))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out["fallback_step"] = pz.checkpoint.load(ckpt, model, opt, fallback=True)
+    out["fallback_warnings"] = [str(w.message) for w in seen]
+    out["loaded"] = ({k: v.clone() for k, v in model.state_dict().items()}, shard_state(opt))
+    out["loaded_lr"] = [g["lr"] for g in opt.param_groups]
+    out["saved"] = saved
+    return out
+
+
+def test_refused_loads_change_nothing_on_any_rank(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    got = [r.value for r in run_ranks(_rank_refused_loads, 2, args=(ckpt,), timeout=90)]
+    corrupt_meta = "step_00000001/meta.json': param_groups[0]"
+
+    def both(kind, words):
+        return kind, words, words
+    want = {  # case: (exception, words on rank 0, words on rank 1)
+        "app_state_rank1": ("ValueError", ["group rank(s) [1]", "holds no ['zz']", "nothing was loaded on any rank"],
+                            ["holds no ['zz']", "nothing was loaded"]),
+        "unreadable_rank1": ("CheckpointCorrupt", ["group rank(s) [1]", "unreadable (test)"], ["unreadable (test)"]),
+        "negative_lr": both("CheckpointCorrupt", [corrupt_meta, "lr=-5.0", "AdamW rejects it", "learning rate"]),
+        "three_betas": both("CheckpointCorrupt", [corrupt_meta + "['betas'] is [0.9, 0.99, 0.5]", "(0.9, 0.999)"]),
+        "text_lr": both("CheckpointCorrupt", [corrupt_meta + "['lr'] is 'fast'"]),
+        "negative_wd": both("CheckpointCorrupt", [corrupt_meta, "weight_decay=-1.0", "AdamW rejects it"]),
+        "latest_foo": both("CheckpointCorrupt", ["latest' is damaged: it names 'foo'", "nothing was loaded"]),
+        "latest_": both("CheckpointCorrupt", ["latest' is damaged: it names ''"]),
+        "latest_../max": both("CheckpointCorrupt", ["latest' is damaged: it names '../max'"]),
+    }
+    for rank, out in enumerate(got):
+        kind, msg = out["big_step"]
+        assert kind == "ValueError" and "step: expected at most 2**62" in msg, msg
+        assert out["max_step"] == 2**62
+        for case, (etype, *words) in want.items():
+            kind, msg = out[case]
+            assert kind == etype and all(w in msg for w in words[rank]), (rank, case, kind, msg)
+            assert out[case + "/unchanged"], (rank, case)
+        assert out["fallback_step"] == 1
+        assert len(out["fallback_warnings"]) == 1 and "'../max'" in out["fallback_warnings"][0]
+        assert_same(out["loaded"][0], out["saved"][0])  # the weights saved, on every rank
+        for a, b in zip(out["loaded"][1], out["saved"][1]):  # and this rank's shard: masters and moments
+            assert a[:3] == b[:3] and torch.equal(a[3], b[3]) and sorted(a[4]) == sorted(b[4])
+            assert all(torch.equal(a[4][k], b[4][k]) for k in a[4])
+        assert out["loaded_lr"] == [LR]
+    # consolidate and the command line refuse the damaged `latest` as clearly
+    with pytest.raises(pz.checkpoint.CheckpointCorrupt, match="latest' is damaged: it names '../max'"):
+        pz.checkpoint.consolidate(ckpt)
+    with pytest.raises(SystemExit) as info:
+        pz.checkpoint.main(["consolidate", ckpt, str(tmp_path / "full.pt")])
+    assert "latest' is damaged: it names '../max'" in str(info.value.code) and not (tmp_path / "full.pt").exists()

@@ -1561,3 +1561,113 @@ def test_stage3_refuses_an_in_place_weight_change_in_forward():
         kind, msg = r.value
         assert kind == "RuntimeError" and msg.startswith("parameters ['0.weight']: changed in place during their "
                                                         "module's forward"), msg
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _tiny_step(model, opt, i):
+    g = torch.Generator().manual_seed(100 + i)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 3, generator=g)
+    me = pz.get_rank()
+    opt.zero_grad()
+    F.mse_loss(model(x[2 * me:2 * me + 2]), y[2 * me:2 * me + 2]).backward()
+    opt.step()
+
+
+def _rank_bad_state_dicts_and_disagreeing_optimizers():
+    """2 ranks. load_state_dict of dicts that do not fit (on both ranks, or on rank 1 only): refused on every
+    rank, nothing changed (weights, inner state); the saved dict then loads and replays the same step. Then
+    ZeroOptimizers whose ranks were given different optimizers or hyperparameters: refused on every rank at
+    construction, naming them, with the model untouched."""
+    pz.init(timeout=20)
+    me = pz.get_rank()
+    model = _tiny()
+    opt = pz.ZeroOptimizer(model, AdamW, stage=2, lr=1e-2)
+    _tiny_step(model, opt, 0)
+    sd = copy.deepcopy(opt.state_dict())
+    _tiny_step(model, opt, 1)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def snapshot():
+        return ([leaf.detach().clone() for _, leaf, _ in opt.pieces],
+                [{k: v.clone() for k, v in opt.inner.state[leaf].items()} for _, leaf, _ in opt.pieces],
+                {k: v.clone() for k, v in model.state_dict().items()})
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(
+            sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1], b[1])) and all(
+            torch.equal(v, b[2][k]) for k, v in a[2].items())
+
+    def without(d, key):
+        return {k: v for k, v in d.items() if k != key}
+
+    bad = {  # case: (the dict rank 0 loads, the dict rank 1 loads)
+        "one_element_masters": [dict(sd, master=[t[:1] * 0 + 7 for t in sd["master"]])] * 2,
+        "truncated_masters": [dict(sd, master=sd["master"][:1])] * 2,
+        "no_master_rank1": [sd, without(sd, "master")],
+        "no_inner_rank1": [sd, without(sd, "inner")],
+        "bf16_master_rank1": [sd, dict(sd, master=[t.bfloat16() for t in sd["master"]])],
+        "short_moment_rank1": [sd, dict(sd, inner=dict(sd["inner"], state={
+            i: dict(st, exp_avg=st["exp_avg"][:1]) for i, st in sd["inner"]["state"].items()}))],
+    }
+    out = {}
+    before = snapshot()
+    for case, dicts in bad.items():
+        out[case] = outcome(lambda: opt.load_state_dict(dicts[me]))
+        out[case + "/unchanged"] = same(snapshot(), before)
+    opt.load_state_dict(sd)  # the good one still loads: the step from there is the second step again
+    _tiny_step(model, opt, 1)
+    out["replayed"] = all(torch.equal(v, second[k]) for k, v in model.state_dict().items())
+
+    disagreeing = {  # case: (optimizer class, kwargs) on rank 0 and on rank 1
+        "class": [(AdamW, dict(lr=0.1)), (torch.optim.SGD, dict(lr=0.1))],
+        "lr": [(AdamW, dict(lr=0.1)), (AdamW, dict(lr=0.5))],
+        "betas": [(AdamW, dict(lr=0.1)), (AdamW, dict(lr=0.1, betas=(0.8, 0.999)))],
+    }
+    for case, pair in disagreeing.items():
+        m = _tiny(seed=me)  # other weights on each rank: a construction that went on would broadcast rank 0's
+        mine = {k: v.clone() for k, v in m.state_dict().items()}
+        cls, kw = pair[me]
+        out["disagree_" + case] = outcome(lambda: pz.ZeroOptimizer(m, cls, stage=2, **kw))
+        out["disagree_" + case + "/untouched"] = all(torch.equal(v, mine[k]) for k, v in m.state_dict().items())
+    m = _tiny(seed=me)  # the groups' membership differs: a parameter in another group on rank 1
+    groups = [{"params": [m[0].weight, m[2].weight]}, {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}]
+    if me == 1:
+        groups[0]["params"], groups[1]["params"] = [m[0].weight], [m[0].bias, m[2].weight, m[2].bias]
+    out["disagree_groups"] = outcome(lambda: pz.ZeroOptimizer(m, AdamW, stage=2, lr=0.1, param_groups=groups))
+    m = _tiny(seed=me)
+    pz.ZeroOptimizer(m, AdamW, stage=2, lr=torch.tensor(0.1), betas=(0.8, 0.9))  # agreeing ranks: built
+    out["agreed"] = torch.equal(m[0].weight, _tiny(seed=0)[0].weight)  # (every rank starts from rank 0's)
+    return out
+
+
+def test_bad_state_dicts_and_disagreeing_optimizers_are_refused_on_every_rank():
+    got = [r.value for r in run_ranks(_rank_bad_state_dicts_and_disagreeing_optimizers, 2, timeout=90)]
+    want = {  # case: (words on rank 0, words on rank 1)
+        "one_element_masters": (["'master'[0]", "must be a (", "got (1,)"],) * 2,
+        "truncated_masters": (["'master' must hold one tensor per piece", "got 1 entries"],) * 2,
+        "no_master_rank1": (["rank(s) [1]", "group rank 1", "no 'master'"], ["no 'master'"]),
+        "no_inner_rank1": (["rank(s) [1]", "no 'inner'"], ["no 'inner'"]),
+        "bf16_master_rank1": (["rank(s) [1]", "torch.bfloat16"], ["'master'[0]", "torch.bfloat16"]),
+        "short_moment_rank1": (["rank(s) [1]", "['exp_avg'] has 1 values"], ["['exp_avg'] has 1 values"]),
+    }
+    for rank, out in enumerate(got):
+        for case, words in want.items():
+            kind, msg = out[case]
+            assert kind == "ValueError" and "nothing was loaded on any rank" in msg, (rank, case, msg)
+            assert all(w in msg for w in words[rank]), (rank, case, msg)
+            assert out[case + "/unchanged"], (rank, case)
+        assert out["replayed"]
+        for case, words in {"class": ["optimizer_class", "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD"],
+                            "lr": ["'lr'", "0.1 on group rank 0", "0.5 on group rank 1"],
+                            "betas": ["'betas'", "(0.9, 0.999) on group rank 0", "(0.8, 0.999) on group rank 1"]
+                            }.items():
+            kind, msg = out["disagree_" + case]
+            assert kind == "ValueError" and all(w in msg for w in words), (rank, case, msg)
+            assert out["disagree_" + case + "/untouched"], (rank, case)
+        kind, msg = out["disagree_groups"]
+        assert kind == "ValueError" and "'2.weight'" in msg and "param group 0 on group rank 0" in msg, msg
+        assert out["agreed"]

@@ -12,6 +12,8 @@ groups (lr, weight_decay) carry over exactly and elementwise optimizers
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
 import sys
 import warnings
 import weakref
@@ -29,7 +31,7 @@ from . import offload as _offload
 from . import gathered as _gathered
 from .partition import FlatLayout, Piece, trainable
 from .scaler import LossScaler
-from ..checks import check_bool, is_positive_finite, is_real
+from ..checks import check_bool, digest, is_int, is_positive_finite, is_real
 
 _PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -338,7 +340,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._front, self._front_of = None, None  # delayed_update: param_groups and the inner list they mirror
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
         self._group_of = self._assign_groups(param_groups)
-        _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)  # bad kwargs raise before any change
+        # bad kwargs raise before any change, and so do ranks given different optimizers or settings
+        probe = _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)
+        self._check_same_optimizer(optimizer_class, probe)
+        self._optimizer_class = optimizer_class  # (settings restored from a checkpoint are tried on it first)
         if optimizer_class not in _ELEMENTWISE:
             why = elementwise_mismatch(optimizer_class, optimizer_kwargs, param_groups)
             if why is not None:
@@ -438,6 +443,70 @@ class ZeroOptimizer(torch.optim.Optimizer):
         model.register_forward_pre_hook(ModelHook(self._before_forward))
 
     # ---- set-up -------------------------------------------------------------
+
+    def _check_same_optimizer(self, optimizer_class, probe) -> None:
+        """Raise on every rank unless every rank of the group builds the same optimizer class with the same
+        settings in each param group (lr, betas, weight_decay, ...: each rank steps its own shard with them) and
+        the same parameters in each group. One all_gather of a digest; a second, of every rank's settings as
+        text, only to name what differs."""
+        def shown(v):
+            if torch.is_tensor(v):
+                v = v.detach().cpu().tolist()
+            if isinstance(v, (tuple, list)):
+                return "(" + ", ".join(shown(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+            return repr(v) if v is None or isinstance(v, (bool, int, float, str)) else type(v).__qualname__
+        about = {"optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+                 "param_groups": [{k: shown(v) for k, v in sorted(g.items()) if k != "params"}
+                                  for g in probe.param_groups],
+                 "group_of": [self._group_of[id(p)] for p in self.params]}
+        text = json.dumps(about, sort_keys=True).encode()
+        rows = comm.every_rank([digest(text, 7), len(text)], group=self.group)
+        if bool((rows[:, 0] == rows[0, 0]).all()):
+            return
+        mine = torch.zeros(int(rows[:, 1].max()), dtype=torch.int32)
+        mine[:len(text)] = torch.tensor(list(text), dtype=torch.int32)
+        every = comm.every_rank(mine, torch.int32, self.group)
+        ranks = [json.loads(bytes(c for c in row.tolist() if c).decode()) for row in every]
+
+        def differ(what, values):
+            shown_ = ", ".join(f"{v} on group rank {r}" for r, v in enumerate(values))
+            return ValueError(f"{what} differs between the ranks of the group {list(self.group.ranks)} ({shown_}); "
+                              "every rank must build its ZeroOptimizer with the same optimizer and settings (each "
+                              "steps its shard of the parameters with its own)")
+        for key in ("optimizer_class",):
+            if len({a[key] for a in ranks}) > 1:
+                raise differ("optimizer_class", [a[key] for a in ranks])
+        counts = [len(a["param_groups"]) for a in ranks]
+        if len(set(counts)) > 1:
+            raise differ("the number of param groups", counts)
+        for i, n in enumerate(ranks[0]["group_of"]):
+            if any(a["group_of"][i] != n for a in ranks):
+                raise differ(f"the param group of parameter {self.names[i]!r}",
+                             [f"param group {a['group_of'][i]}" for a in ranks])
+        for i in range(counts[0]):
+            for k in sorted(set().union(*(a["param_groups"][i] for a in ranks))):
+                values = [a["param_groups"][i].get(k, "(not set)") for a in ranks]
+                if len(set(values)) > 1:
+                    raise differ(f"{k!r}" + (f" of param group {i}" if counts[0] > 1 else ""), values)
+        raise differ("the optimizer's settings", ["(not shown)"] * len(ranks))  # (a value's text is cut short)
+
+    def _settings_problem(self, i: int, settings: dict) -> str | None:
+        """Why the optimizer class refuses `settings` (a checkpoint's) for param group i, or None: it is built
+        once on a dummy tensor with the group's settings so changed, those it takes as arguments passed as
+        arguments (torch checks lr, betas, weight_decay, ... there, not in a param group)."""
+        cls = self._optimizer_class
+        try:
+            names = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        except (TypeError, ValueError):
+            names = set()
+        group = {k: v for k, v in dict(self.param_groups[i], **settings).items() if k != "params"}
+        kwargs = {k: v for k, v in group.items() if k in names}
+        try:
+            cls([dict({k: v for k, v in group.items() if k not in names}, params=[nn.Parameter(torch.zeros(1))])],
+                **kwargs)
+        except (TypeError, ValueError) as e:
+            return f"{cls.__name__} rejects it: {e}"
+        return None
 
     def _check_devices(self):
         """All trainable parameters on one device, the one the group's backend works on: the CPU
@@ -1515,24 +1584,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def _load_state_dict(self, sd: dict) -> None:
+        # Every rank calls it (the parameters are gathered at the end): each checks its dict against its shard,
+        # then the ranks agree before anything changes; a rank whose dict is bad names what is wrong, the
+        # others name that rank, and nothing is loaded on any rank.
         error = None
-        if not isinstance(sd, dict):
-            error = TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
-        elif sd.get("pieces") != [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]:
-            error = ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model; "
-                               "ZeroOptimizer.state_dict() holds one rank's shard, each rank loads its own); use "
-                               "pz.checkpoint.load to reshard")
-        # Every rank calls it (the parameters are gathered at the end): all refuse together, before any change.
-        flags = comm.every_rank([int(error is not None)], group=self.group)[:, 0]
-        if error is not None:
-            raise error
-        bad = flags.nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"state_dict: rank(s) {bad} of the group got a state_dict that does not fit their shard "
-                             "(each rank must load the one it saved); nothing was loaded on any rank")
-        self._settle()
-        self._before_host_writes()
-        self.inner.load_state_dict(sd["inner"])  # (first: it checks the param groups before changing anything)
+        try:
+            self._check_state_dict(sd)
+        except (TypeError, ValueError) as e:
+            error = e
+        loaded = False
+        if error is None:
+            self._settle()
+            self._before_host_writes()
+            old = (self.inner.state, self.inner.param_groups)  # (torch's load replaces both, changing neither)
+            try:
+                self.inner.load_state_dict(sd["inner"])
+                loaded = True
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                self.inner.state, self.inner.param_groups = old
+                error = e
+        failed = comm.failed_ranks(error, self.group)
+        if failed:
+            if loaded:
+                self.inner.state, self.inner.param_groups = old
+            said = None if error is None else comm.error_text(error)
+            others = "; ".join(f"group rank {r}: {msg}" for r, msg in failed if r != self.rank and msg != said)
+            if error is not None:
+                try:
+                    said = type(error)(f"{error}{f' (and {others})' if others else ''}; nothing was loaded on any rank")
+                except Exception:  # noqa: BLE001 - an exception type that takes other arguments: as it is
+                    raise error from None
+                raise said from error
+            raise ValueError(f"state_dict: rank(s) {[r for r, _ in failed]} of the group got a state_dict that does "
+                             f"not fit their shard ({others}); nothing was loaded on any rank")
         with torch.no_grad():
             for (_, leaf, _), t in zip(self.pieces, sd["master"]):
                 leaf.copy_(t)
@@ -1540,6 +1624,59 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(sd["scaler"])
         self._refresh_low()
         self._publish_parameters()
+
+    def _check_state_dict(self, sd) -> None:
+        """A TypeError or ValueError naming what of `sd` does not fit this rank's shard (state_dict()'s layout)."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"state_dict: expected the dict of ZeroOptimizer.state_dict(), got {type(sd).__name__}")
+        if sd.get("pieces") != [(pc.name, pc.start, pc.end) for pc, _, _ in self.pieces]:
+            raise ValueError("state_dict: it was saved for a different shard (rank, world size, stage or model; "
+                             "ZeroOptimizer.state_dict() holds one rank's shard, each rank loads its own); use "
+                             "pz.checkpoint.load to reshard")
+        for key in ("master", "inner"):
+            if key not in sd:
+                raise ValueError(f"state_dict: it has no {key!r} (expected the dict of ZeroOptimizer.state_dict())")
+        master = sd["master"]
+        if not isinstance(master, (list, tuple)) or len(master) != len(self.pieces):
+            got = f"{len(master)} entries" if isinstance(master, (list, tuple)) else f"a {type(master).__name__}"
+            raise ValueError(f"state_dict: 'master' must hold one tensor per piece of this rank's shard "
+                             f"({len(self.pieces)}), got {got}")
+        for i, ((pc, leaf, _), t) in enumerate(zip(self.pieces, master)):
+            if not torch.is_tensor(t) or t.shape != leaf.shape or t.dtype != leaf.dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(f"state_dict: 'master'[{i}] ({pc.name}[{pc.start}:{pc.end}]) must be a "
+                                 f"{tuple(leaf.shape)} {leaf.dtype} tensor, got {got}")
+        inner = sd["inner"]
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not (isinstance(groups, list) and isinstance(inner.get("state"), dict)
+                and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+            raise ValueError("state_dict: 'inner' must be the inner optimizer's state_dict() ({'state': {...}, "
+                             "'param_groups': [{'params': [...], ...}]})")
+        mine = self.inner.param_groups
+        if len(groups) != len(mine):
+            raise ValueError(f"state_dict: 'inner' has {len(groups)} parameter groups, the optimizer has {len(mine)}")
+        leaf_of = {}
+        for i, (g, m) in enumerate(zip(groups, mine)):
+            if len(g["params"]) != len(m["params"]):
+                raise ValueError(f"state_dict: 'inner' parameter group {i} holds {len(g['params'])} parameters, "
+                                 f"the optimizer's holds {len(m['params'])}")
+            leaf_of.update(zip(g["params"], m["params"]))
+        for k, st in inner["state"].items():
+            if k not in leaf_of or not isinstance(st, dict):
+                raise ValueError(f"state_dict: 'inner' state {k!r} is not {{name: value}} of one of its "
+                                 "parameter groups' parameters")
+            leaf = leaf_of[k]
+            for name, v in st.items():  # elementwise state (exp_avg, ...) is laid out like its piece
+                if torch.is_tensor(v) and v.dim() >= 1 and v.is_floating_point() and not name.endswith("_absmax") \
+                        and v.numel() != leaf.numel():
+                    raise ValueError(f"state_dict: 'inner' state {k!r}[{name!r}] has {v.numel()} values, its "
+                                     f"piece of the shard {leaf.numel()}")
+        scaler = sd.get("scaler")
+        if self.scaler is not None and scaler is not None and not (
+                isinstance(scaler, dict) and is_positive_finite(scaler.get("scale"))
+                and all(is_int(scaler.get(k)) and scaler[k] >= 0 for k in ("good_steps", "skipped"))):
+            raise ValueError("state_dict: 'scaler' must be {'scale': a positive number, 'good_steps', 'skipped': "
+                             "integers >= 0}")
 
     @torch.no_grad()
     def full_state_dict(self) -> dict | None:
@@ -1817,10 +1954,11 @@ def gathered_parameters(params, modifier_rank=None):
 
 
 def _probe_optimizer(optimizer_class, kwargs, param_groups):
-    """Build the inner optimizer once on a dummy tensor, so bad kwargs fail before the model is touched."""
+    """Build the inner optimizer once on a dummy tensor, so bad kwargs fail before the model is touched; returns it
+    (its param_groups: the settings each group steps with, defaults filled in)."""
     groups = [dict(g, params=[nn.Parameter(torch.zeros(1))]) for g in (param_groups or [{}])]
     try:
-        optimizer_class(groups, **kwargs)
+        return optimizer_class(groups, **kwargs)
     except (TypeError, ValueError) as e:
         raise type(e)(f"optimizer_kwargs/param_groups: {optimizer_class.__name__} rejected them: {e}") from e
 

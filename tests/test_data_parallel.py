@@ -835,10 +835,12 @@ def _rank_offload_threads():
     got = {}
     for threads in (None, 1, 2):
         model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-        runner = bench._setup_zero(2, "cpu")(model, SimpleNamespace(bucket_mb=1.0, offload_threads=threads))
+        args = SimpleNamespace(bucket_mb=1.0, offload_threads=threads, comm_dtype=None)
+        runner = bench._setup_zero(2, "cpu")(model, args)
         inner = runner.optimizer.inner
         got[threads] = (type(inner).__module__ + "." + type(inner).__name__, inner.threads)
-    plain = bench._setup_zero(2)(nn.Linear(4, 2), SimpleNamespace(bucket_mb=1.0, offload_threads=1)).optimizer.inner
+    args = SimpleNamespace(bucket_mb=1.0, offload_threads=1, comm_dtype=None)
+    plain = bench._setup_zero(2)(nn.Linear(4, 2), args).optimizer.inner
     got["no offload"] = (type(plain).__module__ + "." + type(plain).__name__, getattr(plain, "threads", None))
     return got
 

@@ -22,8 +22,11 @@
 // the next call, wait() or synchronize() raises CollectiveTimeout. A mismatch
 // does not (every rank skipped that call alike): CollectiveError is raised by
 // the first host wait (synchronize(), a barrier) for work issued after it, on
-// every rank alike. close() sets the abort word, so kernels still waiting for
-// peers end, then frees everything.
+// every rank alike; unless the ranks ran the mismatched call as different
+// numbers of launches or blocks (calls apart: a fault, see ipc_protocol.h). Once
+// a rank's status holds a fault its kernels do nothing. close() sets the abort
+// word, so kernels still waiting for peers end, then frees everything (after a
+// normal close, when no peer reads or writes this rank's buffer any more).
 #pragma once
 
 #include <cstdint>

@@ -153,6 +153,7 @@ struct IpcSignals {
   // Written by this rank's own blocks only (see [Note: ipc failures]):
   uint64_t launches[kIpcMaxBlocks];             // launches[b]: this rank's ipc kernels (any) block b began
   uint64_t claimed[2];                          // the launch whose failure IpcStatus::fault / mismatch holds
+  uint64_t blocks;                              // this rank's blocks per kernel (set-up: the peers check it)
 };
 // IpcSignals::closed[p]: p announced that its closing barrier (a collective, kIpcClose) is the only
 // kernel it still runs; p left (no kernel of it runs any more, its flags are final).

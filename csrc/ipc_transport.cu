@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -545,6 +546,7 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   int sms = 0;
   PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   m.nblocks = ipc_blocks(sms, cfg.sharing);  // (every block resident at once, several processes per GPU)
+  if (cfg.blocks > 0) m.nblocks = std::min(cfg.blocks, kIpcMaxBlocks);  // the group's (see IpcConfig::blocks)
   // Point-to-point channels (see [Note: ipc point-to-point channels]): a lane per block, slots of at
   // least 256 bytes (16-byte multiples).
   m.cfg.p2p_slots = std::max<uint64_t>(2, cfg.p2p_slots);
@@ -555,6 +557,8 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   m.cfg.p2p_bytes = round_up(std::max<uint64_t>(cfg.p2p_bytes, 256), 16);
   if (size > 1) PZ_CUDA_CHECK(cudaMalloc(&m.ring_stage, 2 * m.cfg.p2p_bytes));
   PZ_CUDA_CHECK(cudaMemset(m.mine, 0, sig_bytes()));
+  const uint64_t blocks = uint64_t(m.nblocks);  // for the peers' check at connect
+  PZ_CUDA_CHECK(cudaMemcpy(m.mine + offsetof(IpcSignals, blocks), &blocks, sizeof(blocks), cudaMemcpyHostToDevice));
   PZ_CUDA_CHECK(cudaHostAlloc(&m.status_host, sizeof(IpcStatus), cudaHostAllocMapped));
   std::memset(static_cast<void*>(m.status_host), 0, sizeof(IpcStatus));
   PZ_CUDA_CHECK(cudaHostGetDevicePointer(&m.status_dev, m.status_host, 0));
@@ -602,6 +606,19 @@ void IpcTransport::connect(const std::vector<std::string>& handles) {
                             "'s buffer (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
                             "); CUDA IPC needs both processes on one host with the GPUs visible to each other");
     m.bases[p] = static_cast<char*>(ptr);
+  }
+  // Every rank's kernels must run the same blocks (block b only meets block b of its peers): a rank
+  // with more would wait for blocks that never come ([Note: ipc calls apart]).
+  for (int p = 0; p < m.size; ++p) {
+    if (p == m.rank) continue;
+    uint64_t theirs = 0;
+    PZ_CUDA_CHECK(cudaMemcpy(&theirs, m.bases[p] + offsetof(IpcSignals, blocks), sizeof(theirs),
+                             cudaMemcpyDeviceToHost));
+    if (theirs != uint64_t(m.nblocks))
+      throw CollectiveError("ipc backend: rank " + std::to_string(p) + "'s kernels run " + std::to_string(theirs) +
+                            " blocks, rank " + std::to_string(m.rank) + "'s " + std::to_string(m.nblocks) +
+                            " (each from its GPU's SM count); every rank of a group must run the same: pass the "
+                            "group's smallest as IpcConfig::blocks (pyzero's ipc backend does)");
   }
   m.connected = true;
 }

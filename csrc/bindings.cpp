@@ -570,15 +570,16 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<IpcTransport>(m, "IpcComm")
       .def(py::init([](int rank, int size, int device, double timeout_s, uint64_t area_bytes, uint64_t oneshot_bytes,
-                       uint64_t p2p_bytes, uint64_t p2p_slots, int sharing, bool system_scope) {
+                       uint64_t p2p_bytes, uint64_t p2p_slots, int sharing, bool system_scope, int blocks) {
              py::gil_scoped_release nogil;
-             return std::make_unique<IpcTransport>(rank, size, device,
-                                                   IpcConfig{timeout_s, area_bytes, oneshot_bytes, p2p_bytes,
-                                                             p2p_slots, sharing, system_scope});
+             IpcConfig cfg{timeout_s, area_bytes, oneshot_bytes, p2p_bytes, p2p_slots, sharing};
+             cfg.blocks = blocks;
+             cfg.system_scope = system_scope;
+             return std::make_unique<IpcTransport>(rank, size, device, cfg);
            }),
            py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout_s"), py::arg("area_bytes"),
            py::arg("oneshot_bytes"), py::arg("p2p_bytes") = uint64_t(4) << 20, py::arg("p2p_slots") = 4,
-           py::arg("sharing") = 1, py::arg("system_scope") = false)
+           py::arg("sharing") = 1, py::arg("system_scope") = false, py::arg("blocks") = 0)
       .def("handle", [](IpcTransport& t) { return py::bytes(t.handle()); })
       .def("connect", [](IpcTransport& t, const std::vector<py::bytes>& hs) {
         std::vector<std::string> v(hs.begin(), hs.end());

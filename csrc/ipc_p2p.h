@@ -1,8 +1,8 @@
 // ipc_p2p.h — point-to-point (send, recv, batch_isend_irecv) of the "ipc"
 // backend: one body that runs on the GPU (ipc_transport.cu, one kernel launch
 // per call or batch) and on CPU threads (tests/ipc_p2p_on_cpu.cpp). Same
-// executor X as ipc_protocol.h, plus fail_p2p and p2p_state() (an array of
-// kIpcMaxP2POps IpcP2PState shared by the block's threads).
+// executor X as ipc_protocol.h, plus p2p_state() (an array of kIpcMaxP2POps
+// IpcP2PState shared by the block's threads).
 //
 // [Note: ipc point-to-point channels]
 // A channel per ordered pair (src -> dst) lives in the receiver's registered
@@ -40,7 +40,12 @@
 // Both sides compare the two descriptors (bytes, dtype, blocks, slot size)
 // before any data moves: a mismatch is recorded on both ranks (naming the peer
 // and both sizes), both skip the message's data alike (their piece counts stay
-// equal) and the channel goes on with the next message.
+// equal) and the channel goes on with the next message. Except where the two
+// ends' kernels run different block counts, or the message is one of a ring
+// collective's (algo="ring", p2p_ring.h: its descriptor holds a hash of the whole
+// call, IpcP2PCall::call): then the ranks would run different numbers of messages
+// and launches, their later ones pairing with each other's other calls, so both
+// record kIpcApart, a fault that breaks the group ([Note: ipc calls apart]).
 // Why two descriptor slots suffice: the sender writes sdesc[(m + 2) % 2] only
 // after its message m + 1 saw posted >= m + 1, which the receiver stores after
 // it finished message m (reading sdesc[m % 2] included); symmetrically the
@@ -75,11 +80,12 @@ struct IpcP2PDesc {
   int32_t blocks;
   int64_t slot_bytes;
   int64_t slots;
+  uint64_t call;  // IpcP2PCall::call
 };
 
 PZ_HD bool ipc_same_p2p_desc(const IpcP2PDesc& a, const IpcP2PDesc& b) {
   return a.bytes == b.bytes && a.dtype == b.dtype && a.blocks == b.blocks && a.slot_bytes == b.slot_bytes &&
-         a.slots == b.slots;
+         a.slots == b.slots && a.call == b.call;
 }
 
 // Each rank's point-to-point signals ([b][p]: block b, peer p). See [Note: ipc point-to-point channels].
@@ -121,8 +127,9 @@ struct IpcP2PCall {
   char* chans[kIpcMaxRanks];          // every rank's incoming channels
   IpcStatus* status;
   const uint32_t* abort;
-  const uint64_t* closed;  // this rank's IpcSignals::closed (see [Note: a peer that closed])
+  IpcSignals* own;  // this rank's: closed (see [Note: a peer that closed]), the failure claims
   IpcP2POp ops[kIpcMaxP2POps];
+  uint64_t call;  // a ring collective's launch: a hash of the whole call (nonzero; else 0)
   uint64_t chan_bytes;  // one channel: blocks * slots * slot_bytes
   uint64_t slot_bytes;
   uint64_t seq;
@@ -158,6 +165,7 @@ struct IpcP2PState {
 template <typename X>
 PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
   const int b = x.block(), nb = x.nblocks(), me = c.rank, t0 = x.tid();
+  if (!ipc_begin(x, c.status, c.own)) return false;
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const uint64_t slots = uint64_t(c.slots);
   IpcP2PSignals* own = c.sigs[me];
@@ -172,7 +180,7 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
     if (t0 == 0) x.store_release(f, v);
   };
   auto desc_of = [&](const IpcP2POp& o) {
-    return IpcP2PDesc{o.bytes, o.dtype, nb, int64_t(c.slot_bytes), int64_t(c.slots)};
+    return IpcP2PDesc{o.bytes, o.dtype, nb, int64_t(c.slot_bytes), int64_t(c.slots), c.call};
   };
   auto finish = [&](const IpcP2POp& o, IpcP2PState& s) {  // the channel end's counts, for the next message
     s.phase = 3;
@@ -215,9 +223,19 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
       const IpcP2PDesc theirs = o.is_send ? own->rdesc[s.m % 2][b][p] : own->sdesc[s.m % 2][b][p];
       const IpcP2PDesc mine = desc_of(o);
       if (!ipc_same_p2p_desc(theirs, mine)) {
-        if (t0 == 0)
-          x.fail_p2p(c.status, kIpcMismatch, p, s.m, c.seq, o.is_send ? kIpcP2PSendPost : kIpcP2PRecvSend, o.bytes,
-                     theirs.bytes, o.dtype, theirs.dtype);
+        if (t0 == 0) {
+          // (both ends compare the same two descriptors: they classify it alike)
+          const bool apart = theirs.blocks != mine.blocks || theirs.call != 0 || mine.call != 0;
+          IpcFailure f = ipc_failure(apart ? kIpcApart : kIpcMismatch, p, s.m, c.seq);
+          f.p2p = o.is_send ? kIpcP2PSendPost : kIpcP2PRecvSend;
+          f.bytes = o.bytes;
+          f.peer_bytes = theirs.bytes;
+          f.dtype = o.dtype;
+          f.peer_dtype = theirs.dtype;
+          f.blocks = mine.blocks;
+          f.peer_blocks = theirs.blocks;
+          ipc_fail(x, c.status, c.own, f);
+        }
         s.npieces = 0;
         finish(o, s);
         return true;
@@ -279,7 +297,7 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
       for (int i = 0; i < c.nops && code == kIpcOk; ++i) {
         const IpcP2POp& o = c.ops[i];
         if (st[i].phase == 3 || (o.prev >= 0 && st[o.prev].phase != 3)) continue;
-        if (x.load_acquire(&c.closed[o.peer]) == 0) continue;
+        if (x.load_acquire(&c.own->closed[o.peer]) == 0) continue;  // (closing or left: no p2p kernel follows)
         if (closed_seen & (1u << o.peer)) {  // closed before the round that just moved nothing
           code = kIpcPeerClosed;
           closed_peer = o.peer;
@@ -298,7 +316,11 @@ PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
         if (code == kIpcPeerClosed && o.peer != closed_peer) continue;
         const int32_t what = o.is_send ? (s.phase == 1 ? kIpcP2PSendPost : kIpcP2PSendSlot)
                                        : (s.phase == 1 ? kIpcP2PRecvSend : kIpcP2PRecvData);
-        x.fail_p2p(c.status, code, o.peer, s.m, c.seq, what, o.bytes, 0, o.dtype, 0);
+        IpcFailure f = ipc_failure(code, o.peer, s.m, c.seq);
+        f.p2p = what;
+        f.bytes = o.bytes;
+        f.dtype = o.dtype;
+        ipc_fail(x, c.status, c.own, f);
         break;
       }
     }

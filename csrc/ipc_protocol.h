@@ -51,23 +51,48 @@
 // not has left the group: reported as kIpcPeerClosed, which breaks the group
 // (that peer runs no further call).
 //
+// [Note: ipc calls apart]
+// A mismatched call is skipped alike only where every rank runs it as the same number of launches,
+// each taking one epoch, with the same blocks. Where the ranks cut it into different numbers of pieces
+// (an all_reduce of 5M elements in f64 on one rank and f32 on another, across the 32 MiB area), the
+// rank with more would run extra launches, each taking a new epoch: its later calls would pair with
+// the peers' earlier ones and, where their descriptors happen to agree, reduce data of different calls
+// with no error. So every piece's descriptor holds the whole call's chunks (call_hash) and launch count,
+// and the kernel's block count: every piece of a mismatched call, its first one included, sees the
+// difference; where the launch or block counts differ, every rank records kIpcApart, a fault (every
+// rank sees a difference in a count where not all ranks agree on it): the group is unusable, and the
+// launches queued after it do nothing (ipc_begin), the extra pieces of the rank with more included. A
+// block that has no counterpart on a peer (more blocks on this rank) can only time out; the transport
+// refuses such a group at connect (IpcTransport::connect), and the Python layer agrees on the group's
+// smallest block count at set-up.
+//
 // Faults: every wait also watches a deadline (timeout_ns from the kernel's
 // start) and the host's abort word; either ends the wait, records which peer
 // never arrived in the status, and the block returns. The group is then
 // broken (the host refuses further calls).
 //
 // [Note: a peer that closed]
-// A rank that closes the group stores 1 into closed[rank] of every peer's signals once its own
-// kernels have ended (a kernel after them on the group's stream, so the host does not wait), before
-// its closing barrier (IpcTransport::barrier with closing, else in close()). It runs no call after that. A wait that makes no progress
-// looks, at the same rare check as the deadline, whether the peer it waits on closed, and if so
-// goes round once more: the closing rank wrote every flag of its calls before `closed` (read
-// with acquire), so a flag it did write still arrives, and an operation it completed before
-// leaving (a point-to-point message already in this rank's channel) still finishes. Only a wait
-// still stuck at the next check fails, with kIpcPeerClosed naming the peer, instead of running
-// to the deadline: a collective waiting for a peer that will never call again (a closing
-// barrier met by a peer that failed and left), a send or receive whose peer left (ipc_p2p.h).
-// A peer that dies without closing is still found only at the deadline.
+// A rank that closes the group stores into closed[rank] of every peer's signals once its own
+// kernels have ended (a kernel after them on the group's stream, so the host does not wait):
+// kIpcClosing before its closing barrier (IpcTransport::barrier with closing), the only kernel it
+// runs after that; kIpcLeft where it leaves without one (close() of a broken group). A wait that
+// makes no progress looks, at the same rare check as the deadline, whether the peer it waits on
+// closed, and if so goes round once more: the closing rank wrote every flag of its calls before
+// `closed` (read with acquire), so a flag it did write still arrives, and an operation it completed
+// before leaving (a point-to-point message already in this rank's channel) still finishes. Only a
+// wait still stuck at the next check fails, with kIpcPeerClosed naming the peer, instead of running
+// to the deadline: a collective waiting for a peer that left (a closing barrier met by a peer that
+// failed and left), a send or receive whose peer closed or left (ipc_p2p.h: no point-to-point kernel
+// of it runs again). A collective's wait on a peer that is closing (kIpcClosing) goes on: that
+// peer's closing barrier still signals (it meets this rank's closing barrier, or, in another call,
+// tells it that the peer left: kIpcPeerClosed from the descriptors). A peer that dies without
+// closing is still found only at the deadline.
+//
+// [Note: a normal close]
+// The closing barrier, where every rank runs it (all descriptors kIpcClose), has a second phase: each
+// block signals mid and waits for every peer's, after reading their descriptors. So once a rank's
+// closing barrier completed, every peer has read all it reads of this rank's buffer, and written all it
+// writes there (its closing announcement came before its barrier): the buffer may be freed.
 //
 // Numerics: each output element is reduced once, over the ranks in rank
 // order, in the accumulator type (fp32 for fp16/bf16), exactly as the shm
@@ -100,24 +125,43 @@ inline int ipc_blocks(int sms, int sharing) {
   return b < 1 ? 1 : b;
 }
 
-// What every rank must agree on for one call (compared after the start barrier).
+// What every rank must agree on for one launch (compared after the start barrier). The whole call's
+// chunks and launch count are in every piece's descriptor, so every piece of a mismatched call sees it
+// (see [Note: ipc calls apart]).
 struct IpcDesc {
   int32_t kind, dtype, op, root;
-  int64_t total;       // elements of the whole buffer (all chunks)
-  uint64_t counts_hash;
+  int64_t total;        // elements of this launch's buffer (all chunks)
+  uint64_t counts_hash;  // of this launch's chunks
+  uint64_t call_hash;   // of the whole call's chunks (ipc_call_hash)
+  int32_t launches;     // the call's launches (ipc_pieces)
+  int32_t blocks;       // the kernel's blocks (set by the kernel itself)
 };
+
+// A hash of a call's chunks (the element counts per rank), as IpcDesc::call_hash / counts_hash hold.
+inline uint64_t ipc_call_hash(const std::vector<int64_t>& counts) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t c : counts) h = (h ^ uint64_t(c)) * 1099511628211ull;
+  return h;
+}
 
 struct IpcSignals {
   uint64_t start[kIpcMaxBlocks][kIpcMaxRanks];  // start[b][p]: written by peer p's block b
   uint64_t mid[kIpcMaxBlocks][kIpcMaxRanks];
   IpcDesc desc[2][kIpcMaxBlocks];               // this rank's descriptor of epoch e at [e % 2][block]
   uint64_t epoch[kIpcMaxBlocks];                // epoch[b]: the last epoch this rank's block b ran
-  uint64_t closed[kIpcMaxRanks];                // closed[p] != 0: peer p closed the group (written by p)
+  uint64_t closed[kIpcMaxRanks];                // closed[p]: peer p closing (kIpcClosing) or left (kIpcLeft)
+  // Written by this rank's own blocks only (see [Note: ipc failures]):
+  uint64_t launches[kIpcMaxBlocks];             // launches[b]: this rank's ipc kernels (any) block b began
+  uint64_t claimed[2];                          // the launch whose failure IpcStatus::fault / mismatch holds
+  uint64_t blocks;                              // this rank's blocks per kernel (set-up: the peers check it)
 };
+// IpcSignals::closed[p]: p announced that its closing barrier (a collective, kIpcClose) is the only
+// kernel it still runs; p left (no kernel of it runs any more, its flags are final).
+enum : uint64_t { kIpcClosing = 2, kIpcLeft = 1 };
 
-// Written by the device, read by the host after the call (host-mapped memory on a GPU).
-struct IpcStatus {
-  uint32_t code;    // kIpcOk, or the first failure
+// One failure (host-mapped memory on a GPU: written by the device, read by the host after the call).
+struct IpcFailure {
+  uint32_t code;    // kIpcOk, or the failure
   int32_t peer;     // timeout: a peer whose flag never came; mismatch: a peer whose call differs;
                     // peer closed: the peer that closed the group
   uint64_t epoch;   // the failed call's epoch (device)
@@ -127,9 +171,31 @@ struct IpcStatus {
   // for a mismatch the peer's
   int32_t p2p, dtype, peer_dtype;
   int64_t bytes, peer_bytes;
+  // kIpcApart: this rank's and the peer's launches of the call (a collective) and blocks per kernel
+  int32_t launches, peer_launches, blocks, peer_blocks;
 };
+
+// [Note: ipc failures]
+// A rank's status holds two records, each the first failure of its class: `fault`, a failure that
+// breaks the group (a timeout, an abort, a peer that closed, calls apart), kept for good; `mismatch`,
+// a call or message that every rank involved skipped alike (the group goes on), cleared by the host
+// once it raised it. So a fault is never hidden behind a mismatch, nor cleared with it. A kernel
+// whose rank's status holds a fault does nothing (ipc_begin): the group is unusable, and a launch
+// already queued behind the failed one neither waits for peers nor pairs with their later calls.
+// First wins: between launches by the kernel boundary (a record already set stays), within one
+// launch by a claim in the rank's own device memory (IpcSignals::claimed, the launch's number
+// IpcSignals::launches: an atomic max, no system-scope atomic on host memory), so two blocks failing
+// at once never mix their records.
+struct IpcStatus {
+  IpcFailure fault;
+  IpcFailure mismatch;
+};
+// The failure a host reports: the fault, else the mismatch.
+PZ_HD const IpcFailure& ipc_reported(const IpcStatus& s) { return s.fault.code != 0u ? s.fault : s.mismatch; }
+
 // kIpcPeerClosed: the peer's call was its closing barrier (kIpcClose) while this rank's was not.
-enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3, kIpcPeerClosed = 4 };
+// kIpcApart: [Note: ipc calls apart].
+enum : uint32_t { kIpcOk = 0, kIpcTimeout = 1, kIpcMismatch = 2, kIpcAborted = 3, kIpcPeerClosed = 4, kIpcApart = 5 };
 
 enum IpcKind : int32_t {
   kIpcAllReduceOneShot = 0,
@@ -174,7 +240,8 @@ PZ_HD void ipc_part(int64_t n, int b, int nb, int64_t& lo, int64_t& hi) {
 
 PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root && a.total == b.total &&
-         a.counts_hash == b.counts_hash;
+         a.counts_hash == b.counts_hash && a.call_hash == b.call_hash && a.launches == b.launches &&
+         a.blocks == b.blocks;
 }
 
 // Executor X provides (GPU: ipc_transport.cu, CPU: the test):
@@ -185,9 +252,57 @@ PZ_HD bool ipc_same_desc(const IpcDesc& a, const IpcDesc& b) {
 //   bool sync_and(bool v);  (a block barrier that returns whether v held on every thread)
 //   void path(bool vectorised);  (which loop a copy or reduce ran: counted by the CPU check)
 //   uint64_t next_epoch(uint64_t* counter);  (++*counter by one thread, the new value to every thread)
-//   void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq);  (first failure wins)
-//   void fail_p2p(..., int32_t p2p, int64_t bytes, int64_t peer_bytes, int32_t dtype, int32_t peer_dtype);
-//     (the same, with a point-to-point operation's details: ipc_p2p.h)
+//   bool claim(uint64_t* word, uint64_t id);  (atomic max of *word and id, by any thread: whether it was
+//     below id; the word is in this rank's device memory, only its blocks use it)
+//   void fence();  (orders this thread's writes to host-mapped memory, system-wide)
+
+// Records failure f of the current launch of block x.block() in the rank's status: first wins, per
+// record (see [Note: ipc failures]). Any thread may call it.
+template <typename X>
+PZ_HD void ipc_fail(X& x, IpcStatus* s, IpcSignals* own, const IpcFailure& f) {
+  const bool fault = f.code != kIpcMismatch;
+  volatile IpcFailure* r = fault ? &s->fault : &s->mismatch;
+  if (r->code != 0u) return;  // an earlier launch's, or one of this launch's already written
+  if (!x.claim(&own->claimed[fault ? 0 : 1], own->launches[x.block()])) return;  // this launch's, being written
+  r->peer = f.peer;
+  r->epoch = f.epoch;
+  r->seq = f.seq;
+  r->p2p = f.p2p;
+  r->dtype = f.dtype;
+  r->peer_dtype = f.peer_dtype;
+  r->bytes = f.bytes;
+  r->peer_bytes = f.peer_bytes;
+  r->launches = f.launches;
+  r->peer_launches = f.peer_launches;
+  r->blocks = f.blocks;
+  r->peer_blocks = f.peer_blocks;
+  x.fence();
+  r->code = f.code;  // last: the host reads the code first
+  x.fence();
+}
+
+// A collective's failure record.
+PZ_HD IpcFailure ipc_failure(uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
+  IpcFailure f{};
+  f.code = code;
+  f.peer = peer;
+  f.epoch = epoch;
+  f.seq = seq;
+  return f;
+}
+
+// The start of every launch (collective or point-to-point) of block x.block(): counts the launch (the
+// number its failures claim with; the block barrier publishes it to the block's threads) and tells
+// whether to run it: false once the rank's status holds a fault (see [Note: ipc failures]).
+template <typename X>
+PZ_HD bool ipc_begin(X& x, const IpcStatus* s, IpcSignals* own) {
+  bool run = true;
+  if (x.tid() == 0) {
+    ++own->launches[x.block()];
+    run = x.load_relaxed(&s->fault.code) == 0u;
+  }
+  return x.sync_and(run);
+}
 
 // Waits until flags[p] >= e for every peer p != me (threads 0..n-1 each watch one);
 // false when the deadline passed or the host aborted (the status says which peer).
@@ -199,24 +314,24 @@ PZ_HD bool ipc_wait_all(X& x, const IpcCall& c, uint64_t (*flags)[kIpcMaxRanks],
     if (p == c.rank) continue;
     const uint64_t* f = &flags[b][p];
     uint32_t spins = 0;
-    bool closed_seen = false;  // p closed at an earlier check: its flags are final (see [Note: a peer that closed])
+    bool left_seen = false;  // p left at an earlier check: its flags are final (see [Note: a peer that closed])
     while (x.load_acquire(f) < e) {
       if ((++spins & 1023u) == 0) {
         if (x.load_relaxed(c.abort) != 0) {
-          x.fail(c.status, kIpcAborted, p, e, c.seq);
+          ipc_fail(x, c.status, c.sigs[c.rank], ipc_failure(kIpcAborted, p, e, c.seq));
           ok = false;
           break;
         }
-        if (x.load_acquire(&c.sigs[c.rank]->closed[p]) != 0) {
-          if (closed_seen) {
-            x.fail(c.status, kIpcPeerClosed, p, e, c.seq);
+        if (x.load_acquire(&c.sigs[c.rank]->closed[p]) == kIpcLeft) {  // (kIpcClosing: its closing barrier
+          if (left_seen) {                                              // still signals)
+            ipc_fail(x, c.status, c.sigs[c.rank], ipc_failure(kIpcPeerClosed, p, e, c.seq));
             ok = false;
             break;
           }
-          closed_seen = true;
+          left_seen = true;
         }
         if (x.now_ns() > deadline) {
-          x.fail(c.status, kIpcTimeout, p, e, c.seq);
+          ipc_fail(x, c.status, c.sigs[c.rank], ipc_failure(kIpcTimeout, p, e, c.seq));
           ok = false;
           break;
         }
@@ -321,6 +436,7 @@ PZ_HD void ipc_reduce(X& x, T* dst, T* dst2, const T* const* srcs, int n, int64_
 template <typename T, RedOp OP, typename X>
 PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid();
+  if (!ipc_begin(x, c.status, c.sigs[me])) return false;
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const uint64_t e = x.next_epoch(&c.sigs[me]->epoch[b]);
   const uint64_t parity = (e % 2) * c.area_stride;
@@ -332,7 +448,9 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   int64_t lo, hi;
 
   // 1. this rank's part of the data into its area, its descriptor
-  if (t0 == 0) c.sigs[me]->desc[e % 2][b] = c.desc;
+  IpcDesc desc = c.desc;
+  desc.blocks = nb;
+  if (t0 == 0) c.sigs[me]->desc[e % 2][b] = desc;
   if (kind == kIpcAllReduceOneShot || (kind == kIpcBroadcast && me == c.desc.root)) {
     ipc_part(c.desc.total, b, nb, lo, hi);
     ipc_copy(x, mine + lo, in + lo, hi - lo);
@@ -350,16 +468,39 @@ PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   // 2. start barrier, then the descriptors
   ipc_signal(x, c, e, false);
   if (!ipc_wait_all(x, c, c.sigs[me]->start, e, deadline)) return false;
-  int differs = -1, closed = -1;
+  int differs = -1, closed = -1, apart = -1;
+  IpcDesc theirs{};
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    const IpcDesc& d = c.sigs[p]->desc[e % 2][b];
-    if (!ipc_same_desc(d, c.desc)) differs = p;
+    const IpcDesc d = c.sigs[p]->desc[e % 2][b];
+    if (!ipc_same_desc(d, desc)) differs = p;
     if (d.kind == kIpcClose && kind != kIpcClose) closed = p;
+    if (d.launches != desc.launches || d.blocks != desc.blocks) {
+      apart = p;
+      theirs = d;
+    }
   }
   if (differs >= 0) {
-    if (t0 == 0) x.fail(c.status, closed >= 0 ? kIpcPeerClosed : kIpcMismatch, closed >= 0 ? closed : differs, e, c.seq);
+    if (t0 == 0) {
+      IpcFailure f = ipc_failure(kIpcMismatch, differs, e, c.seq);
+      if (closed >= 0) {
+        f.code = kIpcPeerClosed;
+        f.peer = closed;
+      } else if (apart >= 0) {  // see [Note: ipc calls apart]
+        f.code = kIpcApart;
+        f.peer = apart;
+        f.launches = desc.launches;
+        f.peer_launches = theirs.launches;
+        f.blocks = desc.blocks;
+        f.peer_blocks = theirs.blocks;
+      }
+      ipc_fail(x, c.status, c.sigs[me], f);
+    }
     return false;
+  }
+  if (kind == kIpcClose) {  // see [Note: a normal close]
+    ipc_signal(x, c, e, true);
+    return ipc_wait_all(x, c, c.sigs[me]->mid, e, deadline);
   }
 
   // 3. the data phase

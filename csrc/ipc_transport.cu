@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -81,26 +82,10 @@ struct GpuX {
     __syncthreads();
     return e;
   }
-  // Host-mapped memory: no system-scope atomics assumed (x86 hosts often lack them), so
-  // two blocks failing at once may both write; either record names a real failure.
-  __device__ void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
-    fail_p2p(s, code, peer, epoch, seq, kIpcP2PNone, 0, 0, 0, 0);
-  }
-  __device__ void fail_p2p(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq, int32_t p2p,
-                           int64_t bytes, int64_t peer_bytes, int32_t dtype, int32_t peer_dtype) {
-    volatile IpcStatus* v = s;
-    if (v->code != 0u) return;
-    v->peer = peer;
-    v->epoch = epoch;
-    v->seq = seq;
-    v->p2p = p2p;
-    v->bytes = bytes;
-    v->peer_bytes = peer_bytes;
-    v->dtype = dtype;
-    v->peer_dtype = peer_dtype;
-    __threadfence_system();
-    v->code = code;
-    __threadfence_system();
+  // A failure's claim ([Note: ipc failures]): in this rank's own device memory, used by its blocks only
+  // (the status itself is host-mapped: no system-scope atomics assumed there, x86 hosts often lack them).
+  __device__ bool claim(uint64_t* word, uint64_t id) {
+    return atomicMax(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(id)) < id;
   }
 };
 
@@ -117,17 +102,18 @@ __global__ void ipc_p2p_kernel(IpcP2PCall c) {
   ipc_p2p_run(x, c);
 }
 
-// This rank leaves: closed[rank] = 1 in every peer's signals ([Note: a peer that closed]), after its
-// earlier kernels on the stream (their flags first: a fence, then release stores).
+// This rank closes: closed[rank] = kIpcClosing or kIpcLeft in every peer's signals ([Note: a peer that
+// closed]), after its earlier kernels on the stream (their flags first: a fence, then release stores).
 struct IpcClosedFlags {
   uint64_t* flag[kIpcMaxRanks];  // a peer's IpcSignals::closed[rank], or null
+  uint64_t value;
 };
 
 __global__ void ipc_announce_closed_kernel(IpcClosedFlags f) {
   GpuX x;
   x.fence();
   for (int p = 0; p < kIpcMaxRanks; ++p)
-    if (f.flag[p] != nullptr) x.store_release(f.flag[p], 1);
+    if (f.flag[p] != nullptr) x.store_release(f.flag[p], f.value);
 }
 
 constexpr int kThreads = 512;
@@ -156,11 +142,6 @@ const char* p2p_dtype_name(int32_t dt) {
   return dt >= 0 && dt < kNumDTypes ? dtype_name(DType(dt)) : "?";
 }
 
-uint64_t counts_hash(const std::vector<int64_t>& counts) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t c : counts) h = (h ^ uint64_t(c)) * 1099511628211ull;
-  return h;
-}
 
 }  // namespace
 
@@ -189,7 +170,8 @@ struct IpcTransport::Impl {
   uint64_t seq = 0;                     // launches so far (the epochs are counted on the device)
   uint64_t slot_bytes = 0, chan_bytes = 0;  // point-to-point: a slot, one incoming channel
   char* ring_stage = nullptr;           // algo="ring": send and receive staging, p2p_bytes each
-  bool connected = false, closed = false, announced_closed = false;
+  bool connected = false, closed = false;
+  uint64_t announced_closed = 0;        // what this rank told its peers: kIpcClosing, kIpcLeft, or 0
   std::string broken;                   // the failure that ended the group
   std::mutex mu;
   OpCounters counters;
@@ -201,13 +183,13 @@ struct IpcTransport::Impl {
     raise_status(what, 0);
   }
 
-  // A failure a kernel recorded. A timeout or abort breaks the group: raised from then on. A
-  // mismatch is raised once, and only where every rank sees it alike: by a host wait for work
-  // whose kernels (launches up to `upto`) all finished, so no rank raises it before the others.
-  // (A replayed graph's kernel reports the number its launch got at capture: not later than now.)
-  void raise_status(const char* what, uint64_t upto) {
-    const volatile IpcStatus* v = status_host;
-    IpcStatus s;
+  // A failure a kernel recorded ([Note: ipc failures]). A fault (a timeout, an abort, a peer that
+  // closed, calls apart) breaks the group: raised from then on. A mismatch is raised once, and only where
+  // every rank sees it alike: by a host wait for work whose kernels (launches up to `upto`) all finished,
+  // so no rank raises it before the others. (A replayed graph's kernel reports the number its launch got
+  // at capture: not later than now.)
+  static IpcFailure read_failure(const volatile IpcFailure* v) {
+    IpcFailure s;
     s.code = v->code;  // written last by the device
     s.peer = v->peer;
     s.epoch = v->epoch;
@@ -217,20 +199,49 @@ struct IpcTransport::Impl {
     s.peer_bytes = v->peer_bytes;
     s.dtype = v->dtype;
     s.peer_dtype = v->peer_dtype;
+    s.launches = v->launches;
+    s.peer_launches = v->peer_launches;
+    s.blocks = v->blocks;
+    s.peer_blocks = v->peer_blocks;
+    return s;
+  }
+
+  // What differs where calls came apart (kIpcApart): the launches of a call or the blocks of a kernel.
+  static std::string apart_what(const IpcFailure& s) {
+    std::ostringstream os;
+    if (s.blocks != s.peer_blocks)
+      os << "its kernels run " << s.blocks << " blocks here and " << s.peer_blocks << " on rank " << s.peer;
+    else if (s.p2p != kIpcP2PNone)
+      os << "it is a message of a collective (algo=\"ring\"), whose ranks then run different numbers of messages";
+    else
+      os << "the ranks run it as different numbers of launches (" << s.launches << " here, " << s.peer_launches
+         << " on rank " << s.peer << ")";
+    return os.str();
+  }
+
+  void raise_status(const char* what, uint64_t upto) {
+    IpcFailure s = read_failure(&status_host->fault);
+    const bool fault = s.code != kIpcOk;
+    if (!fault) s = read_failure(&status_host->mismatch);
     if (s.code == kIpcOk) return;
     std::ostringstream os;
     os << what << " (ipc, rank " << rank << " of " << size << "): ";
     if (s.p2p != kIpcP2PNone) {
       const bool send = s.p2p == kIpcP2PSendPost || s.p2p == kIpcP2PSendSlot;
       const char* op = send ? "a send to" : "a receive from";
-      if (s.code == kIpcMismatch) {
-        if (s.seq > upto) return;
+      if (s.code == kIpcMismatch || s.code == kIpcApart) {
+        if (s.code == kIpcMismatch && s.seq > upto) return;
         os << op << " rank " << s.peer << " of " << s.bytes << " bytes (" << p2p_dtype_name(s.dtype)
            << ") does not match rank " << s.peer << "'s " << (send ? "receive" : "send") << " of " << s.peer_bytes
            << " bytes (" << p2p_dtype_name(s.peer_dtype) << ") (message " << s.epoch << " from rank "
-           << (send ? rank : s.peer) << " to rank " << (send ? s.peer : rank)
-           << "); both ranks skipped it (sizes and dtypes of a send and its receive must agree)";
-        std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
+           << (send ? rank : s.peer) << " to rank " << (send ? s.peer : rank) << "); both ranks skipped it";
+        if (s.code == kIpcApart) {
+          os << ", and " << apart_what(s) << ": their later calls would no longer pair; the group is unusable";
+          broken = os.str();
+          throw CollectiveTimeout(broken);
+        }
+        os << " (sizes and dtypes of a send and its receive must agree)";
+        std::memset(static_cast<void*>(&status_host->mismatch), 0, sizeof(IpcFailure));
         throw MessageMismatch(os.str());
       }
       os << op << " rank " << s.peer << " (" << s.bytes << " bytes, message " << s.epoch << " on the channel) ";
@@ -250,10 +261,14 @@ struct IpcTransport::Impl {
       if (s.seq > upto) return;
       os << "the call at epoch " << s.epoch << " differs from rank " << s.peer
          << "'s (collective, dtype, op, root or counts); every rank skipped it";
-      std::memset(static_cast<void*>(status_host), 0, sizeof(IpcStatus));
+      std::memset(static_cast<void*>(&status_host->mismatch), 0, sizeof(IpcFailure));
       throw CollectiveError(os.str());
     }
-    if (s.code == kIpcAborted) os << "aborted while waiting for rank " << s.peer << " (epoch " << s.epoch << ")";
+    if (s.code == kIpcApart)
+      os << "the call at epoch " << s.epoch << " differs from rank " << s.peer
+         << "'s (collective, dtype, op, root or counts) and " << apart_what(s)
+         << ": their later calls would no longer pair; every rank skipped it; the group is unusable";
+    else if (s.code == kIpcAborted) os << "aborted while waiting for rank " << s.peer << " (epoch " << s.epoch << ")";
     else if (s.code == kIpcPeerClosed)
       os << "rank " << s.peer << " closed the group (pz.destroy() or the end of its process) while this rank was "
          << "waiting for rank " << s.peer << " in this call (epoch " << s.epoch << "); the group is unusable";
@@ -263,14 +278,17 @@ struct IpcTransport::Impl {
     throw CollectiveTimeout(broken);
   }
 
-  // Tells every peer that this rank leaves ([Note: a peer that closed] in ipc_protocol.h): a kernel
-  // on the group's stream, so after this rank's earlier kernels, without the host waiting for them;
-  // before its closing barrier. Best effort (a peer may be gone).
-  void announce_closed() {
+  // Tells every peer that this rank closes ([Note: a peer that closed] in ipc_protocol.h): kIpcClosing
+  // before its closing barrier, kIpcLeft where it leaves without one. A kernel on the group's stream, so
+  // after this rank's earlier kernels, without the host waiting for them. Once only: nothing is written
+  // into a peer's buffer after the closing barrier ([Note: a normal close]). Best effort (a peer may be
+  // gone).
+  void announce_closed(uint64_t value) {
     if (announced_closed || !connected || !stream) return;
-    announced_closed = true;
+    announced_closed = value;
     DeviceGuard guard(device);
     IpcClosedFlags f{};
+    f.value = value;
     for (int p = 0; p < size; ++p)
       if (p != rank && bases[p]) f.flag[p] = &reinterpret_cast<IpcSignals*>(bases[p])->closed[rank];
     ipc_announce_closed_kernel<<<1, 1, 0, stream>>>(f);
@@ -322,7 +340,9 @@ struct IpcTransport::Impl {
       const int esize = dtype_size(dt);
       int64_t total = 0;
       for (int64_t c : chunks) total += c;
-      for (const IpcPiece& pc : ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank)) {
+      const std::vector<IpcPiece> pieces = ipc_pieces(kind, chunks, esize, cfg.area_bytes, rank);
+      const uint64_t call_hash = ipc_call_hash(chunks);
+      for (const IpcPiece& pc : pieces) {
         IpcCall c{};
         ++seq;
         for (int p = 0; p < size; ++p) {
@@ -339,7 +359,8 @@ struct IpcTransport::Impl {
         c.area_stride = cfg.area_bytes;
         c.seq = seq;
         c.timeout_ns = uint64_t(cfg.timeout_s * 1e9);
-        c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), counts_hash(pc.counts)};
+        c.desc = IpcDesc{kind, int32_t(dt), int32_t(op), root, pc.total(), ipc_call_hash(pc.counts), call_hash,
+                         int32_t(pieces.size()), 0};
         c.rank = rank;
         c.nranks = size;
         c.gpu_scope = gpu_scope();
@@ -357,7 +378,7 @@ struct IpcTransport::Impl {
   int32_t gpu_scope() const { return !cfg.system_scope && cfg.sharing >= size ? 1 : 0; }
 
   // One point-to-point kernel on the group's stream (inside issue()).
-  void launch_p2p_kernel(const IpcP2POp* ops, int nops) {
+  void launch_p2p_kernel(const IpcP2POp* ops, int nops, uint64_t call = 0) {
     IpcP2PCall c{};
     for (int p = 0; p < size; ++p) {
       c.sigs[p] = reinterpret_cast<IpcP2PSignals*>(bases[p] + p2p_sig_offset());
@@ -365,7 +386,8 @@ struct IpcTransport::Impl {
     }
     c.status = status_dev;
     c.abort = abort_dev;
-    c.closed = reinterpret_cast<IpcSignals*>(mine)->closed;
+    c.own = reinterpret_cast<IpcSignals*>(mine);
+    c.call = call;
     c.nops = nops;
     for (int i = 0; i < nops; ++i) c.ops[i] = ops[i];
     c.chan_bytes = chan_bytes;
@@ -428,6 +450,7 @@ struct IpcRingExec {
   IpcTransport::Impl& t;
   DType dt;
   RedOp op;
+  uint64_t call;  // the call's hash, in every message's descriptor (IpcP2PCall::call)
 
   uintptr_t st() const { return reinterpret_cast<uintptr_t>(t.stream); }
   void group(const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
@@ -436,7 +459,7 @@ struct IpcRingExec {
     int k = 0;
     if (send) ops[k++] = IpcP2POp{const_cast<void*>(send), int64_t(send_bytes), (t.rank + 1) % t.size, int32_t(dt), 1, -1};
     if (recv) ops[k++] = IpcP2POp{recv, int64_t(recv_bytes), (t.rank + t.size - 1) % t.size, int32_t(dt), 0, -1};
-    t.launch_p2p_kernel(ops, k);
+    t.launch_p2p_kernel(ops, k, call);
   }
   void copy(const void* src, void* dst, int64_t n) { cuda::launch_copy(src, dst, n, dt, st()); }
   void pack(const void* src, void* dst, int64_t n) { cuda::launch_pack_wire(src, dst, n, dt, st()); }
@@ -454,7 +477,10 @@ IpcTransport::WorkPtr IpcTransport::Impl::ring_call(const char* what, Coll coll,
                                                     const ChunkLayout& L, int root, DType dt, RedOp op,
                                                     uintptr_t user_stream, bool async_op) {
   return issue(what, user_stream, async_op, [&] {
-    IpcRingExec x{*this, dt, op};
+    // what the ranks must agree on: every message of the call carries it ([Note: ipc calls apart])
+    std::vector<int64_t> desc{int64_t(coll), int64_t(dt), int64_t(op), int64_t(root)};
+    desc.insert(desc.end(), L.counts.begin(), L.counts.end());
+    IpcRingExec x{*this, dt, op, ipc_call_hash(desc) | 1u};
     uint64_t sent = 0;
     const uint64_t stage = cfg.p2p_bytes;
     PZ_DISPATCH_DTYPE(dt, T, {
@@ -520,6 +546,7 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   int sms = 0;
   PZ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   m.nblocks = ipc_blocks(sms, cfg.sharing);  // (every block resident at once, several processes per GPU)
+  if (cfg.blocks > 0) m.nblocks = std::min(cfg.blocks, kIpcMaxBlocks);  // the group's (see IpcConfig::blocks)
   // Point-to-point channels (see [Note: ipc point-to-point channels]): a lane per block, slots of at
   // least 256 bytes (16-byte multiples).
   m.cfg.p2p_slots = std::max<uint64_t>(2, cfg.p2p_slots);
@@ -530,6 +557,8 @@ IpcTransport::IpcTransport(int rank, int size, int device, IpcConfig cfg) : impl
   m.cfg.p2p_bytes = round_up(std::max<uint64_t>(cfg.p2p_bytes, 256), 16);
   if (size > 1) PZ_CUDA_CHECK(cudaMalloc(&m.ring_stage, 2 * m.cfg.p2p_bytes));
   PZ_CUDA_CHECK(cudaMemset(m.mine, 0, sig_bytes()));
+  const uint64_t blocks = uint64_t(m.nblocks);  // for the peers' check at connect
+  PZ_CUDA_CHECK(cudaMemcpy(m.mine + offsetof(IpcSignals, blocks), &blocks, sizeof(blocks), cudaMemcpyHostToDevice));
   PZ_CUDA_CHECK(cudaHostAlloc(&m.status_host, sizeof(IpcStatus), cudaHostAllocMapped));
   std::memset(static_cast<void*>(m.status_host), 0, sizeof(IpcStatus));
   PZ_CUDA_CHECK(cudaHostGetDevicePointer(&m.status_dev, m.status_host, 0));
@@ -577,6 +606,19 @@ void IpcTransport::connect(const std::vector<std::string>& handles) {
                             "'s buffer (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
                             "); CUDA IPC needs both processes on one host with the GPUs visible to each other");
     m.bases[p] = static_cast<char*>(ptr);
+  }
+  // Every rank's kernels must run the same blocks (block b only meets block b of its peers): a rank
+  // with more would wait for blocks that never come ([Note: ipc calls apart]).
+  for (int p = 0; p < m.size; ++p) {
+    if (p == m.rank) continue;
+    uint64_t theirs = 0;
+    PZ_CUDA_CHECK(cudaMemcpy(&theirs, m.bases[p] + offsetof(IpcSignals, blocks), sizeof(theirs),
+                             cudaMemcpyDeviceToHost));
+    if (theirs != uint64_t(m.nblocks))
+      throw CollectiveError("ipc backend: rank " + std::to_string(p) + "'s kernels run " + std::to_string(theirs) +
+                            " blocks, rank " + std::to_string(m.rank) + "'s " + std::to_string(m.nblocks) +
+                            " (each from its GPU's SM count); every rank of a group must run the same: pass the "
+                            "group's smallest as IpcConfig::blocks (pyzero's ipc backend does)");
   }
   m.connected = true;
 }
@@ -648,10 +690,20 @@ IpcTransport::WorkPtr IpcTransport::barrier(uintptr_t stream, bool async_op, boo
   if (closing) {
     std::lock_guard<std::mutex> lock(m.mu);
     m.check_usable("barrier");  // (a broken group skips its closing barrier; close() announces it)
-    m.announce_closed();
+    m.announce_closed(kIpcClosing);
   }
-  WorkPtr w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0,
-                       nullptr, nullptr, std::vector<int64_t>(m.size, 0), stream, true, 0);
+  WorkPtr w;
+  try {
+    w = m.launch("barrier", Coll::barrier, closing ? kIpcClose : kIpcBarrier, DType::f32, RedOp::sum, 0, nullptr,
+                 nullptr, std::vector<int64_t>(m.size, 0), stream, true, 0);
+  } catch (...) {
+    if (closing) {  // no closing barrier follows the announcement: the peers are not to wait for it
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.announced_closed = 0;
+      m.announce_closed(kIpcLeft);
+    }
+    throw;
+  }
   if (async_op) return w;
   w->synchronize();
   return nullptr;
@@ -681,7 +733,7 @@ void IpcTransport::close() {
   DeviceGuard guard(m.device);
   if (m.abort_host) *reinterpret_cast<volatile uint32_t*>(m.abort_host) = 1;  // kernels waiting for peers end
   if (m.stream) cudaStreamSynchronize(m.stream);
-  m.announce_closed();
+  m.announce_closed(kIpcLeft);  // (where no closing barrier announced kIpcClosing)
   if (m.stream) cudaStreamSynchronize(m.stream);  // (the announcement ran before the peers are unmapped)
   for (int p = 0; p < m.size; ++p)
     if (p != m.rank && m.bases[p]) cudaIpcCloseMemHandle(m.bases[p]);

@@ -22,8 +22,11 @@
 // the next call, wait() or synchronize() raises CollectiveTimeout. A mismatch
 // does not (every rank skipped that call alike): CollectiveError is raised by
 // the first host wait (synchronize(), a barrier) for work issued after it, on
-// every rank alike. close() sets the abort word, so kernels still waiting for
-// peers end, then frees everything.
+// every rank alike; unless the ranks ran the mismatched call as different
+// numbers of launches or blocks (calls apart: a fault, see ipc_protocol.h). Once
+// a rank's status holds a fault its kernels do nothing. close() sets the abort
+// word, so kernels still waiting for peers end, then frees everything (after a
+// normal close, when no peer reads or writes this rank's buffer any more).
 #pragma once
 
 #include <cstdint>
@@ -45,6 +48,9 @@ struct IpcConfig {
   uint64_t p2p_bytes = 4ull << 20;  // point-to-point: one incoming channel (a rank holds n - 1)
   uint64_t p2p_slots = 4;           // slots per block's lane of a channel
   int sharing = 1;                  // processes of the job on each GPU (see ipc_blocks)
+  // Blocks of every kernel, which every rank of the group must agree on (> 0; the Python layer passes
+  // the group's smallest ipc_blocks); 0: ipc_blocks of this rank's GPU (connect() checks they agree).
+  int blocks = 0;
   // The flags' ordering scope (see [Note: ipc flag scope]): false takes the GPU's scope where every rank
   // of the group is on one GPU (sharing == the group's size), true always the system's.
   bool system_scope = false;

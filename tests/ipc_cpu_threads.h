@@ -31,6 +31,15 @@ struct Barrier {  // the kernel boundary between a rank's launches
   }
 };
 
+// The executors' claim (ipc_protocol.h [Note: ipc failures]): an atomic max of *word and id; whether
+// it was below id.
+inline bool claim(uint64_t* word, uint64_t id) {
+  uint64_t old = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  while (old < id && !__atomic_compare_exchange_n(word, &old, id, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+  }
+  return old < id;
+}
+
 inline uint64_t now_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now().time_since_epoch()).count());

@@ -78,20 +78,8 @@ struct CpuX {
     return v;
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-  void fail_p2p(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq, int32_t p2p, int64_t bytes,
-                int64_t peer_bytes, int32_t dtype, int32_t peer_dtype) {
-    uint32_t zero = 0;
-    if (__atomic_compare_exchange_n(&s->code, &zero, code, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-      s->peer = peer;
-      s->epoch = epoch;
-      s->seq = seq;
-      s->p2p = p2p;
-      s->bytes = bytes;
-      s->peer_bytes = peer_bytes;
-      s->dtype = dtype;
-      s->peer_dtype = peer_dtype;
-    }
-  }
+  bool claim(uint64_t* word, uint64_t id) { return pz_cpu::claim(word, id); }
+  void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 };
 
 constexpr int kDTypes[] = {int(DType::f32), int(DType::f64), int(DType::f16), int(DType::bf16), int(DType::i32),
@@ -121,10 +109,14 @@ struct Job {
   int replay = 0;  // > 0: every rank's single launch runs this many times, byte-identical arguments
   int abort_after_ms = -1;  // >= 0: the host sets the abort word then
   int closer = -1;  // >= 0: this rank closes the group once its own launches ended (IpcTransport::close)
+  std::vector<uint64_t> call = {};  // per rank: its launches' IpcP2PCall::call (a ring collective's hash)
 };
 
 struct Outcome {
-  std::vector<std::vector<IpcStatus>> status;  // per rank and launch (per replay)
+  // per rank and launch (per replay): the failure its host reports (the fault, else the mismatch, which
+  // the host then clears: a fault stays), and both records
+  std::vector<std::vector<IpcFailure>> status;
+  std::vector<std::vector<IpcStatus>> full;
   int wrong = 0, checked = 0, replay_differs = 0;
   double seconds = 0;
 };
@@ -144,6 +136,7 @@ struct P2PMemory {
   int n, slots;
   uint64_t slot_bytes, chan_bytes;
   std::vector<std::unique_ptr<IpcP2PSignals>> sigs;
+  std::vector<std::unique_ptr<IpcSignals>> own;  // the collective signals: closed, failure claims
   std::vector<std::vector<char>> chans;
 
   // `pad`: bytes past the last channel (an overrun lands there, not out of the buffer)
@@ -153,12 +146,13 @@ struct P2PMemory {
     for (int r = 0; r < n; ++r) {
       sigs.emplace_back(new IpcP2PSignals());
       std::memset(static_cast<void*>(sigs.back().get()), 0, sizeof(IpcP2PSignals));
+      own.emplace_back(new IpcSignals());
+      std::memset(static_cast<void*>(own.back().get()), 0, sizeof(IpcSignals));
       chans[r].assign(size_t(chan_bytes * uint64_t(n - 1)) + pad, 0);
     }
   }
 
-  IpcP2PCall call(int me, IpcStatus* status, const uint32_t* abort, const uint64_t* closed, uint64_t seq,
-                  uint64_t timeout_ns) {
+  IpcP2PCall call(int me, IpcStatus* status, const uint32_t* abort, uint64_t seq, uint64_t timeout_ns) {
     IpcP2PCall c{};
     for (int p = 0; p < n; ++p) {
       c.sigs[p] = sigs[p].get();
@@ -166,7 +160,7 @@ struct P2PMemory {
     }
     c.status = status;
     c.abort = abort;
-    c.closed = closed;
+    c.own = own[size_t(me)].get();
     c.chan_bytes = chan_bytes;
     c.slot_bytes = slot_bytes;
     c.slots = slots;
@@ -190,9 +184,9 @@ Outcome run(const Job& job) {
   }
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
-  uint64_t closed[kIpcMaxRanks][kIpcMaxRanks] = {};  // each rank's IpcSignals::closed
   Outcome out;
   out.status.assign(n, {});
+  out.full.assign(n, {});
   std::vector<Barrier*> ready;
   for (int r = 0; r < n; ++r) ready.push_back(new Barrier(nb + 1));
   std::vector<std::vector<IpcP2PCall>> calls(n);  // the launch each rank's blocks run next
@@ -209,8 +203,9 @@ Outcome run(const Job& job) {
         if (rep == 0) bufs.assign(L.size(), {});
         for (size_t i = 0; i < L.size(); ++i) fill(bufs[i], L[i], L[i].msg + uint64_t(rep) * 1000003u);
         // (a replay: the number given at capture)
-        IpcP2PCall c = mem.call(me, &status[me], &abort_word, closed[me], job.replay ? 1 : ++seq, job.timeout_ns);
+        IpcP2PCall c = mem.call(me, &status[me], &abort_word, job.replay ? 1 : ++seq, job.timeout_ns);
         c.nops = int(L.size());
+        if (!job.call.empty()) c.call = job.call[size_t(me)];
         for (size_t i = 0; i < L.size(); ++i) {
           c.ops[i] = IpcP2POp{bufs[i].data() + L[i].align, L[i].bytes, L[i].peer, L[i].dtype, L[i].is_send, -1};
           for (size_t j = 0; j < i; ++j)
@@ -220,12 +215,13 @@ Outcome run(const Job& job) {
           if (rep == 0) first = c;
           else if (std::memcmp(&c, &first, sizeof c) != 0) differs++;
         }
-        status[me] = IpcStatus{};
         calls[me].assign(1, c);
         ready[me]->arrive();  // blocks start
         ready[me]->arrive();  // blocks done (the kernel finished)
-        out.status[me].push_back(status[me]);
-        if (status[me].code != kIpcOk) continue;
+        out.status[me].push_back(ipc_reported(status[me]));
+        out.full[me].push_back(status[me]);
+        status[me].mismatch = IpcFailure{};  // raised once
+        if (out.status[me].back().code != kIpcOk) continue;
         for (size_t i = 0; i < L.size(); ++i) {
           if (L[i].is_send) continue;
           checked++;
@@ -249,7 +245,7 @@ Outcome run(const Job& job) {
     ready[me]->arrive();  // no more launches
     if (me == job.closer)  // its kernels ended ("blocks done"): tell every peer, as close() does
       for (int p = 0; p < n; ++p)
-        if (p != me) __atomic_store_n(&closed[p][me], uint64_t(1), __ATOMIC_RELEASE);
+        if (p != me) __atomic_store_n(&mem.own[size_t(p)]->closed[me], uint64_t(kIpcLeft), __ATOMIC_RELEASE);
   };
   auto block = [&](int me, int b) {
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
@@ -398,7 +394,6 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
   consumed_ranges.clear();
   std::vector<IpcStatus> status(n);
   uint32_t abort_word = 0;
-  const uint64_t no_peer_closed[kIpcMaxRanks] = {};
   std::vector<Barrier*> ready;
   for (int r = 0; r < n; ++r) ready.push_back(new Barrier(nb + 1));
   std::vector<std::vector<IpcP2PCall>> calls(n);
@@ -407,15 +402,15 @@ int run_ring(int n, int nb, const std::vector<RingSpec>& specs, size_t stage_byt
   auto host = [&](int me) {
     uint64_t seq = 0;
     auto launch = [&](IpcP2POp* ops, int k) {
-      IpcP2PCall c = mem.call(me, &status[me], &abort_word, no_peer_closed, ++seq, 5000000000ull);
+      IpcP2PCall c = mem.call(me, &status[me], &abort_word, ++seq, 5000000000ull);
       c.nops = k;
       for (int i = 0; i < k; ++i) c.ops[i] = ops[i];
-      status[me] = IpcStatus{};
+      c.call = 1;  // (a ring collective's message: the ranks' calls agree here)
       calls[me].assign(1, c);
       ready[me]->arrive();
       ready[me]->arrive();
       launched++;
-      return status[me].code == kIpcOk;
+      return ipc_reported(status[me]).code == kIpcOk;
     };
     for (size_t k = 0; k < specs.size(); ++k) {
       const RingSpec& sp = specs[k];
@@ -562,7 +557,7 @@ int main() {
     Job job{2, 2, 2, 0, 64, 200000000ull, std::vector<std::vector<Launch>>(2)};
     job.launches[0].push_back({OpSpec{1, true, 4000, int(DType::f32), 0, 1}});
     Outcome o = run(job);
-    const IpcStatus& s = o.status[0][0];
+    const IpcFailure& s = o.status[0][0];
     bool ok = s.code == kIpcTimeout && s.peer == 1 && s.p2p == kIpcP2PSendPost && s.bytes == 4000 && s.epoch == 1 &&
               o.seconds < 3.0;
     std::printf("send without receive: code %u peer %d waiting %d bytes %lld: %s\n", s.code, s.peer, s.p2p,
@@ -575,7 +570,7 @@ int main() {
     Job job{3, 1, 2, 0, 64, 200000000ull, std::vector<std::vector<Launch>>(3)};
     job.launches[2].push_back({OpSpec{0, false, 96, int(DType::i64), 0, 1}});
     Outcome o = run(job);
-    const IpcStatus& s = o.status[2][0];
+    const IpcFailure& s = o.status[2][0];
     bool ok = s.code == kIpcTimeout && s.peer == 0 && s.p2p == kIpcP2PRecvSend && o.seconds < 3.0;
     std::printf("receive without send: code %u peer %d waiting %d: %s\n", s.code, s.peer, s.p2p, ok ? "ok" : "FAILED");
     failures += !ok;
@@ -594,7 +589,7 @@ int main() {
       job.launches[1].push_back({OpSpec{0, true, 1000, int(DType::f64), 8, m + 10}, OpSpec{0, false, 2000, int(DType::f16), 4, m}});
     }
     Outcome o = run(job);
-    const IpcStatus &a = o.status[0][0], &b = o.status[1][0], &c = o.status[0][1], &d = o.status[1][1];
+    const IpcFailure &a = o.status[0][0], &b = o.status[1][0], &c = o.status[0][1], &d = o.status[1][1];
     bool ok = a.code == kIpcMismatch && a.peer == 1 && a.p2p == kIpcP2PSendPost && a.bytes == 400 &&
               a.peer_bytes == 480 && b.code == kIpcMismatch && b.peer == 0 && b.p2p == kIpcP2PRecvSend &&
               b.bytes == 480 && b.peer_bytes == 400 && c.code == kIpcMismatch && c.peer_dtype == int(DType::i32) &&
@@ -613,28 +608,73 @@ int main() {
     job.launches[1].push_back({OpSpec{0, true, 100, int(DType::f32), 0, 1}});
     job.abort_after_ms = 50;
     Outcome o = run(job);
-    const IpcStatus& s = o.status[1][0];
+    const IpcFailure& s = o.status[1][0];
     bool ok = s.code == kIpcAborted && s.peer == 0 && o.seconds < 3.0;
     std::printf("abort: code %u peer %d, %.2f s: %s\n", s.code, s.peer, o.seconds, ok ? "ok" : "FAILED");
     failures += !ok;
     ++cases;
   }
   // 7. a peer that closed the group: what it completed before leaving still arrives, what waits
-  // on it then fails at once naming it (not at the 60 s deadline), a receive and a send alike
+  // on it then fails at once naming it (not at the 60 s deadline), a receive and a send alike (each
+  // in a job of its own: after the first failure, a fault, the group runs nothing more)
   {
-    Job job{2, 2, 2, 0, 64, 60000000000ull, std::vector<std::vector<Launch>>(2)};
-    job.launches[0].push_back({OpSpec{1, true, 1000, int(DType::f32), 0, 1}});  // 1000 bytes: past the slots
-    job.launches[1].push_back({OpSpec{0, false, 1000, int(DType::f32), 4, 1}});
-    job.launches[1].push_back({OpSpec{0, false, 100, int(DType::f32), 0, 2}});  // never sent
-    job.launches[1].push_back({OpSpec{0, true, 100, int(DType::f32), 0, 3}});   // never received
-    job.closer = 0;
-    Outcome o = run(job);
-    const IpcStatus &a = o.status[1][0], &b = o.status[1][1], &c = o.status[1][2];
-    bool ok = a.code == kIpcOk && o.checked == 1 && o.wrong == 0 && b.code == kIpcPeerClosed && b.peer == 0 &&
+    Outcome o[2];
+    for (int v = 0; v < 2; ++v) {
+      Job job{2, 2, 2, 0, 64, 60000000000ull, std::vector<std::vector<Launch>>(2)};
+      job.launches[0].push_back({OpSpec{1, true, 1000, int(DType::f32), 0, 1}});  // 1000 bytes: past the slots
+      job.launches[1].push_back({OpSpec{0, false, 1000, int(DType::f32), 4, 1}});
+      if (v == 0) job.launches[1].push_back({OpSpec{0, false, 100, int(DType::f32), 0, 2}});  // never sent
+      else job.launches[1].push_back({OpSpec{0, true, 100, int(DType::f32), 0, 3}});  // never received
+      job.closer = 0;
+      o[v] = run(job);
+    }
+    const IpcFailure &a = o[0].status[1][0], &b = o[0].status[1][1], &c = o[1].status[1][1];
+    bool ok = a.code == kIpcOk && o[0].checked == 1 && o[0].wrong == 0 && b.code == kIpcPeerClosed && b.peer == 0 &&
               b.p2p == kIpcP2PRecvSend && b.epoch == 2 && c.code == kIpcPeerClosed && c.peer == 0 &&
-              c.p2p == kIpcP2PSendPost && o.seconds < 10.0;
+              c.p2p == kIpcP2PSendPost && o[1].status[1][0].code == kIpcOk && o[1].wrong == 0 &&
+              o[0].seconds + o[1].seconds < 10.0;
     std::printf("peer closed: codes %u %u %u peer %d waiting %d and %d, %d received, %.2f s: %s\n", a.code, b.code,
-                c.code, b.peer, b.p2p, c.p2p, o.checked, o.seconds, ok ? "ok" : "FAILED");
+                c.code, b.peer, b.p2p, c.p2p, o[0].checked, o[0].seconds + o[1].seconds, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 8. a batch whose send mismatches its receive and whose receive never comes: the receive's timeout
+  //    is reported (a fault: the group is unusable, the next launch does nothing), not hidden behind the
+  //    mismatch, which is kept apart (were: only the mismatch, then the group went on)
+  {
+    Job job{2, 2, 2, 0, 64, 200000000ull, std::vector<std::vector<Launch>>(2)};
+    job.launches[0].push_back(
+        {OpSpec{1, true, 400, int(DType::f32), 0, 1}, OpSpec{1, false, 100, int(DType::f32), 0, 2}});
+    job.launches[1].push_back({OpSpec{0, false, 480, int(DType::f32), 0, 1}});
+    job.launches[0].push_back({OpSpec{1, true, 64, int(DType::f32), 0, 3}});
+    job.launches[1].push_back({OpSpec{0, false, 64, int(DType::f32), 0, 3}});
+    Outcome o = run(job);
+    const IpcStatus& a = o.full[0][0];
+    const IpcFailure &b = o.status[1][0], &a2 = o.status[0][1];
+    bool ok = a.fault.code == kIpcTimeout && a.fault.peer == 1 && a.fault.p2p == kIpcP2PRecvSend &&
+              a.mismatch.code == kIpcMismatch && a.mismatch.bytes == 400 && a.mismatch.peer_bytes == 480 &&
+              b.code == kIpcMismatch && a2.code == kIpcTimeout && o.seconds < 3.0;
+    std::printf("mismatch and timeout: rank 0 fault %u waiting %d and mismatch %u, then %u; rank 1 %u: %s\n",
+                a.fault.code, a.fault.p2p, a.mismatch.code, a2.code, b.code, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 9. a ring collective's messages (IpcP2PCall::call) whose ranks' calls differ: both report the calls
+  //    apart (a fault: their message counts may differ), and the next launch does nothing (were: a
+  //    mismatch, then the channel went on pairing the calls' later messages with others)
+  {
+    Job job{2, 2, 2, 0, 64, 2000000000ull, std::vector<std::vector<Launch>>(2)};
+    for (uint64_t m = 1; m <= 2; ++m)
+      for (int r = 0; r < 2; ++r)
+        job.launches[r].push_back({OpSpec{1 - r, true, 96, int(DType::f32), 0, 10 * m + r},
+                                   OpSpec{1 - r, false, 96, int(DType::f32), 0, 10 * m + 1 - r}});
+    job.call = {0x1235, 0x4567};
+    Outcome o = run(job);
+    bool ok = o.checked == 0 && o.seconds < 3.0;
+    for (int r = 0; r < 2; ++r)
+      for (auto& f : o.status[r]) ok = ok && f.code == kIpcApart && f.peer == 1 - r;
+    std::printf("ring calls apart: codes %u %u then %u %u: %s\n", o.status[0][0].code, o.status[1][0].code,
+                o.status[0][1].code, o.status[1][1].code, ok ? "ok" : "FAILED");
     failures += !ok;
     ++cases;
   }

@@ -59,14 +59,8 @@ struct CpuX {
   }
   uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
   uint64_t next_epoch(uint64_t* counter) { return ++*counter; }  // one thread per block here
-  void fail(IpcStatus* s, uint32_t code, int peer, uint64_t epoch, uint64_t seq) {
-    uint32_t zero = 0;
-    if (__atomic_compare_exchange_n(&s->code, &zero, code, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-      s->peer = peer;
-      s->epoch = epoch;
-      s->seq = seq;
-    }
-  }
+  bool claim(uint64_t* word, uint64_t id) { return pz_cpu::claim(word, id); }
+  void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 };
 
 constexpr int kDTypes[] = {int(DType::f32), int(DType::f64), int(DType::f16), int(DType::bf16), int(DType::i32),
@@ -163,6 +157,11 @@ struct Job {
   std::vector<int> close_rank = {};  // per call: a rank that runs its closing barrier instead (-1: none)
   int leaver = -1;     // this rank closes the group before call leave_at (IpcSignals::closed; no barrier)
   size_t leave_at = 0;
+  // Every rank closes at call close_all (>= 0; its spec is ignored): announces kIpcClosing, runs its
+  // closing barrier, then "frees" its buffer (its descriptors overwritten: a peer still reading them
+  // would see another call). slow_closer starts its closing barrier 30 ms after its announcement.
+  int close_all = -1, slow_closer = -1;
+  std::vector<int> nbs = {};  // per rank: its kernels' blocks (default nb)
   // Every call the same (a captured graph replayed): its launches' parameters must be byte-identical
   // to the first call's, as a CUDA graph's kernel nodes are; counted in replay_differs.
   bool replay = false;
@@ -170,18 +169,31 @@ struct Job {
 
 int replay_differs = 0;
 
-// Runs the job; per rank and call: status code and peer; results checked where the call succeeded.
-std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) {
-  const int n = job.n, nb = job.nb;
+// The dtype rank `me` calls call k with (its descriptor's; its data are the spec's), and the pieces it
+// cuts the call into by that dtype (different piece counts where the dtypes differ across an area).
+int call_dtype(const Job& job, size_t k, int me) {
+  const CallSpec& s = job.calls[k];
+  return job.odd_dtype[k] == me ? (s.dt == int(DType::f32) ? int(DType::f64) : int(DType::f32)) : s.dt;
+}
+std::vector<IpcPiece> call_pieces(const Job& job, size_t k, int me) {
+  const CallSpec& s = job.calls[k];
+  return ipc_pieces(s.kind, s.counts, dtype_size(DType(call_dtype(job, k, me))), job.area_bytes, me);
+}
+
+// Runs the job; per rank and call: the failure its host reports (IpcStatus: the fault, else the
+// mismatch, which the host then clears: the fault stays); results checked where the call succeeded.
+std::vector<std::vector<IpcFailure>> run(const Job& job, bool check, int& wrong) {
+  const int n = job.n;
+  auto NB = [&](int r) { return job.nbs.empty() ? job.nb : job.nbs[size_t(r)]; };
   size_t sig_bytes = round_up(sizeof(IpcSignals), 64);
   std::vector<Rank> ranks(n);
   for (auto& r : ranks) r.seg.assign(sig_bytes + 2 * job.area_bytes, 0);
-  std::vector<std::vector<IpcStatus>> statuses(n, std::vector<IpcStatus>(job.calls.size()));
+  std::vector<std::vector<IpcFailure>> statuses(n, std::vector<IpcFailure>(job.calls.size()));
   uint32_t abort_word = 0;
   // The host thread of a rank prepares its buffers, then its blocks run the call, and all meet
   // again when every block is done: the boundary between two kernels on one stream.
   std::vector<Barrier*> host_ready;
-  for (int r = 0; r < n; ++r) host_ready.push_back(new Barrier(nb + 1));
+  for (int r = 0; r < n; ++r) host_ready.push_back(new Barrier(NB(r) + 1));
   std::atomic<int> wrong_count{0};
   std::mutex print;
 
@@ -198,15 +210,28 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
         statuses[me][k].code = 99;  // not called
         continue;
       }
+      if (int(k) == job.close_all) {  // its kernels ended: it announces its closing barrier, as barrier() does
+        for (int p = 0; p < n; ++p)
+          if (p != me)
+            __atomic_store_n(&reinterpret_cast<IpcSignals*>(ranks[p].seg.data())->closed[me], uint64_t(kIpcClosing),
+                             __ATOMIC_RELEASE);
+        if (me == job.slow_closer) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      }
       PZ_DISPATCH_DTYPE(DType(s.dt), T, { fill_input<T>(s, int(k), n, me, rk); });
-      size_t npieces = ipc_pieces(s.kind, s.counts, dtype_size(DType(s.dt)), job.area_bytes, me).size();
-      rk.status = IpcStatus{};
+      size_t npieces = call_pieces(job, k, me).size();
       for (size_t piece = 0; piece < npieces; ++piece) {
         host_ready[me]->arrive();  // blocks start
         host_ready[me]->arrive();  // blocks done (the kernel finished)
       }
-      statuses[me][k] = rk.status;
-      if (check && rk.status.code == kIpcOk) {
+      statuses[me][k] = ipc_reported(rk.status);
+      rk.status.mismatch = IpcFailure{};  // raised once (a fault stays: the host raises it from then on)
+      if (int(k) == job.close_all) {  // "freed": a peer reading its descriptors now would find another call
+        IpcSignals* own = reinterpret_cast<IpcSignals*>(rk.seg.data());
+        for (auto& per_parity : own->desc)
+          for (IpcDesc& d : per_parity) d = IpcDesc{kIpcBarrier, -1, -1, -1, -1, 0, 0, -1, -1};
+        continue;
+      }
+      if (check && statuses[me][k].code == kIpcOk) {
         std::string why;
         DISPATCH(s.dt, s.op, { expect<T, OP>(s, int(k), n, me, rk, why); });
         if (!why.empty()) {
@@ -222,15 +247,16 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
   auto block = [&](int me, int b) {
     Rank& rk = ranks[me];
     std::mt19937 rng(unsigned(me * 131 + b * 7 + 1));
-    CpuX x{b, nb, &rng, job.pause_us, paths};
+    CpuX x{b, NB(me), &rng, job.pause_us, paths};
     uint64_t seq = 0;
     std::vector<IpcCall> first;  // the first call's launches (a replay job compares the others with them)
     for (size_t k = 0; k < job.calls.size(); ++k) {
       if (job.skip_rank[k] == me) continue;
       const CallSpec& s = job.calls[k];
       const int esize = dtype_size(DType(s.dt));
+      const std::vector<IpcPiece> pieces = call_pieces(job, k, me);
       size_t piece = 0;
-      for (const IpcPiece& pc : ipc_pieces(s.kind, s.counts, esize, job.area_bytes, me)) {
+      for (const IpcPiece& pc : pieces) {
         ++seq;
         host_ready[me]->arrive();
         IpcCall c{};
@@ -246,18 +272,18 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
         c.abort = &abort_word;
         c.in = rk.in.data() + pc.in_skip * esize;
         c.out = (s.inplace ? rk.in.data() : rk.out.data()) + pc.out_skip * esize;
-        uint64_t h = 0;
         for (int p = 0; p < n; ++p) {
           c.counts[p] = pc.counts[p];
           c.offs[p] = pc.offs[p];
           c.io_offs[p] = pc.io_offs[p];
-          h = h * 1000003u + uint64_t(pc.counts[p]);
         }
         c.seq = job.replay ? piece + 1 : seq;  // a replay: the numbers given at capture
         c.timeout_ns = job.timeout_ns;
-        int dt = job.odd_dtype[k] == me ? (s.dt == int(DType::f32) ? int(DType::f64) : int(DType::f32)) : s.dt;
-        c.desc = IpcDesc{s.kind, dt, s.op, s.root, pc.total(), h};
-        if (k < job.close_rank.size() && job.close_rank[k] == me) c.desc = IpcDesc{kIpcClose, dt, 0, 0, 0, 0};
+        const int dt = call_dtype(job, k, me);
+        c.desc = IpcDesc{s.kind, dt, s.op, s.root, pc.total(), ipc_call_hash(pc.counts), ipc_call_hash(s.counts),
+                         int32_t(pieces.size()), 0};
+        const bool closing = (k < job.close_rank.size() && job.close_rank[k] == me) || int(k) == job.close_all;
+        if (closing) c.desc = IpcDesc{kIpcClose, int(DType::f32), 0, 0, 0, 0, 0, 1, 0};
         c.rank = me;
         c.nranks = n;
         if (job.replay) {
@@ -271,7 +297,12 @@ std::vector<std::vector<IpcStatus>> run(const Job& job, bool check, int& wrong) 
       }
     }
   };
-  run_rank_threads(n, nb, host, block);
+  std::vector<std::thread> th;  // (run_rank_threads, with each rank's own block count)
+  for (int r = 0; r < n; ++r) {
+    th.emplace_back(host, r);
+    for (int b = 0; b < NB(r); ++b) th.emplace_back(block, r, b);
+  }
+  for (auto& t : th) t.join();
   for (auto* p : host_ready) delete p;
   wrong = wrong_count.load();
   return statuses;
@@ -431,6 +462,78 @@ int main() {
     std::printf("left: codes %u %u, peers %d %d, %.2f s: %s\n", st[0][1].code, st[1][1].code, st[0][1].peer,
                 st[1][1].peer, s, ok ? "ok" : "FAILED");
     failures += !ok;
+    ++cases;
+  }
+  // 6. a mismatched call whose ranks cut it into different numbers of launches (rank 1 calls an
+  //    all_reduce of 800 elements in f64, rank 0 in f32: 2 and 1 areas of 4 KiB), then matching calls:
+  //    both ranks report the calls apart (kIpcApart, a fault) at once, and no later call runs (each
+  //    reports the fault): none pairs with another call of the peer (were: OK with wrong results)
+  {
+    int n = 2;
+    Job job{n, 2, 100, 4 << 10, 2000000000ull, {}, {}, {}};
+    job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, split_even(800, n)});
+    for (int k = 0; k < 5; ++k)
+      job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, split_even(200, n)});
+    job.skip_rank.assign(job.calls.size(), -1);
+    job.odd_dtype.assign(job.calls.size(), -1);
+    job.odd_dtype[0] = 1;
+    int wrong = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    auto st = run(job, true, wrong);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    bool ok = wrong == 0 && s < 1.5;
+    for (int r = 0; r < n; ++r)
+      for (auto& f : st[r]) ok = ok && f.code == kIpcApart && f.epoch == 1 && f.peer == 1 - r;
+    ok = ok && st[0][0].launches == 1 && st[0][0].peer_launches == 2 && st[1][0].launches == 2;
+    std::printf("apart: codes %u %u then %u %u, launches %d/%d, %d wrong, %.2f s: %s\n", st[0][0].code,
+                st[1][0].code, st[0][5].code, st[1][5].code, st[0][0].launches, st[0][0].peer_launches, wrong, s,
+                ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 7. ranks whose kernels run different block counts (2 and 3): no call completes with unsynchronised
+  //    reads; both ranks report the calls apart (the extra block of rank 1 can only time out)
+  {
+    int n = 2;
+    Job job{n, 2, 0, 64 << 10, 300000000ull, {}, {}, {}};
+    for (int k = 0; k < 3; ++k)
+      job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, split_even(6000, n)});
+    job.skip_rank.assign(job.calls.size(), -1);
+    job.odd_dtype.assign(job.calls.size(), -1);
+    job.nbs = {2, 3};
+    int wrong = 0;
+    auto st = run(job, true, wrong);
+    bool ok = wrong == 0;
+    for (int r = 0; r < n; ++r)
+      for (auto& f : st[r])
+        ok = ok && f.code == kIpcApart && f.epoch == 1 && f.blocks == 2 + r && f.peer_blocks == 3 - r;
+    std::printf("blocks 2 and 3: codes %u %u then %u %u, blocks %d/%d, %d wrong: %s\n", st[0][0].code, st[1][0].code,
+                st[0][2].code, st[1][2].code, st[0][0].blocks, st[0][0].peer_blocks, wrong, ok ? "ok" : "FAILED");
+    failures += !ok;
+    ++cases;
+  }
+  // 8. a normal close by every rank, one of them 30 ms late to its closing barrier after announcing it:
+  //    no rank fails (were: the others found it closed), and no rank's buffer is read after its closing
+  //    barrier completed (each "frees" it then: a peer reading it would find another call)
+  {
+    int n = 3, bad = 0;
+    for (int rep = 0; rep < 4; ++rep) {
+      Job job{n, 2, 3000, 4 << 10, 2000000000ull, {}, {}, {}};
+      for (int k = 0; k < 2; ++k)
+        job.calls.push_back(CallSpec{kIpcAllReduceOneShot, int(DType::f32), 0, 0, false, split_even(300, n)});
+      job.skip_rank.assign(job.calls.size(), -1);
+      job.odd_dtype.assign(job.calls.size(), -1);
+      job.close_all = 1;
+      job.slow_closer = rep % n;
+      int wrong = 0;
+      auto st = run(job, true, wrong);
+      for (int r = 0; r < n; ++r) bad += st[r][0].code != kIpcOk || st[r][1].code != kIpcOk;
+      bad += wrong;
+      if (rep == 0)
+        std::printf("normal close: codes %u %u %u", st[0][1].code, st[1][1].code, st[2][1].code);
+    }
+    std::printf(", %d failed in 4 runs: %s\n", bad, bad == 0 ? "ok" : "FAILED");
+    failures += bad != 0;
     ++cases;
   }
   std::printf("loops: %ld scalar, %ld vectorised\n", paths[0], paths[1]);

@@ -5,7 +5,10 @@ sequences of every collective, dtype and op (uneven and zero counts, in place an
 pauses that let peers run ahead, through both the 16-byte vector loops and the scalar ones (pointers
 that share no alignment), and compares every result bitwise with the shm one-shot's reduction
 (cpu_reduce.h) in rank order; then a rank that never calls (the others time out naming it) and a
-mismatched call (every rank reports it, the next call works). Then replays: one call's launches run 40
+mismatched call (every rank reports it, the next call works), a rank that closed; a mismatched call the
+ranks cut into different numbers of launches, and ranks with different block counts (both: calls apart, a
+fault on every rank, no later call runs); every rank closing, one late (no failure, no buffer read after its
+closing barrier). Then replays: one call's launches run 40
 times with byte-identical parameters, as a CUDA graph replays its kernels (the epoch lives on the device),
 with fresh inputs each time. Built once more with the two epoch areas made one, a broken ordering, it must
 find wrong results.
@@ -15,7 +18,9 @@ tests/ipc_p2p_on_cpu.cpp does the same for point-to-point (csrc/ipc_p2p.h): rand
 launches at 2-4 ranks, 1-3 blocks, every dtype, messages of many pieces, buffers at every offset; every
 received buffer bytewise equal to what its sender sent, nothing written past it. Replays with
 byte-identical arguments; a send with no receive and a receive with no send time out naming the peer;
-mismatched sizes and dtypes are reported on both ranks and the channel goes on; an abort ends a wait.
+mismatched sizes and dtypes are reported on both ranks and the channel goes on; an abort ends a wait; a
+timeout beside a mismatch in one batch is reported (the mismatch kept apart); a ring collective's messages
+whose calls differ are a fault on both ranks.
 Built with the sender's wait for a consumed slot skipped, it must find wrong results. Last, the ring
 collectives of csrc/p2p_ring.h (algo="ring" on ipc) over this point-to-point: every collective, dtype and
 op, uneven and zero chunks, a few elements of staging so each call runs many launches, against the
@@ -56,6 +61,12 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     assert "never calls: rank 0 code 1 peer 1, rank 2 code 1 peer 1" in out and "mismatch: codes 2 2 2" in out, out
     assert "close: codes 4 4 2, peers 2 2" in out, out  # peers learn that rank 2 left; it sees a mismatch
     assert re.search(r"left: codes 4 4, peers 2 2, [\d.]+ s: ok", out), out  # a rank that closed, no barrier
+    # a mismatch cut into different launch counts (f32 / f64 across the area): a fault on both ranks at
+    # once, and no later call runs (were: later calls paired with the peer's other calls, OK, wrong data)
+    assert re.search(r"apart: codes 5 5 then 5 5, launches 1/2, 0 wrong, [\d.]+ s: ok", out), out
+    assert "blocks 2 and 3: codes 5 5 then 5 5, blocks 2/3, 0 wrong: ok" in out, out  # block counts differ
+    # every rank closes, one late to its closing barrier: no failure, no buffer read once "freed"
+    assert "normal close: codes 0 0 0, 0 failed in 4 runs: ok" in out, out
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # misaligned peers stay scalar, the rest 16-byte
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
 
@@ -83,6 +94,9 @@ def test_ipc_p2p_on_cpu_threads(tmp_path):
     assert re.search(r"abort: code 3 peer 0, [\d.]+ s: ok", out), out
     # a peer that closed: its finished send arrives, a receive and a send waiting on it fail naming it
     assert re.search(r"peer closed: codes 0 4 4 peer 0 waiting 3 and 1, 1 received, [\d.]+ s: ok", out), out
+    # a timeout in a batch with a mismatched message: reported (a fault), the mismatch kept apart
+    assert "mismatch and timeout: rank 0 fault 1 waiting 3 and mismatch 2, then 1; rank 1 2: ok" in out, out
+    assert "ring calls apart: codes 5 5 then 5 5: ok" in out, out  # a ring collective's messages differ
     m = re.search(r"loops: (\d+) scalar, (\d+) vectorised", out)  # buffers at every offset: both copy loops
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
     rings = re.findall(r"ring ranks \d: 24 collectives, (\d+) launches, 0 wrong", out)  # algo="ring" over p2p

@@ -52,6 +52,16 @@ def gpu_sharing(gpu_ids) -> int:
     return max(Counter(gpu_ids).values(), default=1)
 
 
+def group_blocks(sms_per_rank, sharing: int) -> int:
+    """The blocks of every ipc kernel of a group: the smallest _C.ipc_blocks over its ranks' GPUs (SM counts),
+    so every rank runs the same (csrc/ipc_protocol.h [Note: ipc calls apart])."""
+    return min((_C.ipc_blocks(int(sms), sharing) for sms in sms_per_rank), default=1)
+
+
+def _gpu_sms(device: int) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def _gpu_id(device: int) -> str:
     props = torch.cuda.get_device_properties(device)
     uuid = getattr(props, "uuid", None)
@@ -70,15 +80,18 @@ class IpcBackend(CudaCommBackend):
     def create(cls, setup: GroupSetup) -> "IpcBackend":
         """Each rank publishes its buffer's IPC handle; everyone maps everyone's."""
         o = setup.options
-        # How many ranks share each GPU sizes every kernel (their blocks must all be resident at once).
+        # How many ranks share each GPU sizes every kernel (their blocks must all be resident at once), and
+        # every rank's kernels run the same blocks: the group's smallest (GPUs of different SM counts).
         setup.store.set(f"{setup.key}/ipc/gpu/{setup.rank}", _gpu_id(setup.device))
+        setup.store.set(f"{setup.key}/ipc/sms/{setup.rank}", str(_gpu_sms(setup.device)))
         sharing = gpu_sharing(setup.get(f"{setup.key}/ipc/gpu/{r}") for r in range(setup.size))
+        blocks = group_blocks((int(setup.get(f"{setup.key}/ipc/sms/{r}")) for r in range(setup.size)), sharing)
         comm = _C.IpcComm(setup.rank, setup.size, setup.device, setup.timeout,
                           o.get("slice_bytes", 32 << 20, "PYZERO_IPC_AREA_KB", kib=True),
                           o.get("oneshot_bytes", 256 << 10, "PYZERO_IPC_ONESHOT_KB", kib=True),
                           o.get("p2p_bytes", 4 << 20, "PYZERO_IPC_P2P_KB", kib=True),
                           o.get("depth", 4, "PYZERO_IPC_DEPTH"), sharing,
-                          o.get("system_scope", False, "PYZERO_IPC_SYSTEM_SCOPE"))
+                          o.get("system_scope", False, "PYZERO_IPC_SYSTEM_SCOPE"), blocks)
         setup.store.set(f"{setup.key}/ipc/{setup.rank}", comm.handle())
         handles = [setup.get(f"{setup.key}/ipc/{r}") for r in range(setup.size)]
         comm.connect(handles)

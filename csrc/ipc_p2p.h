@@ -165,7 +165,7 @@ struct IpcP2PState {
 template <typename X>
 PZ_HD bool ipc_p2p_run(X& x, const IpcP2PCall& c) {
   const int b = x.block(), nb = x.nblocks(), me = c.rank, t0 = x.tid();
-  if (!ipc_begin(x, c.status, c.own)) return false;
+  if (!ipc_begin(x, c.own)) return false;
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const uint64_t slots = uint64_t(c.slots);
   IpcP2PSignals* own = c.sigs[me];

@@ -154,6 +154,9 @@ struct IpcSignals {
   uint64_t launches[kIpcMaxBlocks];             // launches[b]: this rank's ipc kernels (any) block b began
   uint64_t claimed[2];                          // the launch whose failure IpcStatus::fault / mismatch holds
   uint64_t blocks;                              // this rank's blocks per kernel (set-up: the peers check it)
+  uint32_t faulted;                             // != 0 once IpcStatus::fault holds a record: a copy in device
+                                                // memory, which ipc_begin reads (the status is host-mapped:
+                                                // a read there would cost every launch a bus round trip)
 };
 // IpcSignals::closed[p]: p announced that its closing barrier (a collective, kIpcClose) is the only
 // kernel it still runs; p left (no kernel of it runs any more, its flags are final).
@@ -279,6 +282,7 @@ PZ_HD void ipc_fail(X& x, IpcStatus* s, IpcSignals* own, const IpcFailure& f) {
   x.fence();
   r->code = f.code;  // last: the host reads the code first
   x.fence();
+  if (fault) *reinterpret_cast<volatile uint32_t*>(&own->faulted) = 1u;  // (the next launches read it)
 }
 
 // A collective's failure record.
@@ -293,13 +297,14 @@ PZ_HD IpcFailure ipc_failure(uint32_t code, int peer, uint64_t epoch, uint64_t s
 
 // The start of every launch (collective or point-to-point) of block x.block(): counts the launch (the
 // number its failures claim with; the block barrier publishes it to the block's threads) and tells
-// whether to run it: false once the rank's status holds a fault (see [Note: ipc failures]).
+// whether to run it: false once the rank's status holds a fault (see [Note: ipc failures]), as
+// IpcSignals::faulted, its copy in device memory, says.
 template <typename X>
-PZ_HD bool ipc_begin(X& x, const IpcStatus* s, IpcSignals* own) {
+PZ_HD bool ipc_begin(X& x, IpcSignals* own) {
   bool run = true;
   if (x.tid() == 0) {
     ++own->launches[x.block()];
-    run = x.load_relaxed(&s->fault.code) == 0u;
+    run = x.load_relaxed(&own->faulted) == 0u;
   }
   return x.sync_and(run);
 }
@@ -436,7 +441,7 @@ PZ_HD void ipc_reduce(X& x, T* dst, T* dst2, const T* const* srcs, int n, int64_
 template <typename T, RedOp OP, typename X>
 PZ_HD bool ipc_run(X& x, const IpcCall& c) {
   const int b = x.block(), nb = x.nblocks(), me = c.rank, n = c.nranks, t0 = x.tid();
-  if (!ipc_begin(x, c.status, c.sigs[me])) return false;
+  if (!ipc_begin(x, c.sigs[me])) return false;
   const uint64_t deadline = x.now_ns() + c.timeout_ns;
   const uint64_t e = x.next_epoch(&c.sigs[me]->epoch[b]);
   const uint64_t parity = (e % 2) * c.area_stride;

@@ -17,6 +17,7 @@ import pyzero as pz
 from pyzero import bucketing
 from pyzero.bucketing import InFlight, assign_buckets, flat_buckets, pack, unpack
 from pyzero.zero import FlatLayout
+from pyzero.bench.common import UsageError
 from pyzero.launch import run_ranks
 
 from outcomes import outcome
@@ -801,29 +802,51 @@ def test_parameter_made_trainable_after_wrap_is_refused_at_forward():
 
 def test_bench_train_runs_end_to_end(tmp_path):
     """pyzero-bench train, torch DDP beside pz.DataParallel: both train the same model on the
-    same data, so their losses agree; the overlap columns are filled and consistent."""
+    same data, so their losses agree; the overlap columns are filled and consistent. torch-local trains on
+    the same global batch as they do (it trained on rank 0's batch alone, 6.6e-2 off at 2 ranks): its curve
+    and theirs, up to their first no_sync step, are one process's on both ranks' batches. torch DDP's comm
+    ms reduces DDP's own buckets (it took --first-bucket-mb, which reaches dp only)."""
     import argparse
     import json
 
     from pyzero.bench import train as bench
+    from pyzero.bench.gpt import make_gpt, random_batch
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "train.json"
-    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-ddp,dp", "--iters", "2", "--warmup", "1",
-                              "--seq", "16", "--bucket-mb", "0.05", "--first-bucket-mb", "0.05", "--timeout", "60",
-                              "--json", str(out)])
+    args = parser.parse_args(["--model", "gpt-nano", "--runs", "torch-local,torch-ddp,dp", "--iters", "2",
+                              "--warmup", "1", "--seq", "16", "--bucket-mb", "0.05", "--first-bucket-mb", "0.02",
+                              "--timeout", "60", "--json", str(out)])
     assert bench.main(args) == 0
     rec = json.loads(out.read_text())
-    ddp, dp = rec["results"]
-    assert (ddp["run"], dp["run"]) == ("torch-ddp", "dp")
+    local, ddp, dp = rec["results"]
+    assert (local["run"], ddp["run"], dp["run"]) == ("torch-local", "torch-ddp", "dp")
     assert rec["args"]["threads"] == 1  # on CPU the ranks compute on the cores: one torch thread each
-    with pytest.raises(SystemExit, match="--threads: expected >= 1, got 0"):
+    with pytest.raises(UsageError, match="--threads: expected >= 1, got 0"):
         bench.main(parser.parse_args(["--model", "gpt-nano", "--threads", "0"]))
     assert abs(ddp["loss"] - dp["loss"]) < 1e-5 * abs(ddp["loss"])
     for r in (ddp, dp):
         assert r["comm_ms"] > 0 and r["exposed_ms"] >= 0 and r["step_ms"] > 0
         assert r["hidden"] == pytest.approx(max(0.0, 1 - r["exposed_ms"] / r["comm_ms"]))
+    torch.set_num_threads(1)
+    m = make_gpt("gpt-nano")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    batches = [random_batch(m.config, 4, 16, seed=1000 + r) for r in range(2)]
+    want = []
+    for _ in range(len(local["losses"])):
+        opt.zero_grad(set_to_none=True)
+        losses = [m(x, y) for x, y in batches]
+        (sum(losses) / 2).backward()
+        opt.step()
+        want.append(losses[0].item())
+    synced = 2 * 1 + 3  # 2 x --warmup + --memory-steps: before the first no_sync step
+    assert local["losses"] == pytest.approx(want, rel=1e-5) and local["loss"] == pytest.approx(want[synced - 1])
+    for r in (ddp, dp):
+        assert r["losses"][:synced] == pytest.approx(want[:synced], rel=1e-5), r["run"]
+    n = sum(p.numel() for p in m.parameters())
+    assert sum(ddp["bucket_bytes"]) == 4 * n and len(ddp["bucket_bytes"]) > 1
+    assert max(ddp["bucket_bytes"]) < 4 * n
 
 
 def _rank_offload_threads():
@@ -858,7 +881,7 @@ def test_bench_train_offload_threads_set_the_cpu_steps_threads():
     assert got["no offload"] == ("torch.optim.adamw.AdamW", None)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    with pytest.raises(SystemExit, match="--offload-threads: expected >= 1, got 0"):
+    with pytest.raises(UsageError, match="--offload-threads: expected >= 1, got 0"):
         bench.main(parser.parse_args(["--model", "gpt-nano", "--offload-threads", "0"]))
 
 
@@ -913,7 +936,7 @@ def test_bench_train_rounds_alternate_the_runs_and_take_medians(tmp_path, capsys
     row = next(line.split() for line in text[-3:] if line.split()[:1] == ["dp"])
     assert float(row[4]) == pytest.approx(statistics.median(ratios), abs=1e-4)
     assert float(next(line.split() for line in text[-3:] if line.split()[:1] == ["torch-local"])[4]) == 1.0
-    with pytest.raises(SystemExit, match="--rounds: expected >= 1, got 0"):
+    with pytest.raises(UsageError, match="--rounds: expected >= 1, got 0"):
         bench.main(parser.parse_args(["--model", "gpt-nano", "--rounds", "0"]))
 
 
@@ -950,7 +973,7 @@ def test_bench_deepspeed_runs_need_deepspeed(monkeypatch, bench_name):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--runs", "zero2-offload,ds-zero2-offload", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="--runs ds-zero2-offload: deepspeed is not importable"):
+    with pytest.raises(UsageError, match="--runs ds-zero2-offload: deepspeed is not importable"):
         bench.main(args)
 
 
@@ -961,7 +984,7 @@ def test_bench_train_gpu_backend_needs_cuda():
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    with pytest.raises(SystemExit, match="--gpu-backend ipc: needs --device cuda"):
+    with pytest.raises(UsageError, match="--gpu-backend ipc: needs --device cuda"):
         bench.main(parser.parse_args(["--gpu-backend", "ipc", "--nproc", "1"]))
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pyzero.bench import ds_runs
+from pyzero.bench.common import UsageError
 from pyzero.bench import train as bench
 
 
@@ -101,7 +102,7 @@ def test_superoffload_needs_cuda(monkeypatch):
     monkeypatch.setattr(ds_runs, "available", lambda: True)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    with pytest.raises(SystemExit, match="ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only"):
+    with pytest.raises(UsageError, match="ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only"):
         bench.main(parser.parse_args(["--runs", "torch-local,ds-superoffload", "--nproc", "1"]))
 
 

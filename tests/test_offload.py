@@ -863,11 +863,13 @@ def test_capacity_two_ranks_one_out_of_memory_fails_the_size_without_a_hang(tmp_
     assert failed and not failed[0]["ok"] and failed[0]["why"] == "device out of memory (rank 1)", row["tried"]
 
 
-def test_capacity_one_rank_runs_refuse_nproc():
+def test_capacity_one_rank_runs_refuse_nproc(capsys):
     from pyzero.bench import __main__ as bench
 
-    with pytest.raises(SystemExit, match=r"--runs torch: trains on one rank; with --nproc 2"):
+    with pytest.raises(SystemExit) as info:
         bench.main(["capacity", "--device", "cpu", "--runs", "torch,zero3", "--nproc", "2"])
+    assert info.value.code == 2  # a usage error, before any try
+    assert "--runs torch: trains on one rank; with --nproc 2" in capsys.readouterr().err
 
 
 def test_capacity_runs_with_compact_moments(tmp_path):

@@ -35,7 +35,10 @@ RSS. The search starts at the size pyzero.zero.estimate_memory predicts fits the
 (--device-gb, default its total memory) and the host (--host-gb, default MemAvailable), then
 grows or shrinks by a quarter, then bisects, --attempts sizes at most per run. A size whose
 estimated host bytes exceed the host is not tried (the kernel's OOM killer is no error to
-catch). On the CPU (--device cpu) the same runs train a CPU model, for checking the bench.
+catch). A size that does not fit is one whose try ran out of memory (a GPU's OutOfMemoryError, a
+CPU model's failed allocation); a try that crashed otherwise or ran past --timeout says nothing about
+the size: the run's search stops there, the try is reported (its outcome "error" or "timeout"), and
+the bench exits 1. On the CPU (--device cpu) the same runs train a CPU model, for checking the bench.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ import time
 
 import torch
 
-from .common import mem_available, write_json
+from .common import UsageError, mem_available, write_json
 from .gpt import GPT, GPTConfig
 
 RUNS = {
@@ -221,7 +224,9 @@ def _try(run: str, c: GPTConfig, args) -> dict:
         step_s = statistics.median(times[1:] or times)
         out.update(ok=True, step_s=step_s, tokens_per_s=args.nproc * args.batch * c.block_size / step_s,
                    losses=losses)
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:  # (torch.OutOfMemoryError is one)
+        if not out_of_memory(e):
+            raise  # a crash, not a size that does not fit: the try fails (main exits 1)
         why = "device out of memory: " + str(e).splitlines()[0][:160]
         if args.nproc > 1:
             # The other ranks wait in a collective for this one, and so would its own clean-up (the
@@ -238,11 +243,35 @@ def _try(run: str, c: GPTConfig, args) -> dict:
     return out
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` says the device ran out of memory (a GPU's torch.OutOfMemoryError, a CPU model's failed
+    allocation): the size does not fit. Any other error is a crash."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError)
+                                                      and "can't allocate memory" in str(e))
+
+
+class TryFailed(Exception):
+    """A try crashed or ran past --timeout: whether the size fits is not known, the run's search stops."""
+
+
+def failed_try(e, run: str, n: int, params: int, timeout: float) -> dict:
+    """A try's row from its RankFailure `e`: out of memory on a rank (outcome "out of memory", the size does not
+    fit), else a deadline (outcome "timeout") or a crash (outcome "error")."""
+    oom = [r.rank for r in e.results if "device out of memory" in r.output]
+    row = {"run": run, "layers": n, "params": params, "ok": False}
+    if oom:
+        return dict(row, outcome="out of memory", why=f"device out of memory (rank {oom[0]})")
+    late = [r.rank for r in e.results if r.exitcode is None]
+    if late:
+        return dict(row, outcome="timeout", why=f"timed out after {timeout:g} s (rank {late[0]})")
+    return dict(row, outcome="error", why=str(e).splitlines()[0][:200])
+
+
 def _merge(values: list[dict]) -> dict:
     """A try's row from its ranks' rows: ok where every rank trained, the largest peaks, the
     slowest rank's step time and tokens/s, the first failing rank's reason."""
     bad = [v for v in values if not v.get("ok")]
-    row = dict(bad[0] if bad else values[0])
+    row = dict(bad[0] if bad else values[0], outcome="out of memory" if bad else "fits")
     for key in ("peak_device_gb", "peak_rss_gb"):
         seen = [v[key] for v in values if v.get(key) is not None]
         row[key] = max(seen) if seen else None
@@ -301,28 +330,28 @@ def main(args) -> int:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs:
-        raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+        raise UsageError(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
     from . import ds_runs  # noqa: PLC0415
 
     if any(RUNS[r].get("deepspeed") for r in runs) and not ds_runs.available():
-        raise SystemExit(f"--runs {','.join(r for r in runs if RUNS[r].get('deepspeed'))}: deepspeed is not "
+        raise UsageError(f"--runs {','.join(r for r in runs if RUNS[r].get('deepspeed'))}: deepspeed is not "
                          "importable here (pip install deepspeed; for a machine without a package index, see "
                          "scripts/gpu_wheels.sh)")
     for name in ("n_embd", "n_head", "vocab", "seq", "batch", "steps", "max_layers", "attempts", "nproc"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
     if args.n_embd % args.n_head:
-        raise SystemExit(f"--n-head: {args.n_head} does not divide --n-embd {args.n_embd}")
+        raise UsageError(f"--n-head: {args.n_head} does not divide --n-embd {args.n_embd}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU visible")
+        raise UsageError("--device cuda: no CUDA GPU visible")
     one_rank = [r for r in runs if not RUNS[r] or RUNS[r].get("deepspeed")]
     if args.nproc > 1 and one_rank:
-        raise SystemExit(f"--runs {','.join(one_rank)}: trains on one rank; with --nproc {args.nproc} name "
+        raise UsageError(f"--runs {','.join(one_rank)}: trains on one rank; with --nproc {args.nproc} name "
                          "zero2, zero3, fsdp2 or the pz offload runs")
     # ranks that share one device: CPU processes, or every rank on GPU 0 (ipc)
     shared = args.nproc > 1 and (args.device == "cpu" or args.gpu_backend == "ipc")
     if args.device == "cuda" and args.nproc > 1 and not shared and torch.cuda.device_count() < args.nproc:
-        raise SystemExit(f"--nproc {args.nproc} with --gpu-backend nccl needs a GPU per rank, found "
+        raise UsageError(f"--nproc {args.nproc} with --gpu-backend nccl needs a GPU per rank, found "
                          f"{torch.cuda.device_count()}; --gpu-backend ipc puts the ranks on GPU 0")
     where, device, host = _memory(args)
     if shared:
@@ -332,7 +361,7 @@ def main(args) -> int:
           f"host {host / GB:.1f} GB planned")
     print(f"{'run':>16} {'layers':>6} {'params':>10} {'tokens/s':>9} {'dev GB':>7} {'est dev':>7} "
           f"{'rss GB':>7} {'est host':>8}  tried (layers: fits)")
-    results = []
+    results, failed = [], []
     for run in runs:
         tries = {}
 
@@ -340,7 +369,7 @@ def main(args) -> int:
             c = config(args, n)
             est = estimate(run, c, args.batch, args.nproc)
             if est["host"] * args.nproc > 0.85 * host:
-                tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
+                tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False, "outcome": "host",
                             "why": f"host: the estimate {est['host'] * args.nproc / GB:.1f} GB exceeds 85% of "
                                    "the host"}
             else:
@@ -353,19 +382,27 @@ def main(args) -> int:
                                       start="spawn" if cuda else "fork",
                                       threads=max(1, (os.cpu_count() or 1) // args.nproc) if cuda else 1)
                     tries[n] = _merge([r.value for r in ranks])
-                except RankFailure as e:  # a crash or a deadline: the size does not train
-                    oom = [r.rank for r in e.results if "device out of memory" in r.output]
-                    tries[n] = {"run": run, "layers": n, "params": gpt_params(c), "ok": False,
-                                "why": f"device out of memory (rank {oom[0]})" if oom
-                                else str(e).splitlines()[0][:200]}
+                except RankFailure as e:  # out of memory on a rank (does not fit), or a crash or a deadline
+                    tries[n] = failed_try(e, run, n, gpt_params(c), args.timeout)
             tries[n].update(estimate_device_gb=est["device"] / GB, estimate_host_gb=est["host"] / GB)
+            if tries[n]["outcome"] in ("error", "timeout"):
+                raise TryFailed
             return tries[n]["ok"]
 
-        best, tried = search(fits, predicted_layers(run, args, device, host), args.max_layers, args.attempts)
+        try:
+            search(fits, predicted_layers(run, args, device, host), args.max_layers, args.attempts)
+        except TryFailed:  # whether that size fits is not known: the search stops there, the bench exits 1
+            pass
+        tried = {n: t["ok"] for n, t in tries.items()}
+        best = max((n for n, ok in tried.items() if ok), default=None)
         row = dict(tries[best]) if best is not None else {"run": run, "layers": None, "params": None, "ok": False}
-        row["tried"] = [tries[n] for n in tried]
+        row["tried"] = list(tries.values())
+        bad = [t for t in tries.values() if t["outcome"] in ("error", "timeout")]
+        if bad:
+            row["failed"] = bad
+            failed += bad
         results.append(row)
-        trail = ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in tried.items())
+        trail = ", ".join(f"{n}: {'yes' if t['ok'] else t['outcome'] if t in bad else 'no'}" for n, t in tries.items())
         if best is None:
             print(f"{run:>16} {'-':>6} {'-':>10} {'-':>9} {'-':>7} {'-':>7} {'-':>7} {'-':>8}  {trail}"
                   f"  ({tries[min(tried)].get('why', '')})", flush=True)
@@ -377,7 +414,12 @@ def main(args) -> int:
     if args.json:
         write_json(args.json, results, {"bench": "capacity", "args": vars(args),
                                         "device_bytes": device, "host_bytes": host})
-    return 0
+    for t in failed:
+        print(f"# {t['run']} at {t['layers']} layers failed ({t['outcome']}, not out of memory): {t['why']}")
+    if failed:
+        print(f"# {len(failed)} tr{'y' if len(failed) == 1 else 'ies'} failed for another reason than memory: "
+              "those runs' capacity is not known")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":  # python -m pyzero.bench.capacity
@@ -385,4 +427,7 @@ if __name__ == "__main__":  # python -m pyzero.bench.capacity
 
     ap = argparse.ArgumentParser(prog="pyzero-bench capacity", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    raise SystemExit(main(ap.parse_args()))
+    try:
+        raise SystemExit(main(ap.parse_args()))
+    except UsageError as e:
+        ap.error(str(e))

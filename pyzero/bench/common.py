@@ -15,6 +15,28 @@ class UsageError(ValueError):
     with the message, as argparse does for the values it checks itself."""
 
 
+def choice_list(text: str, allowed, flag: str) -> list[str]:
+    """A comma list of names from `allowed` (at least one); a UsageError naming `flag` otherwise."""
+    out = [o.strip() for o in str(text).split(",") if o.strip()]
+    bad = [o for o in out if o not in allowed]
+    if bad or not out:
+        raise UsageError(f"{flag}: expected some of {tuple(allowed)}, got {text!r}"
+                         + (f" (unknown {bad})" if bad else ""))
+    return out
+
+
+def number_list(text: str, flag: str, kind=int, least: float = 1) -> list:
+    """A comma list of `kind` (int or float; finite) numbers, each >= `least` (at least one); a UsageError
+    naming `flag` otherwise."""
+    try:
+        out = [kind(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected a comma list of {kind.__name__}s, got {text!r}") from None
+    if not out or any(not (least <= v < math.inf) for v in out):
+        raise UsageError(f"{flag}: expected {kind.__name__}s >= {least:g}, got {text!r}")
+    return out
+
+
 def init_torch_distributed(backend: str, timeout: float = 300.0):
     """torch.distributed beside pyzero in this (already pz.init'ed) rank, for side-by-side runs.
     It rendezvouses through pyzero's own store (under a prefix), so it needs no second port

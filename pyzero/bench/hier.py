@@ -8,9 +8,11 @@ host's ranks still share memory. The namespaces are removed afterwards.
 
 Part 1 (nccl-tests style): all_reduce of fp32 at sizes --min..--max, pyzero's hierarchical
 path (shm inside hosts, gloo between) against one flat torch.distributed gloo all_reduce over
-all ranks; the two results are compared (#wrong).
+all ranks; the two results are compared on every rank (#wrong: elements that differ, summed over the
+ranks; the bench exits 1 when any does).
 Part 2: ZeRO stage 3 on a GPT (--model) for --steps steps on learnable token data, for each
-configuration: plain, hpZ, qwZ, qgZ and all three. Reported: bytes this rank sent across
+configuration: plain, hpZ, qwZ, qgZ and all three (plain first, wherever --configs names it: the "vs plain"
+columns' baseline; without it those columns are "-"). Reported: bytes this rank sent across
 hosts per step (comm_stats "inter_host", the rank with the most), median step time, and the
 loss on a held-out batch after the last step.
 """
@@ -178,19 +180,46 @@ def _zero_rank(name, args) -> dict:
     return {"inter_bytes_per_step": inter / args.steps, "step_s": statistics.median(times), "loss": loss}
 
 
+def merge_collective_rows(per_rank: list[list[dict]]) -> list[dict]:
+    """Part 1's rows from every rank's: the times as rank 0 has them (already the slowest rank's), #wrong
+    the sum of every rank's count (each rank compares its own result)."""
+    return [dict(rows[0], wrong=sum(r["wrong"] for r in rows)) for rows in zip(*per_rank)]
+
+
+def zero_order(configs: list[str]) -> list[str]:
+    """Part 2's configs in the order they run: "plain" (the baseline of the "vs plain" columns) first,
+    wherever --configs names it, then the others as given."""
+    return sorted(configs, key=lambda c: c != "plain")
+
+
+def zero_row(res: dict, base: dict | None) -> str:
+    """A line of part 2's table; the "vs plain" columns against `base` (the plain run; "-" without one)."""
+    if base is None:
+        vs_bytes, vs_loss = f"{'-':>8}", f"{'-':>8}"
+    else:
+        vs_bytes = f"{base['inter_bytes_per_step'] / max(res['inter_bytes_per_step'], 1):>7.2f}x"
+        vs_loss = f"{res['loss'] / base['loss'] - 1:>+8.2%}"
+    return (f"{res['config']:>8} {res['inter_bytes_per_step']:>18.0f} {vs_bytes} {res['step_s'] * 1e3:>8.1f} "
+            f"{res['loss']:>8.4f} {vs_loss}")
+
+
 def main(args) -> int:
     from ..launch import run_ranks  # noqa: PLC0415
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or any(p not in ("collectives", "zero") for p in parts):
-        raise SystemExit(f"--parts: expected a comma list of collectives, zero; got {args.parts!r}")
+        raise UsageError(f"--parts: expected a comma list of collectives, zero; got {args.parts!r}")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if any(c not in CONFIGS for c in configs):
-        raise SystemExit(f"--configs: expected a comma list of {list(CONFIGS)}, got {args.configs!r}")
-    if args.hosts < 2 or args.per_host < 1:
-        raise SystemExit("--hosts: expected >= 2 and --per-host >= 1")
+    if not configs or any(c not in CONFIGS for c in configs):
+        raise UsageError(f"--configs: expected a comma list of {list(CONFIGS)}, got {args.configs!r}")
+    if args.hosts < 2:
+        raise UsageError(f"--hosts: expected >= 2, got {args.hosts}")
+    if args.per_host < 1:
+        raise UsageError(f"--per-host: expected >= 1, got {args.per_host}")
+    if args.throttle and args.hosts != 2:
+        raise UsageError(f"--throttle: expected --hosts 2 (one veth pair), got {args.hosts}")
     if args.model not in PRESETS:
-        raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+        raise UsageError(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
     size_steps(parse_size(args.min, "--min"), parse_size(args.max, "--max"), args.factor)  # (read by the ranks)
     world = args.hosts * args.per_host
     env = None
@@ -198,11 +227,12 @@ def main(args) -> int:
     if args.throttle:
         setup_link(args.hosts, args.throttle)
         env = {"MASTER_ADDR": f"{SUBNET}1"}
-    results = []
+    results, wrong = [], 0
     try:
         print(f"# {args.hosts} hosts x {args.per_host} ranks, link between hosts: {link}")
         if "collectives" in parts:
-            rows = run_ranks(_collectives_rank, world, args=(args,), env=env, timeout=args.timeout)[0].value
+            rows = merge_collective_rows([r.value for r in run_ranks(_collectives_rank, world, args=(args,),
+                                                                     env=env, timeout=args.timeout)])
             print(f"{'size':>10} {'count':>10} {'hier us':>10} {'busbw':>7} {'gloo us':>10} {'busbw':>7} "
                   f"{'speedup':>7} {'#wrong':>6}")
             for r in rows:
@@ -210,26 +240,29 @@ def main(args) -> int:
                       f"{r['gloo_s'] * 1e6:>10.1f} {r['gloo_busbw']:>7.3f} {r['gloo_s'] / r['hier_s']:>7.2f} "
                       f"{r['wrong']:>6}")
                 results.append(dict(r, part="all_reduce"))
-            print(f"# total #wrong: {sum(r['wrong'] for r in rows)}")
+            wrong = sum(r["wrong"] for r in rows)
+            print(f"# total #wrong (elements, summed over the ranks): {wrong}")
         if "zero" in parts:
             print(f"# ZeRO-3 {args.model}, {args.steps} steps, {args.batch} x {args.seq} tokens per rank, "
-                  f"AdamW lr {args.lr}")
+                  f"AdamW lr {args.lr}" + ("" if "plain" in configs else
+                                           "; no plain config in --configs: no 'vs plain' columns"))
             print(f"{'config':>8} {'cross-host B/step':>18} {'vs plain':>8} {'step ms':>8} {'loss':>8} {'vs plain':>8}")
             base = None
-            for name in configs:
+            for name in zero_order(configs):
                 ranks = [r.value for r in run_ranks(_zero_rank, world, args=(name, args), env=env,
                                                     timeout=args.timeout)]
                 res = {"part": "zero3", "config": name,
                        "inter_bytes_per_step": max(r["inter_bytes_per_step"] for r in ranks),
                        "step_s": max(r["step_s"] for r in ranks), "loss": ranks[0]["loss"]}
-                base = base or res
-                print(f"{name:>8} {res['inter_bytes_per_step']:>18.0f} "
-                      f"{base['inter_bytes_per_step'] / max(res['inter_bytes_per_step'], 1):>7.2f}x "
-                      f"{res['step_s'] * 1e3:>8.1f} {res['loss']:>8.4f} {res['loss'] / base['loss'] - 1:>+8.2%}")
+                if name == "plain":
+                    base = res
+                print(zero_row(res, base), flush=True)
                 results.append(res)
     finally:
         if args.throttle:
             teardown_link(args.hosts)
     if args.json:
-        write_json(args.json, results, {"args": vars(args)})
-    return 0
+        write_json(args.json, results, {"bench": "hier", "args": vars(args)})
+    if wrong:
+        print(f"# {wrong} wrong result elements: the hierarchical all_reduce differs from gloo's")
+    return 1 if wrong else 0

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                 print(f" {name:>9} {op:>4} {mb:>9} {red:>12.1f} {cpy:>10.1f} {red / cpy:>6.2f}")
     results += ring_kernels(args, stream)
     if args.json:
-        write_json(args.json, results, {"command": "kernels"})
+        write_json(args.json, results, {"bench": "kernels", "args": vars(args)})
     return 0
 
 

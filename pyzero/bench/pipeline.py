@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import UsageError, write_json
+from .common import UsageError, choice_list, number_list, write_json
 
 SCHEDULES = ("gpipe", "1f1b")
 COMPUTES = ("matmul", "sleep")
@@ -46,24 +46,6 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
-
-
-def _ints(text: str, arg: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"{arg}: expected a comma list of ints, got {text!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise UsageError(f"{arg}: expected positive ints, got {text!r}")
-    return out
-
-
-def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
-    out = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in out if o not in allowed]
-    if bad or not out:
-        raise UsageError(f"{arg}: expected some of {allowed}, got {text!r}")
-    return out
 
 
 def make_mlp(hidden: int, layers: int) -> torch.nn.Sequential:
@@ -109,9 +91,9 @@ def rank_main(args) -> list[dict]:
               "sleep": SleepStage(args.sleep_ms / 1e3)}
     g = torch.Generator().manual_seed(1)
     rows = []
-    for compute, schedule, m in itertools.product(_choices(args.compute, COMPUTES, "--compute"),
-                                                  _choices(args.schedules, SCHEDULES, "--schedules"),
-                                                  _ints(args.microbatches, "--microbatches")):
+    for compute, schedule, m in itertools.product(choice_list(args.compute, COMPUTES, "--compute"),
+                                                  choice_list(args.schedules, SCHEDULES, "--schedules"),
+                                                  number_list(args.microbatches, "--microbatches")):
         stage = stages[compute]
         pipe = pz.pipeline.Pipeline(stage, m, schedule)
         x = torch.randn(m * args.mb_size, args.hidden, generator=g)
@@ -191,9 +173,9 @@ def main(args) -> int:
         raise UsageError(f"--nproc: expected >= 2 (a pipeline of one stage has no bubble), got {args.nproc}")
     if args.layers < args.nproc:
         raise UsageError(f"--layers: expected >= --nproc={args.nproc} (each stage needs a layer), got {args.layers}")
-    _ints(args.microbatches, "--microbatches")
-    _choices(args.schedules, SCHEDULES, "--schedules")
-    _choices(args.compute, COMPUTES, "--compute")
+    number_list(args.microbatches, "--microbatches")
+    choice_list(args.schedules, SCHEDULES, "--schedules")
+    choice_list(args.compute, COMPUTES, "--compute")
     res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
     results = summarise([r.value for r in res], args)
     print(f"# {args.nproc} stages, MLP H={args.hidden} x {args.layers} layers, {args.mb_size} rows/micro-batch, "

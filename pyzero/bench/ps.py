@@ -8,7 +8,9 @@ Runs, side by side in one invocation, with the same model, data and sample budge
 Each with all workers equal, and with one straggler (--straggler 3: worker 0 takes 3x as long per
 step, the extra time slept, as a slower machine would). The data is learnable (token sequences
 that mostly follow a fixed successor map), so the loss after the budget means something; it is
-measured on a held-out batch with the final parameters.
+measured on a held-out batch with the final parameters. Worker i's n-th gradient is taken on the same
+batch in every run (dp's rank i at its step n), so "vs dp" compares training on the same data (sync
+does dp's arithmetic: its loss is dp's to rounding).
 
 --transport also times the push+pull of the model's gradients/parameters over pz.ps's connection
 (multiprocessing.connection over TCP) against torch.distributed.rpc (TensorPipe) carrying the
@@ -16,11 +18,12 @@ same tensors between the same two processes.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 
-from .common import write_json
+from .common import UsageError, number_list, write_json
 from .gpt import PRESETS, make_gpt
 
 RUNS = ("dp", "sync", "bounded", "async")
@@ -37,6 +40,17 @@ def structured_batch(config, batch: int, seq: int, seed: int):
     for t in range(seq):
         toks[:, t + 1] = torch.where(keep[:, t], (7 * toks[:, t] + 3) % v, rand[:, t])
     return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+def worker_batch(args, step: int, worker: int):
+    """Worker `worker`'s batch for its `step`-th gradient (0-based), in every run: dp's rank `worker` at its
+    step `step` and pz.ps worker `worker`'s `step`-th push train on the same tokens, so the losses compare."""
+    return structured_batch(PRESETS[args.model], args.batch, args.seq, seed=step * 1000 + worker)
+
+
+def serve_options(mode: str, args) -> dict:
+    """pz.ps.serve's mode options: --staleness is the bounded mode's (sync and async take none)."""
+    return {"mode": mode, "staleness": args.staleness} if mode == "bounded" else {"mode": mode}
 
 
 def _eval_loss(model, args) -> float:
@@ -62,7 +76,7 @@ def _dp_rank(args):
     pz.barrier()
     t0 = time.perf_counter()
     for step in range(steps):
-        x, y = structured_batch(PRESETS[args.model], args.batch, args.seq, seed=step * 1000 + rank)
+        x, y = worker_batch(args, step, rank)
         c0 = time.perf_counter()
         loss = dp(x, y)
         loss.backward()
@@ -81,7 +95,7 @@ def _ps_rank(mode, args):
     model = make_gpt(args.model)
     versions = args.samples // (args.batch * (args.workers if mode == "sync" else 1))
     if role == "server":
-        return pz.ps.serve(model, torch.optim.AdamW, args.servers, mode=mode, staleness=args.staleness,
+        return pz.ps.serve(model, torch.optim.AdamW, args.servers, **serve_options(mode, args),
                            max_versions=versions, wait_for_workers=args.workers, idle_timeout=args.timeout,
                            lr=args.lr)
     w = pz.ps.Worker(model, num_servers=args.servers, timeout=args.timeout)
@@ -89,7 +103,7 @@ def _ps_rank(mode, args):
     while w.pull():
         if t0 is None:
             t0 = time.perf_counter()
-        x, y = structured_batch(PRESETS[args.model], args.batch, args.seq, seed=n * 1000 + 100 + index)
+        x, y = worker_batch(args, n, index)
         c0 = time.perf_counter()
         model(x, y).backward()
         _slow(args, index, time.perf_counter() - c0)
@@ -172,24 +186,29 @@ def main(args) -> int:
 
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not runs or any(r not in RUNS for r in runs):
-        raise SystemExit(f"--runs: expected a comma list of {list(RUNS)}, got {args.runs!r}")
+        raise UsageError(f"--runs: expected a comma list of {list(RUNS)}, got {args.runs!r}")
     if args.model not in PRESETS:
-        raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
-    if args.workers < 1 or args.servers < 1 or args.batch < 1 or args.samples < args.batch * args.workers:
-        raise SystemExit("--workers, --servers, --batch must be >= 1 and --samples >= batch x workers")
-    stragglers = [float(s) for s in args.straggler.split(",")]
+        raise UsageError(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+    for name in ("workers", "servers", "batch"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name}: expected >= 1, got {getattr(args, name)}")
+    if args.samples < args.batch * args.workers:
+        raise UsageError(f"--samples: expected >= --batch x --workers = {args.batch * args.workers}, "
+                         f"got {args.samples}")
+    stragglers = number_list(args.straggler, "--straggler", kind=float, least=1)
     print(f"# {args.model}: {args.workers} workers x {args.batch} x {args.seq} tokens, {args.samples} samples, "
-          f"{args.servers} server(s), AdamW lr {args.lr}, staleness {args.staleness}")
+          f"{args.servers} server(s), AdamW lr {args.lr}, staleness {args.staleness} (bounded)")
     print(f"{'straggler':>9} {'run':>8} {'tokens/s':>10} {'vs dp':>6} {'loss':>8} {'vs dp':>7} {'max gap':>7}")
     results = []
     for slow in stragglers:
-        args.straggler = slow
+        run_args = argparse.Namespace(**{**vars(args), "straggler": slow})  # (the ranks read one factor)
         base = None
         for run in runs:
             if run == "dp":
-                ranks = [r.value for r in run_ranks(_dp_rank, args.workers, args=(args,), timeout=args.timeout)]
+                ranks = [r.value for r in run_ranks(_dp_rank, args.workers, args=(run_args,),
+                                                    timeout=args.timeout)]
             else:
-                ranks = [r.value for r in run_ranks(_ps_rank, args.servers + args.workers, args=(run, args),
+                ranks = [r.value for r in run_ranks(_ps_rank, args.servers + args.workers, args=(run, run_args),
                                                     timeout=args.timeout)][args.servers:]
             wall = max(r["t1"] for r in ranks) - min(r["t0"] for r in ranks)
             samples = sum(r["samples"] for r in ranks)
@@ -209,5 +228,5 @@ def main(args) -> int:
               f"torch rpc (TensorPipe) {r['rpc_ms']:.2f} ms (median of {args.transport_iters})")
         results.append({"run": "transport", **r})
     if args.json:
-        write_json(args.json, results, {"bench": "ps", "args": vars(args)})
+        write_json(args.json, results, {"bench": "ps", "args": {**vars(args), "straggler": stragglers}})
     return 0

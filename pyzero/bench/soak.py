@@ -20,6 +20,8 @@ import torch
 import pyzero as pz
 from pyzero.launch import run_ranks
 
+from .common import UsageError, write_json
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 SIZES = [0, 1, 3, 64, 1000, 4097, 65537, 300_000]
 OPS = ["sum", "max", "min", "prod", "avg"]
@@ -199,14 +201,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 3, 4], help="rank counts to run (default 2 3 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results (per rank count: calls, wrong results, notes), "
+                                                "with the machine, versions and date, to this file")
 
 
 def main(args) -> int:
     if args.seconds <= 0:
-        raise SystemExit(f"--seconds: expected a positive number, got {args.seconds}")
+        raise UsageError(f"--seconds: expected a positive number, got {args.seconds}")
     if any(n < 2 for n in args.nproc):
-        raise SystemExit(f"--nproc: expected rank counts >= 2, got {args.nproc}")
-    bad = 0
+        raise UsageError(f"--nproc: expected rank counts >= 2, got {args.nproc}")
+    bad, results = 0, []
     print("| ranks | seconds | calls (per rank, summed) | wrong results |")
     print("|---|---|---|---|")
     for n in args.nproc:
@@ -216,4 +220,7 @@ def main(args) -> int:
         for note in r["notes"]:
             print(f"  wrong: {note}")
         bad += r["wrong"]
+        results.append(r)
+    if args.json:
+        write_json(args.json, results, {"bench": "soak", "args": vars(args)})
     return 1 if bad else 0

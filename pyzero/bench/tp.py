@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from .common import UsageError, interleaved_medians, write_json
+from .common import UsageError, choice_list, interleaved_medians, number_list, write_json
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 COMPUTES = ("matmul", "sleep")
@@ -157,9 +157,9 @@ def rank_main(args) -> list[dict]:
 
     pz.init(backend="shm", timeout=args.timeout)
     n, rank = pz.get_world_size(), pz.get_rank()
-    ops = _choices(args.ops, OPS, "--ops")
-    computes = _choices(args.compute, COMPUTES, "--compute")
-    widths = [int(w) for w in args.widths.split(",")]
+    ops = choice_list(args.ops, OPS, "--ops")
+    computes = choice_list(args.compute, COMPUTES, "--compute")
+    widths = number_list(args.widths, "--widths")
     ring_grp = pz.new_group(range(n), options={"symmetric": False})  # the send/recv ring variant
     results = []
     if rank == 0:
@@ -176,7 +176,7 @@ def rank_main(args) -> list[dict]:
                     sleep_s = None if compute_kind == "matmul" else _matmul_us(op, n, args, width, ring_grp) / 1e6
                     fns, inputs = _cases(op, n, args.rows, args.hidden, width, sleep_s, ring_grp)
                     comm, compute, serial, overlapped, ring, check = fns
-                    err = check()
+                    err = worst_over_ranks(check())
                     names = ("comm", "compute", "serial", "overlap", "ring")
                     t = dict(zip(names, _medians_us([comm, compute, serial, overlapped, ring], args.iters,
                                                     args.warmup, args.flush_mib, inputs)))
@@ -195,12 +195,20 @@ def rank_main(args) -> list[dict]:
     return results
 
 
-def _choices(text: str, allowed: tuple, arg: str) -> list[str]:
-    out = [o.strip() for o in text.split(",") if o.strip()]
-    for o in out:
-        if o not in allowed:
-            raise UsageError(f"{arg}: unknown value {o!r}; expected some of {allowed}")
-    return out
+def worst_over_ranks(err: float) -> float:
+    """The largest of every rank's `err` (each rank checks its own output; NaN counts as inf), on every rank."""
+    import pyzero as pz  # noqa: PLC0415
+
+    from .common import comm_device  # noqa: PLC0415
+
+    t = torch.tensor([err if err == err else math.inf], dtype=torch.float64, device=comm_device())
+    pz.all_reduce(t, op="max")
+    return float(t[0])
+
+
+def wrong_rows(per_rank: list[list[dict]], tol: float = 1e-4) -> list[dict]:
+    """The rows of any rank whose overlapped or ring result is off the serial one by rel_err >= tol (or NaN)."""
+    return [r for rows in per_rank for r in rows if not r["rel_err"] < tol]
 
 
 def _matmul_us(op: str, n: int, args, width: int, ring_grp) -> float:
@@ -246,6 +254,9 @@ def main(args) -> int:
 
     if args.nproc < 2:
         raise UsageError(f"--nproc: expected >= 2 (the ops communicate), got {args.nproc}")
+    choice_list(args.ops, OPS, "--ops")  # (read again by the ranks)
+    choice_list(args.compute, COMPUTES, "--compute")
+    number_list(args.widths, "--widths")
     res = run_ranks(rank_main, args.nproc, args=(args,), timeout=args.timeout, threads=1)
     print(res[0].output, end="")
     results = res[0].value
@@ -261,5 +272,8 @@ def main(args) -> int:
         write_json(args.json, results, {"command": "tp", "args": vars(args)})
     if args.plot:
         plot(results, args.plot)
-    bad = [r for r in results if not r["rel_err"] < 1e-4]
+    bad = wrong_rows([r.value for r in res])  # (every rank's: each checked its own output)
+    for r in bad:
+        print(f"# wrong: {r['op']}, compute={r['compute']}, width {r['width']}: rel_err {r['rel_err']:.3e} "
+              "(largest over the ranks)")
     return 1 if bad else 0

@@ -7,8 +7,13 @@ medians over --iters steps (each started together after a barrier; the
 slowest rank counts):
     step     zero_grad + forward + backward + optimizer step
     nocomm   the same step inside no_sync(): no gradient communication (DDP-style
-             runs; a ZeRO step communicates in any case: no nocomm)
-    comm     the run's bucketed collectives alone, without backward
+             runs; a ZeRO step communicates in any case: no nocomm). FSDP2's: backward with
+             gradient sync off, its local gradients then dropped and each shard given a zero
+             gradient, so the AdamW step on the shards is real and nothing leaks into the next
+             synced step
+    comm     the run's bucketed collectives alone, without backward, on buffers of the
+             sizes and dtypes the run reduces (DDP: its own buckets, whose first is not
+             --first-bucket-mb; ZeRO: --comm-dtype's reductions)
     exposed  (runs whose gradients are all reduced when backward returns:
              torch-ddp, dp) per step, from the moment the last rank
              accumulated its last gradient (a post-accumulate-grad hook on
@@ -18,7 +23,8 @@ slowest rank counts):
              backward early also waits for the slow one; that is imbalance,
              not communication, and is not counted. The ranks share one
              host, so their monotonic clocks agree.)
-Then hidden = 1 - exposed / comm, and +step = step - nocomm is the step's
+Then hidden = 1 - exposed / comm (with --rounds: from the median exposed and comm), and
++step = step - nocomm is the step's
 whole cost of communicating, which also counts the CPU the copies take from
 backward where every core computes (2 ranks on 2 cores). peak_mib is the
 rank's ru_maxrss, delta_mib its growth over the RSS before the model was built.
@@ -32,9 +38,13 @@ and "ds-zero2-offload" are DeepSpeed's stage 2 and ZeRO-Offload, "ds-zenflow" Ze
 with ZenFlow and "ds-superoffload" DeepSpeed's SuperOffload (stage 3, CUDA only)
 (bench/ds_runs.py), where deepspeed is importable.
 
-Every run trains the same model (seed 0) on the same batch from the same start, so the runs'
-losses, step by step, are loss curves to compare (ZenFlow is not exact: its curve shows by how
-much). Runs without a no_sync step (torch-local, the DeepSpeed runs) take the same steps
+Every run trains the same model (seed 0) on the same batches (rank r's: seed 1000 + r) from the same
+start, so the runs' losses, step by step, are loss curves to compare (ZenFlow is not exact: its curve
+shows by how much). torch-local has no ranks to average with: at --nproc >= 2 its timed steps train each
+rank's own batch (the per-rank compute the wrappers' cost is measured against), and its loss curve comes
+from rank 0 retraining a fresh model, after the timed phase and untimed, on every rank's batch (the mean
+of their losses: the gradient the DP runs average), as many steps. Runs without a no_sync step
+(torch-local, the DeepSpeed runs) take the same steps
 throughout; a run with one alternates synced and no_sync steps from the timed phase on, so its
 curve compares for the first 2 x --warmup + --memory-steps steps. The JSON holds each
 run's "losses" (rank 0's, in order; with --memory the traced step's is NaN), and ``--losses``
@@ -75,7 +85,7 @@ import torch
 
 from ..distributed import cuda_backend_beside
 from . import ds_runs, steptrace
-from .common import comm_device, init_torch_distributed, interleaved_medians, write_json
+from .common import UsageError, comm_device, init_torch_distributed, interleaved_medians, write_json
 from .gpt import PRESETS, make_gpt, random_batch
 
 
@@ -90,6 +100,7 @@ class Runner(NamedTuple):
     memory: Callable | None = None  # -> dict of model-state bytes (ZeRO's memory_stats)
     reduces_in_backward: bool = False  # gradient communication ends inside loss.backward()
     backward: Callable | None = None  # loss -> None in place of loss.backward() (DeepSpeed's engine)
+    buckets: Callable | None = None  # -> bytes of each buffer comm_alone reduces (where they can differ from caps)
 
 
 def _on_cuda(model) -> bool:
@@ -137,13 +148,47 @@ def _torch_ddp(model, args, backend: str) -> Runner:
     flats = []
 
     def comm_alone():
-        if not flats:  # at the first call: not there while memory is measured
-            flats.extend(torch.zeros(s.numel, dtype=s.dtype, device=dev) for s in
-                         assign_buckets(params, int(args.bucket_mb * 2**20), int(args.first_bucket_mb * 2**20)))
+        if not flats:  # at the first call (after the warm-up: DDP has rebuilt its buckets; not there while
+            # memory is measured): buffers of DDP's own bucket sizes (--first-bucket-mb is pz's, not DDP's)
+            sizes = ddp_bucket_bytes(ddp)
+            if sizes is None:  # (a torch that does not say: DDP's caps, whose first bucket is the cap given)
+                cap = int(args.bucket_mb * 2**20)
+                sizes = [b.numel * params[0].element_size() for b in assign_buckets(params, cap, cap)]
+            flats.extend(torch.zeros(n // params[0].element_size(), dtype=params[0].dtype, device=dev)
+                         for n in sizes)
         for w in [dist.all_reduce(f, async_op=True) for f in flats]:
             w.wait()
 
-    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_torch(dist), reduces_in_backward=True)
+    def buckets():
+        return [f.numel() * f.element_size() for f in flats]
+
+    return Runner(ddp, opt, ddp.no_sync, comm_alone, lambda: _close_torch(dist), reduces_in_backward=True,
+                  buckets=buckets)
+
+
+def ddp_bucket_bytes(ddp) -> list[int] | None:
+    """The bytes of each bucket torch DDP reduces now (its logging data: after the first step, the buckets it
+    rebuilt in the gradients' order); None where this torch does not say."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")  # (not rebuilt at one rank)
+        out = [int(n) for n in str(sizes).split(",") if n.strip()]
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return out or None
+
+
+def bucket_caps(run: str, args) -> str | None:
+    """The bucket caps a run reduces with, as the header prints them; None for a run without buckets."""
+    if run == "dp":
+        return f"first {args.first_bucket_mb:g} MiB, then {args.bucket_mb:g} MiB"
+    if run in ("torch-ddp", "torch-ddp-pyzero", "torch-zero"):
+        return f"{args.bucket_mb:g} MiB caps (DDP's bucket_cap_mb; its first bucket is its own, not --first-bucket-mb)"
+    if run.startswith("zero"):
+        return f"{args.bucket_mb:g} MiB (ZeroOptimizer's bucket_mb; no first bucket)"
+    if run.startswith("ds-"):
+        return f"{args.bucket_mb:g} MiB (DeepSpeed's bucket sizes)"
+    return None
 
 
 def _zero_comm_alone(opt) -> Callable:
@@ -152,16 +197,21 @@ def _zero_comm_alone(opt) -> Callable:
     import pyzero as pz  # noqa: PLC0415
 
     g, rank, world, dev = opt.group, opt.group.rank, opt.group.size, opt.device
+    model_dtype = opt.param_dtype or opt.params[0].dtype
+    # the run's dtypes: gradients reduced in comm_dtype (stages 2-3; stage 1 in the model's), parameters
+    # gathered in the model's
+    reduce_dtype = opt.comm_dtype if opt.stage >= 2 else model_dtype
     phases = []
 
     def build():  # at the first call: the scratch buffers are not there while memory is measured
         for phase in opt.comm_plan():
             calls = []
             for c in phase:
-                full = torch.zeros(c.numel, device=dev)
+                dtype = reduce_dtype if c.op == "reduce_scatter" else model_dtype
+                full = torch.zeros(c.numel, dtype=dtype, device=dev)
                 if c.op == "reduce_scatter":
                     n = c.numel // world if c.counts is None else c.counts[rank]
-                    calls.append(lambda o=torch.empty(n, device=dev), i=full, c=c: pz.reduce_scatter(
+                    calls.append(lambda o=torch.empty(n, dtype=dtype, device=dev), i=full, c=c: pz.reduce_scatter(
                         o, i, op="avg", counts=c.counts, group=g, async_op=True))
                 else:
                     shard = full[rank * (c.numel // world):][:c.numel // world]
@@ -189,7 +239,7 @@ def _setup_zero(stage: int, offload: str | None = None, pipeline=None, delayed=F
 
         extra = {} if offload is None else {"offload": offload, "offload_params": stage == 3,
                                              "offload_pipeline": pipeline, "delayed_update": delayed}
-        if stage >= 2 and args.comm_dtype:  # (stage 1 reduces in the model's dtype and refuses another)
+        if stage >= 2 and getattr(args, "comm_dtype", None):  # (stage 1 reduces in the model's dtype, refuses another)
             extra["comm_dtype"] = getattr(torch, args.comm_dtype)
         cls = torch.optim.AdamW  # (offload swaps in pz.optim.AdamW, on torch's intra-op threads)
         if offload is not None and getattr(args, "offload_threads", None) is not None:
@@ -251,15 +301,34 @@ def _fsdp2(model, args, backend: str) -> Runner:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(model))
 
+    return Runner(model, opt, fsdp2_no_sync(model), None, lambda: _close_torch(dist))
+
+
+def fsdp2_no_sync(model) -> Callable:
+    """FSDP2's step without gradient communication, for the nocomm timing: backward with gradient sync off and
+    the parameters left unsharded, their local gradients then dropped (FSDP2 would add them into the next
+    synced step's) and the parameters resharded; each shard then gets a zero gradient, so the optimizer step
+    after it is a real AdamW step on the shard (with sync off FSDP2 leaves the shards' gradients None and
+    AdamW.step() skips every parameter)."""
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
     @contextlib.contextmanager
     def no_sync():
         model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
-
-    return Runner(model, opt, no_sync, None, lambda: _close_torch(dist))
+            model.set_reshard_after_backward(True)
+            for p in model.parameters():  # (still unsharded: the local gradients)
+                p.grad = None
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            for p in model.parameters():  # the shards
+                p.grad = torch.zeros_like(p)
+    return no_sync
 
 
 def _setup_ds(variant: str) -> Callable:
@@ -385,15 +454,17 @@ def _rank_main(run: str, args) -> dict:
                 torch.cuda.synchronize(dev)  # the step's kernels, the optimizer's included, are timed
 
         # Same seed, data and steps in every run: equal losses say the runs train alike.
-        out = {"run": run, "step_s": interleaved_medians([step], args.warmup, args.warmup)[0]}
-        last_loss = losses[-1]
+        if args.warmup:  # the warm-up: 2 x --warmup synced steps (those of the loss curves every run takes)
+            interleaved_medians([step], args.warmup, args.warmup)
+        out = {"run": run}
         # The memory phase: synced training steps alone (no no_sync step, no scratch buffers of
         # the communication-alone timing), before the timed phase.
         if cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-        for _ in range(max(1, getattr(args, "memory_steps", 3))):
+        for _ in range(getattr(args, "memory_steps", 3)):
             step()
+        last_loss, synced_steps = losses[-1], len(losses)
         if cuda:
             out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         if getattr(args, "memory", False):
@@ -413,6 +484,8 @@ def _rank_main(run: str, args) -> dict:
         out["step_s"] = timed.pop(0)
         out["nocomm_s"] = timed.pop(0) if runner.no_sync else None
         out["comm_s"] = timed.pop(0) if runner.comm_alone else None
+        if runner.buckets is not None:
+            out["bucket_bytes"] = runner.buckets()
         if hooks:  # per timed synced step: last rank's backward end - last rank's last gradient; median
             # (iters, 2): last gradient, end
             t = torch.tensor(marks[-args.iters:], dtype=torch.float64, device=comm_device())
@@ -425,6 +498,13 @@ def _rank_main(run: str, args) -> dict:
             out["profile"] = steptrace.profile_step(step, cuda, path)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out.update(loss=last_loss, losses=list(losses), peak_mib=peak, delta_mib=peak - rss0)
+        if run == "torch-local" and pz.get_world_size() > 1 and pz.get_rank() == 0:
+            # its timed steps train each rank's own batch (the per-rank compute the wrappers are measured
+            # against); its loss curve is the DP runs': every rank's batch, retrained here, untimed
+            batches = [tuple(t.to(dev) for t in random_batch(model.config, args.batch, args.seq, seed=1000 + r))
+                       for r in range(pz.get_world_size())]
+            curve = global_batch_losses(args.model, batches, [v != v for v in losses], dev)
+            out.update(loss=curve[synced_steps - 1], losses=curve, losses_from="global batch, untimed")
         if runner.memory is not None:
             # a synced step last, its model states read between backward and step (step() releases
             # the gradients)
@@ -449,6 +529,23 @@ def _rank_main(run: str, args) -> dict:
         del runner, model
         gc.collect()
         close()
+
+
+def global_batch_losses(model_name: str, batches: list, nan: list[bool], dev) -> list[float]:
+    """The loss curve of plain torch on the DP runs' global batch: a fresh model (seed 0), AdamW, each step's
+    gradient that of the mean of its losses on `batches` (every rank's: the gradient the DP runs average),
+    one step per entry of `nan`; each step's loss on batches[0] (rank 0's, as the runs record), NaN where
+    `nan` says (the step --memory traces)."""
+    model = make_gpt(model_name).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(model))
+    out = []
+    for blank in nan:
+        opt.zero_grad(set_to_none=True)
+        losses = [model(x, y) for x, y in batches]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        out.append(float("nan") if blank else losses[0].item())
+    return out
 
 
 _STAGE = {"torch-local": 0, "torch-ddp": 0, "torch-ddp-pyzero": 0, "dp": 0, "zero1": 1, "zero2": 2, "zero3": 3,
@@ -548,6 +645,9 @@ def _summarise(run: str, ranks: list[dict], args) -> dict:
                                                "gathered", "staging", "comm_copies", "step_temps", "total", "peak")}
     if "profile" in r0:
         res["profile"] = r0["profile"]
+    for key in ("bucket_bytes", "losses_from"):
+        if key in r0:
+            res[key] = r0[key]
     if "model_state" in r0:
         ms = r0["model_state"]
         res.update(model_state_mib=ms["total"] / 2**20, estimate_mib=r0["model_state_estimate"] / 2**20,
@@ -656,8 +756,9 @@ def _row(run: str, res: dict) -> str:
 
 def _over_rounds(rounds: list[dict], args) -> dict:
     """One run's result over its rounds: the first round's, with step and nocomm (and the rest of the
-    times) the median over the rounds, each round's kept in "<key>_rounds", and the peaks the
-    largest any round saw, per rank."""
+    times) the median over the rounds, each round's kept in "<key>_rounds", hidden from the median
+    exposed and comm times (each round's in "hidden_rounds"), and the peaks the largest any round saw,
+    per rank."""
     import statistics  # noqa: PLC0415
 
     res = dict(rounds[0])
@@ -668,6 +769,9 @@ def _over_rounds(rounds: list[dict], args) -> dict:
             res[f"{key}_rounds"] = [r[key] for r in rounds]
             res[key] = statistics.median(res[f"{key}_rounds"])
     res["tokens_per_s"] = args.nproc * args.batch * args.seq / (res["step_ms"] / 1e3)
+    if "hidden" in res and "exposed_ms_rounds" in res and "comm_ms_rounds" in res:
+        res["hidden_rounds"] = [r["hidden"] for r in rounds]
+        res["hidden"] = max(0.0, 1.0 - res["exposed_ms"] / res["comm_ms"])
     for key in ("peak_mib", "peak_gpu_mib"):
         if key in res:
             res[key] = [max(r[key][i] for r in rounds) for i in range(len(res[key]))]
@@ -684,7 +788,7 @@ def rounds_table(results: list[dict]) -> str:
     lines = [f"\n# over {len(first['step_ms_rounds'])} rounds (runs in turn, forward then backward): median step "
              f"ms, the rounds' range, and the ratio to {first['run']} (median of the per-round ratios, range)",
              f"{'run':>16} {'step ms':>9} {'min':>9} {'max':>9} {'x ' + first['run']:>14} {'range':>13} "
-             f"{'nocomm ms':>10} {'x nocomm':>9}"]
+             f"{'nocomm ms':>10} {'x nocomm':>9} {'hidden':>7}  (hidden: 1 - median exposed / median comm)"]
     for res in results:
         steps = res["step_ms_rounds"]
         ratios = [a / b for a, b in zip(steps, first["step_ms_rounds"])]
@@ -693,6 +797,10 @@ def rounds_table(results: list[dict]) -> str:
         if "nocomm_ms_rounds" in res and "nocomm_ms_rounds" in first:
             nr = [a / b for a, b in zip(res["nocomm_ms_rounds"], first["nocomm_ms_rounds"])]
             line += f" {res['nocomm_ms']:10.2f} {statistics.median(nr):9.4f}"
+        else:
+            line += f" {'-':>10} {'-':>9}"
+        if "hidden" in res:
+            line += f" {100 * res['hidden']:6.1f}%"
         lines.append(line)
     return "\n".join(lines)
 
@@ -703,34 +811,42 @@ def main(args) -> int:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs:
-        raise SystemExit(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
+        raise UsageError(f"--runs: unknown {unknown}; expected a comma list of {list(RUNS)}")
     if any(r.startswith("ds-") for r in runs) and not ds_runs.available():
-        raise SystemExit(f"--runs {','.join(r for r in runs if r.startswith('ds-'))}: deepspeed is not importable "
+        raise UsageError(f"--runs {','.join(r for r in runs if r.startswith('ds-'))}: deepspeed is not importable "
                          "here (pip install deepspeed; for a machine without a package index, see "
                          "scripts/gpu_wheels.sh)")
     if args.model not in PRESETS:
-        raise SystemExit(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
-    if args.nproc < 1 or args.iters < 1 or args.batch < 1:
-        raise SystemExit("--nproc, --iters and --batch must be >= 1")
+        raise UsageError(f"--model: expected one of {list(PRESETS)}, got {args.model!r}")
+    for name, least in (("nproc", 1), ("iters", 1), ("batch", 1), ("warmup", 0), ("memory_steps", 1)):
+        value = getattr(args, name, least)
+        if value < least:
+            raise UsageError(f"--{name.replace('_', '-')}: expected >= {least}, got {value}")
     if "ds-superoffload" in runs and getattr(args, "device", "cpu") != "cuda":
-        raise SystemExit("--runs ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only (--device cuda)")
+        raise UsageError("--runs ds-superoffload: DeepSpeed's SuperOffload runs on CUDA only (--device cuda)")
     if getattr(args, "gpu_backend", "nccl") != "nccl" and getattr(args, "device", "cpu") != "cuda":
-        raise SystemExit(f"--gpu-backend {args.gpu_backend}: needs --device cuda")
+        raise UsageError(f"--gpu-backend {args.gpu_backend}: needs --device cuda")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc) if getattr(args, "device", "cpu") == "cuda" else 1
     if args.threads < 1:
-        raise SystemExit(f"--threads: expected >= 1, got {args.threads}")
+        raise UsageError(f"--threads: expected >= 1, got {args.threads}")
     if getattr(args, "profile", None):
         os.makedirs(args.profile, exist_ok=True)
     offload_threads = getattr(args, "offload_threads", None)
     if offload_threads is not None and offload_threads < 1:
-        raise SystemExit(f"--offload-threads: expected >= 1, got {offload_threads}")
+        raise UsageError(f"--offload-threads: expected >= 1, got {offload_threads}")
     rounds = getattr(args, "rounds", 1)
     if rounds < 1:
-        raise SystemExit(f"--rounds: expected >= 1, got {rounds}")
+        raise UsageError(f"--rounds: expected >= 1, got {rounds}")
     print(f"# {args.model}: {args.nproc} ranks x {args.batch} x {args.seq} tokens, AdamW, "
           f"buckets {args.first_bucket_mb}/{args.bucket_mb} MiB, {args.threads} thread(s) per rank"
           + ("" if offload_threads is None else f", {offload_threads} in the offload runs' CPU step"))
+    caps = {run: bucket_caps(run, args) for run in runs}
+    if args.first_bucket_mb != args.bucket_mb and len({c for c in caps.values() if c}) > 1:
+        # (--first-bucket-mb reaches dp only: each run's comm ms times the buckets it really reduces)
+        for run, c in caps.items():
+            if c:
+                print(f"# buckets of {run}: {c}")
     cuda = getattr(args, "device", "cpu") == "cuda"
     peak = "GPU MiB" if cuda else "peak MiB"  # max allocated / max RSS
     print(f"{'run':>16} {'step ms':>9} {'tokens/s':>10} {'nocomm ms':>10} {'+step ms':>9} {'comm ms':>8} "
@@ -758,8 +874,9 @@ def main(args) -> int:
     if getattr(args, "memory", False):
         _print_memory(results)
     if getattr(args, "losses", False):
-        print(f"\n# loss curves: every step's loss (rank 0; the same batch and start in every run), the largest "
-              f"difference from {results[0]['run']}'s and the loss at the last step both took")
+        print(f"\n# loss curves: every step's loss on rank 0's batch (every run from the same start on every rank's "
+              f"batch; torch-local at --nproc >= 2: retrained untimed on them all), the largest difference from "
+              f"{results[0]['run']}'s and the loss at the last step both took")
         print(loss_curves(results), flush=True)
     if args.json:
         write_json(args.json, results, {"bench": "train", "args": vars(args)})

@@ -15,8 +15,9 @@ top of both.
 from __future__ import annotations
 
 import abc
+import datetime
+import json
 import operator
-import time
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple, Sequence
 
@@ -360,19 +361,43 @@ class GroupSetup:
 
     def wait(self, keys: Sequence[str]) -> None:
         """Wait until every key is set; a CollectiveError naming the rank as soon as one reports (fail())
-        that its set-up failed, a CollectiveTimeout after `timeout` seconds."""
-        deadline = time.monotonic() + self.timeout
-        pause = 0.0005
-        while not self.store.check(list(keys)):
-            if self.store.check([self.failed_key]):
-                which = f"group {list(self.global_ranks)}" if self.global_ranks else "the group"
-                raise CollectiveError(f"{which}: set-up failed on {self.store.get(self.failed_key).decode()}")
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"the group's set-up waited timeout={self.timeout:g} s for "
-                                        f"{_shown_keys(self.store, keys)} (a rank of the group that never called, "
-                                        "or stopped)")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        that its set-up failed, a CollectiveTimeout after `timeout` seconds.
+
+        The wait is the store's own (it returns the moment the keys are set, even if the rank hosting the
+        store leaves right after). A waiter first lists its keys under the failure key; a rank that fails
+        sets the failure, then every listed key, which ends the waits (see publish_failure). The store
+        serialises the calls: a waiter that listed its keys after the failing rank read the list finds the
+        failure in its check before waiting."""
+        from torch.distributed import DistError  # noqa: PLC0415
+
+        keys, s = list(keys), self.store
+        if not s.check(keys):
+            i = s.add(self.failed_key + "/waiters", 1)
+            s.set(f"{self.failed_key}/waiting/{i}", json.dumps(keys))
+            if not s.check([self.failed_key]):
+                try:
+                    s.wait(keys, datetime.timedelta(seconds=self.timeout))
+                except DistError:
+                    self._raise_if_failed(tolerant=True)
+                    raise CollectiveTimeout(f"the group's set-up waited timeout={self.timeout:g} s for "
+                                            f"{_shown_keys(s, keys)} (a rank of the group that never called, or "
+                                            "stopped)") from None
+        # (tolerant: the keys are there, and the rank hosting the store may have finished and left)
+        self._raise_if_failed(tolerant=True)
+
+    def _raise_if_failed(self, tolerant: bool) -> None:
+        from torch.distributed import DistError  # noqa: PLC0415
+
+        try:
+            if not self.store.check([self.failed_key]):
+                return
+            why = self.store.get(self.failed_key).decode(errors="replace")
+        except DistError:
+            if tolerant:
+                return
+            raise
+        which = f"group {list(self.global_ranks)}" if self.global_ranks else "the group"
+        raise CollectiveError(f"{which}: set-up failed on {why}")
 
     def get(self, key: str) -> bytes:
         self.wait([key])
@@ -387,16 +412,27 @@ class GroupSetup:
 
 
 def publish_failure(store, key: str, rank: int, error: BaseException) -> None:
-    """Set `key` to "rank R: error" unless a rank set it first (see GroupSetup.wait)."""
+    """Set `key` to "rank R: error" unless a rank set it first, then every key a rank waits for in
+    GroupSetup.wait (listed under `key`), so that those waits end and find the failure."""
     try:
         if not store.check([key]):
             store.set(key, f"rank {rank}: {type(error).__name__}: {error}"[:2000])
+        for i in range(1, store.add(key + "/waiters", 0) + 1):
+            listed = f"{key}/waiting/{i}"
+            if store.check([listed]):
+                waited = json.loads(store.get(listed))
+                for k in waited if isinstance(waited, list) else ():
+                    if isinstance(k, str) and not store.check([k]):
+                        store.set(k, "pz-set-up-failed")
     except Exception:  # noqa: BLE001 - the store may be gone already; the caller raises its own error
         pass
 
 
 def _shown_keys(store, keys: Sequence[str]) -> str:
-    missing = [k for k in keys if not store.check([k])]
+    try:
+        missing = [k for k in keys if not store.check([k])]
+    except Exception:  # noqa: BLE001 - the store is gone (the rank hosting it left)
+        return f"{len(keys)} key(s) in a store that is gone (the rank hosting it, global rank 0, left)"
     return ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
 
 

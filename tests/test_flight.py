@@ -137,13 +137,15 @@ def test_mismatched_calls_show_both(case):
 def _rank_subgroup_mismatch():
     pz.init(timeout=5)
     g = pz.new_group([2, 1])
-    if pz.get_rank() == 0:
-        return None
-    try:
-        pz.all_reduce(torch.ones(8), op="max" if pz.get_rank() == 1 else "sum", group=g)
-    except pz.CollectiveError as e:
-        return str(e)
-    return "no error"
+    out = None
+    if pz.get_rank() != 0:
+        try:
+            pz.all_reduce(torch.ones(8), op="max" if pz.get_rank() == 1 else "sum", group=g)
+            out = "no error"
+        except pz.CollectiveError as e:
+            out = str(e)
+    pz.barrier()  # (rank 0 hosts the store the others use until here)
+    return out
 
 
 def test_a_subgroup_error_says_how_its_ranks_are_numbered():

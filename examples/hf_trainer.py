@@ -15,6 +15,7 @@ from_pretrained at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -73,7 +74,11 @@ def main(argv=None):
                               logging_steps=10, save_steps=args.save_steps, report_to=[], disable_tqdm=True)
     trainer = hf.PyzeroTrainer(model=make_model(), args=targs, train_dataset=counting(4096),
                                strategy=args.strategy)
-    resume = get_last_checkpoint(args.out) if args.resume else None
+    resume = None
+    if args.resume:
+        resume = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+        if resume is None:
+            raise SystemExit(f"--resume: no checkpoint-* directory in --out {args.out!r} to continue from")
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()  # args.out/pyzero (sharded) and model.safetensors + config.json
     summary = None

@@ -94,7 +94,9 @@ def main(argv=None):
                         log_every_n_steps=10)
     model = Regressor(args.lr)
     last = os.path.join(args.out, "last.ckpt")
-    resume = last if args.resume and os.path.exists(last) else None
+    if args.resume and not os.path.exists(last):
+        raise SystemExit(f"--resume: {last!r} does not exist (--out holds no checkpoint to continue from)")
+    resume = last if args.resume else None
     trainer.fit(model, DataLoader(data(8192, seed=1), batch_size=args.batch), ckpt_path=resume)
     trainer.save_checkpoint(last)  # every rank: its shard in last/pyzero, rank 0 also last/checkpoint.pt
     summary = None

@@ -38,7 +38,8 @@ def main(argv=None):
     ap.add_argument("--nproc", type=int, default=0, help="spawn this many local ranks (0: run as this rank)")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--mode", default="sync", choices=pz.ps.MODES)
-    ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--staleness", type=int, default=None,
+                    help="how many pushes a worker may run ahead (--mode bounded only; default 2 there)")
     ap.add_argument("--versions", type=int, default=300)
     ap.add_argument("--ckpt", default=None)
     args = ap.parse_args(argv)
@@ -50,6 +51,8 @@ def main(argv=None):
         for r in res:
             print(f"rank {r.rank}: {r.value}")
         return None
+    if args.staleness is None:
+        args.staleness = 2 if args.mode == "bounded" else 0
     role, index = pz.ps.role(args.servers)
     model = make_model()
     if role == "server":

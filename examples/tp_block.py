@@ -12,6 +12,7 @@ shards once (tp_group=). At the end the TP shards are checked against the
 same block trained in one process on the whole batch, with the same clipping.
 """
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -65,25 +66,38 @@ def train_single():
     return block
 
 
-def max_error(shards: list[dict], block) -> float:
+def max_error(params: dict, tp_rank: int, block) -> float:
+    """The largest difference between one rank's TP shard (`params`) and the same part of `block`."""
     err = 0.0
-    for tp_rank, params in enumerate(shards):
-        for name, p in block.named_parameters():
-            layer = name.split(".")[0]
-            dim = 0 if layer in ("qkv", "fc1") else 1 if name in ("proj.weight", "fc2.weight") else None
-            expected = p.detach() if dim is None else p.detach().chunk(2, dim=dim)[tp_rank]
-            err = max(err, float((params[name] - expected).abs().max()))
+    for name, p in block.named_parameters():
+        layer = name.split(".")[0]
+        dim = 0 if layer in ("qkv", "fc1") else 1 if name in ("proj.weight", "fc2.weight") else None
+        expected = p.detach() if dim is None else p.detach().chunk(2, dim=dim)[tp_rank]
+        err = max(err, float((params[name] - expected).abs().max()))
     return err
 
 
+TOLERANCE = 1e-5  # fp32: the same arithmetic in another order
+
+
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        train_tp()
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # (--help; no options)
+    if "RANK" in os.environ:  # torchrun: every rank checks its own shard
+        shard = train_tp()
+        rank = pz.get_rank()
+        err = max_error(shard, rank % 2, train_single())
         pz.destroy()
+        print(f"rank {rank}: max |TP - single process| over its parameters: {err:.2e}")
     else:
         from pyzero.launch import run_ranks
 
         results = run_ranks(train_tp, 4, timeout=120)
         print(results[0].output, end="")
-        err = max_error([results[0].value, results[1].value], train_single())
+        single = train_single()  # (mesh dp=2 x tp=2: TP index rank % 2, every replica checked)
+        err = max(max_error(r.value, r.rank % 2, single) for r in results)
         print(f"max |TP - single process| over all parameters: {err:.2e}")
+    if not err <= TOLERANCE:
+        print(f"FAILED: more than {TOLERANCE:g} apart", file=sys.stderr)
+        sys.exit(1)

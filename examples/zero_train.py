@@ -41,7 +41,11 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective gives up")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not started by torchrun")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("steps", "save_every", "keep", "batch", "nproc"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}: expected a positive int, got {getattr(args, flag)}")
+    return args
 
 
 def make_model() -> nn.Module:

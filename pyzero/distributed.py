@@ -27,6 +27,7 @@ hands the whole group to this class, so it keeps that backend beside it (see
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 
@@ -76,13 +77,15 @@ def default_torch_backend() -> str:
 def init_torch(torch_backend: str | None = None) -> None:
     """Start torch.distributed beside pyzero, on the job pyzero runs (its store, so no second port;
     its ranks and timeout), for torch code that needs a default process group: ``nn.SyncBatchNorm``,
-    metrics and barriers of a framework. Call it after ``pz.init()``; nothing to do at world size 1.
+    metrics and barriers of a framework. Call it after ``pz.init()``. At world size 1 only under a
+    launcher (WORLD_SIZE set: accelerate then starts torch.distributed itself, on MASTER_PORT, which
+    pyzero's store holds); a plain process needs none.
     ``torch_backend``: default :func:`default_torch_backend`. If torch.distributed is already up, it
     must describe the same job."""
     if not comm.is_initialized():
         raise RuntimeError("init_torch(): pyzero is not initialised: call pz.init() first")
     world, rank = comm.get_world_size(), comm.get_rank()
-    if world == 1:
+    if world == 1 and "WORLD_SIZE" not in os.environ:
         return
     if dist.is_initialized():
         if (dist.get_world_size(), dist.get_rank()) != (world, rank):

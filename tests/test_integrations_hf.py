@@ -626,6 +626,20 @@ def test_torch_ddp_settings_are_refused_not_ignored(tmp_path):
     assert found["waits"] == 300 and found["ddp_timeout=300"] == ("ok", None)
 
 
+def _rank_launched_alone(out):
+    """One process under a launcher (RANK, WORLD_SIZE=1, MASTER_PORT set, as torchrun --nproc-per-node 1
+    sets them): TrainingArguments started torch.distributed on MASTER_PORT, which pyzero's store held."""
+    hf.init()
+    ours = train(out, hf.PyzeroTrainer, strategy="zero2", steps=2)
+    return ours, train(out, steps=2), torch.distributed.is_initialized()
+
+
+def test_one_launched_process_trains_as_the_plain_trainer(tmp_path):
+    ours, plain, started = run_ranks(_rank_launched_alone, 1, args=(str(tmp_path),), timeout=120)[0].value
+    assert started
+    assert_same_run(ours, plain, "zero2 at world size 1 under a launcher")
+
+
 def _rank_init_twice():
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name)  # (one plain process)

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -33,13 +34,40 @@ namespace {
 
 std::string shm_segment_name(const std::string& prefix, int r) { return prefix + "_" + std::to_string(r); }
 
-char* shm_create_segment(const std::string& name, size_t bytes) {
+// [Note: room in /dev/shm] A segment is a file in /dev/shm (tmpfs), sized by ftruncate, whose pages are
+// allocated when first touched: where /dev/shm has no room left then (a container's default is 64 MiB),
+// the touch kills the process with SIGBUS, no error. So a segment whose size /dev/shm cannot hold now is
+// refused at creation, naming the sizes; one that will be used whole (`commit`: the symmetric buffers,
+// which grow with the activations) has its pages allocated at once (posix_fallocate), so that a full
+// /dev/shm is an error here rather than a SIGBUS at its first use.
+char* shm_create_segment(const std::string& name, size_t bytes, bool commit) {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) == 0) {
+    const unsigned long long room = (unsigned long long)fs.f_bavail * fs.f_frsize;
+    if (room < bytes) {
+      std::ostringstream os;
+      os << "shm segment " << name << ": needs " << (bytes >> 20) << " MiB, /dev/shm has " << (room >> 20)
+         << " MiB free (a container's default is 64 MiB: docker run --shm-size, or smaller areas: "
+            "pz.Options slice_bytes / twoshot_bytes / stream_bytes, PYZERO_SHM_*)";
+      throw CollectiveError(os.str());
+    }
+  }
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw_errno("shm_open(" + name + ")");
   if (ftruncate(fd, off_t(bytes)) != 0) {
     close(fd);
     shm_unlink(name.c_str());
     throw_errno("ftruncate(" + name + ")");
+  }
+  if (commit) {
+    int rc = posix_fallocate(fd, 0, off_t(bytes));
+    if (rc != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw CollectiveError("shm segment " + name + ": allocating its " + std::to_string(bytes >> 20) +
+                            " MiB in /dev/shm failed: " + std::strerror(rc) +
+                            " (a container's default /dev/shm is 64 MiB: docker run --shm-size)");
+    }
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);

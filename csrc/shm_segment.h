@@ -173,7 +173,7 @@ struct ShmConfig {
 // Name of rank r's segment.
 std::string shm_segment_name(const std::string& prefix, int r);
 // Creates and maps segment `name` of `bytes` (zero-filled); unlinks it again on failure.
-char* shm_create_segment(const std::string& name, size_t bytes);
+char* shm_create_segment(const std::string& name, size_t bytes, bool commit = false);  // [Note: room in /dev/shm]
 // Maps rank r's segment `name`, which must be `bytes` long (`mismatch` says why it would not be).
 char* shm_map_segment(const std::string& name, size_t bytes, int r, const char* mismatch);
 

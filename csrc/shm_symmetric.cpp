@@ -35,7 +35,7 @@ void ShmTransport::sym_create(size_t bytes) {
   sym_release();
   bytes = round_up(std::max<size_t>(bytes, 4096), 4096);
   ++sym_gen_;
-  char* p = shm_create_segment(sym_name(seg_.prefix(), rank_, sym_gen_), kSymHeaderBytes + bytes);
+  char* p = shm_create_segment(sym_name(seg_.prefix(), rank_, sym_gen_), kSymHeaderBytes + bytes, true);
   sym_unlinked_ = false;
   sym_maps_.assign(n_, nullptr);
   sym_maps_[rank_] = p;

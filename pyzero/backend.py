@@ -359,49 +359,55 @@ class GroupSetup:
         publish_failure(self.store, self.failed_key, self.global_ranks[self.rank] if self.global_ranks else self.rank,
                         error)
 
-    def wait(self, keys: Sequence[str]) -> None:
-        """Wait until every key is set; a CollectiveError naming the rank as soon as one reports (fail())
-        that its set-up failed, a CollectiveTimeout after `timeout` seconds.
+    def wait(self, keys: Sequence[str]) -> list[bytes] | None:
+        """Wait until every key is set and return their values; a CollectiveError naming the rank as soon as
+        one reports (fail()) that its set-up failed, a CollectiveTimeout after `timeout` seconds.
 
         The wait is the store's own (it returns the moment the keys are set, even if the rank hosting the
         store leaves right after). A waiter first lists its keys under the failure key; a rank that fails
-        sets the failure, then every listed key, which ends the waits (see publish_failure). The store
-        serialises the calls: a waiter that listed its keys after the failing rank read the list finds the
-        failure in its check before waiting."""
+        sets the failure, then every listed key to a marker, which ends the waits: a key read as the marker
+        means the set-up failed (a key set by its rank means this wait succeeded, whatever fails later). The
+        store serialises the calls: a waiter that listed its keys after the failing rank read the list finds
+        the failure in its check before waiting. None where the keys were set but the store is gone before
+        they could be read (the rank hosting it finished and left)."""
         from torch.distributed import DistError  # noqa: PLC0415
 
         keys, s = list(keys), self.store
         if not s.check(keys):
             i = s.add(self.failed_key + "/waiters", 1)
             s.set(f"{self.failed_key}/waiting/{i}", json.dumps(keys))
-            if not s.check([self.failed_key]):
-                try:
-                    s.wait(keys, datetime.timedelta(seconds=self.timeout))
-                except DistError:
-                    self._raise_if_failed(tolerant=True)
-                    raise CollectiveTimeout(f"the group's set-up waited timeout={self.timeout:g} s for "
-                                            f"{_shown_keys(s, keys)} (a rank of the group that never called, or "
-                                            "stopped)") from None
-        # (tolerant: the keys are there, and the rank hosting the store may have finished and left)
-        self._raise_if_failed(tolerant=True)
-
-    def _raise_if_failed(self, tolerant: bool) -> None:
-        from torch.distributed import DistError  # noqa: PLC0415
-
+            if s.check([self.failed_key]):
+                self._raise_failed()
+            try:
+                s.wait(keys, datetime.timedelta(seconds=self.timeout))
+            except DistError:
+                if _failed(s, self.failed_key):
+                    self._raise_failed()
+                raise CollectiveTimeout(f"the group's set-up waited timeout={self.timeout:g} s for "
+                                        f"{_shown_keys(s, keys)} (a rank of the group that never called, or "
+                                        "stopped)") from None
         try:
-            if not self.store.check([self.failed_key]):
-                return
-            why = self.store.get(self.failed_key).decode(errors="replace")
+            values = [s.get(k) for k in keys]
         except DistError:
-            if tolerant:
-                return
-            raise
+            return None
+        if any(v == _SET_UP_FAILED for v in values):
+            self._raise_failed()
+        return values
+
+    def _raise_failed(self) -> None:
+        try:
+            why = self.store.get(self.failed_key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is gone
+            why = "another rank (the job's store is gone)"
         which = f"group {list(self.global_ranks)}" if self.global_ranks else "the group"
         raise CollectiveError(f"{which}: set-up failed on {why}")
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        return self.store.get(key)
+        values = self.wait([key])
+        if values is None:
+            raise CollectiveError(f"the group's set-up: the job's store (hosted by global rank 0) is gone before "
+                                  f"{key} could be read")
+        return values[0]
 
     def barrier(self, name: str) -> None:
         """Return once every rank of the group has called this with `name` (or raise as wait())."""
@@ -409,6 +415,16 @@ class GroupSetup:
         if self.store.add(key, 1) == self.size:
             self.store.set(key + "/done", "1")
         self.wait([key + "/done"])
+
+
+_SET_UP_FAILED = b"pz-set-up-failed"  # what a failing rank sets the keys its group's ranks wait for to
+
+
+def _failed(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # noqa: BLE001 - the store is gone
+        return False
 
 
 def publish_failure(store, key: str, rank: int, error: BaseException) -> None:
@@ -423,7 +439,7 @@ def publish_failure(store, key: str, rank: int, error: BaseException) -> None:
                 waited = json.loads(store.get(listed))
                 for k in waited if isinstance(waited, list) else ():
                     if isinstance(k, str) and not store.check([k]):
-                        store.set(k, "pz-set-up-failed")
+                        store.set(k, _SET_UP_FAILED)
     except Exception:  # noqa: BLE001 - the store may be gone already; the caller raises its own error
         pass
 

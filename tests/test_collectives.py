@@ -1468,6 +1468,8 @@ def _rank_settings(case):
     r = pz.get_rank()
     if case == "differ":  # rank 0 alone moves the two-shot's area and the one-shot's limit: same segment size
         opts = pz.Options(twoshot_bytes=4 << 20, oneshot_bytes=8 << 20) if r == 0 else pz.Options()
+    elif case == "symmetric":  # (the TP ops' fused path on one rank, the ring on the other: both timed out)
+        opts = pz.Options(symmetric=False) if r == 0 else pz.Options()
     else:
         opts = pz.Options(oneshot_bytes=0, twoshot_bytes=0)
     try:
@@ -1480,7 +1482,7 @@ def _rank_settings(case):
     return made, t.tolist()
 
 
-@pytest.mark.parametrize("case", ["differ", "zero_area"])
+@pytest.mark.parametrize("case", ["differ", "symmetric", "zero_area"])
 def test_group_settings_the_ranks_disagree_on_or_that_leave_no_area_are_refused(case):
     """Ranks giving a group different transport settings (a two-shot cut into different pieces read
     partly wrong results on one rank and timed out on the other) raise on every rank, naming the
@@ -1492,6 +1494,9 @@ def test_group_settings_the_ranks_disagree_on_or_that_leave_no_area_are_refused(
         if case == "differ":
             assert msg.startswith("options.oneshot_bytes: the ranks of the group set it differently (rank 0: "
                                   "8388608, rank 1: 524288)"), msg
+        elif case == "symmetric":
+            assert msg.startswith("options.symmetric: the ranks of the group set it differently (rank 0: False, "
+                                  "rank 1: True)"), msg
         else:
             assert "oneshot_bytes and twoshot_bytes" in msg and "both 0" in msg, msg
         assert after == [1.0] * 4

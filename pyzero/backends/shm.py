@@ -82,8 +82,11 @@ class ShmBackend(Backend):
             raise ValueError("oneshot_bytes and twoshot_bytes (options, or PYZERO_SHM_ONESHOT_KB and "
                              "PYZERO_SHM_TWOSHOT_KB) are both 0: they size the area the one-shot and two-shot "
                              "all_reduce stage through; give one of them more than 0")
+        # (symmetric: the TP ops' fused path; ranks that differ take the fused path and the ring, and wait for
+        # each other until the timeout)
         settings = {"slice_bytes": slice_bytes, "depth": depth, "oneshot_bytes": oneshot, "stream_bytes": stream,
-                    "twoshot_bytes": twoshot, "adaptive": adaptive, "twoshot_stream_bytes": twoshot_stream}
+                    "twoshot_bytes": twoshot, "adaptive": adaptive, "twoshot_stream_bytes": twoshot_stream,
+                    "symmetric": o.get("symmetric", True, "PYZERO_SYMMETRIC")}
         comm = _C.ShmComm(setup.name, setup.rank, setup.size, slice_bytes, depth, oneshot, setup.timeout, stream,
                           twoshot, adaptive, twoshot_stream)
         try:

@@ -12,8 +12,33 @@
 # pybind11, cmake, ninja, nvidia-nccl-cu13 (or PYZERO_NCCL_ROOT) and pytest, and nvcc (CUDACXX,
 # CUDA_HOME, PATH or /usr/local/cuda). The build is in place (pyzero/_C*.so), installs nothing,
 # and is run from this checkout with PYTHONPATH=.
+# Exit status: 0 when every step of every named part passed; 1 when any failed or ran past its limit (the
+# remaining parts still run, and the last lines name the parts that failed); 2 for a bad setting (refused
+# before anything runs); 130 when interrupted (Ctrl-C stops the running step, and the MPS daemon).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+usage_error() { echo "gpu_check.sh: $*" >&2; exit 2; }
+ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
+nccl-faults"
+PARTS=" $(echo ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi}) "
+for p in $PARTS; do
+  [[ " $(echo $ALL_PARTS) " == *" $p "* ]] || usage_error "GPU_CHECK_PARTS: unknown part '$p'; expected some of:" \
+    $ALL_PARTS
+done
+[[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || usage_error "GPU_CHECK_DEADLINE: expected whole seconds, got" \
+  "'$GPU_CHECK_DEADLINE'"
+ROUNDS=${GPU_CHECK_ROUNDS:-1}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || usage_error "GPU_CHECK_ROUNDS: expected a count >= 1, got '$ROUNDS'"
+# GPU_CHECK_SCALE multiplies every time limit: a positive number, up to 3 decimals (1.5, 0.25); kept in thousandths
+SCALE_MILLI=0
+if [[ "${GPU_CHECK_SCALE:-1}" =~ ^([0-9]{1,6})(\.([0-9]{1,3}))?$ ]]; then
+  frac=${BASH_REMATCH[3]}000
+  SCALE_MILLI=$(( 10#${BASH_REMATCH[1]} * 1000 + 10#${frac:0:3} ))
+fi
+[ "$SCALE_MILLI" -gt 0 ] || usage_error "GPU_CHECK_SCALE: expected a positive number such as 2 or 1.5, got" \
+  "'$GPU_CHECK_SCALE'"
+# (the script starts and stops its own MPS daemon, in a folder of its own: none from the environment)
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || { echo "gpu_check.sh: no $PY; set PYTHON to your interpreter"; exit 1; }
 "$PY" - <<'PY'
@@ -37,27 +62,21 @@ ARCH=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(
 GPU=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 STAMP=$(date -u +%Y%m%d)
-# (a second run on the same day takes the next free name: ..._<date>b, c, ...; a record is never overwritten)
+# (a second run on the same day takes the next free name: ..._<date>b, c, ... z; a record is never overwritten:
+# with all 26 taken the script refuses to run)
 RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}  # (where the record goes)
 BASE=$RESULTS/gpu_${GPU}_${STAMP}
-OUT=$BASE
-for s in b c d e f g h i j; do [ -e "${OUT}.txt" ] || break; OUT=$BASE$s; done
+OUT=""
+for s in "" b c d e f g h i j k l m n o p q r s t u v w x y z; do
+  [ -e "$BASE$s.txt" ] || { OUT=$BASE$s; break; }
+done
+[ -n "$OUT" ] || { echo "gpu_check.sh: ${BASE}.txt and ${BASE}b-z.txt are all taken; move some away (a record is" \
+  "never overwritten)"; exit 1; }
 mkdir -p "$RESULTS"
 PROFILE_ARGS=()  # (GPU_CHECK_PROFILE=1: the training runs' step profiles beside the record)
 [ "${GPU_CHECK_PROFILE:-0}" = 0 ] || PROFILE_ARGS=(--profile "${OUT}_profile")
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
-ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
-nccl-faults"
-PARTS=" $(echo ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi}) "
-for p in $PARTS; do
-  [[ " $(echo $ALL_PARTS) " == *" $p "* ]] || { echo "gpu_check.sh: GPU_CHECK_PARTS: unknown part '$p'; expected some of:" \
-    $ALL_PARTS; exit 1; }
-done
 part() { [[ "$PARTS" == *" $1 "* ]]; }
-[[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_DEADLINE: expected whole seconds, got" \
-  "'$GPU_CHECK_DEADLINE'"; exit 1; }
-ROUNDS=${GPU_CHECK_ROUNDS:-1}
-[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: GPU_CHECK_ROUNDS: expected a count >= 1, got '$ROUNDS'"; exit 1; }
 # nccl-multi: the build also makes the test NCCL library (csrc/test_nccl/; the CUDA objects are _C's).
 if part nccl-multi || part nccl-faults; then export PYZERO_TEST_NCCL=1; fi
 # setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
@@ -141,8 +160,10 @@ PYTEST=("$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider)
 # time names the parts it needs (GPU_CHECK_PARTS), most valuable first, and GPU_CHECK_DEADLINE=<seconds>:
 # the whole run then ends by then (counted from the build step): each step's limit is cut to the time left,
 # and a part that has less than half its limit left is skipped, with a line saying so.
+scaled() { echo $(( ($1 * SCALE_MILLI + 999) / 1000 )); }  # scaled SECONDS: times GPU_CHECK_SCALE, rounded up
 lim() {
-  local s=$(( $1 * ${GPU_CHECK_SCALE:-1} ))
+  local s
+  s=$(scaled "$1")
   if [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ]; then
     local left=$(( GPU_CHECK_DEADLINE - SECONDS ))
     [ "$left" -ge "$s" ] || s=$left
@@ -152,7 +173,8 @@ lim() {
 }
 room() {  # room PART SECONDS: false (and says so) when the deadline leaves less than half of SECONDS
   [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ] || return 0
-  local want=$(( $2 * ${GPU_CHECK_SCALE:-1} )) left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+  local want left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+  want=$(scaled "$2")
   [ $(( 2 * left )) -ge "$want" ] && return 0
   echo "## (skipped the $1 part: ${left} s left of GPU_CHECK_DEADLINE=${GPU_CHECK_DEADLINE}, its limit is ${want} s)"
   return 1

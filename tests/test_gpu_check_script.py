@@ -5,6 +5,7 @@ little time for, GPU_CHECK_TESTS_AT_ONCE runs the test groups together and the l
 bad settings are refused; and every bench call the script can make parses with that bench's own arguments
 (flags, choices, run names, fault cells), so a renamed flag fails here rather than on a lent GPU."""
 import argparse
+import datetime
 import importlib
 import os
 import shlex
@@ -153,11 +154,49 @@ def test_rounds_go_to_the_training_runs_of_train_and_torch_backend(tmp_path):
     ({"GPU_CHECK_PARTS": "tests kernal"}, "GPU_CHECK_PARTS: unknown part 'kernal'"),
     ({"GPU_CHECK_DEADLINE": "10m"}, "GPU_CHECK_DEADLINE: expected whole seconds, got '10m'"),
     ({"GPU_CHECK_ROUNDS": "0"}, "GPU_CHECK_ROUNDS: expected a count >= 1, got '0'"),
+    ({"GPU_CHECK_SCALE": "abc"}, "GPU_CHECK_SCALE: expected a positive number such as 2 or 1.5, got 'abc'"),
+    ({"GPU_CHECK_SCALE": "0"}, "GPU_CHECK_SCALE: expected a positive number"),
+    ({"GPU_CHECK_SCALE": "-1"}, "GPU_CHECK_SCALE: expected a positive number"),
+    ({"GPU_CHECK_SCALE": "1.2345"}, "GPU_CHECK_SCALE: expected a positive number"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, env, expected):
-    rc, out, calls, _ = run_check(tmp_path, **env)
-    assert rc == 1 and expected in out, out
-    assert calls == []
+    rc, out, calls, lines = run_check(tmp_path, **env)
+    assert rc == 2 and expected in out, out  # (a usage error)
+    assert calls == [] and lines == []
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("scale, limit", [("1.5", 45), ("0.5", 15), ("2", 60), ("0.25", 8)])
+def test_scale_takes_decimals(tmp_path, scale, limit):
+    """The kernels part's limit (30 s) times GPU_CHECK_SCALE, as the deadline's skip line gives it."""
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels", GPU_CHECK_SCALE=scale,
+                                  GPU_CHECK_DEADLINE=str((limit - 1) // 2))
+    assert rc == 0, out
+    assert f"its limit is {limit} s" in out and calls == [], out
+    rc, out, calls, _ = run_check(tmp_path / "runs", GPU_CHECK_PARTS="kernels", GPU_CHECK_SCALE=scale)
+    assert rc == 0 and [_what(a) for _, _, a in calls] == ["kernels"], out
+
+
+def _record_names(tmp_path):
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    return [f"gpu_NVIDIA_H200_{stamp}{s}.txt" for s in [""] + list("bcdefghijklmnopqrstuvwxyz")]
+
+
+def test_a_record_is_never_overwritten(tmp_path):
+    names = _record_names(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    for n in names[:10]:  # the day's first record and b-j
+        (results / n).write_text("earlier\n")
+    rc, out, _, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels")
+    assert rc == 0, out
+    assert all((results / n).read_text() == "earlier\n" for n in names[:10])
+    assert "# pyzero GPU check" in (results / names[10]).read_text()  # (k)
+    for n in names[11:]:
+        (results / n).write_text("earlier\n")
+    rc, out, calls, _ = run_check(tmp_path / "full", GPU_CHECK_PARTS="kernels", GPU_CHECK_RESULTS=str(results))
+    assert rc == 1 and "all taken" in out and calls == [], out
+    assert all((results / n).read_text() == "earlier\n" for n in names if n != names[10])
 
 
 def _check_bench_call(argv):

@@ -86,3 +86,59 @@ def test_record_cpu_refuses_an_unknown_bench_before_running_any(tmp_path):
     p = _record(repo, "ps", "optimm", **_env(tmp_path, py))
     assert p.returncode == 2 and "unknown bench 'optimm'" in p.stderr, p.stdout + p.stderr
     assert _calls(tmp_path) == []
+
+
+def _build_times_repo(tmp_path):
+    """A committed tree with the files build_times.sh touches (git archive HEAD is what it builds)."""
+    repo, py = _repo(tmp_path, "build_times.sh")
+    (repo / "csrc").mkdir()
+    for f in ("csrc/cpu_optim.cpp", "csrc/kernels.cu", "setup.py"):
+        (repo / f).write_text("")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True, timeout=30)
+    subprocess.run(git[:3] + ["add", "-A"], check=True, timeout=30)
+    subprocess.run(git + ["commit", "-q", "-m", "t"], check=True, timeout=30)
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/bash\necho 'Cuda compilation tools, release 13.0, V13.0.1'\n")
+    nvcc.chmod(0o755)
+    return repo, py, nvcc
+
+
+def _build_times(repo, **env):
+    return subprocess.run(["bash", str(repo / "scripts" / "build_times.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def _setup_calls(tmp_path):
+    return [(cuda, args) for cuda, args in _calls(tmp_path) if "setup.py" in args]
+
+
+def test_build_times_builds_the_cuda_rows_with_cuda_and_records_once_all_built(tmp_path):
+    repo, py, nvcc = _build_times_repo(tmp_path)
+    p = _build_times(repo, **_env(tmp_path, py, CUDACXX=str(nvcc), RECORD="1"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [cuda for cuda, _ in _setup_calls(tmp_path)] == ["1"] * 5 + ["0"]  # (the CUDA rows were unset: auto)
+    records = list((repo / "benchmarks" / "results").glob("build_times_cpu*.txt"))
+    assert len(records) == 1 and "| clean, without CUDA |" in records[0].read_text(), records
+    assert "nvcc: 13.0" in records[0].read_text()
+    p = _build_times(repo, **_env(tmp_path, py, CUDACXX=str(nvcc), RECORD="1"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    # a second record the same day: the next suffix, the first kept
+    assert sorted(f.name for f in records[0].parent.iterdir()) == [records[0].name, records[0].stem + "b.txt"]
+
+
+def test_build_times_a_failed_build_leaves_no_record(tmp_path):
+    repo, py, nvcc = _build_times_repo(tmp_path)
+    p = _build_times(repo, **_env(tmp_path, py, CUDACXX=str(nvcc), RECORD="1", FAKE_FAIL_AT="3"))
+    assert p.returncode == 1 and "build failed: one .cpp changed" in p.stderr, p.stdout + p.stderr
+    assert len(_setup_calls(tmp_path)) == 3
+    assert list((repo / "benchmarks" / "results").glob("*")) == []  # (was a truncated table)
+
+
+def test_build_times_without_nvcc_stops_before_building(tmp_path):
+    repo, py, _ = _build_times_repo(tmp_path)
+    p = _build_times(repo, **_env(tmp_path, py, CUDACXX=str(tmp_path / "no-nvcc"), RECORD="1"))
+    assert p.returncode == 1 and "no nvcc" in p.stderr, p.stdout + p.stderr
+    assert _setup_calls(tmp_path) == []

@@ -142,3 +142,59 @@ def test_build_times_without_nvcc_stops_before_building(tmp_path):
     p = _build_times(repo, **_env(tmp_path, py, CUDACXX=str(tmp_path / "no-nvcc"), RECORD="1"))
     assert p.returncode == 1 and "no nvcc" in p.stderr, p.stdout + p.stderr
     assert _setup_calls(tmp_path) == []
+
+
+def _fake_venv(tmp_path, py):
+    """A venv stand-in: bin/python is the recording stand-in, bin/activate puts bin/ first on PATH. The
+    stand-in is also first on PATH before that, so that nothing here can reach a real pip."""
+    venv = tmp_path / "fake venv"
+    (venv / "bin").mkdir(parents=True)
+    for name in ("python", "python3"):
+        shutil.copy(py, venv / "bin" / name)
+    (venv / "bin" / "activate").write_text(f'VIRTUAL_ENV="{venv}"\nexport VIRTUAL_ENV\nPATH="{venv}/bin:$PATH"\n'
+                                           'export PATH\n')
+    return venv
+
+
+SOURCING = """set +e +u
+cd "$ELSEWHERE"
+source "$REPO/scripts/setup_env.sh"
+echo "rc=$? pwd=$PWD flags=$- $(set -o | grep -E '^pipefail' | tr -s ' \\t' =) venv=$VIRTUAL_ENV"
+"""
+
+
+def _setup_env(tmp_path, how, **env):
+    repo, py = _repo(tmp_path, "setup_env.sh")
+    venv = _fake_venv(tmp_path, py)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    full = _env(tmp_path, py, PYZERO_VENV=str(venv), PYZERO_CUDA="0", REPO=str(repo), ELSEWHERE=str(elsewhere),
+                PATH=f"{venv}/bin:{os.environ['PATH']}", **env)
+    full.pop("VIRTUAL_ENV", None)
+    argv = ["bash", "-c", SOURCING] if how == "source" else ["bash", str(repo / "scripts" / "setup_env.sh")]
+    p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=60)
+    return p, venv, elsewhere
+
+
+def test_setup_env_sourced_leaves_the_shell_as_it_was_and_activates_the_venv(tmp_path):
+    p, venv, elsewhere = _setup_env(tmp_path, "source")
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = p.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"rc=0 pwd={elsewhere} "), line  # (was: the checkout)
+    flags = line.split(" flags=")[1].split()[0]
+    assert "e" not in flags and "u" not in flags and "pipefail=off" in line, line  # (was: set -euo pipefail)
+    assert line.endswith(f"venv={venv}"), line
+    assert any("-m pip install -q --no-build-isolation -e ." in args for _, args in _calls(tmp_path))
+
+
+def test_setup_env_sourced_returns_a_failure_without_ending_the_shell(tmp_path):
+    p, _, _ = _setup_env(tmp_path, "source", FAKE_FAIL="--no-build-isolation")
+    assert p.returncode == 0, p.stdout + p.stderr  # (was: set -e in the caller's shell ended it there)
+    assert p.stdout.strip().splitlines()[-1].startswith("rc=3 "), p.stdout
+
+
+def test_setup_env_run(tmp_path):
+    p, _, _ = _setup_env(tmp_path, "run")
+    assert p.returncode == 0, p.stdout + p.stderr
+    p, _, _ = _setup_env(tmp_path / "failing", "run", FAKE_FAIL="--no-build-isolation")
+    assert p.returncode == 3, p.stdout + p.stderr

@@ -198,3 +198,18 @@ def test_setup_env_run(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     p, _, _ = _setup_env(tmp_path / "failing", "run", FAKE_FAIL="--no-build-isolation")
     assert p.returncode == 3, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("own", [None, "elsewhere/prebuilt"])
+def test_gpu_prebuild_takes_its_folder_from_its_own_variable_not_out(tmp_path, own):
+    """(the stand-in for GPU_PYTHON fails at `-m venv DIR/venv`: where the build would have gone)"""
+    repo, py = _repo(tmp_path, "gpu_prebuild.sh")
+    env = _env(tmp_path, py, GPU_PYTHON=str(py), OUT=str(tmp_path / "runner-out"), FAKE_FAIL="-m venv")
+    if own:
+        env["GPU_PREBUILD_OUT"] = str(tmp_path / own)
+    p = subprocess.run(["bash", str(repo / "scripts" / "gpu_prebuild.sh")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 3, p.stdout + p.stderr
+    venv = _calls(tmp_path)[0][1].split("-m venv ")[1]
+    assert venv == str(tmp_path / own / "venv" if own else repo / "build" / "gpu312" / "venv")
+    assert not (tmp_path / "runner-out").exists()

@@ -12,8 +12,33 @@
 # pybind11, cmake, ninja, nvidia-nccl-cu13 (or PYZERO_NCCL_ROOT) and pytest, and nvcc (CUDACXX,
 # CUDA_HOME, PATH or /usr/local/cuda). The build is in place (pyzero/_C*.so), installs nothing,
 # and is run from this checkout with PYTHONPATH=.
+# Exit status: 0 when every step of every named part passed; 1 when any failed or ran past its limit (the
+# remaining parts still run, and the last lines name the parts that failed); 2 for a bad setting (refused
+# before anything runs); 130 when interrupted (Ctrl-C stops the running step, and the MPS daemon).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+usage_error() { echo "gpu_check.sh: $*" >&2; exit 2; }
+ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
+nccl-faults"
+PARTS=" $(echo ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi}) "
+for p in $PARTS; do
+  [[ " $(echo $ALL_PARTS) " == *" $p "* ]] || usage_error "GPU_CHECK_PARTS: unknown part '$p'; expected some of:" \
+    $ALL_PARTS
+done
+[[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || usage_error "GPU_CHECK_DEADLINE: expected whole seconds, got" \
+  "'$GPU_CHECK_DEADLINE'"
+ROUNDS=${GPU_CHECK_ROUNDS:-1}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || usage_error "GPU_CHECK_ROUNDS: expected a count >= 1, got '$ROUNDS'"
+# GPU_CHECK_SCALE multiplies every time limit: a positive number, up to 3 decimals (1.5, 0.25); kept in thousandths
+SCALE_MILLI=0
+if [[ "${GPU_CHECK_SCALE:-1}" =~ ^([0-9]{1,6})(\.([0-9]{1,3}))?$ ]]; then
+  frac=${BASH_REMATCH[3]}000
+  SCALE_MILLI=$(( 10#${BASH_REMATCH[1]} * 1000 + 10#${frac:0:3} ))
+fi
+[ "$SCALE_MILLI" -gt 0 ] || usage_error "GPU_CHECK_SCALE: expected a positive number such as 2 or 1.5, got" \
+  "'$GPU_CHECK_SCALE'"
+# (the script starts and stops its own MPS daemon, in a folder of its own: none from the environment)
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null || { echo "gpu_check.sh: no $PY; set PYTHON to your interpreter"; exit 1; }
 "$PY" - <<'PY'
@@ -37,27 +62,31 @@ ARCH=$("$PY" -c "import torch; m, n = torch.cuda.get_device_capability(); print(
 GPU=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 STAMP=$(date -u +%Y%m%d)
-# (a second run on the same day takes the next free name: ..._<date>b, c, ...; a record is never overwritten)
+# (a second run on the same day takes the next free name: ..._<date>b, c, ... z; a record is never overwritten:
+# with all 26 taken the script refuses to run)
 RESULTS=${GPU_CHECK_RESULTS:-benchmarks/results}  # (where the record goes)
 BASE=$RESULTS/gpu_${GPU}_${STAMP}
-OUT=$BASE
-for s in b c d e f g h i j; do [ -e "${OUT}.txt" ] || break; OUT=$BASE$s; done
+OUT=""
+for s in "" b c d e f g h i j k l m n o p q r s t u v w x y z; do
+  [ -e "$BASE$s.txt" ] || { OUT=$BASE$s; break; }
+done
+[ -n "$OUT" ] || { echo "gpu_check.sh: ${BASE}.txt and ${BASE}b-z.txt are all taken; move some away (a record is" \
+  "never overwritten)"; exit 1; }
 mkdir -p "$RESULTS"
+# This run's scratch folder (the MPS daemon's folders, the list of failed steps), removed at the end; an MPS
+# daemon still running there then (the run was killed mid-part) is stopped first.
+RUN_TMP=$(mktemp -d /tmp/pyzero-gpu-check.XXXXXX)
+cleanup() {
+  if [ -e "$RUN_TMP/mps-pipe/control" ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=$RUN_TMP/mps-pipe timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1 || true
+  fi
+  rm -rf "$RUN_TMP"
+}
+trap cleanup EXIT
 PROFILE_ARGS=()  # (GPU_CHECK_PROFILE=1: the training runs' step profiles beside the record)
 [ "${GPU_CHECK_PROFILE:-0}" = 0 ] || PROFILE_ARGS=(--profile "${OUT}_profile")
 export PYZERO_CUDA=1 PYZERO_CUDA_ARCH="$ARCH" PYTHONPATH=.
-ALL_PARTS="tests kernels collectives train torch-backend memory offload capacity ipc ipc-graph ipc-algos faults nccl-multi
-nccl-faults"
-PARTS=" $(echo ${GPU_CHECK_PARTS:-tests kernels collectives train offload ipc faults nccl-multi}) "
-for p in $PARTS; do
-  [[ " $(echo $ALL_PARTS) " == *" $p "* ]] || { echo "gpu_check.sh: GPU_CHECK_PARTS: unknown part '$p'; expected some of:" \
-    $ALL_PARTS; exit 1; }
-done
 part() { [[ "$PARTS" == *" $1 "* ]]; }
-[[ "${GPU_CHECK_DEADLINE:-0}" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_DEADLINE: expected whole seconds, got" \
-  "'$GPU_CHECK_DEADLINE'"; exit 1; }
-ROUNDS=${GPU_CHECK_ROUNDS:-1}
-[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: GPU_CHECK_ROUNDS: expected a count >= 1, got '$ROUNDS'"; exit 1; }
 # nccl-multi: the build also makes the test NCCL library (csrc/test_nccl/; the CUDA objects are _C's).
 if part nccl-multi || part nccl-faults; then export PYZERO_TEST_NCCL=1; fi
 # setup.py drives CMake; a setuptools older than 77 cannot read pyproject.toml's license field, so
@@ -141,8 +170,10 @@ PYTEST=("$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider)
 # time names the parts it needs (GPU_CHECK_PARTS), most valuable first, and GPU_CHECK_DEADLINE=<seconds>:
 # the whole run then ends by then (counted from the build step): each step's limit is cut to the time left,
 # and a part that has less than half its limit left is skipped, with a line saying so.
+scaled() { echo $(( ($1 * SCALE_MILLI + 999) / 1000 )); }  # scaled SECONDS: times GPU_CHECK_SCALE, rounded up
 lim() {
-  local s=$(( $1 * ${GPU_CHECK_SCALE:-1} ))
+  local s
+  s=$(scaled "$1")
   if [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ]; then
     local left=$(( GPU_CHECK_DEADLINE - SECONDS ))
     [ "$left" -ge "$s" ] || s=$left
@@ -152,27 +183,80 @@ lim() {
 }
 room() {  # room PART SECONDS: false (and says so) when the deadline leaves less than half of SECONDS
   [ "${GPU_CHECK_DEADLINE:-0}" -gt 0 ] || return 0
-  local want=$(( $2 * ${GPU_CHECK_SCALE:-1} )) left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+  local want left=$(( GPU_CHECK_DEADLINE - SECONDS ))
+  want=$(scaled "$2")
   [ $(( 2 * left )) -ge "$want" ] && return 0
   echo "## (skipped the $1 part: ${left} s left of GPU_CHECK_DEADLINE=${GPU_CHECK_DEADLINE}, its limit is ${want} s)"
+  echo "$1" >> "$RUN_TMP/skipped"
   return 1
+}
+# Each step runs under `timeout`, started in the background and waited for: timeout moves the step into a
+# process group of its own (so that at the limit the step's own processes, ranks included, are stopped too),
+# which Ctrl-C at the terminal does not reach; the INT/TERM trap (on_interrupt) passes it on instead. A step
+# that fails or runs past its limit is said (a line with FAILED) and recorded, the run goes on with the next
+# step, and the script exits 1 at the end, naming the parts that failed.
+STEP_PID="" STEP_LIMIT="" GROUP_PIDS=() CUR_PART=""
+limited() {  # limited [-s SIGNAL] [-k SECONDS] SECONDS CMD...: CMD's exit status; 124 or 137 past the limit
+  local a=("$@") i=0 rc=0
+  while [[ "${a[i]}" == -* ]]; do i=$(( i + 2 )); done  # (each option takes a value)
+  STEP_LIMIT=${a[i]}
+  timeout -k 30 "$@" &
+  STEP_PID=$!
+  wait "$STEP_PID" || rc=$?
+  STEP_PID=""
+  return "$rc"
+}
+failed() {  # STEP || failed WHAT: says that WHAT failed, or ran past its limit, and records it for the summary
+  local rc=$? how
+  case $rc in
+    124) how="past its ${STEP_LIMIT} s limit";;
+    137) how="killed: past its ${STEP_LIMIT} s limit, or out of memory";;
+    *) how="exit $rc";;
+  esac
+  echo "$1 FAILED ($how)"
+  echo "${CUR_PART:-setup}: $1 ($how)" >> "$RUN_TMP/failed"
+}
+on_interrupt() {  # (the INT/TERM/HUP trap of the shells that run steps): stops the running step, then exits 130
+  trap '' INT TERM HUP
+  echo "(interrupted: stopping the running step)"
+  echo "${CUR_PART:-setup}: interrupted" >> "$RUN_TMP/failed"
+  local p
+  [ -z "$STEP_PID" ] || kill -INT "$STEP_PID" 2>/dev/null || true  # (timeout passes it to the step's group)
+  for p in "${GROUP_PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  if [ -n "$STEP_PID" ]; then  # (at most 30 s: timeout -k 30 kills what is left)
+    wait "$STEP_PID" 2>/dev/null || true
+    kill -KILL -- "-$STEP_PID" 2>/dev/null || true  # (any of its processes that outlived it)
+  fi
+  for p in "${GROUP_PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  exit 130
 }
 MPS=0
 if [ "${GPU_CHECK_MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control >/dev/null; then MPS=1; fi
-MPS_PIPE=/tmp/pyzero-mps MPS_LOG=/tmp/pyzero-mps-log
+# The daemon's folders are this run's own (RUN_TMP, removed at the end): a daemon a killed run left behind is
+# never talked to. CUDA_MPS_PIPE_DIRECTORY is set only while this run's daemon runs: steps outside MPS have none.
+MPS_PIPE=$RUN_TMP/mps-pipe MPS_LOG=$RUN_TMP/mps-log
+MPS_ON=0 MPS_FAILED=0
 mps_start() {
-  [ "$MPS" = 1 ] && [ "$MPS_ON" = 0 ] || return 0  # (started once: a later part finds it running)
-  export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if timeout 10 nvidia-cuda-mps-control -d; then sleep 1; MPS_ON=1; echo "(MPS started)"; else echo "(MPS did not start)"; fi
+  [ "$MPS" = 1 ] && [ "$MPS_ON" = 0 ] && [ "$MPS_FAILED" = 0 ] || return 0  # (started once: later parts find it)
+  mkdir -p "$MPS_PIPE" "$MPS_LOG"
+  if CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG timeout 10 nvidia-cuda-mps-control -d; then
+    export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG
+    sleep 1; MPS_ON=1; echo "(MPS started)"
+  else
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    MPS_FAILED=1
+    echo "(MPS did not start: the processes on GPU 0 take turns instead; not tried again)"
+    tail -5 "$MPS_LOG/control.log" 2>/dev/null || true
+  fi
 }
-MPS_ON=0
-mps_stop() {
-  [ "$MPS_ON" = 1 ] || return 0
-  echo quit | timeout 10 nvidia-cuda-mps-control || true
+mps_stop() {  # (also: no MPS variables for what runs next, whether or not the daemon started)
+  if [ "$MPS_ON" = 1 ]; then
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG timeout 10 nvidia-cuda-mps-control ||
+      true
+    MPS_ON=0
+    echo "(MPS stopped)"
+  fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  MPS_ON=0
-  echo "(MPS stopped)"
 }
 # DeepSpeed for its rows (offload, capacity): the installed one, else build/wheels (scripts/gpu_wheels.sh)
 # installed into build/dsenv, which DSPATH then puts on those parts' PYTHONPATH. Its CPUAdam builds on
@@ -195,8 +279,8 @@ test_nccl() {
   if [ -z "$TNCCL" ] || [ ! -f "$TNCCL/lib/libnccl.so.2" ]; then
     TNCCL=build/test-nccl
     echo "(building the test NCCL library into $TNCCL)"
-    PYTHON="$PY" timeout "$(lim 400)" bash scripts/build_test_nccl.sh "$TNCCL" >"${OUT}_test_nccl_build.log" 2>&1 ||
-      { tail -20 "${OUT}_test_nccl_build.log"; echo "TEST NCCL LIBRARY BUILD FAILED"; }
+    PYTHON="$PY" limited "$(lim 400)" bash scripts/build_test_nccl.sh "$TNCCL" >"${OUT}_test_nccl_build.log" 2>&1 ||
+      { failed "TEST NCCL LIBRARY BUILD"; tail -20 "${OUT}_test_nccl_build.log"; }
   fi
   [ -f "$TNCCL/lib/libnccl.so.2" ] || return 1
   TNCCL=$(cd "$TNCCL" && pwd)
@@ -204,8 +288,8 @@ test_nccl() {
 SEVERAL_TESTS=(tests/test_ipc_gpu.py tests/test_torch_backend_gpu.py tests/test_compile.py tests/test_integrations_gpu.py)
 IPC_TESTS_RAN=0 MULTI_TESTS_RAN=0
 nccl_multi_tests() {  # nccl_multi_tests LOG: the nccl backend at 2 and 4 processes through the test library
-  PYZERO_TEST_NCCL_ROOT=$TNCCL timeout -s INT -k 30 "$(lim 420)" "${PYTEST[@]}" --durations=10 "${MULTI_TIMEOUT_ARGS[@]}" \
-    --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu tests/test_nccl_multirank_gpu.py || echo "NCCL-MULTI TESTS FAILED (or past $(lim 420) s)"
+  PYZERO_TEST_NCCL_ROOT=$TNCCL limited -s INT "$(lim 420)" "${PYTEST[@]}" --durations=10 "${MULTI_TIMEOUT_ARGS[@]}" \
+    --junitxml "${OUT}_tests_nccl_multi.xml" -m gpu tests/test_nccl_multirank_gpu.py || failed "NCCL-MULTI TESTS"
 }
 # The groups' limits: alone, the single-process tests took 201 s and the ipc ones 213 s on an H200; run at once
 # they slow each other (235 s for all but 2 of the single-process tests, 238 s for 26 of the 32 ipc ones), so
@@ -213,14 +297,14 @@ nccl_multi_tests() {  # nccl_multi_tests LOG: the nccl backend at 2 and 4 proces
 AT_ONCE_LIMIT=360
 ipc_tests() {  # ipc_tests [LIMIT]
   local l=${1:-240}
-  timeout -s INT -k 30 "$(lim "$l")" "${PYTEST[@]}" --durations=5 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_ipc.xml" \
-    -m gpu "${SEVERAL_TESTS[@]}" || echo "IPC TESTS FAILED (or past $(lim "$l") s)"
+  limited -s INT "$(lim "$l")" "${PYTEST[@]}" --durations=5 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests_ipc.xml" \
+    -m gpu "${SEVERAL_TESTS[@]}" || failed "IPC TESTS"
 }
 single_tests() {  # single_tests [LIMIT]: the tests part's pytest run, but for the IGNOREd files
   local l=${1:-240}
   # shellcheck disable=SC2086
-  timeout -s INT -k 30 "$(lim "$l")" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
-    "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || echo "GPU TESTS FAILED (or past $(lim "$l") s)"
+  limited -s INT "$(lim "$l")" "${PYTEST[@]}" --durations=10 "${TIMEOUT_ARGS[@]}" --junitxml "${OUT}_tests.xml" \
+    "${IGNORE[@]}" ${GPU_CHECK_TESTS:--m gpu tests} || failed "GPU TESTS"
 }
 part_tests() {
   room tests "$([ "${GPU_CHECK_TESTS_AT_ONCE:-0}" = 1 ] && echo "$AT_ONCE_LIMIT" || echo 240)" || return 0
@@ -232,6 +316,7 @@ part_tests() {
     for f in "${SEVERAL_TESTS[@]}"; do IGNORE+=(--ignore "$f"); done
   fi
   if [ "$at_once" = 0 ]; then
+    mps_stop  # (single-process tests: alone on the GPU, outside MPS)
     single_tests
     return 0
   fi
@@ -240,10 +325,19 @@ part_tests() {
   echo "(three groups at once: single-process tests outside MPS; several processes on GPU 0 under MPS: the ipc part's" \
     "tests$([ "$multi" = 1 ] && echo ", the nccl-multi part's"))"
   mps_start
-  ( unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; single_tests "$AT_ONCE_LIMIT" ) > "${OUT}_tests_single.log" 2>&1 &
-  ipc_tests "$AT_ONCE_LIMIT" > "${OUT}_tests_ipc.log" 2>&1 &
-  [ "$multi" = 0 ] || nccl_multi_tests > "${OUT}_tests_nccl_multi.log" 2>&1 &
-  wait
+  # (each group in a subshell of its own: a TERM from on_interrupt stops its step)
+  GROUP_PIDS=()
+  ( GROUP_PIDS=(); trap on_interrupt TERM; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    single_tests "$AT_ONCE_LIMIT" ) > "${OUT}_tests_single.log" 2>&1 &
+  GROUP_PIDS+=($!)
+  ( GROUP_PIDS=(); trap on_interrupt TERM; ipc_tests "$AT_ONCE_LIMIT" ) > "${OUT}_tests_ipc.log" 2>&1 &
+  GROUP_PIDS+=($!)
+  if [ "$multi" = 1 ]; then
+    ( GROUP_PIDS=(); trap on_interrupt TERM; nccl_multi_tests ) > "${OUT}_tests_nccl_multi.log" 2>&1 &
+    GROUP_PIDS+=($!)
+  fi
+  wait "${GROUP_PIDS[@]}" || true  # (a group's failures are recorded by the group)
+  GROUP_PIDS=()
   for g in single ipc nccl_multi; do
     [ -f "${OUT}_tests_$g.log" ] || continue
     echo "### tests: $g"; grep -v "^frame #" "${OUT}_tests_$g.log" || true; rm -f "${OUT}_tests_$g.log"
@@ -254,7 +348,7 @@ part_kernels() {
   room kernels 30 || return 0
   echo "## reduce kernel bandwidth vs device-to-device copy"
   mps_stop  # (alone on the GPU)
-  timeout "$(lim 30)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || echo "KERNEL BENCH FAILED (or past $(lim 30) s)"
+  limited "$(lim 30)" "$PY" -m pyzero.bench.kernels --json "${OUT}_kernels.json" || failed "KERNEL BENCH"
 }
 part_collectives() {
   room collectives 75 || return 0
@@ -264,36 +358,36 @@ part_collectives() {
   # path); the full matrix on 2+ GPUs. (On an H200 the full matrix at world size 1 took over 75 s.)
   local coll
   if [ "$NGPU" -ge 2 ]; then coll=(--op all --max 256M --factor 4); else coll=(--op all_reduce --max 64M --factor 8); fi
-  timeout "$(lim 45)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
-    --min 8 "${coll[@]}" --json "${OUT}_collectives.json" || echo "COLLECTIVES BENCH FAILED (or past $(lim 45) s)"
+  limited "$(lim 45)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends pyzero,nccl,torch \
+    --min 8 "${coll[@]}" --json "${OUT}_collectives.json" || failed "COLLECTIVES BENCH"
   echo "## all_reduce captured in a CUDA graph (20 calls per graph), per call: pyzero's nccl passthrough and torch's NCCL"
-  timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends nccl,torch \
+  limited "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc "${NGPU}" --backends nccl,torch \
     --op all_reduce --min 8 --max 1M --factor 8 --graph 20 --json "${OUT}_collectives_graph.json" \
-    || echo "GRAPH BENCH FAILED (or past $(lim 30) s)"
+    || failed "GRAPH BENCH"
 }
 part_train() {
   room train $(( 140 * ROUNDS )) || return 0
   echo "## training on GPU 0 (GPT-2 small, world size 1): plain torch + fused AdamW vs the wrappers"
   mps_stop
   # (about 15 s per run on an H200: 8 runs need about 120 s)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 140 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
+  CUDA_VISIBLE_DEVICES=0 limited "$(lim $(( 140 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
     --model gpt2 --batch 8 --seq 512 \
     --runs torch-local,torch-ddp,dp,zero1,zero2,zero3,fsdp2,zero2-offload --bucket-mb 25 --first-bucket-mb 1 --iters 10 \
-    --warmup 3 --rounds "$ROUNDS" "${PROFILE_ARGS[@]}" --json "${OUT}_train.json" || echo "TRAIN BENCH FAILED (or past $(lim $(( 140 * ROUNDS ))) s)"
+    --warmup 3 --rounds "$ROUNDS" "${PROFILE_ARGS[@]}" --json "${OUT}_train.json" || failed "TRAIN BENCH"
 }
 part_torch-backend() {
   room torch-backend $(( 30 + 120 * ROUNDS )) || return 0
   echo "## torch.distributed on the \"pyzero\" backend (CUDA tensors) against NCCL, world size 1"
   mps_stop
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
+  CUDA_VISIBLE_DEVICES=0 limited "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --nproc 1 \
     --backends torch,torch-pyzero --op all_reduce --min 8 --max 1M --factor 8 --json "${OUT}_torch_backend.json" \
-    || echo "TORCH BACKEND BENCH FAILED (or past $(lim 30) s)"
+    || failed "TORCH BACKEND BENCH"
   # (DataParallel beside them: its step against torch DDP's on NCCL, in the same run)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim $(( 120 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
+  CUDA_VISIBLE_DEVICES=0 limited "$(lim $(( 120 * ROUNDS )))" "$PY" -m pyzero.bench train --device cuda --nproc 1 \
     --model gpt2 --batch 8 --seq 512 --runs torch-ddp,torch-ddp-pyzero,dp,fsdp2,fsdp2-pyzero --bucket-mb 25 \
     --first-bucket-mb 1 --iters 10 --warmup 3 --rounds "$ROUNDS" "${PROFILE_ARGS[@]}" \
     --json "${OUT}_torch_backend_train.json" \
-    || echo "TORCH BACKEND TRAIN FAILED (or past $(lim $(( 120 * ROUNDS ))) s)"
+    || failed "TORCH BACKEND TRAIN"
 }
 part_memory() {
   local np
@@ -302,18 +396,18 @@ part_memory() {
       room "memory (nproc 1)" 180 || continue
       echo "## memory breakdown on GPU 0, world size 1 (GPT-2 small)"
       mps_stop
-      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 180)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+      CUDA_VISIBLE_DEVICES=0 limited "$(lim 180)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
         --batch 8 --seq 512 --runs torch-local,torch-ddp,torch-ddp-pyzero,dp,zero1,zero2,zero3,fsdp2 --bucket-mb 25 \
-        --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || echo "MEMORY BENCH FAILED (nproc 1, or past $(lim 180) s)"
+        --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory1.json" || failed "MEMORY BENCH (nproc 1)"
       continue
     fi
     room "memory (nproc $np)" 150 || continue
     echo "## per-rank memory with $np processes on GPU 0 (ipc; torch runs on the 'pyzero' backend's CUDA path)$([ "$MPS" = 1 ] && echo ", under MPS")"
     mps_start
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
+    CUDA_VISIBLE_DEVICES=0 limited "$(lim 150)" "$PY" -m pyzero.bench train --device cuda --gpu-backend ipc \
       --nproc "$np" --model gpt2 --batch 8 --seq 512 --runs torch-ddp,dp,zero2,zero3,fsdp2 --bucket-mb 25 \
       --first-bucket-mb 1 --iters 5 --warmup 2 --memory --json "${OUT}_memory${np}.json" \
-      || echo "MEMORY BENCH FAILED (nproc $np, or past $(lim 150) s)"
+      || failed "MEMORY BENCH (nproc $np)"
   done
   mps_stop
 }
@@ -326,17 +420,17 @@ part_offload() {
   # -dpu: delayed_update, the CPU step behind the next forward and backward (updates one step late)
   local runs=torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu
   if deepspeed_here; then runs+=",ds-zero2-offload,ds-zenflow,ds-superoffload"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 330)" "$PY" -m pyzero.bench train \
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" limited "$(lim 330)" "$PY" -m pyzero.bench train \
     --device cuda --nproc 1 --model gpt2 --batch 8 --seq 512 --runs "$runs" --bucket-mb 25 \
     --first-bucket-mb 1 --iters 10 --warmup 3 --losses --json "${OUT}_offload.json" \
-    || echo "OFFLOAD BENCH FAILED (or past $(lim 330) s)"
+    || failed "OFFLOAD BENCH"
   [ -n "${GPU_CHECK_OFFLOAD_THREADS:-}" ] || return 0
   room "offload (--offload-threads ${GPU_CHECK_OFFLOAD_THREADS})" 120 || return 0
   echo "### the same pyzero rows with ${GPU_CHECK_OFFLOAD_THREADS} CPU optimizer threads (--offload-threads)"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 120)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
+  CUDA_VISIBLE_DEVICES=0 limited "$(lim 120)" "$PY" -m pyzero.bench train --device cuda --nproc 1 --model gpt2 \
     --batch 8 --seq 512 --runs torch-local,zero2-offload,zero2-offload-pipe,zero2-offload-dpu --bucket-mb 25 \
     --first-bucket-mb 1 --iters 10 --warmup 3 --offload-threads "$GPU_CHECK_OFFLOAD_THREADS" \
-    --json "${OUT}_offload_threads${GPU_CHECK_OFFLOAD_THREADS}.json" || echo "OFFLOAD THREADS BENCH FAILED (or past $(lim 120) s)"
+    --json "${OUT}_offload_threads${GPU_CHECK_OFFLOAD_THREADS}.json" || failed "OFFLOAD THREADS BENCH"
 }
 part_capacity() {
   room capacity 420 || return 0
@@ -344,17 +438,17 @@ part_capacity() {
   mps_stop
   local runs=torch,zero3,fsdp2,zero2-offload,zero3-offload np
   if [ -z "${GPU_CHECK_CAPACITY_RUNS:-}" ] && deepspeed_here; then runs+=",ds-zero2-offload"; fi
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" timeout "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
+  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=".${DSPATH:+:$DSPATH}" limited "$(lim 420)" "$PY" -m pyzero.bench capacity --device cuda \
     --runs "${GPU_CHECK_CAPACITY_RUNS:-$runs}" --attempts 2 --steps 3 --timeout 200 \
-    --json "${OUT}_capacity.json" || echo "CAPACITY BENCH FAILED (or past $(lim 420) s)"
+    --json "${OUT}_capacity.json" || failed "CAPACITY BENCH"
   # GPU_CHECK_CAPACITY_NPROC (e.g. "2"): ZeRO-3 and FSDP2 again with that many ranks sharing GPU 0 (ipc)
   for np in ${GPU_CHECK_CAPACITY_NPROC:-}; do
     room "capacity (nproc $np)" 300 || continue
     echo "### capacity with $np ranks on GPU 0 (ipc$([ "$MPS" = 1 ] && echo ", MPS")): ZeRO-3 and FSDP2 on the \"pyzero\" backend"
     mps_start
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 300)" "$PY" -m pyzero.bench capacity --device cuda --nproc "$np" \
+    CUDA_VISIBLE_DEVICES=0 limited "$(lim 300)" "$PY" -m pyzero.bench capacity --device cuda --nproc "$np" \
       --gpu-backend ipc --runs zero3,fsdp2 --attempts 2 --steps 3 --timeout 150 --json "${OUT}_capacity${np}.json" \
-      || echo "CAPACITY BENCH FAILED (nproc $np, or past $(lim 300) s)"
+      || failed "CAPACITY BENCH (nproc $np)"
     mps_stop
   done
 }
@@ -364,9 +458,9 @@ part_ipc-graph() {
   mps_start
   local g
   for g in 0 20; do
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+    CUDA_VISIBLE_DEVICES=0 limited "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
       --nproc 2 --backends pyzero --op all_reduce --min 16 --max 1M --factor 4 --graph "$g" \
-      --json "${OUT}_ipc2_graph${g}.json" || echo "IPC GRAPH BENCH FAILED (graph $g, or past $(lim 25) s)"
+      --json "${OUT}_ipc2_graph${g}.json" || failed "IPC GRAPH BENCH (graph $g)"
   done
 }
 part_ipc() {
@@ -380,17 +474,17 @@ part_ipc() {
   local np_max np max
   for np_max in ${GPU_CHECK_IPC:-1:256M 2:64M 4:16M 8:4M}; do
     np=${np_max%%:*} max=${np_max##*:}
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+    CUDA_VISIBLE_DEVICES=0 limited "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
       --nproc "$np" --backends pyzero --op all --min 8 --max "$max" --factor 8 --json "${OUT}_ipc${np}.json" \
-      || echo "IPC BENCH FAILED (nproc $np, or past $(lim 30) s)"
+      || failed "IPC BENCH (nproc $np)"
   done
   part ipc-graph || part_ipc-graph
   echo "### ipc point-to-point (sendrecv: each process sends to the next and receives from the previous, one batch)"
   for np_max in 2:256M 4:64M; do
     np=${np_max%%:*} max=${np_max##*:}
-    CUDA_VISIBLE_DEVICES=0 timeout "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+    CUDA_VISIBLE_DEVICES=0 limited "$(lim 30)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
       --nproc "$np" --backends pyzero --op sendrecv --min 8 --max "$max" --factor 8 \
-      --json "${OUT}_ipc${np}_sendrecv.json" || echo "IPC SENDRECV BENCH FAILED (nproc $np, or past $(lim 30) s)"
+      --json "${OUT}_ipc${np}_sendrecv.json" || failed "IPC SENDRECV BENCH (nproc $np)"
   done
 }
 part_ipc-algos() {
@@ -400,9 +494,9 @@ part_ipc-algos() {
   local np a
   for np in 2 4 8; do
     for a in ring oneshot twoshot; do
-      CUDA_VISIBLE_DEVICES=0 timeout "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
+      CUDA_VISIBLE_DEVICES=0 limited "$(lim 25)" "$PY" -m pyzero.bench collectives --device cuda --gpu-backend ipc \
         --nproc "$np" --backends pyzero --op all_reduce --algo "$a" --min 8 --max 16M --factor 16 \
-        --json "${OUT}_ipc${np}_${a}.json" || echo "IPC ALGO BENCH FAILED (nproc $np algo $a, or past $(lim 25) s)"
+        --json "${OUT}_ipc${np}_${a}.json" || failed "IPC ALGO BENCH (nproc $np algo $a)"
     done
   done
 }
@@ -411,13 +505,13 @@ part_faults() {
   room faults 50 || return 0
   echo "## fault cells on the ipc backend (2 processes on GPU 0, one try each; the full list: --backend ipc)"
   mps_start
-  CUDA_VISIBLE_DEVICES=0 timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
-    --cells "$FAULT_CELLS" --json "${OUT}_faults_ipc.json" || echo "IPC FAULT CELLS FAILED (or past $(lim 50) s)"
+  CUDA_VISIBLE_DEVICES=0 limited "$(lim 50)" "$PY" -m pyzero.bench faults --backend ipc --tries 1 \
+    --cells "$FAULT_CELLS" --json "${OUT}_faults_ipc.json" || failed "IPC FAULT CELLS"
   mps_stop
   if [ "$NGPU" -ge 2 ]; then
     echo "## fault cells on the nccl backend (a GPU per rank, one try each)"
-    timeout "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
-      --cells "$FAULT_CELLS" --json "${OUT}_faults_nccl.json" || echo "NCCL FAULT CELLS FAILED (or past $(lim 50) s)"
+    limited "$(lim 50)" "$PY" -m pyzero.bench faults --backend nccl --tries 1 \
+      --cells "$FAULT_CELLS" --json "${OUT}_faults_nccl.json" || failed "NCCL FAULT CELLS"
   fi
 }
 part_nccl-multi() {
@@ -437,23 +531,45 @@ part_nccl-faults() {
   test_nccl || { echo "(no test NCCL library: the nccl fault cells are left out)"; return 0; }
   echo "### fault cells on the nccl backend through the test NCCL library (ranks on GPU 0, one try each)"
   mps_start
-  CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL timeout "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
+  CUDA_VISIBLE_DEVICES=0 PYZERO_NCCL_ROOT=$TNCCL limited "$(lim 60)" "$PY" -m pyzero.bench faults --backend nccl \
     --tries 1 --cells "$FAULT_CELLS" --json "${OUT}_faults_nccl_test.json" \
-    || echo "NCCL FAULT CELLS ON THE TEST LIBRARY FAILED (or past $(lim 60) s)"
+    || failed "NCCL FAULT CELLS ON THE TEST LIBRARY"
   mps_stop
 }
+finish() {  # (the parts' EXIT trap): stops the MPS daemon and ends the record with what failed
+  local rc=$? fails=$RUN_TMP/failed
+  trap '' INT TERM HUP
+  mps_stop
+  if [ -s "$RUN_TMP/skipped" ]; then
+    echo "## skipped (GPU_CHECK_DEADLINE): $(paste -sd, "$RUN_TMP/skipped" | sed 's/,/, /g')"
+  fi
+  if [ -s "$fails" ]; then
+    echo "## FAILED: $(wc -l < "$fails") step(s), in the part(s): $(cut -d: -f1 "$fails" | awk '!seen[$0]++' | paste -sd' ')"
+    sed 's/^/##   /' "$fails"
+  elif [ "$rc" != 0 ]; then
+    echo "## FAILED: the run stopped (exit $rc) in the part: ${CUR_PART:-setup}"
+  else
+    echo "## passed: no step failed"
+  fi
+}
+set +e  # (the parts' exit status is taken from PIPESTATUS below; they run with set -e themselves)
 {
-  trap mps_stop EXIT  # (this block is a subshell: the daemon is stopped however it ends)
+  set -e
+  trap finish EXIT  # (this block is a subshell: the daemon is stopped however it ends)
+  trap on_interrupt INT TERM HUP
   echo "# pyzero GPU check, $(date -u -Iseconds), parts:$PARTS${GPU_CHECK_DEADLINE:+(deadline ${GPU_CHECK_DEADLINE} s)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   "$PY" -c "import pyzero, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda); print(pyzero.build_info())"
   for p in $PARTS; do
-    SECONDS_BEFORE=$SECONDS
+    SECONDS_BEFORE=$SECONDS CUR_PART=$p
     "part_$p"
     echo "(part $p: $(( SECONDS - SECONDS_BEFORE )) s, $SECONDS s in all)"
   done
-  mps_stop
-} 2>&1 | tee "${OUT}.txt"
+  CUR_PART=""
+  [ ! -s "$RUN_TMP/failed" ]  # (exit 1 when a step failed)
+} 2>&1 | tee -i "${OUT}.txt"  # (-i: a Ctrl-C leaves tee to write the parts' last lines)
+RC=${PIPESTATUS[0]}
+set -e
 echo "wrote ${OUT}.txt"
 # GPU_CHECK_COPY=<dir>: also put the printed log and every file of this run (one .tgz) there, e.g. the
 # folder a remote runner sends back.
@@ -462,3 +578,4 @@ if [ -n "${GPU_CHECK_COPY:-}" ]; then
   cp "${OUT}.txt" "$GPU_CHECK_COPY/"
   tar czf "$GPU_CHECK_COPY/$(basename "$OUT").tgz" "${OUT}"* && echo "copied to $GPU_CHECK_COPY"
 fi
+exit "$RC"  # (0: every step passed; 1: some failed, named above; 130: interrupted)

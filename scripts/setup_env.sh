@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Creates (or reuses) a virtual environment and builds pyzero into it (editable, without build
 # isolation: everything the build needs is installed in the venv first, so a rerun needs no network).
-# Used by scripts/demo.sh and scripts/test.sh; source it or run it.
-#   PYZERO_VENV  venv folder (default .venv)
+# Used by scripts/demo.sh and scripts/test.sh; source it or run it. Sourced, it does the same work in a
+# child bash, then activates the venv in your shell: your shell options (set -e ...) and directory are left
+# as they were, and a failure returns non-zero instead of exiting your shell.
+#   PYZERO_VENV  venv folder (default .venv, in the checkout)
 #   PYZERO_TORCH torch requirement to install (default: keep the venv's torch if it has one,
 #                else torch==2.13.0; any torch >= 2.4 works)
 #   PYZERO_CUDA  0/1 to force the CUDA part off/on (default: on when nvcc is found)
 #   PYTHON       interpreter that makes the venv (default python3)
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then  # (sourced)
+  bash "${BASH_SOURCE[0]}" || return
+  case ${PYZERO_VENV:-.venv} in
+    /*) . "${PYZERO_VENV}/bin/activate" ;;
+    *) . "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/${PYZERO_VENV:-.venv}/bin/activate" ;;
+  esac
+  return
+fi
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${PYZERO_VENV:-.venv}

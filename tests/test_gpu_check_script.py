@@ -5,11 +5,14 @@ little time for, GPU_CHECK_TESTS_AT_ONCE runs the test groups together and the l
 bad settings are refused; and every bench call the script can make parses with that bench's own arguments
 (flags, choices, run names, fault cells), so a renamed flag fails here rather than on a lent GPU."""
 import argparse
+import datetime
 import importlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,10 +33,15 @@ case "$*" in
   *build_info*) echo "(build info)"; exit 0;;
 esac
 echo "CALL ${CUDA_MPS_PIPE_DIRECTORY:-none} ${PYZERO_NCCL_ROOT:-none} $*" >> "$FAKE_LOG"
+# FAKE_SLEEP / FAKE_FAIL: a call whose arguments contain it hangs (and says its pid) / fails
+if [ -n "${FAKE_SLEEP:-}" ] && [[ "$*" == *"$FAKE_SLEEP"* ]]; then echo "SLEEP $$" >> "$FAKE_LOG"; exec sleep 60; fi
+if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then exit 1; fi
 """
 FAKE_MPS = """#!/bin/bash
 [ "$1" = -d ] || cat >/dev/null
+echo "MPSDIR ${1:-quit} ${CUDA_MPS_PIPE_DIRECTORY:-none}" >> "$FAKE_LOG"
 echo "MPS ${1:-quit}" >> "$FAKE_LOG"
+[ "$1" != -d ] || [ -z "${FAKE_MPS_FAIL:-}" ] || exit 1
 """
 
 
@@ -50,17 +58,26 @@ def _fakes(tmp_path):
     return bin_dir
 
 
+def _env(tmp_path, env):
+    bin_dir = _fakes(tmp_path)
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("GPU_CHECK_", "CUDA_MPS_", "PYZERO_", "FAKE_"))}
+    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python3"),
+                FAKE_LOG=str(tmp_path / "calls.log"), GPU_CHECK_RESULTS=str(tmp_path / "results"),
+                GPU_CHECK_BUILD="0", PYZERO_TEST_NCCL_ROOT=str(tmp_path / "test-nccl"))
+    full.update(env)
+    return full
+
+
+def _log_lines(tmp_path):
+    log = tmp_path / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
 def run_check(tmp_path, **env):
     """Runs the script with the stand-ins; returns (exit code, printed text, [(mps on, nccl root, argv)], [lines])."""
-    bin_dir = _fakes(tmp_path)
-    log = tmp_path / "calls.log"
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "CUDA_MPS_", "PYZERO_"))}
-    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python3"), FAKE_LOG=str(log),
-                GPU_CHECK_RESULTS=str(tmp_path / "results"), GPU_CHECK_BUILD="0",
-                PYZERO_TEST_NCCL_ROOT=str(tmp_path / "test-nccl"))
-    full.update(env)
-    p = subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=60)
-    lines = log.read_text().splitlines() if log.exists() else []
+    p = subprocess.run(["bash", str(SCRIPT)], env=_env(tmp_path, env), capture_output=True, text=True, timeout=60)
+    lines = _log_lines(tmp_path)
     calls = []
     for line in lines:
         if line.startswith("CALL "):
@@ -153,11 +170,49 @@ def test_rounds_go_to_the_training_runs_of_train_and_torch_backend(tmp_path):
     ({"GPU_CHECK_PARTS": "tests kernal"}, "GPU_CHECK_PARTS: unknown part 'kernal'"),
     ({"GPU_CHECK_DEADLINE": "10m"}, "GPU_CHECK_DEADLINE: expected whole seconds, got '10m'"),
     ({"GPU_CHECK_ROUNDS": "0"}, "GPU_CHECK_ROUNDS: expected a count >= 1, got '0'"),
+    ({"GPU_CHECK_SCALE": "abc"}, "GPU_CHECK_SCALE: expected a positive number such as 2 or 1.5, got 'abc'"),
+    ({"GPU_CHECK_SCALE": "0"}, "GPU_CHECK_SCALE: expected a positive number"),
+    ({"GPU_CHECK_SCALE": "-1"}, "GPU_CHECK_SCALE: expected a positive number"),
+    ({"GPU_CHECK_SCALE": "1.2345"}, "GPU_CHECK_SCALE: expected a positive number"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, env, expected):
-    rc, out, calls, _ = run_check(tmp_path, **env)
-    assert rc == 1 and expected in out, out
-    assert calls == []
+    rc, out, calls, lines = run_check(tmp_path, **env)
+    assert rc == 2 and expected in out, out  # (a usage error)
+    assert calls == [] and lines == []
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("scale, limit", [("1.5", 45), ("0.5", 15), ("2", 60), ("0.25", 8)])
+def test_scale_takes_decimals(tmp_path, scale, limit):
+    """The kernels part's limit (30 s) times GPU_CHECK_SCALE, as the deadline's skip line gives it."""
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels", GPU_CHECK_SCALE=scale,
+                                  GPU_CHECK_DEADLINE=str((limit - 1) // 2))
+    assert rc == 0, out
+    assert f"its limit is {limit} s" in out and calls == [], out
+    rc, out, calls, _ = run_check(tmp_path / "runs", GPU_CHECK_PARTS="kernels", GPU_CHECK_SCALE=scale)
+    assert rc == 0 and [_what(a) for _, _, a in calls] == ["kernels"], out
+
+
+def _record_names(tmp_path):
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    return [f"gpu_NVIDIA_H200_{stamp}{s}.txt" for s in [""] + list("bcdefghijklmnopqrstuvwxyz")]
+
+
+def test_a_record_is_never_overwritten(tmp_path):
+    names = _record_names(tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    for n in names[:10]:  # the day's first record and b-j
+        (results / n).write_text("earlier\n")
+    rc, out, _, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels")
+    assert rc == 0, out
+    assert all((results / n).read_text() == "earlier\n" for n in names[:10])
+    assert "# pyzero GPU check" in (results / names[10]).read_text()  # (k)
+    for n in names[11:]:
+        (results / n).write_text("earlier\n")
+    rc, out, calls, _ = run_check(tmp_path / "full", GPU_CHECK_PARTS="kernels", GPU_CHECK_RESULTS=str(results))
+    assert rc == 1 and "all taken" in out and calls == [], out
+    assert all((results / n).read_text() == "earlier\n" for n in names if n != names[10])
 
 
 def _check_bench_call(argv):
@@ -194,3 +249,113 @@ def test_every_bench_call_parses_with_the_bench_arguments(tmp_path):
     p = subprocess.run([sys.executable, *kernels[0][:2], *kernels[0][2:]], capture_output=True, text=True,
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert "needs a CUDA GPU" in p.stderr and p.returncode == 1, p.stderr
+
+
+def test_a_failed_step_fails_the_run_after_the_rest_ran(tmp_path):
+    rc, out, calls, _ = run_check(tmp_path, GPU_CHECK_PARTS="kernels ipc-graph train", FAKE_FAIL="--graph 20")
+    assert rc == 1, out
+    # the parts after the failed step still ran, and the record says which failed
+    assert [_what(a) for _, _, a in calls] == ["kernels", "bench collectives", "bench collectives", "bench train"]
+    assert "IPC GRAPH BENCH (graph 20) FAILED (exit 1)" in out
+    assert "## FAILED: 1 step(s), in the part(s): ipc-graph" in out
+    assert "## FAILED" in (tmp_path / "results").glob("gpu_*.txt").__next__().read_text()
+    rc, out, _, _ = run_check(tmp_path / "ok", GPU_CHECK_PARTS="kernels ipc-graph")
+    assert rc == 0 and "## passed: no step failed" in out, out
+
+
+def test_a_step_past_its_limit_is_stopped_and_fails_the_run(tmp_path, reap):
+    # (the kernels part's 30 s limit scaled to 2 s; the stand-in hangs for 60 s)
+    rc, out, calls, lines = run_check(tmp_path, GPU_CHECK_PARTS="kernels train tests", GPU_CHECK_SCALE="0.05",
+                                      FAKE_SLEEP="pyzero.bench.kernels", FAKE_FAIL="-m pytest")
+    assert rc == 1, out
+    assert "KERNEL BENCH FAILED (past its 2 s limit)" in out and "GPU TESTS FAILED (exit 1)" in out
+    assert "## FAILED: 2 step(s), in the part(s): kernels tests" in out
+    assert [_what(a) for _, _, a in calls][:2] == ["kernels", "bench train"]
+    pid = int(next(line.split()[1] for line in lines if line.startswith("SLEEP ")))
+    assert not Path(f"/proc/{pid}").exists()  # (the hung step was stopped, not left behind)
+
+
+def _mps_dirs(lines):
+    return [line.split()[2] for line in lines if line.startswith("MPSDIR ")]
+
+
+def test_mps_runs_in_a_folder_of_its_own_and_is_stopped(tmp_path):
+    rc, out, calls, lines = run_check(tmp_path, GPU_CHECK_PARTS="ipc-graph kernels faults")
+    assert rc == 0, out
+    dirs = _mps_dirs(lines)
+    assert len(dirs) == 4 and len(set(dirs)) == 1, lines  # started, stopped, started again, stopped
+    pipe = dirs[0]
+    assert pipe != "/tmp/pyzero-mps" and not Path(pipe).exists()  # (this run's own folder, removed after)
+    assert [(mps, _what(a)) for mps, _, a in calls] == [
+        (True, "bench collectives"), (True, "bench collectives"), (False, "kernels"), (True, "bench faults")]
+    assert all(line.split()[1] in (pipe, "none") for line in lines if line.startswith("CALL "))
+    assert lines[-1] == "MPS quit"
+
+
+def test_when_mps_does_not_start_nothing_runs_with_its_variables(tmp_path):
+    rc, out, calls, lines = run_check(tmp_path, GPU_CHECK_PARTS="ipc-graph kernels faults", FAKE_MPS_FAIL="1")
+    assert rc == 0, out
+    assert "MPS did not start" in out
+    assert [line for line in lines if line.startswith("MPS ")] == ["MPS -d"]  # (tried once; nothing to stop)
+    assert len(calls) == 4 and not any(mps for mps, _, _ in calls), lines
+
+
+def test_the_tests_part_runs_outside_mps_after_an_mps_part(tmp_path):
+    rc, out, calls, lines = run_check(tmp_path, GPU_CHECK_PARTS="ipc tests")
+    assert rc == 0, out
+    pytests = [(mps, a) for mps, _, a in calls if _what(a).startswith("pytest")]
+    assert len(pytests) == 2, calls
+    assert pytests[0][0] is True and "tests/test_ipc_gpu.py" in pytests[0][1]  # (the ipc part's, under MPS)
+    assert pytests[1][0] is False and "--ignore" in pytests[1][1]  # (the tests part's: the rest, alone)
+
+
+@pytest.fixture
+def reap(tmp_path):
+    """Afterwards (the test has checked that none is left): kills hung stand-ins a failed run left behind."""
+    yield
+    for line in _log_lines(tmp_path):
+        if line.startswith("SLEEP ") and Path(f"/proc/{line.split()[1]}").exists():
+            os.kill(int(line.split()[1]), signal.SIGKILL)
+
+
+def _interrupt(tmp_path, env):
+    """Starts the script in a session of its own (as a terminal would), waits until the stand-in named by
+    FAKE_SLEEP hangs, then sends SIGINT to the whole process group, as Ctrl-C does."""
+    log = tmp_path / "calls.log"
+    p = subprocess.Popen(["bash", str(SCRIPT)], env=_env(tmp_path, env), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "SLEEP " in log.read_text()):
+            assert time.monotonic() < deadline and p.poll() is None, "the step never started"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=20)  # (before: the step ran on for its 60 s, Ctrl-C or not)
+        return p.returncode, out, time.monotonic() - t0, _log_lines(tmp_path)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_ctrl_c_stops_the_running_step_and_the_mps_daemon(tmp_path, reap):
+    rc, out, took, lines = _interrupt(tmp_path, {"GPU_CHECK_PARTS": "ipc-graph train",
+                                                 "FAKE_SLEEP": "--graph 0"})
+    assert rc == 130, out
+    assert took < 10 and "interrupted" in out and "## FAILED" in out, out
+    assert not any("bench train" in line or "train" in line.split() for line in lines if line.startswith("CALL "))
+    assert lines[-1] == "MPS quit"
+    pids = [int(line.split()[1]) for line in lines if line.startswith("SLEEP ")]
+    assert pids and not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_ctrl_c_stops_the_test_groups_run_at_once(tmp_path, reap):
+    rc, out, took, lines = _interrupt(tmp_path, {"GPU_CHECK_PARTS": "tests ipc", "GPU_CHECK_TESTS_AT_ONCE": "1",
+                                                 "FAKE_SLEEP": "-m pytest"})
+    assert rc == 130 and took < 10, out
+    time.sleep(0.5)
+    pids = [int(line.split()[1]) for line in _log_lines(tmp_path) if line.startswith("SLEEP ")]
+    assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids), lines
+    assert lines[-1] == "MPS quit"

@@ -635,7 +635,10 @@ def _rank_launched_alone(out):
 
 
 def test_one_launched_process_trains_as_the_plain_trainer(tmp_path):
-    ours, plain, started = run_ranks(_rank_launched_alone, 1, args=(str(tmp_path),), timeout=120)[0].value
+    # (spawned: accelerate gives one process of a launched job 2 OpenMP threads, which hangs in a child forked
+    # from a test process whose OpenMP pool has run)
+    ours, plain, started = run_ranks(_rank_launched_alone, 1, args=(str(tmp_path),), timeout=120,
+                                     start="spawn")[0].value
     assert started
     assert_same_run(ours, plain, "zero2 at world size 1 under a launcher")
 

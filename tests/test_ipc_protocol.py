@@ -37,19 +37,41 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def _build_and_run(tmp_path, *defines, source="ipc_protocol_on_cpu.cpp"):
-    exe = tmp_path / (source.split(".")[0] + "".join(d.lower() for d in defines))
-    build = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Wno-attributes",
-                            *[f"-D{d}" for d in defines], f"-I{ROOT / 'csrc'}",
-                            str(ROOT / "tests" / source), "-o", str(exe), "-lpthread"],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-4000:]
-    assert "warning" not in build.stderr, build.stderr[-4000:]
+BUILDS = [((), "ipc_protocol_on_cpu.cpp"), (("PZ_IPC_ONE_AREA",), "ipc_protocol_on_cpu.cpp"),
+          ((), "ipc_p2p_on_cpu.cpp"), (("PZ_IPC_P2P_NO_SLOT_WAIT",), "ipc_p2p_on_cpu.cpp")]
+
+
+@pytest.fixture(scope="module")
+def binaries(tmp_path_factory):
+    """The four test programs, compiled side by side (g++ runs one core each): {(defines, source): path}."""
+    out = tmp_path_factory.mktemp("ipc_cpu")
+    procs = {}
+    for defines, source in BUILDS:
+        exe = out / (source.split(".")[0] + "".join(d.lower() for d in defines))
+        procs[defines, source] = (exe, subprocess.Popen(
+            ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Wno-attributes", *[f"-D{d}" for d in defines],
+             f"-I{ROOT / 'csrc'}", str(ROOT / "tests" / source), "-o", str(exe), "-lpthread"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    built = {}
+    for key, (exe, proc) in procs.items():
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        built[key] = (exe, proc.returncode, err)
+    return built
+
+
+def _build_and_run(binaries, *defines, source="ipc_protocol_on_cpu.cpp"):
+    exe, rc, err = binaries[tuple(defines), source]
+    assert rc == 0, err[-4000:]
+    assert "warning" not in err, err[-4000:]
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
 
 
-def test_ipc_protocol_on_cpu_threads(tmp_path):
-    run = _build_and_run(tmp_path)
+def test_ipc_protocol_on_cpu_threads(binaries):
+    run = _build_and_run(binaries)
     out = run.stdout
     assert run.returncode == 0, out[-4000:]
     m = re.search(r"(\d+) cases, (\d+) failures", out)
@@ -71,15 +93,15 @@ def test_ipc_protocol_on_cpu_threads(tmp_path):
     assert m and int(m.group(1)) > 1000 and int(m.group(2)) > 1000, out
 
 
-def test_ipc_protocol_check_finds_a_broken_ordering(tmp_path):
+def test_ipc_protocol_check_finds_a_broken_ordering(binaries):
     """One area for both epoch parities: a rank's next copy-in overwrites data a slower peer still reads."""
-    run = _build_and_run(tmp_path, "PZ_IPC_ONE_AREA")
+    run = _build_and_run(binaries, "PZ_IPC_ONE_AREA")
     m = re.search(r"one area: (\d+) wrong results", run.stdout)
     assert m and int(m.group(1)) > 0, run.stdout[-2000:]
 
 
-def test_ipc_p2p_on_cpu_threads(tmp_path):
-    run = _build_and_run(tmp_path, source="ipc_p2p_on_cpu.cpp")
+def test_ipc_p2p_on_cpu_threads(binaries):
+    run = _build_and_run(binaries, source="ipc_p2p_on_cpu.cpp")
     out = run.stdout
     assert run.returncode == 0, out[-4000:]
     m = re.search(r"(\d+) cases, (\d+) failures", out)
@@ -103,8 +125,8 @@ def test_ipc_p2p_on_cpu_threads(tmp_path):
     assert len(rings) == 3 and all(int(n) > 200 for n in rings), out
 
 
-def test_ipc_p2p_check_finds_a_sender_that_does_not_wait_for_free_slots(tmp_path):
+def test_ipc_p2p_check_finds_a_sender_that_does_not_wait_for_free_slots(binaries):
     """The sender overwrites slots its receiver has not read yet: received data must come out wrong."""
-    run = _build_and_run(tmp_path, "PZ_IPC_P2P_NO_SLOT_WAIT", source="ipc_p2p_on_cpu.cpp")
+    run = _build_and_run(binaries, "PZ_IPC_P2P_NO_SLOT_WAIT", source="ipc_p2p_on_cpu.cpp")
     m = re.search(r"no slot wait: (\d+) wrong results", run.stdout)
     assert m and int(m.group(1)) > 0, run.stdout[-2000:]

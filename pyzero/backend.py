@@ -354,10 +354,14 @@ class GroupSetup:
     def failed_key(self) -> str:
         return self.fail_key or self.key + "/failed"
 
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank (its group index where the members' global ranks are not given)."""
+        return self.global_ranks[self.rank] if self.global_ranks else self.rank
+
     def fail(self, error: BaseException) -> None:
         """Tell the group's other ranks, waiting in wait() or barrier(), that this rank's set-up failed."""
-        publish_failure(self.store, self.failed_key, self.global_ranks[self.rank] if self.global_ranks else self.rank,
-                        error)
+        publish_failure(self.store, self.failed_key, self.global_rank, error)
 
     def wait(self, keys: Sequence[str]) -> list[bytes] | None:
         """Wait until every key is set and return their values; a CollectiveError naming the rank as soon as

@@ -283,7 +283,7 @@ class HierBackend(Backend):
     @classmethod
     def create(cls, setup: GroupSetup) -> "HierBackend":
         s, key, t = setup.store, setup.key + "/hier", setup.timeout
-        me = setup.global_ranks[setup.rank] if setup.global_ranks else setup.rank
+        me = setup.global_rank
         s.set(f"{key}/host/{setup.rank}", json.dumps([host_name(), me]))
         keys = [f"{key}/host/{r}" for r in range(setup.size)]
         setup.wait(keys)

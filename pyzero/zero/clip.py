@@ -55,11 +55,6 @@ def refuse_clip_by_value(params: list, what: str) -> None:
                          "which spans every rank's shard")
 
 
-def _at_graph_break(fn):
-    """`fn` run eagerly from a compiled region (a graph break), where is_compiling() is False."""
-    return torch.compiler.disable(fn, recursive=True)
-
-
 def _as_list(parameters) -> list:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
@@ -75,8 +70,8 @@ _torch_clip_grad_value_ = getattr(torch.nn.utils.clip_grad.clip_grad_value_, "_p
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
         if live_optimizers:  # (torch's in a graph would clip p.grad: stage 1's local part, stages 2-3's None)
-            return _at_graph_break(clip_grad_norm_)(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
-                                                    **kwargs)
+            return _clip_grad_norm_at_graph_break(parameters, max_norm, norm_type, error_if_nonfinite, foreach,
+                                                  **kwargs)
         return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach, **kwargs)
     params = _as_list(parameters)
     zero = zero_of_params(params, "torch.nn.utils.clip_grad_norm_")
@@ -92,7 +87,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 def clip_grad_value_(parameters, clip_value, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
         if live_optimizers:
-            return _at_graph_break(clip_grad_value_)(parameters, clip_value, foreach, **kwargs)
+            return _clip_grad_value_at_graph_break(parameters, clip_value, foreach, **kwargs)
         return _torch_clip_grad_value_(parameters, clip_value, foreach, **kwargs)
     params = _as_list(parameters)
     refuse_clip_by_value(params, "torch.nn.utils.clip_grad_value_")
@@ -107,7 +102,7 @@ _torch_clip_grads_with_norm_ = getattr(_torch_clip_grads_with_norm_, "_pz_torch"
 def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, **kwargs):
     if torch.compiler.is_compiling():
         if live_optimizers:
-            return _at_graph_break(clip_grads_with_norm_)(parameters, max_norm, total_norm, foreach, **kwargs)
+            return _clip_grads_with_norm_at_graph_break(parameters, max_norm, total_norm, foreach, **kwargs)
         return _torch_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach, **kwargs)
     params = _as_list(parameters)
     if _any_zero(params):
@@ -125,6 +120,10 @@ if _torch_clip_grads_with_norm_ is not None:
                              assigned=("__name__", "__qualname__", "__doc__"))
     clip_grads_with_norm_._pz_torch = _torch_clip_grads_with_norm_
 clip_grad_norm_._pz_torch = _torch_clip_grad_norm_
+# Each run eagerly from a compiled region (a graph break), where is_compiling() is False (as module_grads.zero_grad).
+_clip_grad_norm_at_graph_break = torch.compiler.disable(clip_grad_norm_, recursive=True)
+_clip_grad_value_at_graph_break = torch.compiler.disable(clip_grad_value_, recursive=True)
+_clip_grads_with_norm_at_graph_break = torch.compiler.disable(clip_grads_with_norm_, recursive=True)
 clip_grad_value_._pz_torch = _torch_clip_grad_value_
 
 

@@ -473,9 +473,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return ValueError(f"{what} differs between the ranks of the group {list(self.group.ranks)} ({shown_}); "
                               "every rank must build its ZeroOptimizer with the same optimizer and settings (each "
                               "steps its shard of the parameters with its own)")
-        for key in ("optimizer_class",):
-            if len({a[key] for a in ranks}) > 1:
-                raise differ("optimizer_class", [a[key] for a in ranks])
+        if len({a["optimizer_class"] for a in ranks}) > 1:
+            raise differ("optimizer_class", [a["optimizer_class"] for a in ranks])
         counts = [len(a["param_groups"]) for a in ranks]
         if len(set(counts)) > 1:
             raise differ("the number of param groups", counts)

@@ -47,7 +47,7 @@ import torch
 
 from . import comm
 from .zero import ZeroOptimizer, model_state
-from .checks import is_int
+from .checks import digest, is_int
 
 FORMAT = 2  # 2: meta.json["files"] holds {file: {"bytes", "crc32"}}; format 1 (no checksums) still loads
 MAX_STEP = 1 << 62  # the largest step number save writes and load reads
@@ -654,7 +654,10 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         error = e
     _agree(g, error)
-    for step_dir in candidates if fallback else candidates[:1]:
+    if not fallback:
+        candidates = candidates[:1]
+    _same_candidates(g, candidates, path)
+    for step_dir in candidates:
         try:
             meta, error = None, None
             try:
@@ -710,6 +713,21 @@ def load(path: str | os.PathLike, model, opt, fallback: bool = False, app_state:
     # (also: no rank leaves before every rank has read the files)
     _agree(g, error, "the model and optimizer were loaded on every rank, app_state was not restored")
     return int(meta["step"])
+
+
+def _same_candidates(g, candidates: list[str], path: str) -> None:
+    """Collective over `g`: the ranks found the same step directories to try, in the same order. A directory
+    not shared by every rank (a node-local disk), or one rank listing it while a save is being published,
+    would otherwise have the ranks load different steps, each without a word."""
+    names = [os.path.basename(os.path.normpath(d)) for d in candidates]
+    rows = comm.every_rank([digest("\n".join(names).encode(), 7), len(names), _step_of(names[0]) if names and
+                            _STEP_NAME.fullmatch(names[0].removeprefix(".old_")) else -1], group=g)
+    if bool((rows == rows[0]).all()):
+        return
+    seen = "; ".join(f"group rank {r}: {n} step(s), newest {'step ' + str(s) if s >= 0 else 'not a step directory'}"
+                     for r, (_, n, s) in enumerate(rows.tolist()))
+    raise CheckpointError(f"path: the ranks see different checkpoints in {path!r} ({seen}); every rank must read "
+                          "the same directory (a filesystem shared by all hosts); nothing was loaded on any rank")
 
 
 def _prepare(step_dir, meta, shards, extra, app, model, opt, app_state):

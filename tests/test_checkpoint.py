@@ -673,6 +673,39 @@ def test_damaged_checkpoint(kept, tmp_path, how, file):
         assert_same(loaded[name], saved[name])
 
 
+def _rank_load_split(ckpts):
+    pz.init(timeout=20)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=LR, weight_decay=WD)
+    before = full_params(model, opt)
+    out = []
+    for fallback in (False, True):
+        try:
+            out.append(("ok", pz.checkpoint.load(ckpts[pz.get_rank()], model, opt, fallback=fallback)))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    after = full_params(model, opt)
+    return out, before is None or all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_ranks_that_see_different_checkpoints_load_nothing(kept, tmp_path):
+    """A node-local directory per rank: rank 1's lacks the newest step (each rank alone would load its newest)."""
+    ckpts = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for c in ckpts:
+        shutil.copytree(kept[0], c)
+    shutil.rmtree(os.path.join(ckpts[1], f"step_{STEPS:08d}"))
+    with open(os.path.join(ckpts[1], "latest"), "w") as f:
+        f.write(f"step_{STEPS - 1:08d}")
+    for rank, r in enumerate(run_ranks(_rank_load_split, 2, args=(ckpts,), timeout=60)):
+        results, untouched = r.value
+        assert untouched, rank
+        for kind, msg in results:
+            assert kind == "CheckpointError", (rank, kind, msg)
+            assert f"newest step {STEPS};" in msg, msg
+            assert f"group rank 1: 1 step(s), newest step {STEPS - 1})" in msg, msg
+            assert msg.endswith("nothing was loaded on any rank"), msg
+
+
 def test_damaged_consolidate_and_old_format(kept, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(kept[0], ckpt)

@@ -8,6 +8,8 @@ faithfully rounded, not correctly rounded, so a step may differ by a few ulps
 of the operands; the state tensors stay bitwise equal.
 """
 import copy
+import gc
+import os
 
 import pytest
 import torch
@@ -620,3 +622,29 @@ def test_a_refused_step_changes_nothing_and_its_retry_equals_torch(cls, kw, wher
         ours.step(), ref.step()
         for a, b in zip(ours_p, ref_p):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- NvmeAdamW --------------------------------------------------------------------------------------------
+
+
+def test_nvme_swap_files_go_with_the_optimizer_without_a_gc_pass(tmp_path):
+    """`del opt` removes the swap directory at once, with the cyclic garbage collector off: the state mapping
+    held its optimizer (a reference cycle), and so did a step's chained transfers, so the directory stayed
+    until a collection pass (repeated build, step, del filled a small disk)."""
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            ps = [torch.randn(40).requires_grad_() for _ in range(3)]
+            opt = pz.optim.NvmeAdamW(ps, lr=0.1, nvme_path=tmp_path, sub_group_elems=48)
+            for p in ps:
+                p.grad = torch.ones(40)
+            opt.step(copies={p: torch.empty(40, dtype=torch.bfloat16) for p in ps})
+            state = opt.state
+            assert len(opt.state_dict()["state"]) == 3 and len(os.listdir(tmp_path)) == 1
+            del opt
+            assert os.listdir(tmp_path) == []
+            with pytest.raises(ReferenceError, match="optimizer of this state was deleted"):
+                state[ps[0]]
+    finally:
+        gc.enable()

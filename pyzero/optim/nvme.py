@@ -24,6 +24,7 @@ part of the I/O not hidden behind compute).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import MutableMapping
 from concurrent.futures import Future
 
@@ -38,10 +39,20 @@ _ELEMS_ALIGN = ALIGN // 4
 
 
 class _DiskState(MutableMapping):
-    """{param: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}} backed by the swap files."""
+    """{param: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}} backed by the swap files.
+
+    It holds its optimizer by a weak reference: the optimizer holds it as ``state``, and a cycle
+    would keep the swap files on disk after ``del opt`` until a garbage-collection pass."""
 
     def __init__(self, opt: "NvmeAdam"):
-        self.opt = opt
+        self._opt = weakref.ref(opt)
+
+    @property
+    def opt(self) -> "NvmeAdam":
+        opt = self._opt()
+        if opt is None:
+            raise ReferenceError("the optimizer of this state was deleted (its swap files with it)")
+        return opt
 
     def _index(self, p) -> int:
         i = self.opt._index.get(id(p))

@@ -140,14 +140,19 @@ class Swapper:
         parts = [self.pool.submit(self._io, fd, view[o:min(o + CHUNK, size)], o, write)
                  for o in range(0, size, CHUNK)]
         done: Future = Future()
-        state, lock = {"left": len(parts)}, threading.Lock()
+        # finish() sees each part only as its argument: a closure over `parts` would be a reference cycle
+        # (part -> its callbacks -> finish -> parts) that kept `done`, its callbacks and what they hold (the
+        # optimizer, its swap files) alive until a garbage-collection pass.
+        state, lock = {"left": len(parts), "errs": []}, threading.Lock()
 
-        def finish(_):
+        def finish(f):
             with lock:
+                if f.exception() is not None:
+                    state["errs"].append(f.exception())
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
-                errs = [f.exception() for f in parts if f.exception() is not None]
+                errs = state["errs"]
                 if errs:
                     err = _swap_error(errs[0], self.dir, k, write)
                     err.__cause__ = errs[0]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,8 +151,18 @@ def test_nvme_path_checks(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(swap.os, "statvfs", lambda _: Tiny)
-        with pytest.raises(ValueError, match=r"nvme_path: .* has 0.00 GiB free, the swap files need"):
-            pz.optim.NvmeAdamW(ps, nvme_path=tmp_path)
+        # one sub-group: the 4 parameters' 341102 elements padded to 16 each (341136), then to 4 KiB per state
+        need = 2 * 4 * -(-(37000 + 16 + 300_016 + 4096) // 1024) * 1024
+        with pytest.raises(ValueError, match=rf"nvme_path: .* has 1\.00 MiB free, the swap files need "
+                                             rf"{need / 2**20:.2f} MiB$"):
+            pz.optim.NvmeAdamW(ps, nvme_path=tmp_path)  # (was: has 0.00 GiB free, the swap files need 0.00 GiB)
+        for free, need, text in ((512, 1536, "has 512 bytes free, the swap files need 1.50 KiB"),
+                                 (1 << 20, (1 << 20) + 1, "has 1048576 bytes free, the swap files need 1048577 bytes"),
+                                 (3 << 30, 5 << 30, "has 3.00 GiB free, the swap files need 5.00 GiB")):
+            m.setattr(swap.os, "statvfs", lambda _, free=free: SimpleNamespace(f_bavail=free, f_frsize=1))
+            with pytest.raises(ValueError) as info:
+                swap.check_path(tmp_path, need)
+            assert str(info.value) == f"nvme_path: {str(tmp_path)!r} {text}"
     with monkeypatch.context() as m:  # root ignores mode bits, so ask access() directly
         m.setattr(swap.os, "access", lambda *a: False)
         with pytest.raises(ValueError, match="is not writable"):

@@ -60,8 +60,18 @@ def check_path(path, needed_bytes: int, arg: str = "nvme_path") -> None:
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if free < needed_bytes:
-        raise ValueError(f"{arg}: {path!r} has {free / 2**30:.2f} GiB free, the swap files need "
-                         f"{needed_bytes / 2**30:.2f} GiB")
+        have, need = format_bytes(free), format_bytes(needed_bytes)
+        if have == need:  # (sizes that round to the same figure)
+            have, need = f"{free} bytes", f"{needed_bytes} bytes"
+        raise ValueError(f"{arg}: {path!r} has {have} free, the swap files need {need}")
+
+
+def format_bytes(n: int) -> str:
+    """n bytes in the largest of bytes, KiB, MiB and GiB that keeps the figure >= 1: '512 bytes', '1.50 KiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= 1024 and round(n / scale, 2) >= 1:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} byte" + ("" if n == 1 else "s")
 
 
 def _open(path: str, direct: bool | None):

@@ -10,6 +10,7 @@ of the operands; the state tensors stay bitwise equal.
 import copy
 import gc
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -624,7 +625,96 @@ def test_a_refused_step_changes_nothing_and_its_retry_equals_torch(cls, kw, wher
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-# ---- NvmeAdamW --------------------------------------------------------------------------------------------
+# ---- NvmeAdamW: a refused step, amsgrad turned on later, the swap files on del ---------------------------
+
+
+def _nvme_and_torch(tmp_path, groups, **kw):
+    """NvmeAdamW over three parameters of 40 elements in sub-groups of 48 (three swap files: parameter 2
+    is stepped and written last) and torch's AdamW over copies, both built from `groups(params)`."""
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(40, generator=gen) for _ in range(3)]
+    ps = [t.clone().requires_grad_() for t in init]
+    qs = [t.clone().requires_grad_() for t in init]
+    ours = pz.optim.NvmeAdamW(groups(ps), lr=0.1, nvme_path=tmp_path, sub_group_elems=48, **kw)
+    ref = torch.optim.AdamW(groups(qs), lr=0.1, foreach=False, **kw)
+    assert len(ours._segments) == 3
+    return ps, qs, ours, ref, gen
+
+
+def _set_grads(ps, qs, gen):
+    for p, q in zip(ps, qs):
+        g = torch.randn(40, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+
+
+@pytest.mark.parametrize("refusal", ["copies", "lr", "betas"])
+def test_nvme_refused_step_changes_nothing_and_its_retry_equals_torch(tmp_path, refusal):
+    """A step refused for a bad copy of the last parameter, or a NaN lr or beta in the last param group,
+    raises before any step count moves or any sub-group is stepped and written (every count was bumped
+    and the first sub-groups were on disk): the state and the parameters are as before, and the step
+    retried, and the one after it, equal torch's AdamW."""
+    two = lambda xs: [{"params": xs[:2]}, {"params": xs[2:]}]  # noqa: E731
+    ps, qs, ours, ref, gen = _nvme_and_torch(tmp_path, two)
+    _set_grads(ps, qs, gen)
+    ours.step(), ref.step()
+    _set_grads(ps, qs, gen)
+    before = copy.deepcopy(ours.state_dict()), [p.detach().clone() for p in ps]
+    kw = {}
+    if refusal == "copies":
+        kw["copies"] = {ps[0]: torch.empty(40, dtype=torch.bfloat16), ps[2]: torch.empty(3, dtype=torch.bfloat16)}
+        match = r"copies\[0\]: has 3 elements, the parameter has 40"
+    elif refusal == "lr":
+        ours.param_groups[1]["lr"] = float("nan")
+        match = "lr: got NaN"
+    else:
+        ours.param_groups[1]["betas"] = (0.9, float("nan"))
+        match = r"betas\[1\]: got NaN"
+    with pytest.raises(ValueError, match=match):
+        ours.step(**kw)
+    after = ours.state_dict()
+    assert [after["state"][i]["step"].item() for i in range(3)] == [1.0, 1.0, 1.0]
+    for i, st in before[0]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][i][k]), (i, k)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before[1]))
+    ours.param_groups[1].update(lr=0.1, betas=(0.9, 0.999))
+    copies = {p: torch.empty(40, dtype=torch.bfloat16) for p in ps}
+    for _ in range(2):
+        ours.step(copies=copies), ref.step()
+        _set_grads(ps, qs, gen)
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        assert torch.equal(copies[p], p.detach().to(torch.bfloat16))
+    assert [ours.state[p]["step"].item() for p in ps] == [3.0, 3.0, 3.0]
+    for p, q in zip(ps, qs):
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][k], ref.state[q][k], rtol=1e-6, atol=0)
+
+
+def test_nvme_amsgrad_turned_on_after_construction_starts_its_max_at_zero(tmp_path, monkeypatch):
+    """A param group that turns amsgrad on after construction: the swap files grow by max_exp_avg_sq, zeros,
+    as pz.optim.AdamW starts it then (an IndexError before). Reference: torch's AdamW with that state set to
+    zeros by hand when amsgrad is turned on (torch's own raises KeyError: it makes the state at the first step
+    only). A disk too small for the growth refuses the step, naming nvme_path, before anything changes."""
+    two = lambda xs: [{"params": xs[:2]}, {"params": xs[2:]}]  # noqa: E731
+    ps, qs, ours, ref, gen = _nvme_and_torch(tmp_path, two, betas=(0.9, 0.99))
+    for step in range(4):
+        _set_grads(ps, qs, gen)
+        if step == 2:
+            ours.param_groups[1]["amsgrad"] = ref.param_groups[1]["amsgrad"] = True
+            ref.state[qs[2]]["max_exp_avg_sq"] = torch.zeros(40)
+            with monkeypatch.context() as m:
+                m.setattr(pz.optim.swap.os, "statvfs", lambda _: SimpleNamespace(f_bavail=0, f_frsize=4096))
+                with pytest.raises(ValueError, match="nvme_path: .* has 0 bytes free, the swap files need 12.00 KiB"):
+                    ours.step()
+            assert [ours.state[p]["step"].item() for p in ps] == [2.0, 2.0, 2.0]
+            assert "max_exp_avg_sq" not in ours.state[ps[2]]
+        ours.step(), ref.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.state[ps[2]]["max_exp_avg_sq"], ref.state[qs[2]]["max_exp_avg_sq"],
+                               rtol=1e-6, atol=0)
+    assert not torch.equal(ours.state[ps[2]]["max_exp_avg_sq"], ours.state[ps[2]]["exp_avg_sq"])
 
 
 def test_nvme_swap_files_go_with_the_optimizer_without_a_gc_pass(tmp_path):

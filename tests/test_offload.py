@@ -83,24 +83,28 @@ def test_nvme_load_state_dict_from_torch_then_train(tmp_path):
     assert ours.state[ps[2]]["step"].item() == 4
 
 
-def test_nvme_load_of_an_amsgrad_state_needs_an_amsgrad_optimizer(tmp_path):
-    """A state dict whose group has amsgrad=True (torch's, with max_exp_avg_sq) loads into an NvmeAdamW
-    built with amsgrad=True and trains as torch does; one built without it has no swap space for that
-    state and refuses the load, naming amsgrad (it dropped the state, then step() raised IndexError)."""
+def test_nvme_load_of_an_amsgrad_state_with_or_without_amsgrad_at_construction(tmp_path):
+    """A state dict whose group has amsgrad=True (torch's, with max_exp_avg_sq) loads into an NvmeAdamW built
+    with amsgrad=True, and into one built without it, whose swap files grow by the max_exp_avg_sq (it dropped
+    that state, then step() raised IndexError; then the load was refused): both train as torch does."""
     ps, qs, ref, grads = torch_stepped_once(3, amsgrad=True)
+    rs = [p.detach().clone().requires_grad_() for p in ps]
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    plain = pz.optim.NvmeAdamW(ps, lr=1e-2, nvme_path=tmp_path / "a", sub_group_elems=100_000)
-    with pytest.raises(ValueError, match=r"param_groups\[0\] has amsgrad=True.*built with amsgrad=False"):
-        plain.load_state_dict(ref.state_dict())
-    assert plain.param_groups[0]["amsgrad"] is False  # nothing loaded
+    plain = pz.optim.NvmeAdamW(rs, lr=1e-2, nvme_path=tmp_path / "a", sub_group_elems=100_000)
+    files = plain.state_bytes()[1]
+    plain.load_state_dict(ref.state_dict())
+    assert plain.param_groups[0]["amsgrad"] is True and plain.state_bytes()[1] == files * 3 // 2
+    for i, q in enumerate(qs):
+        assert torch.equal(plain.state[rs[i]]["max_exp_avg_sq"], ref.state[q]["max_exp_avg_sq"])
     ours = pz.optim.NvmeAdamW(ps, lr=1e-2, amsgrad=True, nvme_path=tmp_path / "b", sub_group_elems=100_000)
     ours.load_state_dict(ref.state_dict())
     for gs in grads[1:]:
-        for p, q, g in zip(ps, qs, gs):
-            p.grad, q.grad = g.clone(), g.clone()
-        ours.step(), ref.step()
-    for p, q in zip(ps, qs):
+        for p, q, r, g in zip(ps, qs, rs, gs):
+            p.grad, q.grad, r.grad = g.clone(), g.clone(), g.clone()
+        ours.step(), plain.step(), ref.step()
+    for p, q, r in zip(ps, qs, rs):
         assert torch.allclose(p, q, rtol=0, atol=1e-6)
+        assert torch.equal(r, p)
 
 
 def test_nvme_add_param_group_is_refused(tmp_path):

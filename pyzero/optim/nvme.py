@@ -177,12 +177,8 @@ class NvmeAdam(Adam):
         self._swap.close()
 
     def load_state_dict(self, state_dict) -> None:
-        if "max_exp_avg_sq" not in self._names:
-            for i, g in enumerate(state_dict.get("param_groups", [])):
-                if g.get("amsgrad"):
-                    raise ValueError(f"load_state_dict: param_groups[{i}] has amsgrad=True, but this "
-                                     f"{type(self).__name__} was built with amsgrad=False, so its swap files hold no "
-                                     "max_exp_avg_sq; build it with amsgrad=True to load this state")
+        if "max_exp_avg_sq" not in self._names and any(g.get("amsgrad") for g in state_dict.get("param_groups", [])):
+            self._add_max_exp_avg_sq()
         super().load_state_dict(state_dict)  # leaves full tensors in a plain dict self.state
         loaded, self.state = self.state, self._disk
         self._steps.clear()
@@ -196,7 +192,7 @@ class NvmeAdam(Adam):
         self._swap._check()
         t_start = time.perf_counter()
         fresh, active = set(), set()
-        for i, p in enumerate(self._params):  # every check before any step count moves
+        for i, p in enumerate(self._params):  # every check before any step count moves or any state is written
             if p.grad is None:
                 continue
             g = p.grad
@@ -205,6 +201,10 @@ class NvmeAdam(Adam):
                 raise ValueError(f"params[{i}].grad: expected a dense contiguous float32 CPU tensor of "
                                  f"{p.numel()} elements, got {g.dtype} on {g.device}")
             active.add(i)
+        hyper = self._check_step(active, copies)
+        grad_scale = float(grad_scale)
+        if "max_exp_avg_sq" not in self._names and any(self.param_groups[gi]["amsgrad"] for gi in hyper):
+            self._add_max_exp_avg_sq()
         for i in sorted(active):
             if i not in self._steps:
                 self._steps[i] = torch.tensor(0.0, dtype=torch.float32)
@@ -222,7 +222,7 @@ class NvmeAdam(Adam):
                 t0 = time.perf_counter()
                 reads.pop(n).result()
                 wait += time.perf_counter() - t0
-                self._step_group(k, buf, active, fresh, grad_scale, copies)
+                self._step_group(k, buf, active, fresh, grad_scale, copies, hyper)
                 writes.append(self._swap.write(k, buf))
                 if n + 2 < len(groups):
                     reads[n + 2] = self._read_after(writes[-1], groups[n + 2], buf)
@@ -242,6 +242,33 @@ class NvmeAdam(Adam):
         st["io_wait_s"] += wait
         st["step_s"] += time.perf_counter() - t_start
         return loss
+
+    def _check_step(self, active: set, copies) -> dict:
+        """What pz.optim.AdamW's step checks, for the parameters in `active`, before the step changes anything
+        (the sub-groups are stepped and written one after another, so a kernel refusing the last one would
+        come after the others were on disk): the gradients and `copies` of each param group as its kernel
+        sees them, and the hyperparameters as floats. Returns {group index: (lr, beta1, beta2)}."""
+        by_group: dict[int, list[int]] = {}
+        for i in sorted(active):
+            by_group.setdefault(self._group_of[i], []).append(i)
+        F.check_lists([([self._params[i] for i in idx], [self._params[i].grad for i in idx])
+                       for idx in by_group.values()], copies)
+        hyper = {}
+        for gi in by_group:
+            group = self.param_groups[gi]
+            betas = group["betas"]
+            hyper[gi] = (F.as_float(group["lr"], "lr"), F.as_float(betas[0], "betas[0]"),
+                         F.as_float(betas[1], "betas[1]"))
+        return hyper
+
+    def _add_max_exp_avg_sq(self) -> None:
+        """Room for amsgrad's max_exp_avg_sq in every swap file, for a param group that asks for amsgrad after
+        construction (or a loaded state that has it): each file grows by one state, zeros, as pz.optim.AdamW
+        starts the state then. Checked for space first; the buffers grow to three states."""
+        self._swap.grow([c * 4 * (len(self._names) + 1) for c in self._cap])
+        self._names.append("max_exp_avg_sq")
+        nbuf = max(self._cap, default=0) * 4 * len(self._names)
+        self._bufs = [aligned_empty(nbuf), aligned_empty(nbuf)] if self._cap else []
 
     def _read_after(self, write: Future, k: int, buf) -> Future:
         """A Future for reading group k into `buf`, started once `write` (from `buf`) is done."""
@@ -266,7 +293,7 @@ class NvmeAdam(Adam):
         write.add_done_callback(start)
         return out
 
-    def _step_group(self, k, buf, active, fresh, grad_scale, copies):
+    def _step_group(self, k, buf, active, fresh, grad_scale, copies, hyper):
         cap = self._cap[k]
         states = [buf[j * cap * 4:(j + 1) * cap * 4].view(torch.float32) for j in range(len(self._names))]
         batches: dict[tuple[int, float], list] = {}
@@ -284,15 +311,15 @@ class NvmeAdam(Adam):
                                                 None if copy is None else copy.view(-1)[s:e]))
         for (gi, step), rows in batches.items():
             group = self.param_groups[gi]
-            beta1, beta2 = (F.as_float(b, "betas") for b in group["betas"])
+            lr, beta1, beta2 = hyper[gi]
             ams = group["amsgrad"]
             has_copy = any(r[3] is not None for r in rows)
             F.adam_step([r[0] for r in rows], [r[1] for r in rows], [r[2][0] for r in rows],
                         [r[2][1] for r in rows], [r[2][2] for r in rows] if ams else None,
                         [r[3] for r in rows] if has_copy else None, step=step,
-                        lr=F.as_float(group["lr"], "lr"), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"], amsgrad=ams,
-                        maximize=group["maximize"], grad_scale=float(grad_scale), threads=self.threads,
+                        maximize=group["maximize"], grad_scale=grad_scale, threads=self.threads,
                         isa=self.isa)
 
 

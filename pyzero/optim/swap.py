@@ -133,6 +133,20 @@ class Swapper:
 
     closed = False
 
+    def grow(self, sizes: list[int]) -> None:
+        """Make file k ``sizes[k]`` bytes (rounded up to ALIGN, not smaller than now); the new bytes read as
+        zeros. The space is checked and reserved first (ValueError naming nvme_path when it is short)."""
+        self._check()
+        sizes = [round_up(int(s)) for s in sizes]
+        if len(sizes) != len(self.sizes) or any(new < old for new, old in zip(sizes, self.sizes)):
+            raise ValueError(f"sizes: expected {len(self.sizes)} sizes, none below the files' {self.sizes}, "
+                             f"got {sizes}")
+        check_path(self.dir, sum(sizes) - sum(self.sizes))
+        for fd, size, old in zip(self.fds, sizes, self.sizes):
+            if size > old:
+                _reserve(fd, size, self.dir)
+        self.sizes = sizes
+
     def _check(self):
         if self.closed:
             raise SwapError("the swap files were removed by close(): the optimizer state on disk is gone (save it "

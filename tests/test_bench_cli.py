@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from types import SimpleNamespace
 
@@ -151,6 +152,49 @@ def test_bench_usage_errors_exit_2_before_any_rank(argv, flag, capsys, monkeypat
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"pyzero-bench {argv[0]}: error: {flag}" in err, err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["optim", "--runs", "bogus"], "--runs: expected some of ('pz', 'torch-foreach', 'torch-fused', 'deepspeed'), "
+                                   "got 'bogus' (unknown ['bogus'])"),
+    (["optim", "--runs", ","], "--runs: expected some of ('pz', 'torch-foreach', 'torch-fused', 'deepspeed'), "
+                               "got ','"),
+    (["optim", "--runs", "deepspeed"], "--runs deepspeed: the only run, and DeepSpeed's CPUAdam is unavailable "
+                                       "(DeepSpeed is not installed)"),
+    (["optim", "--steps", "bogus"], "--steps: expected some of ('plain', 'offload'), got 'bogus'"),
+    (["optim", "--tensors", "0"], "--tensors: expected 1 to 1048576 (the smallest size), got 0"),
+    (["optim", "--min", "4K", "--tensors", "5000000"],
+     "--tensors: expected 1 to 4096 (the smallest size), got 5000000"),
+    (["optim", "--nvme-path", "/nonexistent"], "--nvme-path: '/nonexistent' does not exist"),
+    # the largest size's swap files: 1M elements in one sub-group (8M), 2 fp32 states
+    (["optim", "--max", "1M", "--nvme-path", "TMP"],
+     "--nvme-path: 'TMP' has 1.00 MiB free, the swap files need 8.00 MiB"),
+    # 1M + 5 elements in sub-groups of 512K: 512K, 512K and 5 (one 4 KiB page a state)
+    (["optim", "--min", "1048581", "--max", "1048581", "--sub-group", "512K", "--nvme-path", "TMP"],
+     "--nvme-path: 'TMP' has 1.00 MiB free, the swap files need 8.01 MiB"),
+])
+def test_optim_and_moments_usage_errors_exit_2_before_anything_runs(argv, flag, capsys, monkeypatch, tmp_path):
+    """pyzero-bench optim and moments: a bad flag value exits 2 naming the flag, before any timing or training
+    (--runs/--steps/--tensors exited 1; an empty --runs, or deepspeed alone without DeepSpeed, ran nothing and
+    exited 0; a bad --nvme-path failed after every other run; moments' --steps below --warmup-compare failed
+    after training, a negative --warmup-compare compared the last steps, --threads -1 was torch's error)."""
+    import sys
+
+    from pyzero.bench import __main__ as bench
+    from pyzero.bench import moments, optim
+
+    for module, names in ((optim, ("stream_probe", "time_runs", "nvme_rows")),
+                          (moments, ("markov_batches", "train", "time_steps"))):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *a, name=name, **k: pytest.fail(f"{name} ran"))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # (not installed, wherever the test runs)
+    monkeypatch.setattr(os, "statvfs", lambda _: SimpleNamespace(f_bavail=256, f_frsize=4096))  # 1 MiB free
+    argv = [str(tmp_path) if a == "TMP" else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"pyzero-bench {argv[0]}: error: {flag.replace('TMP', str(tmp_path))}" in err, err
 
 
 # ---- train ------------------------------------------------------------------------------------------------

@@ -537,6 +537,7 @@ def test_optim_bench_runs_with_many_tensors(tmp_path, capsys):
     import json
 
     from pyzero.bench import optim as bench
+    from pyzero.bench.common import UsageError
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
@@ -552,7 +553,7 @@ def test_optim_bench_runs_with_many_tensors(tmp_path, capsys):
         assert pz_row["tensors"] == 5 and pz_row["params"] == 4096
         assert pz_row["speedup_vs_torch_fused"] == pytest.approx(ref["ms"] / pz_row["ms"])
     assert "parameters in 5 tensor(s)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--tensors"):
+    with pytest.raises(UsageError, match="--tensors"):
         bench.main(p.parse_args(["--min", "4K", "--max", "4K", "--tensors", "5000"]))
 
 

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .common import UsageError, mem_available, parse_size, size_steps, write_json
+from .common import UsageError, choice_list, mem_available, parse_size, size_steps, write_json
 
 RUNS = ("pz", "torch-foreach", "torch-fused", "deepspeed")
 BYTES = {"plain": 28, "offload": 30}
@@ -98,6 +98,10 @@ def _deepspeed_factory():
 
         DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(16))], lr=LR)  # triggers the JIT build
         return DeepSpeedCPUAdam, None
+    except ModuleNotFoundError as e:
+        if e.name == "deepspeed" or str(e.name).startswith("deepspeed."):
+            return None, "DeepSpeed is not installed"
+        return None, f"{type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 -- any import/build failure means "skip, say why"
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -191,13 +195,8 @@ def nvme_rows(args, sizes, threads) -> list:
 
 
 def main(args) -> int:
-    runs = [r for r in args.runs.split(",") if r]
-    bad = [r for r in runs if r not in RUNS]
-    if bad:
-        raise SystemExit(f"--runs: unknown {bad}; expected a comma list of {RUNS}")
-    steps = [s for s in args.steps.split(",") if s]
-    if any(s not in BYTES for s in steps):
-        raise SystemExit(f"--steps: expected a comma list of {tuple(BYTES)}, got {args.steps!r}")
+    runs = list(dict.fromkeys(choice_list(args.runs, RUNS, "--runs")))
+    steps = choice_list(args.steps, tuple(BYTES), "--steps")
     try:
         thread_counts = [int(t) for t in args.threads.split(",")]
     except ValueError:
@@ -208,14 +207,24 @@ def main(args) -> int:
     if parse_size(args.sub_group, "--sub-group") < 1:
         raise UsageError(f"--sub-group: expected at least one element, got {args.sub_group!r}")
     if args.tensors < 1 or args.tensors > min(sizes):
-        raise SystemExit(f"--tensors: expected 1 to {min(sizes)} (the smallest size), got {args.tensors}")
+        raise UsageError(f"--tensors: expected 1 to {min(sizes)} (the smallest size), got {args.tensors}")
     from .. import optim as pz_optim  # noqa: PLC0415
+    from ..optim import swap  # noqa: PLC0415
 
+    if args.nvme_path is not None:  # (the NVMe table runs last: a bad path failed after every other run)
+        sub, n = parse_size(args.sub_group), max(sizes)  # one size at a time: the largest's swap files, two
+        chunks = [sub] * (n // sub) + [n % sub] * (n % sub > 0)  # fp32 states per sub-group, in 4 KiB pages
+        try:
+            swap.check_path(args.nvme_path, sum(2 * swap.round_up(4 * c) for c in chunks), "--nvme-path")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     skipped = {}
     ds_cls = None
     if "deepspeed" in runs:
         ds_cls, why = _deepspeed_factory()
         if ds_cls is None:
+            if runs == ["deepspeed"]:
+                raise UsageError(f"--runs deepspeed: the only run, and DeepSpeed's CPUAdam is unavailable ({why})")
             skipped["deepspeed"] = why
             runs.remove("deepspeed")
             print(f"# deepspeed CPUAdam skipped: {why}")

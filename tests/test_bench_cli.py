@@ -197,6 +197,25 @@ def test_optim_and_moments_usage_errors_exit_2_before_anything_runs(argv, flag, 
     assert f"pyzero-bench {argv[0]}: error: {flag.replace('TMP', str(tmp_path))}" in err, err
 
 
+def test_optim_nvme_hidden_fraction_is_the_documented_one(tmp_path, monkeypatch):
+    """The NVMe table's hidden = 1 - (nvme - ram) / io, clamped to [0, 1] (it was (ram + io - nvme) /
+    min(ram, io), 0.98 for these timings: the share of the compute, not of the I/O, hidden), from the times of
+    the RAM step, the NVMe step and the I/O alone (here the stored optim_nvme_cpu2_20261125 record's at 16M)."""
+    from pyzero.bench import optim
+
+    times = iter([8.27854100134573e-3, 150.46840849754517e-3, 150.2964739993331e-3])
+    monkeypatch.setattr(optim, "_median_s", lambda fn, iters, warmup: next(times))
+    args = SimpleNamespace(sub_group="4K", nvme_path=str(tmp_path), iters=1, warmup=0)
+    (row,) = optim.nvme_rows(args, [4096], 1)
+    assert row["hidden"] == pytest.approx(1 - (150.46840849754517 - 8.27854100134573) / 150.2964739993331)
+    assert row["hidden"] == pytest.approx(0.0539374, abs=1e-6)
+    assert optim.hidden_fraction(0.05, 0.10, 0.10) == pytest.approx(0.5)  # half the I/O behind the compute
+    assert optim.hidden_fraction(0.05, 0.05, 0.10) == 1.0  # all of it
+    assert optim.hidden_fraction(0.05, 0.04, 0.10) == 1.0  # faster than RAM (noise): clamped
+    assert optim.hidden_fraction(0.05, 0.20, 0.10) == 0.0  # slower than the two in series: clamped
+    assert os.listdir(tmp_path) == []  # (the optimizer closed its swap files)
+
+
 # ---- train ------------------------------------------------------------------------------------------------
 
 

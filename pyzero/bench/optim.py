@@ -32,8 +32,8 @@ build or import, the run says why and goes on without it.
 With ``--nvme-path DIR`` a third table times pz.optim.NvmeAdamW (state in swap
 files under DIR, --sub-group elements per file) against pz.optim.AdamW in RAM
 for the same parameters: io ms is the state's read + write alone (every
-sub-group read then written, nothing else), and hidden = 1 - (nvme - ram) / io,
-the fraction of that I/O the double-buffered step hides behind compute.
+sub-group read then written, nothing else), and hidden = 1 - (nvme - ram) / io
+(clamped to [0, 1]), the fraction of that I/O the double-buffered step hides behind compute.
 """
 from __future__ import annotations
 
@@ -166,6 +166,12 @@ def time_runs(runs, step, n, threads, ds_cls, iters, warmup, tensors: int = 1) -
     return {run: statistics.median(ts[run]) for run in runs}, True
 
 
+def hidden_fraction(t_ram: float, t_nvme: float, t_io: float) -> float:
+    """The fraction of the swap I/O (t_io, alone) that the NVMe step (t_nvme) hides behind the in-RAM step's
+    compute (t_ram): 1 - (t_nvme - t_ram) / t_io, clamped to [0, 1] (timing noise can put it outside)."""
+    return max(0.0, min(1.0, 1.0 - (t_nvme - t_ram) / t_io))
+
+
 def nvme_rows(args, sizes, threads) -> list:
     """NvmeAdamW vs AdamW in RAM, and the swap I/O alone, per size."""
     from .. import optim as pz_optim  # noqa: PLC0415
@@ -173,7 +179,7 @@ def nvme_rows(args, sizes, threads) -> list:
     rows = []
     sub_group = parse_size(args.sub_group)
     print(f"# nvme: {args.nvme_path}, sub-group {sub_group} elements, threads={threads}")
-    print(f"#{'params':>10} {'ram ms':>9} {'nvme ms':>9} {'io ms':>9} {'slowdown':>8} {'overlap':>7} {'direct':>6}")
+    print(f"#{'params':>10} {'ram ms':>9} {'nvme ms':>9} {'io ms':>9} {'slowdown':>8} {'hidden':>7} {'direct':>6}")
     for n in sizes:
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n)
@@ -184,9 +190,9 @@ def nvme_rows(args, sizes, threads) -> list:
         t_nvme = _median_s(opt.step, args.iters, args.warmup)
         opt._step_group = lambda *a: None  # the same I/O schedule without the compute
         t_io = _median_s(opt.step, args.iters, 1)
-        hidden = max(0.0, min(1.0, (t_ram + t_io - t_nvme) / min(t_ram, t_io)))
+        hidden = hidden_fraction(t_ram, t_nvme, t_io)
         rows.append({"params": n, "threads": threads, "ram_ms": t_ram * 1e3, "nvme_ms": t_nvme * 1e3,
-                     "io_ms": t_io * 1e3, "slowdown": t_nvme / t_ram, "overlap": hidden, "direct": opt.direct,
+                     "io_ms": t_io * 1e3, "slowdown": t_nvme / t_ram, "hidden": hidden, "direct": opt.direct,
                      "sub_group": sub_group, "state_bytes": 8 * n})
         print(f" {n:>10} {t_ram * 1e3:>9.2f} {t_nvme * 1e3:>9.2f} {t_io * 1e3:>9.2f} {t_nvme / t_ram:>8.2f} "
               f"{hidden:>7.2f} {str(opt.direct):>6}")

@@ -172,6 +172,11 @@ def test_bench_usage_errors_exit_2_before_any_rank(argv, flag, capsys, monkeypat
     # 1M + 5 elements in sub-groups of 512K: 512K, 512K and 5 (one 4 KiB page a state)
     (["optim", "--min", "1048581", "--max", "1048581", "--sub-group", "512K", "--nvme-path", "TMP"],
      "--nvme-path: 'TMP' has 1.00 MiB free, the swap files need 8.01 MiB"),
+    (["moments", "--steps", "10"], "--warmup-compare: expected 0 to 9 (fewer than --steps 10), got 10"),
+    (["moments", "--warmup-compare", "-2"], "--warmup-compare: expected 0 to 99 (fewer than --steps 100), got -2"),
+    (["moments", "--threads", "-1"], "--threads: expected >= 1, got -1"),
+    (["moments", "--threads", "0", "--step-elems", "1000"], "--threads: expected >= 1, got 0"),
+    (["moments", "--runs", ","], "--runs: expected names from ('torch', 'fp32', 'bf16', 'int8'), got ','"),
 ])
 def test_optim_and_moments_usage_errors_exit_2_before_anything_runs(argv, flag, capsys, monkeypatch, tmp_path):
     """pyzero-bench optim and moments: a bad flag value exits 2 naming the flag, before any timing or training

@@ -113,7 +113,26 @@ def time_steps(args) -> list[dict]:
     return out
 
 
+def check_args(args) -> list[str]:
+    """The runs to train; a UsageError naming the flag first, before anything trains (--steps 10 with the default
+    --warmup-compare 10 failed after training, a negative one compared the last steps, --threads -1 was torch's
+    error, and an empty --runs trained nothing)."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads: expected >= 1, got {args.threads}")
+    if args.step_elems:
+        return []
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in runs if r not in RUNS]
+    if bad or not runs:
+        raise UsageError(f"--runs: expected names from {RUNS}, got {bad or repr(args.runs)}")
+    if not 0 <= args.warmup_compare < args.steps:
+        raise UsageError(f"--warmup-compare: expected 0 to {args.steps - 1} (fewer than --steps {args.steps}), "
+                         f"got {args.warmup_compare}")
+    return runs
+
+
 def main(args) -> int:
+    runs = check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.step_elems:
@@ -121,10 +140,6 @@ def main(args) -> int:
         if args.json:
             write_json(args.json, results, {"args": {k: v for k, v in vars(args).items() if k != "func"}})
         return 0
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = [r for r in runs if r not in RUNS]
-    if bad:
-        raise UsageError(f"--runs: expected names from {RUNS}, got {bad}")
     cfg = PRESETS[args.model]
     batches = markov_batches(cfg.vocab_size, args.branch, args.batch, args.seq, args.steps)
     results = [train(r, args, batches) for r in runs]

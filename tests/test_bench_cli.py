@@ -221,6 +221,24 @@ def test_optim_nvme_hidden_fraction_is_the_documented_one(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []  # (the optimizer closed its swap files)
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--iters", "0"], "--iters: expected >= 1, got 0"),
+    (["--iters", "-3"], "--iters: expected >= 1, got -3"),
+    (["--sizes-mb", "0"], "--sizes-mb: expected ints >= 1, got '0'"),
+    (["--sizes-mb", "abc"], "--sizes-mb: expected a comma list of ints, got 'abc'"),
+    (["--sizes-mb", ","], "--sizes-mb: expected ints >= 1, got ','"),
+])
+def test_kernels_bad_flags_exit_2_before_the_gpu_check(argv, flag, capsys):
+    """python -m pyzero.bench.kernels: bad --iters / --sizes-mb exit 2 naming the flag, on any machine (they were
+    checked only after the GPU check, then a ZeroDivisionError, negative GB/s or a ValueError traceback)."""
+    from pyzero.bench import kernels
+
+    with pytest.raises(SystemExit) as info:
+        kernels.main(argv)
+    assert info.value.code == 2
+    assert f"error: {flag}" in capsys.readouterr().err
+
+
 # ---- train ------------------------------------------------------------------------------------------------
 
 

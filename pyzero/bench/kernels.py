@@ -16,7 +16,7 @@ import torch
 
 from .. import _C
 from ..backend import DTYPES, OPS as BACKEND_OPS
-from .common import write_json
+from .common import UsageError, number_list, write_json
 
 OPS = {op: BACKEND_OPS[op] for op in ("sum", "max")}
 
@@ -40,7 +40,7 @@ def ring_kernels(args, stream) -> list:
     for name, dt in ((str(d).replace("torch.", ""), d) for d in DTYPES):
         wire = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
         code = DTYPES[dt]
-        for mb in (int(s) for s in args.sizes_mb.split(",")):
+        for mb in args.sizes:
             n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
             a, out = torch.ones(n, dtype=dt, device="cuda"), torch.empty(n, dtype=dt, device="cuda")
             partial = torch.ones(n, dtype=wire, device="cuda")
@@ -72,6 +72,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    try:  # before the GPU check: a bad value is the same mistake on any machine
+        args.sizes = number_list(args.sizes_mb, "--sizes-mb")
+        if args.iters < 1:
+            raise UsageError(f"--iters: expected >= 1, got {args.iters}")
+    except UsageError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available() or not hasattr(_C, "cuda_reduce2"):
         raise SystemExit("needs a CUDA GPU and pyzero built with CUDA")
     stream = torch.cuda.current_stream().cuda_stream
@@ -80,7 +86,7 @@ def main(argv=None) -> int:
     print(f"#{'dtype':>9} {'op':>4} {'size MiB':>9} {'reduce GB/s':>12} {'copy GB/s':>10} {'ratio':>6}")
     for name, dt in ((str(d).replace("torch.", ""), d) for d in DTYPES):
         for op, opc in OPS.items():
-            for mb in (int(s) for s in args.sizes_mb.split(",")):
+            for mb in args.sizes:
                 n = (mb << 20) // torch.empty(0, dtype=dt).element_size()
                 a = torch.ones(n, dtype=dt, device="cuda")
                 b, out = torch.ones_like(a), torch.empty_like(a)

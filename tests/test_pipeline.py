@@ -425,15 +425,20 @@ def rank_bad_input():
         "no_inputs": lambda: pipe.train_step(None, y, F.mse_loss),
         "targets_batch": lambda: pipe.train_step(x, y[:4], F.mse_loss),
         "loss_fn": lambda: pipe.train_step(x, y, "mse"),
+        # a setting changed after the ranks agreed on it (the steps then split into 8 and ran the schedule of 4,
+        # half the batch dropped)
+        "set_m": lambda: setattr(pipe, "num_microbatches", 8),
+        "set_schedule": lambda: setattr(pipe, "schedule", "gpipe"),
     })
     out = {}
     for name, fn in cases.items():
         try:
             fn()
             out[name] = None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             out[name] = (type(e).__name__, str(e))
     out["after"] = pipe.train_step(x, y, F.mse_loss)  # the errors left the group usable
+    out["after_m"] = (pipe.num_microbatches, pipe.schedule, pipe.stats.num_microbatches)
     return out
 
 
@@ -453,6 +458,9 @@ ERRORS = {
     "no_inputs": ("TypeError", r"inputs: expected a tensor with a batch dim 0 on the first stage"),
     "targets_batch": ("ValueError", "targets: batch size 4 .* does not match the inputs' batch size 8"),
     "loss_fn": ("TypeError", "loss_fn: expected a callable"),
+    "set_m": ("AttributeError", "num_microbatches: fixed when the Pipeline is built .* build a new "
+                                "pz.pipeline.Pipeline on every rank"),
+    "set_schedule": ("AttributeError", "schedule: fixed when the Pipeline is built"),
 }
 
 
@@ -470,6 +478,7 @@ def test_bad_input_raises_on_every_rank():
     x, y = make_batch(1, 8, "mse")
     assert results[1].value["after"] == pytest.approx(F.mse_loss(make_model()(x), y).item(), rel=1e-5)
     assert results[0].value["after"] is None
+    assert all(res.value["after_m"] == (4, "1f1b", 4) for res in results)
 
 
 def two_stages():

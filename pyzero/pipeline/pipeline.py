@@ -59,6 +59,18 @@ class PipelineStats:
     bubble_formula: float
 
 
+def _setting(name: str, doc: str) -> property:
+    """A read-only attribute: a setting every rank of the group agreed on when the Pipeline was built."""
+    def get(self):
+        return self._config[name]
+
+    def refuse(self, value):
+        raise AttributeError(f"{name}: fixed when the Pipeline is built (every rank of the group agreed on it "
+                             "then, and the schedule's actions are laid out for it); build a new "
+                             "pz.pipeline.Pipeline on every rank of the group instead")
+    return property(get, refuse, doc=doc)
+
+
 class Pipeline:
     """Runs ``stage_module`` as stage ``group.rank`` of a pipeline over ``group``.
 
@@ -80,9 +92,9 @@ class Pipeline:
             raise ValueError(f"group: this process (global rank {comm.get_rank()}) is not a member of the pipeline "
                              f"group {list(g.ranks)}")
         handshake.check_config(stage_module, num_microbatches, schedule, g)
-        self.module, self.group = stage_module, g
-        self.num_microbatches, self.schedule = num_microbatches, schedule
-        self.stage, self.num_stages = g.rank, g.size
+        # (read-only: the ranks agreed on them here, and the schedule's actions are built from them)
+        self._config = {"module": stage_module, "group": g, "num_microbatches": num_microbatches,
+                        "schedule": schedule, "stage": g.rank, "num_stages": g.size}
         self._actions = SCHEDULES[schedule](self.stage, self.num_stages, num_microbatches)
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         self._prev = None if first else g.ranks[self.stage - 1]
@@ -92,6 +104,13 @@ class Pipeline:
         self._in_meta = None    # other stages: (shape, dtype) of the activations received
         self._out_meta = None   # stages but the last: (shape, dtype) announced to the next stage
         self.stats: PipelineStats | None = None
+
+    module = _setting("module", "This rank's stage.")
+    group = _setting("group", "The pipeline group.")
+    num_microbatches = _setting("num_microbatches", "m: the number of equal parts each batch is split into.")
+    schedule = _setting("schedule", '"1f1b" or "gpipe".')
+    stage = _setting("stage", "This rank's stage: its rank in the group.")
+    num_stages = _setting("num_stages", "The number of stages: the group's size.")
 
     @property
     def is_first(self) -> bool:

@@ -5,6 +5,7 @@ plain-torch run of the same seeded nn.Sequential on the full batch; splits
 with a brute-force search; schedules with a dependency simulation written
 here, independent of the library's execution.
 """
+import contextlib
 import itertools
 import random
 import re
@@ -560,25 +561,42 @@ def test_parameters_no_gradient_reaches_keep_none_as_torch(schedule):
 def rank_under_no_grad():
     stage, pipe, x, y = two_stages()
     pipe.train_step(x, y, F.mse_loss)
-    before = [p.grad.clone() for p in stage.parameters()]
-    try:
-        with torch.no_grad():
-            pipe.train_step(x, y, F.mse_loss)
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    pipe.train_step(x, y, F.mse_loss)  # the pipeline goes on
-    return error, [bool(torch.allclose(p.grad, 2 * b, rtol=1e-5, atol=1e-7)) for p, b in zip(stage.parameters(),
-                                                                                              before)]
+    first = [p.grad.clone() for p in stage.parameters()]
+    errors = []
+    for ranks in ([0, 1], [1]):  # every rank under no_grad, then one
+        try:
+            with torch.no_grad() if pz.get_rank() in ranks else contextlib.nullcontext():
+                pipe.train_step(x, y, F.mse_loss)
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    loss = pipe.train_step(x, y, F.mse_loss)  # the pipeline goes on
+    return errors, loss, first, [p.grad.clone() for p in stage.parameters()]
 
 
 def test_train_step_under_no_grad_raises_and_leaves_the_gradients():
     """An evaluation pass written as train_step under torch.no_grad() added to .grad (its backward ran
-    anyway); it raises on every rank, the gradients stay those of the steps around it."""
+    anyway); it raises on every rank, the gradients stay those of the steps around it. One rank alone under
+    no_grad raised before any communication while the other ran its step, which then paired with the
+    first rank's next one (the wrong batch, later a timeout): every rank raises, naming that rank."""
+    model = make_model()
+    x, y = make_batch(1, 4, "mse")
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    ref = dict(model.named_parameters())
     for res in run_ranks(rank_under_no_grad, 2, timeout=60):
-        error, doubled = res.value
-        assert error is not None and error.startswith("train_step: called under torch.no_grad()"), error
-        assert all(doubled), (res.rank, doubled)
+        errors, last_loss, first, final = res.value
+        for ranks, error in zip(("0, 1", "1"), errors):
+            assert error is not None and error.startswith("train_step: called under torch.no_grad() (or "
+                                                          "inference_mode) on pipeline rank 1 (global rank 1)"), \
+                (res.rank, ranks, error)
+        assert (last_loss is None) == (res.rank == 0)
+        if res.rank == 1:
+            assert last_loss == pytest.approx(loss.item(), rel=1e-5)
+        names = [n for n, _ in pz.pipeline.split_sequential(make_model(), 2)[res.rank].named_parameters()]
+        for n, g1, g2 in zip(names, first, final):
+            torch.testing.assert_close(g1, ref[n].grad, **TOL)
+            torch.testing.assert_close(g2, 2 * ref[n].grad, **TOL)  # the two steps that ran
 
 
 def rank_in_place_first_layer():

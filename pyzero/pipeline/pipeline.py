@@ -133,18 +133,15 @@ class Pipeline:
         ``reduction="sum"``, the gradients and the returned loss are the full
         batch's divided by m.) A parameter no gradient reaches (a stage after it
         detaches its input, say) keeps ``.grad`` None, as under one backward.
-        Under ``torch.no_grad()`` it raises: it would still run the backward and
-        add to ``.grad`` (there is no forward-only pass through the pipeline).
+        Under ``torch.no_grad()`` (on any rank) it raises on every rank: it would
+        still run the backward and add to ``.grad`` (there is no forward-only pass
+        through the pipeline).
 
         Bad arguments raise the same error on every rank before anything is
         sent, and leave the pipeline usable. An error inside a stage's own
         forward or backward ends the pipeline: its peers fail once it exits
         (or at the group's timeout).
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError("train_step: called under torch.no_grad() (or inference_mode); it runs forward and "
-                               "backward and adds to the parameters' .grad, so an evaluation pass through it would "
-                               "change the gradients being accumulated: run evaluation outside train_step")
         t_start = time.perf_counter()
         m = self.num_microbatches
         changed = handshake.agree_step(inputs, targets, loss_fn, m, self.is_first, self.is_last, self._signature,

@@ -359,42 +359,155 @@ def test_matches_single_process(nprocs, loss):
     check_train(run_ranks(rank_train, nprocs, args=(loss, m)), m, loss)
 
 
+class _Spike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class Spike(nn.Module):
+    """Identity whose backward multiplies the gradient by ``factor``: inf makes the gradients before it
+    overflow (a loss-scaled step that overflows in the pipeline's first stage only)."""
+
+    factor = 1.0
+
+    def forward(self, x):
+        return _Spike.apply(x, self.factor)
+
+
+def spiked_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), Spike(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+ZERO_STEPS, SPIKES, CLIP = 5, (0, 3), 0.05
+SCALING = {"init_scale": 2.0 ** 16, "growth_interval": 2}
+
+
+def zero_reference():
+    """The unsplit model on the full batch: torch's GradScaler (skips, halving, growth), clipping and SGD."""
+    model = spiked_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", **SCALING)
+    norms, scales = [], []
+    for step in range(ZERO_STEPS):
+        model[2].factor = float("inf") if step in SPIKES else 1.0
+        x, y = make_batch(step, 16, "mse")
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return norms, scales, model
+
+
 def rank_dp_pp(m):
-    """2 DP x 2 PP: pipelines [0, 1] and [2, 3]; gradients averaged over DP groups [0, 2] and [1, 3]."""
+    """2 DP x 2 PP: pipelines [0, 1] and [2, 3], DP groups [0, 2] and [1, 3], each replica half the batch.
+    Gradients averaged over the DP groups by hand after train_step; by a ZeroOptimizer (stage 2, pp_group,
+    loss scaling, clipping) over a few steps."""
     pz.init()
     r = pz.get_rank()
     pp_groups = [pz.new_group([0, 1]), pz.new_group([2, 3])]
     dp_groups = [pz.new_group([0, 2]), pz.new_group([1, 3])]
     pp, dp, replica = pp_groups[r // 2], dp_groups[r % 2], r // 2
     out = {}
+    seed, batch = steps_for(m)[0]
+    x, y = make_batch(seed, 2 * batch, "mse")
+    half = slice(replica * batch, (replica + 1) * batch)  # this replica's share of the global batch
     for schedule in ("gpipe", "1f1b"):
         stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
         pipe = pz.pipeline.Pipeline(stage, m, schedule, group=pp)
-        seed, batch = steps_for(m)[0]
-        x, y = make_batch(seed, 2 * batch, "mse")
-        half = slice(replica * batch, (replica + 1) * batch)  # this replica's share of the global batch
         value = pipe.train_step(x[half], y[half], F.mse_loss)
         for p in stage.parameters():
             pz.all_reduce(p.grad, op="avg", group=dp)
         out[schedule] = (value, {name: p.grad for name, p in stage.named_parameters()})
+    refusals = out["zero refusals"] = {}
+    for case, kwargs in (("pp_group=dp", dict(pp_group=dp)),
+                         ("loss_scale differs", dict(pp_group=pp, loss_scale=SCALING if pp.rank == 0 else None))):
+        try:
+            pz.ZeroOptimizer(pz.pipeline.split_sequential(make_model(), 2)[pp.rank], torch.optim.SGD, group=dp,
+                             lr=LR, **kwargs)
+            refusals[case] = None
+        except ValueError as e:
+            refusals[case] = str(e)
+    model = spiked_model()
+    stage = [model[:3], model[3:]][pp.rank]
+    opt = pz.ZeroOptimizer(stage, torch.optim.SGD, stage=2, group=dp, pp_group=pp, loss_scale=SCALING, lr=LR)
+    pipe = pz.pipeline.Pipeline(stage, m, "1f1b", group=pp)
+    zero = out["zero"] = {"norms": [], "scales": []}
+    for step in range(ZERO_STEPS):
+        model[2].factor = float("inf") if step in SPIKES else 1.0
+        x, y = make_batch(step, 16, "mse")
+        pipe.train_step(x[replica * 8:replica * 8 + 8], y[replica * 8:replica * 8 + 8],
+                        lambda o, t: opt.scale_loss(F.mse_loss(o, t)))
+        zero["norms"].append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        zero["scales"].append(opt.loss_scale)
+    zero["params"] = {name: p.detach().clone() for name, p in stage.named_parameters()}
     return out
 
 
-def test_dp_x_pp_matches_single_process():
-    m = 2
-    results = run_ranks(rank_dp_pp, 4, args=(m,))
+@pytest.fixture(scope="module")
+def dp_pp_runs():
+    m = 4
+    return m, [res.value for res in run_ranks(rank_dp_pp, 4, args=(m,))]
+
+
+def test_dp_x_pp_matches_single_process(dp_pp_runs):
+    m, results = dp_pp_runs
     model = make_model()
     seed, batch = steps_for(m)[0]
     x, y = make_batch(seed, 2 * batch, "mse")
     loss = F.mse_loss(model(x), y)
     loss.backward()
     for schedule in ("gpipe", "1f1b"):
-        losses = [res.value[schedule][0] for res in results]
+        losses = [res[schedule][0] for res in results]
         assert losses[0] is None and losses[2] is None
         assert (losses[1] + losses[3]) / 2 == pytest.approx(loss.item(), rel=1e-5)  # equal halves: mean of means
         for res in results:
-            for name, g in res.value[schedule][1].items():
+            for name, g in res[schedule][1].items():
                 torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, **TOL)
+
+
+def test_zero_pp_group_refuses_what_cannot_combine(dp_pp_runs):
+    """pp_group= that shares ranks with the optimizer's group (norms counted twice), and loss scaling on one
+    stage only (the last stage's scale reaches every stage's gradients): a ValueError on every rank."""
+    _, results = dp_pp_runs
+    for rank, res in enumerate(results):
+        got = res["zero refusals"]
+        assert got["pp_group=dp"] is not None and re.search(
+            r"pp_group: global ranks \[\d\] are in both pp_group \[\d, \d\] and group", got["pp_group=dp"]), got
+        assert got["loss_scale differs"] is not None and got["loss_scale differs"].startswith(
+            f"loss_scale: differs between the ranks of pp_group {[2 * (rank // 2), 2 * (rank // 2) + 1]}"), got
+
+
+def test_zero_over_pipeline_stages_clips_and_skips_as_one_model(dp_pp_runs):
+    """ZeroOptimizer(pp_group=) on each stage: clip_grad_norm_ returns the whole model's norm (each stage
+    clipped by its own before: 0.8 and 1.1 where the model's was 1.3), a step that overflows in the first
+    stage only is skipped by both, whose scales stay equal (the second stage stepped and kept its scale),
+    and the weights follow torch's GradScaler, clipping and SGD on the unsplit model."""
+    _, results = dp_pp_runs
+    norms, scales, model = zero_reference()
+    params = [dict(model[:3].named_parameters()), dict(model[3:].named_parameters())]
+    for rank, res in enumerate(results):
+        zero = res["zero"]
+        assert zero["scales"] == scales, (rank, zero["scales"], scales)
+        for step in range(ZERO_STEPS):
+            if step in SPIKES:
+                assert zero["norms"][step] == float("inf"), (rank, step)
+            else:
+                assert zero["norms"][step] == pytest.approx(norms[step], rel=1e-5), (rank, step)
+        for name, p in zero["params"].items():
+            torch.testing.assert_close(p, params[rank % 2][name].detach(), **TOL, msg=lambda s: f"{rank} {name}: {s}")
 
 
 # ---------------------------------------------------------------------------

@@ -390,6 +390,18 @@ ZERO_STEPS, SPIKES, CLIP = 5, (0, 3), 0.05
 SCALING = {"init_scale": 2.0 ** 16, "growth_interval": 2}
 
 
+class DetachFourth(nn.Module):
+    """Detaches its input at every fourth call: a stage that cuts the gradient of some micro-batches only."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.detach() if self.calls % 4 == 0 else x
+
+
 def zero_reference():
     """The unsplit model on the full batch: torch's GradScaler (skips, halving, growth), clipping and SGD."""
     model = spiked_model()
@@ -411,8 +423,8 @@ def zero_reference():
 
 def rank_dp_pp(m):
     """2 DP x 2 PP: pipelines [0, 1] and [2, 3], DP groups [0, 2] and [1, 3], each replica half the batch.
-    Gradients averaged over the DP groups by hand after train_step; by a ZeroOptimizer (stage 2, pp_group,
-    loss scaling, clipping) over a few steps."""
+    Gradients averaged over the DP groups by hand after train_step; by a pz.DataParallel stage (m and one
+    micro-batch); by a ZeroOptimizer (stage 2, pp_group, loss scaling, clipping) over a few steps."""
     pz.init()
     r = pz.get_rank()
     pp_groups = [pz.new_group([0, 1]), pz.new_group([2, 3])]
@@ -429,6 +441,36 @@ def rank_dp_pp(m):
         for p in stage.parameters():
             pz.all_reduce(p.grad, op="avg", group=dp)
         out[schedule] = (value, {name: p.grad for name, p in stage.named_parameters()})
+        # the same stage in a pz.DataParallel: its all-reduces in a step of m micro-batches and of one
+        stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
+        wrapped = pz.DataParallel(stage, group=dp)
+        calls, pipes = {}, {}
+        for k in (m, 1):
+            pipe = pipes[k] = pz.pipeline.Pipeline(wrapped, k, schedule, group=pp)
+            pipe.train_step(x[half], y[half], F.mse_loss)  # (the first step sends headers)
+            for p in stage.parameters():
+                p.grad = None
+            pz.comm_stats(reset=True)
+            value = pipe.train_step(x[half], y[half], F.mse_loss)
+            calls[k] = pz.comm_stats().get("all_reduce")
+            if k == m:
+                out[f"dp {schedule}"] = (value, {name: p.grad.clone() for name, p in stage.named_parameters()})
+        # accumulation over two steps, the first inside the wrapper's no_sync(): it reduces nothing
+        for p in stage.parameters():
+            p.grad = None
+        pz.comm_stats(reset=True)
+        with wrapped.no_sync():
+            pipes[m].train_step(x[half], y[half], F.mse_loss)
+        calls["no_sync"] = pz.comm_stats().get("all_reduce")
+        pipes[m].train_step(x[half], y[half], F.mse_loss)
+        out[f"dp {schedule} all_reduce"] = calls
+        out[f"dp {schedule} accumulated"] = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    # the second stage cuts the gradient of the last micro-batch only: the first reduces in a backward of zeros
+    stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
+    stage = nn.Sequential(DetachFourth(), *stage) if pp.rank == 1 else stage
+    pz.pipeline.Pipeline(pz.DataParallel(stage, group=dp), m, "1f1b", group=pp).train_step(x[half], y[half],
+                                                                                          F.mse_loss)
+    out["dp detached"] = {name: p.grad for name, p in stage.named_parameters()}
     refusals = out["zero refusals"] = {}
     for case, kwargs in (("pp_group=dp", dict(pp_group=dp)),
                          ("loss_scale differs", dict(pp_group=pp, loss_scale=SCALING if pp.rank == 0 else None))):
@@ -442,16 +484,19 @@ def rank_dp_pp(m):
     stage = [model[:3], model[3:]][pp.rank]
     opt = pz.ZeroOptimizer(stage, torch.optim.SGD, stage=2, group=dp, pp_group=pp, loss_scale=SCALING, lr=LR)
     pipe = pz.pipeline.Pipeline(stage, m, "1f1b", group=pp)
-    zero = out["zero"] = {"norms": [], "scales": []}
+    zero = out["zero"] = {"norms": [], "scales": [], "reduce_scatter": []}
     for step in range(ZERO_STEPS):
         model[2].factor = float("inf") if step in SPIKES else 1.0
         x, y = make_batch(step, 16, "mse")
+        pz.comm_stats(reset=True)
         pipe.train_step(x[replica * 8:replica * 8 + 8], y[replica * 8:replica * 8 + 8],
                         lambda o, t: opt.scale_loss(F.mse_loss(o, t)))
+        zero["reduce_scatter"].append(pz.comm_stats().get("reduce_scatter", {}).get("calls"))
         zero["norms"].append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad()
         zero["scales"].append(opt.loss_scale)
+    zero["buckets"] = sum(call.op == "reduce_scatter" for phase in opt.comm_plan() for call in phase)
     zero["params"] = {name: p.detach().clone() for name, p in stage.named_parameters()}
     return out
 
@@ -469,13 +514,40 @@ def test_dp_x_pp_matches_single_process(dp_pp_runs):
     x, y = make_batch(seed, 2 * batch, "mse")
     loss = F.mse_loss(model(x), y)
     loss.backward()
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "dp gpipe", "dp 1f1b"):
         losses = [res[schedule][0] for res in results]
         assert losses[0] is None and losses[2] is None
         assert (losses[1] + losses[3]) / 2 == pytest.approx(loss.item(), rel=1e-5)  # equal halves: mean of means
         for res in results:
             for name, g in res[schedule][1].items():
                 torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, **TOL)
+
+
+def test_data_parallel_stage_reduces_once_per_step(dp_pp_runs):
+    """A pz.DataParallel stage all-reduced its gradients in every micro-batch's backward (m times the bytes:
+    9 calls at m=4 where one micro-batch makes 3); it reduces in the last one only, as gradient
+    accumulation under no_sync does, and its gradients equal one process's (test above)."""
+    m, results = dp_pp_runs
+    for rank, res in enumerate(results):
+        for schedule in ("gpipe", "1f1b"):
+            calls = res[f"dp {schedule} all_reduce"]
+            assert calls[m] == calls[1], (rank, schedule, calls)
+            assert calls[1]["calls"] <= 3, (rank, schedule, calls)  # agree_step's, the bucket's, the used flags'
+            assert calls["no_sync"]["calls"] == 1, (rank, schedule, calls)  # agree_step's only
+            for name, g in res[f"dp {schedule} accumulated"].items():  # two steps' gradients, reduced once
+                torch.testing.assert_close(g, 2 * res[f"dp {schedule}"][1][name], **TOL)
+    # the last micro-batch's gradient cut after the first stage: its earlier gradients are still reduced
+    model = make_model()
+    seed, batch = steps_for(m)[0]
+    x, y = make_batch(seed, 2 * batch, "mse")
+    for j, (xj, yj) in enumerate(zip(x.split(batch // m), y.split(batch // m))):  # both replicas' micro-batches
+        h = model[:4](xj)
+        F.mse_loss(model[4:](h.detach() if j % m == m - 1 else h), yj).div(2 * m).backward()
+    ref = dict(model.named_parameters())
+    for rank, res in enumerate(results):
+        for name, g in res["dp detached"].items():
+            want = ref[name if rank % 2 == 0 else f"{int(name.split('.')[0]) + 3}.{name.split('.')[1]}"].grad
+            torch.testing.assert_close(g, want, **TOL, msg=lambda s: f"rank {rank} {name}: {s}")
 
 
 def test_zero_pp_group_refuses_what_cannot_combine(dp_pp_runs):
@@ -494,7 +566,8 @@ def test_zero_over_pipeline_stages_clips_and_skips_as_one_model(dp_pp_runs):
     """ZeroOptimizer(pp_group=) on each stage: clip_grad_norm_ returns the whole model's norm (each stage
     clipped by its own before: 0.8 and 1.1 where the model's was 1.3), a step that overflows in the first
     stage only is skipped by both, whose scales stay equal (the second stage stepped and kept its scale),
-    and the weights follow torch's GradScaler, clipping and SGD on the unsplit model."""
+    and the weights follow torch's GradScaler, clipping and SGD on the unsplit model; stage 2 reduce-scatters
+    once per bucket per step, not once per micro-batch."""
     _, results = dp_pp_runs
     norms, scales, model = zero_reference()
     params = [dict(model[:3].named_parameters()), dict(model[3:].named_parameters())]
@@ -506,6 +579,7 @@ def test_zero_over_pipeline_stages_clips_and_skips_as_one_model(dp_pp_runs):
                 assert zero["norms"][step] == float("inf"), (rank, step)
             else:
                 assert zero["norms"][step] == pytest.approx(norms[step], rel=1e-5), (rank, step)
+        assert zero["reduce_scatter"] == [zero["buckets"]] * ZERO_STEPS, (rank, zero)
         for name, p in zero["params"].items():
             torch.testing.assert_close(p, params[rank % 2][name].detach(), **TOL, msg=lambda s: f"{rank} {name}: {s}")
 

@@ -26,6 +26,7 @@ micro-batch shape changed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..parallel import DataParallel
+from ..zero import owner as zero_owner
 from . import handshake
 from .schedules import FORWARD, SCHEDULES, bubble_fraction, comm_steps
 
@@ -79,8 +82,10 @@ class Pipeline:
     ``schedule``: "1f1b" (activations of at most p micro-batches held) or "gpipe" (all m).
     ``group``: the pipeline group (None: the world); with data parallelism, one
     pipeline group per replica, and gradients averaged over the DP group after
-    train_step. Every rank of the group constructs its Pipeline together (a
-    collective check that the ranks agree).
+    train_step, or once per train_step by a pz.DataParallel stage module or a
+    ZeroOptimizer training the stage (see [Note: one gradient reduction per step]).
+    Every rank of the group constructs its Pipeline together (a collective check
+    that the ranks agree); the settings are read-only after.
     """
 
     def __init__(self, stage_module: nn.Module, num_microbatches: int, schedule: str = "1f1b", group=None):
@@ -159,6 +164,7 @@ class Pipeline:
         outbox: dict[tuple, torch.Tensor] = {}  # messages to send, until their group goes out
         sends_in_flight: list = []  # Works of send-only groups, waited at the end
         busy, max_inflight, loss_sum = 0.0, 0, 0.0  # loss_sum becomes a tensor: no host sync per micro-batch
+        reduction = _OneReduction(self.module, m)
         trainable = self.is_last and any(p.requires_grad for p in self.module.parameters())
 
         def needs(i):
@@ -183,7 +189,7 @@ class Pipeline:
                 if not self.is_first and x.is_floating_point():
                     x.requires_grad_()
                 t0 = time.perf_counter()
-                with torch.enable_grad():
+                with torch.enable_grad(), reduction.forward():
                     try:
                         out = self.module(x)
                     except RuntimeError as e:
@@ -219,8 +225,13 @@ class Pipeline:
                     flows = bool(grad[-1] != 0)
                     grad = grad[:-1].view(out.shape)
                 t0 = time.perf_counter()
-                if flows and out.requires_grad:  # (False for a stage without parameters fed by inputs)
-                    torch.autograd.backward(out, grad)
+                runs = flows and out.requires_grad  # (False for a stage without parameters fed by inputs)
+                zeros = not runs and out.requires_grad and reduction.waiting(j)
+                with reduction.backward(j, runs or zeros):
+                    if runs:
+                        torch.autograd.backward(out, grad)
+                    elif zeros:  # the reduction of the earlier micro-batches' gradients
+                        torch.autograd.backward(out, torch.zeros_like(out))
                 busy += time.perf_counter() - t0
                 if not self.is_first and x.is_floating_point():
                     if x.grad is not None:
@@ -279,6 +290,46 @@ class Pipeline:
                              "micro-batch with this input shape): a stage must map equal input shapes to equal "
                              "output shapes")
         outbox[("act", j)] = out.detach().contiguous()
+
+
+class _OneReduction:
+    """[Note: one gradient reduction per step] A data-parallel stage reduces its gradients once per
+    train_step, in the backward of the last micro-batch (the last action of every schedule), as gradient
+    accumulation under no_sync does; reduced in every micro-batch's backward, it sent m times the bytes.
+
+    * A pz.DataParallel stage module decides at forward whether the backward reduces (as torch DDP), and
+      the schedules run later forwards before earlier backwards: every forward runs under its no_sync()
+      and its reducer is armed just before the last backward (unless train_step runs inside the
+      wrapper's own no_sync(): then nothing reduces, as asked).
+    * A ZeroOptimizer training the stage (stages 2 and 3 reduce during backward) decides at backward:
+      the backwards of micro-batches 0..m-2 run under its no_sync().
+
+    Where the last micro-batch's backward would not reach the stage (a later stage detached it for that
+    micro-batch only) while an earlier one did, a backward of zeros makes the reduction.
+    """
+
+    def __init__(self, module: nn.Module, m: int):
+        arm = getattr(getattr(module, "reducer", None), "arm", None)
+        self.dp = module if m > 1 and isinstance(module, DataParallel) and callable(arm) else None
+        self.zero = zero_owner(module) if m > 1 and self.dp is None else None
+        self.sync = self.dp is not None and getattr(module, "_require_sync", True)  # (not inside its no_sync)
+        self.last, self.ran = m - 1, False
+
+    def forward(self):
+        return self.dp.no_sync() if self.dp is not None else contextlib.nullcontext()
+
+    def waiting(self, j: int) -> bool:
+        """Whether backward j is the last and an earlier one's gradients wait for its reduction."""
+        return j == self.last and self.ran and (self.dp is not None or self.zero is not None)
+
+    def backward(self, j: int, runs: bool):
+        """The context of backward j (`runs`: whether one runs)."""
+        self.ran = self.ran or runs
+        if j == self.last:
+            if self.dp is not None and runs:
+                self.dp.reducer.arm(self.sync)
+            return contextlib.nullcontext()
+        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
 
 
 def _check_loss(loss):

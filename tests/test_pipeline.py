@@ -5,6 +5,7 @@ plain-torch run of the same seeded nn.Sequential on the full batch; splits
 with a brute-force search; schedules with a dependency simulation written
 here, independent of the library's execution.
 """
+import contextlib
 import itertools
 import random
 import re
@@ -358,42 +359,229 @@ def test_matches_single_process(nprocs, loss):
     check_train(run_ranks(rank_train, nprocs, args=(loss, m)), m, loss)
 
 
+class _Spike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class Spike(nn.Module):
+    """Identity whose backward multiplies the gradient by ``factor``: inf makes the gradients before it
+    overflow (a loss-scaled step that overflows in the pipeline's first stage only)."""
+
+    factor = 1.0
+
+    def forward(self, x):
+        return _Spike.apply(x, self.factor)
+
+
+def spiked_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), Spike(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+ZERO_STEPS, SPIKES, CLIP = 5, (0, 3), 0.05
+SCALING = {"init_scale": 2.0 ** 16, "growth_interval": 2}
+
+
+class DetachFourth(nn.Module):
+    """Detaches its input at every fourth call: a stage that cuts the gradient of some micro-batches only."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.detach() if self.calls % 4 == 0 else x
+
+
+def zero_reference():
+    """The unsplit model on the full batch: torch's GradScaler (skips, halving, growth), clipping and SGD."""
+    model = spiked_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", **SCALING)
+    norms, scales = [], []
+    for step in range(ZERO_STEPS):
+        model[2].factor = float("inf") if step in SPIKES else 1.0
+        x, y = make_batch(step, 16, "mse")
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return norms, scales, model
+
+
 def rank_dp_pp(m):
-    """2 DP x 2 PP: pipelines [0, 1] and [2, 3]; gradients averaged over DP groups [0, 2] and [1, 3]."""
+    """2 DP x 2 PP: pipelines [0, 1] and [2, 3], DP groups [0, 2] and [1, 3], each replica half the batch.
+    Gradients averaged over the DP groups by hand after train_step; by a pz.DataParallel stage (m and one
+    micro-batch); by a ZeroOptimizer (stage 2, pp_group, loss scaling, clipping) over a few steps."""
     pz.init()
     r = pz.get_rank()
     pp_groups = [pz.new_group([0, 1]), pz.new_group([2, 3])]
     dp_groups = [pz.new_group([0, 2]), pz.new_group([1, 3])]
     pp, dp, replica = pp_groups[r // 2], dp_groups[r % 2], r // 2
     out = {}
+    seed, batch = steps_for(m)[0]
+    x, y = make_batch(seed, 2 * batch, "mse")
+    half = slice(replica * batch, (replica + 1) * batch)  # this replica's share of the global batch
     for schedule in ("gpipe", "1f1b"):
         stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
         pipe = pz.pipeline.Pipeline(stage, m, schedule, group=pp)
-        seed, batch = steps_for(m)[0]
-        x, y = make_batch(seed, 2 * batch, "mse")
-        half = slice(replica * batch, (replica + 1) * batch)  # this replica's share of the global batch
         value = pipe.train_step(x[half], y[half], F.mse_loss)
         for p in stage.parameters():
             pz.all_reduce(p.grad, op="avg", group=dp)
         out[schedule] = (value, {name: p.grad for name, p in stage.named_parameters()})
+        # the same stage in a pz.DataParallel: its all-reduces in a step of m micro-batches and of one
+        stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
+        wrapped = pz.DataParallel(stage, group=dp)
+        calls, pipes = {}, {}
+        for k in (m, 1):
+            pipe = pipes[k] = pz.pipeline.Pipeline(wrapped, k, schedule, group=pp)
+            pipe.train_step(x[half], y[half], F.mse_loss)  # (the first step sends headers)
+            for p in stage.parameters():
+                p.grad = None
+            pz.comm_stats(reset=True)
+            value = pipe.train_step(x[half], y[half], F.mse_loss)
+            calls[k] = pz.comm_stats().get("all_reduce")
+            if k == m:
+                out[f"dp {schedule}"] = (value, {name: p.grad.clone() for name, p in stage.named_parameters()})
+        # accumulation over two steps, the first inside the wrapper's no_sync(): it reduces nothing
+        for p in stage.parameters():
+            p.grad = None
+        pz.comm_stats(reset=True)
+        with wrapped.no_sync():
+            pipes[m].train_step(x[half], y[half], F.mse_loss)
+        calls["no_sync"] = pz.comm_stats().get("all_reduce")
+        pipes[m].train_step(x[half], y[half], F.mse_loss)
+        out[f"dp {schedule} all_reduce"] = calls
+        out[f"dp {schedule} accumulated"] = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    # the second stage cuts the gradient of the last micro-batch only: the first reduces in a backward of zeros
+    stage = pz.pipeline.split_sequential(make_model(), 2)[pp.rank]
+    stage = nn.Sequential(DetachFourth(), *stage) if pp.rank == 1 else stage
+    pz.pipeline.Pipeline(pz.DataParallel(stage, group=dp), m, "1f1b", group=pp).train_step(x[half], y[half],
+                                                                                          F.mse_loss)
+    out["dp detached"] = {name: p.grad for name, p in stage.named_parameters()}
+    refusals = out["zero refusals"] = {}
+    for case, kwargs in (("pp_group=dp", dict(pp_group=dp)),
+                         ("loss_scale differs", dict(pp_group=pp, loss_scale=SCALING if pp.rank == 0 else None))):
+        try:
+            pz.ZeroOptimizer(pz.pipeline.split_sequential(make_model(), 2)[pp.rank], torch.optim.SGD, group=dp,
+                             lr=LR, **kwargs)
+            refusals[case] = None
+        except ValueError as e:
+            refusals[case] = str(e)
+    model = spiked_model()
+    stage = [model[:3], model[3:]][pp.rank]
+    opt = pz.ZeroOptimizer(stage, torch.optim.SGD, stage=2, group=dp, pp_group=pp, loss_scale=SCALING, lr=LR)
+    pipe = pz.pipeline.Pipeline(stage, m, "1f1b", group=pp)
+    zero = out["zero"] = {"norms": [], "scales": [], "reduce_scatter": []}
+    for step in range(ZERO_STEPS):
+        model[2].factor = float("inf") if step in SPIKES else 1.0
+        x, y = make_batch(step, 16, "mse")
+        pz.comm_stats(reset=True)
+        pipe.train_step(x[replica * 8:replica * 8 + 8], y[replica * 8:replica * 8 + 8],
+                        lambda o, t: opt.scale_loss(F.mse_loss(o, t)))
+        zero["reduce_scatter"].append(pz.comm_stats().get("reduce_scatter", {}).get("calls"))
+        zero["norms"].append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        zero["scales"].append(opt.loss_scale)
+    zero["buckets"] = sum(call.op == "reduce_scatter" for phase in opt.comm_plan() for call in phase)
+    zero["params"] = {name: p.detach().clone() for name, p in stage.named_parameters()}
     return out
 
 
-def test_dp_x_pp_matches_single_process():
-    m = 2
-    results = run_ranks(rank_dp_pp, 4, args=(m,))
+@pytest.fixture(scope="module")
+def dp_pp_runs():
+    m = 4
+    return m, [res.value for res in run_ranks(rank_dp_pp, 4, args=(m,))]
+
+
+def test_dp_x_pp_matches_single_process(dp_pp_runs):
+    m, results = dp_pp_runs
     model = make_model()
     seed, batch = steps_for(m)[0]
     x, y = make_batch(seed, 2 * batch, "mse")
     loss = F.mse_loss(model(x), y)
     loss.backward()
-    for schedule in ("gpipe", "1f1b"):
-        losses = [res.value[schedule][0] for res in results]
+    for schedule in ("gpipe", "1f1b", "dp gpipe", "dp 1f1b"):
+        losses = [res[schedule][0] for res in results]
         assert losses[0] is None and losses[2] is None
         assert (losses[1] + losses[3]) / 2 == pytest.approx(loss.item(), rel=1e-5)  # equal halves: mean of means
         for res in results:
-            for name, g in res.value[schedule][1].items():
+            for name, g in res[schedule][1].items():
                 torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, **TOL)
+
+
+def test_data_parallel_stage_reduces_once_per_step(dp_pp_runs):
+    """A pz.DataParallel stage all-reduced its gradients in every micro-batch's backward (m times the bytes:
+    9 calls at m=4 where one micro-batch makes 3); it reduces in the last one only, as gradient
+    accumulation under no_sync does, and its gradients equal one process's (test above)."""
+    m, results = dp_pp_runs
+    for rank, res in enumerate(results):
+        for schedule in ("gpipe", "1f1b"):
+            calls = res[f"dp {schedule} all_reduce"]
+            assert calls[m] == calls[1], (rank, schedule, calls)
+            assert calls[1]["calls"] <= 3, (rank, schedule, calls)  # agree_step's, the bucket's, the used flags'
+            assert calls["no_sync"]["calls"] == 1, (rank, schedule, calls)  # agree_step's only
+            for name, g in res[f"dp {schedule} accumulated"].items():  # two steps' gradients, reduced once
+                torch.testing.assert_close(g, 2 * res[f"dp {schedule}"][1][name], **TOL)
+    # the last micro-batch's gradient cut after the first stage: its earlier gradients are still reduced
+    model = make_model()
+    seed, batch = steps_for(m)[0]
+    x, y = make_batch(seed, 2 * batch, "mse")
+    for j, (xj, yj) in enumerate(zip(x.split(batch // m), y.split(batch // m))):  # both replicas' micro-batches
+        h = model[:4](xj)
+        F.mse_loss(model[4:](h.detach() if j % m == m - 1 else h), yj).div(2 * m).backward()
+    ref = dict(model.named_parameters())
+    for rank, res in enumerate(results):
+        for name, g in res["dp detached"].items():
+            want = ref[name if rank % 2 == 0 else f"{int(name.split('.')[0]) + 3}.{name.split('.')[1]}"].grad
+            torch.testing.assert_close(g, want, **TOL, msg=lambda s: f"rank {rank} {name}: {s}")
+
+
+def test_zero_pp_group_refuses_what_cannot_combine(dp_pp_runs):
+    """pp_group= that shares ranks with the optimizer's group (norms counted twice), and loss scaling on one
+    stage only (the last stage's scale reaches every stage's gradients): a ValueError on every rank."""
+    _, results = dp_pp_runs
+    for rank, res in enumerate(results):
+        got = res["zero refusals"]
+        assert got["pp_group=dp"] is not None and re.search(
+            r"pp_group: global ranks \[\d\] are in both pp_group \[\d, \d\] and group", got["pp_group=dp"]), got
+        assert got["loss_scale differs"] is not None and got["loss_scale differs"].startswith(
+            f"loss_scale: differs between the ranks of pp_group {[2 * (rank // 2), 2 * (rank // 2) + 1]}"), got
+
+
+def test_zero_over_pipeline_stages_clips_and_skips_as_one_model(dp_pp_runs):
+    """ZeroOptimizer(pp_group=) on each stage: clip_grad_norm_ returns the whole model's norm (each stage
+    clipped by its own before: 0.8 and 1.1 where the model's was 1.3), a step that overflows in the first
+    stage only is skipped by both, whose scales stay equal (the second stage stepped and kept its scale),
+    and the weights follow torch's GradScaler, clipping and SGD on the unsplit model; stage 2 reduce-scatters
+    once per bucket per step, not once per micro-batch."""
+    _, results = dp_pp_runs
+    norms, scales, model = zero_reference()
+    params = [dict(model[:3].named_parameters()), dict(model[3:].named_parameters())]
+    for rank, res in enumerate(results):
+        zero = res["zero"]
+        assert zero["scales"] == scales, (rank, zero["scales"], scales)
+        for step in range(ZERO_STEPS):
+            if step in SPIKES:
+                assert zero["norms"][step] == float("inf"), (rank, step)
+            else:
+                assert zero["norms"][step] == pytest.approx(norms[step], rel=1e-5), (rank, step)
+        assert zero["reduce_scatter"] == [zero["buckets"]] * ZERO_STEPS, (rank, zero)
+        for name, p in zero["params"].items():
+            torch.testing.assert_close(p, params[rank % 2][name].detach(), **TOL, msg=lambda s: f"{rank} {name}: {s}")
 
 
 # ---------------------------------------------------------------------------
@@ -425,15 +613,20 @@ def rank_bad_input():
         "no_inputs": lambda: pipe.train_step(None, y, F.mse_loss),
         "targets_batch": lambda: pipe.train_step(x, y[:4], F.mse_loss),
         "loss_fn": lambda: pipe.train_step(x, y, "mse"),
+        # a setting changed after the ranks agreed on it (the steps then split into 8 and ran the schedule of 4,
+        # half the batch dropped)
+        "set_m": lambda: setattr(pipe, "num_microbatches", 8),
+        "set_schedule": lambda: setattr(pipe, "schedule", "gpipe"),
     })
     out = {}
     for name, fn in cases.items():
         try:
             fn()
             out[name] = None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             out[name] = (type(e).__name__, str(e))
     out["after"] = pipe.train_step(x, y, F.mse_loss)  # the errors left the group usable
+    out["after_m"] = (pipe.num_microbatches, pipe.schedule, pipe.stats.num_microbatches)
     return out
 
 
@@ -453,6 +646,9 @@ ERRORS = {
     "no_inputs": ("TypeError", r"inputs: expected a tensor with a batch dim 0 on the first stage"),
     "targets_batch": ("ValueError", "targets: batch size 4 .* does not match the inputs' batch size 8"),
     "loss_fn": ("TypeError", "loss_fn: expected a callable"),
+    "set_m": ("AttributeError", "num_microbatches: fixed when the Pipeline is built .* build a new "
+                                "pz.pipeline.Pipeline on every rank"),
+    "set_schedule": ("AttributeError", "schedule: fixed when the Pipeline is built"),
 }
 
 
@@ -470,6 +666,7 @@ def test_bad_input_raises_on_every_rank():
     x, y = make_batch(1, 8, "mse")
     assert results[1].value["after"] == pytest.approx(F.mse_loss(make_model()(x), y).item(), rel=1e-5)
     assert results[0].value["after"] is None
+    assert all(res.value["after_m"] == (4, "1f1b", 4) for res in results)
 
 
 def two_stages():
@@ -551,25 +748,42 @@ def test_parameters_no_gradient_reaches_keep_none_as_torch(schedule):
 def rank_under_no_grad():
     stage, pipe, x, y = two_stages()
     pipe.train_step(x, y, F.mse_loss)
-    before = [p.grad.clone() for p in stage.parameters()]
-    try:
-        with torch.no_grad():
-            pipe.train_step(x, y, F.mse_loss)
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    pipe.train_step(x, y, F.mse_loss)  # the pipeline goes on
-    return error, [bool(torch.allclose(p.grad, 2 * b, rtol=1e-5, atol=1e-7)) for p, b in zip(stage.parameters(),
-                                                                                              before)]
+    first = [p.grad.clone() for p in stage.parameters()]
+    errors = []
+    for ranks in ([0, 1], [1]):  # every rank under no_grad, then one
+        try:
+            with torch.no_grad() if pz.get_rank() in ranks else contextlib.nullcontext():
+                pipe.train_step(x, y, F.mse_loss)
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    loss = pipe.train_step(x, y, F.mse_loss)  # the pipeline goes on
+    return errors, loss, first, [p.grad.clone() for p in stage.parameters()]
 
 
 def test_train_step_under_no_grad_raises_and_leaves_the_gradients():
     """An evaluation pass written as train_step under torch.no_grad() added to .grad (its backward ran
-    anyway); it raises on every rank, the gradients stay those of the steps around it."""
+    anyway); it raises on every rank, the gradients stay those of the steps around it. One rank alone under
+    no_grad raised before any communication while the other ran its step, which then paired with the
+    first rank's next one (the wrong batch, later a timeout): every rank raises, naming that rank."""
+    model = make_model()
+    x, y = make_batch(1, 4, "mse")
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    ref = dict(model.named_parameters())
     for res in run_ranks(rank_under_no_grad, 2, timeout=60):
-        error, doubled = res.value
-        assert error is not None and error.startswith("train_step: called under torch.no_grad()"), error
-        assert all(doubled), (res.rank, doubled)
+        errors, last_loss, first, final = res.value
+        for ranks, error in zip(("0, 1", "1"), errors):
+            assert error is not None and error.startswith("train_step: called under torch.no_grad() (or "
+                                                          "inference_mode) on pipeline rank 1 (global rank 1)"), \
+                (res.rank, ranks, error)
+        assert (last_loss is None) == (res.rank == 0)
+        if res.rank == 1:
+            assert last_loss == pytest.approx(loss.item(), rel=1e-5)
+        names = [n for n, _ in pz.pipeline.split_sequential(make_model(), 2)[res.rank].named_parameters()]
+        for n, g1, g2 in zip(names, first, final):
+            torch.testing.assert_close(g1, ref[n].grad, **TOL)
+            torch.testing.assert_close(g2, 2 * ref[n].grad, **TOL)  # the two steps that ran
 
 
 def rank_in_place_first_layer():

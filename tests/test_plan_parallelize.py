@@ -9,6 +9,7 @@ from pyzero.plan import Layout, layer_activation_bytes, to_spec
 
 CONFIG = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=32)
 BATCH, SEQ, LR, STEPS = 8, 16, 0.5, 3
+CLIP = 0.3  # (below every step's gradient norm: each step clips)
 
 
 def model():
@@ -20,30 +21,41 @@ def batch():
     return random_batch(CONFIG, BATCH, SEQ, seed=1)
 
 
-def reference():
-    """One process, full batch: the first step's gradients and the losses of STEPS SGD steps."""
+def reference(clip=None):
+    """One process, full batch: the first step's gradients and the losses of STEPS SGD steps (with
+    `clip`: each clipped by torch.nn.utils.clip_grad_norm_, and its norms)."""
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     x, y = batch()
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for _ in range(STEPS):
         loss = m(x, y)
         loss.backward()
         if grads is None:
             grads = {k: p.grad.clone() for k, p in m.named_parameters()}
         losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-    return losses, grads
+    return (losses, grads, norms) if clip is not None else (losses, grads)
+
+
+def _clips(lay) -> bool:
+    """Layouts whose ZeroOptimizer spans pipeline stages clip (its norm is the whole model's, the tied
+    embedding counted once)."""
+    return lay.pp > 1 and lay.stage > 0
 
 
 def _rank(lay):
     pz.init(timeout=60)
     pm = pz.parallelize(model(), lay, torch.optim.SGD, lr=LR)
     x, y = batch()
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for _ in range(STEPS):
         losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+        if _clips(lay):
+            norms.append(float(pm.optimizer.clip_grad_norm_(CLIP)))
         if grads is None and lay.stage == 0:  # ZeRO consumes or shards gradients; stage 0 keeps them whole
             grads = {}
             for name, child in pm.stage.named_children():
@@ -51,7 +63,8 @@ def _rank(lay):
                     grads[f"{name}.{k}"] = p.grad.clone()
         pm.optimizer.step()
         pm.optimizer.zero_grad()
-    return dict(losses=losses, grads=grads, pp=pm.pp_index, dp=pm.dp_index, tp=pm.tp_index, last=pm.is_last)
+    return dict(losses=losses, grads=grads, norms=norms, pp=pm.pp_index, dp=pm.dp_index, tp=pm.tp_index,
+                last=pm.is_last)
 
 
 def _reference_slice(ref, key, tp, r):
@@ -109,6 +122,10 @@ def test_parallelized_gpt_matches_one_process(lay, ref):
     ref_losses, ref_grads = ref
     n = lay.dp * lay.tp * lay.pp
     results = [r.value for r in run_ranks(_rank, n, args=(lay,), timeout=120)]
+    if _clips(lay):  # ZeroOptimizer(pp_group=): every stage clips by the whole model's norm (was its own)
+        ref_losses, _, ref_norms = reference(CLIP)
+        for r in results:
+            assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (r["pp"], r["dp"], r["norms"], ref_norms)
     # Each DP replica's loss is the mean over its half of the batch: their average is the full batch's.
     for step in range(STEPS):
         replicas = [r["losses"][step] for r in results if r["last"] and r["tp"] == 0]

@@ -476,6 +476,7 @@ CONSTRUCT = {  # case: (call on a fresh model, exception type, words its message
     "bucket_inf": (lambda m: pz.ZeroOptimizer(m, AdamW, stage=3, bucket_mb=float("inf")), "ValueError",
                    ["bucket_mb", "inf"]),
     "tp_group_not_a_group": (lambda m: pz.ZeroOptimizer(m, AdamW, tp_group=2), "TypeError", ["tp_group:", "int"]),
+    "pp_group_not_a_group": (lambda m: pz.ZeroOptimizer(m, AdamW, pp_group=[0]), "TypeError", ["pp_group:", "list"]),
     "overlap_not_a_bool": (lambda m: pz.ZeroOptimizer(m, AdamW, overlap="no"), "TypeError", ["overlap", "'no'"]),
     "float64_model": (lambda m: pz.ZeroOptimizer(MLP().double(), AdamW), "ValueError", ["float64", "fp32 master"]),
     "sparse_embedding": (lambda m: pz.ZeroOptimizer(nn.Sequential(nn.Embedding(5, 3, sparse=True)), AdamW),

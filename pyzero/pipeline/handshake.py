@@ -7,8 +7,9 @@ its peers waiting for activations that never come.
 * ``check_config``: once, in Pipeline's constructor, every rank's
   num_microbatches, schedule and stage tag (from split_sequential), gathered.
 * ``agree_step``: each train_step, one small all-reduce (max) of the batch
-  sizes the first stage (inputs) and the last stage (targets) see, and
-  whether the micro-batch shape changed since the last step.
+  sizes the first stage (inputs) and the last stage (targets) see, whether
+  the micro-batch shape changed since the last step, and of a rank that
+  runs it with gradients disabled.
 * ``encode_header`` / ``decode_header``: the shape and dtype of a stage's
   output, sent to the next stage before the first activation of a step
   whose micro-batch shape changed (so the first step), never otherwise.
@@ -103,10 +104,18 @@ def agree_step(inputs, targets, loss_fn, m: int, first: bool, last: bool, signat
     changed = 0
     if first and b_in > 0 and b_in % m == 0:
         changed = int(signature_of(inputs, m) != signature)
-    vec = torch.tensor([b_in, _batch(targets) if last else _ABSENT, int(last and not callable(loss_fn)), changed],
-                       dtype=torch.int64, device=group.tensor_device)
+    no_grad = 0 if torch.is_grad_enabled() else group.rank + 1  # (the last such rank, named on every rank)
+    vec = torch.tensor([no_grad, b_in, _batch(targets) if last else _ABSENT, int(last and not callable(loss_fn)),
+                        changed], dtype=torch.int64, device=group.tensor_device)
     comm.all_reduce(vec, op="max", group=group)
-    b_in, b_tgt, bad_loss, changed = vec.tolist()
+    no_grad, b_in, b_tgt, bad_loss, changed = vec.tolist()
+    if no_grad:
+        r = no_grad - 1
+        raise RuntimeError(f"train_step: called under torch.no_grad() (or inference_mode) on pipeline rank {r} "
+                           f"(global rank {group.ranks[r]}); it runs forward and backward and adds to the "
+                           "parameters' .grad, so an evaluation pass through it would change the gradients being "
+                           "accumulated: run evaluation outside train_step, and train_step with gradients enabled "
+                           "on every rank")
     where_first, where_last = f"global rank {group.ranks[0]}", f"global rank {group.ranks[-1]}"
     if b_in == _BAD:
         got = f", got {type(inputs).__name__}" if first else ""

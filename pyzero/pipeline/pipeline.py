@@ -26,6 +26,7 @@ micro-batch shape changed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..parallel import DataParallel
+from ..zero import owner as zero_owner
 from . import handshake
 from .schedules import FORWARD, SCHEDULES, bubble_fraction, comm_steps
 
@@ -59,6 +62,18 @@ class PipelineStats:
     bubble_formula: float
 
 
+def _setting(name: str, doc: str) -> property:
+    """A read-only attribute: a setting every rank of the group agreed on when the Pipeline was built."""
+    def get(self):
+        return self._config[name]
+
+    def refuse(self, value):
+        raise AttributeError(f"{name}: fixed when the Pipeline is built (every rank of the group agreed on it "
+                             "then, and the schedule's actions are laid out for it); build a new "
+                             "pz.pipeline.Pipeline on every rank of the group instead")
+    return property(get, refuse, doc=doc)
+
+
 class Pipeline:
     """Runs ``stage_module`` as stage ``group.rank`` of a pipeline over ``group``.
 
@@ -67,8 +82,10 @@ class Pipeline:
     ``schedule``: "1f1b" (activations of at most p micro-batches held) or "gpipe" (all m).
     ``group``: the pipeline group (None: the world); with data parallelism, one
     pipeline group per replica, and gradients averaged over the DP group after
-    train_step. Every rank of the group constructs its Pipeline together (a
-    collective check that the ranks agree).
+    train_step, or once per train_step by a pz.DataParallel stage module or a
+    ZeroOptimizer training the stage (see [Note: one gradient reduction per step]).
+    Every rank of the group constructs its Pipeline together (a collective check
+    that the ranks agree); the settings are read-only after.
     """
 
     def __init__(self, stage_module: nn.Module, num_microbatches: int, schedule: str = "1f1b", group=None):
@@ -80,9 +97,9 @@ class Pipeline:
             raise ValueError(f"group: this process (global rank {comm.get_rank()}) is not a member of the pipeline "
                              f"group {list(g.ranks)}")
         handshake.check_config(stage_module, num_microbatches, schedule, g)
-        self.module, self.group = stage_module, g
-        self.num_microbatches, self.schedule = num_microbatches, schedule
-        self.stage, self.num_stages = g.rank, g.size
+        # (read-only: the ranks agreed on them here, and the schedule's actions are built from them)
+        self._config = {"module": stage_module, "group": g, "num_microbatches": num_microbatches,
+                        "schedule": schedule, "stage": g.rank, "num_stages": g.size}
         self._actions = SCHEDULES[schedule](self.stage, self.num_stages, num_microbatches)
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         self._prev = None if first else g.ranks[self.stage - 1]
@@ -92,6 +109,13 @@ class Pipeline:
         self._in_meta = None    # other stages: (shape, dtype) of the activations received
         self._out_meta = None   # stages but the last: (shape, dtype) announced to the next stage
         self.stats: PipelineStats | None = None
+
+    module = _setting("module", "This rank's stage.")
+    group = _setting("group", "The pipeline group.")
+    num_microbatches = _setting("num_microbatches", "m: the number of equal parts each batch is split into.")
+    schedule = _setting("schedule", '"1f1b" or "gpipe".')
+    stage = _setting("stage", "This rank's stage: its rank in the group.")
+    num_stages = _setting("num_stages", "The number of stages: the group's size.")
 
     @property
     def is_first(self) -> bool:
@@ -114,18 +138,15 @@ class Pipeline:
         ``reduction="sum"``, the gradients and the returned loss are the full
         batch's divided by m.) A parameter no gradient reaches (a stage after it
         detaches its input, say) keeps ``.grad`` None, as under one backward.
-        Under ``torch.no_grad()`` it raises: it would still run the backward and
-        add to ``.grad`` (there is no forward-only pass through the pipeline).
+        Under ``torch.no_grad()`` (on any rank) it raises on every rank: it would
+        still run the backward and add to ``.grad`` (there is no forward-only pass
+        through the pipeline).
 
         Bad arguments raise the same error on every rank before anything is
         sent, and leave the pipeline usable. An error inside a stage's own
         forward or backward ends the pipeline: its peers fail once it exits
         (or at the group's timeout).
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError("train_step: called under torch.no_grad() (or inference_mode); it runs forward and "
-                               "backward and adds to the parameters' .grad, so an evaluation pass through it would "
-                               "change the gradients being accumulated: run evaluation outside train_step")
         t_start = time.perf_counter()
         m = self.num_microbatches
         changed = handshake.agree_step(inputs, targets, loss_fn, m, self.is_first, self.is_last, self._signature,
@@ -143,6 +164,7 @@ class Pipeline:
         outbox: dict[tuple, torch.Tensor] = {}  # messages to send, until their group goes out
         sends_in_flight: list = []  # Works of send-only groups, waited at the end
         busy, max_inflight, loss_sum = 0.0, 0, 0.0  # loss_sum becomes a tensor: no host sync per micro-batch
+        reduction = _OneReduction(self.module, m)
         trainable = self.is_last and any(p.requires_grad for p in self.module.parameters())
 
         def needs(i):
@@ -167,7 +189,7 @@ class Pipeline:
                 if not self.is_first and x.is_floating_point():
                     x.requires_grad_()
                 t0 = time.perf_counter()
-                with torch.enable_grad():
+                with torch.enable_grad(), reduction.forward():
                     try:
                         out = self.module(x)
                     except RuntimeError as e:
@@ -203,8 +225,13 @@ class Pipeline:
                     flows = bool(grad[-1] != 0)
                     grad = grad[:-1].view(out.shape)
                 t0 = time.perf_counter()
-                if flows and out.requires_grad:  # (False for a stage without parameters fed by inputs)
-                    torch.autograd.backward(out, grad)
+                runs = flows and out.requires_grad  # (False for a stage without parameters fed by inputs)
+                zeros = not runs and out.requires_grad and reduction.waiting(j)
+                with reduction.backward(j, runs or zeros):
+                    if runs:
+                        torch.autograd.backward(out, grad)
+                    elif zeros:  # the reduction of the earlier micro-batches' gradients
+                        torch.autograd.backward(out, torch.zeros_like(out))
                 busy += time.perf_counter() - t0
                 if not self.is_first and x.is_floating_point():
                     if x.grad is not None:
@@ -263,6 +290,46 @@ class Pipeline:
                              "micro-batch with this input shape): a stage must map equal input shapes to equal "
                              "output shapes")
         outbox[("act", j)] = out.detach().contiguous()
+
+
+class _OneReduction:
+    """[Note: one gradient reduction per step] A data-parallel stage reduces its gradients once per
+    train_step, in the backward of the last micro-batch (the last action of every schedule), as gradient
+    accumulation under no_sync does; reduced in every micro-batch's backward, it sent m times the bytes.
+
+    * A pz.DataParallel stage module decides at forward whether the backward reduces (as torch DDP), and
+      the schedules run later forwards before earlier backwards: every forward runs under its no_sync()
+      and its reducer is armed just before the last backward (unless train_step runs inside the
+      wrapper's own no_sync(): then nothing reduces, as asked).
+    * A ZeroOptimizer training the stage (stages 2 and 3 reduce during backward) decides at backward:
+      the backwards of micro-batches 0..m-2 run under its no_sync().
+
+    Where the last micro-batch's backward would not reach the stage (a later stage detached it for that
+    micro-batch only) while an earlier one did, a backward of zeros makes the reduction.
+    """
+
+    def __init__(self, module: nn.Module, m: int):
+        arm = getattr(getattr(module, "reducer", None), "arm", None)
+        self.dp = module if m > 1 and isinstance(module, DataParallel) and callable(arm) else None
+        self.zero = zero_owner(module) if m > 1 and self.dp is None else None
+        self.sync = self.dp is not None and getattr(module, "_require_sync", True)  # (not inside its no_sync)
+        self.last, self.ran = m - 1, False
+
+    def forward(self):
+        return self.dp.no_sync() if self.dp is not None else contextlib.nullcontext()
+
+    def waiting(self, j: int) -> bool:
+        """Whether backward j is the last and an earlier one's gradients wait for its reduction."""
+        return j == self.last and self.ran and (self.dp is not None or self.zero is not None)
+
+    def backward(self, j: int, runs: bool):
+        """The context of backward j (`runs`: whether one runs)."""
+        self.ran = self.ran or runs
+        if j == self.last:
+            if self.dp is not None and runs:
+                self.dp.reducer.arm(self.sync)
+            return contextlib.nullcontext()
+        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
 
 
 def _check_loss(loss):

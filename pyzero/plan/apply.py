@@ -26,7 +26,8 @@ rank = (pp_i * dp + dp_i) * tp + tp_i. On its stage a rank holds:
 * Micro-batches without a pipeline: gradient accumulation, one forward and
   backward per micro-batch (DataParallel under no_sync until the last).
 * DP: ``pz.DataParallel`` (stage 0, no pipeline), ``pz.ZeroOptimizer`` over the
-  DP group with ``tp_group`` (stages 1-3), or for stage 0 with a pipeline one
+  DP group with ``tp_group`` and ``pp_group`` (stages 1-3; its clipping norm counts
+  the tied embedding once, on the first stage), or for stage 0 with a pipeline one
   all-reduce of the gradients after the pipeline flush.
 
 The embedding and head stay replicated over TP (not vocab-parallel); the
@@ -200,6 +201,8 @@ class ParallelGPT(nn.Module):
             raise ValueError(f"plan: pp={lay.pp} > the model's {L} blocks")
         wte = model.wte
         head_w = wte.weight if lay.pp == 1 else nn.Parameter(wte.weight.detach().clone())
+        if lay.pp > 1:
+            head_w.pp_shared = True  # ZeroOptimizer's clipping norm counts the first stage's embedding, not this copy
         seq = nn.Sequential(_Embed(wte, model.wpe, sp_group), *model.blocks, _Head(model.ln_f, head_w, sp_group))
         stage = split_sequential(seq, lay.pp, costs=[0] + [1] * L + [0])[self.pp_index] if lay.pp > 1 else seq
         for name, child in list(stage.named_children()):
@@ -216,7 +219,7 @@ class ParallelGPT(nn.Module):
             self.optimizer = optimizer_class(stage.parameters(), **optimizer_kwargs)
         else:
             self.optimizer = ZeroOptimizer(stage, optimizer_class, stage=lay.stage, group=self.dp_group,
-                                           tp_group=self.tp_group, **optimizer_kwargs)
+                                           tp_group=self.tp_group, pp_group=self.pp_group, **optimizer_kwargs)
 
     @property
     def is_last(self) -> bool:

@@ -209,6 +209,7 @@ class CollectiveCall(NamedTuple):
     counts: list[int] | None  # elements per rank when uneven, None for numel / world each
 
 
+_SCALING = ("scale", "growth_factor", "backoff_factor", "growth_interval", "dynamic", "min_scale")
 _ZEROPP_OPTIONS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -224,6 +225,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``loss_scale`` (None, "dynamic", a number or a dict of zero.scaler.LossScaler arguments)
     turns on fp16 loss scaling: backward on ``opt.scale_loss(loss)``; a step whose gradients
     overflow on any rank is skipped everywhere (see zero/scaler.py).
+    ``tp_group`` / ``pp_group``: with tensor / pipeline parallelism, the group of the ranks holding
+    the other parts / stages of this rank's model, over which clip_grad_norm_'s norm and the
+    overflow check are combined too (so they are those of the whole model).
     """
 
     def __new__(cls, model=None, optimizer_class=None, stage=2, *args, **kwargs):
@@ -236,7 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model, optimizer_class, stage=2, bucket_mb=25, overlap=True, param_dtype=None,
                  comm_dtype=None, group=None, param_groups=None, tp_group=None, loss_scale=None, offload=None,
                  nvme_path=None, offload_params=False, offload_moments=None, delayed_update=False,
-                 offload_pipeline=None, **optimizer_kwargs):
+                 offload_pipeline=None, pp_group=None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if any(isinstance(m, DataParallel) for m in model.modules()):
@@ -282,6 +286,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.tp_group = None if tp_group is None else comm.resolve_group(tp_group)
         except TypeError as e:
             raise TypeError(f"tp_group: {str(e).removeprefix('group: ')}") from None
+        # With pipeline parallelism (pz.pipeline): the ranks holding the other stages of this rank's part of the
+        # model; clipping adds their norms and the overflow check their flags (see _check_pp).
+        try:
+            self.pp_group = None if pp_group is None else comm.resolve_group(pp_group)
+        except TypeError as e:
+            raise TypeError(f"pp_group: {str(e).removeprefix('group: ')}") from None
         self.group.backend  # raises unless this rank is a member
         self.world, self.rank = self.group.size, self.group.rank
         self._check_group()
@@ -294,6 +304,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"comm_dtype: stage 1 reduces the gradients in the model's dtype ({model_dtype}), "
                                  f"got {comm_dtype}; comm_dtype sets the reduction of stages 2 and 3")
         self._check_tp(model)
+        self._check_pp()
         check_same_parameters(model, self.group, "model")
         if any(_owner_of(p) is not None for p in self.params):
             raise ValueError("model: its parameters already belong to another ZeroOptimizer (its hooks and "
@@ -757,6 +768,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  f"{list(tp)}, got {got}; pass that group (dp, tp = pz.mesh(...); "
                                  "ZeroOptimizer(..., group=dp, tp_group=tp))")
 
+    def _check_pp(self) -> None:
+        """pp_group: the ranks holding the other pipeline stages of this rank's part of the model, one per
+        stage (a Pipeline's group), none of them in `group` or `tp_group`; each stage's norm and overflow
+        flag count once. Every rank of it builds its ZeroOptimizer with it (one all_gather over it) and the
+        same loss scaling: the last stage scales the loss, and every stage unscales by its own scale. Bad
+        values raise on every rank of pp_group."""
+        pp = self.pp_group
+        if pp is None:
+            return
+        me = comm.get_rank()
+        if pp.rank < 0:
+            raise ValueError(f"pp_group: this process (global rank {me}) is not a member of the group "
+                             f"{list(pp.ranks)}; expected the pipeline group holding this rank's stage")
+        error = None
+        for name, g in (("group", self.group), ("tp_group", self.tp_group)):
+            shared = sorted(set(pp.ranks) & set(g.ranks) - {me}) if g is not None else []
+            if shared and error is None:
+                error = ValueError(f"pp_group: global ranks {shared} are in both pp_group {list(pp.ranks)} and "
+                                   f"{name} {list(g.ranks)}; expected the pipeline group of this rank's stage "
+                                   "(one rank per stage, this rank's peers in no other group of the optimizer), "
+                                   "whose norms and overflow flags add to this group's")
+        scaling = None if self.scaler is None else [self.scaler.scale, self.scaler.growth_factor,
+                                                    self.scaler.backoff_factor, self.scaler.growth_interval,
+                                                    self.scaler.dynamic, self.scaler.min_scale]
+        rows = comm.every_rank([int(error is None), digest(json.dumps(scaling).encode(), 7)], group=pp).tolist()
+        if error is not None:
+            raise error
+        bad = [r for r, row in enumerate(rows) if not row[0]]
+        if bad:
+            raise ValueError(f"pp_group: pipeline rank {bad[0]} (global rank {pp.ranks[bad[0]]}) of "
+                             f"{list(pp.ranks)} got a pp_group that shares ranks with its group or tp_group")
+        if len({row[1] for row in rows}) > 1:
+            raise ValueError(f"loss_scale: differs between the ranks of pp_group {list(pp.ranks)} (this rank's: "
+                             f"{'None' if scaling is None else dict(zip(_SCALING, scaling))}); the last stage "
+                             "scales the loss with its scale and every stage unscales its gradients by its own, so "
+                             "every stage's ZeroOptimizer needs the same loss_scale (and scaler state)")
+
     def _check_group(self):
         """Refuse options the group cannot take, before anything touches the model (a stage's own checks)."""
 
@@ -915,20 +963,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Pieces in model order: with one rank these are whole parameters, in torch's order.
         grads = [self.pieces[k][2] for k in self._model_order]
         where = self._grads_device()
-        if grads:
-            # (16-bit host shards, see [Note: offload pipeline]: each norm computed in fp32, as of the
-            # widened values)
-            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(
-                g, norm_type, dtype=None if g.dtype == torch.float32 else torch.float32) for g in grads]), norm_type)
+        split = any(g is not None and g.size > 1 for g in (self.tp_group, self.pp_group))
+        if split:  # (in fp64, of every piece's elements: see _split_norm)
+            total = self._split_norm(norm_type, where)
         else:
-            local = torch.zeros((), device=where)
-        tp = self.tp_group is not None and self.tp_group.size > 1
-        total = self._tp_norm(grads, norm_type, where) if tp else self._combine_norms(local, norm_type)
+            if grads:
+                # (16-bit host shards, see [Note: offload pipeline]: each norm computed in fp32, as of the
+                # widened values)
+                local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(
+                    g, norm_type, dtype=None if g.dtype == torch.float32 else torch.float32) for g in grads]),
+                    norm_type)
+            else:
+                local = torch.zeros((), device=where)
+            total = self._combine_norms(local, norm_type)
         if self._host and self.scaler is not None:
             # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
             # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
             total = total * (1.0 / self.scaler.scale)
-            if not tp and not torch.isfinite(total):  # (the same total on every rank)
+            if not split and not torch.isfinite(total):  # (the same total on every rank)
                 # The gradients are finite (_check_overflow), but the fp32 squares of scaled ones overflow once
                 # the norm times the scale passes about 1.8e19 (a scale of 2**64, which dynamic scaling reaches
                 # in bf16 and fp32, with a norm of 1): again in fp64, unscaled before the ranks combine them.
@@ -975,24 +1027,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm.all_reduce(dev, op=op, group=group)
         return dev.to(t.device)
 
-    def _tp_norm(self, grads, norm_type, where):
-        """Norm over the DP shards and the TP parts: TP-sharded parameters summed over the TP
-        group, replicated ones (identical on every TP rank) counted once."""
-        sharded = [getattr(self.params[self._owner[k]], "tp_sharded", False) for k in self._model_order]
+    def _split_norm(self, norm_type, where):
+        """Norm over the DP shards, the TP parts and the pipeline stages, in fp64: TP-sharded parameters
+        summed over the TP group, replicated ones (identical on every TP rank) counted once, each stage's
+        part added over pp_group, where a parameter marked ``pp_shared`` (a copy of one an earlier stage
+        holds and counts, e.g. a tied embedding) is left out."""
+        pp = self.pp_group is not None and self.pp_group.size > 1
+        order = [k for k in self._model_order
+                 if not (pp and getattr(self.params[self._owner[k]], "pp_shared", False))]
+        grads = [self.pieces[k][2] for k in order]
+        sharded = [getattr(self.params[self._owner[k]], "tp_sharded", False) for k in order]
+        tp = self.tp_group if self.tp_group is not None and self.tp_group.size > 1 else None
         if norm_type == float("inf"):  # a max counts replicated values any number of times
             acc = torch.zeros(1, dtype=torch.float64, device=where)
             for g in grads:
                 if g.numel():
                     torch.maximum(acc, g.abs().max().to(torch.float64), out=acc)
-            for g in (self.group, self.tp_group):
-                acc = self._all_reduce_small(acc, "max", g)
+            for g in (self.group, tp, self.pp_group):
+                if g is not None and g.size > 1:
+                    acc = self._all_reduce_small(acc, "max", g)
             return acc[0].to(torch.float32)
         acc = torch.zeros(2, dtype=torch.float64, device=where)
         for g, is_tp in zip(grads, sharded):
             acc[0 if is_tp else 1] += g.to(torch.float64).abs().pow(norm_type).sum()
-        acc = self._all_reduce_small(acc, "sum", self.group)
-        part = self._all_reduce_small(acc[:1].clone(), "sum", self.tp_group)
-        return (part[0] + acc[1]).pow(1.0 / norm_type).to(torch.float32)
+        if self.world > 1:
+            acc = self._all_reduce_small(acc, "sum", self.group)
+        part = acc[:1] if tp is None else self._all_reduce_small(acc[:1].clone(), "sum", tp)
+        total = (part[0] + acc[1]).reshape(1)
+        if pp:
+            total = self._all_reduce_small(total, "sum", self.pp_group)
+        return total[0].pow(1.0 / norm_type).to(torch.float32)
 
     def step(self, closure=None):
         """One optimizer step on the reduced gradients, between the hooks of register_step_pre_hook and
@@ -1416,7 +1480,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss if self.scaler is None else loss * self.scaler.scale
 
     def _check_overflow(self) -> bool:
-        """Once per step, on the reduced shards: inf/NaN on any rank (of the DP and TP groups)?
+        """Once per step, on the reduced shards: inf/NaN on any rank (of the DP, TP and pipeline groups)?
         If none, unscale the gradients in place (exact: the scale is a power of two); the host
         shards of host copies stay raw, the step unscales them (see _host_step)."""
         if self.scaler is None:
@@ -1426,7 +1490,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for g in self._shard_grads:
                 if g.numel():
                     torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype), out=bad)
-            for g in (self.group, self.tp_group):
+            for g in (self.group, self.tp_group, self.pp_group):
                 if g is not None and g.size > 1:
                     bad = self._all_reduce_small(bad, "max", g)
             self._overflow = bool(bad[0])

@@ -27,6 +27,7 @@ BucketReducer is generic over the collective: subclasses give ``_reduce``
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -248,10 +249,15 @@ def broadcast_coalesced(tensors, src: int, group) -> None:
             pack(work, flat, offsets)
         comm.broadcast(flat, src=src, group=group)
         if not is_src:
-            unpack(flat, work, offsets)
-            for t, w, d in zip(ts, work, direct):
-                if not d:
-                    t.copy_(w)
+            # As DDP's buffer broadcast, the copies keep the tensors' version counters: a buffer a forward saved
+            # for backward (two forwards, one backward) is not "modified by an inplace operation" by the next.
+            with contextlib.ExitStack() as versions:
+                for t in ts:
+                    versions.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+                unpack(flat, work, offsets)
+                for t, w, d in zip(ts, work, direct):
+                    if not d:
+                        t.copy_(w)
 
 
 # ---------------------------------------------------------------------------

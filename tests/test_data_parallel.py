@@ -1282,3 +1282,84 @@ def test_ranks_wrapping_different_parameter_shapes_are_refused(kind):
     name = "bias" if kind == "frozen" else "weight"
     for r, msg in enumerate(got):
         assert f"parameter {name!r} is" in msg and f"group rank(s) [{1 - r}]" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# A wrapped module changed, ranks that differ, several wrappers: one 2-rank run, several tests
+
+
+class _Scaled(nn.Module):
+    """A layer whose output a buffer scales; `mask` (bool) and `cols` (a non-contiguous float) are saved
+    for backward by the products that use them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+        self.register_buffer("cols", torch.arange(8.0).view(2, 4).t())
+
+    def forward(self, x):
+        return self.lin(x) * self.scale * self.mask * self.cols[:, 1]
+
+
+def _x(rank, rows=3, seed=0):
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(10 * seed + rank))
+
+
+def _grads(*modules):
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _rank_after_wrap():
+    pz.init(backend="shm", timeout=20)
+    r = pz.get_rank()
+    out = {}
+    torch.manual_seed(0)
+    m = _Scaled()
+    dp = pz.DataParallel(m)
+    # two forwards, one backward: the second broadcast leaves the first forward's saved buffers usable
+    m.scale.fill_(1.0)
+    a, b = dp(_x(r, seed=1)), dp(_x(r, seed=2))
+    m.zero_grad()
+    out["siamese"] = outcome(lambda: (a * b).sum().backward()), _grads(m)
+    return out
+
+
+@pytest.fixture(scope="module")
+def after_wrap():
+    return [res.value for res in run_ranks(_rank_after_wrap, 2, timeout=90)]
+
+
+def _mean(per_rank):
+    """The average of each rank's gradients, None where no rank has one (what DataParallel reduces)."""
+    out = []
+    for gs in zip(*per_rank):
+        have = [g for g in gs if g is not None]
+        out.append(None if not have else sum(g if g is not None else torch.zeros_like(have[0]) for g in gs) / 2)
+    return out
+
+
+def _assert_grads(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None), (g, w)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_two_forwards_one_backward_with_buffers_sent_through_a_copy(after_wrap):
+    """Buffers the collectives cannot write directly (bool, non-contiguous) were copied back in place,
+    bumping their version counters: two forwards then one backward (siamese) failed on rank 1 ("modified by
+    an inplace operation") while rank 0 waited. The copy keeps the counters, as DDP's broadcast does."""
+    torch.manual_seed(0)
+    ref = _Scaled()
+    per_rank = []
+    for r in range(2):
+        ref.zero_grad()
+        (ref(_x(r, seed=1)) * ref(_x(r, seed=2))).sum().backward()
+        per_rank.append(_grads(ref))
+    for out in after_wrap:
+        done, grads = out["siamese"]
+        assert done == ("ok", None), done
+        _assert_grads(grads, _mean(per_rank))

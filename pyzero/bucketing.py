@@ -522,7 +522,8 @@ class BucketReducer:
         # does that): prepare() then runs at the first gradient hook of the backward.
         self.prepare_at_backward = False
         self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
-        # used: got a gradient from autograd since the last reduction (no_sync steps included);
+        # used: got a gradient from autograd in this synced backward (one a no_sync backward left in p.grad is
+        # not missing: it is reduced as one set by hand is);
         # missing: had no gradient when its bucket was staged (stage() then attached a zeroed slot).
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
@@ -574,10 +575,12 @@ class BucketReducer:
         if self.prepare_at_backward:
             self.prepare_at_backward = False
             self.prepare()
+        # no_sync: the gradient accumulates where autograd keeps it and is not marked used (a parameter no rank
+        # uses in the next synced backward keeps grad None unless it holds such a gradient then)
+        if not self.sync:
+            return
         b, k = self._where[id(p)]
         self.used[b][k] = True
-        if not self.sync:  # (no_sync: the gradient accumulates where autograd keeps it)
-            return
         self.buckets[b].adopt(k)
         if self._launch_order.begin():
             self.log = []

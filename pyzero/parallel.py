@@ -55,7 +55,8 @@ class _AllReduceBuckets(BucketReducer):
     def _launch(self, b: int) -> None:
         super()._launch(b)
         if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
-            # used: autograd made it here, or it was set by hand (then every rank keeps a gradient)
+            # used: autograd made it in this backward, or it had a gradient before (set by hand, or accumulated
+            # under no_sync: then every rank keeps one)
             flags = [u or not m for us, ms in zip(self.used, self.missing) for u, m in zip(us, ms)]
             missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
             droppable = [self.names[self.specs[i].params[k]] for i, (ms, us) in enumerate(zip(missing, self.used))

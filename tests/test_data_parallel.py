@@ -1303,6 +1303,18 @@ class _Scaled(nn.Module):
         return self.lin(x) * self.scale * self.mask * self.cols[:, 1]
 
 
+class _Two(nn.Module):
+    """Two layers; the second used only where `second` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, second=True):
+        h = self.a(x)
+        return self.b(h) if second else h
+
+
 def _x(rank, rows=3, seed=0):
     return torch.randn(rows, 4, generator=torch.Generator().manual_seed(10 * seed + rank))
 
@@ -1323,6 +1335,15 @@ def _rank_after_wrap():
     a, b = dp(_x(r, seed=1)), dp(_x(r, seed=2))
     m.zero_grad()
     out["siamese"] = outcome(lambda: (a * b).sum().backward()), _grads(m)
+    # no_sync marks nothing used: a parameter no rank uses in the synced step keeps grad None
+    torch.manual_seed(0)
+    t = _Two()
+    dt = pz.DataParallel(t)
+    with dt.no_sync():
+        dt(_x(r)).sum().backward()
+    t.zero_grad()
+    dt(_x(r, seed=1), second=False).sum().backward()
+    out["no_sync then unused"] = _grads(t)
     return out
 
 
@@ -1363,3 +1384,18 @@ def test_two_forwards_one_backward_with_buffers_sent_through_a_copy(after_wrap):
         done, grads = out["siamese"]
         assert done == ("ok", None), done
         _assert_grads(grads, _mean(per_rank))
+
+
+def test_no_sync_backward_marks_no_parameter_used(after_wrap):
+    """A backward under no_sync marked its parameters used for the next synced backward: one no rank used
+    there got a zero gradient (stepped by weight decay and momentum) instead of None, as in one process."""
+    torch.manual_seed(0)
+    ref = _Two()
+    per_rank = []
+    for r in range(2):
+        ref.zero_grad()
+        ref(_x(r, seed=1), second=False).sum().backward()
+        per_rank.append(_grads(ref))
+    for out in after_wrap:
+        _assert_grads(out["no_sync then unused"], _mean(per_rank))
+        assert out["no_sync then unused"][1] is None

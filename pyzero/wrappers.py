@@ -52,6 +52,28 @@ def refuse_accelerate(module, what: str) -> None:
                            f"and clips nothing, and its checkpoints hold one rank's shard; {USE_INSTEAD}")
 
 
+# Parameters, buffers and submodules registered in this process since pyzero first asked (torch's global
+# registration hooks count them): a wrapper walks its model again (parameters it does not know, its buffers)
+# only after one was registered somewhere, not at every training forward.
+_registrations = [0]
+
+
+def registrations() -> int:
+    """How many parameters, buffers and submodules have been registered on any module in this process
+    (counted from the first call, which installs torch's global registration hooks): a changed count says a
+    model may have changed (a layer added or replaced, a buffer registered or assigned)."""
+    if not _registrations[0]:
+        from torch.nn.modules import module as torch_module  # noqa: PLC0415
+
+        def count(*args):
+            _registrations[0] += 1
+        torch_module.register_module_parameter_registration_hook(count)
+        torch_module.register_module_buffer_registration_hook(count)
+        torch_module.register_module_module_registration_hook(count)
+        _registrations[0] = 1
+    return _registrations[0]
+
+
 def default_group_batchnorms(module) -> list[str]:
     """Names of `module`'s nn.SyncBatchNorm layers that sync over torch.distributed's default group."""
     return [name or "(the model)" for name, m in module.named_modules()

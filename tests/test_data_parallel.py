@@ -1330,6 +1330,30 @@ def _rank_after_wrap():
     torch.manual_seed(0)
     m = _Scaled()
     dp = pz.DataParallel(m)
+    # buffers replaced or added after wrapping are broadcast from rank 0 at the next training forward
+    m.scale = torch.full((4,), 2.0 + r)
+    out["replaced"] = dp(_x(r)).detach(), m.scale.clone()
+    m.register_buffer("extra", torch.full((2,), 5.0 + r))
+    dp(_x(r))
+    out["registered"] = m.extra.clone()
+    m.load_state_dict({"scale": torch.full((4,), 3.0 + r)}, strict=False, assign=True)
+    out["assigned"] = dp(_x(r)).detach(), m.scale.clone()
+    m.scale.fill_(4.0 + r)
+    with torch.no_grad():  # (converted parameters are refused at a grad-enabled forward only)
+        m.double()  # new buffers, in the same slots
+        dp(_x(r).double())
+        out["converted"] = m.scale.clone()
+        m.float()
+    m.extra = torch.zeros(4, dtype=torch.uint16)
+    out["uint16 later"] = outcome(lambda: dp(_x(r)))
+    del m.extra
+    # a buffer whose elements share memory (rank 1 failed in torch's copy, rank 0 waited): refused, naming it
+    m.register_buffer("extra", torch.zeros(1).expand(3))
+    out["expanded later"] = outcome(lambda: dp(_x(r)))
+    del m.extra
+    b = nn.Linear(2, 2)
+    b.register_buffer("s", torch.ones(1).expand(3))
+    out["expanded at wrap"] = outcome(lambda: pz.DataParallel(b))
     # two forwards, one backward: the second broadcast leaves the first forward's saved buffers usable
     m.scale.fill_(1.0)
     a, b = dp(_x(r, seed=1)), dp(_x(r, seed=2))
@@ -1367,6 +1391,39 @@ def _assert_grads(got, want):
         assert (g is None) == (w is None), (g, w)
         if w is not None:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_buffers_replaced_after_wrap_are_broadcast(after_wrap):
+    """A buffer replaced (attribute, load_state_dict(assign=True), module.double()) or registered after
+    wrapping was never sent again (the wrapper kept the list it made at wrap time): the ranks' buffers
+    drifted apart, silently. Now every training forward takes rank 0's, as DDP re-reads the buffers
+    before each sync; a new one the broadcast cannot carry is refused, naming it, on every rank."""
+    for r, out in enumerate(after_wrap):
+        torch.manual_seed(0)
+        ref = _Scaled()
+        y, scale = out["replaced"]
+        assert torch.equal(scale, torch.full((4,), 2.0))
+        ref.scale = torch.full((4,), 2.0)
+        torch.testing.assert_close(y, ref(_x(r)).detach())
+        assert torch.equal(out["registered"], torch.full((2,), 5.0))
+        y, scale = out["assigned"]
+        assert torch.equal(scale, torch.full((4,), 3.0))
+        ref.scale = torch.full((4,), 3.0)
+        torch.testing.assert_close(y, ref(_x(r)).detach())
+        assert torch.equal(out["converted"], torch.full((4,), 4.0, dtype=torch.float64))
+        kind, msg = out["uint16 later"]
+        assert kind == "RuntimeError" and "buffer 'extra' has dtype torch.uint16" in msg, msg
+
+
+def test_buffers_sharing_memory_are_refused_naming_them(after_wrap):
+    """An expand()ed buffer: the broadcast's copy into it raised on rank 1 only (torch refuses to write
+    elements that share memory) while rank 0 waited. Refused on every rank, at wrap or at the forward
+    after it was set."""
+    for out in after_wrap:
+        kind, msg = out["expanded later"]
+        assert kind == "RuntimeError" and "buffer 'extra' has elements that share memory" in msg, msg
+        kind, msg = out["expanded at wrap"]
+        assert kind == "ValueError" and "buffer 's' has elements that share memory" in msg, msg
 
 
 def test_two_forwards_one_backward_with_buffers_sent_through_a_copy(after_wrap):

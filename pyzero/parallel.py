@@ -97,12 +97,14 @@ def _capturing(device: torch.device) -> bool:
     return device_capturing(device)
 
 
-def check_same_parameters(module: nn.Module, group, what: str) -> None:
+def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = True) -> None:
     """Raise on every rank unless every rank of `group` holds parameters of the same shapes, dtypes and
-    trainability, in the same order (as DDP checks at wrap time): with the same element count the
-    wrap-time broadcast and the flat buffers line up anyway, copying values into another layout
-    and averaging gradients of different layouts, silently. One all_gather of (count, digest); a
-    second, of each parameter's digest, only to name the first that differs."""
+    trainability, in the same order (as DDP checks at wrap time), and (`buffers`: they are broadcast too)
+    buffers of the same names, shapes and dtypes, in the same order: with the same element count the
+    wrap-time broadcast and the flat buffers line up anyway, copying values into another layout (or under
+    another buffer's name) and averaging gradients of different layouts, silently. One all_gather of
+    (count, digest) rows; a second, of each parameter's or buffer's digest, only to name the first that
+    differs."""
     named = list(module.named_parameters())
     digests = [digest(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(), 7) for _, p in named]
     # A tensor-parallel shard's place in its TP group (pz.tp marks it: tp_ranks): a data-parallel group whose
@@ -111,9 +113,14 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     me = group.ranks[group.rank]
     places = [_tp_place(getattr(p, "tp_ranks", ()), me) for _, p in named]
     whole = digest(repr(digests).encode(), 7)
-    rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7)], group=group)
+    bufs = list(module.named_buffers()) if buffers else []
+    buf_digests = [digest(f"{name}|{tuple(b.shape)}|{b.dtype}".encode(), 7) for name, b in bufs]
+    rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7), len(bufs),
+                            digest(repr(buf_digests).encode(), 7)], group=group)
     if bool((rows == rows[0]).all()):
         return
+    if bool((rows[:, :3] == rows[0, :3]).all()):
+        _refuse_other_buffers(bufs, buf_digests, rows[:, 3].tolist(), group, what)
     if bool((rows[:, :2] == rows[0, :2]).all()):
         every = comm.every_rank(places, group=group)
         i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
@@ -134,6 +141,20 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     raise ValueError(f"{what}: parameter {name!r} is {tuple(p.shape)} {p.dtype}"
                      f"{'' if p.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
                      f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
+
+
+def _refuse_other_buffers(bufs, digests, counts, group, what: str) -> None:
+    """Raise on every rank, naming the first buffer that differs between the ranks (check_same_parameters)."""
+    if len(set(counts)) > 1:
+        raise ValueError(f"{what}: the ranks' models differ: {counts} buffers on group ranks 0..{len(counts) - 1} "
+                         "(every rank must wrap the same model: the group's first rank's buffers are broadcast)")
+    every = comm.every_rank(digests, group=group)
+    i = next(i for i in range(len(bufs)) if not bool((every[:, i] == every[0, i]).all()))
+    name, b = bufs[i]
+    others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
+    raise ValueError(f"{what}: buffer {name!r} is {tuple(b.shape)} {b.dtype} on this rank and differs "
+                     f"in name, shape or dtype on group rank(s) {others}: every rank must wrap the same model (the "
+                     "group's first rank's buffers are broadcast, in order)")
 
 
 def _refuse_unbroadcastable(named, kind: str, overlap: bool = True, at_forward: bool = False) -> None:
@@ -227,7 +248,7 @@ class DataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check(module, named, g.device, broadcast_buffers)
         wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
-        check_same_parameters(module, g, "module")
+        check_same_parameters(module, g, "module", buffers=broadcast_buffers)
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
         # GPT-2's 148): those with buckets keep the dtype and device their buckets are laid out for, and

@@ -1368,6 +1368,23 @@ def _rank_after_wrap():
     t.zero_grad()
     dt(_x(r, seed=1), second=False).sum().backward()
     out["no_sync then unused"] = _grads(t)
+    # ranks whose buffers differ (same element count, or not): refused at wrap
+    for kind in ("transposed", "renamed", "dtype", "count"):
+        b = nn.Linear(2, 2)
+        if kind == "transposed":
+            b.register_buffer("s", torch.ones(2, 3) if r == 0 else torch.ones(3, 2))
+        elif kind == "renamed":
+            b.register_buffer("s" if r == 0 else "t", torch.ones(3))
+        elif kind == "dtype":
+            b.register_buffer("s", torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64))
+        else:
+            for i in range(1 + r):
+                b.register_buffer(f"s{i}", torch.ones(3))
+        out[f"buffers {kind}"] = outcome(lambda: pz.DataParallel(b))
+    out["buffers not broadcast"] = outcome(lambda: pz.DataParallel(b, broadcast_buffers=False))
+    t = torch.full((2,), float(r + 1))
+    pz.all_reduce(t)
+    out["group usable"] = t.tolist()
     return out
 
 
@@ -1456,3 +1473,20 @@ def test_no_sync_backward_marks_no_parameter_used(after_wrap):
     for out in after_wrap:
         _assert_grads(out["no_sync then unused"], _mean(per_rank))
         assert out["no_sync then unused"][1] is None
+
+
+def test_ranks_whose_buffers_differ_are_refused_naming_the_buffer(after_wrap):
+    """Buffers of the same element count but other shapes, names or order were broadcast into each other,
+    silently; other counts or dtypes failed in the broadcast naming no buffer. Refused at wrap, on every
+    rank (unless the buffers are not broadcast)."""
+    for r, out in enumerate(after_wrap):
+        for kind, name, shape in (("transposed", "s", (2, 3) if r == 0 else (3, 2)),
+                                  ("renamed", "s" if r == 0 else "t", (3,)), ("dtype", "s", (3,))):
+            err, msg = out[f"buffers {kind}"]
+            assert err == "ValueError" and f"buffer {name!r} is {shape}" in msg, msg
+            assert f"on group rank(s) [{1 - r}]" in msg, msg
+        assert out["buffers count"] == ("ValueError", "module: the ranks' models differ: [1, 2] buffers on group "
+                                        "ranks 0..1 (every rank must wrap the same model: the group's first rank's "
+                                        "buffers are broadcast)")
+        assert out["buffers not broadcast"] == ("ok", None)
+        assert out["group usable"] == [3.0, 3.0]

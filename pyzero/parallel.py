@@ -251,9 +251,9 @@ class DataParallel(nn.Module):
         check_same_parameters(module, g, "module", buffers=broadcast_buffers)
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
-        # GPT-2's 148): those with buckets keep the dtype and device their buckets are laid out for, and
-        # the frozen ones stay frozen.
-        self._bucketed = [(n, p, p.dtype, p.device) for n, p in named]
+        # GPT-2's 148): those with buckets keep the shape, dtype and device their buckets are laid out for,
+        # and the frozen ones stay frozen.
+        self._bucketed = [(n, p, p.shape, p.dtype, p.device) for n, p in named]
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.group = g
         self.broadcast_buffers = broadcast_buffers
@@ -364,8 +364,9 @@ class DataParallel(nn.Module):
     def _check_trainable(self) -> None:
         """Refuse parameters made trainable after wrapping: they have no bucket, their gradients
         would stay each rank's own."""
-        moved = [(n, (dtype, device), p) for n, p, dtype, device in self._bucketed
+        moved = [(n, (dtype, device), p) for n, p, _, dtype, device in self._bucketed
                  if p.dtype is not dtype or p.device != device]
+        reshaped = [(n, shape, p) for n, p, shape, _, _ in self._bucketed if p.shape != shape]
         late = [n for n, p in self._frozen if p.requires_grad]
         if self._registrations_seen != wrappers.registrations() and self._unknown_trainable():
             new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._known_ids]
@@ -378,6 +379,11 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"module: parameter {n!r} is {p.dtype} on {p.device} now, {dtype} on {device} when "
                                f"pz.DataParallel wrapped the module (its gradient bucket is laid out for that); "
                                f"convert the module before wrapping it")
+        if reshaped:
+            n, shape, p = reshaped[0]
+            raise RuntimeError(f"module: parameter {n!r} has shape {tuple(p.shape)} now, {tuple(shape)} when "
+                               "pz.DataParallel wrapped the module (its gradient bucket is laid out for that); "
+                               "change the module before wrapping it")
         if late:
             raise RuntimeError(f"module: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
                                f"after pz.DataParallel wrapped the module; their gradients would not be averaged "

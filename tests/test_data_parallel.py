@@ -1359,6 +1359,11 @@ def _rank_after_wrap():
     a, b = dp(_x(r, seed=1)), dp(_x(r, seed=2))
     m.zero_grad()
     out["siamese"] = outcome(lambda: (a * b).sum().backward()), _grads(m)
+    # a parameter reshaped after wrapping: refused naming it (its bucket slot has the old shape)
+    old = m.lin.weight.data
+    m.lin.weight.data = torch.zeros(2, 8)
+    out["reshaped"] = outcome(lambda: dp(_x(r)))
+    m.lin.weight.data = old
     # no_sync marks nothing used: a parameter no rank uses in the synced step keeps grad None
     torch.manual_seed(0)
     t = _Two()
@@ -1458,6 +1463,12 @@ def test_two_forwards_one_backward_with_buffers_sent_through_a_copy(after_wrap):
         done, grads = out["siamese"]
         assert done == ("ok", None), done
         _assert_grads(grads, _mean(per_rank))
+
+
+def test_parameter_reshaped_after_wrap_is_refused_naming_it(after_wrap):
+    for out in after_wrap:
+        kind, msg = out["reshaped"]
+        assert kind == "RuntimeError" and "parameter 'lin.weight' has shape (2, 8) now, (4, 4) when" in msg, msg
 
 
 def test_no_sync_backward_marks_no_parameter_used(after_wrap):

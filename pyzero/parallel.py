@@ -398,6 +398,11 @@ class DataParallel(nn.Module):
         self._registrations_seen = count
         return False
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("pz.DataParallel cannot be pickled or copied (torch.save(model), copy.deepcopy(model)): it "
+                        "holds this job's group and gradient buckets; save model.module (or model.state_dict()) "
+                        "instead, and wrap the module again after loading it")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Forwards (and their backwards) inside accumulate gradients locally; the first

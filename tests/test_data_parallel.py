@@ -5,6 +5,8 @@ Multi-rank runs are compared with one plain-torch process on the full batch
 the shard gradients is the full-batch gradient. Bucket assignment and the
 C++ pack/unpack loops are checked without ranks, against torch.cat / casts.
 """
+import copy
+import io
 import re
 import time
 
@@ -1364,6 +1366,8 @@ def _rank_after_wrap():
     m.lin.weight.data = torch.zeros(2, 8)
     out["reshaped"] = outcome(lambda: dp(_x(r)))
     m.lin.weight.data = old
+    out["deepcopy"] = outcome(lambda: copy.deepcopy(dp))
+    out["save"] = outcome(lambda: torch.save(dp, io.BytesIO()))
     # no_sync marks nothing used: a parameter no rank uses in the synced step keeps grad None
     torch.manual_seed(0)
     t = _Two()
@@ -1469,6 +1473,14 @@ def test_parameter_reshaped_after_wrap_is_refused_naming_it(after_wrap):
     for out in after_wrap:
         kind, msg = out["reshaped"]
         assert kind == "RuntimeError" and "parameter 'lin.weight' has shape (2, 8) now, (4, 4) when" in msg, msg
+
+
+def test_a_wrapper_cannot_be_pickled_or_copied(after_wrap):
+    for out in after_wrap:
+        for key in ("deepcopy", "save"):
+            kind, msg = out[key]
+            assert kind == "TypeError" and msg.startswith("pz.DataParallel cannot be pickled or copied"), msg
+            assert "save model.module" in msg, msg
 
 
 def test_no_sync_backward_marks_no_parameter_used(after_wrap):

@@ -262,7 +262,7 @@ class DataParallel(nn.Module):
         self._buffer_slots = [(m, key) for _, m, key in slots]
         self._buffer_list = [m._buffers[key] for _, m, key in slots]
         self._buffers_seen = wrappers.registrations()
-        self._sync_bn = wrappers.default_group_batchnorms(module)  # (checked at each training forward)
+        self._sync_bn = wrappers.SyncBatchNorms()  # (checked at each training forward)
         self._require_sync = True
         # (as DDP: the buffers too unless broadcast_buffers=False)
         broadcast_coalesced([p.detach() for p in module.parameters()] + (self._buffer_list if broadcast_buffers
@@ -349,7 +349,7 @@ class DataParallel(nn.Module):
                 if buffers:
                     broadcast_coalesced(buffers, self.group.ranks[0], self.group)
         if self.module.training and not compiling:
-            wrappers.refuse_unsynced_batchnorm(self._sync_bn, "pz.DataParallel", self.group.size)
+            self._sync_bn.refuse_unsynced(self.module, "pz.DataParallel", self.group.size)
         if torch.is_grad_enabled():
             if not compiling:
                 self._check_trainable()

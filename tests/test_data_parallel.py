@@ -1095,17 +1095,34 @@ def test_gradient_accumulated_twice_raises_on_every_rank(kind):
 
 def _rank_sync_batchnorm():
     """nn.SyncBatchNorm without torch.distributed: training forwards refused on every rank (it would
-    normalise by each rank's batch alone), eval forwards (running statistics) run; then started beside
-    pyzero (pyzero.distributed.init_torch) nothing is refused (torch's layer itself takes CUDA
-    tensors only: its error)."""
+    normalise by each rank's batch alone), also converted after wrapping, and with a pyzero group as
+    process_group, eval forwards (running statistics) run; then started beside pyzero
+    (pyzero.distributed.init_torch) nothing is refused (torch's layer itself takes CUDA tensors only:
+    its error) but a pyzero group as process_group."""
     pz.init(timeout=30)
     x = torch.randn(2, 4)
 
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
+
+    def plain():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     found = {"dp": outcome(lambda: pz.DataParallel(model())(x)),
              "zero": outcome(lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, lr=0.1).model(x))}
+    converted = pz.DataParallel(plain())
+    converted(x)  # (a first forward, with nn.BatchNorm1d)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(converted)
+    found["dp converted after"] = outcome(lambda: converted(x))
+    later = plain()
+    pz.ZeroOptimizer(later, torch.optim.SGD, lr=0.1)
+    later(x)
+    nn.SyncBatchNorm.convert_sync_batchnorm(later)
+    found["zero converted after"] = outcome(lambda: later(x))
+    group = pz.new_group([0, 1])
+    on_pz_group = pz.DataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(plain(), process_group=group), group=group)
+    found["pz group"] = outcome(lambda: on_pz_group(x))
     evaluated = model().eval()
     zero = pz.ZeroOptimizer(evaluated, torch.optim.SGD, stage=3, lr=0.1)
     with torch.no_grad():
@@ -1114,6 +1131,7 @@ def _rank_sync_batchnorm():
     pz.distributed.init_torch()
     found["started"] = before, torch.distributed.is_initialized(), str(torch.distributed.get_backend())
     found["dp_started"] = outcome(lambda: pz.DataParallel(model())(x))
+    found["pz group, started"] = outcome(lambda: on_pz_group(x))
     torch.distributed.destroy_process_group()
     return found
 
@@ -1121,10 +1139,15 @@ def _rank_sync_batchnorm():
 def test_sync_batchnorm_needs_torch_distributed():
     for r in run_ranks(_rank_sync_batchnorm, 2, timeout=60):
         found = r.value
-        for key, who in (("dp", "pz.DataParallel"), ("zero", "pz.ZeroOptimizer")):
+        for key, who in (("dp", "pz.DataParallel"), ("zero", "pz.ZeroOptimizer"),
+                         ("dp converted after", "pz.DataParallel"), ("zero converted after", "pz.ZeroOptimizer")):
             kind, msg = found[key]
-            assert kind == "RuntimeError" and msg.startswith(f"{who}: '1' is an nn.SyncBatchNorm"), msg
+            assert kind == "RuntimeError" and msg.startswith(f"{who}: '1' is an nn.SyncBatchNorm, which"), msg
             assert "pyzero.distributed.init_torch()" in msg, msg
+        for key in ("pz group", "pz group, started"):
+            kind, msg = found[key]
+            assert kind == "RuntimeError" and msg.startswith("pz.DataParallel: '1' is an nn.SyncBatchNorm whose "
+                                                             "process_group is a pyzero.comm.Group, not a torch"), msg
         assert found["eval"][0] == "ok", found["eval"]
         assert found["started"] == (False, True, "gloo")
         kind, msg = found["dp_started"]

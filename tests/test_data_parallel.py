@@ -1348,6 +1348,25 @@ def _grads(*modules):
     return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
 
 
+def _two_wrappers(r, **bucket):
+    """Gradients of two wrappers on one group reduced by one backward, A's second layer used on rank 0 only."""
+    out = {}
+    torch.manual_seed(0)
+    A, B = _Two(), _Two()
+    dA, dB = pz.DataParallel(A, **bucket), pz.DataParallel(B, **bucket)
+    dA(dB(_x(r)), second=r == 0).sum().backward()
+    out["nested"] = _grads(A, B)
+    # two losses, the one forwarded first backwarded first
+    for p in list(A.parameters()) + list(B.parameters()):
+        p.grad = None
+    lb = dB(_x(r, seed=1)).sum()
+    la = dA(_x(r, seed=2), second=r == 0).sum()
+    lb.backward()
+    la.backward()
+    out["apart"] = _grads(A, B)
+    return out
+
+
 def _rank_after_wrap():
     pz.init(backend="shm", timeout=20)
     r = pz.get_rank()
@@ -1414,6 +1433,9 @@ def _rank_after_wrap():
                 b.register_buffer(f"s{i}", torch.ones(3))
         out[f"buffers {kind}"] = outcome(lambda: pz.DataParallel(b))
     out["buffers not broadcast"] = outcome(lambda: pz.DataParallel(b, broadcast_buffers=False))
+    # two wrappers on one group, one backward: every rank launches their buckets in one order
+    out["two wrappers"] = _two_wrappers(r)
+    out["two wrappers, tiny buckets"] = _two_wrappers(r, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
     t = torch.full((2,), float(r + 1))
     pz.all_reduce(t)
     out["group usable"] = t.tolist()
@@ -1536,3 +1558,25 @@ def test_ranks_whose_buffers_differ_are_refused_naming_the_buffer(after_wrap):
                                         "buffers are broadcast)")
         assert out["buffers not broadcast"] == ("ok", None)
         assert out["group usable"] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("key", ["two wrappers", "two wrappers, tiny buckets"])
+def test_two_wrappers_on_one_group_reduce_in_one_order(after_wrap, key):
+    """Two wrappers reduced by one backward (dA(dB(x))), A's second layer used on rank 0 only: rank 1 held
+    A's bucket to the end of backward while B launched, so the ranks' all-reduces paired up crosswise and
+    each rank got the other wrapper's gradients, silently. Now they go wrapper after wrapper, in one order
+    on every rank; also for two losses backwarded apart."""
+    per_rank = {"nested": [], "apart": []}
+    for r in range(2):
+        torch.manual_seed(0)
+        A, B = _Two(), _Two()
+        A(B(_x(r)), second=r == 0).sum().backward()
+        per_rank["nested"].append(_grads(A, B))
+        A.zero_grad()
+        B.zero_grad()
+        B(_x(r, seed=1)).sum().backward()
+        A(_x(r, seed=2), second=r == 0).sum().backward()
+        per_rank["apart"].append(_grads(A, B))
+    for out in after_wrap:
+        for case in ("nested", "apart"):
+            _assert_grads(out[key][case], _mean(per_rank[case]))

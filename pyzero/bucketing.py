@@ -27,6 +27,9 @@ BucketReducer is generic over the collective: subclasses give ``_reduce``
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -248,10 +251,15 @@ def broadcast_coalesced(tensors, src: int, group) -> None:
             pack(work, flat, offsets)
         comm.broadcast(flat, src=src, group=group)
         if not is_src:
-            unpack(flat, work, offsets)
-            for t, w, d in zip(ts, work, direct):
-                if not d:
-                    t.copy_(w)
+            # As DDP's buffer broadcast, the copies keep the tensors' version counters: a buffer a forward saved
+            # for backward (two forwards, one backward) is not "modified by an inplace operation" by the next.
+            with contextlib.ExitStack() as versions:
+                for t in ts:
+                    versions.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+                unpack(flat, work, offsets)
+                for t, w, d in zip(ts, work, direct):
+                    if not d:
+                        t.copy_(w)
 
 
 # ---------------------------------------------------------------------------
@@ -446,7 +454,9 @@ class OrderedLaunch:
 
     ``abandon()`` is the caller's way to drop a backward that cannot finish
     (wait for what it launched, keep nothing, reset); ``ready`` calls it before
-    raising.
+    raising. A caller that must hold complete buckets back (reducers sharing a
+    group, see [Note: reducers sharing a group]) counts with ``ready(...,
+    launch=False)`` and launches with ``advance()`` when it may.
     """
 
     def __init__(self, sizes, launch, abandon):
@@ -468,10 +478,11 @@ class OrderedLaunch:
         self.in_backward = True
         return True
 
-    def ready(self, b: int, key, name: str) -> None:
+    def ready(self, b: int, key, name: str, launch: bool = True) -> None:
         """Gradient `key` (named `name`) of bucket b is ready: launch every bucket now complete
-        and next in order. A gradient coming twice in one backward raises (the count, and with
-        it what has been reduced, would be wrong), after abandon()."""
+        and next in order (unless `launch` is False: advance() does then). A gradient coming twice
+        in one backward raises (the count, and with it what has been reduced, would be wrong),
+        after abandon()."""
         if key in self._seen:
             self._abandon()
             raise RuntimeError(f"parameter {name!r}: its gradient was accumulated twice in one backward, "
@@ -479,8 +490,18 @@ class OrderedLaunch:
                                "second backward through the same graph are not supported with gradient sync on)")
         self._seen.add(key)
         self._pending[b] -= 1
+        if launch:
+            self.advance()
+
+    def advance(self) -> None:
+        """Launch every bucket now complete and next in order."""
         while self._next < len(self._sizes) and self._pending[self._next] == 0:
             self._fire(self._next)
+
+    @property
+    def launched(self) -> bool:
+        """Every bucket of this backward has launched."""
+        return self._next == len(self._sizes)
 
     def finish(self) -> None:
         """End of backward: launch every bucket not launched yet, in order."""
@@ -490,6 +511,88 @@ class OrderedLaunch:
     def _fire(self, b: int) -> None:
         self._next = b + 1
         self._launch(b)
+
+
+class GroupLaunches:
+    """The BucketReducers (DataParallel wrappers) of one group in this process, and the order their
+    collectives take when several reduce in one backward.
+
+    [Note: reducers sharing a group] One reducer launches its buckets in an order every rank shares
+    ([Note: bucket launch order]), but two wrappers reduced by one backward (dA(dB(x)), or two losses
+    summed) launch as their hooks fire, and the hooks fire in an order that depends on the graph: a
+    parameter some rank does not use holds its bucket back to the end of that rank's backward, while
+    the other wrapper launches. Same-sized collectives would pair up across ranks, silently (each rank
+    got the other's gradients). So when more than one reducer with buckets lives on a group, one
+    backward's collectives go reducer after reducer, in the serving order: the reducer with the most
+    recent synced eager forward first (backward runs the forwards in reverse; a compiled forward keeps
+    the reducer's place, as reading a counter in the graph would recompile it at each step), ties in
+    wrap order. A reducer launches nothing before every reducer ahead of it has launched all its
+    buckets (flags included), or, at the end of backward (when the engine runs the callbacks the
+    reducers queued), turned out to take no part in it: the end-of-backward callback first launches
+    what those ahead still hold, in order, then its own. Which parameters a rank used then changes
+    when a bucket launches, never the sequence of collectives, which is the serving order's
+    concatenation of each reducer's own sequence on every rank (as with torch DDP, every rank must run
+    the same forwards, and a wrapper that takes part in a backward must get at least one gradient on
+    every rank). A reducer alone on its group launches as it always did.
+    """
+
+    def __init__(self):
+        self._members: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> wrap order
+        self._joined = itertools.count()
+        self._forwards = 0
+
+    def join(self, reducer) -> None:
+        self._members[reducer] = next(self._joined)
+
+    def leave(self, reducer) -> None:
+        self._members.pop(reducer, None)
+
+    def forward(self, reducer) -> None:
+        """A synced forward of `reducer`: it moves to the front of the serving order."""
+        self._forwards += 1
+        reducer.forwarded = self._forwards
+
+    def serving(self) -> list | None:
+        """The serving order of the reducers that reduce a backward now (sync), or None when the group has
+        one reducer (it launches alone)."""
+        if len(self._members) < 2:
+            return None
+        members = [(r, order) for r, order in self._members.items() if r.sync]
+        return [r for r, _ in sorted(members, key=lambda m: (-m[0].forwarded, m[1]))]
+
+    @staticmethod
+    def advance(serving: list) -> None:
+        """Launch what may go now: each reducer's complete buckets, in order, up to the first reducer
+        that has not launched every bucket of this backward."""
+        for r in serving:
+            order = r._launch_order
+            if not order.in_backward:  # no gradient yet: it may still take part
+                return
+            order.advance()
+            if not order.launched:
+                return
+
+    @staticmethod
+    def finish_through(serving: list, reducer) -> None:
+        """End of backward for `reducer`: launch what the reducers ahead of it in this backward still hold,
+        in order, then its own."""
+        for r in serving:
+            if r is reducer:
+                break
+            if r._launch_order.in_backward:
+                r._launch_order.finish()
+        reducer._launch_order.finish()
+
+
+_group_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def group_launches(group) -> GroupLaunches:
+    """The GroupLaunches of `group` (made on first use)."""
+    launches = _group_launches.get(group)
+    if launches is None:
+        launches = _group_launches[group] = GroupLaunches()
+    return launches
 
 
 class BucketReducer:
@@ -516,12 +619,20 @@ class BucketReducer:
         # does that): prepare() then runs at the first gradient hook of the backward.
         self.prepare_at_backward = False
         self.log: list[tuple[int, str]] = []  # (bucket, "grad" | "launch" | "done") of the last synced backward
-        # used: got a gradient from autograd since the last reduction (no_sync steps included);
+        # used: got a gradient from autograd in this synced backward (one a no_sync backward left in p.grad is
+        # not missing: it is reduced as one set by hand is);
         # missing: had no gradient when its bucket was staged (stage() then attached a zeroed slot).
         self.used = [[False] * len(b.params) for b in self.buckets]
         self.missing = [[False] * len(b.params) for b in self.buckets]
         self._inflight = InFlight()
         self._launch_order = OrderedLaunch([len(b.params) for b in self.buckets], self._launch, self._discard)
+        # The other reducers of this group: see [Note: reducers sharing a group]. `forwarded` orders them;
+        # `_serving`: their serving order in a backward shared with others (None: launching alone).
+        self._launches = group_launches(group)
+        self.forwarded = 0
+        self._serving = None
+        if self.buckets:
+            self._launches.join(self)
         # (eager always: a backward run from a compiled function would have dynamo compile the hook, dropping
         # its writes to this object's flags)
         on_grad = torch.compiler.disable(self._on_grad, recursive=True)
@@ -542,12 +653,14 @@ class BucketReducer:
 
     def _reset(self) -> None:
         self._launch_order.reset()
+        self._serving = None
 
     def remove(self) -> None:
         """Unregister the gradient hooks."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._launches.leave(self)
 
     def prepare(self) -> None:
         """Before a forward whose backward will come: forget a previous backward that raised half-way."""
@@ -561,6 +674,8 @@ class BucketReducer:
         one backward) does not disarm it, as in DDP."""
         if sync:
             self.sync = self.armed = True
+            if not torch.compiler.is_compiling():  # see [Note: reducers sharing a group]
+                self._launches.forward(self)
         elif not self.armed:
             self.sync = False
 
@@ -568,16 +683,24 @@ class BucketReducer:
         if self.prepare_at_backward:
             self.prepare_at_backward = False
             self.prepare()
+        # no_sync: the gradient accumulates where autograd keeps it and is not marked used (a parameter no rank
+        # uses in the next synced backward keeps grad None unless it holds such a gradient then)
+        if not self.sync:
+            return
         b, k = self._where[id(p)]
         self.used[b][k] = True
-        if not self.sync:  # (no_sync: the gradient accumulates where autograd keeps it)
-            return
         self.buckets[b].adopt(k)
         if self._launch_order.begin():
             self.log = []
+            self._serving = self._launches.serving()
             _queue_callback(self._end_backward)
         self.log.append((b, "grad"))
-        self._launch_order.ready(b, id(p), self.names[self.specs[b].params[k]])
+        name = self.names[self.specs[b].params[k]]
+        if self._serving is None:
+            self._launch_order.ready(b, id(p), name)
+        else:  # see [Note: reducers sharing a group]
+            self._launch_order.ready(b, id(p), name, launch=False)
+            GroupLaunches.advance(self._serving)
 
     def _discard(self) -> None:
         """Forget a backward that did not finish: wait for its in-flight collectives (they
@@ -601,7 +724,10 @@ class BucketReducer:
     def _end_backward(self) -> None:
         try:
             self.armed = False
-            self._launch_order.finish()
+            if self._serving is None:
+                self._launch_order.finish()
+            else:
+                GroupLaunches.finish_through(self._serving, self)
             self.wait()
         finally:
             self._inflight.forget()  # after a bucket raised: the rest are neither waited for nor finalised

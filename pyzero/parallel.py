@@ -55,7 +55,8 @@ class _AllReduceBuckets(BucketReducer):
     def _launch(self, b: int) -> None:
         super()._launch(b)
         if b == len(self.buckets) - 1:  # every bucket launched: the flags are final
-            # used: autograd made it here, or it was set by hand (then every rank keeps a gradient)
+            # used: autograd made it in this backward, or it had a gradient before (set by hand, or accumulated
+            # under no_sync: then every rank keeps one)
             flags = [u or not m for us, ms in zip(self.used, self.missing) for u, m in zip(us, ms)]
             missing = [list(m) for m in self.missing]  # (a bucket's own are reset once it is done)
             droppable = [self.names[self.specs[i].params[k]] for i, (ms, us) in enumerate(zip(missing, self.used))
@@ -90,35 +91,20 @@ class _AllReduceBuckets(BucketReducer):
             comm.all_reduce(self._flags([1] * sum(len(b.params) for b in self.buckets)), op="max", group=self.group)
 
 
-# Parameters and submodules registered in this process since pz.DataParallel first wrapped a module (torch's
-# global registration hooks count them): a wrapper walks its module for parameters it does not know only after
-# one was registered somewhere, not at every training forward.
-_registrations = [0]
-
-
-def _count_registrations() -> None:
-    if not _registrations[0]:
-        from torch.nn.modules import module as torch_module  # noqa: PLC0415
-
-        def count(*args):
-            _registrations[0] += 1
-        torch_module.register_module_parameter_registration_hook(count)
-        torch_module.register_module_module_registration_hook(count)
-        _registrations[0] = 1
-
-
 def _capturing(device: torch.device) -> bool:
     """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel's used
     flags]; a name of this module, so that tests can stand in for a capture)."""
     return device_capturing(device)
 
 
-def check_same_parameters(module: nn.Module, group, what: str) -> None:
+def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = True) -> None:
     """Raise on every rank unless every rank of `group` holds parameters of the same shapes, dtypes and
-    trainability, in the same order (as DDP checks at wrap time): with the same element count the
-    wrap-time broadcast and the flat buffers line up anyway, copying values into another layout
-    and averaging gradients of different layouts, silently. One all_gather of (count, digest); a
-    second, of each parameter's digest, only to name the first that differs."""
+    trainability, in the same order (as DDP checks at wrap time), and (`buffers`: they are broadcast too)
+    buffers of the same names, shapes and dtypes, in the same order: with the same element count the
+    wrap-time broadcast and the flat buffers line up anyway, copying values into another layout (or under
+    another buffer's name) and averaging gradients of different layouts, silently. One all_gather of
+    (count, digest) rows; a second, of each parameter's or buffer's digest, only to name the first that
+    differs."""
     named = list(module.named_parameters())
     digests = [digest(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(), 7) for _, p in named]
     # A tensor-parallel shard's place in its TP group (pz.tp marks it: tp_ranks): a data-parallel group whose
@@ -127,9 +113,14 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     me = group.ranks[group.rank]
     places = [_tp_place(getattr(p, "tp_ranks", ()), me) for _, p in named]
     whole = digest(repr(digests).encode(), 7)
-    rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7)], group=group)
+    bufs = list(module.named_buffers()) if buffers else []
+    buf_digests = [digest(f"{name}|{tuple(b.shape)}|{b.dtype}".encode(), 7) for name, b in bufs]
+    rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7), len(bufs),
+                            digest(repr(buf_digests).encode(), 7)], group=group)
     if bool((rows == rows[0]).all()):
         return
+    if bool((rows[:, :3] == rows[0, :3]).all()):
+        _refuse_other_buffers(bufs, buf_digests, rows[:, 3].tolist(), group, what)
     if bool((rows[:, :2] == rows[0, :2]).all()):
         every = comm.every_rank(places, group=group)
         i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
@@ -150,6 +141,49 @@ def check_same_parameters(module: nn.Module, group, what: str) -> None:
     raise ValueError(f"{what}: parameter {name!r} is {tuple(p.shape)} {p.dtype}"
                      f"{'' if p.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
                      f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
+
+
+def _refuse_other_buffers(bufs, digests, counts, group, what: str) -> None:
+    """Raise on every rank, naming the first buffer that differs between the ranks (check_same_parameters)."""
+    if len(set(counts)) > 1:
+        raise ValueError(f"{what}: the ranks' models differ: {counts} buffers on group ranks 0..{len(counts) - 1} "
+                         "(every rank must wrap the same model: the group's first rank's buffers are broadcast)")
+    every = comm.every_rank(digests, group=group)
+    i = next(i for i in range(len(bufs)) if not bool((every[:, i] == every[0, i]).all()))
+    name, b = bufs[i]
+    others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
+    raise ValueError(f"{what}: buffer {name!r} is {tuple(b.shape)} {b.dtype} on this rank and differs "
+                     f"in name, shape or dtype on group rank(s) {others}: every rank must wrap the same model (the "
+                     "group's first rank's buffers are broadcast, in order)")
+
+
+def _refuse_unbroadcastable(named, kind: str, overlap: bool = True, at_forward: bool = False) -> None:
+    """Raise naming the first of `named` ((name, tensor) pairs of `kind`: "parameter", "buffer") that
+    broadcast_coalesced cannot write: a dtype the collectives do not carry (TypeError), or (`overlap`) elements
+    that share memory (an expand()ed tensor: ValueError), which torch's copy refused on the receiving ranks
+    only; a RuntimeError for both `at_forward` (a buffer set after wrapping)."""
+    for name, t in named:
+        if t.dtype not in DTYPES and t.dtype not in WIDEN and not t.is_complex():
+            raise (RuntimeError if at_forward else TypeError)(
+                f"module: {kind} {name!r} has dtype {t.dtype}, which DataParallel cannot broadcast; expected a "
+                "float, int, bool or complex dtype")
+        if overlap and torch._debug_has_internal_overlap(t) == 1:
+            raise (RuntimeError if at_forward else ValueError)(
+                f"module: {kind} {name!r} has elements that share memory (shape {tuple(t.shape)}, stride "
+                f"{t.stride()}: an expand()ed tensor), which the broadcast from the group's first rank cannot "
+                "write; give it memory of its own (.clone())")
+
+
+def _buffer_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(name, submodule, key) of each of `module`'s buffers, in named_buffers() order (a tensor registered
+    twice counted once)."""
+    slots, seen = [], set()
+    for prefix, m in module.named_modules():
+        for key, b in m._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                slots.append((f"{prefix}.{key}" if prefix else key, m, key))
+    return slots
 
 
 def _tp_place(tp_ranks, me: int) -> int:
@@ -212,19 +246,23 @@ class DataParallel(nn.Module):
         g = comm.resolve_group(group)
         g.backend  # raises unless this rank is a member
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._check(module, named, g.device)
+        self._check(module, named, g.device, broadcast_buffers)
         wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
-        check_same_parameters(module, g, "module")
+        check_same_parameters(module, g, "module", buffers=broadcast_buffers)
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
-        # GPT-2's 148): those with buckets keep the dtype and device their buckets are laid out for, and
-        # the frozen ones stay frozen.
-        self._bucketed = [(n, p, p.dtype, p.device) for n, p in named]
+        # GPT-2's 148): those with buckets keep the shape, dtype and device their buckets are laid out for,
+        # and the frozen ones stay frozen.
+        self._bucketed = [(n, p, p.shape, p.dtype, p.device) for n, p in named]
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self.group = g
         self.broadcast_buffers = broadcast_buffers
-        self._buffer_list = list(module.buffers())
-        self._sync_bn = wrappers.default_group_batchnorms(module)  # (checked at each training forward)
+        # the module's buffers (each where it is registered: module and key), re-read when they change
+        slots = _buffer_slots(module)
+        self._buffer_slots = [(m, key) for _, m, key in slots]
+        self._buffer_list = [m._buffers[key] for _, m, key in slots]
+        self._buffers_seen = wrappers.registrations()
+        self._sync_bn = wrappers.SyncBatchNorms()  # (checked at each training forward)
         self._require_sync = True
         # (as DDP: the buffers too unless broadcast_buffers=False)
         broadcast_coalesced([p.detach() for p in module.parameters()] + (self._buffer_list if broadcast_buffers
@@ -239,13 +277,13 @@ class DataParallel(nn.Module):
                                          max(1, first_bytes), g, comm_dtype)
         for _, p in named:
             p._pz_dp_reducer = wrappers.WeakOwner(self.reducer)
-        # every parameter at wrap time (held by _bucketed and _frozen, so no id is reused)
+        # every parameter at wrap time (held by _bucketed and _frozen, so no id is reused); a wrapper walks its
+        # module for parameters it does not know only after one was registered somewhere (wrappers.registrations)
         self._known_ids = frozenset(id(p) for p in module.parameters())
-        _count_registrations()
-        self._registrations_seen = _registrations[0]
+        self._registrations_seen = wrappers.registrations()
 
     @staticmethod
-    def _check(module, named, gpu: int | None) -> None:
+    def _check(module, named, gpu: int | None, broadcast_buffers: bool) -> None:
         tensors = list(module.named_parameters()) + list(module.named_buffers())
         devices = {}
         for name, t in tensors:
@@ -267,14 +305,32 @@ class DataParallel(nn.Module):
             if p.dtype not in DTYPES or not p.is_floating_point():
                 raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
                                 "float32, float16, bfloat16 or float64")
-        for name, p in module.named_parameters():  # (frozen ones are broadcast at wrap time as buffers are)
-            if p.dtype not in DTYPES and p.dtype not in WIDEN and not p.is_complex():
-                raise TypeError(f"module: parameter {name!r} has dtype {p.dtype}, which DataParallel cannot "
-                                "broadcast; expected a float, int, bool or complex dtype")
-        for name, b in module.named_buffers():
-            if b.dtype not in DTYPES and b.dtype not in WIDEN and not b.is_complex():
-                raise TypeError(f"module: buffer {name!r} has dtype {b.dtype}, which DataParallel cannot "
-                                "broadcast; expected a float, int, bool or complex dtype")
+        # (frozen parameters are broadcast at wrap time as buffers are)
+        _refuse_unbroadcastable(module.named_parameters(), "parameter")
+        _refuse_unbroadcastable(module.named_buffers(), "buffer", overlap=broadcast_buffers)
+
+    def _current_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now, as DDP reads them before each broadcast: one replaced or registered after
+        wrapping (m.bn.running_mean = t, register_buffer, load_state_dict(assign=True), module.to()) is sent
+        too. Found again only where one was registered somewhere (wrappers.registrations) or a slot holds
+        another tensor (module.to() replaces them there): looking at the slots takes a tenth of the time a
+        walk of the module tree does (13 against 150 us for ResNet-50's 53 BatchNorms). A set that changed
+        is checked as at wrap time."""
+        count = wrappers.registrations()
+        if count == self._buffers_seen and all(m._buffers.get(name) is b for (m, name), b in
+                                               zip(self._buffer_slots, self._buffer_list)):
+            return self._buffer_list
+        slots = _buffer_slots(self.module)
+        named = [(name, m._buffers[key]) for name, m, key in slots]
+        for name, b in named:
+            if b.device != self.group.tensor_device:
+                raise RuntimeError(f"module: buffer {name!r} is on {b.device} now, where the group's backend works "
+                                   f"on {self.group.tensor_device}; move it before the forward")
+        _refuse_unbroadcastable(named, "buffer", at_forward=True)
+        self._buffer_slots = [(m, key) for _, m, key in slots]
+        self._buffer_list = [b for _, b in named]
+        self._buffers_seen = count
+        return self._buffer_list
 
     def forward(self, *args, **kwargs):
         wrappers.refuse_ddp("pz.DataParallel")
@@ -282,14 +338,18 @@ class DataParallel(nn.Module):
             raise RuntimeError("pz.DataParallel: a later pz.DataParallel wraps the same module and reduces its "
                                "gradients now; use that one")
         compiling = torch.compiler.is_compiling()
-        if self.broadcast_buffers and self.module.training and self._buffer_list and self.group.size > 1:
+        if self.broadcast_buffers and self.module.training and self.group.size > 1:
             if compiling:  # one operator in the graph (see pyzero.ops)
-                from . import ops  # noqa: PLC0415  (registered on first use)
-                ops.broadcast_coalesced_(self._buffer_list, self.group.ranks[0], self.group.name)
+                buffers = list(self.module.buffers())
+                if buffers:
+                    from . import ops  # noqa: PLC0415  (registered on first use)
+                    ops.broadcast_coalesced_(buffers, self.group.ranks[0], self.group.name)
             else:
-                broadcast_coalesced(self._buffer_list, self.group.ranks[0], self.group)
+                buffers = self._current_buffers()
+                if buffers:
+                    broadcast_coalesced(buffers, self.group.ranks[0], self.group)
         if self.module.training and not compiling:
-            wrappers.refuse_unsynced_batchnorm(self._sync_bn, "pz.DataParallel", self.group.size)
+            self._sync_bn.refuse_unsynced(self.module, "pz.DataParallel", self.group.size)
         if torch.is_grad_enabled():
             if not compiling:
                 self._check_trainable()
@@ -304,10 +364,11 @@ class DataParallel(nn.Module):
     def _check_trainable(self) -> None:
         """Refuse parameters made trainable after wrapping: they have no bucket, their gradients
         would stay each rank's own."""
-        moved = [(n, (dtype, device), p) for n, p, dtype, device in self._bucketed
+        moved = [(n, (dtype, device), p) for n, p, _, dtype, device in self._bucketed
                  if p.dtype is not dtype or p.device != device]
+        reshaped = [(n, shape, p) for n, p, shape, _, _ in self._bucketed if p.shape != shape]
         late = [n for n, p in self._frozen if p.requires_grad]
-        if self._registrations_seen != _registrations[0] and self._unknown_trainable():
+        if self._registrations_seen != wrappers.registrations() and self._unknown_trainable():
             new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in self._known_ids]
             raise RuntimeError(f"module: parameters {new[:5]}{' ...' if len(new) > 5 else ''} were added or replaced "
                                "after pz.DataParallel wrapped the module (a new layer, p = nn.Parameter(...), "
@@ -318,6 +379,11 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"module: parameter {n!r} is {p.dtype} on {p.device} now, {dtype} on {device} when "
                                f"pz.DataParallel wrapped the module (its gradient bucket is laid out for that); "
                                f"convert the module before wrapping it")
+        if reshaped:
+            n, shape, p = reshaped[0]
+            raise RuntimeError(f"module: parameter {n!r} has shape {tuple(p.shape)} now, {tuple(shape)} when "
+                               "pz.DataParallel wrapped the module (its gradient bucket is laid out for that); "
+                               "change the module before wrapping it")
         if late:
             raise RuntimeError(f"module: parameters {late[:5]}{' ...' if len(late) > 5 else ''} became trainable "
                                f"after pz.DataParallel wrapped the module; their gradients would not be averaged "
@@ -325,12 +391,17 @@ class DataParallel(nn.Module):
 
     def _unknown_trainable(self) -> bool:
         """Whether a trainable parameter unknown at wrap time is in the module now (walked only after a
-        parameter or module was registered somewhere: see _registrations)."""
-        count = _registrations[0]
+        parameter or module was registered somewhere: see wrappers.registrations)."""
+        count = wrappers.registrations()
         if any(p.requires_grad and id(p) not in self._known_ids for p in self.module.parameters()):
             return True  # (and again at the next forward)
         self._registrations_seen = count
         return False
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("pz.DataParallel cannot be pickled or copied (torch.save(model), copy.deepcopy(model)): it "
+                        "holds this job's group and gradient buckets; save model.module (or model.state_dict()) "
+                        "instead, and wrap the module again after loading it")
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -23,9 +23,10 @@ USE_INSTEAD = ("with transformers.Trainer use pyzero.integrations.hf.PyzeroTrain
 
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP
+    from torch.distributed import ProcessGroup as _TorchGroup
     from torch.distributed import is_initialized as _torch_distributed_started
 except ImportError:  # a torch build without torch.distributed has no DDP to run inside
-    _DDP = None
+    _DDP = _TorchGroup = None
 
     def _torch_distributed_started() -> bool:
         return False
@@ -52,21 +53,75 @@ def refuse_accelerate(module, what: str) -> None:
                            f"and clips nothing, and its checkpoints hold one rank's shard; {USE_INSTEAD}")
 
 
-def default_group_batchnorms(module) -> list[str]:
-    """Names of `module`'s nn.SyncBatchNorm layers that sync over torch.distributed's default group."""
-    return [name or "(the model)" for name, m in module.named_modules()
-            if isinstance(m, nn.SyncBatchNorm) and m.process_group is None]
+# Parameters, buffers and submodules registered in this process since pyzero first asked (torch's global
+# registration hooks count them): a wrapper walks its model again (parameters it does not know, its buffers,
+# nn.SyncBatchNorm layers) only after one was registered somewhere, not at every training forward.
+_registrations = [0]
 
 
-def refuse_unsynced_batchnorm(names: list[str], what: str, world: int) -> None:
-    """Raise if a training forward would run nn.SyncBatchNorm layers (`names`) at world size > 1 without
-    torch.distributed: torch's layer then silently normalises by this rank's batch alone."""
-    if names and world > 1 and not _torch_distributed_started():
-        raise RuntimeError(f"{what}: {names[0]!r} is an nn.SyncBatchNorm, which syncs its batch statistics over "
-                           "torch.distributed, not started in this job: it would normalise by this rank's batch "
-                           "alone, as nn.BatchNorm does. Start torch.distributed beside pyzero with "
+def registrations() -> int:
+    """How many parameters, buffers and submodules have been registered on any module in this process
+    (counted from the first call, which installs torch's global registration hooks): a changed count says a
+    model may have changed (a layer added or replaced, a buffer registered or assigned,
+    nn.SyncBatchNorm.convert_sync_batchnorm)."""
+    if not _registrations[0]:
+        from torch.nn.modules import module as torch_module  # noqa: PLC0415
+
+        def count(*args):
+            _registrations[0] += 1
+        torch_module.register_module_parameter_registration_hook(count)
+        torch_module.register_module_buffer_registration_hook(count)
+        torch_module.register_module_module_registration_hook(count)
+        _registrations[0] = 1
+    return _registrations[0]
+
+
+def sync_batchnorms(module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of `module`'s nn.SyncBatchNorm layers."""
+    return [(name or "(the model)", m) for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+
+
+def refuse_unsynced_batchnorm(layers, what: str, world: int) -> None:
+    """Raise if a training forward would run an nn.SyncBatchNorm of `layers` ((name, layer) pairs) at world
+    size > 1 that cannot sync: torch's layer syncs over torch.distributed only, so with a process_group that is
+    no torch.distributed ProcessGroup (a pyzero group), or without torch.distributed started (whatever its
+    process_group), it silently normalises by this rank's batch alone."""
+    if not layers or world <= 1:
+        return
+    for name, m in layers:
+        group = m.process_group
+        if group is not None and (_TorchGroup is None or not isinstance(group, _TorchGroup)):
+            raise RuntimeError(f"{what}: {name!r} is an nn.SyncBatchNorm whose process_group is a "
+                               f"{type(group).__module__}.{type(group).__name__}, not a torch.distributed "
+                               "ProcessGroup: torch's layer syncs its batch statistics over torch.distributed "
+                               "only, so it would normalise by this rank's batch alone, as nn.BatchNorm does. "
+                               "Convert it with process_group=None (torch.distributed's default group, started "
+                               "beside pyzero with pyzero.distributed.init_torch()) or a torch.distributed group, "
+                               "or use nn.BatchNorm for each rank's own statistics")
+    if not _torch_distributed_started():
+        raise RuntimeError(f"{what}: {layers[0][0]!r} is an nn.SyncBatchNorm, which syncs its batch statistics "
+                           "over torch.distributed, not started in this job: it would normalise by this rank's "
+                           "batch alone, as nn.BatchNorm does. Start torch.distributed beside pyzero with "
                            "pyzero.distributed.init_torch() after pz.init() (torch's SyncBatchNorm takes CUDA "
                            "tensors only), or use nn.BatchNorm for each rank's own statistics")
+
+
+class SyncBatchNorms:
+    """A model's nn.SyncBatchNorm layers, for refuse_unsynced_batchnorm at each training forward: found again
+    only when the model is another one or a module or parameter was registered since (converting to
+    nn.SyncBatchNorm after wrapping registers the layers it makes), so a forward walks no module tree."""
+
+    def __init__(self):
+        self._key = None
+        self._layers: list[tuple[str, nn.Module]] = []
+
+    def refuse_unsynced(self, module, what: str, world: int) -> None:
+        if world <= 1:
+            return
+        key = (id(module), registrations())
+        if key != self._key:
+            self._layers, self._key = sync_batchnorms(module), key
+        refuse_unsynced_batchnorm(self._layers, what, world)
 
 
 def holds_ddp(module: nn.Module) -> str | None:

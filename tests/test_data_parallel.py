@@ -5,6 +5,8 @@ Multi-rank runs are compared with one plain-torch process on the full batch
 the shard gradients is the full-batch gradient. Bucket assignment and the
 C++ pack/unpack loops are checked without ranks, against torch.cat / casts.
 """
+import copy
+import io
 import re
 import time
 
@@ -1093,17 +1095,34 @@ def test_gradient_accumulated_twice_raises_on_every_rank(kind):
 
 def _rank_sync_batchnorm():
     """nn.SyncBatchNorm without torch.distributed: training forwards refused on every rank (it would
-    normalise by each rank's batch alone), eval forwards (running statistics) run; then started beside
-    pyzero (pyzero.distributed.init_torch) nothing is refused (torch's layer itself takes CUDA
-    tensors only: its error)."""
+    normalise by each rank's batch alone), also converted after wrapping, and with a pyzero group as
+    process_group, eval forwards (running statistics) run; then started beside pyzero
+    (pyzero.distributed.init_torch) nothing is refused (torch's layer itself takes CUDA tensors only:
+    its error) but a pyzero group as process_group."""
     pz.init(timeout=30)
     x = torch.randn(2, 4)
 
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
+
+    def plain():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     found = {"dp": outcome(lambda: pz.DataParallel(model())(x)),
              "zero": outcome(lambda: pz.ZeroOptimizer(model(), torch.optim.SGD, lr=0.1).model(x))}
+    converted = pz.DataParallel(plain())
+    converted(x)  # (a first forward, with nn.BatchNorm1d)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(converted)
+    found["dp converted after"] = outcome(lambda: converted(x))
+    later = plain()
+    pz.ZeroOptimizer(later, torch.optim.SGD, lr=0.1)
+    later(x)
+    nn.SyncBatchNorm.convert_sync_batchnorm(later)
+    found["zero converted after"] = outcome(lambda: later(x))
+    group = pz.new_group([0, 1])
+    on_pz_group = pz.DataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(plain(), process_group=group), group=group)
+    found["pz group"] = outcome(lambda: on_pz_group(x))
     evaluated = model().eval()
     zero = pz.ZeroOptimizer(evaluated, torch.optim.SGD, stage=3, lr=0.1)
     with torch.no_grad():
@@ -1112,6 +1131,7 @@ def _rank_sync_batchnorm():
     pz.distributed.init_torch()
     found["started"] = before, torch.distributed.is_initialized(), str(torch.distributed.get_backend())
     found["dp_started"] = outcome(lambda: pz.DataParallel(model())(x))
+    found["pz group, started"] = outcome(lambda: on_pz_group(x))
     torch.distributed.destroy_process_group()
     return found
 
@@ -1119,10 +1139,15 @@ def _rank_sync_batchnorm():
 def test_sync_batchnorm_needs_torch_distributed():
     for r in run_ranks(_rank_sync_batchnorm, 2, timeout=60):
         found = r.value
-        for key, who in (("dp", "pz.DataParallel"), ("zero", "pz.ZeroOptimizer")):
+        for key, who in (("dp", "pz.DataParallel"), ("zero", "pz.ZeroOptimizer"),
+                         ("dp converted after", "pz.DataParallel"), ("zero converted after", "pz.ZeroOptimizer")):
             kind, msg = found[key]
-            assert kind == "RuntimeError" and msg.startswith(f"{who}: '1' is an nn.SyncBatchNorm"), msg
+            assert kind == "RuntimeError" and msg.startswith(f"{who}: '1' is an nn.SyncBatchNorm, which"), msg
             assert "pyzero.distributed.init_torch()" in msg, msg
+        for key in ("pz group", "pz group, started"):
+            kind, msg = found[key]
+            assert kind == "RuntimeError" and msg.startswith("pz.DataParallel: '1' is an nn.SyncBatchNorm whose "
+                                                             "process_group is a pyzero.comm.Group, not a torch"), msg
         assert found["eval"][0] == "ok", found["eval"]
         assert found["started"] == (False, True, "gloo")
         kind, msg = found["dp_started"]
@@ -1282,3 +1307,276 @@ def test_ranks_wrapping_different_parameter_shapes_are_refused(kind):
     name = "bias" if kind == "frozen" else "weight"
     for r, msg in enumerate(got):
         assert f"parameter {name!r} is" in msg and f"group rank(s) [{1 - r}]" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# A wrapped module changed, ranks that differ, several wrappers: one 2-rank run, several tests
+
+
+class _Scaled(nn.Module):
+    """A layer whose output a buffer scales; `mask` (bool) and `cols` (a non-contiguous float) are saved
+    for backward by the products that use them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+        self.register_buffer("cols", torch.arange(8.0).view(2, 4).t())
+
+    def forward(self, x):
+        return self.lin(x) * self.scale * self.mask * self.cols[:, 1]
+
+
+class _Two(nn.Module):
+    """Two layers; the second used only where `second` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, second=True):
+        h = self.a(x)
+        return self.b(h) if second else h
+
+
+def _x(rank, rows=3, seed=0):
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(10 * seed + rank))
+
+
+def _grads(*modules):
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _two_wrappers(r, **bucket):
+    """Gradients of two wrappers on one group reduced by one backward, A's second layer used on rank 0 only."""
+    out = {}
+    torch.manual_seed(0)
+    A, B = _Two(), _Two()
+    dA, dB = pz.DataParallel(A, **bucket), pz.DataParallel(B, **bucket)
+    dA(dB(_x(r)), second=r == 0).sum().backward()
+    out["nested"] = _grads(A, B)
+    # two losses, the one forwarded first backwarded first
+    for p in list(A.parameters()) + list(B.parameters()):
+        p.grad = None
+    lb = dB(_x(r, seed=1)).sum()
+    la = dA(_x(r, seed=2), second=r == 0).sum()
+    lb.backward()
+    la.backward()
+    out["apart"] = _grads(A, B)
+    return out
+
+
+def _rank_after_wrap():
+    pz.init(backend="shm", timeout=20)
+    r = pz.get_rank()
+    out = {}
+    torch.manual_seed(0)
+    m = _Scaled()
+    dp = pz.DataParallel(m)
+    # buffers replaced or added after wrapping are broadcast from rank 0 at the next training forward
+    m.scale = torch.full((4,), 2.0 + r)
+    out["replaced"] = dp(_x(r)).detach(), m.scale.clone()
+    m.register_buffer("extra", torch.full((2,), 5.0 + r))
+    dp(_x(r))
+    out["registered"] = m.extra.clone()
+    m.load_state_dict({"scale": torch.full((4,), 3.0 + r)}, strict=False, assign=True)
+    out["assigned"] = dp(_x(r)).detach(), m.scale.clone()
+    m.scale.fill_(4.0 + r)
+    with torch.no_grad():  # (converted parameters are refused at a grad-enabled forward only)
+        m.double()  # new buffers, in the same slots
+        dp(_x(r).double())
+        out["converted"] = m.scale.clone()
+        m.float()
+    m.extra = torch.zeros(4, dtype=torch.uint16)
+    out["uint16 later"] = outcome(lambda: dp(_x(r)))
+    del m.extra
+    # a buffer whose elements share memory (rank 1 failed in torch's copy, rank 0 waited): refused, naming it
+    m.register_buffer("extra", torch.zeros(1).expand(3))
+    out["expanded later"] = outcome(lambda: dp(_x(r)))
+    del m.extra
+    b = nn.Linear(2, 2)
+    b.register_buffer("s", torch.ones(1).expand(3))
+    out["expanded at wrap"] = outcome(lambda: pz.DataParallel(b))
+    # two forwards, one backward: the second broadcast leaves the first forward's saved buffers usable
+    m.scale.fill_(1.0)
+    a, b = dp(_x(r, seed=1)), dp(_x(r, seed=2))
+    m.zero_grad()
+    out["siamese"] = outcome(lambda: (a * b).sum().backward()), _grads(m)
+    # a parameter reshaped after wrapping: refused naming it (its bucket slot has the old shape)
+    old = m.lin.weight.data
+    m.lin.weight.data = torch.zeros(2, 8)
+    out["reshaped"] = outcome(lambda: dp(_x(r)))
+    m.lin.weight.data = old
+    out["deepcopy"] = outcome(lambda: copy.deepcopy(dp))
+    out["save"] = outcome(lambda: torch.save(dp, io.BytesIO()))
+    # no_sync marks nothing used: a parameter no rank uses in the synced step keeps grad None
+    torch.manual_seed(0)
+    t = _Two()
+    dt = pz.DataParallel(t)
+    with dt.no_sync():
+        dt(_x(r)).sum().backward()
+    t.zero_grad()
+    dt(_x(r, seed=1), second=False).sum().backward()
+    out["no_sync then unused"] = _grads(t)
+    # ranks whose buffers differ (same element count, or not): refused at wrap
+    for kind in ("transposed", "renamed", "dtype", "count"):
+        b = nn.Linear(2, 2)
+        if kind == "transposed":
+            b.register_buffer("s", torch.ones(2, 3) if r == 0 else torch.ones(3, 2))
+        elif kind == "renamed":
+            b.register_buffer("s" if r == 0 else "t", torch.ones(3))
+        elif kind == "dtype":
+            b.register_buffer("s", torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64))
+        else:
+            for i in range(1 + r):
+                b.register_buffer(f"s{i}", torch.ones(3))
+        out[f"buffers {kind}"] = outcome(lambda: pz.DataParallel(b))
+    out["buffers not broadcast"] = outcome(lambda: pz.DataParallel(b, broadcast_buffers=False))
+    # two wrappers on one group, one backward: every rank launches their buckets in one order
+    out["two wrappers"] = _two_wrappers(r)
+    out["two wrappers, tiny buckets"] = _two_wrappers(r, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    t = torch.full((2,), float(r + 1))
+    pz.all_reduce(t)
+    out["group usable"] = t.tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def after_wrap():
+    return [res.value for res in run_ranks(_rank_after_wrap, 2, timeout=90)]
+
+
+def _mean(per_rank):
+    """The average of each rank's gradients, None where no rank has one (what DataParallel reduces)."""
+    out = []
+    for gs in zip(*per_rank):
+        have = [g for g in gs if g is not None]
+        out.append(None if not have else sum(g if g is not None else torch.zeros_like(have[0]) for g in gs) / 2)
+    return out
+
+
+def _assert_grads(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None), (g, w)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_buffers_replaced_after_wrap_are_broadcast(after_wrap):
+    """A buffer replaced (attribute, load_state_dict(assign=True), module.double()) or registered after
+    wrapping was never sent again (the wrapper kept the list it made at wrap time): the ranks' buffers
+    drifted apart, silently. Now every training forward takes rank 0's, as DDP re-reads the buffers
+    before each sync; a new one the broadcast cannot carry is refused, naming it, on every rank."""
+    for r, out in enumerate(after_wrap):
+        torch.manual_seed(0)
+        ref = _Scaled()
+        y, scale = out["replaced"]
+        assert torch.equal(scale, torch.full((4,), 2.0))
+        ref.scale = torch.full((4,), 2.0)
+        torch.testing.assert_close(y, ref(_x(r)).detach())
+        assert torch.equal(out["registered"], torch.full((2,), 5.0))
+        y, scale = out["assigned"]
+        assert torch.equal(scale, torch.full((4,), 3.0))
+        ref.scale = torch.full((4,), 3.0)
+        torch.testing.assert_close(y, ref(_x(r)).detach())
+        assert torch.equal(out["converted"], torch.full((4,), 4.0, dtype=torch.float64))
+        kind, msg = out["uint16 later"]
+        assert kind == "RuntimeError" and "buffer 'extra' has dtype torch.uint16" in msg, msg
+
+
+def test_buffers_sharing_memory_are_refused_naming_them(after_wrap):
+    """An expand()ed buffer: the broadcast's copy into it raised on rank 1 only (torch refuses to write
+    elements that share memory) while rank 0 waited. Refused on every rank, at wrap or at the forward
+    after it was set."""
+    for out in after_wrap:
+        kind, msg = out["expanded later"]
+        assert kind == "RuntimeError" and "buffer 'extra' has elements that share memory" in msg, msg
+        kind, msg = out["expanded at wrap"]
+        assert kind == "ValueError" and "buffer 's' has elements that share memory" in msg, msg
+
+
+def test_two_forwards_one_backward_with_buffers_sent_through_a_copy(after_wrap):
+    """Buffers the collectives cannot write directly (bool, non-contiguous) were copied back in place,
+    bumping their version counters: two forwards then one backward (siamese) failed on rank 1 ("modified by
+    an inplace operation") while rank 0 waited. The copy keeps the counters, as DDP's broadcast does."""
+    torch.manual_seed(0)
+    ref = _Scaled()
+    per_rank = []
+    for r in range(2):
+        ref.zero_grad()
+        (ref(_x(r, seed=1)) * ref(_x(r, seed=2))).sum().backward()
+        per_rank.append(_grads(ref))
+    for out in after_wrap:
+        done, grads = out["siamese"]
+        assert done == ("ok", None), done
+        _assert_grads(grads, _mean(per_rank))
+
+
+def test_parameter_reshaped_after_wrap_is_refused_naming_it(after_wrap):
+    for out in after_wrap:
+        kind, msg = out["reshaped"]
+        assert kind == "RuntimeError" and "parameter 'lin.weight' has shape (2, 8) now, (4, 4) when" in msg, msg
+
+
+def test_a_wrapper_cannot_be_pickled_or_copied(after_wrap):
+    for out in after_wrap:
+        for key in ("deepcopy", "save"):
+            kind, msg = out[key]
+            assert kind == "TypeError" and msg.startswith("pz.DataParallel cannot be pickled or copied"), msg
+            assert "save model.module" in msg, msg
+
+
+def test_no_sync_backward_marks_no_parameter_used(after_wrap):
+    """A backward under no_sync marked its parameters used for the next synced backward: one no rank used
+    there got a zero gradient (stepped by weight decay and momentum) instead of None, as in one process."""
+    torch.manual_seed(0)
+    ref = _Two()
+    per_rank = []
+    for r in range(2):
+        ref.zero_grad()
+        ref(_x(r, seed=1), second=False).sum().backward()
+        per_rank.append(_grads(ref))
+    for out in after_wrap:
+        _assert_grads(out["no_sync then unused"], _mean(per_rank))
+        assert out["no_sync then unused"][1] is None
+
+
+def test_ranks_whose_buffers_differ_are_refused_naming_the_buffer(after_wrap):
+    """Buffers of the same element count but other shapes, names or order were broadcast into each other,
+    silently; other counts or dtypes failed in the broadcast naming no buffer. Refused at wrap, on every
+    rank (unless the buffers are not broadcast)."""
+    for r, out in enumerate(after_wrap):
+        for kind, name, shape in (("transposed", "s", (2, 3) if r == 0 else (3, 2)),
+                                  ("renamed", "s" if r == 0 else "t", (3,)), ("dtype", "s", (3,))):
+            err, msg = out[f"buffers {kind}"]
+            assert err == "ValueError" and f"buffer {name!r} is {shape}" in msg, msg
+            assert f"on group rank(s) [{1 - r}]" in msg, msg
+        assert out["buffers count"] == ("ValueError", "module: the ranks' models differ: [1, 2] buffers on group "
+                                        "ranks 0..1 (every rank must wrap the same model: the group's first rank's "
+                                        "buffers are broadcast)")
+        assert out["buffers not broadcast"] == ("ok", None)
+        assert out["group usable"] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("key", ["two wrappers", "two wrappers, tiny buckets"])
+def test_two_wrappers_on_one_group_reduce_in_one_order(after_wrap, key):
+    """Two wrappers reduced by one backward (dA(dB(x))), A's second layer used on rank 0 only: rank 1 held
+    A's bucket to the end of backward while B launched, so the ranks' all-reduces paired up crosswise and
+    each rank got the other wrapper's gradients, silently. Now they go wrapper after wrapper, in one order
+    on every rank; also for two losses backwarded apart."""
+    per_rank = {"nested": [], "apart": []}
+    for r in range(2):
+        torch.manual_seed(0)
+        A, B = _Two(), _Two()
+        A(B(_x(r)), second=r == 0).sum().backward()
+        per_rank["nested"].append(_grads(A, B))
+        A.zero_grad()
+        B.zero_grad()
+        B(_x(r, seed=1)).sum().backward()
+        A(_x(r, seed=2), second=r == 0).sum().backward()
+        per_rank["apart"].append(_grads(A, B))
+    for out in after_wrap:
+        for case in ("nested", "apart"):
+            _assert_grads(out[key][case], _mean(per_rank[case]))

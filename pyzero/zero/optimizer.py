@@ -450,7 +450,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the model's parameters not trainable now: each forward checks that they stay so (a linear scan
         # of these few, not of every parameter)
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in self._param_index]
-        self._sync_bn = wrappers.default_group_batchnorms(model)
+        self._sync_bn = wrappers.SyncBatchNorms()
         model.register_forward_pre_hook(ModelHook(self._before_forward))
 
     # ---- set-up -------------------------------------------------------------
@@ -734,7 +734,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         wrappers.refuse_accelerate(module, "pz.ZeroOptimizer")
         if not torch.compiler.is_compiling():  # no data pointers in a graph: step() checks a compiled model
             if module.training:
-                wrappers.refuse_unsynced_batchnorm(self._sync_bn, "pz.ZeroOptimizer", self.world)
+                self._sync_bn.refuse_unsynced(module, "pz.ZeroOptimizer", self.world)
             self._check_home()
             late = [n for n, p in self._frozen if p.requires_grad]
             if late:

@@ -403,6 +403,11 @@ class DataParallel(nn.Module):
                         "holds this job's group and gradient buckets; save model.module (or model.state_dict()) "
                         "instead, and wrap the module again after loading it")
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside no_sync() (as torch DDP's attribute): backwards of forwards run now accumulate."""
+        return self._require_sync
+
     @contextlib.contextmanager
     def no_sync(self):
         """Forwards (and their backwards) inside accumulate gradients locally; the first

@@ -312,7 +312,7 @@ class _OneReduction:
         arm = getattr(getattr(module, "reducer", None), "arm", None)
         self.dp = module if m > 1 and isinstance(module, DataParallel) and callable(arm) else None
         self.zero = zero_owner(module) if m > 1 and self.dp is None else None
-        self.sync = self.dp is not None and getattr(module, "_require_sync", True)  # (not inside its no_sync)
+        self.sync = self.dp is not None and module.require_backward_grad_sync  # (not inside its no_sync)
         self.last, self.ran = m - 1, False
 
     def forward(self):

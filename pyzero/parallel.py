@@ -115,10 +115,21 @@ def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = T
     whole = digest(repr(digests).encode(), 7)
     bufs = list(module.named_buffers()) if buffers else []
     buf_digests = [digest(f"{name}|{tuple(b.shape)}|{b.dtype}".encode(), 7) for name, b in bufs]
+    # A pipeline stage (pz.pipeline.split_sequential tags it): a group spanning the stages (group=None, the
+    # world, where it is the pipeline group) would broadcast one stage's weights over another's and average
+    # gradients of different layers, however alike their shapes (a stack of equal blocks split evenly).
+    stage = getattr(module, "pipeline_stage", None)
+    stage = (int(stage[0]), int(stage[1])) if isinstance(stage, tuple) and len(stage) == 2 else (-1, -1)
     rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7), len(bufs),
-                            digest(repr(buf_digests).encode(), 7)], group=group)
+                            digest(repr(buf_digests).encode(), 7), *stage], group=group)
     if bool((rows == rows[0]).all()):
         return
+    if not bool((rows[:, 5:] == rows[0, 5:]).all()):
+        shown = ", ".join(f"group rank {r}: " + (f"stage {i} of {n}" if n >= 0 else "not a split stage")
+                          for r, (i, n) in enumerate(rows[:, 5:].tolist()))
+        raise ValueError(f"{what}: the ranks of group {list(group.ranks)} hold different pipeline stages ({shown}); "
+                         "a data-parallel group must pair the ranks that hold the same stage (group=dp, one per "
+                         "stage, not the pipeline group or the world)")
     if bool((rows[:, :3] == rows[0, :3]).all()):
         _refuse_other_buffers(bufs, buf_digests, rows[:, 3].tolist(), group, what)
     if bool((rows[:, :2] == rows[0, :2]).all()):

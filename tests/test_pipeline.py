@@ -593,6 +593,7 @@ def rank_bad_input():
     r = pz.get_rank()
     stages = pz.pipeline.split_sequential(make_model(), 2)
     alone = [pz.new_group([0]), pz.new_group([1])][r]  # (a data-parallel group of one, for a wrapped stage)
+    alike = pz.pipeline.split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()), 2)
     x, y = make_batch(1, 8, "mse")
     cases = {
         "m0": lambda: pz.pipeline.Pipeline(stages[r], 0),
@@ -605,6 +606,12 @@ def rank_bad_input():
         "swapped_stages": lambda: pz.pipeline.Pipeline(stages[1 - r], 4),
         "swapped_wrapped": lambda: pz.pipeline.Pipeline(pz.DataParallel(stages[1 - r], group=alone), 4),
         "not_a_module": lambda: pz.pipeline.Pipeline("stage", 4),
+        # data parallelism over the pipeline group (group=None: the world): one stage's weights broadcast over
+        # the other's and gradients of different layers averaged; refused at wrap (split stages are tagged) ...
+        "dp_over_stages": lambda: pz.DataParallel(alike[r]),
+        "zero_over_stages": lambda: pz.ZeroOptimizer(alike[r], torch.optim.SGD, stage=1, lr=0.1),
+        # ... and by the Pipeline for stages built by hand, alike in shape
+        "dp_spans_pipeline": lambda: pz.pipeline.Pipeline(pz.DataParallel(nn.Sequential(nn.Linear(4, 4))), 4),
     }
     pipe = pz.pipeline.Pipeline(stages[r], 4)
     cases.update({
@@ -641,6 +648,11 @@ ERRORS = {
                                      r"group must hold stages\[i\]"),
     "swapped_wrapped": ("ValueError", r"pipeline rank 0 \(global rank 0\) holds stage 1"),
     "not_a_module": ("TypeError", "stage_module: expected an nn.Module"),
+    "dp_over_stages": ("ValueError", r"module: the ranks of group \[0, 1\] hold different pipeline stages \(group rank "
+                                     r"0: stage 0 of 2, group rank 1: stage 1 of 2\)"),
+    "zero_over_stages": ("ValueError", r"model: the ranks of group \[0, 1\] hold different pipeline stages"),
+    "dp_spans_pipeline": ("ValueError", r"stage_module: the data-parallel group of the wrapper on pipeline rank 0 "
+                                        r"\(global rank 0\) shares ranks with the pipeline group \[0, 1\]"),
     "indivisible": ("ValueError", "inputs: batch size 6 .* does not split into num_microbatches=4"),
     "fewer_than_m": ("ValueError", "inputs: batch size 2 .* does not split into num_microbatches=4"),
     "no_inputs": ("TypeError", r"inputs: expected a tensor with a batch dim 0 on the first stage"),

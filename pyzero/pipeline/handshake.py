@@ -53,21 +53,30 @@ def _schedule_error(schedule):
 def check_config(module, num_microbatches, schedule, group: comm.Group) -> None:
     """Gather (num_microbatches, schedule, stage tag) of every rank; raise on every rank if any is wrong."""
     m_err, s_err = _m_error(num_microbatches), _schedule_error(schedule)
-    info, inner = None, module
+    info, inner, spans = None, module, 0
     for _ in range(8):  # the stage itself, or inside wrappers (pz.DataParallel, torch DDP: .module)
         info = getattr(inner, "pipeline_stage", None)
+        wrapper_group = getattr(inner, "group", None)  # a pz.DataParallel's data-parallel group
+        if isinstance(wrapper_group, comm.Group) and len(set(wrapper_group.ranks) & set(group.ranks)) > 1:
+            spans = 1  # it would average the gradients of different stages (and wait on ranks busy with others)
         if info is not None or not isinstance(getattr(inner, "module", None), torch.nn.Module):
             break
         inner = inner.module
     index, stages = info if isinstance(info, StageInfo) else (-1, -1)  # -1: built by hand, nothing to check
     # per pipeline rank: [m or 0, m valid, schedule index or -1, stage index, stages]
     mine = [0 if m_err else num_microbatches, int(m_err is None), -1 if s_err else _NAMES.index(schedule), index,
-            stages]
+            stages, spans]
     rows = comm.every_rank(mine, group=group).tolist()
     n = group.size
 
     def rank_name(r):
         return f"pipeline rank {r} (global rank {group.ranks[r]})"
+
+    spanning = [r for r, row in enumerate(rows) if row[5]]
+    if spanning:
+        raise ValueError(f"stage_module: the data-parallel group of the wrapper on {rank_name(spanning[0])} shares "
+                         f"ranks with the pipeline group {list(group.ranks)}: it must pair the ranks that hold the "
+                         "same stage (pz.DataParallel(stage, group=dp), dp one group per stage), not span the stages")
 
     for own_err, bad, arg, expected in ((m_err, [row[1] == 0 for row in rows], "num_microbatches", "an int >= 1"),
                                         (s_err, [row[2] < 0 for row in rows], "schedule", f"one of {_NAMES}")):
@@ -81,7 +90,7 @@ def check_config(module, num_microbatches, schedule, group: comm.Group) -> None:
         if len(set(values)) > 1:
             raise ValueError(f"{arg}: expected the same value on every rank of the pipeline group, got {values} "
                              "(by pipeline rank)")
-    for r, (_, _, _, index, stages) in enumerate(rows):
+    for r, (_, _, _, index, stages, _) in enumerate(rows):
         if stages >= 0 and stages != n:
             raise ValueError(f"stage_module: {rank_name(r)} holds stage {index} of a split into {stages} stages, but "
                              f"the pipeline group has {n} ranks (one stage each); split with num_stages={n}")

@@ -241,7 +241,9 @@ mps_start() {
   mkdir -p "$MPS_PIPE" "$MPS_LOG"
   if CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG timeout 10 nvidia-cuda-mps-control -d; then
     export CUDA_MPS_PIPE_DIRECTORY=$MPS_PIPE CUDA_MPS_LOG_DIRECTORY=$MPS_LOG
-    sleep 1; MPS_ON=1; echo "(MPS started)"
+    # (ready once the daemon's control pipe is there; at most 2 s, then on as before)
+    for _ in $(seq 20); do [ -e "$MPS_PIPE/control" ] && break; sleep 0.1; done
+    MPS_ON=1; echo "(MPS started)"
   else
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     MPS_FAILED=1

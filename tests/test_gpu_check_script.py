@@ -42,6 +42,8 @@ FAKE_MPS = """#!/bin/bash
 echo "MPSDIR ${1:-quit} ${CUDA_MPS_PIPE_DIRECTORY:-none}" >> "$FAKE_LOG"
 echo "MPS ${1:-quit}" >> "$FAKE_LOG"
 [ "$1" != -d ] || [ -z "${FAKE_MPS_FAIL:-}" ] || exit 1
+# (the daemon's control pipe: there while it runs)
+if [ "$1" = -d ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; else rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"; fi
 """
 
 

@@ -293,7 +293,7 @@ def _rank_read_while_written(n):
 
 
 def test_records_read_while_written():
-    for r in run_ranks(_rank_read_while_written, 2, args=(1000,), timeout=60):
+    for r in run_ranks(_rank_read_while_written, 2, args=(400,), timeout=60):
         bad, reads = r.value
         assert bad == 0 and reads > 256, r.value
 

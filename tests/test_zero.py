@@ -563,7 +563,33 @@ def _rank_world1():
     return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse),
             "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)},
             "nonfinite": {stage: nonfinite_clip(stage) for stage in (None, 2)},
-            "grad_scaler": {stage: grad_scaler_refused(stage) for stage in (1, 2, 3)}}
+            "grad_scaler": {stage: grad_scaler_refused(stage) for stage in (1, 2, 3)},
+            "torch_api": {stage: torch_api(stage) for stage in (1, 2, 3)}}
+
+
+def torch_api(stage):
+    """What a torch script does with its optimizer, for ZeRO and for AdamW on the whole model (torch): steps
+    through a disabled torch.amp.GradScaler (`enabled=args.fp16`) with an LR scheduler and a post-hook reading
+    param_groups."""
+    s = spec("adamw", stage)
+    out = {}
+    for zero in (True, False):
+        model = build(s)
+        opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2) if zero else AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        lrs, r = [], {}
+        opt.register_step_post_hook(lambda o, args, kwargs: lrs.append([g["lr"] for g in o.param_groups]))
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(loss_fn(s, model, *batch(s, step, 0))).backward()
+            r[step] = outcome(lambda: scaler.step(opt))
+            scaler.update()
+            sched.step()
+        r["lrs"] = lrs
+        r["state"] = {k: v.clone() for k, v in (opt.full_state_dict() if zero else model.state_dict()).items()}
+        out[zero] = r
+    return out
 
 
 def grad_scaler_refused(stage):
@@ -714,6 +740,16 @@ def test_grad_scaler_is_refused_and_param_groups_read_safely(world1, stage):
         assert kind == "RuntimeError" and "torch.amp.GradScaler does not work with a ZeroOptimizer" in msg \
             and "loss_scale='dynamic'" in msg, r["refused"]
     assert r["unchanged"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_disabled_grad_scaler_steps_as_under_torch(world1, stage):
+    """`GradScaler(enabled=args.fp16).step(opt)` without fp16 is opt.step(): it was refused as GradScaler's
+    use when a step hook or an LR scheduler read param_groups under it."""
+    zero, ref = world1["torch_api"][stage][True], world1["torch_api"][stage][False]
+    assert [zero[k] for k in range(3)] == [ref[k] for k in range(3)] == [("ok", None)] * 3
+    assert zero["lrs"] == ref["lrs"] == [[0.01], [0.005], [0.0025]]
+    assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
 
 
 def test_torch_clip_error_if_nonfinite_as_torch(world1):

@@ -1957,13 +1957,14 @@ _STEP_CHUNK_ELEMS = 1 << 26  # a chunk of the host step that sends its values on
 
 
 def _called_by_grad_scaler() -> bool:
-    """Whether the caller's caller is torch.amp.GradScaler (unscale_ or step, which read param_groups to unscale
-    and check each .grad), a few frames up."""
+    """Whether param_groups is read by an enabled torch.amp.GradScaler to unscale the gradients and check them
+    (its _unscale_grads_, from unscale_ or step), a few frames up. A disabled one (enabled=False) reads none:
+    its step(opt) is opt.step(), whose hooks or LR scheduler may read param_groups."""
     f = sys._getframe(2)
     for _ in range(4):
         if f is None:
             return False
-        if f.f_globals.get("__name__") == "torch.amp.grad_scaler":
+        if f.f_code.co_name == "_unscale_grads_" and f.f_globals.get("__name__") == "torch.amp.grad_scaler":
             return True
         f = f.f_back
     return False

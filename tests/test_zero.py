@@ -570,7 +570,8 @@ def _rank_world1():
 def torch_api(stage):
     """What a torch script does with its optimizer, for ZeRO and for AdamW on the whole model (torch): steps
     through a disabled torch.amp.GradScaler (`enabled=args.fp16`) with an LR scheduler and a post-hook reading
-    param_groups."""
+    param_groups; between steps looks up opt.state (by a model parameter too, as a torch script would), then
+    state_dict() and a write into opt.state."""
     s = spec("adamw", stage)
     out = {}
     for zero in (True, False):
@@ -580,12 +581,28 @@ def torch_api(stage):
         lrs, r = [], {}
         opt.register_step_post_hook(lambda o, args, kwargs: lrs.append([g["lr"] for g in o.param_groups]))
         scaler = torch.amp.GradScaler("cpu", enabled=False)
+        leaf = opt.param_groups[0]["params"][0]
+        r["fresh"] = (len(opt.state), dict(opt.state[leaf]))
         for step in range(3):
             opt.zero_grad()
             scaler.scale(loss_fn(s, model, *batch(s, step, 0))).backward()
             r[step] = outcome(lambda: scaler.step(opt))
             scaler.update()
             sched.step()
+            if step == 0:
+                w = model.fc1.weight
+                n = len(opt.state)
+                r["by_param"] = outcome(lambda: opt.state[w].get("exp_avg"))
+                r["get"], r["in"], r["len"] = opt.state.get(w), w in opt.state, (n, len(opt.state))
+                if zero:
+                    r["keys"] = {id(k) for k in opt.state} == {id(piece) for _, piece, _ in opt.pieces}
+                    r["exp_avg"] = {pc.name: opt.state[piece]["exp_avg"].clone() for pc, piece, _ in opt.pieces}
+                    r["items"] = all(v is opt.state[k] for k, v in opt.state.items())
+                    r["write"] = outcome(lambda: opt.state.__setitem__(leaf, {}))
+                else:
+                    r["exp_avg"] = {name: opt.state[p]["exp_avg"].flatten().clone()
+                                    for name, p in model.named_parameters()}
+                r["round_trip"] = outcome(lambda: opt.load_state_dict(opt.state_dict()))
         r["lrs"] = lrs
         r["state"] = {k: v.clone() for k, v in (opt.full_state_dict() if zero else model.state_dict()).items()}
         out[zero] = r
@@ -749,6 +766,27 @@ def test_a_disabled_grad_scaler_steps_as_under_torch(world1, stage):
     zero, ref = world1["torch_api"][stage][True], world1["torch_api"][stage][False]
     assert [zero[k] for k in range(3)] == [ref[k] for k in range(3)] == [("ok", None)] * 3
     assert zero["lrs"] == ref["lrs"] == [[0.01], [0.005], [0.0025]]
+    assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_is_read_only_and_keyed_by_the_param_groups_tensors(world1, stage):
+    """opt.state never gains a key: opt.state[model parameter] added an empty entry (and .get gave None), after
+    which state_dict() raised a bare KeyError; now a KeyError saying the state is kept per piece, keyed by the
+    param_groups' tensors, whose states are torch's; a write is a TypeError."""
+    zero, ref = world1["torch_api"][stage][True], world1["torch_api"][stage][False]
+    assert zero["fresh"] == ref["fresh"] == (0, {})
+    kind, msg = zero["by_param"]
+    assert kind == "KeyError" and "'fc1.weight' is not a key" in msg and "per shard piece" in msg \
+        and "opt.param_groups" in msg, zero["by_param"]
+    assert ref["by_param"][0] == "ok"  # (torch's own parameter: its state)
+    assert (zero["get"], zero["in"], zero["len"]) == (None, False, (6, 6))
+    assert zero["keys"] and zero["items"]
+    assert zero["write"][0] == "TypeError" and "read-only" in zero["write"][1]
+    assert sorted(zero["exp_avg"]) == sorted(ref["exp_avg"])
+    for k, v in ref["exp_avg"].items():
+        torch.testing.assert_close(zero["exp_avg"][k], v, rtol=0, atol=0)
+    assert zero["round_trip"] == ref["round_trip"] == ("ok", None)
     assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
 
 

@@ -16,8 +16,10 @@ import inspect
 import json
 import sys
 import warnings
+import types
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -199,6 +201,67 @@ def _no_owner():  # (what a model pickled by an older pyzero names for its param
 
 
 WeakOwner = wrappers.WeakOwner
+
+
+class ShardState(Mapping):
+    """``opt.state`` of a ZeroOptimizer: its inner optimizer's state, which is kept per shard piece (this
+    rank's part of a model parameter), keyed by the tensors of ``opt.param_groups``. Read-only, and a
+    lookup never adds an entry (torch's state is a defaultdict, and an entry added under another tensor
+    would break state_dict()): ``opt.state[p]`` for p of param_groups is its state (a read-only empty
+    mapping before its first step), any other key a KeyError saying so. Iteration, len, items() and
+    ``in`` are the inner state's."""
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt):
+        self._opt = opt
+
+    def __getitem__(self, key):
+        state = self._opt.inner.state
+        if isinstance(key, torch.Tensor):
+            if key in state:  # (tensors hash by identity; `in` adds nothing)
+                return state[key]
+            if id(key) in self._opt._leaf_ids:
+                return types.MappingProxyType({})  # (not stepped yet)
+        i = self._opt._param_index.get(id(key)) if isinstance(key, torch.Tensor) else None
+        what = (f"the model's parameter {self._opt.names[i]!r} is not a key"
+                if i is not None and self._opt.params[i] is key else
+                f"{_shown(key)} is not one of the tensors of opt.param_groups")
+        raise KeyError(f"opt.state: {what}; a ZeroOptimizer keeps its optimizer state per shard piece (this "
+                       "rank's part of each parameter), keyed by the tensors of opt.param_groups: read "
+                       "opt.state[p] for p in opt.param_groups[i]['params'], or opt.shard_state() for each "
+                       "piece's state with its parameter's name")
+
+    def __contains__(self, key):
+        return isinstance(key, torch.Tensor) and key in self._opt.inner.state
+
+    def __iter__(self):
+        return iter(self._opt.inner.state)
+
+    def __len__(self):
+        return len(self._opt.inner.state)
+
+    def __setitem__(self, key, value):
+        _read_only()
+
+    def __delitem__(self, key):
+        _read_only()
+
+    def __repr__(self):
+        return f"ShardState({len(self)} pieces with state)"
+
+
+def _read_only():
+    raise TypeError("opt.state is read-only (the inner optimizer's state, per shard piece): change a piece's "
+                    "state in place (opt.state[p]['exp_avg'].zero_()), or load one with opt.load_state_dict / "
+                    "opt.load_shard_state / pz.checkpoint.load")
+
+
+def _shown(key) -> str:
+    """A key of a failed opt.state lookup, briefly."""
+    if isinstance(key, torch.Tensor):
+        return f"a tensor of shape {tuple(key.shape)}"
+    return f"a {type(key).__name__}"
 
 
 class CollectiveCall(NamedTuple):
@@ -712,11 +775,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.update((k, v) for k, v in front.items() if k != "params")
 
     @property
-    def state(self):
-        return self.inner.state
+    def state(self) -> ShardState:
+        """The inner optimizer's state, read-only: keyed by the tensors of param_groups (see ShardState)."""
+        return ShardState(self)
 
     @state.setter
     def state(self, state):
+        if isinstance(state, ShardState):
+            state = state._opt.inner.state
         self.inner.state = state
 
     @property

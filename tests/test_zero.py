@@ -8,7 +8,9 @@ plain dicts, so the whole matrix costs two rank launches.
 import contextlib
 import copy
 import functools
+import io
 import math
+import pickle
 import warnings
 
 import pytest
@@ -571,7 +573,7 @@ def torch_api(stage):
     """What a torch script does with its optimizer, for ZeRO and for AdamW on the whole model (torch): steps
     through a disabled torch.amp.GradScaler (`enabled=args.fp16`) with an LR scheduler and a post-hook reading
     param_groups; between steps looks up opt.state (by a model parameter too, as a torch script would), then
-    state_dict() and a write into opt.state."""
+    state_dict(), a write into opt.state, and copy.copy / pickle / torch.save of the optimizer."""
     s = spec("adamw", stage)
     out = {}
     for zero in (True, False):
@@ -605,6 +607,9 @@ def torch_api(stage):
                 r["round_trip"] = outcome(lambda: opt.load_state_dict(opt.state_dict()))
         r["lrs"] = lrs
         r["state"] = {k: v.clone() for k, v in (opt.full_state_dict() if zero else model.state_dict()).items()}
+        if zero:
+            r["copies"] = [outcome(lambda: copy.copy(opt)), outcome(lambda: pickle.dumps(opt)),
+                           outcome(lambda: torch.save(opt, io.BytesIO()))]
         out[zero] = r
     return out
 
@@ -788,6 +793,15 @@ def test_state_is_read_only_and_keyed_by_the_param_groups_tensors(world1, stage)
         torch.testing.assert_close(zero["exp_avg"][k], v, rtol=0, atol=0)
     assert zero["round_trip"] == ref["round_trip"] == ("ok", None)
     assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_copy_pickle_and_torch_save_of_the_optimizer_are_refused(world1, stage):
+    """copy.copy, pickle and torch.save of the optimizer (which wrote a file that did not load) are a TypeError
+    naming pz.checkpoint, as copy.deepcopy."""
+    for kind, msg in world1["torch_api"][stage][True]["copies"]:
+        assert kind == "TypeError" and "of a ZeroOptimizer" in msg and "pz.checkpoint" in msg \
+            and "opt.state_dict()" in msg, (kind, msg)
 
 
 def test_torch_clip_error_if_nonfinite_as_torch(world1):

@@ -251,6 +251,14 @@ class ShardState(Mapping):
         return f"ShardState({len(self)} pieces with state)"
 
 
+def _not_copied(how: str) -> str:
+    return (f"{how} of a ZeroOptimizer: its shards, buckets and group belong to this job's training and are "
+            "not copied or pickled; save and restore its state with pz.checkpoint.save / load, or "
+            "opt.state_dict() / opt.load_state_dict() on every rank (each rank's shard). copy.deepcopy(model) "
+            "gives a plain copy of the model (for stage 3 inside `with torch.no_grad(), "
+            "opt.gathered_parameters():`)")
+
+
 def _read_only():
     raise TypeError("opt.state is read-only (the inner optimizer's state, per shard piece): change a piece's "
                     "state in place (opt.state[p]['exp_avg'].zero_()), or load one with opt.load_state_dict / "
@@ -1252,10 +1260,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clear_grads()
 
     def __deepcopy__(self, memo):
-        raise TypeError("copy.deepcopy of a ZeroOptimizer: its shards, buckets and group belong to this job's "
-                        "training and are not copied; save and restore its state with pz.checkpoint (or "
-                        "state_dict / load_state_dict on every rank). copy.deepcopy(model) gives a plain copy of "
-                        "the model (for stage 3 inside `with torch.no_grad(), opt.gathered_parameters():`)")
+        raise TypeError(_not_copied("copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_not_copied("copy.copy, pickle or torch.save"))
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """A context manager: `params` (model parameters; all it trains by default) whole on every rank

@@ -421,6 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._delayed = None  # offload.DelayedStep with delayed_update
         self._front, self._front_of = None, None  # delayed_update: param_groups and the inner list they mirror
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
+        self._host_unscaled = False  # host copies: the shards took 1/scale (and _clip_coef) before the pre-hooks
         self._group_of = self._assign_groups(param_groups)
         # bad kwargs raise before any change, and so do ranks given different optimizers or settings
         probe = _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)
@@ -1050,7 +1051,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 local = torch.zeros((), device=where)
             total = self._combine_norms(local, norm_type)
-        if self._host and self.scaler is not None:
+        if self._host and self.scaler is not None and not self._host_unscaled:
             # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
             # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
             total = total * (1.0 / self.scaler.scale)
@@ -1135,18 +1136,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimizer step on the reduced gradients, between the hooks of register_step_pre_hook and
         register_step_post_hook, as torch runs them (torch's global step hooks run with the inner
-        optimizer's step)."""
+        optimizer's step). With loss_scale the pre-hooks see the unscaled gradients, and a step skipped
+        for an overflow runs no hook: as torch.amp.GradScaler unscales before optimizer.step() and
+        does not call it on an overflow."""
         args, kwargs = (self,), ({} if closure is None else {"closure": closure})
-        if self._optimizer_step_pre_hooks:
-            # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
-            # reduces them in step(): before the hooks, not after); slots stepped during backward have
-            # none left to show (a hook registered after the loop's shape was learnt: see _learn_loop_shape)
+        pre = self._optimizer_step_pre_hooks
+        if pre:
+            # slots stepped during backward have no gradients left to show (a hook registered after the
+            # loop's shape was learnt: see _learn_loop_shape)
             self._check_loop_shape("a step pre-hook (it reads the gradients, some already stepped)")
-            if self._grads_ready and not self._unreduced:
-                self._finish_gradients()
-                if self._host and self._host_grad_dtype != torch.float32:
+        if (pre or (self._optimizer_step_post_hooks and self.scaler is not None)) and self._grads_ready \
+                and not self._unreduced:
+            # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
+            # reduces them in step(): before the hooks, not after), unscaled; an overflow is decided first
+            self._finish_gradients()
+            if self._check_overflow():
+                return self._step(*args[1:], **kwargs)  # (skipped, no hook runs)
+            if pre and self._host:
+                if self._host_grad_dtype != torch.float32:
                     self._widen_host_grads()  # 16-bit host shards have no .grad to show: fp32 from now on
-        for hook in list(self._optimizer_step_pre_hooks.values()):
+                self._apply_host_factor()
+        for hook in list(pre.values()):
             result = hook(self, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -1224,9 +1234,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _delayed_step(self):
         """step() with delayed_update (see [Note: delayed update])."""
         overflow = self._check_overflow()  # (both verdicts from g_t, before any CPU step starts)
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         used = None if overflow else self._used()
         self._publish_delayed()  # the step of step t-1: its parameters go to the model now
         if overflow:
@@ -1307,6 +1315,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._delayed.wait()
             self._sync_groups()
 
+    def _host_factor(self) -> float:
+        """What the host step multiplies the host gradient shards by: 1/scale (they are raw, see [Note:
+        offload of a CUDA model]) times the clip coefficient, or what of it _apply_host_factor left."""
+        factor = 1.0 if self.scaler is None or self._host_unscaled else 1.0 / self.scaler.scale
+        if self._clip_coef is not None:
+            factor *= float(self._clip_coef)
+        return factor
+
+    def _apply_host_factor(self) -> None:
+        """Host copies, before the step pre-hooks: the host gradient shards take the factor the step would
+        apply (1/scale, the clip coefficient), so the hooks see (and edit) the gradients the step applies, as
+        under torch; the step applies none (the same product, so the same values)."""
+        factor = self._host_factor()
+        if factor != 1.0:
+            for g in self._shard_grads:
+                g.mul_(factor)
+        self._clip_coef = None
+        self._host_unscaled = True
+
     def _host_step(self):
         """The inner step on the host copies, applying 1/scale times the clip coefficient to the
         raw host gradients. With offload_params the device is idle first: gathers read host shards
@@ -1314,9 +1341,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.offload.offload_params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._to_device.wait()  # the last step's copies to the device have read what this step changes
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         chunks = self._step_chunks() if isinstance(self.inner, _SCALED_STEP) else [(0, len(self.pieces))]
         if len(chunks) > 1:
             copies = self._low_copies() if self._host_low else None
@@ -1490,9 +1515,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clear_grads()
             return
         used = self._used()
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         if self.offload.offload_params and self.device.type == "cuda" and not early:
             torch.cuda.synchronize(self.device)  # (gathers read the host shards this step changes)
         if not early:
@@ -1641,6 +1664,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._host:
             self._hgrads.restart()
             self._clip_coef = None
+            self._host_unscaled = False
 
     def _zero_model_grads(self, set_to_none):
         for p in self.params:

@@ -187,8 +187,9 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
     an RNG state tensor). Saved from the first rank (values every rank shares), in what
     ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, lists, tuples, dicts.
     If writing fails on any rank (a full disk, a read-only directory, an app_state value that
-    cannot be saved), every rank raises CheckpointError naming the rank and its error, and
-    `latest` still names the previous step.
+    cannot be saved, a param-group setting meta.json cannot keep: anything but numbers, strings,
+    booleans, None, small tensors, lists or tuples of numbers), every rank raises CheckpointError
+    naming the rank and its error, and `latest` still names the previous step.
     """
     path = _path(path, "save")
     if not is_int(step) or step < 0:
@@ -216,6 +217,7 @@ def save(path: str | os.PathLike, model, opt, step: int, keep: int = 3, app_stat
             raise CheckpointError(f"checkpoint.save({path!r}, step={step}) failed while {stage} ({why}); "
                                   f"nothing was saved, 'latest' is unchanged") from error
 
+    agree("checking the param groups", _groups_problem(opt))
     error = None
     if first:
         try:
@@ -326,7 +328,9 @@ def _publish(path, tmp, final, name, step, keep, model, opt, app_keys, optimizer
         raise OSError(f"shard files {missing} are missing from {tmp!r}")
     meta = {"format": FORMAT, "step": step, "world": opt.world, "stage": opt.stage,
             "optimizer": type(opt.inner).__name__,
-            "param_groups": [{k: _setting(v) for k, v in grp.items() if k != "params"} for grp in opt.param_groups]}
+            "param_groups": [{k: _setting(v) for k, v in grp.items() if k != "params"} for grp in opt.param_groups],
+            "param_group_forms": [{k: f for k, v in grp.items() if k != "params" and (f := _form(v)) is not None}
+                                  for grp in opt.param_groups]}
     meta.update(_model_meta(model, opt))
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
@@ -387,6 +391,73 @@ def _setting(v):
     if isinstance(v, (tuple, list)):
         return [_setting(x) for x in v]
     return v
+
+
+def _groups_problem(opt) -> ValueError | None:
+    """A ValueError naming the first param-group setting meta.json cannot keep (it holds numbers, strings,
+    booleans, None, and lists of numbers: _is_setting), else None."""
+    for i, grp in enumerate(opt.param_groups):
+        for k, v in grp.items():
+            if k == "params":
+                continue
+            try:
+                kept = _is_setting(json.loads(json.dumps(_setting(v))))
+            except (TypeError, ValueError, RuntimeError):
+                kept = False
+            if not kept:
+                return ValueError(f"opt.param_groups[{i}][{k!r}]: a checkpoint keeps a param group's settings as "
+                                  "numbers, strings, booleans, None, tensors of one number or 1-D ones of up to "
+                                  "64, and lists or tuples of up to 64 numbers, got "
+                                  f"{type(v).__name__} {repr(v)[:60]}; keep such a value out of the param groups "
+                                  "(app_state= saves more state)")
+    return None
+
+
+def _form(v):
+    """How a param group's setting `v` differs from what meta.json holds of it (_setting), for a load that
+    restores it into a group without it: None where it is that value, else {"tensor": dtype, "shape": [...]} or
+    {"tuple" or "list": [each element's form]}."""
+    if torch.is_tensor(v):
+        return {"tensor": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+    if isinstance(v, (tuple, list)):
+        forms = [_form(x) for x in v]
+        if isinstance(v, tuple) or any(f is not None for f in forms):
+            return {"tuple" if isinstance(v, tuple) else "list": forms}
+    return None
+
+
+def _form_ok(form, depth=0) -> bool:
+    """Whether `form` (meta.json's) is one _form writes."""
+    if form is None:
+        return True
+    if type(form) is not dict or depth > 1:
+        return False
+    if set(form) == {"tensor", "shape"}:
+        return type(form["tensor"]) is str and type(form["shape"]) is list and len(form["shape"]) <= 64 and all(
+            _is_count(d) for d in form["shape"])
+    kind, forms = next(iter(form.items())) if len(form) == 1 else (None, None)
+    return kind in ("tuple", "list") and type(forms) is list and len(forms) <= 64 and all(
+        _form_ok(f, depth + 1) for f in forms)
+
+
+def _rebuilt(saved, form):
+    """A saved setting (meta.json's) in its `form` (_form's): a tensor on the CPU, a tuple, or as saved; a
+    ValueError where they do not fit."""
+    if form is None:
+        return saved
+    if "tensor" in form:
+        dtype = getattr(torch, form["tensor"], None)
+        if not isinstance(dtype, torch.dtype) or not (type(saved) in (bool, int, float) or type(saved) is list):
+            raise ValueError(f"{saved!r} is not a {form['tensor']} tensor's values")
+        t = torch.tensor(saved, dtype=dtype)
+        if t.numel() != math.prod(form["shape"]):
+            raise ValueError(f"{saved!r} does not fill a tensor of shape {form['shape']}")
+        return t.reshape(form["shape"])
+    kind, forms = next(iter(form.items()))
+    if type(saved) is not list or len(saved) != len(forms):
+        raise ValueError(f"{saved!r} is not a {kind} of {len(forms)}")
+    items = [_rebuilt(x, f) for x, f in zip(saved, forms)]
+    return tuple(items) if kind == "tuple" else items
 
 
 def _restored(current, saved):
@@ -538,6 +609,10 @@ def _meta_problem(meta) -> str | None:
                                    and math.isfinite(scaler["scale"]) and scaler["scale"] > 0
                                    and _is_count(scaler.get("good_steps")) and _is_count(scaler.get("skipped"))):
         return "'scaler': expected {scale: a positive number, good_steps, skipped: integers >= 0}"
+    forms = meta.get("param_group_forms")
+    if forms is not None and not (type(forms) is list and len(forms) == len(meta["param_groups"]) and all(
+            type(f) is dict and all(type(k) is str and _form_ok(x) for k, x in f.items()) for f in forms)):
+        return "'param_group_forms': expected one {name: form} per param group"
     app = meta.get("app_state")
     if app is not None and not (type(app) is list and all(type(k) is str for k in app)):
         return "'app_state': expected a list of names"
@@ -787,20 +862,30 @@ def _prepare(step_dir, meta, shards, extra, app, model, opt, app_state):
 def _restored_settings(step_dir: str, meta: dict, opt) -> list[dict]:
     """Each param group's saved settings in the form the optimizer holds them, checked (CheckpointCorrupt naming
     the setting): of the kind the optimizer holds now (a number for a number, a tuple of as many for a tuple),
-    and, where they differ from the optimizer's, taken by its optimizer class (AdamW refuses lr=-5.0)."""
+    and, where they differ from the optimizer's, taken by its optimizer class (AdamW refuses lr=-5.0). Those
+    its groups do not hold (an LR scheduler's initial_lr, a group's name) are added as saved (a tuple, a tensor
+    in the form param_group_forms records), as torch's load_state_dict restores a group."""
     meta_path = os.path.join(step_dir, "meta.json")
+    forms = meta.get("param_group_forms") or [{} for _ in meta["param_groups"]]  # (older checkpoints: none)
     out = []
     for i, (grp, saved) in enumerate(zip(opt.param_groups, meta["param_groups"])):
         restored = {}
         for k, v in saved.items():
-            if k not in grp or k == "params":
+            if k == "params":
+                continue
+            if k not in grp:  # (a scheduler's initial_lr, a name: as saved, as torch's load_state_dict)
+                try:
+                    restored[k] = _rebuilt(v, forms[i].get(k))
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise CheckpointCorrupt(f"checkpoint file {meta_path!r}: param_groups[{i}][{k!r}]: {e} (its "
+                                            "param_group_forms entry); nothing was loaded") from None
                 continue
             if not _same_kind(grp[k], v):
                 held = tuple(_setting(grp[k])) if isinstance(grp[k], tuple) else _setting(grp[k])
                 raise CheckpointCorrupt(f"checkpoint file {meta_path!r}: param_groups[{i}][{k!r}] is {v!r}, not of "
                                         f"the form the optimizer holds ({held!r}); nothing was loaded")
             restored[k] = _restored(grp[k], v)
-        changed = {k: v for k, v in restored.items() if _setting(grp[k]) != saved[k]}
+        changed = {k: v for k, v in restored.items() if k in grp and _setting(grp[k]) != saved[k]}
         why = opt._settings_problem(i, changed) if changed else None
         if why is not None:
             shown = ", ".join(f"{k}={saved[k]!r}" for k in changed)

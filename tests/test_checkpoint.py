@@ -554,6 +554,97 @@ def test_tensor_lr_saved_and_restored_as_a_number(tmp_path):
     assert_same(got, want, atol=1e-7)
 
 
+def _group_keys_run(lr, save_load):
+    """AdamW at `lr` under a LambdaLR for 2 steps, its group given a name and a tuple; saved and loaded into a fresh
+    optimizer by `save_load(model, opt, model2) -> opt2`, which then resumes a StepLR (it needs the scheduler's
+    initial_lr) and takes a new LambdaLR (which starts from initial_lr), for 2 more steps. Returns the loaded
+    group's settings (as (type, value)), the lrs it stepped with and the weights."""
+    model = build()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt := save_load(model, None, None), lambda k: 0.5 ** k)
+    opt.param_groups[0].update(name="decay", pair=(1, 2.5))
+    for step in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(batch(step)[0]), batch(step)[1]).backward()
+        opt.step()
+        sched.step()
+    model2 = build()
+    opt2 = save_load(model, opt, model2)
+    group = {k: (type(v).__name__, v.tolist() if torch.is_tensor(v) else v)
+             for k, v in opt2.param_groups[0].items() if k != "params"}
+    torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5, last_epoch=1)  # (a KeyError without initial_lr)
+    torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 0.9 ** k)
+    lrs = []
+    for step in range(2, 4):
+        opt2.zero_grad()
+        F.mse_loss(model2(batch(step)[0]), batch(step)[1]).backward()
+        lrs.append(float(opt2.param_groups[0]["lr"]))
+        opt2.step()
+    state = opt2.full_state_dict() if isinstance(opt2, pz.ZeroOptimizer) else model2.state_dict()
+    return group, lrs, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _rank_group_keys(ckpt):
+    """_group_keys_run through pz.checkpoint, with a float and a tensor lr (whose initial_lr is a tensor too); then a
+    checkpoint saved before param_group_forms, and a group holding a value meta.json cannot keep."""
+    pz.init(timeout=30)
+
+    def through_checkpoint(model, opt, model2):
+        if opt is None:
+            return pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=lr, weight_decay=WD)
+        pz.checkpoint.save(ckpt, model, opt, 2)
+        opt2 = pz.ZeroOptimizer(model2, torch.optim.AdamW, stage=2, lr=lr, weight_decay=WD)
+        pz.checkpoint.load(ckpt, model2, opt2)
+        return opt2
+    out = {}
+    for lr in (0.1, torch.tensor(0.1)):
+        out[torch.is_tensor(lr)] = _group_keys_run(lr, through_checkpoint)
+    meta_path = os.path.join(ckpt, "step_00000002", "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    del meta["param_group_forms"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    model = build()
+    opt = pz.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=0.1, weight_decay=WD)
+    pz.checkpoint.load(ckpt, model, opt)
+    out["older"] = {k: v for k, v in opt.param_groups[0].items() if k in ("pair", "initial_lr")}
+    opt.param_groups[0]["info"] = {"a": 1}
+    out["unkept"] = outcome(lambda: pz.checkpoint.save(ckpt, model, opt, 3))
+    out["listing"] = sorted(os.listdir(ckpt))
+    return out
+
+
+def test_param_group_keys_the_optimizer_lacks_are_restored_as_torch_restores_them(tmp_path):
+    """A group's keys a fresh optimizer does not hold (an LR scheduler's initial_lr, a name, a tuple) were dropped
+    by load: StepLR(..., last_epoch=1) then raised a KeyError and a new LambdaLR started from the decayed lr. Now
+    restored as torch's load_state_dict restores them (a tuple as a tuple, a tensor as a tensor), and a setting
+    meta.json cannot keep is refused at save instead of being stringified or written unloadable."""
+    got = run_ranks(_rank_group_keys, 1, args=(str(tmp_path / "ck"),), timeout=60)[0].value
+
+    def through_state_dict(model, opt, model2):
+        if opt is None:
+            return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WD)
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=lr, weight_decay=WD)
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(opt.state_dict())
+        return opt2
+    for lr in (0.1, torch.tensor(0.1)):
+        group, lrs, state = got[torch.is_tensor(lr)]
+        want_group, want_lrs, want = _group_keys_run(lr, through_state_dict)
+        assert group == want_group, (group, want_group)
+        assert group["name"] == ("str", "decay") and group["pair"] == ("tuple", (1, 2.5))
+        assert group["initial_lr"][0] == type(lr).__name__
+        assert lrs == pytest.approx(want_lrs, rel=1e-6) and lrs[0] == pytest.approx(0.1)
+        assert_same(state, want, atol=1e-7)
+    older = got["older"]  # (the tensor lr's run, saved last: its values as JSON holds them)
+    assert older["pair"] == [1, 2.5] and type(older["initial_lr"]) is float
+    assert older["initial_lr"] == pytest.approx(0.1)
+    kind, msg = got["unkept"]
+    assert kind == "CheckpointError" and "checking the param groups" in msg and "param_groups[0]['info']" in msg \
+        and "dict" in msg and "nothing was saved" in msg, got["unkept"]
+    assert got["listing"] == ["latest", "step_00000002"]
+
+
 # ---------------------------------------------------------------------------
 # examples/zero_train.py: a rank dies, the job is restarted and resumes
 

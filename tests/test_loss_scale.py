@@ -208,6 +208,89 @@ def test_host_clipping_at_a_scale_whose_squares_overflow_fp32():
         torch.testing.assert_close(w70[k], v, rtol=1e-5, atol=1e-6)
 
 
+def _hooked_run(opt, model, scaler=None, clip=None):
+    """4 steps with the loss scaled (2**16, doubled after 2 good steps), an inf in step 1's input: a step pre-hook
+    records the norm of the gradients it finds in param_groups and halves them, a post-hook records its call.
+    `scaler`: a torch.amp.GradScaler stepping the torch optimizer `opt`; else a ZeroOptimizer with loss_scale.
+    `clip`: clip_grad_norm_ to it before the step (torch: after scaler.unscale_)."""
+    calls, scales = [], []
+
+    def pre(o, args, kwargs):
+        grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+        calls.append(("pre", math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))))
+        for g in grads:
+            g.mul_(0.5)
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post",)))
+    for step in range(4):
+        x, y = data(step, 0)
+        if step == 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scales.append(opt.loss_scale if scaler is None else scaler.get_scale())
+        loss = F.mse_loss(model(x), y)
+        if scaler is None:
+            opt.scale_loss(loss).backward()
+            if clip:
+                opt.clip_grad_norm_(clip)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
+        calls.append(step)
+    state = opt.full_state_dict() if scaler is None else model.state_dict()
+    return calls, scales, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _rank_hooked():
+    from pyzero.zero import optimizer as zero_optimizer
+
+    pz.init(timeout=30)
+    out = {}
+    for host in (False, True):
+        zero_optimizer._host_copies = lambda device, host=host: host  # True: the host path a CUDA model's offload takes
+        for stage in (1, 2, 3):
+            for clip in (None, 0.5):
+                model = make_model()
+                opt = pz.ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9,
+                                       offload="cpu" if host else None,
+                                       loss_scale={"init_scale": 2.0**16, "growth_interval": 2})
+                out[host, stage, clip] = _hooked_run(opt, model, clip=clip)
+    return out
+
+
+def test_step_hooks_see_unscaled_gradients_and_do_not_run_on_a_skipped_step():
+    """With loss_scale a step pre-hook saw the gradients times the scale (as torch.amp.GradScaler unscales before
+    optimizer.step(), torch's see them unscaled), and both hooks ran on a step skipped for an overflow (GradScaler
+    calls no optimizer.step() there); on the host path (a CUDA model's offload) the pre-hook saw them scaled and
+    unclipped. Now as torch with GradScaler: what the hooks see and do, the scale, the weights."""
+    got = run_ranks(_rank_hooked, 1, timeout=90)[0].value
+    for clip in (None, 0.5):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        want_calls, want_scales, want = _hooked_run(opt, model, torch.amp.GradScaler(
+            "cpu", init_scale=2.0**16, growth_interval=2), clip)
+        assert [c[0] if isinstance(c, tuple) else c for c in want_calls] == ["pre", "post", 0, 1, "pre", "post", 2,
+                                                                            "pre", "post", 3]
+        assert want_scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+        for host in (False, True):
+            for stage in (1, 2, 3):
+                calls, scales, state = got[host, stage, clip]
+                assert scales == want_scales, (host, stage, clip)
+                assert [c[0] if isinstance(c, tuple) else c for c in calls] == [
+                    c[0] if isinstance(c, tuple) else c for c in want_calls], (host, stage, clip, calls)
+                for c, w in zip(calls, want_calls):
+                    if isinstance(c, tuple) and c[0] == "pre":
+                        assert c[1] == pytest.approx(w[1], rel=1e-5), (host, stage, clip, calls, want_calls)
+                for k, v in want.items():
+                    torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m, k=k, h=host, s=stage, c=clip: f"{h} {s} {c} {k}: {m}")
+
+
 _X, _Y = torch.full((4, 4), 300.0), torch.zeros(4, 1)  # gradients ~2e5: beyond fp16 even unscaled
 
 

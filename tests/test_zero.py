@@ -8,7 +8,9 @@ plain dicts, so the whole matrix costs two rank launches.
 import contextlib
 import copy
 import functools
+import io
 import math
+import pickle
 import warnings
 
 import pytest
@@ -563,7 +565,53 @@ def _rank_world1():
     return {"exact": exact, "bad": out, "after": train(s, 1, model=model, before=misuse),
             "shard_state": {stage: shard_state_round_trip(stage) for stage in (1, 2, 3)},
             "nonfinite": {stage: nonfinite_clip(stage) for stage in (None, 2)},
-            "grad_scaler": {stage: grad_scaler_refused(stage) for stage in (1, 2, 3)}}
+            "grad_scaler": {stage: grad_scaler_refused(stage) for stage in (1, 2, 3)},
+            "torch_api": {stage: torch_api(stage) for stage in (1, 2, 3)}}
+
+
+def torch_api(stage):
+    """What a torch script does with its optimizer, for ZeRO and for AdamW on the whole model (torch): steps
+    through a disabled torch.amp.GradScaler (`enabled=args.fp16`) with an LR scheduler and a post-hook reading
+    param_groups; between steps looks up opt.state (by a model parameter too, as a torch script would), then
+    state_dict(), a write into opt.state, and copy.copy / pickle / torch.save of the optimizer."""
+    s = spec("adamw", stage)
+    out = {}
+    for zero in (True, False):
+        model = build(s)
+        opt = pz.ZeroOptimizer(model, AdamW, stage=stage, lr=1e-2) if zero else AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        lrs, r = [], {}
+        opt.register_step_post_hook(lambda o, args, kwargs: lrs.append([g["lr"] for g in o.param_groups]))
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        leaf = opt.param_groups[0]["params"][0]
+        r["fresh"] = (len(opt.state), dict(opt.state[leaf]))
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(loss_fn(s, model, *batch(s, step, 0))).backward()
+            r[step] = outcome(lambda: scaler.step(opt))
+            scaler.update()
+            sched.step()
+            if step == 0:
+                w = model.fc1.weight
+                n = len(opt.state)
+                r["by_param"] = outcome(lambda: opt.state[w].get("exp_avg"))
+                r["get"], r["in"], r["len"] = opt.state.get(w), w in opt.state, (n, len(opt.state))
+                if zero:
+                    r["keys"] = {id(k) for k in opt.state} == {id(piece) for _, piece, _ in opt.pieces}
+                    r["exp_avg"] = {pc.name: opt.state[piece]["exp_avg"].clone() for pc, piece, _ in opt.pieces}
+                    r["items"] = all(v is opt.state[k] for k, v in opt.state.items())
+                    r["write"] = outcome(lambda: opt.state.__setitem__(leaf, {}))
+                else:
+                    r["exp_avg"] = {name: opt.state[p]["exp_avg"].flatten().clone()
+                                    for name, p in model.named_parameters()}
+                r["round_trip"] = outcome(lambda: opt.load_state_dict(opt.state_dict()))
+        r["lrs"] = lrs
+        r["state"] = {k: v.clone() for k, v in (opt.full_state_dict() if zero else model.state_dict()).items()}
+        if zero:
+            r["copies"] = [outcome(lambda: copy.copy(opt)), outcome(lambda: pickle.dumps(opt)),
+                           outcome(lambda: torch.save(opt, io.BytesIO()))]
+        out[zero] = r
+    return out
 
 
 def grad_scaler_refused(stage):
@@ -714,6 +762,46 @@ def test_grad_scaler_is_refused_and_param_groups_read_safely(world1, stage):
         assert kind == "RuntimeError" and "torch.amp.GradScaler does not work with a ZeroOptimizer" in msg \
             and "loss_scale='dynamic'" in msg, r["refused"]
     assert r["unchanged"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_disabled_grad_scaler_steps_as_under_torch(world1, stage):
+    """`GradScaler(enabled=args.fp16).step(opt)` without fp16 is opt.step(): it was refused as GradScaler's
+    use when a step hook or an LR scheduler read param_groups under it."""
+    zero, ref = world1["torch_api"][stage][True], world1["torch_api"][stage][False]
+    assert [zero[k] for k in range(3)] == [ref[k] for k in range(3)] == [("ok", None)] * 3
+    assert zero["lrs"] == ref["lrs"] == [[0.01], [0.005], [0.0025]]
+    assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_is_read_only_and_keyed_by_the_param_groups_tensors(world1, stage):
+    """opt.state never gains a key: opt.state[model parameter] added an empty entry (and .get gave None), after
+    which state_dict() raised a bare KeyError; now a KeyError saying the state is kept per piece, keyed by the
+    param_groups' tensors, whose states are torch's; a write is a TypeError."""
+    zero, ref = world1["torch_api"][stage][True], world1["torch_api"][stage][False]
+    assert zero["fresh"] == ref["fresh"] == (0, {})
+    kind, msg = zero["by_param"]
+    assert kind == "KeyError" and "'fc1.weight' is not a key" in msg and "per shard piece" in msg \
+        and "opt.param_groups" in msg, zero["by_param"]
+    assert ref["by_param"][0] == "ok"  # (torch's own parameter: its state)
+    assert (zero["get"], zero["in"], zero["len"]) == (None, False, (6, 6))
+    assert zero["keys"] and zero["items"]
+    assert zero["write"][0] == "TypeError" and "read-only" in zero["write"][1]
+    assert sorted(zero["exp_avg"]) == sorted(ref["exp_avg"])
+    for k, v in ref["exp_avg"].items():
+        torch.testing.assert_close(zero["exp_avg"][k], v, rtol=0, atol=0)
+    assert zero["round_trip"] == ref["round_trip"] == ("ok", None)
+    assert_state_close(zero["state"], ref["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_copy_pickle_and_torch_save_of_the_optimizer_are_refused(world1, stage):
+    """copy.copy, pickle and torch.save of the optimizer (which wrote a file that did not load) are a TypeError
+    naming pz.checkpoint, as copy.deepcopy."""
+    for kind, msg in world1["torch_api"][stage][True]["copies"]:
+        assert kind == "TypeError" and "of a ZeroOptimizer" in msg and "pz.checkpoint" in msg \
+            and "opt.state_dict()" in msg, (kind, msg)
 
 
 def test_torch_clip_error_if_nonfinite_as_torch(world1):

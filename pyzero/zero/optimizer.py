@@ -16,8 +16,10 @@ import inspect
 import json
 import sys
 import warnings
+import types
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -201,6 +203,75 @@ def _no_owner():  # (what a model pickled by an older pyzero names for its param
 WeakOwner = wrappers.WeakOwner
 
 
+class ShardState(Mapping):
+    """``opt.state`` of a ZeroOptimizer: its inner optimizer's state, which is kept per shard piece (this
+    rank's part of a model parameter), keyed by the tensors of ``opt.param_groups``. Read-only, and a
+    lookup never adds an entry (torch's state is a defaultdict, and an entry added under another tensor
+    would break state_dict()): ``opt.state[p]`` for p of param_groups is its state (a read-only empty
+    mapping before its first step), any other key a KeyError saying so. Iteration, len, items() and
+    ``in`` are the inner state's."""
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt):
+        self._opt = opt
+
+    def __getitem__(self, key):
+        state = self._opt.inner.state
+        if isinstance(key, torch.Tensor):
+            if key in state:  # (tensors hash by identity; `in` adds nothing)
+                return state[key]
+            if id(key) in self._opt._leaf_ids:
+                return types.MappingProxyType({})  # (not stepped yet)
+        i = self._opt._param_index.get(id(key)) if isinstance(key, torch.Tensor) else None
+        what = (f"the model's parameter {self._opt.names[i]!r} is not a key"
+                if i is not None and self._opt.params[i] is key else
+                f"{_shown(key)} is not one of the tensors of opt.param_groups")
+        raise KeyError(f"opt.state: {what}; a ZeroOptimizer keeps its optimizer state per shard piece (this "
+                       "rank's part of each parameter), keyed by the tensors of opt.param_groups: read "
+                       "opt.state[p] for p in opt.param_groups[i]['params'], or opt.shard_state() for each "
+                       "piece's state with its parameter's name")
+
+    def __contains__(self, key):
+        return isinstance(key, torch.Tensor) and key in self._opt.inner.state
+
+    def __iter__(self):
+        return iter(self._opt.inner.state)
+
+    def __len__(self):
+        return len(self._opt.inner.state)
+
+    def __setitem__(self, key, value):
+        _read_only()
+
+    def __delitem__(self, key):
+        _read_only()
+
+    def __repr__(self):
+        return f"ShardState({len(self)} pieces with state)"
+
+
+def _not_copied(how: str) -> str:
+    return (f"{how} of a ZeroOptimizer: its shards, buckets and group belong to this job's training and are "
+            "not copied or pickled; save and restore its state with pz.checkpoint.save / load, or "
+            "opt.state_dict() / opt.load_state_dict() on every rank (each rank's shard). copy.deepcopy(model) "
+            "gives a plain copy of the model (for stage 3 inside `with torch.no_grad(), "
+            "opt.gathered_parameters():`)")
+
+
+def _read_only():
+    raise TypeError("opt.state is read-only (the inner optimizer's state, per shard piece): change a piece's "
+                    "state in place (opt.state[p]['exp_avg'].zero_()), or load one with opt.load_state_dict / "
+                    "opt.load_shard_state / pz.checkpoint.load")
+
+
+def _shown(key) -> str:
+    """A key of a failed opt.state lookup, briefly."""
+    if isinstance(key, torch.Tensor):
+        return f"a tensor of shape {tuple(key.shape)}"
+    return f"a {type(key).__name__}"
+
+
 class CollectiveCall(NamedTuple):
     """One collective of a training step (see ZeroOptimizer.comm_plan)."""
 
@@ -350,6 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._delayed = None  # offload.DelayedStep with delayed_update
         self._front, self._front_of = None, None  # delayed_update: param_groups and the inner list they mirror
         self._clip_coef = None  # with host copies: this step's clip coefficient (a host scalar tensor)
+        self._host_unscaled = False  # host copies: the shards took 1/scale (and _clip_coef) before the pre-hooks
         self._group_of = self._assign_groups(param_groups)
         # bad kwargs raise before any change, and so do ranks given different optimizers or settings
         probe = _probe_optimizer(optimizer_class, optimizer_kwargs, param_groups)
@@ -712,11 +784,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.update((k, v) for k, v in front.items() if k != "params")
 
     @property
-    def state(self):
-        return self.inner.state
+    def state(self) -> ShardState:
+        """The inner optimizer's state, read-only: keyed by the tensors of param_groups (see ShardState)."""
+        return ShardState(self)
 
     @state.setter
     def state(self, state):
+        if isinstance(state, ShardState):
+            state = state._opt.inner.state
         self.inner.state = state
 
     @property
@@ -976,7 +1051,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 local = torch.zeros((), device=where)
             total = self._combine_norms(local, norm_type)
-        if self._host and self.scaler is not None:
+        if self._host and self.scaler is not None and not self._host_unscaled:
             # the host shards are raw (see [Note: offload of a CUDA model]); with the power-of-two
             # scales of dynamic scaling this equals the norm of the unscaled gradients bit for bit
             total = total * (1.0 / self.scaler.scale)
@@ -1061,18 +1136,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimizer step on the reduced gradients, between the hooks of register_step_pre_hook and
         register_step_post_hook, as torch runs them (torch's global step hooks run with the inner
-        optimizer's step)."""
+        optimizer's step). With loss_scale the pre-hooks see the unscaled gradients, and a step skipped
+        for an overflow runs no hook: as torch.amp.GradScaler unscales before optimizer.step() and
+        does not call it on an overflow."""
         args, kwargs = (self,), ({} if closure is None else {"closure": closure})
-        if self._optimizer_step_pre_hooks:
-            # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
-            # reduces them in step(): before the hooks, not after); slots stepped during backward have
-            # none left to show (a hook registered after the loop's shape was learnt: see _learn_loop_shape)
+        pre = self._optimizer_step_pre_hooks
+        if pre:
+            # slots stepped during backward have no gradients left to show (a hook registered after the
+            # loop's shape was learnt: see _learn_loop_shape)
             self._check_loop_shape("a step pre-hook (it reads the gradients, some already stepped)")
-            if self._grads_ready and not self._unreduced:
-                self._finish_gradients()
-                if self._host and self._host_grad_dtype != torch.float32:
+        if (pre or (self._optimizer_step_post_hooks and self.scaler is not None)) and self._grads_ready \
+                and not self._unreduced:
+            # the pre-hooks see the reduced gradients in the param_groups' tensors, as under torch (stage 1
+            # reduces them in step(): before the hooks, not after), unscaled; an overflow is decided first
+            self._finish_gradients()
+            if self._check_overflow():
+                return self._step(*args[1:], **kwargs)  # (skipped, no hook runs)
+            if pre and self._host:
+                if self._host_grad_dtype != torch.float32:
                     self._widen_host_grads()  # 16-bit host shards have no .grad to show: fp32 from now on
-        for hook in list(self._optimizer_step_pre_hooks.values()):
+                self._apply_host_factor()
+        for hook in list(pre.values()):
             result = hook(self, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -1150,9 +1234,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _delayed_step(self):
         """step() with delayed_update (see [Note: delayed update])."""
         overflow = self._check_overflow()  # (both verdicts from g_t, before any CPU step starts)
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         used = None if overflow else self._used()
         self._publish_delayed()  # the step of step t-1: its parameters go to the model now
         if overflow:
@@ -1186,10 +1268,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clear_grads()
 
     def __deepcopy__(self, memo):
-        raise TypeError("copy.deepcopy of a ZeroOptimizer: its shards, buckets and group belong to this job's "
-                        "training and are not copied; save and restore its state with pz.checkpoint (or "
-                        "state_dict / load_state_dict on every rank). copy.deepcopy(model) gives a plain copy of "
-                        "the model (for stage 3 inside `with torch.no_grad(), opt.gathered_parameters():`)")
+        raise TypeError(_not_copied("copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_not_copied("copy.copy, pickle or torch.save"))
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """A context manager: `params` (model parameters; all it trains by default) whole on every rank
@@ -1233,6 +1315,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._delayed.wait()
             self._sync_groups()
 
+    def _host_factor(self) -> float:
+        """What the host step multiplies the host gradient shards by: 1/scale (they are raw, see [Note:
+        offload of a CUDA model]) times the clip coefficient, or what of it _apply_host_factor left."""
+        factor = 1.0 if self.scaler is None or self._host_unscaled else 1.0 / self.scaler.scale
+        if self._clip_coef is not None:
+            factor *= float(self._clip_coef)
+        return factor
+
+    def _apply_host_factor(self) -> None:
+        """Host copies, before the step pre-hooks: the host gradient shards take the factor the step would
+        apply (1/scale, the clip coefficient), so the hooks see (and edit) the gradients the step applies, as
+        under torch; the step applies none (the same product, so the same values)."""
+        factor = self._host_factor()
+        if factor != 1.0:
+            for g in self._shard_grads:
+                g.mul_(factor)
+        self._clip_coef = None
+        self._host_unscaled = True
+
     def _host_step(self):
         """The inner step on the host copies, applying 1/scale times the clip coefficient to the
         raw host gradients. With offload_params the device is idle first: gathers read host shards
@@ -1240,9 +1341,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.offload.offload_params and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._to_device.wait()  # the last step's copies to the device have read what this step changes
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         chunks = self._step_chunks() if isinstance(self.inner, _SCALED_STEP) else [(0, len(self.pieces))]
         if len(chunks) > 1:
             copies = self._low_copies() if self._host_low else None
@@ -1416,9 +1515,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clear_grads()
             return
         used = self._used()
-        factor = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
-        if self._clip_coef is not None:
-            factor *= float(self._clip_coef)
+        factor = self._host_factor()
         if self.offload.offload_params and self.device.type == "cuda" and not early:
             torch.cuda.synchronize(self.device)  # (gathers read the host shards this step changes)
         if not early:
@@ -1567,6 +1664,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._host:
             self._hgrads.restart()
             self._clip_coef = None
+            self._host_unscaled = False
 
     def _zero_model_grads(self, set_to_none):
         for p in self.params:
@@ -1957,13 +2055,14 @@ _STEP_CHUNK_ELEMS = 1 << 26  # a chunk of the host step that sends its values on
 
 
 def _called_by_grad_scaler() -> bool:
-    """Whether the caller's caller is torch.amp.GradScaler (unscale_ or step, which read param_groups to unscale
-    and check each .grad), a few frames up."""
+    """Whether param_groups is read by an enabled torch.amp.GradScaler to unscale the gradients and check them
+    (its _unscale_grads_, from unscale_ or step), a few frames up. A disabled one (enabled=False) reads none:
+    its step(opt) is opt.step(), whose hooks or LR scheduler may read param_groups."""
     f = sys._getframe(2)
     for _ in range(4):
         if f is None:
             return False
-        if f.f_globals.get("__name__") == "torch.amp.grad_scaler":
+        if f.f_code.co_name == "_unscale_grads_" and f.f_globals.get("__name__") == "torch.amp.grad_scaler":
             return True
         f = f.f_back
     return False

@@ -131,7 +131,7 @@ def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = T
                          "a data-parallel group must pair the ranks that hold the same stage (group=dp, one per "
                          "stage, not the pipeline group or the world)")
     if bool((rows[:, :3] == rows[0, :3]).all()):
-        _refuse_other_buffers(bufs, buf_digests, rows[:, 3].tolist(), group, what)
+        _refuse_different("buffer", bufs, buf_digests, rows[:, 3].tolist(), group, what)
     if bool((rows[:, :2] == rows[0, :2]).all()):
         every = comm.every_rank(places, group=group)
         i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
@@ -141,30 +141,27 @@ def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = T
                          f"group {list(group.ranks)} hold different shards of it ({shown}); each data-parallel "
                          "group must pair the ranks that hold the same shard (dp, tp = pz.mesh(dp=..., tp=...); "
                          "group=dp)")
-    counts = rows[:, 0].tolist()
+    _refuse_different("parameter", named, digests, rows[:, 0].tolist(), group, what)
+
+
+def _refuse_different(kind: str, named, digests, counts, group, what: str) -> None:
+    """Raise on every rank, naming the first of `named` (parameters or buffers, `kind`) that differs between the
+    ranks (check_same_parameters): `counts` each rank's number of them, `digests` this rank's digest of each."""
+    why = ("every rank must wrap the same model", "") if kind == "parameter" else (
+        "every rank must wrap the same model", ": the group's first rank's buffers are broadcast")
     if len(set(counts)) > 1:
-        raise ValueError(f"{what}: the ranks' models differ: {counts} parameters on group ranks 0..{len(counts) - 1} "
-                         "(every rank must wrap the same model)")
+        raise ValueError(f"{what}: the ranks' models differ: {counts} {kind}s on group ranks 0..{len(counts) - 1} "
+                         f"({why[0]}{why[1]})")
     every = comm.every_rank(digests, group=group)
     i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
-    name, p = named[i]
+    name, t = named[i]
     others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
-    raise ValueError(f"{what}: parameter {name!r} is {tuple(p.shape)} {p.dtype}"
-                     f"{'' if p.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
-                     f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
-
-
-def _refuse_other_buffers(bufs, digests, counts, group, what: str) -> None:
-    """Raise on every rank, naming the first buffer that differs between the ranks (check_same_parameters)."""
-    if len(set(counts)) > 1:
-        raise ValueError(f"{what}: the ranks' models differ: {counts} buffers on group ranks 0..{len(counts) - 1} "
-                         "(every rank must wrap the same model: the group's first rank's buffers are broadcast)")
-    every = comm.every_rank(digests, group=group)
-    i = next(i for i in range(len(bufs)) if not bool((every[:, i] == every[0, i]).all()))
-    name, b = bufs[i]
-    others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
-    raise ValueError(f"{what}: buffer {name!r} is {tuple(b.shape)} {b.dtype} on this rank and differs "
-                     f"in name, shape or dtype on group rank(s) {others}: every rank must wrap the same model (the "
+    if kind == "parameter":
+        raise ValueError(f"{what}: parameter {name!r} is {tuple(t.shape)} {t.dtype}"
+                         f"{'' if t.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
+                         f"requires_grad on group rank(s) {others}: {why[0]}")
+    raise ValueError(f"{what}: buffer {name!r} is {tuple(t.shape)} {t.dtype} on this rank and differs "
+                     f"in name, shape or dtype on group rank(s) {others}: {why[0]} (the "
                      "group's first rank's buffers are broadcast, in order)")
 
 

@@ -534,6 +534,11 @@ class GroupLaunches:
     concatenation of each reducer's own sequence on every rank (as with torch DDP, every rank must run
     the same forwards, and a wrapper that takes part in a backward must get at least one gradient on
     every rank). A reducer alone on its group launches as it always did.
+
+    The serving order changes only at a synced forward that no backward runs: the recomputation of
+    torch.utils.checkpoint runs the wrapper's forward during the backward, after some reducers worked out
+    their order, and on each rank at another point among the launches, so it leaves the order, the reducer
+    and the buffers alone (DataParallel.forward).
     """
 
     def __init__(self):

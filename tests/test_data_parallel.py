@@ -1367,6 +1367,49 @@ def _two_wrappers(r, **bucket):
     return out
 
 
+class _ScaledTwo(_Two):
+    """_Two with a buffer (broadcast at each training forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x, second=True):
+        return super().forward(x * self.scale, second)
+
+
+def _tried(fn):
+    """("ok", what fn returned), or (exception type name, message)."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+
+
+def _checkpointed(r, reentrant):
+    """dB(checkpoint(dA, x)), A with a buffer and its second layer used on rank 1 only, B's on rank 0 only."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    A, B = _ScaledTwo(), _Two()
+    dA, dB = pz.DataParallel(A), pz.DataParallel(B)
+    x = _x(r).requires_grad_(reentrant)  # (a reentrant checkpoint needs an input that requires grad)
+    dB(checkpoint(lambda t: dA(t, second=r == 1), x, use_reentrant=reentrant), second=r == 0).sum().backward()
+    return _grads(A, B)
+
+
+def _reentrant_after_no_sync(r):
+    """A reentrant checkpoint of a wrapper whose last forward with gradients ran under no_sync()."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    t = _Two()
+    dt = pz.DataParallel(t)
+    with dt.no_sync():
+        dt(_x(r)).sum().backward()
+    return outcome(lambda: checkpoint(dt, _x(r, seed=1).requires_grad_(), use_reentrant=True).sum().backward())
+
+
 def _rank_after_wrap():
     pz.init(backend="shm", timeout=20)
     r = pz.get_rank()
@@ -1436,6 +1479,9 @@ def _rank_after_wrap():
     # two wrappers on one group, one backward: every rank launches their buckets in one order
     out["two wrappers"] = _two_wrappers(r)
     out["two wrappers, tiny buckets"] = _two_wrappers(r, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    out["checkpointed"] = _tried(lambda: _checkpointed(r, False))
+    out["checkpointed, reentrant"] = _tried(lambda: _checkpointed(r, True))
+    out["reentrant after no_sync"] = _reentrant_after_no_sync(r)
     t = torch.full((2,), float(r + 1))
     pz.all_reduce(t)
     out["group usable"] = t.tolist()
@@ -1580,3 +1626,26 @@ def test_two_wrappers_on_one_group_reduce_in_one_order(after_wrap, key):
     for out in after_wrap:
         for case in ("nested", "apart"):
             _assert_grads(out[key][case], _mean(per_rank[case]))
+
+
+def test_a_forward_run_by_backward_changes_no_order_and_sends_nothing(after_wrap):
+    """dB(checkpoint(dA, x)), A's second layer used on rank 1 only, B's on rank 0 only: the recomputation ran
+    dA's forward during the backward, which sent A's buffers among the backward's all-reduces and moved A to
+    the front of the order after B had worked out its own; the ranks launched A's and B's all-reduces in other
+    orders and took each other's gradients, silently (use_reentrant=False or True). A forward run by a
+    backward now leaves the order, the reducer and the buffers alone; a reentrant checkpoint's, which cannot
+    decide that its backward reduces, raises on every rank where the wrapper's last forward with gradients
+    ran under no_sync()."""
+    per_rank = []
+    for r in range(2):
+        torch.manual_seed(0)
+        A, B = _ScaledTwo(), _Two()
+        B(A(_x(r), second=r == 1), second=r == 0).sum().backward()
+        per_rank.append(_grads(A, B))
+    for out in after_wrap:
+        for key in ("checkpointed", "checkpointed, reentrant"):
+            kind, grads = out[key]
+            assert kind == "ok", (key, grads)
+            _assert_grads(grads, _mean(per_rank))
+        kind, msg = out["reentrant after no_sync"]
+        assert kind == "RuntimeError" and "ran under no_sync()" in msg and "use use_reentrant=False" in msg, msg

@@ -534,6 +534,16 @@ class GroupLaunches:
     concatenation of each reducer's own sequence on every rank (as with torch DDP, every rank must run
     the same forwards, and a wrapper that takes part in a backward must get at least one gradient on
     every rank). A reducer alone on its group launches as it always did.
+
+    The serving order changes only at a synced forward that no backward runs: the recomputation of
+    torch.utils.checkpoint runs the wrapper's forward during the backward, after some reducers worked out
+    their order, and on each rank at another point among the launches, so it leaves the order, the reducer
+    and the buffers alone (DataParallel.forward).
+    A backward that raised never runs its end-of-backward callbacks: its reducers stay in it, with
+    complete buckets held. The engine drops the callback unrun, so a reducer whose callback is gone while
+    it is in a backward is in a dead one (``backward_died``); the first hook of the next backward on the
+    group discards the state of each such reducer (waiting for what it launched), so a later backward
+    neither launches the dead one's buckets nor waits behind it.
     """
 
     def __init__(self):
@@ -546,6 +556,12 @@ class GroupLaunches:
 
     def leave(self, reducer) -> None:
         self._members.pop(reducer, None)
+
+    def drop_dead(self) -> None:
+        """Discard the state of every reducer of the group left in a backward that raised."""
+        for r in list(self._members):
+            if r.backward_died():
+                r._discard()
 
     def forward(self, reducer) -> None:
         """A synced forward of `reducer`: it moves to the front of the serving order."""
@@ -595,6 +611,24 @@ def group_launches(group) -> GroupLaunches:
     return launches
 
 
+class _EndOfBackward:
+    """The end-of-backward callback a reducer queues. The engine drops it unrun when the backward raises:
+    a reducer still in a backward whose callback is gone is in a dead one (BucketReducer.backward_died)."""
+
+    __slots__ = ("reducer", "__weakref__")
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+
+    def __call__(self) -> None:
+        self.reducer._end_backward()
+
+
+def _gone():
+    """A reducer's callback reference before its first backward (a dead reference)."""
+    return None
+
+
 class BucketReducer:
     """Launches each bucket's collective the moment its last gradient is accumulated,
     in the order of [Note: bucket launch order]; when backward ends it waits for
@@ -631,6 +665,7 @@ class BucketReducer:
         self._launches = group_launches(group)
         self.forwarded = 0
         self._serving = None
+        self._end = _gone  # (a weak reference to the queued _EndOfBackward while in a backward)
         if self.buckets:
             self._launches.join(self)
         # (eager always: a backward run from a compiled function would have dynamo compile the hook, dropping
@@ -668,6 +703,11 @@ class BucketReducer:
         if self._inflight or self._launch_order.in_backward:  # a previous backward raised half-way
             self._discard()
 
+    def backward_died(self) -> bool:
+        """Left in a backward that raised: its gradient hooks began it, and the engine dropped its
+        end-of-backward callback without running it."""
+        return self._launch_order.in_backward and self._end() is None
+
     def arm(self, sync: bool) -> None:
         """At a training forward: whether its backward reduces (`sync`: not under no_sync). A synced
         forward arms the reducer until that backward ends; a no_sync forward after it (both losses in
@@ -687,13 +727,18 @@ class BucketReducer:
         # uses in the next synced backward keeps grad None unless it holds such a gradient then)
         if not self.sync:
             return
+        if self.backward_died():  # (a backward of a graph forwarded before one that raised)
+            self._discard()
         b, k = self._where[id(p)]
         self.used[b][k] = True
         self.buckets[b].adopt(k)
         if self._launch_order.begin():
             self.log = []
+            end = _EndOfBackward(self)
+            self._end = weakref.ref(end)
+            _queue_callback(end)
+            self._launches.drop_dead()  # see [Note: reducers sharing a group]
             self._serving = self._launches.serving()
-            _queue_callback(self._end_backward)
         self.log.append((b, "grad"))
         name = self.names[self.specs[b].params[k]]
         if self._serving is None:

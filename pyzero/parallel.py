@@ -12,6 +12,7 @@ group average.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
@@ -95,6 +96,13 @@ def _capturing(device: torch.device) -> bool:
     """Whether work issued now for `device` is captured into a CUDA graph (see [Note: DataParallel's used
     flags]; a name of this module, so that tests can stand in for a capture)."""
     return device_capturing(device)
+
+
+def _reentrant_recomputation() -> bool:
+    """Whether a reentrant torch.utils.checkpoint's backward runs now (its recomputation)."""
+    checkpoint = sys.modules.get("torch.utils.checkpoint")  # (not imported: no checkpoint runs)
+    node = torch._C._current_autograd_node()
+    return checkpoint is not None and getattr(node, "_forward_cls", None) is checkpoint.CheckpointFunction
 
 
 def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = True) -> None:
@@ -346,6 +354,20 @@ class DataParallel(nn.Module):
             raise RuntimeError("pz.DataParallel: a later pz.DataParallel wraps the same module and reduces its "
                                "gradients now; use that one")
         compiling = torch.compiler.is_compiling()
+        if not compiling and torch._C._current_graph_task_id() != -1:
+            # Run by a backward (torch.utils.checkpoint's recomputation): a broadcast here would fall among the
+            # backward's all-reduces at another point on each rank, and arming would reorder reducers some
+            # ranks have already ordered (see [Note: reducers sharing a group]): nothing is sent, nothing
+            # changes. With use_reentrant=False the gradients come through the graph of the forward it
+            # recomputes, which decided the reduction; a reentrant checkpoint's forward ran without gradients,
+            # so the reducer keeps the decision of the wrapper's last forward with gradients.
+            if self._require_sync and not self.reducer.sync and _reentrant_recomputation():
+                raise RuntimeError(
+                    "pz.DataParallel: a reentrant torch.utils.checkpoint (use_reentrant=True) runs this wrapper's "
+                    "forward without gradients, and again during backward, which cannot decide that the backward "
+                    "reduces: the wrapper's last forward with gradients ran under no_sync(), so the gradients would "
+                    "stay each rank's own; use use_reentrant=False")
+            return self.module(*args, **kwargs)
         if self.broadcast_buffers and self.module.training and self.group.size > 1:
             if compiling:  # one operator in the graph (see pyzero.ops)
                 buffers = list(self.module.buffers())

@@ -1367,6 +1367,95 @@ def _two_wrappers(r, **bucket):
     return out
 
 
+class _ScaledTwo(_Two):
+    """_Two with a buffer (broadcast at each training forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x, second=True):
+        return super().forward(x * self.scale, second)
+
+
+class _BoomTwo(_Two):
+    """_Two whose backward raises between its layers while _Boom is armed."""
+
+    def forward(self, x, second=True):
+        return self.b(_Boom.apply(self.a(x)))
+
+
+def _tried(fn):
+    """("ok", what fn returned), or (exception type name, message)."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+
+
+def _checkpointed(r, reentrant):
+    """dB(checkpoint(dA, x)), A with a buffer and its second layer used on rank 1 only, B's on rank 0 only."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    A, B = _ScaledTwo(), _Two()
+    dA, dB = pz.DataParallel(A), pz.DataParallel(B)
+    x = _x(r).requires_grad_(reentrant)  # (a reentrant checkpoint needs an input that requires grad)
+    dB(checkpoint(lambda t: dA(t, second=r == 1), x, use_reentrant=reentrant), second=r == 0).sum().backward()
+    return _grads(A, B)
+
+
+def _reentrant_after_no_sync(r):
+    """A reentrant checkpoint of a wrapper whose last forward with gradients ran under no_sync()."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    t = _Two()
+    dt = pz.DataParallel(t)
+    with dt.no_sync():
+        dt(_x(r)).sum().backward()
+    return outcome(lambda: checkpoint(dt, _x(r, seed=1).requires_grad_(), use_reentrant=True).sum().backward())
+
+
+def _raised_backward(r):
+    """Gradients and B's collectives in flight after a backward of dB(dA(x)) raised in B (A forwarded again
+    after it, so ahead of B: B held its second layer's bucket), then steps that train A alone, both, and B
+    alone on the second of two losses forwarded before a backward of the first raised."""
+    torch.manual_seed(0)
+    A, B = _Two(), _BoomTwo()
+    one = dict(bucket_mb=1e-6, first_bucket_mb=1e-6)  # a bucket per parameter
+    dA, dB = pz.DataParallel(A, **one), pz.DataParallel(B, **one)
+    params = list(A.parameters()) + list(B.parameters())
+
+    def raising(loss):
+        _Boom.armed = True
+        try:
+            loss.backward()
+        except RuntimeError:
+            pass
+        finally:
+            _Boom.armed = False
+        for p in params:
+            p.grad = None
+
+    out = {}
+    loss = dB(dA(_x(r))).sum()
+    dA(_x(r, seed=3))
+    raising(loss)
+    dA(_x(r, seed=2)).sum().backward()
+    out["A alone"] = _grads(A, B), len(dB.reducer._inflight)
+    for p in params:
+        p.grad = None
+    dB(dA(_x(r, seed=4), second=r == 0)).sum().backward()
+    out["both"] = _grads(A, B)
+    for p in params:
+        p.grad = None
+    first, second = dB(_x(r, seed=5)).sum(), dB(_x(r, seed=6)).sum()
+    raising(first)
+    out["second loss"] = outcome(lambda: second.backward()), _grads(A, B)
+    return out
+
+
 def _rank_after_wrap():
     pz.init(backend="shm", timeout=20)
     r = pz.get_rank()
@@ -1436,6 +1525,10 @@ def _rank_after_wrap():
     # two wrappers on one group, one backward: every rank launches their buckets in one order
     out["two wrappers"] = _two_wrappers(r)
     out["two wrappers, tiny buckets"] = _two_wrappers(r, bucket_mb=TINY_MB, first_bucket_mb=TINY_MB)
+    out["checkpointed"] = _tried(lambda: _checkpointed(r, False))
+    out["checkpointed, reentrant"] = _tried(lambda: _checkpointed(r, True))
+    out["reentrant after no_sync"] = _reentrant_after_no_sync(r)
+    out["raised backward"] = _tried(lambda: _raised_backward(r))
     t = torch.full((2,), float(r + 1))
     pz.all_reduce(t)
     out["group usable"] = t.tolist()
@@ -1580,3 +1673,60 @@ def test_two_wrappers_on_one_group_reduce_in_one_order(after_wrap, key):
     for out in after_wrap:
         for case in ("nested", "apart"):
             _assert_grads(out[key][case], _mean(per_rank[case]))
+
+
+def test_a_forward_run_by_backward_changes_no_order_and_sends_nothing(after_wrap):
+    """dB(checkpoint(dA, x)), A's second layer used on rank 1 only, B's on rank 0 only: the recomputation ran
+    dA's forward during the backward, which sent A's buffers among the backward's all-reduces and moved A to
+    the front of the order after B had worked out its own; the ranks launched A's and B's all-reduces in other
+    orders and took each other's gradients, silently (use_reentrant=False or True). A forward run by a
+    backward now leaves the order, the reducer and the buffers alone; a reentrant checkpoint's, which cannot
+    decide that its backward reduces, raises on every rank where the wrapper's last forward with gradients
+    ran under no_sync()."""
+    per_rank = []
+    for r in range(2):
+        torch.manual_seed(0)
+        A, B = _ScaledTwo(), _Two()
+        B(A(_x(r), second=r == 1), second=r == 0).sum().backward()
+        per_rank.append(_grads(A, B))
+    for out in after_wrap:
+        for key in ("checkpointed", "checkpointed, reentrant"):
+            kind, grads = out[key]
+            assert kind == "ok", (key, grads)
+            _assert_grads(grads, _mean(per_rank))
+        kind, msg = out["reentrant after no_sync"]
+        assert kind == "RuntimeError" and "ran under no_sync()" in msg and "use use_reentrant=False" in msg, msg
+
+
+def test_a_backward_that_raised_leaves_nothing_to_the_next(after_wrap):
+    """A backward that raised in B never ran B's end-of-backward callback: B stayed in it with a complete bucket
+    held, and the next backward, of A alone, reached B in the order and launched B's stale bucket: an all-reduce
+    never waited for, and B's parameters got zero gradients (views of its buckets), which momentum and weight
+    decay then step, where one process leaves them None. The next backward on the group now discards what a dead
+    one left (waiting for what it launched); later steps of both, and the second of two losses forwarded before
+    the raise, reduce as one process computes."""
+    torch.manual_seed(0)
+    A, B = _Two(), _Two()  # (_BoomTwo's parameters; _Boom passes the gradient on when not armed)
+    per_rank = {"A alone": [], "both": [], "second loss": []}
+    for r in range(2):
+        A.zero_grad(set_to_none=True)
+        A(_x(r, seed=2)).sum().backward()
+        per_rank["A alone"].append(_grads(A, B))
+        A.zero_grad(set_to_none=True)
+        B(A(_x(r, seed=4), second=r == 0)).sum().backward()
+        per_rank["both"].append(_grads(A, B))
+        A.zero_grad(set_to_none=True)
+        B.zero_grad(set_to_none=True)
+        B(_x(r, seed=6)).sum().backward()
+        per_rank["second loss"].append(_grads(A, B))
+        B.zero_grad(set_to_none=True)
+    for out in after_wrap:
+        kind, got = out["raised backward"]
+        assert kind == "ok", got
+        grads, inflight = got["A alone"]
+        assert grads[2:] == [None, None] and inflight == 0, (grads, inflight)
+        _assert_grads(grads, _mean(per_rank["A alone"]))
+        _assert_grads(got["both"], _mean(per_rank["both"]))
+        done, grads = got["second loss"]
+        assert done == ("ok", None), done
+        _assert_grads(grads, _mean(per_rank["second loss"]))

@@ -20,6 +20,7 @@ import operator
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 import weakref
@@ -274,7 +275,14 @@ def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
                                       f"(MASTER_ADDR, MASTER_PORT; a port in use by another job?): {e}") from None
             raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
                                     f"join_timeout={join_timeout:g} s: {e}") from None
-        except TimeoutError:
+        except TimeoutError as e:
+            if not _listening(addr, port):
+                # (the connecting thread ends soon, at its connect timeout: let it, or its error at interpreter
+                # exit aborts the process)
+                e.args[0].join(10.0)
+                raise CollectiveTimeout(f"pz.init(): rank {rank} could not reach the store at {addr}:{port} within "
+                                        f"join_timeout={join_timeout:g} s: nothing accepts connections there (rank 0 "
+                                        "not started yet, a wrong MASTER_ADDR or MASTER_PORT, or a firewall)") from None
             raise CollectiveTimeout(f"pz.init(): rank {rank} reached {addr}:{port} but no job's store answered "
                                     f"there within join_timeout={join_timeout:g} s (MASTER_PORT held by another "
                                     "program?)") from None
@@ -289,6 +297,15 @@ def _connect(addr: str, port: int, size: int, rank: int, join_timeout: float):
                                     f"{addr}:{port} within join_timeout={join_timeout:g} s (rank 0 has not called "
                                     "pz.destroy() for it)")
         time.sleep(0.05)
+
+
+def _listening(addr: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at addr:port now (within a second)."""
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _bounded_store(TCPStore, addr, port, size, rank, deadline):
@@ -306,7 +323,7 @@ def _bounded_store(TCPStore, addr, port, size, rank, deadline):
     t.start()
     t.join(max(deadline - time.monotonic(), 0.0) + 1.0)
     if not out:
-        raise TimeoutError
+        raise TimeoutError(t)
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]

@@ -236,7 +236,7 @@ class DataParallel(nn.Module):
     time); ``bucket_mb`` / ``first_bucket_mb`` cap the gradient buckets (the
     small first one starts communication early in backward); ``comm_dtype``
     (e.g. torch.bfloat16) sends gradients in a lower precision, summed in
-    fp32; ``broadcast_buffers`` re-sends rank 0's buffers at every training
+    fp32; ``broadcast_buffers`` re-sends the group's first rank's buffers at every training
     forward (where the group has another rank). Frozen parameters are skipped, shared ones reduced once.
     """
 

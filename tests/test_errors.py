@@ -452,6 +452,32 @@ def test_a_master_port_held_by_another_program_ends_within_join_timeout():
     assert k1 == "CollectiveTimeout" and "join_timeout=3 s" in m1 and t1 < 6.0, (k1, m1, t1)
 
 
+def test_a_master_addr_where_nothing_listens_is_named_as_unreachable(monkeypatch):
+    """Nothing accepts connections at MASTER_ADDR:MASTER_PORT (rank 0 not up yet, a wrong address) while
+    torch's store constructor, retrying, outlives join_timeout: the error says the store could not be reached
+    (it said the address was reached, blaming another program), as it does where something listens."""
+    import socket
+    import threading
+
+    def still_connecting(*args):
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        raise TimeoutError(t)
+    monkeypatch.setattr(pz.comm, "_bounded_store", still_connecting)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed again: nothing listens there)
+    with pytest.raises(pz.CollectiveTimeout, match=f"rank 1 could not reach the store at 127.0.0.1:{port} within "
+                                                   "join_timeout=1 s: nothing accepts connections there"):
+        pz.comm._connect("127.0.0.1", port, 2, 1, 1.0)
+    with socket.socket() as held:  # something listens, no store answers: as before
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(pz.CollectiveTimeout, match=f"rank 1 reached 127.0.0.1:{port} but no job's store"):
+            pz.comm._connect("127.0.0.1", port, 2, 1, 1.0)
+
+
 def _rank_init_again():
     pz.init(timeout=10, join_timeout=10)
     me = pz.get_rank()

@@ -165,7 +165,7 @@ void check_dtype(const char* dname) {
   using W = typename Acc<T>::type;
   constexpr int VEC = vec_elems<T>();
   std::mt19937_64 g(12345);
-  for (size_t n : {size_t(1), size_t(7), size_t(VEC), size_t(4099), size_t(100003)})
+  for (size_t n : {size_t(1), size_t(7), size_t(VEC), size_t(4099), size_t(20011)})
     for (size_t offset : {size_t(0), size_t(1), size_t(16 / sizeof(T))})
       for (auto [blocks, threads] : {std::pair{1, 32}, std::pair{3, 64}}) {
         std::string tag = std::string(dname) + " n=" + std::to_string(n) + " offset=" + std::to_string(offset);

@@ -105,14 +105,28 @@ def _reentrant_recomputation() -> bool:
     return checkpoint is not None and getattr(node, "_forward_cls", None) is checkpoint.CheckpointFunction
 
 
-def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = True) -> None:
+def _agree_on_errors(group, error: BaseException | None, what: str) -> None:
+    """Collective over `group`: raise on every rank if `error` is set on any (a rank that failed its own check
+    raises it; the others a ValueError naming that rank and its error)."""
+    failed = comm.failed_ranks(error, group)
+    if error is not None:
+        raise error
+    if failed:
+        why = "; ".join(f"group rank {r}: {msg}" for r, msg in failed)
+        raise ValueError(f"{what}: refused on group rank(s) {[r for r, _ in failed]} ({why}); every rank must "
+                         "pass the same arguments")
+
+
+def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = True,
+                          settings: dict | None = None) -> None:
     """Raise on every rank unless every rank of `group` holds parameters of the same shapes, dtypes and
     trainability, in the same order (as DDP checks at wrap time), and (`buffers`: they are broadcast too)
     buffers of the same names, shapes and dtypes, in the same order: with the same element count the
     wrap-time broadcast and the flat buffers line up anyway, copying values into another layout (or under
     another buffer's name) and averaging gradients of different layouts, silently. One all_gather of
     (count, digest) rows; a second, of each parameter's or buffer's digest, only to name the first that
-    differs."""
+    differs. `settings` ({argument: value}): the arguments every rank must pass alike, the first that
+    differs named."""
     named = list(module.named_parameters())
     digests = [digest(f"{tuple(p.shape)}|{p.dtype}|{p.requires_grad}".encode(), 7) for _, p in named]
     # A tensor-parallel shard's place in its TP group (pz.tp marks it: tp_ranks): a data-parallel group whose
@@ -128,13 +142,22 @@ def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = T
     # gradients of different layers, however alike their shapes (a stack of equal blocks split evenly).
     stage = getattr(module, "pipeline_stage", None)
     stage = (int(stage[0]), int(stage[1])) if isinstance(stage, tuple) and len(stage) == 2 else (-1, -1)
+    given = [digest(f"{k}={v!r}".encode(), 7) for k, v in (settings or {}).items()]
     rows = comm.every_rank([len(named), whole, digest(repr(places).encode(), 7), len(bufs),
-                            digest(repr(buf_digests).encode(), 7), *stage], group=group)
+                            digest(repr(buf_digests).encode(), 7), *stage, digest(repr(given).encode(), 7)],
+                           group=group)
     if bool((rows == rows[0]).all()):
         return
-    if not bool((rows[:, 5:] == rows[0, 5:]).all()):
+    if not bool((rows[:, 7] == rows[0, 7]).all()):
+        every = comm.every_rank(given, group=group)
+        i = next(i for i in range(len(given)) if not bool((every[:, i] == every[0, i]).all()))
+        name, value = list(settings.items())[i]
+        others = [r for r in range(every.shape[0]) if every[r, i] != every[group.rank, i]]
+        raise ValueError(f"{what}: {name}={value!r} on this rank differs on group rank(s) {others}: every rank "
+                         "must pass the same arguments")
+    if not bool((rows[:, 5:7] == rows[0, 5:7]).all()):
         shown = ", ".join(f"group rank {r}: " + (f"stage {i} of {n}" if n >= 0 else "not a split stage")
-                          for r, (i, n) in enumerate(rows[:, 5:].tolist()))
+                          for r, (i, n) in enumerate(rows[:, 5:7].tolist()))
         raise ValueError(f"{what}: the ranks of group {list(group.ranks)} hold different pipeline stages ({shown}); "
                          "a data-parallel group must pair the ranks that hold the same stage (group=dp, one per "
                          "stage, not the pipeline group or the world)")
@@ -252,19 +275,26 @@ class DataParallel(nn.Module):
         if ddp is not None:
             raise ValueError(f"module: {ddp or 'the module'!r} is a torch DistributedDataParallel, which reduces the "
                              "gradients itself; wrap its .module with pz.DataParallel, or use DDP alone")
-        bucket_bytes = int(_positive(bucket_mb, "bucket_mb") * (1 << 20))
-        first_bytes = int(_positive(first_bucket_mb, "first_bucket_mb") * (1 << 20))
-        if comm_dtype not in _COMM_DTYPES:
-            raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
-                             f"got {comm_dtype!r}")
-        if not isinstance(broadcast_buffers, bool):
-            raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
         g = comm.resolve_group(group)
         g.backend  # raises unless this rank is a member
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._check(module, named, g.device, broadcast_buffers)
-        wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
-        check_same_parameters(module, g, "module", buffers=broadcast_buffers)
+        error = None
+        try:  # (a value one rank alone refuses: every rank raises, the others naming it, none waits)
+            bucket_bytes = int(_positive(bucket_mb, "bucket_mb") * (1 << 20))
+            first_bytes = int(_positive(first_bucket_mb, "first_bucket_mb") * (1 << 20))
+            if comm_dtype not in _COMM_DTYPES:
+                raise ValueError(f"comm_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                                 f"got {comm_dtype!r}")
+            if not isinstance(broadcast_buffers, bool):
+                raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
+            self._check(module, named, g.device, broadcast_buffers)
+            wrappers.refuse_group_across_tp_shards(module.named_parameters(), g, "group")
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+        _agree_on_errors(g, error, "pz.DataParallel")
+        check_same_parameters(module, g, "module", buffers=broadcast_buffers,
+                              settings={"bucket_mb": float(bucket_mb), "first_bucket_mb": float(first_bucket_mb),
+                                        "comm_dtype": comm_dtype, "broadcast_buffers": broadcast_buffers})
         self.module = module
         # Checked at each training forward, in time linear in the parameters but cheap (about 20 us for
         # GPT-2's 148): those with buckets keep the shape, dtype and device their buckets are laid out for,

@@ -725,6 +725,15 @@ def bad_input_rank():
     t = torch.full((3,), float(pz.get_rank() + 1))
     pz.all_reduce(t)
     out.append(t.tolist())
+    r = pz.get_rank()
+    for case in (lambda: pz.DataParallel(make_mlp(), bucket_mb=[25, 0][r]),  # refused on rank 1 alone
+                 lambda: pz.DataParallel(make_mlp(), comm_dtype=[None, torch.bfloat16][r]),  # each valid, unlike
+                 lambda: pz.DataParallel(make_mlp(), bucket_mb=[25, 25.0][r])):  # alike
+        try:
+            case()
+            out.append(None)
+        except (TypeError, ValueError) as e:
+            out.append((type(e).__name__, str(e)))
     return out
 
 
@@ -745,7 +754,13 @@ def test_bad_input_raises_clear_errors_on_every_rank():
     ]
     for r in run_ranks(bad_input_rank, 2):
         assert r.value[:len(expected)] == expected
-        solo, summed = r.value[len(expected):]
+        solo, summed, one_refused, unlike, alike = r.value[len(expected):]
+        assert one_refused == ("ValueError", "bucket_mb: expected a positive number of MiB, got 0") if r.rank else (
+            "ValueError", "pz.DataParallel: refused on group rank(s) [1] (group rank 1: ValueError: bucket_mb: "
+                          "expected a positive number of MiB, got 0); every rank must pass the same arguments"), r
+        assert unlike == ("ValueError", f"module: comm_dtype={[None, torch.bfloat16][r.rank]!r} on this rank differs "
+                                        f"on group rank(s) [{1 - r.rank}]: every rank must pass the same arguments")
+        assert alike is None
         if r.rank == 0:
             assert solo is None
         else:

@@ -178,11 +178,10 @@ def check_same_parameters(module: nn.Module, group, what: str, buffers: bool = T
 def _refuse_different(kind: str, named, digests, counts, group, what: str) -> None:
     """Raise on every rank, naming the first of `named` (parameters or buffers, `kind`) that differs between the
     ranks (check_same_parameters): `counts` each rank's number of them, `digests` this rank's digest of each."""
-    why = ("every rank must wrap the same model", "") if kind == "parameter" else (
-        "every rank must wrap the same model", ": the group's first rank's buffers are broadcast")
     if len(set(counts)) > 1:
+        broadcast = "" if kind == "parameter" else ": the group's first rank's buffers are broadcast"
         raise ValueError(f"{what}: the ranks' models differ: {counts} {kind}s on group ranks 0..{len(counts) - 1} "
-                         f"({why[0]}{why[1]})")
+                         f"(every rank must wrap the same model{broadcast})")
     every = comm.every_rank(digests, group=group)
     i = next(i for i in range(len(named)) if not bool((every[:, i] == every[0, i]).all()))
     name, t = named[i]
@@ -190,9 +189,9 @@ def _refuse_different(kind: str, named, digests, counts, group, what: str) -> No
     if kind == "parameter":
         raise ValueError(f"{what}: parameter {name!r} is {tuple(t.shape)} {t.dtype}"
                          f"{'' if t.requires_grad else ' (frozen)'} on this rank and differs in shape, dtype or "
-                         f"requires_grad on group rank(s) {others}: {why[0]}")
+                         f"requires_grad on group rank(s) {others}: every rank must wrap the same model")
     raise ValueError(f"{what}: buffer {name!r} is {tuple(t.shape)} {t.dtype} on this rank and differs "
-                     f"in name, shape or dtype on group rank(s) {others}: {why[0]} (the "
+                     f"in name, shape or dtype on group rank(s) {others}: every rank must wrap the same model (the "
                      "group's first rank's buffers are broadcast, in order)")
 
 
